@@ -1,0 +1,202 @@
+// Host backend throughput against plain loops of the same size, measured in the same run.
+//
+// Every kernel reports bytes moved per second (bytes read + bytes written, per call). At the
+// end a table gives each kernel's rate over the triad rate at the same thread count, and over
+// the roof that fits the kernel: triad (3 streams) for apply, a plain vectorised read-only sum
+// for the one-stream reductions. The plain loops are written to be as fast as a compiler makes
+// them here (restrict pointers, `omp simd`), so the ratios are not flattered.
+//
+//   bench_host [--benchmark_filter=...]     default: fp32, 16 Mi elements (64 MiB) per vector
+#include <benchmark/benchmark.h>
+
+#include <cstdio>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "gradapt/backend/host.hpp"
+
+namespace {
+
+constexpr std::size_t n_elems = std::size_t{16} << 20;  // 64 MiB of fp32 per vector
+
+struct buffers {
+  std::vector<float> a, b, c;
+  buffers() : a(n_elems, 1.0f), b(n_elems, 2.0f), c(n_elems, 0.5f) {}
+};
+buffers& data() {
+  static buffers d;
+  return d;
+}
+
+void finish(benchmark::State& st, double bytes_per_call) {
+  st.SetBytesProcessed(static_cast<std::int64_t>(bytes_per_call * static_cast<double>(st.iterations())));
+}
+
+// ---- plain reference loops ----------------------------------------------------------------
+void BM_copy(benchmark::State& st) {
+  const int t = static_cast<int>(st.range(0));
+  auto& d = data();
+  for (auto _ : st) {
+    float* __restrict a = d.a.data();
+    const float* __restrict b = d.b.data();
+#pragma omp parallel for simd schedule(static) num_threads(t)
+    for (std::size_t i = 0; i < n_elems; ++i) a[i] = b[i];
+    benchmark::ClobberMemory();
+  }
+  finish(st, 2.0 * 4 * n_elems);
+}
+
+void BM_triad(benchmark::State& st) {
+  const int t = static_cast<int>(st.range(0));
+  auto& d = data();
+  const float s = 0.5f;
+  for (auto _ : st) {
+    float* __restrict a = d.a.data();
+    const float* __restrict b = d.b.data();
+    const float* __restrict c = d.c.data();
+#pragma omp parallel for simd schedule(static) num_threads(t)
+    for (std::size_t i = 0; i < n_elems; ++i) a[i] = b[i] + s * c[i];
+    benchmark::ClobberMemory();
+  }
+  finish(st, 3.0 * 4 * n_elems);
+}
+
+void BM_read_sum(benchmark::State& st) {  // one read stream, float accumulation: the read roof
+  const int t = static_cast<int>(st.range(0));
+  auto& d = data();
+  for (auto _ : st) {
+    const float* __restrict b = d.b.data();
+    float s = 0;
+#pragma omp parallel for simd schedule(static) num_threads(t) reduction(+ : s)
+    for (std::size_t i = 0; i < n_elems; ++i) s += b[i];
+    benchmark::DoNotOptimize(s);
+  }
+  finish(st, 4.0 * n_elems);
+}
+
+// ---- gradapt host backend -----------------------------------------------------------------
+void BM_apply_axpy(benchmark::State& st) {
+  gradapt::host h{.threads = static_cast<int>(st.range(0))};
+  auto& d = data();
+  const auto y = gradapt::host_view(d.a);
+  const gradapt::tensor_view<const float> x = gradapt::host_view(d.c);
+  for (auto _ : st) {
+    h.apply([](float& yy, float xx) { yy += 0.5f * xx; }, y, x);
+    benchmark::ClobberMemory();
+  }
+  finish(st, 3.0 * 4 * n_elems);
+}
+
+void BM_sum_squares(benchmark::State& st) {
+  gradapt::host h{.threads = static_cast<int>(st.range(0))};
+  const gradapt::tensor_view<const float> x = gradapt::host_view(data().b);
+  for (auto _ : st) benchmark::DoNotOptimize(h.reduce(gradapt::reduction::sum_squares, x));
+  finish(st, 4.0 * n_elems);
+}
+
+void BM_dot(benchmark::State& st) {
+  gradapt::host h{.threads = static_cast<int>(st.range(0))};
+  const gradapt::tensor_view<const float> x = gradapt::host_view(data().b), y = gradapt::host_view(data().c);
+  for (auto _ : st) benchmark::DoNotOptimize(h.dot(x, y));
+  finish(st, 8.0 * n_elems);
+}
+
+void BM_max_abs(benchmark::State& st) {
+  gradapt::host h{.threads = static_cast<int>(st.range(0))};
+  const gradapt::tensor_view<const float> x = gradapt::host_view(data().b);
+  for (auto _ : st) benchmark::DoNotOptimize(h.reduce(gradapt::reduction::max_abs, x));
+  finish(st, 4.0 * n_elems);
+}
+
+// 100 tensors of mixed sizes summing to the same 16 Mi elements: the multi-tensor paths.
+struct tensor_set {
+  std::vector<gradapt::tensor_view<float>> ys;
+  std::vector<gradapt::tensor_view<const float>> xs;
+  tensor_set() {
+    auto& d = data();
+    std::size_t off = 0;
+    for (int t = 0; t < 100; ++t) {
+      const std::size_t n = t == 99 ? n_elems - off : (t % 3 == 0 ? 400000 : 2000 + 97 * t);
+      ys.push_back(gradapt::tensor_view<float>::vector(d.a.data() + off, static_cast<std::int64_t>(n)));
+      xs.push_back(gradapt::tensor_view<const float>::vector(d.c.data() + off, static_cast<std::int64_t>(n)));
+      off += n;
+    }
+  }
+};
+tensor_set& tensors() {
+  static tensor_set s;
+  return s;
+}
+
+void BM_apply_list_axpy(benchmark::State& st) {
+  gradapt::host h{.threads = static_cast<int>(st.range(0))};
+  auto& s = tensors();
+  for (auto _ : st) {
+    h.apply_list([](float& yy, float xx) { yy += 0.5f * xx; }, s.ys, s.xs);
+    benchmark::ClobberMemory();
+  }
+  finish(st, 3.0 * 4 * n_elems);
+}
+
+void BM_list_sum_squares(benchmark::State& st) {
+  gradapt::host h{.threads = static_cast<int>(st.range(0))};
+  auto& s = tensors();
+  std::vector<double> per(s.xs.size());
+  for (auto _ : st) benchmark::DoNotOptimize(h.reduce(gradapt::reduction::sum_squares, s.xs, per));
+  finish(st, 4.0 * n_elems);
+}
+
+#define GRADAPT_BENCH(fn) \
+  BENCHMARK(fn)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.3)->Repetitions(5)->ReportAggregatesOnly(true)
+GRADAPT_BENCH(BM_copy);
+GRADAPT_BENCH(BM_triad);
+GRADAPT_BENCH(BM_read_sum);
+GRADAPT_BENCH(BM_apply_axpy);
+GRADAPT_BENCH(BM_apply_list_axpy);
+GRADAPT_BENCH(BM_sum_squares);
+GRADAPT_BENCH(BM_list_sum_squares);
+GRADAPT_BENCH(BM_dot);
+GRADAPT_BENCH(BM_max_abs);
+
+// Collects the median bytes/s of every benchmark to print the ratio table.
+class ratio_reporter : public benchmark::ConsoleReporter {
+public:
+  std::map<std::string, double> median;  // "BM_triad/1" -> bytes/s
+  void ReportRuns(const std::vector<Run>& runs) override {
+    for (const auto& r : runs)
+      if (r.run_type == Run::RT_Aggregate && r.aggregate_name == "median") {
+        const auto it = r.counters.find("bytes_per_second");
+        if (it != r.counters.end()) median[r.run_name.function_name + "/" + r.run_name.args] = it->second.value;
+      }
+    ConsoleReporter::ReportRuns(runs);
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  ratio_reporter rep;
+  benchmark::RunSpecifiedBenchmarks(&rep);
+  std::printf("\nfp32, %zu Mi elements per vector; medians of 5 repetitions; GB/s = bytes moved / s\n",
+              n_elems >> 20);
+  std::printf("%-22s %7s %8s %8s %10s %10s\n", "kernel", "threads", "GB/s", "triad", "ratio", "vs roof");
+  for (const char* t : {"1", "2"}) {
+    const double triad = rep.median["BM_triad/" + std::string(t)];
+    const double read = rep.median["BM_read_sum/" + std::string(t)];
+    for (const char* k : {"BM_copy", "BM_triad", "BM_read_sum", "BM_apply_axpy", "BM_apply_list_axpy",
+                          "BM_sum_squares", "BM_list_sum_squares", "BM_dot", "BM_max_abs"}) {
+      const auto it = rep.median.find(std::string(k) + "/" + t);
+      if (it == rep.median.end() || triad <= 0) continue;
+      const std::string name(k);
+      const bool one_stream = name == "BM_sum_squares" || name == "BM_list_sum_squares" || name == "BM_max_abs";
+      const double roof = one_stream ? read : triad;
+      std::printf("%-22s %7s %8.1f %8.1f %10.2f %10.2f%s\n", k + 3, t, it->second * 1e-9, triad * 1e-9,
+                  it->second / triad, it->second / roof, one_stream ? " (read roof)" : "");
+    }
+  }
+  benchmark::Shutdown();
+  return 0;
+}

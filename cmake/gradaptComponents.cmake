@@ -1,0 +1,38 @@
+# Defines gradapt::<component> as an INTERFACE IMPORTED GLOBAL target that adds the
+# component's dependency to `base` (gradapt::gradapt). Used by the build tree and by the
+# installed gradaptConfig.cmake, so add_subdirectory, FetchContent and find_package users
+# get the same targets. Components: openmp, mpi, cuda, nccl.
+include_guard(GLOBAL)
+include(CMakeFindDependencyMacro)
+
+macro(_gradapt_find_dep)
+  if(_gradapt_in_config)
+    find_dependency(${ARGN})
+  else()
+    find_package(${ARGN} REQUIRED)
+  endif()
+endmacro()
+
+function(gradapt_add_component comp base)
+  if(TARGET gradapt::${comp})
+    return()
+  endif()
+  if(comp STREQUAL "openmp")
+    _gradapt_find_dep(OpenMP COMPONENTS CXX)
+    set(_deps OpenMP::OpenMP_CXX)
+  elseif(comp STREQUAL "mpi")
+    _gradapt_find_dep(MPI COMPONENTS CXX)
+    set(_deps MPI::MPI_CXX)
+  elseif(comp STREQUAL "cuda")
+    _gradapt_find_dep(CUDAToolkit)
+    set(_deps CUDA::cudart)
+  elseif(comp STREQUAL "nccl")
+    gradapt_add_component(cuda ${base})
+    _gradapt_find_dep(NCCL)
+    set(_deps gradapt::cuda NCCL::nccl)
+  else()
+    message(FATAL_ERROR "gradapt: unknown component '${comp}' (expected openmp, mpi, cuda or nccl)")
+  endif()
+  add_library(gradapt::${comp} INTERFACE IMPORTED GLOBAL)
+  target_link_libraries(gradapt::${comp} INTERFACE ${base} ${_deps})
+endfunction()

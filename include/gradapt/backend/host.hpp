@@ -1,0 +1,502 @@
+#pragma once
+/// @file
+/// The host backend: element-wise functors and reductions over host memory, with optional
+/// OpenMP threads. Reductions are accumulated in double with a fixed blocking, so results are
+/// bitwise identical for any thread count and from run to run.
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <cstddef>
+#include <functional>
+#include <limits>
+#include <span>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "gradapt/core/concepts.hpp"
+#include "gradapt/core/dtype.hpp"
+#include "gradapt/core/error.hpp"
+#include "gradapt/core/ops.hpp"
+#include "gradapt/core/tensor_view.hpp"
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+namespace gradapt {
+
+namespace detail::host_impl {
+
+/// Elements per reduction block. A block is reduced with `lanes` independent double
+/// accumulators (lane l takes elements l, l + lanes, ... of the block), combined as a fixed
+/// binary tree (pairs of neighbours first); a tensor's blocks are then added in block order. This blocking is part of
+/// the determinism promise: it does not depend on the thread count.
+inline constexpr std::size_t block = 4096;
+inline constexpr std::size_t lanes = 16;
+/// Blocks reduced in parallel per round (partials live on the stack: nothing is allocated).
+inline constexpr std::size_t round_blocks = 256;
+/// Element-wise work is split into chunks of this many elements across threads.
+inline constexpr std::size_t apply_chunk = std::size_t{1} << 15;
+/// Tensors below this size are reduced by one thread each (parallel across tensors).
+inline constexpr std::size_t parallel_min = std::size_t{1} << 17;
+
+enum class rk : unsigned char { sum, sum_squares, max_abs, nonfinite, dot };
+
+constexpr rk kind_of(reduction r) {
+  switch (r) {
+    case reduction::sum: return rk::sum;
+    case reduction::sum_squares: return rk::sum_squares;
+    case reduction::max_abs: return rk::max_abs;
+    case reduction::count_nonfinite: return rk::nonfinite;
+  }
+  return rk::sum;
+}
+
+template <rk K>
+inline constexpr bool is_max = K == rk::max_abs;
+
+/// Combines two partial results of kind K (sum, or max with NaN propagation).
+template <rk K>
+GRADAPT_INLINE double combine(double a, double b) {
+  if constexpr (is_max<K>) {
+    if (a != a || b != b) return std::numeric_limits<double>::quiet_NaN();
+    return a > b ? a : b;
+  } else {
+    return a + b;
+  }
+}
+
+/// Fixed pairwise tree over the lane accumulators: (0+1), (2+3), ... then pairs of those.
+template <rk K>
+GRADAPT_INLINE double combine_lanes(double (&acc)[lanes]) {
+  double t[lanes];
+  for (std::size_t l = 0; l < lanes; ++l) t[l] = acc[l];
+  for (std::size_t w = lanes / 2; w >= 1; w /= 2)
+    for (std::size_t l = 0; l < w; ++l) t[l] = combine<K>(t[2 * l], t[2 * l + 1]);
+  return t[0];
+}
+
+#if defined(__GNUC__) && !defined(GRADAPT_NO_VECTOR_EXTENSIONS)
+#define GRADAPT_HOST_VECTOR 1
+// Explicit 128-bit vectors (GCC/Clang vector extensions): fast under the consumer's plain -O2
+// with no -march. Lane assignment equals the scalar path's (lane l takes elements l mod 8), so
+// both paths produce the same bits; only one of them is compiled into a given build.
+typedef double v2d __attribute__((vector_size(16)));
+typedef int v4i __attribute__((vector_size(16)));
+typedef long long v2l __attribute__((vector_size(16)));
+
+GRADAPT_INLINE v2d load2(const double* p) {
+  v2d v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+/// Two floats widened to two doubles (movq + cvtps2pd on x86-64, where SSE2 is baseline).
+GRADAPT_INLINE v2d widen2(const float* p) {
+#if defined(__SSE2__)
+  return _mm_cvtps_pd(_mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  typedef float v2f __attribute__((vector_size(8)));
+  v2f v;
+  std::memcpy(&v, p, sizeof v);
+  return __builtin_convertvector(v, v2d);
+#endif
+}
+
+/// Vector form of reduce_block for float and double sum / sum_squares / dot. Returns the
+/// same value as the scalar loop with `lanes` accumulators.
+template <rk K, class T>
+double reduce_block_vec(const T* x, const T* y, std::size_t n) {
+  static_assert(lanes == 16, "the vector path holds 16 lanes in 8 double pairs");
+  v2d a[8] = {};
+  std::size_t i = 0;
+  const auto step = [](v2d& acc, v2d v, v2d w) {
+    if constexpr (K == rk::sum) {
+      (void)w;
+      acc += v;
+    } else if constexpr (K == rk::sum_squares) {
+      (void)w;
+      acc += v * v;
+    } else {
+      acc += v * w;
+    }
+  };
+  // Unrolled by a fold so the eight accumulators stay in registers at -O2.
+  const auto body = [&]<std::size_t... Q>(std::index_sequence<Q...>) {
+    for (; i + lanes <= n; i += lanes) {
+      if constexpr (std::is_same_v<T, float>) {
+        (
+            [&] {
+              const v2d f0 = widen2(x + i + 4 * Q), f1 = widen2(x + i + 4 * Q + 2);
+              v2d g0 = f0, g1 = f1;
+              if constexpr (K == rk::dot) g0 = widen2(y + i + 4 * Q), g1 = widen2(y + i + 4 * Q + 2);
+              step(a[2 * Q], f0, g0);
+              step(a[2 * Q + 1], f1, g1);
+            }(),
+            ...);
+      } else {
+        (
+            [&] {
+              const v2d d0 = load2(x + i + 4 * Q), d1 = load2(x + i + 4 * Q + 2);
+              v2d e0 = d0, e1 = d1;
+              if constexpr (K == rk::dot) e0 = load2(y + i + 4 * Q), e1 = load2(y + i + 4 * Q + 2);
+              step(a[2 * Q], d0, e0);
+              step(a[2 * Q + 1], d1, e1);
+            }(),
+            ...);
+      }
+    }
+  };
+  body(std::make_index_sequence<4>{});
+  double acc[lanes];
+  for (std::size_t q = 0; q < 8; ++q) acc[2 * q] = a[q][0], acc[2 * q + 1] = a[q][1];
+  for (std::size_t l = 0; i + l < n; ++l) {
+    const double v = static_cast<double>(x[i + l]);
+    if constexpr (K == rk::sum)
+      acc[l] += v;
+    else if constexpr (K == rk::sum_squares)
+      acc[l] += v * v;
+    else
+      acc[l] += v * static_cast<double>(y[i + l]);
+  }
+  return combine_lanes<rk::sum>(acc);
+}
+
+/// max |x| over float: exact in float, NaN tracked apart; returns what the scalar path does.
+inline double max_abs_block_vec(const float* x, std::size_t n) {
+  v4i m0 = {0, 0, 0, 0}, m1 = m0, nan = m0;
+  const v4i absmask = {0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff};
+  const v4i expmask = {0x7f800000, 0x7f800000, 0x7f800000, 0x7f800000};
+  std::size_t i = 0;
+  // |x| as an integer orders like |x| for non-NaN floats; NaN bits exceed 0x7f800000.
+  for (; i + 8 <= n; i += 8) {
+    v4i b0, b1;
+    std::memcpy(&b0, x + i, sizeof b0);
+    std::memcpy(&b1, x + i + 4, sizeof b1);
+    b0 &= absmask;
+    b1 &= absmask;
+    nan |= (b0 > expmask) | (b1 > expmask);
+    const v4i c0 = b0 > m0, c1 = b1 > m1;
+    m0 = (c0 & b0) | (~c0 & m0);
+    m1 = (c1 & b1) | (~c1 & m1);
+  }
+  int best = 0;
+  bool any_nan = false;
+  for (int l = 0; l < 4; ++l) {
+    any_nan |= nan[l] != 0;
+    best = std::max(best, std::max(m0[l], m1[l]));
+  }
+  double r = static_cast<double>(bits_float(static_cast<std::uint32_t>(best)));
+  for (; i < n; ++i) {
+    const double v = static_cast<double>(x[i]);
+    any_nan |= v != v;
+    r = std::fabs(v) > r ? std::fabs(v) : r;
+  }
+  return any_nan ? std::numeric_limits<double>::quiet_NaN() : r;
+}
+#endif
+
+/// Reduces elements [0, n) (n <= block) of x (and y for dot) with `lanes` accumulators.
+template <rk K, class T, class U>
+double reduce_block(const T* x, const U* y, std::size_t n) {
+#if defined(GRADAPT_HOST_VECTOR)
+  if constexpr ((K == rk::sum || K == rk::sum_squares || K == rk::dot) &&
+                (std::is_same_v<T, float> || std::is_same_v<T, double>) &&
+                (K != rk::dot || std::is_same_v<T, U>))
+    return reduce_block_vec<K, T>(x, reinterpret_cast<const T*>(y), n);
+  if constexpr (K == rk::max_abs && std::is_same_v<T, float>) return max_abs_block_vec(x, n);
+#endif
+  double acc[lanes] = {};
+  bool nan = false;
+  std::size_t i = 0;
+  const auto term = [&](std::size_t j, double& a) {
+    const double v = static_cast<double>(load(x[j]));
+    if constexpr (K == rk::sum) {
+      a += v;
+    } else if constexpr (K == rk::sum_squares) {
+      a += v * v;
+    } else if constexpr (K == rk::dot) {
+      a += v * static_cast<double>(load(y[j]));
+    } else if constexpr (K == rk::max_abs) {
+      const double m = std::fabs(v);
+      nan |= (v != v);
+      a = m > a ? m : a;
+    } else {
+      a += std::fabs(v) <= std::numeric_limits<double>::max() ? 0.0 : 1.0;
+    }
+  };
+  for (; i + lanes <= n; i += lanes)
+    for (std::size_t l = 0; l < lanes; ++l) term(i + l, acc[l]);
+  for (std::size_t l = 0; i + l < n; ++l) term(i + l, acc[l]);
+  if constexpr (K == rk::max_abs)
+    if (nan) return std::numeric_limits<double>::quiet_NaN();
+  return combine_lanes<K>(acc);
+}
+
+/// One tensor, reduced by the calling thread alone: blocks in order.
+template <rk K, class T, class U>
+double reduce_serial(const T* x, const U* y, std::size_t n) {
+  double total = 0.0;
+  for (std::size_t b = 0; b < n; b += block)
+    total = combine<K>(total, reduce_block<K>(x + b, y ? y + b : nullptr, std::min(block, n - b)));
+  return total;
+}
+
+/// One tensor, block partials computed by `threads` threads, added in block order per round.
+/// Produces exactly reduce_serial's result.
+template <rk K, class T, class U>
+double reduce_parallel(const T* x, const U* y, std::size_t n, [[maybe_unused]] int threads) {
+#if defined(_OPENMP)
+  if (threads > 1 && n >= parallel_min) {
+    const std::size_t nblocks = (n + block - 1) / block;
+    double total = 0.0;
+    double part[round_blocks];
+#pragma omp parallel num_threads(threads)
+    for (std::size_t r0 = 0; r0 < nblocks; r0 += round_blocks) {
+      const std::size_t rb = std::min(round_blocks, nblocks - r0);
+#pragma omp for schedule(static)
+      for (std::size_t j = 0; j < rb; ++j) {
+        const std::size_t b = (r0 + j) * block;
+        part[j] = reduce_block<K>(x + b, y ? y + b : nullptr, std::min(block, n - b));
+      }
+#pragma omp single
+      for (std::size_t j = 0; j < rb; ++j) total = combine<K>(total, part[j]);
+    }
+    return total;
+  }
+#endif
+  return reduce_serial<K>(x, y, n);
+}
+
+/// Per-tensor results into out[0, count), global combination in tensor order. `ydata(t)` gives
+/// tensor t's second operand (dot) or a null pointer.
+template <rk K, class XS, class YGet>
+double reduce_list(const XS& xs, YGet ydata, std::span<double> out, int threads) {
+  const std::size_t count = std::ranges::size(xs);
+  const auto* xp = std::ranges::data(xs);
+  double total = 0.0;
+  double stack[round_blocks];
+  for (std::size_t t0 = 0; t0 < count; t0 += round_blocks) {
+    const std::size_t tn = std::min(round_blocks, count - t0);
+    double* res = out.empty() ? stack : out.data() + t0;
+    // Large tensors: one at a time, threads inside. Small ones: threads across tensors.
+    for (std::size_t j = 0; j < tn; ++j) {
+      const auto& v = xp[t0 + j];
+      if (v.size() >= parallel_min) res[j] = reduce_parallel<K>(v.data(), ydata(t0 + j), v.size(), threads);
+    }
+    [[maybe_unused]] const int nt = threads;
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(dynamic, 4) num_threads(nt) if (nt > 1 && tn > 1)
+#endif
+    for (std::size_t j = 0; j < tn; ++j) {
+      const auto& v = xp[t0 + j];
+      if (v.size() < parallel_min) res[j] = reduce_serial<K>(v.data(), ydata(t0 + j), v.size());
+    }
+    for (std::size_t j = 0; j < tn; ++j) total = combine<K>(total, res[j]);
+  }
+  return total;
+}
+
+/// Elements handled as one group by the element loops: all loads of a group happen before
+/// any store, so the compiler's straight-line (SLP) vectoriser can use vector loads and stores
+/// at plain -O2 without proving that outputs and inputs do not overlap.
+inline constexpr std::size_t group = 8;
+
+/// Calls f on loaded copies of elements [b, e) of every pointer and stores back the non-const
+/// ones. `Indexed` passes the tensor index first.
+template <bool Indexed, class F, class... Ts, std::size_t... I>
+GRADAPT_INLINE void apply_range(F& f, tensor_index t, std::size_t b, std::size_t e,
+                                std::index_sequence<I...>, Ts*... p) {
+  const auto call = [&](auto&... v) {
+    if constexpr (Indexed)
+      f(t, v...);
+    else
+      f(v...);
+  };
+  std::size_t i = b;
+  for (; i + group <= e; i += group) {
+    std::tuple<std::array<compute_t<Ts>, group>...> v;
+    ((void)[&] {
+      for (std::size_t l = 0; l < group; ++l) std::get<I>(v)[l] = load(p[i + l]);
+    }(), ...);
+    for (std::size_t l = 0; l < group; ++l) call(std::get<I>(v)[l]...);
+    ((void)[&] {
+      if constexpr (!std::is_const_v<Ts>)
+        for (std::size_t l = 0; l < group; ++l) store(p[i + l], std::get<I>(v)[l]);
+    }(), ...);
+  }
+  for (; i < e; ++i) {
+    std::tuple<compute_t<Ts>...> v{load(p[i])...};
+    call(std::get<I>(v)...);
+    ((void)[&] {
+      if constexpr (!std::is_const_v<Ts>) store(p[i], std::get<I>(v));
+    }(), ...);
+  }
+}
+
+template <class F, class... Ts>
+void apply_one(F& f, tensor_index t, std::size_t n, [[maybe_unused]] int threads, Ts*... p) {
+  constexpr bool indexed = std::is_invocable_v<F&, tensor_index, compute_t<Ts>&...>;
+  static_assert(indexed || std::is_invocable_v<F&, compute_t<Ts>&...>,
+                "gradapt::host::apply: the functor must be callable with one compute-type lvalue "
+                "reference per view (float& for float/half/bfloat16, double& for double), "
+                "optionally preceded by gradapt::tensor_index");
+  const auto run = [&](std::size_t b, std::size_t e) {
+    apply_range<indexed>(f, t, b, e, std::index_sequence_for<Ts...>{}, p...);
+  };
+#if defined(_OPENMP)
+  if (threads > 1 && n >= 2 * apply_chunk) {
+    const std::size_t nchunks = (n + apply_chunk - 1) / apply_chunk;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (std::size_t c = 0; c < nchunks; ++c)
+      run(c * apply_chunk, std::min(n, (c + 1) * apply_chunk));
+    return;
+  }
+#endif
+  run(0, n);
+}
+
+}  // namespace detail::host_impl
+
+/// Host backend: runs element functors and reductions over `tensor_view<T, host_space>`.
+///
+/// `threads` is the number of OpenMP threads (0: OpenMP's default, `omp_get_max_threads()`;
+/// without OpenMP every operation runs on the calling thread). Nothing is allocated.
+///
+/// Determinism: reductions use a fixed blocking (4096-element blocks, 8 double accumulators
+/// per block, blocks added in order, tensors added in order), independent of `threads`.
+struct host {
+  using space = host_space;
+
+  int threads = 0;
+
+  /// Threads actually used.
+  int thread_count() const {
+    detail::require(threads >= 0, "host backend: threads is ", threads,
+                    " (expected 0 for OpenMP's default, or a positive count)");
+#if defined(_OPENMP)
+    return threads == 0 ? omp_get_max_threads() : threads;
+#else
+    return 1;
+#endif
+  }
+
+  /// Element-wise `f` over views of equal size: for each i, loads element i of every view into
+  /// its compute type, calls `f(v0, v1, ...)` with lvalue references, and stores the values of
+  /// non-const views back (16-bit types round to nearest even). Views may alias only if they
+  /// are the same view passed once.
+  template <class F, class... Ts>
+  void apply(F f, tensor_view<Ts, host_space>... views) const {
+    static_assert(sizeof...(Ts) > 0, "gradapt::host::apply needs at least one view");
+    const std::size_t n = check_sizes(views...);
+    detail::host_impl::apply_one(f, tensor_index{0}, n, thread_count(), views.data()...);
+  }
+
+  /// Element-wise `f` over lists of tensors: tensor t of every list must have the same size.
+  /// When `f` is callable as `f(gradapt::tensor_index{t}, v0, v1, ...)` it gets the index.
+  template <class F, class... Ls>
+    requires(view_list<Ls, host_space> && ...)
+  void apply_list(F f, const Ls&... lists) const {
+    static_assert(sizeof...(Ls) > 0, "gradapt::host::apply_list needs at least one list");
+    const std::size_t count = check_list_lengths(lists...);
+    const int nt = thread_count();
+    for (std::size_t t = 0; t < count; ++t) {
+      const std::size_t n = check_list_sizes(t, lists...);
+      detail::host_impl::apply_one(f, tensor_index{t}, n, nt, std::ranges::data(lists)[t].data()...);
+    }
+  }
+
+  /// Reduction of one tensor, accumulated in double.
+  template <class T>
+  double reduce(reduction op, tensor_view<T, host_space> x) const {
+    const std::span<const tensor_view<T, host_space>> one(&x, 1);
+    return reduce(op, one, std::span<double>{});
+  }
+
+  /// Per-tensor reductions (into `per_tensor`, which must be empty or have one slot per
+  /// tensor) and the global result: the per-tensor results combined in tensor order.
+  template <class L>
+    requires view_list<L, host_space>
+  double reduce(reduction op, const L& xs, std::span<double> per_tensor) const {
+    check_out(xs, per_tensor, "reduce");
+    using namespace detail::host_impl;
+    const int nt = thread_count();
+    const auto no_y = [](std::size_t) { return static_cast<const float*>(nullptr); };
+    switch (op) {
+      case reduction::sum: return reduce_list<rk::sum>(xs, no_y, per_tensor, nt);
+      case reduction::sum_squares: return reduce_list<rk::sum_squares>(xs, no_y, per_tensor, nt);
+      case reduction::max_abs: return reduce_list<rk::max_abs>(xs, no_y, per_tensor, nt);
+      case reduction::count_nonfinite: return reduce_list<rk::nonfinite>(xs, no_y, per_tensor, nt);
+    }
+    detail::fail("host backend: unknown reduction");
+  }
+
+  /// Dot product of two equal-size tensors, accumulated in double.
+  template <class T, class U>
+  double dot(tensor_view<T, host_space> x, tensor_view<U, host_space> y) const {
+    const std::span<const tensor_view<T, host_space>> xs(&x, 1);
+    const std::span<const tensor_view<U, host_space>> ys(&y, 1);
+    return dot(xs, ys, std::span<double>{});
+  }
+
+  /// Per-tensor dot products and their sum in tensor order.
+  template <class L1, class L2>
+    requires view_list<L1, host_space> && view_list<L2, host_space>
+  double dot(const L1& xs, const L2& ys, std::span<double> per_tensor) const {
+    const std::size_t count = check_list_lengths(xs, ys);
+    for (std::size_t t = 0; t < count; ++t) check_list_sizes(t, xs, ys);
+    check_out(xs, per_tensor, "dot");
+    const auto* yp = std::ranges::data(ys);
+    return detail::host_impl::reduce_list<detail::host_impl::rk::dot>(
+        xs, [yp](std::size_t t) { return yp[t].data(); }, per_tensor, thread_count());
+  }
+
+  /// Host work is synchronous: nothing to wait for.
+  void synchronize() const {}
+
+private:
+  template <class V0, class... Vs>
+  static std::size_t check_sizes(const V0& v0, const Vs&... vs) {
+    const std::size_t n = v0.size();
+    std::size_t pos = 0;
+    ((++pos, detail::require(vs.size() == n, "host backend apply: view ", pos, " has ", vs.size(),
+                             " elements but view 0 has ", n, " (expected equal sizes)")),
+     ...);
+    return n;
+  }
+  template <class L0, class... Ls>
+  static std::size_t check_list_lengths(const L0& l0, const Ls&... ls) {
+    const std::size_t n = std::ranges::size(l0);
+    std::size_t pos = 0;
+    ((++pos, detail::require(std::ranges::size(ls) == n, "host backend: list ", pos, " holds ",
+                             std::ranges::size(ls), " tensors but list 0 holds ", n,
+                             " (expected equal lengths)")),
+     ...);
+    return n;
+  }
+  template <class L0, class... Ls>
+  static std::size_t check_list_sizes(std::size_t t, const L0& l0, const Ls&... ls) {
+    const std::size_t n = std::ranges::data(l0)[t].size();
+    std::size_t pos = 0;
+    ((++pos, detail::require(std::ranges::data(ls)[t].size() == n, "host backend: tensor ", t,
+                             " has ", std::ranges::data(ls)[t].size(), " elements in list ", pos,
+                             " but ", n, " in list 0 (expected equal sizes)")),
+     ...);
+    return n;
+  }
+  template <class L>
+  static void check_out(const L& xs, std::span<double> out, const char* what) {
+    detail::require(out.empty() || out.size() == std::ranges::size(xs), "host backend ", what,
+                    ": per_tensor has ", out.size(), " slots for ", std::ranges::size(xs),
+                    " tensors (expected equal, or empty for the global result only)");
+  }
+};
+
+static_assert(backend<host>);
+
+}  // namespace gradapt

@@ -1,0 +1,523 @@
+#pragma once
+/// @file
+/// `gradapt::comm::mpi`: the communicator contract over an MPI communicator that the framework
+/// owns (MPI_COMM_WORLD by default). Host memory only; include it from host translation units
+/// that are compiled with the MPI compiler wrapper or linked to `gradapt::mpi`.
+///
+/// What it promises:
+/// - **Deterministic reductions.** Every reduction is one MPI collective, so its order is the one
+///   the MPI library fixes for a given message size, rank count and configuration: results are
+///   bitwise identical from run to run. The order itself is the engine's, not gradapt's.
+/// - **16-bit types.** `half` and `bfloat16` travel as a committed contiguous MPI datatype over
+///   `MPI_UINT16_T`; sum and max are user-defined `MPI_Op`s that widen both operands to float,
+///   combine them and round back to the 16-bit type (nearest, ties to even). The rounding
+///   therefore happens at every step of MPI's reduction tree, not once at the end: with
+///   `P` ranks a 16-bit sum carries up to `P - 1` roundings. Max is exact (it picks one
+///   operand); a NaN operand makes the result NaN.
+/// - **Cheap argument agreement.** With `mpi_options::check_sizes` (the default) every
+///   collective first runs one tiny `MPI_Allreduce(MPI_MAX)` over `{n, -n, root, -root, bad}`
+///   (three to five 64-bit integers), so every rank learns the minimum and maximum size and
+///   whether any rank passed an invalid argument. All ranks then throw together, with a message
+///   that names both sizes (for example `gradapt: comm::mpi allreduce on rank 2: buffer has 10
+///   elements but rank 0 has 12`), instead of deadlocking or corrupting memory. `exchange`
+///   swaps the two sizes with the peer first. With `check_sizes = false` only local checks run;
+///   a rank that throws then leaves its peers waiting inside MPI.
+/// - **Engine errors.** Every MPI return code other than `MPI_SUCCESS` becomes `gradapt::error`
+///   with the operation, the rank, the MPI function and MPI's own text (`MPI_Error_string`).
+///   For codes to be returned at all, the constructor installs `MPI_ERRORS_RETURN` on the
+///   handle unless `mpi_options::errors_return` is false.
+/// - **Large buffers.** MPI counts are `int`; buffers longer than `mpi_options::max_count`
+///   elements are moved in pieces of at most that many elements (allgather and reduce_scatter
+///   then use one broadcast or reduce per rank).
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "gradapt/core/concepts.hpp"
+#include "gradapt/core/dtype.hpp"
+#include "gradapt/core/error.hpp"
+#include "gradapt/core/ops.hpp"
+#include "gradapt/core/tensor_view.hpp"
+
+namespace gradapt::comm {
+
+/// Options of the MPI communicator, built with designated initialisers:
+/// `gradapt::comm::mpi comm{MPI_COMM_WORLD, {.check_sizes = false}}`.
+struct mpi_options {
+  /// Before each collective, agree on buffer sizes, roots and argument validity with one extra
+  /// tiny `MPI_Allreduce` (and, for `exchange`, swap sizes with the peer), so that a mismatch
+  /// makes every rank throw instead of hanging. Off saves one small latency-bound message per
+  /// call.
+  bool check_sizes = true;
+  /// Install `MPI_ERRORS_RETURN` on the wrapped handle (and on split handles) so that MPI
+  /// failures come back as return codes and are thrown as `gradapt::error`. Note that this
+  /// changes the error handler of the framework's handle for all its users. With `false` the
+  /// handle keeps its handler (MPI's default, `MPI_ERRORS_ARE_FATAL`, aborts the job).
+  bool errors_return = true;
+  /// Message tag of the point-to-point traffic of `exchange` (and its size check), in
+  /// `[0, MPI_TAG_UB]`. Pick one the framework does not use on the same communicator.
+  int tag = 0x6761;
+  /// Largest element count passed to one MPI call, in `[1, INT_MAX]`; longer buffers are sent
+  /// in pieces. Lower it only to work around MPI libraries that mishandle large messages.
+  std::int64_t max_count = INT_MAX;
+};
+
+namespace detail_mpi {
+
+/// Reads the 16-bit pattern at byte offset `2 * i` of an MPI buffer.
+inline std::uint16_t load_bits(const void* p, int i) {
+  std::uint16_t b;
+  std::memcpy(&b, static_cast<const unsigned char*>(p) + 2 * static_cast<std::size_t>(i), 2);
+  return b;
+}
+
+/// Writes a 16-bit pattern at byte offset `2 * i` of an MPI buffer.
+inline void store_bits(void* p, int i, std::uint16_t b) {
+  std::memcpy(static_cast<unsigned char*>(p) + 2 * static_cast<std::size_t>(i), &b, 2);
+}
+
+/// `MPI_User_function` for 16-bit storage types: inout[i] = in[i] (+ or max) inout[i], computed
+/// in float and rounded back to T (nearest, ties to even). Max returns NaN if either is NaN.
+template <class T, bool IsMax>
+void reduce16(void* in, void* inout, int* len, MPI_Datatype*) {
+  for (int i = 0; i < *len; ++i) {
+    const float a = static_cast<float>(T::from_bits(load_bits(in, i)));
+    const float b = static_cast<float>(T::from_bits(load_bits(inout, i)));
+    float r;
+    if constexpr (IsMax)
+      r = (a != a || b != b) ? a + b : (a > b ? a : b);
+    else
+      r = a + b;
+    store_bits(inout, i, T(r).bits);
+  }
+}
+
+/// Datatypes and reduction operators for `half` and `bfloat16`, created on first use after
+/// MPI_Init and freed at MPI_Finalize (through a delete callback on MPI_COMM_SELF).
+struct registry {
+  MPI_Datatype half_type = MPI_DATATYPE_NULL;
+  MPI_Datatype bfloat16_type = MPI_DATATYPE_NULL;
+  MPI_Op half_sum = MPI_OP_NULL;
+  MPI_Op half_max = MPI_OP_NULL;
+  MPI_Op bfloat16_sum = MPI_OP_NULL;
+  MPI_Op bfloat16_max = MPI_OP_NULL;
+};
+
+/// Text of an MPI error code, e.g. "MPI_ERR_TRUNCATE: message truncated".
+inline std::string error_text(int code) {
+  char text[MPI_MAX_ERROR_STRING + 1] = {};
+  int len = 0;
+  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) return "MPI error code " + std::to_string(code);
+  return std::string(text, static_cast<std::size_t>(std::max(len, 0)));
+}
+
+/// Throws gradapt::error for an MPI return code other than MPI_SUCCESS.
+inline void check(int code, std::string_view op, int rank, std::string_view fn) {
+  if (code != MPI_SUCCESS)
+    gradapt::detail::fail("comm::mpi ", op, " on rank ", rank, ": ", fn, " failed: ", error_text(code));
+}
+
+inline int free_registry(MPI_Comm, int, void* attr, void*) {
+  auto* r = static_cast<registry*>(attr);
+  for (MPI_Op* op : {&r->half_sum, &r->half_max, &r->bfloat16_sum, &r->bfloat16_max})
+    if (*op != MPI_OP_NULL) MPI_Op_free(op);
+  for (MPI_Datatype* t : {&r->half_type, &r->bfloat16_type})
+    if (*t != MPI_DATATYPE_NULL) MPI_Type_free(t);
+  return MPI_SUCCESS;
+}
+
+/// Throws gradapt::error for a failure while creating the 16-bit datatypes and operators.
+inline void setup_check(int code, std::string_view fn) {
+  if (code != MPI_SUCCESS)
+    gradapt::detail::fail("comm::mpi: ", fn, " failed while creating the half/bfloat16 datatypes and operators: ",
+                          error_text(code));
+}
+
+inline registry make_registry() {
+  registry r;
+  const auto type = [](MPI_Datatype& t, const char* name) {
+    setup_check(MPI_Type_contiguous(1, MPI_UINT16_T, &t), "MPI_Type_contiguous");
+    setup_check(MPI_Type_set_name(t, name), "MPI_Type_set_name");
+    setup_check(MPI_Type_commit(&t), "MPI_Type_commit");
+  };
+  type(r.half_type, "gradapt::half");
+  type(r.bfloat16_type, "gradapt::bfloat16");
+  setup_check(MPI_Op_create(&reduce16<half, false>, 1, &r.half_sum), "MPI_Op_create");
+  setup_check(MPI_Op_create(&reduce16<half, true>, 1, &r.half_max), "MPI_Op_create");
+  setup_check(MPI_Op_create(&reduce16<bfloat16, false>, 1, &r.bfloat16_sum), "MPI_Op_create");
+  setup_check(MPI_Op_create(&reduce16<bfloat16, true>, 1, &r.bfloat16_max), "MPI_Op_create");
+  return r;
+}
+
+/// The process-wide registry, created on first use (thread-safe; one instance across
+/// translation units) and freed by MPI_Finalize through an attribute on MPI_COMM_SELF.
+inline registry& types() {
+  static registry r;
+  static const bool ready = [] {
+    r = make_registry();
+    int key = MPI_KEYVAL_INVALID;
+    setup_check(MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, &free_registry, &key, nullptr),
+                "MPI_Comm_create_keyval");
+    setup_check(MPI_Comm_set_attr(MPI_COMM_SELF, key, &r), "MPI_Comm_set_attr");
+    return true;
+  }();
+  static_cast<void>(ready);
+  return r;
+}
+
+/// MPI datatype of element type T.
+template <class T>
+MPI_Datatype datatype() {
+  if constexpr (std::is_same_v<T, float>)
+    return MPI_FLOAT;
+  else if constexpr (std::is_same_v<T, double>)
+    return MPI_DOUBLE;
+  else if constexpr (std::is_same_v<T, half>)
+    return types().half_type;
+  else
+    return types().bfloat16_type;
+}
+
+/// MPI reduction operator of `op` on element type T.
+template <class T>
+MPI_Op reduction(reduce_op op) {
+  const bool is_max = op == reduce_op::max;
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>)
+    return is_max ? MPI_MAX : MPI_SUM;
+  else if constexpr (std::is_same_v<T, half>)
+    return is_max ? types().half_max : types().half_sum;
+  else
+    return is_max ? types().bfloat16_max : types().bfloat16_sum;
+}
+
+/// True when the byte ranges [a, a + na) and [b, b + nb) share a byte.
+inline bool overlap(const void* a, std::size_t na, const void* b, std::size_t nb) {
+  const auto x = reinterpret_cast<std::uintptr_t>(a);
+  const auto y = reinterpret_cast<std::uintptr_t>(b);
+  return na != 0 && nb != 0 && x < y + nb && y < x + na;
+}
+
+}  // namespace detail_mpi
+
+/// A communicator over an MPI communicator handle, for host memory.
+///
+/// Implements `gradapt::communicator`: `allreduce` (sum, max), `broadcast`, `allgather`,
+/// `reduce_scatter`, pairwise `exchange`, `split` and `barrier` on views of `float`, `double`,
+/// `half` and `bfloat16`. Every operation is blocking: it returns when the local buffers may be
+/// reused. Collectives must be called by every rank of the communicator in the same order, as
+/// with MPI itself; threads may use distinct `mpi` objects concurrently only if MPI was
+/// initialised with `MPI_THREAD_MULTIPLE`.
+///
+/// Ownership: the communicator built from a framework's handle never frees it. A communicator
+/// returned by `split` owns its new handle; copies share it, and the last copy to die calls
+/// `MPI_Comm_free` (skipped if MPI is already finalised). Copies are cheap.
+class mpi {
+public:
+  /// Views this communicator accepts: host memory.
+  using space = host_space;
+
+  /// Wraps `comm` (MPI_COMM_WORLD by default). MPI must be initialised and not finalised, and
+  /// `comm` must be an intracommunicator. Throws gradapt::error otherwise or when `options` is
+  /// out of range. With `options.errors_return` it installs `MPI_ERRORS_RETURN` on `comm`.
+  explicit mpi(MPI_Comm comm = MPI_COMM_WORLD, mpi_options options = {}) : comm_(comm), opts_(options) {
+    init();
+  }
+
+  /// Wraps MPI_COMM_WORLD with the given options.
+  explicit mpi(mpi_options options) : mpi(MPI_COMM_WORLD, options) {}
+
+  /// The wrapped MPI handle (owned by this object's family only if it came from `split`).
+  [[nodiscard]] MPI_Comm native() const noexcept { return comm_; }
+  /// This process's rank in the communicator, `0 <= rank() < size()`.
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  /// Number of ranks in the communicator.
+  [[nodiscard]] int size() const noexcept { return size_; }
+  /// The options this communicator was built with (split communicators inherit them).
+  [[nodiscard]] const mpi_options& options() const noexcept { return opts_; }
+
+  /// In place, element-wise across ranks: `buf[i] = op over ranks of buf[i]` (sum or max).
+  /// Every rank must pass the same number of elements.
+  template <element T>
+    requires(!std::is_const_v<T>)
+  void allreduce(tensor_view<T, host_space> buf, reduce_op op) {
+    constexpr std::string_view name = "allreduce";
+    const auto n = static_cast<std::int64_t>(buf.size());
+    agree(name, n, "buffer", {});
+    const MPI_Datatype type = detail_mpi::datatype<T>();
+    const MPI_Op mop = detail_mpi::reduction<T>(op);
+    pieces(buf.size(), [&](std::size_t off, int count) {
+      check(MPI_Allreduce(MPI_IN_PLACE, buf.data() + off, count, type, mop, comm_), name, "MPI_Allreduce");
+    });
+  }
+
+  /// Copies `buf` of rank `root` into `buf` of every other rank. Every rank must pass the same
+  /// `root` in `[0, size())` and the same number of elements.
+  template <element T>
+    requires(!std::is_const_v<T>)
+  void broadcast(tensor_view<T, host_space> buf, int root) {
+    constexpr std::string_view name = "broadcast";
+    std::string bad;
+    if (root < 0 || root >= size_)
+      bad = text(name, "root ", root, " is out of range (expected 0 to ", size_ - 1, ")");
+    agree(name, static_cast<std::int64_t>(buf.size()), "buffer", bad, true, root);
+    const MPI_Datatype type = detail_mpi::datatype<T>();
+    pieces(buf.size(), [&](std::size_t off, int count) {
+      check(MPI_Bcast(buf.data() + off, count, type, root, comm_), name, "MPI_Bcast");
+    });
+  }
+
+  /// Gathers every rank's `send` into `recv` on every rank: rank r's block lands at offset
+  /// `r * send.size()`. Requires `recv.size() == size() * send.size()` and the same
+  /// `send.size()` on every rank. `send` may be exactly rank()'s block of `recv` (in place);
+  /// any other overlap is an error.
+  template <element T>
+    requires(!std::is_const_v<T>)
+  void allgather(std::type_identity_t<tensor_view<const T, host_space>> send, tensor_view<T, host_space> recv) {
+    constexpr std::string_view name = "allgather";
+    const std::size_t n = send.size();
+    const std::size_t total = n * static_cast<std::size_t>(size_);
+    T* mine = recv.data() + (recv.size() == total ? static_cast<std::size_t>(rank_) * n : 0);
+    const bool in_place = n != 0 && send.data() == mine;
+    std::string bad;
+    if (recv.size() != total)
+      bad = text(name, "recv has ", recv.size(), " elements but must have size() * send.size() = ", size_,
+                 " * ", n, " = ", total);
+    else if (!in_place && detail_mpi::overlap(send.data(), send.bytes(), recv.data(), recv.bytes()))
+      bad = text(name, "send overlaps recv; it may only be recv's own block at offset rank() * send.size() = ",
+                 static_cast<std::size_t>(rank_) * n);
+    agree(name, static_cast<std::int64_t>(n), "send buffer", bad);
+    if (n == 0) return;
+    const MPI_Datatype type = detail_mpi::datatype<T>();
+    if (total <= static_cast<std::size_t>(opts_.max_count)) {
+      const int count = static_cast<int>(n);
+      check(MPI_Allgather(in_place ? MPI_IN_PLACE : static_cast<const void*>(send.data()), count, type,
+                          recv.data(), count, type, comm_),
+            name, "MPI_Allgather");
+      return;
+    }
+    if (!in_place) std::memcpy(static_cast<void*>(mine), static_cast<const void*>(send.data()), send.bytes());
+    for (int q = 0; q < size_; ++q) {
+      T* block = recv.data() + static_cast<std::size_t>(q) * n;
+      pieces(n, [&](std::size_t off, int count) {
+        check(MPI_Bcast(block + off, count, type, q, comm_), name, "MPI_Bcast");
+      });
+    }
+  }
+
+  /// Reduces `send` element-wise across ranks and scatters the result: rank r receives block r
+  /// (elements `[r * recv.size(), (r + 1) * recv.size())` of the reduction). Requires
+  /// `send.size() == size() * recv.size()`, the same `recv.size()` on every rank, and `send`
+  /// and `recv` not to overlap.
+  template <element T>
+    requires(!std::is_const_v<T>)
+  void reduce_scatter(std::type_identity_t<tensor_view<const T, host_space>> send, tensor_view<T, host_space> recv,
+                      reduce_op op) {
+    constexpr std::string_view name = "reduce_scatter";
+    const std::size_t m = recv.size();
+    const std::size_t total = m * static_cast<std::size_t>(size_);
+    std::string bad;
+    if (send.size() != total)
+      bad = text(name, "send has ", send.size(), " elements but must have size() * recv.size() = ", size_, " * ",
+                 m, " = ", total);
+    else if (detail_mpi::overlap(send.data(), send.bytes(), recv.data(), recv.bytes()))
+      bad = text(name, "send and recv overlap; pass separate buffers");
+    agree(name, static_cast<std::int64_t>(m), "recv buffer", bad);
+    if (m == 0) return;
+    const MPI_Datatype type = detail_mpi::datatype<T>();
+    const MPI_Op mop = detail_mpi::reduction<T>(op);
+    if (total <= static_cast<std::size_t>(opts_.max_count)) {
+      check(MPI_Reduce_scatter_block(send.data(), recv.data(), static_cast<int>(m), type, mop, comm_), name,
+            "MPI_Reduce_scatter_block");
+      return;
+    }
+    for (int q = 0; q < size_; ++q) {
+      const T* block = send.data() + static_cast<std::size_t>(q) * m;
+      pieces(m, [&](std::size_t off, int count) {
+        check(MPI_Reduce(block + off, q == rank_ ? recv.data() + off : nullptr, count, type, mop, q, comm_), name,
+              "MPI_Reduce");
+      });
+    }
+  }
+
+  /// Sends `send` to rank `peer` and receives the peer's `send` into `recv` (the peer must call
+  /// `exchange(rank(), ...)` at the same time). Requires `send.size() == recv.size()` and the
+  /// same size on both sides. `peer == rank()` copies `send` into `recv` locally. `send` and
+  /// `recv` may be the same memory (exchanged in place); any other overlap is an error.
+  /// A `peer` outside `[0, size())` throws on this rank only: the rank that expected this one
+  /// keeps waiting.
+  template <element T>
+    requires(!std::is_const_v<T>)
+  void exchange(int peer, std::type_identity_t<tensor_view<const T, host_space>> send,
+                tensor_view<T, host_space> recv) {
+    constexpr std::string_view name = "exchange";
+    if (peer < 0 || peer >= size_) fail(name, "peer ", peer, " is out of range (expected 0 to ", size_ - 1, ")");
+    const bool same = send.data() == recv.data();
+    std::string bad;
+    if (send.size() != recv.size())
+      bad = text(name, "send has ", send.size(), " elements but recv has ", recv.size(),
+                 " (exchange needs equal sizes)");
+    else if (!same && detail_mpi::overlap(send.data(), send.bytes(), recv.data(), recv.bytes()))
+      bad = text(name, "send and recv partly overlap; pass separate buffers or the same buffer");
+    if (peer == rank_) {
+      if (!bad.empty()) throw error(bad);
+      if (!same && !send.empty())
+        std::memcpy(static_cast<void*>(recv.data()), static_cast<const void*>(send.data()), send.bytes());
+      return;
+    }
+    if (opts_.check_sizes) {
+      // Swap sizes first; -1 tells the peer that this side's arguments are invalid.
+      std::int64_t mine = bad.empty() ? static_cast<std::int64_t>(send.size()) : -1;
+      std::int64_t theirs = 0;
+      check(MPI_Sendrecv(&mine, 1, MPI_INT64_T, peer, opts_.tag, &theirs, 1, MPI_INT64_T, peer, opts_.tag, comm_,
+                         MPI_STATUS_IGNORE),
+            name, "MPI_Sendrecv");
+      if (!bad.empty()) throw error(bad);
+      if (theirs < 0) fail(name, "peer rank ", peer, " passed invalid arguments (it throws the reason)");
+      if (theirs != mine)
+        fail(name, "send has ", mine, " elements but peer rank ", peer, " has ", theirs,
+             " (both sides must exchange the same size)");
+    } else if (!bad.empty()) {
+      throw error(bad);
+    }
+    const MPI_Datatype type = detail_mpi::datatype<T>();
+    pieces(send.size(), [&](std::size_t off, int count) {
+      if (same)
+        check(MPI_Sendrecv_replace(recv.data() + off, count, type, peer, opts_.tag, peer, opts_.tag, comm_,
+                                   MPI_STATUS_IGNORE),
+              name, "MPI_Sendrecv_replace");
+      else
+        check(MPI_Sendrecv(send.data() + off, count, type, peer, opts_.tag, recv.data() + off, count, type, peer,
+                           opts_.tag, comm_, MPI_STATUS_IGNORE),
+              name, "MPI_Sendrecv");
+    });
+  }
+
+  /// Collective over all ranks: returns the communicator of the ranks that passed the same
+  /// `color` (>= 0), ordered by `(key, rank())`, with the same options. The new handle comes
+  /// from `MPI_Comm_split` and is freed when the last copy of the result dies.
+  [[nodiscard]] mpi split(int color, int key) const {
+    constexpr std::string_view name = "split";
+    std::string bad;
+    if (color < 0) bad = text(name, "color ", color, " is negative (expected a color >= 0)");
+    agree(name, 0, "color", bad);
+    MPI_Comm made = MPI_COMM_NULL;
+    check(MPI_Comm_split(comm_, color, key, &made), name, "MPI_Comm_split");
+    std::shared_ptr<MPI_Comm> owner(new MPI_Comm(made), [](MPI_Comm* c) {
+      int finalized = 0;
+      MPI_Finalized(&finalized);
+      if (!finalized && *c != MPI_COMM_NULL) MPI_Comm_free(c);
+      delete c;
+    });
+    return mpi(std::move(owner), opts_);
+  }
+
+  /// Returns once every rank of the communicator has entered `barrier`.
+  void barrier() { check(MPI_Barrier(comm_), "barrier", "MPI_Barrier"); }
+
+private:
+  mpi(std::shared_ptr<MPI_Comm> owner, mpi_options options)
+      : owner_(std::move(owner)), comm_(*owner_), opts_(options) {
+    init();
+  }
+
+  void init() {
+    int flag = 0;
+    MPI_Initialized(&flag);
+    gradapt::detail::require(flag != 0, "comm::mpi: MPI is not initialised; call MPI_Init or MPI_Init_thread before "
+                               "constructing gradapt::comm::mpi");
+    MPI_Finalized(&flag);
+    gradapt::detail::require(flag == 0, "comm::mpi: MPI is already finalised; construct communicators between MPI_Init and "
+                               "MPI_Finalize");
+    gradapt::detail::require(comm_ != MPI_COMM_NULL, "comm::mpi: the handle is MPI_COMM_NULL; pass a valid communicator "
+                                            "(a rank outside a split group has none)");
+    gradapt::detail::require(opts_.max_count >= 1 && opts_.max_count <= INT_MAX, "comm::mpi: mpi_options::max_count is ",
+                    opts_.max_count, " (expected 1 to ", INT_MAX, ")");
+    check(MPI_Comm_test_inter(comm_, &flag), "setup", "MPI_Comm_test_inter");
+    gradapt::detail::require(flag == 0, "comm::mpi: intercommunicators are not supported; pass an intracommunicator "
+                               "(e.g. from MPI_Intercomm_merge)");
+    if (opts_.errors_return) check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "setup", "MPI_Comm_set_errhandler");
+    check(MPI_Comm_rank(comm_, &rank_), "setup", "MPI_Comm_rank");
+    check(MPI_Comm_size(comm_, &size_), "setup", "MPI_Comm_size");
+    void* ub = nullptr;
+    check(MPI_Comm_get_attr(comm_, MPI_TAG_UB, &ub, &flag), "setup", "MPI_Comm_get_attr");
+    const int tag_ub = flag ? *static_cast<int*>(ub) : 32767;
+    gradapt::detail::require(opts_.tag >= 0 && opts_.tag <= tag_ub, "comm::mpi: mpi_options::tag is ", opts_.tag,
+                    " (expected 0 to MPI_TAG_UB = ", tag_ub, ")");
+  }
+
+  /// "comm::mpi <op> on rank <r>: <args...>" (without the "gradapt: " prefix added by fail).
+  template <class... Args>
+  std::string text(std::string_view op, Args&&... args) const {
+    return gradapt::detail::message("comm::mpi ", op, " on rank ", rank_, ": ", std::forward<Args>(args)...);
+  }
+
+  template <class... Args>
+  [[noreturn]] void fail(std::string_view op, Args&&... args) const {
+    gradapt::detail::fail("comm::mpi ", op, " on rank ", rank_, ": ", std::forward<Args>(args)...);
+  }
+
+  void check(int code, std::string_view op, std::string_view fn) const {
+    detail_mpi::check(code, op, rank_, fn);
+  }
+
+  /// Calls f(offset, count) for consecutive pieces of at most max_count elements.
+  template <class F>
+  void pieces(std::size_t n, F&& f) const {
+    const auto step = static_cast<std::size_t>(opts_.max_count);
+    for (std::size_t off = 0; off < n; off += step) f(off, static_cast<int>(std::min(step, n - off)));
+  }
+
+  /// Agreement before a collective. `bad` is this rank's complete error message when its own
+  /// arguments are invalid (empty otherwise); `root` is agreed on too when `with_root`. With
+  /// check_sizes, every rank learns through one MPI_Allreduce(MAX) whether sizes and roots
+  /// match and whether anyone's arguments are bad, and all ranks throw together.
+  void agree(std::string_view op, std::int64_t n, std::string_view what, const std::string& bad,
+             bool with_root = false, int root = 0) const {
+    if (!opts_.check_sizes) {
+      if (!bad.empty()) throw error(bad);
+      return;
+    }
+    std::int64_t v[5] = {n, -n, bad.empty() ? INT64_MIN : -static_cast<std::int64_t>(rank_), root, -root};
+    check(MPI_Allreduce(MPI_IN_PLACE, v, with_root ? 5 : 3, MPI_INT64_T, MPI_MAX, comm_), op,
+          "MPI_Allreduce (argument check)");
+    if (!bad.empty()) throw error(bad);
+    if (v[2] != INT64_MIN)
+      fail(op, "rank ", -v[2], " passed invalid arguments (that rank's error says which); nothing was sent");
+    const bool sizes_differ = v[0] != -v[1];
+    const bool roots_differ = with_root && v[3] != -v[4];
+    if (!sizes_differ && !roots_differ) return;
+    // Error path only: learn every rank's value to name one that differs from ours.
+    std::vector<std::int64_t> all(static_cast<std::size_t>(size_));
+    const std::int64_t mine = sizes_differ ? n : root;
+    check(MPI_Allgather(&mine, 1, MPI_INT64_T, all.data(), 1, MPI_INT64_T, comm_), op,
+          "MPI_Allgather (argument check)");
+    int other = 0;
+    while (other < size_ && all[static_cast<std::size_t>(other)] == mine) ++other;
+    if (other == size_) other = rank_ == 0 ? 1 : 0;  // unreachable when values differ
+    const std::int64_t theirs = all[static_cast<std::size_t>(other)];
+    if (sizes_differ)
+      fail(op, what, " has ", n, " elements but rank ", other, " has ", theirs,
+           " (every rank must pass the same size)");
+    fail(op, "root is ", root, " but rank ", other, " passes root ", theirs, " (every rank must pass the same root)");
+  }
+
+  std::shared_ptr<MPI_Comm> owner_;  ///< set only for communicators made by split
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  mpi_options opts_{};
+  int rank_ = 0;
+  int size_ = 1;
+};
+
+static_assert(gradapt::communicator<gradapt::comm::mpi>);
+
+}  // namespace gradapt::comm

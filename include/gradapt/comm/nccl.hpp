@@ -1,0 +1,473 @@
+#pragma once
+/// @file
+/// `gradapt::comm::nccl`: the communicator contract over an NCCL communicator and a CUDA
+/// stream that the framework owns. Device memory only. Plain host C++ (it includes
+/// `<nccl.h>` and `<cuda_runtime_api.h>` and contains no CUDA syntax), so it compiles with a
+/// host compiler as well as with nvcc; link `gradapt::nccl`.
+///
+/// What it promises:
+/// - **Asynchronous.** Every operation except `barrier`, `split` and the optional argument
+///   check is *enqueued* on the stream given at construction and returns before the data has
+///   moved: synchronise the stream (or order later work on it) before reading results on the
+///   host or from another stream. Buffers must stay alive until the stream has passed them.
+/// - **Deterministic reductions.** Each reduction is one NCCL collective; NCCL fixes its
+///   algorithm and order for a given size, rank count, topology and NCCL configuration
+///   (`NCCL_ALGO`, `NCCL_PROTO`), so results are bitwise identical from run to run on the same
+///   system. The order is NCCL's, not gradapt's. `half` and `bfloat16` are reduced natively
+///   (`ncclFloat16`, `ncclBfloat16`).
+/// - **Argument checks.** Everything that can be checked locally is: a root or peer outside
+///   `[0, size())`, `recv.size() != size() * send.size()` (allgather),
+///   `send.size() != size() * recv.size()` (reduce_scatter), unequal exchange sizes, a negative
+///   split color, overlapping buffers. Whether *other* ranks pass the same sizes cannot be
+///   checked cheaply on a stream: it needs a device round trip and a host synchronisation per
+///   call. It is therefore off by default (a mismatch then hangs NCCL or corrupts memory) and
+///   available for debugging with `nccl_options{.check_sizes = true}`, which runs one tiny
+///   `ncclAllReduce` (or, for exchange, a send/recv of the size) and synchronises the stream
+///   before the operation, so that all ranks throw together with both sizes named.
+/// - **Empty buffers.** A zero-element operation enqueues nothing (after the optional check).
+/// - **Engine errors.** Every NCCL or CUDA result other than success becomes `gradapt::error`
+///   naming the operation, the rank, the function and the engine's own text
+///   (`ncclGetErrorString` plus `ncclGetLastError`; `cudaGetErrorString`). Non-blocking
+///   communicators are supported: `ncclInProgress` is polled with `ncclCommGetAsyncError`.
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "gradapt/core/concepts.hpp"
+#include "gradapt/core/dtype.hpp"
+#include "gradapt/core/error.hpp"
+#include "gradapt/core/ops.hpp"
+#include "gradapt/core/tensor_view.hpp"
+
+namespace gradapt::comm {
+
+/// Options of the NCCL communicator, built with designated initialisers:
+/// `gradapt::comm::nccl comm{handle, stream, {.check_sizes = true}}`.
+struct nccl_options {
+  /// Before each operation, agree with the other ranks on sizes, roots and argument validity
+  /// (one tiny collective plus a stream synchronisation per call), so a mismatch makes every
+  /// rank throw instead of hanging. For debugging; off by default.
+  bool check_sizes = false;
+};
+
+namespace detail_nccl {
+
+/// NCCL datatype of element type T.
+template <class T>
+constexpr ncclDataType_t datatype() {
+  if constexpr (std::is_same_v<T, float>)
+    return ncclFloat32;
+  else if constexpr (std::is_same_v<T, double>)
+    return ncclFloat64;
+  else if constexpr (std::is_same_v<T, half>)
+    return ncclFloat16;
+  else
+    return ncclBfloat16;
+}
+
+constexpr ncclRedOp_t reduction(reduce_op op) { return op == reduce_op::max ? ncclMax : ncclSum; }
+
+/// True when the byte ranges [a, a + na) and [b, b + nb) share a byte.
+inline bool overlap(const void* a, std::size_t na, const void* b, std::size_t nb) {
+  const auto x = reinterpret_cast<std::uintptr_t>(a);
+  const auto y = reinterpret_cast<std::uintptr_t>(b);
+  return na != 0 && nb != 0 && x < y + nb && y < x + na;
+}
+
+/// Makes `device` current for the guard's lifetime and restores the previous device.
+class device_guard {
+public:
+  explicit device_guard(int device) {
+    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device && cudaSetDevice(device) == cudaSuccess)
+      restore_ = true;
+  }
+  ~device_guard() {
+    if (restore_) cudaSetDevice(previous_);
+  }
+  device_guard(const device_guard&) = delete;
+  device_guard& operator=(const device_guard&) = delete;
+
+private:
+  int previous_ = 0;
+  bool restore_ = false;
+};
+
+/// Per-family state shared by copies: the handle if owned (from split) and a small device
+/// scratch buffer for barrier and the argument check, allocated on first use.
+struct shared_state {
+  ncclComm_t owned = nullptr;
+  int device = 0;
+  void* scratch = nullptr;
+
+  shared_state() = default;
+  shared_state(const shared_state&) = delete;
+  shared_state& operator=(const shared_state&) = delete;
+  ~shared_state() {
+    if (scratch != nullptr) {
+      device_guard guard(device);
+      cudaFree(scratch);
+    }
+    if (owned != nullptr) {
+      // Flush outstanding work, then free; errors cannot be reported from a destructor.
+      if (ncclCommFinalize(owned) == ncclInProgress) {
+        ncclResult_t state = ncclInProgress;
+        while (state == ncclInProgress && ncclCommGetAsyncError(owned, &state) == ncclSuccess) {
+        }
+      }
+      ncclCommDestroy(owned);
+    }
+  }
+};
+
+}  // namespace detail_nccl
+
+/// A communicator over an NCCL communicator and a CUDA stream, for device memory.
+///
+/// Implements `gradapt::communicator`: `allreduce` (sum, max), `broadcast`, `allgather`,
+/// `reduce_scatter`, pairwise `exchange` (grouped `ncclSend`/`ncclRecv`), `split`
+/// (`ncclCommSplit`) and `barrier` on device views of `float`, `double`, `half` and
+/// `bfloat16`. Operations are enqueued on `stream()` and are asynchronous (see the file
+/// comment); collectives must be called by every rank in the same order.
+///
+/// Ownership: the communicator built from a framework's handle never destroys it or the
+/// stream. A communicator returned by `split` owns its new handle; copies share it, and the
+/// last copy to die finalises and destroys it (`ncclCommFinalize`, `ncclCommDestroy`).
+class nccl {
+public:
+  /// Views this communicator accepts: CUDA device memory.
+  using space = device_space;
+
+  /// Wraps `comm` and enqueues every operation on `stream` (which may be the legacy default
+  /// stream, `nullptr`). The stream must belong to the communicator's device. Throws
+  /// gradapt::error for a null handle or when NCCL cannot report the rank, size or device.
+  nccl(ncclComm_t comm, cudaStream_t stream, nccl_options options = {})
+      : state_(std::make_shared<detail_nccl::shared_state>()), comm_(comm), stream_(stream), opts_(options) {
+    init();
+  }
+
+  /// The wrapped NCCL handle.
+  [[nodiscard]] ncclComm_t native() const noexcept { return comm_; }
+  /// The stream operations are enqueued on.
+  [[nodiscard]] cudaStream_t stream() const noexcept { return stream_; }
+  /// The CUDA device of the communicator (from `ncclCommCuDevice`).
+  [[nodiscard]] int device() const noexcept { return state_->device; }
+  /// This process's rank in the communicator, `0 <= rank() < size()`.
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  /// Number of ranks in the communicator.
+  [[nodiscard]] int size() const noexcept { return size_; }
+  /// The options this communicator was built with (split communicators inherit them).
+  [[nodiscard]] const nccl_options& options() const noexcept { return opts_; }
+
+  /// Enqueues, in place and element-wise across ranks, `buf[i] = op over ranks of buf[i]`.
+  /// Every rank must pass the same number of elements.
+  template <element T>
+    requires(!std::is_const_v<T>)
+  void allreduce(tensor_view<T, device_space> buf, reduce_op op) {
+    constexpr std::string_view name = "allreduce";
+    agree(name, static_cast<std::int64_t>(buf.size()), "buffer", {});
+    if (buf.empty()) return;
+    check(ncclAllReduce(buf.data(), buf.data(), buf.size(), detail_nccl::datatype<T>(), detail_nccl::reduction(op),
+                        comm_, stream_),
+          name, "ncclAllReduce");
+  }
+
+  /// Enqueues a copy of rank `root`'s `buf` into `buf` of every other rank. Every rank must
+  /// pass the same `root` in `[0, size())` and the same number of elements.
+  template <element T>
+    requires(!std::is_const_v<T>)
+  void broadcast(tensor_view<T, device_space> buf, int root) {
+    constexpr std::string_view name = "broadcast";
+    std::string bad;
+    if (root < 0 || root >= size_) bad = text(name, "root ", root, " is out of range (expected 0 to ", size_ - 1, ")");
+    agree(name, static_cast<std::int64_t>(buf.size()), "buffer", bad, true, root);
+    if (buf.empty()) return;
+    check(ncclBroadcast(buf.data(), buf.data(), buf.size(), detail_nccl::datatype<T>(), root, comm_, stream_), name,
+          "ncclBroadcast");
+  }
+
+  /// Enqueues a gather of every rank's `send` into `recv` on every rank: rank r's block lands
+  /// at offset `r * send.size()`. Requires `recv.size() == size() * send.size()` and the same
+  /// `send.size()` on every rank. `send` may be exactly rank()'s block of `recv` (NCCL's in-place
+  /// form); any other overlap is an error.
+  template <element T>
+    requires(!std::is_const_v<T>)
+  void allgather(std::type_identity_t<tensor_view<const T, device_space>> send, tensor_view<T, device_space> recv) {
+    constexpr std::string_view name = "allgather";
+    const std::size_t n = send.size();
+    const std::size_t total = n * static_cast<std::size_t>(size_);
+    std::string bad;
+    if (recv.size() != total)
+      bad = text(name, "recv has ", recv.size(), " elements but must have size() * send.size() = ", size_, " * ", n,
+                 " = ", total);
+    else if (send.data() != recv.data() + static_cast<std::size_t>(rank_) * n &&
+             detail_nccl::overlap(send.data(), send.bytes(), recv.data(), recv.bytes()))
+      bad = text(name, "send overlaps recv; it may only be recv's own block at offset rank() * send.size() = ",
+                 static_cast<std::size_t>(rank_) * n);
+    agree(name, static_cast<std::int64_t>(n), "send buffer", bad);
+    if (n == 0) return;
+    check(ncclAllGather(send.data(), recv.data(), n, detail_nccl::datatype<T>(), comm_, stream_), name,
+          "ncclAllGather");
+  }
+
+  /// Enqueues an element-wise reduction of `send` across ranks, scattered so that rank r
+  /// receives block r (elements `[r * recv.size(), (r + 1) * recv.size())`). Requires
+  /// `send.size() == size() * recv.size()` and the same `recv.size()` on every rank. `recv` may
+  /// be exactly rank()'s block of `send` (NCCL's in-place form); any other overlap is an error.
+  template <element T>
+    requires(!std::is_const_v<T>)
+  void reduce_scatter(std::type_identity_t<tensor_view<const T, device_space>> send, tensor_view<T, device_space> recv,
+                      reduce_op op) {
+    constexpr std::string_view name = "reduce_scatter";
+    const std::size_t m = recv.size();
+    const std::size_t total = m * static_cast<std::size_t>(size_);
+    std::string bad;
+    if (send.size() != total)
+      bad = text(name, "send has ", send.size(), " elements but must have size() * recv.size() = ", size_, " * ", m,
+                 " = ", total);
+    else if (recv.data() != send.data() + static_cast<std::size_t>(rank_) * m &&
+             detail_nccl::overlap(send.data(), send.bytes(), recv.data(), recv.bytes()))
+      bad = text(name, "send overlaps recv; recv may only be send's own block at offset rank() * recv.size() = ",
+                 static_cast<std::size_t>(rank_) * m);
+    agree(name, static_cast<std::int64_t>(m), "recv buffer", bad);
+    if (m == 0) return;
+    check(ncclReduceScatter(send.data(), recv.data(), m, detail_nccl::datatype<T>(), detail_nccl::reduction(op), comm_,
+                            stream_),
+          name, "ncclReduceScatter");
+  }
+
+  /// Enqueues a send of `send` to rank `peer` and a receive of the peer's `send` into `recv`,
+  /// grouped (`ncclGroupStart`, `ncclSend`, `ncclRecv`, `ncclGroupEnd`); the peer must call
+  /// `exchange(rank(), ...)`. Requires `send.size() == recv.size()` and non-overlapping
+  /// buffers. `peer == rank()` enqueues a device-to-device copy (nothing when `send` and `recv`
+  /// are the same memory). A `peer` outside `[0, size())` throws on this rank only.
+  template <element T>
+    requires(!std::is_const_v<T>)
+  void exchange(int peer, std::type_identity_t<tensor_view<const T, device_space>> send,
+                tensor_view<T, device_space> recv) {
+    constexpr std::string_view name = "exchange";
+    if (peer < 0 || peer >= size_) fail(name, "peer ", peer, " is out of range (expected 0 to ", size_ - 1, ")");
+    const bool same = send.data() == recv.data();
+    std::string bad;
+    if (send.size() != recv.size())
+      bad = text(name, "send has ", send.size(), " elements but recv has ", recv.size(), " (exchange needs equal sizes)");
+    else if (peer == rank_ && !same && detail_nccl::overlap(send.data(), send.bytes(), recv.data(), recv.bytes()))
+      bad = text(name, "send and recv partly overlap; pass separate buffers or the same buffer");
+    else if (peer != rank_ && detail_nccl::overlap(send.data(), send.bytes(), recv.data(), recv.bytes()))
+      bad = text(name, "send and recv overlap; NCCL cannot exchange with a peer in place, pass separate buffers");
+    if (peer == rank_) {
+      if (!bad.empty()) throw error(bad);
+      if (!same && !send.empty()) {
+        detail_nccl::device_guard guard(state_->device);
+        cuda_check(cudaMemcpyAsync(recv.data(), send.data(), send.bytes(), cudaMemcpyDeviceToDevice, stream_), name,
+                   "cudaMemcpyAsync");
+      }
+      return;
+    }
+    if (opts_.check_sizes) {
+      // Swap sizes first; -1 tells the peer that this side's arguments are invalid.
+      const std::int64_t mine = bad.empty() ? static_cast<std::int64_t>(send.size()) : -1;
+      const std::int64_t theirs = swap_with(peer, mine);
+      if (!bad.empty()) throw error(bad);
+      if (theirs < 0) fail(name, "peer rank ", peer, " passed invalid arguments (it throws the reason)");
+      if (theirs != mine)
+        fail(name, "send has ", mine, " elements but peer rank ", peer, " has ", theirs,
+             " (both sides must exchange the same size)");
+    } else if (!bad.empty()) {
+      throw error(bad);
+    }
+    if (send.empty()) return;
+    constexpr ncclDataType_t type = detail_nccl::datatype<T>();
+    group(name, [&] {
+      check(ncclSend(send.data(), send.size(), type, peer, comm_, stream_), name, "ncclSend");
+      check(ncclRecv(recv.data(), recv.size(), type, peer, comm_, stream_), name, "ncclRecv");
+    });
+  }
+
+  /// Collective over all ranks: returns the communicator of the ranks that passed the same
+  /// `color` (>= 0), ordered by `(key, rank())`, on the same stream and with the same options.
+  /// The new handle comes from `ncclCommSplit` (inheriting this handle's configuration) and is
+  /// destroyed when the last copy of the result dies. Blocks the host until the split is done.
+  [[nodiscard]] nccl split(int color, int key) const {
+    constexpr std::string_view name = "split";
+    std::string bad;
+    if (color < 0) bad = text(name, "color ", color, " is negative (expected a color >= 0)");
+    agree(name, 0, "color", bad);
+    auto state = std::make_shared<detail_nccl::shared_state>();
+    ncclComm_t made = nullptr;
+    ncclResult_t r = ncclCommSplit(comm_, color, key, &made, nullptr);
+    state->owned = made;  // destroyed with `state` if anything below throws
+    if (r == ncclInProgress && made != nullptr) r = wait(made);
+    check(r, name, "ncclCommSplit");
+    gradapt::detail::require(made != nullptr, "comm::nccl split on rank ", rank_,
+                    ": ncclCommSplit returned no communicator for color ", color);
+    return nccl(std::move(state), made, stream_, opts_);
+  }
+
+  /// Enqueues a one-element allreduce and synchronises the stream: returns once every rank has
+  /// entered `barrier` and this rank's earlier work on the stream has finished.
+  void barrier() {
+    constexpr std::string_view name = "barrier";
+    void* s = scratch();
+    check(ncclAllReduce(s, s, 1, ncclInt64, ncclMax, comm_, stream_), name, "ncclAllReduce");
+    synchronize(name);
+  }
+
+private:
+  nccl(std::shared_ptr<detail_nccl::shared_state> state, ncclComm_t comm, cudaStream_t stream, nccl_options options)
+      : state_(std::move(state)), comm_(comm), stream_(stream), opts_(options) {
+    init();
+  }
+
+  void init() {
+    gradapt::detail::require(comm_ != nullptr, "comm::nccl: the ncclComm_t handle is null; pass an initialised "
+                                      "communicator (ncclCommInitRank, ncclCommInitAll or ncclCommSplit)");
+    check(ncclCommUserRank(comm_, &rank_), "setup", "ncclCommUserRank");
+    check(ncclCommCount(comm_, &size_), "setup", "ncclCommCount");
+    check(ncclCommCuDevice(comm_, &state_->device), "setup", "ncclCommCuDevice");
+  }
+
+  template <class... Args>
+  std::string text(std::string_view op, Args&&... args) const {
+    return gradapt::detail::message("comm::nccl ", op, " on rank ", rank_, ": ", std::forward<Args>(args)...);
+  }
+
+  template <class... Args>
+  [[noreturn]] void fail(std::string_view op, Args&&... args) const {
+    gradapt::detail::fail("comm::nccl ", op, " on rank ", rank_, ": ", std::forward<Args>(args)...);
+  }
+
+  /// Polls a non-blocking communicator until its pending call has finished.
+  static ncclResult_t wait(ncclComm_t c) {
+    ncclResult_t state = ncclInProgress;
+    while (state == ncclInProgress) {
+      const ncclResult_t r = ncclCommGetAsyncError(c, &state);
+      if (r != ncclSuccess) return r;
+    }
+    return state;
+  }
+
+  void check(ncclResult_t r, std::string_view op, std::string_view fn) const {
+    if (r == ncclInProgress) r = wait(comm_);
+    if (r == ncclSuccess) return;
+    const char* last = ncclGetLastError(comm_);
+    const std::string detail = last != nullptr && *last != '\0' ? std::string(" (") + last + ")" : std::string();
+    fail(op, fn, " failed: ", ncclGetErrorString(r), detail);
+  }
+
+  void cuda_check(cudaError_t e, std::string_view op, std::string_view fn) const {
+    if (e != cudaSuccess) fail(op, fn, " failed: ", cudaGetErrorName(e), ": ", cudaGetErrorString(e));
+  }
+
+  /// Runs `body` between ncclGroupStart and ncclGroupEnd; the group is closed even if it throws.
+  template <class F>
+  void group(std::string_view op, F&& body) {
+    check(ncclGroupStart(), op, "ncclGroupStart");
+    try {
+      body();
+    } catch (...) {
+      ncclGroupEnd();
+      throw;
+    }
+    check(ncclGroupEnd(), op, "ncclGroupEnd");
+  }
+
+  void synchronize(std::string_view op) const {
+    detail_nccl::device_guard guard(state_->device);
+    cuda_check(cudaStreamSynchronize(stream_), op, "cudaStreamSynchronize");
+  }
+
+  /// Device scratch of max(8, size() + 1) 64-bit integers, allocated on first use.
+  void* scratch() const {
+    if (state_->scratch == nullptr) {
+      detail_nccl::device_guard guard(state_->device);
+      const std::size_t bytes = sizeof(std::int64_t) * (static_cast<std::size_t>(size_) + 8);
+      cuda_check(cudaMalloc(&state_->scratch, bytes), "setup", "cudaMalloc (scratch)");
+      cuda_check(cudaMemset(state_->scratch, 0, bytes), "setup", "cudaMemset (scratch)");
+    }
+    return state_->scratch;
+  }
+
+  /// Copies `count` 64-bit integers host -> scratch, runs `device_op`, copies them back, syncs.
+  template <class F>
+  void round_trip(std::string_view op, std::int64_t* host, std::size_t in, std::size_t out, F&& device_op) const {
+    auto* s = static_cast<std::int64_t*>(scratch());
+    detail_nccl::device_guard guard(state_->device);
+    cuda_check(cudaMemcpyAsync(s, host, in * sizeof(std::int64_t), cudaMemcpyHostToDevice, stream_), op,
+               "cudaMemcpyAsync (argument check)");
+    device_op(s);
+    cuda_check(cudaMemcpyAsync(host, s, out * sizeof(std::int64_t), cudaMemcpyDeviceToHost, stream_), op,
+               "cudaMemcpyAsync (argument check)");
+    synchronize(op);
+  }
+
+  /// Sends `mine` to `peer` and returns the peer's value (argument check of exchange).
+  std::int64_t swap_with(int peer, std::int64_t mine) {
+    std::int64_t v[2] = {mine, 0};
+    round_trip("exchange", v, 2, 2, [&](std::int64_t* s) {
+      group("exchange", [&] {
+        check(ncclSend(s, 1, ncclInt64, peer, comm_, stream_), "exchange", "ncclSend (argument check)");
+        check(ncclRecv(s + 1, 1, ncclInt64, peer, comm_, stream_), "exchange", "ncclRecv (argument check)");
+      });
+    });
+    return v[1];
+  }
+
+  /// Agreement before a collective, as in comm::mpi: with check_sizes, one ncclAllReduce(MAX)
+  /// over {n, -n, bad, root, -root} tells every rank whether sizes and roots match and
+  /// whether anyone's arguments are bad, and all ranks throw together. `bad` is this rank's
+  /// complete error message when its own arguments are invalid (empty otherwise).
+  void agree(std::string_view op, std::int64_t n, std::string_view what, const std::string& bad,
+             bool with_root = false, int root = 0) const {
+    if (!opts_.check_sizes) {
+      if (!bad.empty()) throw error(bad);
+      return;
+    }
+    const std::size_t count = with_root ? 5 : 3;
+    std::int64_t v[5] = {n, -n, bad.empty() ? INT64_MIN : -static_cast<std::int64_t>(rank_), root, -root};
+    round_trip(op, v, count, count, [&](std::int64_t* s) {
+      check(ncclAllReduce(s, s, count, ncclInt64, ncclMax, comm_, stream_), op, "ncclAllReduce (argument check)");
+    });
+    if (!bad.empty()) throw error(bad);
+    if (v[2] != INT64_MIN)
+      fail(op, "rank ", -v[2], " passed invalid arguments (that rank's error says which); nothing was sent");
+    const bool sizes_differ = v[0] != -v[1];
+    const bool roots_differ = with_root && v[3] != -v[4];
+    if (!sizes_differ && !roots_differ) return;
+    // Error path only: gather every rank's value to name one that differs from ours.
+    std::vector<std::int64_t> all(static_cast<std::size_t>(size_) + 1);
+    all[0] = sizes_differ ? n : root;
+    const std::int64_t mine = all[0];
+    const auto ranks = static_cast<std::size_t>(size_);
+    round_trip(op, all.data(), 1, 0, [&](std::int64_t* s) {
+      check(ncclAllGather(s, s + 1, 1, ncclInt64, comm_, stream_), op, "ncclAllGather (argument check)");
+      cuda_check(cudaMemcpyAsync(all.data() + 1, s + 1, ranks * sizeof(std::int64_t), cudaMemcpyDeviceToHost, stream_),
+                 op, "cudaMemcpyAsync (argument check)");
+    });
+    int other = 0;
+    while (other < size_ && all[static_cast<std::size_t>(other) + 1] == mine) ++other;
+    if (other == size_) other = rank_ == 0 ? 1 : 0;
+    const std::int64_t theirs = all[static_cast<std::size_t>(other) + 1];
+    if (sizes_differ)
+      fail(op, what, " has ", n, " elements but rank ", other, " has ", theirs, " (every rank must pass the same size)");
+    fail(op, "root is ", root, " but rank ", other, " passes root ", theirs, " (every rank must pass the same root)");
+  }
+
+  std::shared_ptr<detail_nccl::shared_state> state_;
+  ncclComm_t comm_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  nccl_options opts_{};
+  int rank_ = 0;
+  int size_ = 1;
+};
+
+static_assert(gradapt::communicator<gradapt::comm::nccl>);
+
+}  // namespace gradapt::comm

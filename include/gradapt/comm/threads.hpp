@@ -1,0 +1,421 @@
+#pragma once
+/// @file
+/// `comm::threads`: N ranks as threads of one process, sharing memory. The default world for
+/// tests and demos. Reductions combine ranks in rank order 0, 1, ..., N-1, so results are
+/// bitwise reproducible. Every collective checks that all ranks called the same operation
+/// with consistent sizes and element types; on a mismatch every rank throws the same
+/// gradapt::error (naming both sizes), so no rank is left waiting.
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "gradapt/core/concepts.hpp"
+#include "gradapt/core/dtype.hpp"
+#include "gradapt/core/error.hpp"
+#include "gradapt/core/ops.hpp"
+#include "gradapt/core/tensor_view.hpp"
+
+namespace gradapt::comm {
+
+namespace detail {
+
+enum class coll : std::uint8_t { allreduce, broadcast, allgather, reduce_scatter, split, barrier };
+
+constexpr const char* coll_name(coll c) {
+  switch (c) {
+    case coll::allreduce: return "allreduce";
+    case coll::broadcast: return "broadcast";
+    case coll::allgather: return "allgather";
+    case coll::reduce_scatter: return "reduce_scatter";
+    case coll::split: return "split";
+    case coll::barrier: return "barrier";
+  }
+  return "collective";
+}
+
+/// Shared state of one in-process world. Internal: use comm::threads.
+class threads_world {
+public:
+  struct post {
+    coll kind = coll::barrier;
+    dtype type = dtype::float32;
+    reduce_op op = reduce_op::sum;
+    int root = 0;
+    const void* send = nullptr;
+    void* recv = nullptr;
+    std::size_t send_count = 0;
+    std::size_t recv_count = 0;
+  };
+  struct channel {
+    const void* data = nullptr;
+    std::size_t count = 0;
+    dtype type = dtype::float32;
+    bool posted = false;
+    bool consumed = false;
+  };
+
+  explicit threads_world(int n)
+      : n_(n), posts_(static_cast<std::size_t>(n)), chans_(static_cast<std::size_t>(n) * n),
+        split_worlds_(static_cast<std::size_t>(n)) {}
+
+  int size() const { return n_; }
+
+  /// Waits until all ranks arrive; throws if a rank failed.
+  void barrier() {
+    std::unique_lock lk(m_);
+    throw_if_aborted();
+    const std::uint64_t gen = generation_;
+    if (++arrived_ == n_) {
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+      return;
+    }
+    cv_.wait(lk, [&] { return generation_ != gen || aborted_; });
+    if (generation_ == gen) throw_if_aborted();
+  }
+
+  /// Marks the world failed (a rank threw); wakes every waiting rank.
+  void abort(int rank, const std::string& what) {
+    std::lock_guard lk(m_);
+    if (!aborted_) {
+      aborted_ = true;
+      abort_reason_ = "rank " + std::to_string(rank) + " failed: " + what;
+    }
+    cv_.notify_all();
+  }
+
+  void set_post(int rank, const post& p, std::size_t scratch_bytes) {
+    std::lock_guard lk(m_);
+    throw_if_aborted();
+    posts_[static_cast<std::size_t>(rank)] = p;
+    if (scratch_.size() < scratch_bytes) scratch_.resize(scratch_bytes);
+  }
+  const post& posted(int rank) const { return posts_[static_cast<std::size_t>(rank)]; }
+  std::byte* scratch() { return scratch_.data(); }
+
+  std::shared_ptr<threads_world>& split_slot(int rank) { return split_worlds_[static_cast<std::size_t>(rank)]; }
+
+  /// Pairwise exchange through the (rank -> peer) and (peer -> rank) mailboxes.
+  void exchange(int rank, int peer, const void* send, std::size_t send_count, void* recv,
+                std::size_t recv_count, dtype type) {
+    channel& out = chan(rank, peer);
+    channel& in = chan(peer, rank);
+    std::unique_lock lk(m_);
+    throw_if_aborted();
+    out = {send, send_count, type, true, false};
+    cv_.notify_all();
+    cv_.wait(lk, [&] { return (in.posted && !in.consumed) || aborted_; });
+    throw_if_aborted();
+    std::string problem;
+    if (in.type != type)
+      problem = gradapt::detail::message("comm::threads exchange on rank ", rank, ": peer ", peer,
+                                         " sends ", name(in.type), " but this rank receives ",
+                                         name(type));
+    else if (in.count != recv_count)
+      problem = gradapt::detail::message("comm::threads exchange on rank ", rank, ": receive buffer has ",
+                                         recv_count, " elements but peer ", peer, " sends ", in.count);
+    if (problem.empty()) {
+      lk.unlock();
+      std::memcpy(recv, in.data, recv_count * size_of(type));
+      lk.lock();
+    }
+    in.consumed = true;
+    cv_.notify_all();
+    cv_.wait(lk, [&] { return out.consumed || aborted_; });
+    out.posted = false;
+    out.consumed = false;
+    if (!problem.empty()) throw gradapt::error(problem);
+    throw_if_aborted();
+  }
+
+private:
+  channel& chan(int from, int to) { return chans_[static_cast<std::size_t>(from) * n_ + to]; }
+  void throw_if_aborted() const {
+    if (aborted_) gradapt::detail::fail("comm::threads: ", abort_reason_);
+  }
+
+  int n_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  int arrived_ = 0;
+  std::uint64_t generation_ = 0;
+  bool aborted_ = false;
+  std::string abort_reason_;
+  std::vector<post> posts_;
+  std::vector<channel> chans_;
+  std::vector<std::byte> scratch_;
+  std::vector<std::shared_ptr<threads_world>> split_worlds_;
+};
+
+}  // namespace detail
+
+/// One rank's handle on an in-process world of `size()` ranks.
+///
+/// Create a world with `threads::create(n)` (one handle per rank, for your own threads) or
+/// run a function on every rank with `run_threads(n, fn)`. Collectives must be called by all
+/// ranks in the same order, as with MPI. Buffers must not be modified by their owner while a
+/// collective that uses them is in flight, and the send and receive buffers of one call must
+/// not overlap.
+class threads {
+public:
+  using space = host_space;
+
+  /// A new world of `n` ranks; element r is rank r's handle.
+  static std::vector<threads> create(int n) {
+    gradapt::detail::require(n >= 1, "comm::threads::create: ", n, " ranks requested (expected >= 1)");
+    auto w = std::make_shared<detail::threads_world>(n);
+    std::vector<threads> out;
+    out.reserve(static_cast<std::size_t>(n));
+    for (int r = 0; r < n; ++r) out.push_back(threads(w, r));
+    return out;
+  }
+
+  int rank() const { return rank_; }
+  int size() const { return w_->size(); }
+
+  /// Element-wise sum or max over ranks, in place. Values are combined in rank order in the
+  /// compute type (float for float/half/bfloat16, double for double) and rounded once; max
+  /// propagates NaN.
+  template <element T>
+    requires(!std::is_const_v<T>)
+  void allreduce(tensor_view<T, space> buf, reduce_op op) {
+    const std::size_t n = buf.size();
+    begin({detail::coll::allreduce, dtype_of_v<T>, op, 0, nullptr, buf.data(), n, n}, n * sizeof(T));
+    const int p = size();
+    auto* out = reinterpret_cast<T*>(w_->scratch());
+    const auto [lo, hi] = slice(n);
+    for (std::size_t i = lo; i < hi; ++i) {
+      compute_t<T> acc = load(static_cast<const T*>(w_->posted(0).recv)[i]);
+      for (int k = 1; k < p; ++k) acc = combine(acc, load(static_cast<const T*>(w_->posted(k).recv)[i]), op);
+      store(out[i], acc);
+    }
+    w_->barrier();
+    std::copy_n(out, n, buf.data());
+    w_->barrier();
+  }
+
+  /// Copies rank `root`'s buffer into every rank's buffer.
+  template <element T>
+    requires(!std::is_const_v<T>)
+  void broadcast(tensor_view<T, space> buf, int root) {
+    check_rank(root, "broadcast", "root");
+    begin({detail::coll::broadcast, dtype_of_v<T>, reduce_op::sum, root, nullptr, buf.data(), buf.size(),
+           buf.size()}, 0);
+    if (rank_ != root) std::copy_n(static_cast<const T*>(w_->posted(root).recv), buf.size(), buf.data());
+    w_->barrier();
+  }
+
+  /// Rank r's `send` lands at offset r * send.size() of every rank's `recv`.
+  template <element T>
+    requires(!std::is_const_v<T>)
+  void allgather(std::type_identity_t<tensor_view<const T, space>> send, tensor_view<T, space> recv) {
+    check_multiple(recv.size(), send.size(), "allgather", "receive", "send");
+    check_disjoint(send.data(), send.size(), recv.data(), recv.size(), "allgather");
+    begin({detail::coll::allgather, dtype_of_v<T>, reduce_op::sum, 0, send.data(), recv.data(), send.size(),
+           recv.size()}, 0);
+    const std::size_t n = send.size();
+    for (int k = 0; k < size(); ++k)
+      std::copy_n(static_cast<const T*>(w_->posted(k).send), n, recv.data() + static_cast<std::size_t>(k) * n);
+    w_->barrier();
+  }
+
+  /// Element-wise reduction of every rank's `send`; rank r receives block r.
+  template <element T>
+    requires(!std::is_const_v<T>)
+  void reduce_scatter(std::type_identity_t<tensor_view<const T, space>> send, tensor_view<T, space> recv, reduce_op op) {
+    check_multiple(send.size(), recv.size(), "reduce_scatter", "send", "receive");
+    check_disjoint(send.data(), send.size(), recv.data(), recv.size(), "reduce_scatter");
+    begin({detail::coll::reduce_scatter, dtype_of_v<T>, op, 0, send.data(), recv.data(), send.size(),
+           recv.size()}, 0);
+    const std::size_t n = recv.size();
+    const std::size_t off = static_cast<std::size_t>(rank_) * n;
+    for (std::size_t i = 0; i < n; ++i) {
+      compute_t<T> acc = load(static_cast<const T*>(w_->posted(0).send)[off + i]);
+      for (int k = 1; k < size(); ++k)
+        acc = combine(acc, load(static_cast<const T*>(w_->posted(k).send)[off + i]), op);
+      store(recv.data()[i], acc);
+    }
+    w_->barrier();
+  }
+
+  /// Sends `send` to `peer` and receives `peer`'s message into `recv` (which must have as
+  /// many elements as the peer sends). Only the two ranks take part. `peer == rank()` copies.
+  template <element T>
+    requires(!std::is_const_v<T>)
+  void exchange(int peer, std::type_identity_t<tensor_view<const T, space>> send, tensor_view<T, space> recv) {
+    check_rank(peer, "exchange", "peer");
+    check_disjoint(send.data(), send.size(), recv.data(), recv.size(), "exchange");
+    if (peer == rank_) {
+      gradapt::detail::require(send.size() == recv.size(), "comm::threads exchange on rank ", rank_,
+                               ": receive buffer has ", recv.size(), " elements but ", send.size(),
+                               " are sent to itself");
+      std::copy_n(send.data(), send.size(), recv.data());
+      return;
+    }
+    w_->exchange(rank_, peer, send.data(), send.size(), recv.data(), recv.size(), dtype_of_v<T>);
+  }
+
+  /// Ranks with equal `color` (>= 0) form a new world, ordered by (key, old rank).
+  threads split(int color, int key) {
+    gradapt::detail::require(color >= 0, "comm::threads split on rank ", rank_, ": color ", color,
+                             " is negative (expected >= 0)");
+    struct ck {
+      int color, key;
+    };
+    ck mine{color, key};
+    // The (color, key) pair travels in the post's root and send_count fields.
+    begin({detail::coll::split, dtype::float32, reduce_op::sum, color, &mine, nullptr,
+           static_cast<std::size_t>(static_cast<std::uint32_t>(key)), 0}, 0, /*check=*/false);
+    std::vector<int> members;
+    for (int k = 0; k < size(); ++k)
+      if (w_->posted(k).root == color) members.push_back(k);
+    const auto key_of = [&](int k) { return static_cast<const ck*>(w_->posted(k).send)->key; };
+    std::stable_sort(members.begin(), members.end(), [&](int a, int b) { return key_of(a) < key_of(b); });
+    const int leader = members.front();
+    const int new_rank = static_cast<int>(std::find(members.begin(), members.end(), rank_) - members.begin());
+    if (rank_ == leader) w_->split_slot(leader) = std::make_shared<detail::threads_world>(static_cast<int>(members.size()));
+    w_->barrier();
+    threads result(w_->split_slot(leader), new_rank);
+    w_->barrier();
+    if (rank_ == leader) w_->split_slot(leader).reset();
+    return result;
+  }
+
+  /// Waits until every rank has arrived.
+  void barrier() {
+    begin({detail::coll::barrier, dtype::float32, reduce_op::sum, 0, nullptr, nullptr, 0, 0}, 0);
+  }
+
+  /// Marks the world failed so that ranks blocked in a collective throw instead of waiting.
+  /// run_threads calls it when a rank's function throws.
+  void abort(const std::string& why) { w_->abort(rank_, why); }
+
+private:
+  threads(std::shared_ptr<detail::threads_world> w, int rank) : w_(std::move(w)), rank_(rank) {}
+
+  /// Posts this rank's arguments, waits for all ranks, and checks that they agree.
+  void begin(const detail::threads_world::post& p, std::size_t scratch_bytes, bool check = true) {
+    w_->set_post(rank_, p, scratch_bytes);
+    w_->barrier();
+    if (!check) return;
+    std::string problem;
+    const auto& first = w_->posted(0);
+    for (int k = 0; k < size() && problem.empty(); ++k) {
+      const auto& q = w_->posted(k);
+      const char* what = detail::coll_name(p.kind);
+      if (q.kind != first.kind)
+        problem = gradapt::detail::message("comm::threads ", what, " on rank ", rank_, ": rank ", k,
+                                           " called ", detail::coll_name(q.kind), " but rank 0 called ",
+                                           detail::coll_name(first.kind), " (collectives must match)");
+      else if (q.type != first.type)
+        problem = gradapt::detail::message("comm::threads ", what, " on rank ", rank_, ": rank ", k,
+                                           " passes ", name(q.type), " but rank 0 passes ", name(first.type));
+      else if (q.op != first.op || q.root != first.root)
+        problem = gradapt::detail::message("comm::threads ", what, " on rank ", rank_, ": rank ", k,
+                                           " uses op ", name(q.op), " root ", q.root, " but rank 0 uses op ",
+                                           name(first.op), " root ", first.root);
+      else if (q.send_count != first.send_count || q.recv_count != first.recv_count)
+        problem = gradapt::detail::message(
+            "comm::threads ", what, " on rank ", rank_, ": rank ", k, " buffer has ",
+            (q.send_count != first.send_count ? q.send_count : q.recv_count), " elements but rank 0 has ",
+            (q.send_count != first.send_count ? first.send_count : first.recv_count), " (expected equal sizes)");
+    }
+    if (!problem.empty()) {
+      w_->barrier();  // nobody may repost while others still read the posts
+      throw gradapt::error(problem);
+    }
+  }
+
+  std::pair<std::size_t, std::size_t> slice(std::size_t n) const {
+    const auto p = static_cast<std::size_t>(size());
+    const auto r = static_cast<std::size_t>(rank_);
+    return {n * r / p, n * (r + 1) / p};
+  }
+
+  template <class C>
+  static C combine(C a, C b, reduce_op op) {
+    if (op == reduce_op::sum) return a + b;
+    if (a != a || b != b) return a != a ? a : b;
+    return b > a ? b : a;
+  }
+
+  void check_rank(int r, const char* op, const char* what) const {
+    gradapt::detail::require(r >= 0 && r < size(), "comm::threads ", op, " on rank ", rank_, ": ", what, " ",
+                             r, " is out of range (world of ", size(), " ranks)");
+  }
+  void check_multiple(std::size_t big, std::size_t small, const char* op, const char* big_name,
+                      const char* small_name) const {
+    gradapt::detail::require(big == small * static_cast<std::size_t>(size()), "comm::threads ", op, " on rank ",
+                             rank_, ": ", big_name, " buffer has ", big, " elements but ", small_name,
+                             " buffer has ", small, " (expected ", big_name, " = ", size(), " ranks x ",
+                             small_name, ")");
+  }
+  template <class T>
+  void check_disjoint(const T* a, std::size_t na, const T* b, std::size_t nb, const char* op) const {
+    const auto lo_a = reinterpret_cast<std::uintptr_t>(a), lo_b = reinterpret_cast<std::uintptr_t>(b);
+    const bool overlap = na && nb && lo_a < lo_b + nb * sizeof(T) && lo_b < lo_a + na * sizeof(T);
+    gradapt::detail::require(!overlap, "comm::threads ", op, " on rank ", rank_,
+                             ": send and receive buffers overlap (expected disjoint buffers)");
+  }
+
+  std::shared_ptr<detail::threads_world> w_;
+  int rank_ = 0;
+};
+
+static_assert(communicator<threads>);
+
+/// Runs `fn(comm::threads&)` on `n` threads, one per rank of a new world, and joins them.
+/// If a rank throws, the world is aborted (ranks blocked in collectives throw too) and the
+/// first exception thrown by a rank's own code is rethrown here.
+template <class F>
+void run_threads(int n, F&& fn) {
+  auto comms = threads::create(n);
+  std::mutex m;
+  std::exception_ptr first;
+  bool first_is_abort = true;
+  std::vector<std::thread> pool;
+  pool.reserve(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    pool.emplace_back([&, r] {
+      try {
+        fn(comms[static_cast<std::size_t>(r)]);
+      } catch (const std::exception& e) {
+        const bool is_abort = std::string_view(e.what()).find("comm::threads: rank ") != std::string_view::npos;
+        {
+          std::lock_guard lk(m);
+          if (!first || (first_is_abort && !is_abort)) {
+            first = std::current_exception();
+            first_is_abort = is_abort;
+          }
+        }
+        comms[static_cast<std::size_t>(r)].abort(e.what());
+      } catch (...) {
+        {
+          std::lock_guard lk(m);
+          if (!first || first_is_abort) {
+            first = std::current_exception();
+            first_is_abort = false;
+          }
+        }
+        comms[static_cast<std::size_t>(r)].abort("unknown exception");
+      }
+    });
+  }
+  for (auto& t : pool) t.join();
+  if (first) std::rethrow_exception(first);
+}
+
+}  // namespace gradapt::comm

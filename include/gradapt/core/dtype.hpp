@@ -1,0 +1,185 @@
+#pragma once
+/// @file
+/// Element types: float, double and two 16-bit storage types (IEEE binary16 `half` and
+/// `bfloat16`). The 16-bit types are storage only: element math loads them into `float`
+/// (`compute_t<T>`), computes, and stores back with round-to-nearest-even.
+///
+/// The conversions are written as integer bit manipulation marked GRADAPT_HD, so host tests
+/// exercise exactly the code that device kernels run. Both 16-bit types are standard-layout
+/// structs holding one `uint16_t`, layout-compatible with CUDA's `__half` and `__nv_bfloat16`
+/// (see backend/cuda/device_types.cuh for the mapping).
+
+#include <cstdint>
+#include <cstring>
+#include <string_view>
+#include <type_traits>
+
+#include "gradapt/core/config.hpp"
+
+namespace gradapt {
+
+namespace detail {
+
+GRADAPT_HD inline std::uint32_t float_bits(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+GRADAPT_HD inline float bits_float(std::uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+/// binary32 -> binary16, round to nearest, ties to even. Overflow gives +-inf; NaN stays a
+/// quiet NaN with the sign and the top payload bits kept; subnormals are produced exactly.
+GRADAPT_HD inline std::uint16_t float_to_half_bits(float f) {
+  const std::uint32_t x = float_bits(f);
+  const std::uint32_t sign = (x >> 16) & 0x8000u;
+  std::uint32_t a = x & 0x7fffffffu;
+  if (a >= 0x7f800000u) {  // inf or NaN
+    const std::uint32_t nan = a > 0x7f800000u ? (0x0200u | ((a >> 13) & 0x03ffu)) : 0u;
+    return static_cast<std::uint16_t>(sign | 0x7c00u | nan);
+  }
+  if (a >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // >= 65520: inf
+  if (a >= 0x38800000u) {  // normal half range: >= 2^-14
+    a += 0x0fffu + ((a >> 13) & 1u);  // round to nearest even on the 13 dropped bits
+    return static_cast<std::uint16_t>(sign | ((a - (112u << 23)) >> 13));
+  }
+  // Subnormal half (or zero): value = k * 2^-24 with k = m * 2^(e - 126), m the 24-bit
+  // significand. Below 2^-25 everything rounds to zero (2^-25 itself is a tie to even 0).
+  const std::uint32_t e = a >> 23;
+  if (e < 102u) return static_cast<std::uint16_t>(sign);
+  const std::uint32_t m = (a & 0x007fffffu) | 0x00800000u;
+  const std::uint32_t s = 126u - e;  // 14 .. 24
+  std::uint32_t k = m >> s;
+  const std::uint32_t rem = m & ((1u << s) - 1u);
+  const std::uint32_t halfway = 1u << (s - 1u);
+  if (rem > halfway || (rem == halfway && (k & 1u))) ++k;  // k == 0x400 is the smallest normal
+  return static_cast<std::uint16_t>(sign | k);
+}
+
+/// binary16 -> binary32, exact.
+GRADAPT_HD inline float half_bits_to_float(std::uint16_t h) {
+  const std::uint32_t sign = (static_cast<std::uint32_t>(h) & 0x8000u) << 16;
+  const std::uint32_t e = (h >> 10) & 0x1fu;
+  const std::uint32_t m = h & 0x03ffu;
+  if (e == 0x1fu) return bits_float(sign | 0x7f800000u | (m << 13));
+  if (e == 0u) {
+    // m * 2^-24, exact in float; 2^-24 == bits 0x33800000.
+    const float v = static_cast<float>(m) * bits_float(0x33800000u);
+    return sign ? -v : v;
+  }
+  return bits_float(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+/// binary32 -> bfloat16, round to nearest, ties to even; NaN stays a quiet NaN with its sign.
+GRADAPT_HD inline std::uint16_t float_to_bfloat16_bits(float f) {
+  const std::uint32_t x = float_bits(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((x >> 16) | 0x0040u);
+  return static_cast<std::uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+/// bfloat16 -> binary32, exact.
+GRADAPT_HD inline float bfloat16_bits_to_float(std::uint16_t b) {
+  return bits_float(static_cast<std::uint32_t>(b) << 16);
+}
+
+}  // namespace detail
+
+/// IEEE 754 binary16 storage type (1 sign, 5 exponent, 10 mantissa bits).
+struct half {
+  std::uint16_t bits = 0;
+
+  half() = default;
+  /// Rounds `f` to the nearest half (ties to even); overflow gives inf, NaN stays NaN.
+  GRADAPT_HD explicit half(float f) : bits(detail::float_to_half_bits(f)) {}
+  GRADAPT_HD explicit operator float() const { return detail::half_bits_to_float(bits); }
+  GRADAPT_HD static half from_bits(std::uint16_t b) {
+    half h;
+    h.bits = b;
+    return h;
+  }
+  friend GRADAPT_HD bool operator==(half a, half b) { return a.bits == b.bits; }
+};
+
+/// bfloat16 storage type (1 sign, 8 exponent, 7 mantissa bits): float's range, less precision.
+struct bfloat16 {
+  std::uint16_t bits = 0;
+
+  bfloat16() = default;
+  /// Rounds `f` to the nearest bfloat16 (ties to even); NaN stays NaN.
+  GRADAPT_HD explicit bfloat16(float f) : bits(detail::float_to_bfloat16_bits(f)) {}
+  GRADAPT_HD explicit operator float() const { return detail::bfloat16_bits_to_float(bits); }
+  GRADAPT_HD static bfloat16 from_bits(std::uint16_t b) {
+    bfloat16 h;
+    h.bits = b;
+    return h;
+  }
+  friend GRADAPT_HD bool operator==(bfloat16 a, bfloat16 b) { return a.bits == b.bits; }
+};
+
+static_assert(sizeof(half) == 2 && std::is_trivially_copyable_v<half>);
+static_assert(sizeof(bfloat16) == 2 && std::is_trivially_copyable_v<bfloat16>);
+
+/// Runtime tag of an element type.
+enum class dtype : std::uint8_t { float32, float64, float16, bfloat16 };
+
+/// True for the four element types gradapt stores.
+template <class T>
+inline constexpr bool is_element_v =
+    std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, half> ||
+    std::is_same_v<T, bfloat16>;
+
+/// Concept form of is_element_v (cv-qualifiers are stripped first).
+template <class T>
+concept element = is_element_v<std::remove_cv_t<T>>;
+
+/// Runtime tag of element type T.
+template <element T>
+inline constexpr dtype dtype_of_v = std::is_same_v<std::remove_cv_t<T>, float>    ? dtype::float32
+                                    : std::is_same_v<std::remove_cv_t<T>, double> ? dtype::float64
+                                    : std::is_same_v<std::remove_cv_t<T>, half>   ? dtype::float16
+                                                                                  : dtype::bfloat16;
+
+/// Human-readable name of a dtype, as used in error messages.
+constexpr std::string_view name(dtype t) {
+  switch (t) {
+    case dtype::float32: return "float32";
+    case dtype::float64: return "float64";
+    case dtype::float16: return "float16";
+    case dtype::bfloat16: return "bfloat16";
+  }
+  return "unknown";
+}
+
+/// Bytes per element of a dtype.
+constexpr std::size_t size_of(dtype t) {
+  return t == dtype::float64 ? 8 : t == dtype::float32 ? 4 : 2;
+}
+
+/// The type element math runs in: double for double, float for everything else.
+template <element T>
+using compute_t = std::conditional_t<std::is_same_v<std::remove_cv_t<T>, double>, double, float>;
+
+/// Loads one stored element into its compute type.
+template <class T>
+GRADAPT_HD GRADAPT_INLINE compute_t<T> load(const T& x) {
+  if constexpr (std::is_same_v<std::remove_cv_t<T>, float> ||
+                std::is_same_v<std::remove_cv_t<T>, double>)
+    return x;
+  else
+    return static_cast<float>(x);
+}
+
+/// Stores a compute-type value into a stored element (rounding to nearest even for 16 bits).
+template <class T>
+GRADAPT_HD GRADAPT_INLINE void store(T& dst, compute_t<T> v) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>)
+    dst = v;
+  else
+    dst = T(v);
+}
+
+}  // namespace gradapt

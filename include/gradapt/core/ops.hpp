@@ -1,0 +1,40 @@
+#pragma once
+/// @file
+/// Operation tags shared by backends and communicators.
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+namespace gradapt {
+
+/// Element reductions a backend computes, always accumulated in double.
+enum class reduction : std::uint8_t {
+  sum,              ///< sum of x
+  sum_squares,      ///< sum of x^2 (squared L2 norm)
+  max_abs,          ///< max |x|; NaN if any element is NaN; 0 for an empty tensor
+  count_nonfinite,  ///< number of elements that are inf or NaN
+};
+
+/// Index of the tensor inside a list, passed first to an `apply_list` functor that asks for it
+/// (for per-tensor scalars such as a trust ratio).
+struct tensor_index {
+  std::size_t value;
+};
+
+/// Combining rule of a collective reduction.
+enum class reduce_op : std::uint8_t { sum, max };
+
+constexpr std::string_view name(reduction r) {
+  switch (r) {
+    case reduction::sum: return "sum";
+    case reduction::sum_squares: return "sum_squares";
+    case reduction::max_abs: return "max_abs";
+    case reduction::count_nonfinite: return "count_nonfinite";
+  }
+  return "unknown";
+}
+
+constexpr std::string_view name(reduce_op r) { return r == reduce_op::sum ? "sum" : "max"; }
+
+}  // namespace gradapt

@@ -1,0 +1,152 @@
+#pragma once
+/// @file
+/// A parameter list over a framework's own buffers: names, value and gradient views, per
+/// parameter flags, and groups that carry their own options. Nothing is copied.
+
+#include <cstddef>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "gradapt/core/error.hpp"
+#include "gradapt/core/tensor_view.hpp"
+
+namespace gradapt {
+
+/// Per-parameter switches (masks) that optimizers consult.
+struct param_flags {
+  bool skip_weight_decay = false;  ///< exclude from weight decay (biases, norm layers)
+  bool skip_trust_ratio = false;   ///< exclude from LARS/LAMB trust-ratio scaling
+};
+
+/// Options a parameter group carries; algorithms read what they understand.
+struct group_options {
+  double lr_scale = 1.0;                ///< multiplies the learning rate for this group
+  std::optional<double> weight_decay;   ///< overrides the optimizer's weight decay when set
+};
+
+/// One parameter: a name, its value and gradient views, flags and its group index.
+template <class V, class G, class Space>
+struct param_entry {
+  std::string name;
+  tensor_view<V, Space> value;
+  tensor_view<G, Space> grad;
+  param_flags flags;
+  std::size_t group = 0;
+};
+
+/// A named group of parameters with its own options.
+template <class Options>
+struct param_group {
+  std::string name;
+  Options options;
+  std::vector<std::size_t> members;  ///< indices into the parameter list, in insertion order
+};
+
+/// Parameters described once, over the framework's buffers.
+///
+/// @tparam V     value (weight) element type, e.g. float for fp32 master weights
+/// @tparam G     gradient element type, e.g. bfloat16 for 16-bit gradients
+/// @tparam Space host_space or device_space
+/// @tparam Options what a group carries (group_options by default)
+///
+/// Group 0, named "default", exists from construction. `values()` and `grads()` are
+/// contiguous spans of views, the shape every multi-tensor backend operation takes.
+template <element V, element G = V, memory_space Space = host_space, class Options = group_options>
+class param_list {
+public:
+  using value_type = V;
+  using grad_type = G;
+  using space = Space;
+  using options_type = Options;
+  using entry = param_entry<V, G, Space>;
+
+  param_list() { groups_.push_back({"default", Options{}, {}}); }
+  explicit param_list(Options default_options) {
+    groups_.push_back({"default", std::move(default_options), {}});
+  }
+
+  /// Adds a group and returns its index. Names must be unique and non-empty.
+  std::size_t add_group(std::string name, Options options = {}) {
+    detail::require(!name.empty(), "param_list::add_group: empty group name");
+    for (const auto& g : groups_)
+      detail::require(g.name != name, "param_list::add_group: group '", name, "' already exists");
+    groups_.push_back({std::move(name), std::move(options), {}});
+    return groups_.size() - 1;
+  }
+
+  /// Adds a parameter. The value and gradient must have the same shape; names are unique.
+  /// @return the parameter's index
+  std::size_t add(std::string name, tensor_view<V, Space> value, tensor_view<G, Space> grad,
+                  param_flags flags = {}, std::size_t group = 0) {
+    detail::require(!name.empty(), "param_list::add: empty parameter name");
+    detail::require(group < groups_.size(), "param_list::add: parameter '", name, "' names group ",
+                    group, " but only ", groups_.size(), " group(s) exist");
+    detail::require(value.same_shape(grad), "param_list::add: parameter '", name, "' has value shape ",
+                    value.shape_string(), " but gradient shape ", grad.shape_string(),
+                    " (expected equal shapes)");
+    detail::require(!find(name), "param_list::add: parameter '", name, "' already exists");
+    entries_.push_back({std::move(name), value, grad, flags, group});
+    values_.push_back(value);
+    grads_.push_back(grad);
+    groups_[group].members.push_back(entries_.size() - 1);
+    total_ += value.size();
+    return entries_.size() - 1;
+  }
+
+  std::size_t size() const { return entries_.size(); }
+  bool empty() const { return entries_.empty(); }
+  /// Total number of elements over all parameters.
+  std::size_t total_elements() const { return total_; }
+
+  const entry& operator[](std::size_t i) const { return entries_[i]; }
+  /// Bounds-checked access by index.
+  const entry& at(std::size_t i) const {
+    detail::require(i < entries_.size(), "param_list::at: index ", i, " out of range (size ",
+                    entries_.size(), ")");
+    return entries_[i];
+  }
+  /// Bounds-checked access by name.
+  const entry& at(std::string_view name) const {
+    const auto i = find(name);
+    detail::require(i.has_value(), "param_list::at: no parameter named '", name, "'");
+    return entries_[*i];
+  }
+  /// Index of the parameter with this name, if any.
+  std::optional<std::size_t> find(std::string_view name) const {
+    for (std::size_t i = 0; i < entries_.size(); ++i)
+      if (entries_[i].name == name) return i;
+    return std::nullopt;
+  }
+
+  std::span<const entry> entries() const { return entries_; }
+  /// Value views in parameter order.
+  std::span<const tensor_view<V, Space>> values() const { return values_; }
+  /// Gradient views in parameter order.
+  std::span<const tensor_view<G, Space>> grads() const { return grads_; }
+
+  std::size_t group_count() const { return groups_.size(); }
+  const param_group<Options>& group(std::size_t g) const {
+    detail::require(g < groups_.size(), "param_list::group: index ", g, " out of range (",
+                    groups_.size(), " group(s))");
+    return groups_[g];
+  }
+  /// Mutable group options (learning-rate scale changes mid-run, for example).
+  Options& options(std::size_t g) {
+    detail::require(g < groups_.size(), "param_list::options: index ", g, " out of range (",
+                    groups_.size(), " group(s))");
+    return groups_[g].options;
+  }
+
+private:
+  std::vector<entry> entries_;
+  std::vector<tensor_view<V, Space>> values_;
+  std::vector<tensor_view<G, Space>> grads_;
+  std::vector<param_group<Options>> groups_;
+  std::size_t total_ = 0;
+};
+
+}  // namespace gradapt

@@ -1,0 +1,19 @@
+#pragma once
+/// @file
+/// Umbrella header: everything a plain host C++20 compiler may see, with no dependency
+/// beyond the standard library. The MPI and NCCL communicators (comm/mpi.hpp, comm/nccl.hpp)
+/// and the CUDA backend (backend/cuda.cuh, from .cu files only) are included separately.
+
+#include "gradapt/core/concepts.hpp"
+#include "gradapt/core/config.hpp"
+#include "gradapt/core/dtype.hpp"
+#include "gradapt/core/error.hpp"
+#include "gradapt/core/ops.hpp"
+#include "gradapt/core/param_list.hpp"
+#include "gradapt/core/tensor_view.hpp"
+
+#include "gradapt/backend/chunking.hpp"
+#include "gradapt/backend/host.hpp"
+
+#include "gradapt/comm/single.hpp"
+#include "gradapt/comm/threads.hpp"

@@ -1,0 +1,239 @@
+// In-process communicators: comm::single and comm::threads with 1 to 8 ranks. Inputs are
+// small integers so every sum is exact and checkable in closed form.
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "rank_check.hpp"
+#include "gradapt/comm/single.hpp"
+#include "gradapt/comm/threads.hpp"
+
+using gradapt::host_view;
+using gradapt::reduce_op;
+using gradapt::tensor_view;
+using gradapt::comm::run_threads;
+using threads_comm = gradapt::comm::threads;
+
+namespace {
+template <class T>
+T val(double v) {
+  T t;
+  gradapt::store(t, static_cast<gradapt::compute_t<T>>(v));
+  return t;
+}
+template <class T>
+double dbl(const T& t) {
+  return static_cast<double>(gradapt::load(t));
+}
+template <class T>
+tensor_view<const T> cview(const std::vector<T>& v) {
+  return host_view(v);
+}
+}  // namespace
+
+TEMPLATE_TEST_CASE("threads: allreduce sum and max over 1 to 8 ranks", "[comm][threads]", float, double,
+                   gradapt::half, gradapt::bfloat16) {
+  for (int n = 1; n <= 8; ++n) {
+    run_threads(n, [n](threads_comm& c) {
+      RANK_REQUIRE(c.size() == n);
+      const int r = c.rank();
+      std::vector<TestType> v(37);
+      for (std::size_t i = 0; i < v.size(); ++i) v[i] = val<TestType>(double(r + 1) * double(i % 5));
+      c.allreduce(host_view(v), reduce_op::sum);
+      const double tri = n * (n + 1) / 2.0;
+      for (std::size_t i = 0; i < v.size(); ++i) RANK_REQUIRE(dbl(v[i]) == tri * double(i % 5));
+      std::vector<TestType> m(5);
+      for (std::size_t i = 0; i < m.size(); ++i) m[i] = val<TestType>(double((r * 7 + int(i)) % n) - 2.0);
+      c.allreduce(host_view(m), reduce_op::max);
+      for (std::size_t i = 0; i < m.size(); ++i) {
+        double e = -1e9;
+        for (int k = 0; k < n; ++k) e = std::max(e, double((k * 7 + int(i)) % n) - 2.0);
+        RANK_REQUIRE(dbl(m[i]) == e);
+      }
+    });
+  }
+}
+
+TEMPLATE_TEST_CASE("threads: broadcast, allgather, reduce_scatter, exchange, barrier", "[comm][threads]",
+                   float, double, gradapt::half, gradapt::bfloat16) {
+  for (int n = 1; n <= 8; ++n) {
+    run_threads(n, [n](threads_comm& c) {
+      const int r = c.rank();
+      for (int root = 0; root < n; root += 2) {
+        std::vector<TestType> b(9, val<TestType>(r == root ? 5.0 + root : -1.0));
+        c.broadcast(host_view(b), root);
+        for (auto& x : b) RANK_REQUIRE(dbl(x) == 5.0 + root);
+      }
+      std::vector<TestType> mine{val<TestType>(r), val<TestType>(10 + r)}, all(2 * std::size_t(n));
+      c.allgather(cview(mine), host_view(all));
+      for (int k = 0; k < n; ++k) {
+        RANK_REQUIRE(dbl(all[2 * std::size_t(k)]) == k);
+        RANK_REQUIRE(dbl(all[2 * std::size_t(k) + 1]) == 10 + k);
+      }
+      std::vector<TestType> send(3 * std::size_t(n)), recv(3);
+      for (std::size_t i = 0; i < send.size(); ++i) send[i] = val<TestType>(double(i) + r);
+      c.reduce_scatter(cview(send), host_view(recv), reduce_op::sum);
+      for (std::size_t j = 0; j < 3; ++j)
+        RANK_REQUIRE(dbl(recv[j]) == double(n) * double(3 * std::size_t(r) + j) + n * (n - 1) / 2.0);
+      // Pairwise exchange: ranks 2k and 2k+1; the last rank of an odd world talks to itself.
+      const int peer = (r ^ 1) < n ? (r ^ 1) : r;
+      std::vector<TestType> out(4, val<TestType>(r)), in(4);
+      c.exchange(peer, cview(out), host_view(in));
+      for (auto& x : in) RANK_REQUIRE(dbl(x) == peer);
+      // Several exchanges with changing peers in a row (a Adasum-like schedule).
+      for (int dist = 1; dist < n; dist *= 2) {
+        const int p = r ^ dist;
+        if (p >= n) continue;
+        c.exchange(p, cview(out), host_view(in));
+        for (auto& x : in) RANK_REQUIRE(dbl(x) == p);
+      }
+      c.barrier();
+    });
+  }
+}
+
+TEST_CASE("threads: max propagates NaN and keeps infinities", "[comm][threads]") {
+  run_threads(3, [](threads_comm& c) {
+    std::vector<float> v{0.0f, 1.0f, 2.0f};
+    if (c.rank() == 1) v[0] = std::numeric_limits<float>::quiet_NaN();
+    if (c.rank() == 2) v[1] = std::numeric_limits<float>::infinity();
+    c.allreduce(host_view(v), reduce_op::max);
+    RANK_REQUIRE(std::isnan(v[0]));
+    RANK_REQUIRE(std::isinf(v[1]));
+    RANK_REQUIRE(v[2] == 2.0f);
+  });
+}
+
+TEST_CASE("threads: split into subgroups ordered by key", "[comm][threads]") {
+  for (int n = 1; n <= 7; ++n) {
+    run_threads(n, [n](threads_comm& c) {
+      const int r = c.rank();
+      auto sub = c.split(r % 2, -r);  // reverse order inside each colour
+      const int group = (n - r % 2 + 1) / 2;
+      RANK_REQUIRE(sub.size() == group);
+      std::vector<double> ids(std::size_t(sub.size()));
+      std::vector<double> me{double(r)};
+      sub.allgather(cview(me), host_view(ids));
+      for (int k = 0; k + 1 < sub.size(); ++k) RANK_REQUIRE(ids[std::size_t(k)] > ids[std::size_t(k) + 1]);
+      for (double id : ids) RANK_REQUIRE(int(id) % 2 == r % 2);
+      std::vector<double> s{1.0};
+      sub.allreduce(host_view(s), reduce_op::sum);
+      RANK_REQUIRE(s[0] == group);
+      auto nested = sub.split(0, 0);  // splits nest
+      RANK_REQUIRE(nested.size() == sub.size());
+      nested.barrier();
+    });
+  }
+}
+
+TEST_CASE("threads: errors name the operation, the ranks and both sizes", "[comm][threads][errors]") {
+  RANK_REQUIRE_THROWS_WITH(run_threads(3,
+                                  [](threads_comm& c) {
+                                    std::vector<float> v(10 + std::size_t(c.rank() == 2 ? 2 : 0));
+                                    c.allreduce(host_view(v), reduce_op::sum);
+                                  }),
+                      Catch::Matchers::Contains("allreduce") && Catch::Matchers::Contains("rank 2 buffer has 12 elements but rank 0 has 10"));
+  // Every rank sees the same verdict and the world stays usable afterwards.
+  run_threads(4, [](threads_comm& c) {
+    std::vector<float> v(4 + std::size_t(c.rank() % 2));
+    RANK_REQUIRE_THROWS_WITH(c.allreduce(host_view(v), reduce_op::sum), Catch::Matchers::Contains("buffer has"));
+    std::vector<double> ok(3, 1.0);
+    c.allreduce(host_view(ok), reduce_op::sum);
+    RANK_REQUIRE(ok[0] == 4.0);
+  });
+  run_threads(2, [](threads_comm& c) {
+    std::vector<float> v(4);
+    std::vector<double> d(4);
+    if (c.rank() == 0)
+      RANK_REQUIRE_THROWS_WITH(c.broadcast(host_view(v), 0), Catch::Matchers::Contains("called"));
+    else
+      RANK_REQUIRE_THROWS_WITH(c.allreduce(host_view(v), reduce_op::sum), Catch::Matchers::Contains("collectives must match"));
+    if (c.rank() == 0)
+      RANK_REQUIRE_THROWS_WITH(c.allreduce(host_view(v), reduce_op::sum), Catch::Matchers::Contains("float32"));
+    else
+      RANK_REQUIRE_THROWS_WITH(c.allreduce(host_view(d), reduce_op::sum), Catch::Matchers::Contains("float64"));
+    RANK_REQUIRE_THROWS_WITH(c.broadcast(host_view(v), 2), Catch::Matchers::Contains("root 2 is out of range"));
+    RANK_REQUIRE_THROWS_WITH(c.exchange(-1, cview(v), host_view(v)), Catch::Matchers::Contains("peer -1 is out of range"));
+    std::vector<float> small(3);
+    RANK_REQUIRE_THROWS_WITH(c.allgather(cview(small), host_view(v)),
+                        Catch::Matchers::Contains("receive buffer has 4 elements but send buffer has 3"));
+    RANK_REQUIRE_THROWS_WITH(c.allgather(tensor_view<const float>::vector(v.data(), 2), host_view(v)),
+                        Catch::Matchers::Contains("overlap"));
+    RANK_REQUIRE_THROWS_WITH(c.split(-1, 0), Catch::Matchers::Contains("color -1"));
+  });
+}
+
+TEST_CASE("threads: exchange size mismatch is reported on the receiving side", "[comm][threads][errors]") {
+  RANK_REQUIRE_THROWS_WITH(run_threads(2,
+                                  [](threads_comm& c) {
+                                    std::vector<float> send(c.rank() == 0 ? 6 : 4), recv(4);
+                                    c.exchange(1 - c.rank(), cview(send), host_view(recv));
+                                  }),
+                      Catch::Matchers::Contains("receive buffer has 4 elements but peer 0 sends 6"));
+}
+
+TEST_CASE("threads: a rank that throws releases its peers", "[comm][threads][errors]") {
+  std::atomic<int> released{0};
+  RANK_REQUIRE_THROWS_WITH(run_threads(4,
+                                  [&](threads_comm& c) {
+                                    if (c.rank() == 2) throw std::runtime_error("model diverged on rank 2");
+                                    try {
+                                      c.barrier();
+                                    } catch (const gradapt::error& e) {
+                                      RANK_REQUIRE(std::string(e.what()).find("rank 2 failed: model diverged") != std::string::npos);
+                                      ++released;
+                                      throw;
+                                    }
+                                  }),
+                      Catch::Matchers::Equals("model diverged on rank 2"));
+  RANK_REQUIRE(released == 3);
+  RANK_REQUIRE_THROWS_WITH(threads_comm::create(0), Catch::Matchers::Contains("0 ranks requested"));
+}
+
+TEST_CASE("threads: results are identical from run to run", "[comm][threads][determinism]") {
+  // Non-exact float sums: the rank order is fixed, so the bits are too.
+  std::vector<std::vector<float>> runs;
+  for (int rep = 0; rep < 3; ++rep) {
+    std::vector<float> out;
+    run_threads(5, [&](threads_comm& c) {
+      std::vector<float> v(1000);
+      for (std::size_t i = 0; i < v.size(); ++i) v[i] = 1.0f / float(i + 1 + std::size_t(c.rank()) * 3);
+      c.allreduce(host_view(v), reduce_op::sum);
+      if (c.rank() == 4) out = v;
+    });
+    runs.push_back(out);
+  }
+  RANK_REQUIRE(runs[0] == runs[1]);
+  RANK_REQUIRE(runs[1] == runs[2]);
+  // And equal to the rank-order sum computed here.
+  for (std::size_t i = 0; i < 1000; ++i) {
+    float acc = 1.0f / float(i + 1);
+    for (int k = 1; k < 5; ++k) acc += 1.0f / float(i + 1 + std::size_t(k) * 3);
+    RANK_REQUIRE(runs[0][i] == acc);
+  }
+}
+
+TEST_CASE("single: a world of one", "[comm][single]") {
+  gradapt::comm::single c;
+  RANK_REQUIRE(c.rank() == 0);
+  RANK_REQUIRE(c.size() == 1);
+  std::vector<float> v{1, 2, 3}, w(3);
+  c.allreduce(host_view(v), reduce_op::sum);
+  RANK_REQUIRE(v == std::vector<float>{1, 2, 3});
+  c.allgather(cview(v), host_view(w));
+  RANK_REQUIRE(w == v);
+  c.exchange(0, cview(v), host_view(w));
+  c.reduce_scatter(cview(v), host_view(w), reduce_op::max);
+  RANK_REQUIRE(w == v);
+  c.broadcast(host_view(v), 0);
+  c.barrier();
+  RANK_REQUIRE(c.split(3, 1).size() == 1);
+  std::vector<float> w2(2);
+  RANK_REQUIRE_THROWS_WITH(c.broadcast(host_view(v), 1), Catch::Matchers::Contains("root 1 is out of range"));
+  RANK_REQUIRE_THROWS_WITH(c.allgather(cview(v), host_view(w2)), Catch::Matchers::Contains("receive buffer has 2 elements"));
+  REQUIRE_THROWS_AS(c.exchange(1, cview(v), host_view(w)), gradapt::error);
+  REQUIRE_THROWS_AS(c.split(-2, 0), gradapt::error);
+}

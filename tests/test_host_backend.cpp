@@ -1,0 +1,235 @@
+// Host backend: element-wise apply over tensors and lists, and the double-accumulated
+// reductions, for every element type. Reductions are checked against a long double
+// re-computation (independent, higher precision) and exact-valued cases; determinism is
+// checked bitwise across 1, 2 and 3 threads.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "catch.hpp"
+#include "gradapt/backend/host.hpp"
+
+using gradapt::host_view;
+using gradapt::reduction;
+using gradapt::tensor_view;
+
+namespace {
+
+template <class T>
+std::vector<T> random_vector(std::size_t n, unsigned seed, double scale = 1.0) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> d(0.0, scale);
+  std::vector<T> v(n);
+  for (auto& x : v) gradapt::store(x, static_cast<gradapt::compute_t<T>>(d(rng)));
+  return v;
+}
+
+template <class T>
+long double ld(const T& x) {
+  return static_cast<long double>(gradapt::load(x));
+}
+
+std::uint64_t bits(double d) {
+  std::uint64_t u;
+  std::memcpy(&u, &d, sizeof u);
+  return u;
+}
+
+// Sizes that hit empty, tails of the 8-element groups, 16 lanes and 4096-element blocks, and
+// the parallel paths (apply chunks of 2^15, parallel reductions from 2^17).
+const std::vector<std::size_t> sizes{0, 1, 7, 8, 9, 15, 16, 17, 4095, 4096, 4097, 70001, 300007};
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("apply runs an axpy-like functor over every element", "[host][apply]", float, double,
+                   gradapt::half, gradapt::bfloat16) {
+  using C = gradapt::compute_t<TestType>;
+  for (int threads : {1, 2, 3}) {
+    gradapt::host h{.threads = threads};
+    for (std::size_t n : sizes) {
+      auto x = random_vector<TestType>(n, 1);
+      auto y = random_vector<TestType>(n, 2);
+      auto expect = y;
+      for (std::size_t i = 0; i < n; ++i)
+        gradapt::store(expect[i], gradapt::load(expect[i]) + C(0.5) * gradapt::load(x[i]));
+      const auto x_before = x;
+      h.apply([](C& yy, C xx) { yy += C(0.5) * xx; }, host_view(y), tensor_view<const TestType>(host_view(x)));
+      INFO("n = " << n << ", threads = " << threads);
+      REQUIRE(std::memcmp(y.data(), expect.data(), n * sizeof(TestType)) == 0);
+      REQUIRE(std::memcmp(x.data(), x_before.data(), n * sizeof(TestType)) == 0);
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("apply handles several outputs and leaves const inputs alone", "[host][apply]", float,
+                   double, gradapt::half, gradapt::bfloat16) {
+  using C = gradapt::compute_t<TestType>;
+  const std::size_t n = 100003;
+  auto g = random_vector<TestType>(n, 3);
+  std::vector<TestType> m(n), v(n);
+  gradapt::host h{.threads = 2};
+  // Adam-like moments: m = 0.9 m + 0.1 g ; v = 0.99 v + 0.01 g^2, twice.
+  for (int step = 0; step < 2; ++step)
+    h.apply([](C& mm, C& vv, C gg) { mm = C(0.9) * mm + C(0.1) * gg, vv = C(0.99) * vv + C(0.01) * gg * gg; },
+            host_view(m), host_view(v), tensor_view<const TestType>(host_view(g)));
+  for (std::size_t i = 0; i < n; i += 997) {
+    TestType em{}, ev{};
+    for (int step = 0; step < 2; ++step) {
+      const C gg = gradapt::load(g[i]);
+      gradapt::store(em, C(0.9) * gradapt::load(em) + C(0.1) * gg);
+      gradapt::store(ev, C(0.99) * gradapt::load(ev) + C(0.01) * gg * gg);
+    }
+    REQUIRE(std::memcmp(&m[i], &em, sizeof em) == 0);
+    REQUIRE(std::memcmp(&v[i], &ev, sizeof ev) == 0);
+  }
+}
+
+TEMPLATE_TEST_CASE("apply_list covers hundreds of tensors and passes the tensor index", "[host][apply]",
+                   float, double, gradapt::half, gradapt::bfloat16) {
+  using C = gradapt::compute_t<TestType>;
+  std::vector<std::vector<TestType>> w, g;
+  std::vector<tensor_view<TestType>> wv, gv;
+  for (std::size_t t = 0; t < 300; ++t) {
+    const std::size_t n = t % 17 == 0 ? 0 : (t * 37) % 1000 + (t == 5 ? 200000 : 0);
+    w.push_back(std::vector<TestType>(n));
+    g.push_back(random_vector<TestType>(n, static_cast<unsigned>(t)));
+  }
+  for (std::size_t t = 0; t < w.size(); ++t) wv.push_back(host_view(w[t])), gv.push_back(host_view(g[t]));
+  gradapt::host h{.threads = 2};
+  h.apply_list([](gradapt::tensor_index t, C& ww, C gg) { ww = C(static_cast<double>(t.value % 8)) * gg; }, wv, gv);
+  for (std::size_t t = 0; t < w.size(); ++t)
+    for (std::size_t i = 0; i < w[t].size(); ++i) {
+      TestType e;
+      gradapt::store(e, C(static_cast<double>(t % 8)) * gradapt::load(g[t][i]));
+      REQUIRE(std::memcmp(&w[t][i], &e, sizeof e) == 0);
+    }
+  // Without the index, all lists are still walked in lockstep.
+  h.apply_list([](C& ww, C& gg) { ww = gg, gg = C(0); }, wv, gv);
+  for (std::size_t t = 0; t < w.size(); ++t)
+    for (std::size_t i = 0; i < w[t].size(); ++i) REQUIRE(gradapt::load(g[t][i]) == C(0));
+}
+
+TEMPLATE_TEST_CASE("reductions match a long double re-computation", "[host][reduce]", float, double,
+                   gradapt::half, gradapt::bfloat16) {
+  for (std::size_t n : sizes) {
+    const auto x = random_vector<TestType>(n, 11, 3.0);
+    const auto y = random_vector<TestType>(n, 12, 2.0);
+    long double s = 0, sq = 0, dt = 0, abs_sum = 0, mx = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      s += ld(x[i]), sq += ld(x[i]) * ld(x[i]), dt += ld(x[i]) * ld(y[i]);
+      abs_sum += std::fabs(ld(x[i]) * ld(y[i])) + std::fabs(ld(x[i]));
+      mx = std::max(mx, std::fabs(ld(x[i])));
+    }
+    // Error bound of a double accumulation of n terms: n * 2^-53 * sum |terms| (generous).
+    const long double tol = static_cast<long double>(n + 1) * std::ldexp(1.0L, -52) * (abs_sum + sq);
+    gradapt::host h{.threads = 2};
+    const auto xv = host_view(x);
+    INFO("n = " << n);
+    REQUIRE(std::fabs(h.reduce(reduction::sum, xv) - s) <= tol);
+    REQUIRE(std::fabs(h.reduce(reduction::sum_squares, xv) - sq) <= tol);
+    REQUIRE(std::fabs(h.dot(xv, host_view(y)) - dt) <= tol);
+    REQUIRE(h.reduce(reduction::max_abs, xv) == static_cast<double>(mx));  // exact
+    REQUIRE(h.reduce(reduction::count_nonfinite, xv) == 0.0);
+  }
+}
+
+TEMPLATE_TEST_CASE("reductions are exact on exactly representable sums", "[host][reduce]", float, double,
+                   gradapt::half, gradapt::bfloat16) {
+  const std::size_t n = 250001;
+  std::vector<TestType> x(n);
+  double s = 0, sq = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const int k = static_cast<int>(i % 9) - 4;  // -4..4: exact in every type
+    gradapt::store(x[i], static_cast<gradapt::compute_t<TestType>>(k));
+    s += k, sq += k * k;
+  }
+  gradapt::host h{.threads = 3};
+  REQUIRE(h.reduce(reduction::sum, host_view(x)) == s);
+  REQUIRE(h.reduce(reduction::sum_squares, host_view(x)) == sq);
+  REQUIRE(h.dot(host_view(x), host_view(x)) == sq);
+  REQUIRE(h.reduce(reduction::max_abs, host_view(x)) == 4.0);
+}
+
+TEMPLATE_TEST_CASE("non-finite values: max_abs propagates NaN, count_nonfinite counts", "[host][reduce]",
+                   float, double, gradapt::half, gradapt::bfloat16) {
+  using C = gradapt::compute_t<TestType>;
+  gradapt::host h{.threads = 2};
+  for (std::size_t n : {std::size_t{5}, std::size_t{40000}, std::size_t{300007}}) {
+    std::vector<TestType> x(n);
+    for (std::size_t i = 0; i < n; ++i) gradapt::store(x[i], C(static_cast<double>(i % 5)) - C(2));
+    REQUIRE(h.reduce(reduction::count_nonfinite, host_view(x)) == 0.0);
+    gradapt::store(x[n / 2], -std::numeric_limits<C>::infinity());
+    REQUIRE(std::isinf(h.reduce(reduction::max_abs, host_view(x))));
+    REQUIRE(h.reduce(reduction::count_nonfinite, host_view(x)) == 1.0);
+    gradapt::store(x[n - 1], std::numeric_limits<C>::quiet_NaN());
+    gradapt::store(x[0], std::numeric_limits<C>::quiet_NaN());
+    REQUIRE(std::isnan(h.reduce(reduction::max_abs, host_view(x))));
+    REQUIRE(std::isnan(h.reduce(reduction::sum_squares, host_view(x))));
+    REQUIRE(h.reduce(reduction::count_nonfinite, host_view(x)) == 3.0);
+  }
+  std::vector<TestType> empty;
+  REQUIRE(h.reduce(reduction::max_abs, host_view(empty)) == 0.0);
+  REQUIRE(h.reduce(reduction::sum_squares, host_view(empty)) == 0.0);
+  // Denormal float inputs are exact in double and are not flushed.
+  if constexpr (std::is_same_v<TestType, float>) {
+    std::vector<float> d(33, std::numeric_limits<float>::denorm_min());
+    REQUIRE(h.reduce(reduction::sum, host_view(d)) == 33.0 * std::numeric_limits<float>::denorm_min());
+  }
+}
+
+TEMPLATE_TEST_CASE("reductions are bitwise identical for 1, 2 and 3 threads", "[host][reduce][determinism]",
+                   float, double, gradapt::half, gradapt::bfloat16) {
+  std::vector<std::vector<TestType>> data, other;
+  std::vector<tensor_view<const TestType>> xs, ys;
+  for (unsigned t = 0; t < 40; ++t) {
+    const std::size_t n = t == 3 ? 1000003 : t == 7 ? 262147 : (t * 7919u) % 20000u;
+    data.push_back(random_vector<TestType>(n, 100 + t, 1e3));
+    other.push_back(random_vector<TestType>(n, 200 + t, 1e-3));
+  }
+  for (std::size_t t = 0; t < data.size(); ++t) xs.push_back(host_view(data[t])), ys.push_back(host_view(other[t]));
+  std::vector<std::uint64_t> ref;
+  for (int threads : {1, 2, 3}) {
+    gradapt::host h{.threads = threads};
+    std::vector<double> per(xs.size());
+    std::vector<std::uint64_t> got;
+    for (auto op : {reduction::sum, reduction::sum_squares, reduction::max_abs}) {
+      got.push_back(bits(h.reduce(op, xs, per)));
+      for (double p : per) got.push_back(bits(p));
+      got.push_back(bits(h.reduce(op, xs[3])));
+    }
+    got.push_back(bits(h.dot(xs, ys, per)));
+    for (double p : per) got.push_back(bits(p));
+    got.push_back(bits(h.reduce(reduction::sum_squares, xs, std::span<double>{})));
+    if (ref.empty())
+      ref = got;
+    else
+      REQUIRE(got == ref);
+  }
+  // The global result is the per-tensor results added in tensor order.
+  gradapt::host h{.threads = 2};
+  std::vector<double> per(xs.size());
+  const double total = h.reduce(reduction::sum_squares, xs, per);
+  double acc = 0;
+  for (double p : per) acc += p;
+  REQUIRE(bits(total) == bits(acc));
+  REQUIRE(bits(per[3]) == bits(h.reduce(reduction::sum_squares, xs[3])));
+}
+
+TEST_CASE("host backend rejects mismatched arguments", "[host][errors]") {
+  gradapt::host h{.threads = 1};
+  std::vector<float> a(10), b(11);
+  REQUIRE_THROWS_WITH(h.apply([](float& x, float y) { x += y; }, host_view(a), host_view(b)),
+                      Catch::Matchers::Contains("view 1 has 11 elements but view 0 has 10"));
+  REQUIRE_THROWS_WITH(h.dot(host_view(a), host_view(b)),
+                      Catch::Matchers::Contains("tensor 0 has 11 elements in list 1 but 10 in list 0"));
+  std::vector<tensor_view<float>> one{host_view(a)}, two{host_view(a), host_view(b)};
+  REQUIRE_THROWS_WITH(h.apply_list([](float& x, float& y) { x += y; }, one, two),
+                      Catch::Matchers::Contains("list 1 holds 2 tensors but list 0 holds 1"));
+  std::vector<double> per(3);
+  REQUIRE_THROWS_WITH(h.reduce(reduction::sum, two, per), Catch::Matchers::Contains("per_tensor has 3 slots for 2 tensors"));
+  REQUIRE_THROWS_WITH((gradapt::host{.threads = -1}.reduce(reduction::sum, host_view(a))),
+                      Catch::Matchers::Contains("threads is -1"));
+}
