@@ -35,4 +35,11 @@ function(gradapt_add_component comp base)
   endif()
   add_library(gradapt::${comp} INTERFACE IMPORTED GLOBAL)
   target_link_libraries(gradapt::${comp} INTERFACE ${base} ${_deps})
+  if(comp STREQUAL "cuda")
+    # gradapt needs C++20 in .cu files too. CMake 3.25 does not know that nvcc 12+ accepts it
+    # (cuda_std_20 fails there), so the flag is passed directly; --extended-lambda lets users
+    # write GRADAPT_HD lambdas as element functors.
+    target_compile_options(gradapt::${comp} INTERFACE
+      $<$<COMPILE_LANGUAGE:CUDA>:-std=c++20 --extended-lambda>)
+  endif()
 endfunction()

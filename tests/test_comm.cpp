@@ -216,6 +216,21 @@ TEST_CASE("threads: results are identical from run to run", "[comm][threads][det
   }
 }
 
+TEST_CASE("threads: empty buffers are valid everywhere", "[comm][threads]") {
+  for (int n : {1, 2, 3}) {
+    run_threads(n, [](threads_comm& c) {
+      std::vector<float> none, none2;
+      c.allreduce(host_view(none), reduce_op::sum);
+      c.broadcast(host_view(none), 0);
+      c.allgather(cview(none), host_view(none2));
+      c.reduce_scatter(cview(none), host_view(none2), reduce_op::max);
+      const int peer = (c.rank() ^ 1) < c.size() ? (c.rank() ^ 1) : c.rank();
+      c.exchange(peer, cview(none), host_view(none2));
+      RANK_REQUIRE(none.empty());
+    });
+  }
+}
+
 TEST_CASE("single: a world of one", "[comm][single]") {
   gradapt::comm::single c;
   RANK_REQUIRE(c.rank() == 0);

@@ -127,7 +127,7 @@ public:
     else if (in.count != recv_count)
       problem = gradapt::detail::message("comm::threads exchange on rank ", rank, ": receive buffer has ",
                                          recv_count, " elements but peer ", peer, " sends ", in.count);
-    if (problem.empty()) {
+    if (problem.empty() && recv_count > 0) {
       lk.unlock();
       std::memcpy(recv, in.data, recv_count * size_of(type));
       lk.lock();

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Installs what gradapt's build, tests, examples and benches need on Debian 12, from Debian's
+# own packages. The CUDA toolkit is optional: when nvcc is on PATH or in /usr/local/cuda/bin,
+# the CUDA backend's tests and benches are compiled too.
+set -euo pipefail
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends \
+  build-essential g++ clang cmake ninja-build pkg-config \
+  catch2 libbenchmark-dev libopenmpi-dev openmpi-bin libomp-dev \
+  libxsimd-dev libeigen3-dev doxygen python3 >/dev/null
+echo "setup-debian: build dependencies installed"
