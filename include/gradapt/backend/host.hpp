@@ -88,8 +88,6 @@ GRADAPT_INLINE double combine_lanes(double (&acc)[lanes]) {
 // with no -march. Lane assignment equals the scalar path's (lane l takes elements l mod 8), so
 // both paths produce the same bits; only one of them is compiled into a given build.
 typedef double v2d __attribute__((vector_size(16)));
-typedef int v4i __attribute__((vector_size(16)));
-typedef long long v2l __attribute__((vector_size(16)));
 
 GRADAPT_INLINE v2d load2(const double* p) {
   v2d v;
@@ -169,29 +167,32 @@ double reduce_block_vec(const T* x, const T* y, std::size_t n) {
 
 /// max |x| over float: exact in float, NaN tracked apart; returns what the scalar path does.
 inline double max_abs_block_vec(const float* x, std::size_t n) {
-  v4i m0 = {0, 0, 0, 0}, m1 = m0, nan = m0;
-  const v4i absmask = {0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff};
-  const v4i expmask = {0x7f800000, 0x7f800000, 0x7f800000, 0x7f800000};
-  std::size_t i = 0;
-  // |x| as an integer orders like |x| for non-NaN floats; NaN bits exceed 0x7f800000.
-  for (; i + 8 <= n; i += 8) {
-    v4i b0, b1;
-    std::memcpy(&b0, x + i, sizeof b0);
-    std::memcpy(&b1, x + i + 4, sizeof b1);
-    b0 &= absmask;
-    b1 &= absmask;
-    nan |= (b0 > expmask) | (b1 > expmask);
-    const v4i c0 = b0 > m0, c1 = b1 > m1;
-    m0 = (c0 & b0) | (~c0 & m0);
-    m1 = (c1 & b1) | (~c1 & m1);
-  }
-  int best = 0;
   bool any_nan = false;
-  for (int l = 0; l < 4; ++l) {
-    any_nan |= nan[l] != 0;
-    best = std::max(best, std::max(m0[l], m1[l]));
-  }
-  double r = static_cast<double>(bits_float(static_cast<std::uint32_t>(best)));
+  double r = 0.0;
+  std::size_t i = 0;
+#if defined(__SSE2__)
+  // maxps on |x| plus an unordered-compare mask for NaN: 5 instructions per 4 floats, in four
+  // independent chains.
+  const __m128 absmask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
+  __m128 m[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
+  __m128 nan[4] = {m[0], m[0], m[0], m[0]};
+  const auto body = [&]<std::size_t... Q>(std::index_sequence<Q...>) {
+    for (; i + 16 <= n; i += 16)
+      (
+          [&] {
+            const __m128 a = _mm_and_ps(_mm_loadu_ps(x + i + 4 * Q), absmask);
+            nan[Q] = _mm_or_ps(nan[Q], _mm_cmpunord_ps(a, a));
+            m[Q] = _mm_max_ps(m[Q], a);
+          }(),
+          ...);
+  };
+  body(std::make_index_sequence<4>{});
+  const __m128 mm = _mm_max_ps(_mm_max_ps(m[0], m[1]), _mm_max_ps(m[2], m[3]));
+  any_nan = _mm_movemask_ps(_mm_or_ps(_mm_or_ps(nan[0], nan[1]), _mm_or_ps(nan[2], nan[3]))) != 0;
+  float lanes4[4];
+  _mm_storeu_ps(lanes4, mm);
+  for (float v : lanes4) r = std::max(r, static_cast<double>(v));
+#endif
   for (; i < n; ++i) {
     const double v = static_cast<double>(x[i]);
     any_nan |= v != v;
@@ -307,6 +308,15 @@ double reduce_list(const XS& xs, YGet ydata, std::span<double> out, int threads)
 /// at plain -O2 without proving that outputs and inputs do not overlap.
 inline constexpr std::size_t group = 8;
 
+/// Loads `group` consecutive elements into their compute type (no value-initialisation, so
+/// the array can live in registers).
+template <class T>
+GRADAPT_INLINE std::array<compute_t<T>, group> load_group(const T* p) {
+  std::array<compute_t<T>, group> a;
+  for (std::size_t l = 0; l < group; ++l) a[l] = load(p[l]);
+  return a;
+}
+
 /// Calls f on loaded copies of elements [b, e) of every pointer and stores back the non-const
 /// ones. `Indexed` passes the tensor index first.
 template <bool Indexed, class F, class... Ts, std::size_t... I>
@@ -319,17 +329,14 @@ GRADAPT_INLINE void apply_range(F& f, tensor_index t, std::size_t b, std::size_t
       f(v...);
   };
   std::size_t i = b;
-  for (; i + group <= e; i += group) {
-    std::tuple<std::array<compute_t<Ts>, group>...> v;
-    ((void)[&] {
-      for (std::size_t l = 0; l < group; ++l) std::get<I>(v)[l] = load(p[i + l]);
-    }(), ...);
-    for (std::size_t l = 0; l < group; ++l) call(std::get<I>(v)[l]...);
-    ((void)[&] {
-      if constexpr (!std::is_const_v<Ts>)
-        for (std::size_t l = 0; l < group; ++l) store(p[i + l], std::get<I>(v)[l]);
-    }(), ...);
-  }
+    for (; i + group <= e; i += group) {
+      std::tuple<std::array<compute_t<Ts>, group>...> v{load_group(p + i)...};
+      for (std::size_t l = 0; l < group; ++l) call(std::get<I>(v)[l]...);
+      ((void)[&] {
+        if constexpr (!std::is_const_v<Ts>)
+          for (std::size_t l = 0; l < group; ++l) store(p[i + l], std::get<I>(v)[l]);
+      }(), ...);
+    }
   for (; i < e; ++i) {
     std::tuple<compute_t<Ts>...> v{load(p[i])...};
     call(std::get<I>(v)...);
