@@ -29,12 +29,14 @@ struct axpy {
 
 __global__ void copy_kernel(const float* __restrict__ src, float* __restrict__ dst, std::size_t n) {
   const std::size_t stride = std::size_t{gridDim.x} * blockDim.x;
-  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n; i += stride) dst[i] = src[i];
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n; i += stride)
+    dst[i] = src[i];
 }
 
 __global__ void axpy_kernel(float a, const float* __restrict__ x, float* __restrict__ y, std::size_t n) {
   const std::size_t stride = std::size_t{gridDim.x} * blockDim.x;
-  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n; i += stride) y[i] = a * x[i] + y[i];
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n; i += stride)
+    y[i] = a * x[i] + y[i];
 }
 
 __global__ void fill_kernel(float* p, std::size_t n, float v) {
@@ -79,7 +81,8 @@ struct fixture {
     cudaStreamDestroy(stream);
   }
   gradapt::tensor_view<float, gradapt::device_space> view(float* p) const {
-    return gradapt::tensor_view<float, gradapt::device_space>::vector(p, static_cast<std::int64_t>(n_elements));
+    return gradapt::tensor_view<float, gradapt::device_space>::vector(p,
+                                                                      static_cast<std::int64_t>(n_elements));
   }
 };
 

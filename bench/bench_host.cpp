@@ -4,8 +4,8 @@
 // end a table gives each kernel's rate over the triad rate at the same thread count, and over
 // the roof that fits the kernel: a plain `y += s * x` loop with the same streams for apply
 // (triad writes a separate array and pays a read-for-ownership that its byte count hides),
-// and a plain vectorised read-only sum for the one-stream reductions. The plain loops are written to be as fast as a compiler makes
-// them here (restrict pointers, `omp simd`), so the ratios are not flattered.
+// and a plain vectorised read-only sum for the one-stream reductions. The plain loops are written to be as
+// fast as a compiler makes them here (restrict pointers, `omp simd`), so the ratios are not flattered.
 //
 //   bench_host [--benchmark_filter=...]     default: fp32, 16 Mi elements (64 MiB) per vector
 #include <benchmark/benchmark.h>
@@ -162,8 +162,15 @@ void BM_list_sum_squares(benchmark::State& st) {
   finish(st, 4.0 * n_elems);
 }
 
-#define GRADAPT_BENCH(fn) \
-  BENCHMARK(fn)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.3)->Repetitions(5)->ReportAggregatesOnly(true)
+#define GRADAPT_BENCH(fn)             \
+  BENCHMARK(fn)                       \
+      ->Arg(1)                        \
+      ->Arg(2)                        \
+      ->UseRealTime()                 \
+      ->Unit(benchmark::kMillisecond) \
+      ->MinTime(0.3)                  \
+      ->Repetitions(5)                \
+      ->ReportAggregatesOnly(true)
 GRADAPT_BENCH(BM_copy);
 GRADAPT_BENCH(BM_triad);
 GRADAPT_BENCH(BM_plain_axpy);
@@ -177,13 +184,14 @@ GRADAPT_BENCH(BM_max_abs);
 
 // Collects the median bytes/s of every benchmark to print the ratio table.
 class ratio_reporter : public benchmark::ConsoleReporter {
-public:
+ public:
   std::map<std::string, double> median;  // "BM_triad/1" -> bytes/s
   void ReportRuns(const std::vector<Run>& runs) override {
     for (const auto& r : runs)
       if (r.run_type == Run::RT_Aggregate && r.aggregate_name == "median") {
         const auto it = r.counters.find("bytes_per_second");
-        if (it != r.counters.end()) median[r.run_name.function_name + "/" + r.run_name.args] = it->second.value;
+        if (it != r.counters.end())
+          median[r.run_name.function_name + "/" + r.run_name.args] = it->second.value;
       }
     ConsoleReporter::ReportRuns(runs);
   }
@@ -203,17 +211,21 @@ int main(int argc, char** argv) {
     const double triad = rep.median["BM_triad/" + std::string(t)];
     const double read = rep.median["BM_read_sum/" + std::string(t)];
     const double axpy = rep.median["BM_plain_axpy/" + std::string(t)];
-    for (const char* k : {"BM_copy", "BM_triad", "BM_plain_axpy", "BM_read_sum", "BM_apply_axpy", "BM_apply_list_axpy",
-                          "BM_sum_squares", "BM_list_sum_squares", "BM_dot", "BM_max_abs"}) {
+    for (const char* k :
+         {"BM_copy", "BM_triad", "BM_plain_axpy", "BM_read_sum", "BM_apply_axpy", "BM_apply_list_axpy",
+          "BM_sum_squares", "BM_list_sum_squares", "BM_dot", "BM_max_abs"}) {
       const auto it = rep.median.find(std::string(k) + "/" + t);
       if (it == rep.median.end() || triad <= 0) continue;
       const std::string name(k);
-      const bool one_stream = name == "BM_sum_squares" || name == "BM_list_sum_squares" || name == "BM_max_abs";
+      const bool one_stream =
+          name == "BM_sum_squares" || name == "BM_list_sum_squares" || name == "BM_max_abs";
       const bool axpy_like = name == "BM_apply_axpy" || name == "BM_apply_list_axpy";
       const double roof = one_stream ? read : axpy_like ? axpy : triad;
       std::printf("%-22s %7s %8.1f %8.1f %10.2f %10.2f%s\n", k + 3, t, it->second * 1e-9, triad * 1e-9,
                   it->second / triad, it->second / roof,
-                  one_stream ? " (roof: read_sum)" : axpy_like ? " (roof: plain_axpy)" : "");
+                  one_stream  ? " (roof: read_sum)"
+                  : axpy_like ? " (roof: plain_axpy)"
+                              : "");
     }
   }
   benchmark::Shutdown();

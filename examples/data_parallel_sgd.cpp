@@ -97,7 +97,8 @@ int main(int argc, char** argv) {
           // Average gradients across ranks, then one SGD step on every parameter.
           for (const auto& g : params.grads()) comm.allreduce(g, gradapt::reduce_op::sum);
           const float scale = lr / float(p);
-          backend.apply_list([scale](float& wv, float gv) { wv -= scale * gv; }, params.values(), params.grads());
+          backend.apply_list([scale](float& wv, float gv) { wv -= scale * gv; }, params.values(),
+                             params.grads());
         }
         // Every rank must hold the same weights: compare against rank 0's broadcast copy.
         std::vector<float> w0 = w;

@@ -5,10 +5,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <random>
 #include <string>
 #include <string_view>
-#include <initializer_list>
 #include <vector>
 
 #include "catch.hpp"
@@ -75,7 +75,9 @@ std::string cat(std::initializer_list<std::string_view> parts) {
   for (auto p : parts) s.append(p);
   return s;
 }
-std::string fold_str(const std::string& acc, std::size_t i) { return cat({"(", acc, ",", std::to_string(i), ")"}); }
+std::string fold_str(const std::string& acc, std::size_t i) {
+  return cat({"(", acc, ",", std::to_string(i), ")"});
+}
 std::string combine_str(const std::string& a, const std::string& b) { return cat({"[", a, "|", b, "]"}); }
 
 }  // namespace
@@ -162,12 +164,24 @@ TEST_CASE("locate_chunk matches brute force on random lists", "[chunking]") {
       std::vector<std::size_t> sizes(count_dist(rng));
       for (auto& s : sizes) {
         switch (kind(rng)) {
-          case 0: s = 0; break;                    // empty tensor
-          case 1: s = 1; break;                    // a scalar
-          case 2: s = chunk * mult(rng); break;    // exactly a chunk multiple
-          case 3: s = chunk * mult(rng) + 1; break;
-          case 4: s = chunk * mult(rng) - 1; break;
-          default: s = any(rng); break;
+          case 0:
+            s = 0;
+            break;  // empty tensor
+          case 1:
+            s = 1;
+            break;  // a scalar
+          case 2:
+            s = chunk * mult(rng);
+            break;  // exactly a chunk multiple
+          case 3:
+            s = chunk * mult(rng) + 1;
+            break;
+          case 4:
+            s = chunk * mult(rng) - 1;
+            break;
+          default:
+            s = any(rng);
+            break;
         }
       }
       INFO("trial " << trial << ", " << sizes.size() << " tensors, chunk " << chunk);
@@ -214,9 +228,10 @@ TEST_CASE("lane_tree_reduce follows the documented order", "[chunking]") {
   // No items: the identity through the tree.
   REQUIRE(ck::lane_tree_reduce(0, std::string("e"), fold, combine, 2) == "[e|e]");
 
-  REQUIRE_THROWS_AS(ck::lane_tree_reduce(3, 0.0, [](double a, std::size_t) { return a; },
-                                         [](double a, double b) { return a + b; }, 6),
-                    gradapt::error);
+  REQUIRE_THROWS_AS(
+      ck::lane_tree_reduce(
+          3, 0.0, [](double a, std::size_t) { return a; }, [](double a, double b) { return a + b; }, 6),
+      gradapt::error);
 }
 
 TEST_CASE("chunked_tree_reduce: exact sums and the two-level order", "[chunking]") {
@@ -229,8 +244,8 @@ TEST_CASE("chunked_tree_reduce: exact sums and the two-level order", "[chunking]
   REQUIRE(got == combine(combine(combine("e", p0), p2), combine("e", p1)));
 
   // Integer sums are exact whatever the order: compare with the closed form.
-  for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{255}, std::size_t{256},
-                        std::size_t{257}, ck::chunk_elements, 3 * ck::chunk_elements + 17}) {
+  for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{255}, std::size_t{256}, std::size_t{257},
+                        ck::chunk_elements, 3 * ck::chunk_elements + 17}) {
     const auto s = ck::chunked_tree_reduce(
         n, std::uint64_t{0}, [](std::uint64_t a, std::size_t i) { return a + i; },
         [](std::uint64_t a, std::uint64_t b) { return a + b; });
@@ -246,7 +261,8 @@ TEST_CASE("chunked_tree_reduce: exact sums and the two-level order", "[chunking]
       v.size(), 0.0, [&](double a, std::size_t i) { return v[i] > a ? v[i] : a; },
       [](double a, double b) { return a > b ? a : b; });
   REQUIRE(got_max == mx);
-  REQUIRE_THROWS_AS(ck::chunked_tree_reduce(4, 0.0, [](double a, std::size_t) { return a; },
-                                            [](double a, double b) { return a + b; }, 0),
-                    gradapt::error);
+  REQUIRE_THROWS_AS(
+      ck::chunked_tree_reduce(
+          4, 0.0, [](double a, std::size_t) { return a; }, [](double a, double b) { return a + b; }, 0),
+      gradapt::error);
 }

@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
-#include "rank_check.hpp"
 #include "gradapt/comm/single.hpp"
 #include "gradapt/comm/threads.hpp"
+#include "rank_check.hpp"
 
 using gradapt::host_view;
 using gradapt::reduce_op;
@@ -131,15 +131,17 @@ TEST_CASE("threads: split into subgroups ordered by key", "[comm][threads]") {
 
 TEST_CASE("threads: errors name the operation, the ranks and both sizes", "[comm][threads][errors]") {
   RANK_REQUIRE_THROWS_WITH(run_threads(3,
-                                  [](threads_comm& c) {
-                                    std::vector<float> v(10 + std::size_t(c.rank() == 2 ? 2 : 0));
-                                    c.allreduce(host_view(v), reduce_op::sum);
-                                  }),
-                      Catch::Matchers::Contains("allreduce") && Catch::Matchers::Contains("rank 2 buffer has 12 elements but rank 0 has 10"));
+                                       [](threads_comm& c) {
+                                         std::vector<float> v(10 + std::size_t(c.rank() == 2 ? 2 : 0));
+                                         c.allreduce(host_view(v), reduce_op::sum);
+                                       }),
+                           Catch::Matchers::Contains("allreduce") &&
+                               Catch::Matchers::Contains("rank 2 buffer has 12 elements but rank 0 has 10"));
   // Every rank sees the same verdict and the world stays usable afterwards.
   run_threads(4, [](threads_comm& c) {
     std::vector<float> v(4 + std::size_t(c.rank() % 2));
-    RANK_REQUIRE_THROWS_WITH(c.allreduce(host_view(v), reduce_op::sum), Catch::Matchers::Contains("buffer has"));
+    RANK_REQUIRE_THROWS_WITH(c.allreduce(host_view(v), reduce_op::sum),
+                             Catch::Matchers::Contains("buffer has"));
     std::vector<double> ok(3, 1.0);
     c.allreduce(host_view(ok), reduce_op::sum);
     RANK_REQUIRE(ok[0] == 4.0);
@@ -150,45 +152,53 @@ TEST_CASE("threads: errors name the operation, the ranks and both sizes", "[comm
     if (c.rank() == 0)
       RANK_REQUIRE_THROWS_WITH(c.broadcast(host_view(v), 0), Catch::Matchers::Contains("called"));
     else
-      RANK_REQUIRE_THROWS_WITH(c.allreduce(host_view(v), reduce_op::sum), Catch::Matchers::Contains("collectives must match"));
+      RANK_REQUIRE_THROWS_WITH(c.allreduce(host_view(v), reduce_op::sum),
+                               Catch::Matchers::Contains("collectives must match"));
     if (c.rank() == 0)
-      RANK_REQUIRE_THROWS_WITH(c.allreduce(host_view(v), reduce_op::sum), Catch::Matchers::Contains("float32"));
+      RANK_REQUIRE_THROWS_WITH(c.allreduce(host_view(v), reduce_op::sum),
+                               Catch::Matchers::Contains("float32"));
     else
-      RANK_REQUIRE_THROWS_WITH(c.allreduce(host_view(d), reduce_op::sum), Catch::Matchers::Contains("float64"));
-    RANK_REQUIRE_THROWS_WITH(c.broadcast(host_view(v), 2), Catch::Matchers::Contains("root 2 is out of range"));
-    RANK_REQUIRE_THROWS_WITH(c.exchange(-1, cview(v), host_view(v)), Catch::Matchers::Contains("peer -1 is out of range"));
+      RANK_REQUIRE_THROWS_WITH(c.allreduce(host_view(d), reduce_op::sum),
+                               Catch::Matchers::Contains("float64"));
+    RANK_REQUIRE_THROWS_WITH(c.broadcast(host_view(v), 2),
+                             Catch::Matchers::Contains("root 2 is out of range"));
+    RANK_REQUIRE_THROWS_WITH(c.exchange(-1, cview(v), host_view(v)),
+                             Catch::Matchers::Contains("peer -1 is out of range"));
     std::vector<float> small(3);
-    RANK_REQUIRE_THROWS_WITH(c.allgather(cview(small), host_view(v)),
-                        Catch::Matchers::Contains("receive buffer has 4 elements but send buffer has 3"));
+    RANK_REQUIRE_THROWS_WITH(
+        c.allgather(cview(small), host_view(v)),
+        Catch::Matchers::Contains("receive buffer has 4 elements but send buffer has 3"));
     RANK_REQUIRE_THROWS_WITH(c.allgather(tensor_view<const float>::vector(v.data(), 2), host_view(v)),
-                        Catch::Matchers::Contains("overlap"));
+                             Catch::Matchers::Contains("overlap"));
     RANK_REQUIRE_THROWS_WITH(c.split(-1, 0), Catch::Matchers::Contains("color -1"));
   });
 }
 
 TEST_CASE("threads: exchange size mismatch is reported on the receiving side", "[comm][threads][errors]") {
   RANK_REQUIRE_THROWS_WITH(run_threads(2,
-                                  [](threads_comm& c) {
-                                    std::vector<float> send(c.rank() == 0 ? 6 : 4), recv(4);
-                                    c.exchange(1 - c.rank(), cview(send), host_view(recv));
-                                  }),
-                      Catch::Matchers::Contains("receive buffer has 4 elements but peer 0 sends 6"));
+                                       [](threads_comm& c) {
+                                         std::vector<float> send(c.rank() == 0 ? 6 : 4), recv(4);
+                                         c.exchange(1 - c.rank(), cview(send), host_view(recv));
+                                       }),
+                           Catch::Matchers::Contains("receive buffer has 4 elements but peer 0 sends 6"));
 }
 
 TEST_CASE("threads: a rank that throws releases its peers", "[comm][threads][errors]") {
   std::atomic<int> released{0};
-  RANK_REQUIRE_THROWS_WITH(run_threads(4,
-                                  [&](threads_comm& c) {
-                                    if (c.rank() == 2) throw std::runtime_error("model diverged on rank 2");
-                                    try {
-                                      c.barrier();
-                                    } catch (const gradapt::error& e) {
-                                      RANK_REQUIRE(std::string(e.what()).find("rank 2 failed: model diverged") != std::string::npos);
-                                      ++released;
-                                      throw;
-                                    }
-                                  }),
-                      Catch::Matchers::Equals("model diverged on rank 2"));
+  RANK_REQUIRE_THROWS_WITH(
+      run_threads(4,
+                  [&](threads_comm& c) {
+                    if (c.rank() == 2) throw std::runtime_error("model diverged on rank 2");
+                    try {
+                      c.barrier();
+                    } catch (const gradapt::error& e) {
+                      RANK_REQUIRE(std::string(e.what()).find("rank 2 failed: model diverged") !=
+                                   std::string::npos);
+                      ++released;
+                      throw;
+                    }
+                  }),
+      Catch::Matchers::Equals("model diverged on rank 2"));
   RANK_REQUIRE(released == 3);
   RANK_REQUIRE_THROWS_WITH(threads_comm::create(0), Catch::Matchers::Contains("0 ranks requested"));
 }
@@ -248,7 +258,8 @@ TEST_CASE("single: a world of one", "[comm][single]") {
   RANK_REQUIRE(c.split(3, 1).size() == 1);
   std::vector<float> w2(2);
   RANK_REQUIRE_THROWS_WITH(c.broadcast(host_view(v), 1), Catch::Matchers::Contains("root 1 is out of range"));
-  RANK_REQUIRE_THROWS_WITH(c.allgather(cview(v), host_view(w2)), Catch::Matchers::Contains("receive buffer has 2 elements"));
+  RANK_REQUIRE_THROWS_WITH(c.allgather(cview(v), host_view(w2)),
+                           Catch::Matchers::Contains("receive buffer has 2 elements"));
   REQUIRE_THROWS_AS(c.exchange(1, cview(v), host_view(w)), gradapt::error);
   REQUIRE_THROWS_AS(c.split(-2, 0), gradapt::error);
 }

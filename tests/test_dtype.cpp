@@ -72,7 +72,9 @@ double round_reference(double x, int mant, int emin, double maxv) {
 
 double half_round_reference(float f) { return round_reference(f, 10, -14, 65504.0); }
 double bf16_round_reference(float f) {
-  return round_reference(f, 7, -126, static_cast<double>(std::numeric_limits<float>::max()) * (1.0 - std::ldexp(1.0, -8)) / (1.0 - std::ldexp(1.0, -24)));
+  return round_reference(f, 7, -126,
+                         static_cast<double>(std::numeric_limits<float>::max()) *
+                             (1.0 - std::ldexp(1.0, -8)) / (1.0 - std::ldexp(1.0, -24)));
 }
 
 }  // namespace

@@ -59,7 +59,8 @@ TEMPLATE_TEST_CASE("apply runs an axpy-like functor over every element", "[host]
       for (std::size_t i = 0; i < n; ++i)
         gradapt::store(expect[i], gradapt::load(expect[i]) + C(0.5) * gradapt::load(x[i]));
       const auto x_before = x;
-      h.apply([](C& yy, C xx) { yy += C(0.5) * xx; }, host_view(y), tensor_view<const TestType>(host_view(x)));
+      h.apply([](C& yy, C xx) { yy += C(0.5) * xx; }, host_view(y),
+              tensor_view<const TestType>(host_view(x)));
       INFO("n = " << n << ", threads = " << threads);
       REQUIRE(same_bytes(y.data(), expect.data(), n * sizeof(TestType)));
       REQUIRE(same_bytes(x.data(), x_before.data(), n * sizeof(TestType)));
@@ -102,7 +103,8 @@ TEMPLATE_TEST_CASE("apply_list covers hundreds of tensors and passes the tensor 
   }
   for (std::size_t t = 0; t < w.size(); ++t) wv.push_back(host_view(w[t])), gv.push_back(host_view(g[t]));
   gradapt::host h{.threads = 2};
-  h.apply_list([](gradapt::tensor_index t, C& ww, C gg) { ww = C(static_cast<double>(t.value % 8)) * gg; }, wv, gv);
+  h.apply_list([](gradapt::tensor_index t, C& ww, C gg) { ww = C(static_cast<double>(t.value % 8)) * gg; },
+               wv, gv);
   for (std::size_t t = 0; t < w.size(); ++t)
     for (std::size_t i = 0; i < w[t].size(); ++i) {
       TestType e;
@@ -192,7 +194,8 @@ TEMPLATE_TEST_CASE("reductions are bitwise identical for 1, 2 and 3 threads", "[
     data.push_back(random_vector<TestType>(n, 100 + t, 1e3));
     other.push_back(random_vector<TestType>(n, 200 + t, 1e-3));
   }
-  for (std::size_t t = 0; t < data.size(); ++t) xs.push_back(host_view(data[t])), ys.push_back(host_view(other[t]));
+  for (std::size_t t = 0; t < data.size(); ++t)
+    xs.push_back(host_view(data[t])), ys.push_back(host_view(other[t]));
   std::vector<std::uint64_t> ref;
   for (int threads : {1, 2, 3}) {
     gradapt::host h{.threads = threads};
@@ -232,7 +235,8 @@ TEST_CASE("host backend rejects mismatched arguments", "[host][errors]") {
   REQUIRE_THROWS_WITH(h.apply_list([](float& x, float& y) { x += y; }, one, two),
                       Catch::Matchers::Contains("list 1 holds 2 tensors but list 0 holds 1"));
   std::vector<double> per(3);
-  REQUIRE_THROWS_WITH(h.reduce(reduction::sum, two, per), Catch::Matchers::Contains("per_tensor has 3 slots for 2 tensors"));
+  REQUIRE_THROWS_WITH(h.reduce(reduction::sum, two, per),
+                      Catch::Matchers::Contains("per_tensor has 3 slots for 2 tensors"));
   REQUIRE_THROWS_WITH((gradapt::host{.threads = -1}.reduce(reduction::sum, host_view(a))),
                       Catch::Matchers::Contains("threads is -1"));
 }

@@ -13,7 +13,8 @@ TEST_CASE("param_list views framework buffers without copies", "[param_list]") {
   const auto enc = params.add_group("no_decay", {.lr_scale = 0.5, .weight_decay = 0.0});
   REQUIRE(enc == 1);
   params.add("layer.weight", host_view(w1, {2, 3}), host_view(bg1, {2, 3}));
-  params.add("layer.bias", host_view(w2), host_view(bg2), {.skip_weight_decay = true, .skip_trust_ratio = true}, enc);
+  params.add("layer.bias", host_view(w2), host_view(bg2),
+             {.skip_weight_decay = true, .skip_trust_ratio = true}, enc);
   REQUIRE(params.size() == 2);
   REQUIRE(params.total_elements() == 9);
   REQUIRE(params.values()[0].data() == w1.data());
@@ -35,9 +36,12 @@ TEST_CASE("param_list rejects bad input with messages naming the tensor", "[para
   REQUIRE_THROWS_WITH(params.add("b", host_view(w, {2, 3}), host_view(g, {3, 2})),
                       Catch::Matchers::Contains("'b' has value shape [2, 3] but gradient shape [3, 2]"));
   REQUIRE_THROWS_WITH(params.add("c", host_view(w), host_view(g5)), Catch::Matchers::Contains("'c'"));
-  REQUIRE_THROWS_WITH(params.add("a", host_view(w), host_view(g)), Catch::Matchers::Contains("'a' already exists"));
-  REQUIRE_THROWS_WITH(params.add("", host_view(w), host_view(g)), Catch::Matchers::Contains("empty parameter name"));
-  REQUIRE_THROWS_WITH(params.add("d", host_view(w), host_view(g), {}, 7), Catch::Matchers::Contains("names group 7"));
+  REQUIRE_THROWS_WITH(params.add("a", host_view(w), host_view(g)),
+                      Catch::Matchers::Contains("'a' already exists"));
+  REQUIRE_THROWS_WITH(params.add("", host_view(w), host_view(g)),
+                      Catch::Matchers::Contains("empty parameter name"));
+  REQUIRE_THROWS_WITH(params.add("d", host_view(w), host_view(g), {}, 7),
+                      Catch::Matchers::Contains("names group 7"));
   REQUIRE_THROWS_WITH(params.at("zzz"), Catch::Matchers::Contains("no parameter named 'zzz'"));
   REQUIRE_THROWS_AS(params.at(std::size_t{3}), gradapt::error);
   REQUIRE_THROWS_AS(params.add_group("default"), gradapt::error);

@@ -104,11 +104,21 @@ inline std::vector<std::size_t> list_sizes(std::size_t count, std::uint64_t seed
   std::vector<std::size_t> s(count);
   for (auto& n : s) {
     switch (kind(rng)) {
-      case 0: n = 0; break;
-      case 1: n = 1; break;
-      case 2: n = C * mult(rng); break;
-      case 3: n = C * mult(rng) + 1; break;
-      default: n = small(rng); break;
+      case 0:
+        n = 0;
+        break;
+      case 1:
+        n = 1;
+        break;
+      case 2:
+        n = C * mult(rng);
+        break;
+      case 3:
+        n = C * mult(rng) + 1;
+        break;
+      default:
+        n = small(rng);
+        break;
     }
   }
   return s;

@@ -52,8 +52,8 @@ struct convert {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("cuda apply: axpy matches the host loop bitwise", "[cuda][apply]", float, double, gradapt::half,
-                   gradapt::bfloat16) {
+TEMPLATE_TEST_CASE("cuda apply: axpy matches the host loop bitwise", "[cuda][apply]", float, double,
+                   gradapt::half, gradapt::bfloat16) {
   using C = compute_t<TestType>;
   const gradapt::cuda backend{};
   for (std::size_t n : edge_sizes()) {
@@ -64,7 +64,8 @@ TEMPLATE_TEST_CASE("cuda apply: axpy matches the host loop bitwise", "[cuda][app
     auto dy = to_device(hy);
     for (C a : {C(0.5), C(-2)}) {
       backend.apply(axpy<C>{a}, view(dy), cview(dx));
-      for (std::size_t i = 0; i < n; ++i) gradapt::store(hy[i], a * gradapt::load(hx[i]) + gradapt::load(hy[i]));
+      for (std::size_t i = 0; i < n; ++i)
+        gradapt::store(hy[i], a * gradapt::load(hx[i]) + gradapt::load(hy[i]));
     }
     backend.synchronize();
     const auto got = to_host(dy);
@@ -110,8 +111,8 @@ TEMPLATE_TEST_CASE("cuda apply: several inputs and outputs of mixed types", "[cu
   }
 }
 
-TEMPLATE_TEST_CASE("cuda apply: tensor_index is 0 for a single view", "[cuda][apply]", float, double, gradapt::half,
-                   gradapt::bfloat16) {
+TEMPLATE_TEST_CASE("cuda apply: tensor_index is 0 for a single view", "[cuda][apply]", float, double,
+                   gradapt::half, gradapt::bfloat16) {
   using C = compute_t<TestType>;
   const std::size_t n = 1000;
   auto hy = eighths<TestType>(n, 5);

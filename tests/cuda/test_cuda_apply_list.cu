@@ -48,22 +48,21 @@ struct tensor_list {
     }
     for (auto& d : device) views.push_back(view(d));
   }
-  std::vector<tensor_view<const T, device_space>> const_views() const {
-    return {views.begin(), views.end()};
-  }
+  std::vector<tensor_view<const T, device_space>> const_views() const { return {views.begin(), views.end()}; }
 };
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("cuda apply_list: hundreds of tensors with tensor_index", "[cuda][apply_list]", float, double,
-                   gradapt::half, gradapt::bfloat16) {
+TEMPLATE_TEST_CASE("cuda apply_list: hundreds of tensors with tensor_index", "[cuda][apply_list]", float,
+                   double, gradapt::half, gradapt::bfloat16) {
   using C = compute_t<TestType>;
   for (std::size_t count : {std::size_t{1}, std::size_t{7}, std::size_t{300}, std::size_t{701}}) {
     const auto sizes = list_sizes(count, count);
     tensor_list<TestType> ys(sizes, 1), xs(sizes, 2);
     const auto cx = xs.const_views();
     const gradapt::cuda backend{};
-    backend.apply_list(scaled_add_index<C>{}, ys.views, std::span<const tensor_view<const TestType, device_space>>(cx));
+    backend.apply_list(scaled_add_index<C>{}, ys.views,
+                       std::span<const tensor_view<const TestType, device_space>>(cx));
     backend.synchronize();
     for (std::size_t t = 0; t < count; ++t) {
       const auto got = to_host(ys.device[t]);

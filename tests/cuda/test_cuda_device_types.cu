@@ -21,7 +21,8 @@ static_assert(std::is_same_v<gradapt::gradapt_type_t<double>, double>);
 
 namespace {
 
-__global__ void load_all_16bit(const gradapt::half* h, const gradapt::bfloat16* b, float* fh, float* fb, int n) {
+__global__ void load_all_16bit(const gradapt::half* h, const gradapt::bfloat16* b, float* fh, float* fb,
+                               int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) {
     fh[i] = gradapt::detail::device_load(h[i]);
@@ -74,7 +75,8 @@ TEST_CASE("device loads of every half and bfloat16 pattern equal the host loads"
   const auto db = to_device(hb);
   dvec<float> fh(n), fb(n);
   load_all_16bit<<<n / 256, 256>>>(thrust::raw_pointer_cast(dh.data()), thrust::raw_pointer_cast(db.data()),
-                                    thrust::raw_pointer_cast(fh.data()), thrust::raw_pointer_cast(fb.data()), n);
+                                   thrust::raw_pointer_cast(fh.data()), thrust::raw_pointer_cast(fb.data()),
+                                   n);
   GRADAPT_CUDA_CHECK(cudaGetLastError());
   const auto gh = to_host(fh);
   const auto gb = to_host(fb);

@@ -45,7 +45,8 @@ double emulate_dot(const std::vector<T>& x, const std::vector<U>& y) {
   return ck::chunked_tree_reduce(
       x.size(), Op::identity(),
       [&](double a, std::size_t i) {
-        return Op::fold(a, static_cast<double>(gradapt::load(x[i])), static_cast<double>(gradapt::load(y[i])));
+        return Op::fold(a, static_cast<double>(gradapt::load(x[i])),
+                        static_cast<double>(gradapt::load(y[i])));
       },
       [](double a, double b) { return Op::combine(a, b); });
 }
@@ -64,13 +65,21 @@ reference naive(reduction op, const std::vector<T>& x) {
   for (const T& e : x) {
     const long double v = static_cast<long double>(gradapt::load(e));
     switch (op) {
-      case reduction::sum: r.value += v; r.magnitude += std::fabs(v); break;
-      case reduction::sum_squares: r.value += v * v; r.magnitude += v * v; break;
+      case reduction::sum:
+        r.value += v;
+        r.magnitude += std::fabs(v);
+        break;
+      case reduction::sum_squares:
+        r.value += v * v;
+        r.magnitude += v * v;
+        break;
       case reduction::max_abs:
         nan |= std::isnan(v);
         r.value = std::fabs(v) > r.value ? std::fabs(v) : r.value;
         break;
-      case reduction::count_nonfinite: r.value += std::isfinite(v) ? 0 : 1; break;
+      case reduction::count_nonfinite:
+        r.value += std::isfinite(v) ? 0 : 1;
+        break;
     }
   }
   if (nan) r.value = std::numeric_limits<long double>::quiet_NaN();
@@ -81,7 +90,8 @@ template <class T, class U>
 reference naive_dot(const std::vector<T>& x, const std::vector<U>& y) {
   reference r;
   for (std::size_t i = 0; i < x.size(); ++i) {
-    const long double p = static_cast<long double>(gradapt::load(x[i])) * static_cast<long double>(gradapt::load(y[i]));
+    const long double p =
+        static_cast<long double>(gradapt::load(x[i])) * static_cast<long double>(gradapt::load(y[i]));
     r.value += p;
     r.magnitude += std::fabs(p);
   }
@@ -129,8 +139,8 @@ TEMPLATE_TEST_CASE("cuda reduce: every op on one tensor", "[cuda][reduce]", floa
   }
 }
 
-TEMPLATE_TEST_CASE("cuda dot: one tensor pair, mixed element types", "[cuda][dot]", float, double, gradapt::half,
-                   gradapt::bfloat16) {
+TEMPLATE_TEST_CASE("cuda dot: one tensor pair, mixed element types", "[cuda][dot]", float, double,
+                   gradapt::half, gradapt::bfloat16) {
   const gradapt::cuda backend{};
   for (std::size_t n : edge_sizes()) {
     INFO("n = " << n);
@@ -142,7 +152,8 @@ TEMPLATE_TEST_CASE("cuda dot: one tensor pair, mixed element types", "[cuda][dot
     REQUIRE(bits(got) == bits(emulate_dot(hx, hy)));
     require_close(got, naive_dot(hx, hy));
     // dot(x, x) is sum_squares in the same order.
-    REQUIRE(bits(backend.dot(cview(dx), cview(dx))) == bits(backend.reduce(reduction::sum_squares, cview(dx))));
+    REQUIRE(bits(backend.dot(cview(dx), cview(dx))) ==
+            bits(backend.reduce(reduction::sum_squares, cview(dx))));
   }
 }
 
@@ -301,34 +312,50 @@ TEST_CASE("cuda reductions: argument errors", "[cuda][reduce]") {
   const gradapt::cuda backend{};
   const tensor_list<float> a({3, 4, 5}, 1), b({3, 4, 6}, 2), c({3, 4}, 3);
   std::vector<double> per(2);
-  REQUIRE(error_of([&] { (void)backend.reduce(reduction::sum, a.views, per); })
-              .find("gradapt::cuda::reduce: per_tensor has 2 slots for 3 tensors") != std::string::npos);
-  REQUIRE(error_of([&] { (void)backend.dot(a.views, b.views, std::span<double>{}); })
-              .find("gradapt::cuda::dot: tensor 2 has 6 elements in list 1 but 5 in list 0") != std::string::npos);
-  REQUIRE(error_of([&] { (void)backend.dot(a.views, c.views, std::span<double>{}); })
-              .find("gradapt::cuda::dot: list 1 holds 2 tensors but list 0 holds 3") != std::string::npos);
-  REQUIRE(error_of([&] { (void)backend.dot(a.views[0], a.views[1]); })
-              .find("gradapt::cuda::dot: y has 4 elements but x has 3 (expected equal sizes)") != std::string::npos);
+  REQUIRE(error_of([&] {
+            (void)backend.reduce(reduction::sum, a.views, per);
+          }).find("gradapt::cuda::reduce: per_tensor has 2 slots for 3 tensors") != std::string::npos);
+  REQUIRE(error_of([&] {
+            (void)backend.dot(a.views, b.views, std::span<double>{});
+          }).find("gradapt::cuda::dot: tensor 2 has 6 elements in list 1 but 5 in list 0") !=
+          std::string::npos);
+  REQUIRE(error_of([&] {
+            (void)backend.dot(a.views, c.views, std::span<double>{});
+          }).find("gradapt::cuda::dot: list 1 holds 2 tensors but list 0 holds 3") != std::string::npos);
+  REQUIRE(error_of([&] {
+            (void)backend.dot(a.views[0], a.views[1]);
+          }).find("gradapt::cuda::dot: y has 4 elements but x has 3 (expected equal sizes)") !=
+          std::string::npos);
   dvec<double> two(2);
-  REQUIRE(error_of([&] { backend.dot_to(a.views[0], a.views[1], view(two)); })
-              .find("gradapt::cuda::dot_to: y has 4 elements but x has 3") != std::string::npos);
-  REQUIRE(error_of([&] { backend.reduce_to(reduction::sum, a.views[0], view(two)); })
-              .find("gradapt::cuda::reduce_to: result has 2 elements (expected 1)") != std::string::npos);
-  REQUIRE(error_of([&] { backend.reduce_to(reduction::sum, a.views, view(two)); })
-              .find("gradapt::cuda::reduce_to: per_tensor has 2 elements for 3 tensors") != std::string::npos);
-  REQUIRE(error_of([&] { backend.reduce_to(reduction::sum, a.views, tensor_view<double, device_space>{}); })
-              .find("both empty") != std::string::npos);
-  REQUIRE(error_of([&] { backend.dot_to(a.views, a.views, tensor_view<double, device_space>{}, view(two)); })
-              .find("gradapt::cuda::dot_to: total has 2 elements (expected 1") != std::string::npos);
-  REQUIRE(error_of([&] { (void)backend.reduce(static_cast<reduction>(42), a.views[0]); })
-              .find("unknown reduction 42") != std::string::npos);
+  REQUIRE(error_of([&] {
+            backend.dot_to(a.views[0], a.views[1], view(two));
+          }).find("gradapt::cuda::dot_to: y has 4 elements but x has 3") != std::string::npos);
+  REQUIRE(error_of([&] {
+            backend.reduce_to(reduction::sum, a.views[0], view(two));
+          }).find("gradapt::cuda::reduce_to: result has 2 elements (expected 1)") != std::string::npos);
+  REQUIRE(error_of([&] {
+            backend.reduce_to(reduction::sum, a.views, view(two));
+          }).find("gradapt::cuda::reduce_to: per_tensor has 2 elements for 3 tensors") != std::string::npos);
+  REQUIRE(error_of([&] {
+            backend.reduce_to(reduction::sum, a.views, tensor_view<double, device_space>{});
+          }).find("both empty") != std::string::npos);
+  REQUIRE(error_of([&] {
+            backend.dot_to(a.views, a.views, tensor_view<double, device_space>{}, view(two));
+          }).find("gradapt::cuda::dot_to: total has 2 elements (expected 1") != std::string::npos);
+  REQUIRE(error_of([&] {
+            (void)backend.reduce(static_cast<reduction>(42), a.views[0]);
+          }).find("unknown reduction 42") != std::string::npos);
 }
 
 namespace {
 template <class V>
-concept reducible = requires(const gradapt::cuda& b, V v) { b.reduce(reduction::sum, v); };
+concept reducible = requires(const gradapt::cuda& b, V v) {
+  b.reduce(reduction::sum, v);
+};
 template <class V>
-concept dottable = requires(const gradapt::cuda& b, V v) { b.dot(v, v); };
+concept dottable = requires(const gradapt::cuda& b, V v) {
+  b.dot(v, v);
+};
 template <class V>
 concept reducible_to = requires(const gradapt::cuda& b, V v, tensor_view<double, device_space> out) {
   b.reduce_to(reduction::sum, v, out);

@@ -50,7 +50,8 @@ int main(int argc, char** argv) {
   MPI_Allreduce(&result, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
   if (rank == 0)
     std::cout << "gradapt MPI tests on " << size << " rank(s): "
-              << (worst == 0 ? "passed on every rank" : "FAILED on at least one rank (see the [rank r] reports)")
+              << (worst == 0 ? "passed on every rank"
+                             : "FAILED on at least one rank (see the [rank r] reports)")
               << std::endl;
   MPI_Finalize();
   return worst > 255 ? 255 : worst;

@@ -42,8 +42,9 @@ void still_works(mpi& c) {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("mpi collectives with different sizes on different ranks throw on every rank naming both sizes",
-                   "[mpi][errors]", float, double, half, bfloat16) {
+TEMPLATE_TEST_CASE(
+    "mpi collectives with different sizes on different ranks throw on every rank naming both sizes",
+    "[mpi][errors]", float, double, half, bfloat16) {
   using T = TestType;
   mpi c;
   const int r = c.rank();
@@ -58,13 +59,13 @@ TEMPLATE_TEST_CASE("mpi collectives with different sizes on different ranks thro
 
   std::vector<T> x(n, make<T>(1));
   CHECK(error_of([&] { c.allreduce(view(x), reduce_op::sum); }) ==
-        prefix("allreduce", r) + "buffer has " + std::to_string(10 + r) + " elements but rank " + std::to_string(o) +
-            " has " + std::to_string(10 + o) + " (every rank must pass the same size)");
+        prefix("allreduce", r) + "buffer has " + std::to_string(10 + r) + " elements but rank " +
+            std::to_string(o) + " has " + std::to_string(10 + o) + " (every rank must pass the same size)");
   CHECK(values(x) == std::vector<double>(n, 1.0));  // untouched
 
   CHECK(error_of([&] { c.broadcast(view(x), 0); }) ==
-        prefix("broadcast", r) + "buffer has " + std::to_string(10 + r) + " elements but rank " + std::to_string(o) +
-            " has " + std::to_string(10 + o) + " (every rank must pass the same size)");
+        prefix("broadcast", r) + "buffer has " + std::to_string(10 + r) + " elements but rank " +
+            std::to_string(o) + " has " + std::to_string(10 + o) + " (every rank must pass the same size)");
 
   const auto p = static_cast<std::size_t>(c.size());
   std::vector<T> gathered(p * n);
@@ -93,7 +94,8 @@ TEST_CASE("mpi exchange with a peer of a different size throws on both sides", "
   std::vector<double> d(s.size());
   CHECK(error_of([&] { c.exchange(peer, cview(s), view(d)); }) ==
         prefix("exchange", r) + "send has " + std::to_string(4 + r) + " elements but peer rank " +
-            std::to_string(peer) + " has " + std::to_string(4 + peer) + " (both sides must exchange the same size)");
+            std::to_string(peer) + " has " + std::to_string(4 + peer) +
+            " (both sides must exchange the same size)");
   still_works(c);
 }
 
@@ -151,8 +153,8 @@ TEST_CASE("mpi exchange send and recv of different sizes", "[mpi][errors]") {
   still_works(c);
 }
 
-TEMPLATE_TEST_CASE("mpi allgather and reduce_scatter with the wrong recv or send size", "[mpi][errors]", float,
-                   bfloat16) {
+TEMPLATE_TEST_CASE("mpi allgather and reduce_scatter with the wrong recv or send size", "[mpi][errors]",
+                   float, bfloat16) {
   using T = TestType;
   for (const bool check : {true, false}) {
     mpi c{MPI_COMM_WORLD, {.check_sizes = check}};
@@ -162,15 +164,15 @@ TEMPLATE_TEST_CASE("mpi allgather and reduce_scatter with the wrong recv or send
     std::vector<T> recv(p * 3 + 1);
     CHECK(error_of([&] { c.allgather(cview(send), view(recv)); }) ==
           prefix("allgather", r) + "recv has " + std::to_string(p * 3 + 1) +
-              " elements but must have size() * send.size() = " + std::to_string(p) + " * 3 = " +
-              std::to_string(p * 3));
+              " elements but must have size() * send.size() = " + std::to_string(p) +
+              " * 3 = " + std::to_string(p * 3));
 
     std::vector<T> big(p * 2 + 1, make<T>(1));
     std::vector<T> part(2);
     CHECK(error_of([&] { c.reduce_scatter(cview(big), view(part), reduce_op::sum); }) ==
           prefix("reduce_scatter", r) + "send has " + std::to_string(p * 2 + 1) +
-              " elements but must have size() * recv.size() = " + std::to_string(p) + " * 2 = " +
-              std::to_string(p * 2));
+              " elements but must have size() * recv.size() = " + std::to_string(p) +
+              " * 2 = " + std::to_string(p * 2));
     still_works(c);
   }
 }
@@ -190,14 +192,16 @@ TEST_CASE("mpi overlapping buffers are rejected", "[mpi][errors]") {
                   std::to_string(r * 2));
   // reduce_scatter: recv inside send.
   CHECK(error_of([&] {
-          c.reduce_scatter(gradapt::tensor_view<const float>::vector(buf.data(), static_cast<std::int64_t>(p * 2)),
-                           gradapt::tensor_view<float>::vector(buf.data() + 1, 2), reduce_op::sum);
+          c.reduce_scatter(
+              gradapt::tensor_view<const float>::vector(buf.data(), static_cast<std::int64_t>(p * 2)),
+              gradapt::tensor_view<float>::vector(buf.data() + 1, 2), reduce_op::sum);
         }) == prefix("reduce_scatter", r) + "send and recv overlap; pass separate buffers");
   // exchange: partial overlap.
   CHECK(error_of([&] {
           c.exchange(r, gradapt::tensor_view<const float>::vector(buf.data(), 2),
                      gradapt::tensor_view<float>::vector(buf.data() + 1, 2));
-        }) == prefix("exchange", r) + "send and recv partly overlap; pass separate buffers or the same buffer");
+        }) ==
+        prefix("exchange", r) + "send and recv partly overlap; pass separate buffers or the same buffer");
   still_works(c);
 }
 
@@ -212,8 +216,8 @@ TEST_CASE("mpi a bad argument on one rank makes every rank throw", "[mpi][errors
   const std::string got = error_of([&] { c.allgather(cview(send), view(recv)); });
   if (r == bad)
     CHECK(got == prefix("allgather", r) + "recv has " + std::to_string(np * 2 + 3) +
-                     " elements but must have size() * send.size() = " + std::to_string(p) + " * 2 = " +
-                     std::to_string(np * 2));
+                     " elements but must have size() * send.size() = " + std::to_string(p) +
+                     " * 2 = " + std::to_string(np * 2));
   else
     CHECK(got == prefix("allgather", r) + "rank " + std::to_string(bad) +
                      " passed invalid arguments (that rank's error says which); nothing was sent");
@@ -238,13 +242,17 @@ TEST_CASE("mpi split with a negative color", "[mpi][errors]") {
 
 TEST_CASE("mpi constructor rejects a null handle and bad options", "[mpi][errors]") {
   CHECK(error_of([] { mpi c{MPI_COMM_NULL}; }) ==
-        "gradapt: comm::mpi: the handle is MPI_COMM_NULL; pass a valid communicator (a rank outside a split group "
+        "gradapt: comm::mpi: the handle is MPI_COMM_NULL; pass a valid communicator (a rank outside a split "
+        "group "
         "has none)");
-  CHECK(error_of([] { mpi c{MPI_COMM_WORLD, {.max_count = 0}}; }) ==
+  CHECK(error_of([] {
+          mpi c{MPI_COMM_WORLD, {.max_count = 0}};
+        }) ==
         "gradapt: comm::mpi: mpi_options::max_count is 0 (expected 1 to " + std::to_string(INT_MAX) + ")");
-  CHECK(error_of([] { mpi c{MPI_COMM_WORLD, {.max_count = std::int64_t{INT_MAX} + 1}}; }) ==
-        "gradapt: comm::mpi: mpi_options::max_count is " + std::to_string(std::int64_t{INT_MAX} + 1) +
-            " (expected 1 to " + std::to_string(INT_MAX) + ")");
+  CHECK(error_of([] {
+          mpi c{MPI_COMM_WORLD, {.max_count = std::int64_t{INT_MAX} + 1}};
+        }) == "gradapt: comm::mpi: mpi_options::max_count is " + std::to_string(std::int64_t{INT_MAX} + 1) +
+                  " (expected 1 to " + std::to_string(INT_MAX) + ")");
   const std::string tag_error = error_of([] { mpi c{MPI_COMM_WORLD, {.tag = -1}}; });
   CHECK(tag_error.rfind("gradapt: comm::mpi: mpi_options::tag is -1 (expected 0 to MPI_TAG_UB = ", 0) == 0);
 }

@@ -81,7 +81,8 @@ TEMPLATE_TEST_CASE("mpi allreduce of a rank-2 view reduces every element", "[mpi
         }));
 }
 
-TEMPLATE_TEST_CASE("mpi broadcast copies the root's buffer from every root", "[mpi]", float, double, half, bfloat16) {
+TEMPLATE_TEST_CASE("mpi broadcast copies the root's buffer from every root", "[mpi]", float, double, half,
+                   bfloat16) {
   using T = TestType;
   for (const mpi_options& opts : option_sets()) {
     mpi c{MPI_COMM_WORLD, opts};
@@ -95,7 +96,8 @@ TEMPLATE_TEST_CASE("mpi broadcast copies the root's buffer from every root", "[m
   }
 }
 
-TEMPLATE_TEST_CASE("mpi allgather places rank r's block at offset r * n", "[mpi]", float, double, half, bfloat16) {
+TEMPLATE_TEST_CASE("mpi allgather places rank r's block at offset r * n", "[mpi]", float, double, half,
+                   bfloat16) {
   using T = TestType;
   for (const mpi_options& opts : option_sets()) {
     mpi c{MPI_COMM_WORLD, opts};
@@ -118,14 +120,15 @@ TEMPLATE_TEST_CASE("mpi allgather places rank r's block at offset r * n", "[mpi]
       std::vector<T> inplace(p * n, make<T>(99));
       for (std::size_t i = 0; i < n; ++i) inplace[static_cast<std::size_t>(r) * n + i] = send[i];
       c.allgather(gradapt::tensor_view<const T>::vector(inplace.data() + static_cast<std::size_t>(r) * n,
-                                                          static_cast<std::int64_t>(n)),
+                                                        static_cast<std::int64_t>(n)),
                   view(inplace));
       CHECK(values(inplace) == want);
     }
   }
 }
 
-TEMPLATE_TEST_CASE("mpi reduce_scatter gives rank r the reduced block r", "[mpi]", float, double, half, bfloat16) {
+TEMPLATE_TEST_CASE("mpi reduce_scatter gives rank r the reduced block r", "[mpi]", float, double, half,
+                   bfloat16) {
   using T = TestType;
   for (const mpi_options& opts : option_sets()) {
     mpi c{MPI_COMM_WORLD, opts};
@@ -153,8 +156,8 @@ TEMPLATE_TEST_CASE("mpi reduce_scatter gives rank r the reduced block r", "[mpi]
   }
 }
 
-TEMPLATE_TEST_CASE("mpi exchange pairs every rank with every rank around the ring, itself included", "[mpi]", float,
-                   double, half, bfloat16) {
+TEMPLATE_TEST_CASE("mpi exchange pairs every rank with every rank around the ring, itself included", "[mpi]",
+                   float, double, half, bfloat16) {
   using T = TestType;
   for (const mpi_options& opts : option_sets()) {
     mpi c{MPI_COMM_WORLD, opts};
@@ -164,7 +167,8 @@ TEMPLATE_TEST_CASE("mpi exchange pairs every rank with every rank around the rin
       const int peer = partner(r, k, p);
       for (const std::size_t n : sizes) {
         const auto send = fill<T>(n, [&](std::size_t i) { return a(r, i + static_cast<std::size_t>(k)); });
-        const auto want = expect<T>(n, [&](std::size_t i) { return a(peer, i + static_cast<std::size_t>(k)); });
+        const auto want =
+            expect<T>(n, [&](std::size_t i) { return a(peer, i + static_cast<std::size_t>(k)); });
         std::vector<T> recv(n, make<T>(99));
         c.exchange(peer, cview(send), view(recv));
         CHECK(values(recv) == want);
@@ -218,7 +222,8 @@ TEST_CASE("mpi split into odd and even ranks orders by key, then rank", "[mpi]")
   const std::vector<float> mine{static_cast<float>(r)};
   std::vector<float> all(static_cast<std::size_t>(sub.size()));
   sub.allgather(cview(mine), view(all));
-  for (std::size_t s = 0; s < all.size(); ++s) CHECK(all[s] == static_cast<float>(top - 2 * static_cast<int>(s)));
+  for (std::size_t s = 0; s < all.size(); ++s)
+    CHECK(all[s] == static_cast<float>(top - 2 * static_cast<int>(s)));
 
   // Equal keys keep the old rank order; a split of a split works too.
   mpi ordered = c.split(color, 0);
@@ -298,7 +303,8 @@ TEST_CASE("mpi 16-bit reductions round back to the storage type", "[mpi]") {
     SUCCEED("needs exactly 2 ranks");
     return;
   }
-  std::vector<half> h{half(c.rank() == 0 ? 1.0f : 0.00048828125f), half(c.rank() == 0 ? 1.0f : 0.0009765625f)};
+  std::vector<half> h{half(c.rank() == 0 ? 1.0f : 0.00048828125f),
+                      half(c.rank() == 0 ? 1.0f : 0.0009765625f)};
   c.allreduce(view(h), reduce_op::sum);
   CHECK(value(h[0]) == 1.0);
   CHECK(value(h[1]) == 1.0009765625);

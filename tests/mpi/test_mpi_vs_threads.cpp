@@ -93,8 +93,8 @@ std::vector<output<T>> script(C& c) {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("threads and MPI communicators give identical results for the same inputs", "[mpi][threads]", float,
-                   double, half, bfloat16) {
+TEMPLATE_TEST_CASE("threads and MPI communicators give identical results for the same inputs",
+                   "[mpi][threads]", float, double, half, bfloat16) {
   using T = TestType;
   gradapt::comm::mpi world;
   const auto from_mpi = script<T>(world);

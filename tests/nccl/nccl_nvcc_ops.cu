@@ -20,7 +20,8 @@ template void nvcc_ops<float>(gradapt::comm::nccl&, gradapt::tensor_view<float, 
                               gradapt::tensor_view<float, gradapt::device_space>);
 template void nvcc_ops<double>(gradapt::comm::nccl&, gradapt::tensor_view<double, gradapt::device_space>,
                                gradapt::tensor_view<double, gradapt::device_space>);
-template void nvcc_ops<gradapt::half>(gradapt::comm::nccl&, gradapt::tensor_view<gradapt::half, gradapt::device_space>,
+template void nvcc_ops<gradapt::half>(gradapt::comm::nccl&,
+                                      gradapt::tensor_view<gradapt::half, gradapt::device_space>,
                                       gradapt::tensor_view<gradapt::half, gradapt::device_space>);
 template void nvcc_ops<gradapt::bfloat16>(gradapt::comm::nccl&,
                                           gradapt::tensor_view<gradapt::bfloat16, gradapt::device_space>,

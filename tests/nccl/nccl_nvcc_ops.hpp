@@ -17,13 +17,14 @@ void nvcc_ops(gradapt::comm::nccl& c, gradapt::tensor_view<T, gradapt::device_sp
 
 extern template void nvcc_ops<float>(gradapt::comm::nccl&, gradapt::tensor_view<float, gradapt::device_space>,
                                      gradapt::tensor_view<float, gradapt::device_space>);
-extern template void nvcc_ops<double>(gradapt::comm::nccl&, gradapt::tensor_view<double, gradapt::device_space>,
+extern template void nvcc_ops<double>(gradapt::comm::nccl&,
+                                      gradapt::tensor_view<double, gradapt::device_space>,
                                       gradapt::tensor_view<double, gradapt::device_space>);
 extern template void nvcc_ops<gradapt::half>(gradapt::comm::nccl&,
                                              gradapt::tensor_view<gradapt::half, gradapt::device_space>,
                                              gradapt::tensor_view<gradapt::half, gradapt::device_space>);
-extern template void nvcc_ops<gradapt::bfloat16>(gradapt::comm::nccl&,
-                                                 gradapt::tensor_view<gradapt::bfloat16, gradapt::device_space>,
-                                                 gradapt::tensor_view<gradapt::bfloat16, gradapt::device_space>);
+extern template void nvcc_ops<gradapt::bfloat16>(
+    gradapt::comm::nccl&, gradapt::tensor_view<gradapt::bfloat16, gradapt::device_space>,
+    gradapt::tensor_view<gradapt::bfloat16, gradapt::device_space>);
 
 }  // namespace nccltest

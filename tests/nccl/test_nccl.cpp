@@ -57,7 +57,8 @@ double value(T x) {
 template <class T>
 std::vector<T> pattern(std::size_t n, int shift = 0) {
   std::vector<T> v(n);
-  for (std::size_t i = 0; i < n; ++i) v[i] = make<T>(0.25 * static_cast<double>((i + static_cast<std::size_t>(shift)) % 11) - 1.0);
+  for (std::size_t i = 0; i < n; ++i)
+    v[i] = make<T>(0.25 * static_cast<double>((i + static_cast<std::size_t>(shift)) % 11) - 1.0);
   return v;
 }
 
@@ -71,7 +72,7 @@ std::vector<double> values(const std::vector<T>& v) {
 /// Device memory holding n elements of T, freed on destruction.
 template <class T>
 class device_buffer {
-public:
+ public:
   explicit device_buffer(std::size_t n) : n_(n) {
     if (n_ != 0) cuda_ok(cudaMalloc(reinterpret_cast<void**>(&p_), n_ * sizeof(T)), "cudaMalloc");
   }
@@ -81,13 +82,15 @@ public:
   device_buffer& operator=(const device_buffer&) = delete;
 
   void upload(const std::vector<T>& host) {
-    if (n_ != 0) cuda_ok(cudaMemcpy(p_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+    if (n_ != 0)
+      cuda_ok(cudaMemcpy(p_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy H2D");
   }
   /// Waits for the test stream, then copies the buffer to the host.
   std::vector<T> download() const {
     cuda_ok(cudaStreamSynchronize(g_stream), "cudaStreamSynchronize");
     std::vector<T> host(n_);
-    if (n_ != 0) cuda_ok(cudaMemcpy(host.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
+    if (n_ != 0)
+      cuda_ok(cudaMemcpy(host.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
     return host;
   }
   gradapt::tensor_view<T, device_space> view() const {
@@ -99,7 +102,7 @@ public:
     return gradapt::tensor_view<T, device_space>::vector(p_ + off, static_cast<std::int64_t>(n));
   }
 
-private:
+ private:
   T* p_ = nullptr;
   std::size_t n_ = 0;
 };
@@ -168,7 +171,8 @@ TEMPLATE_TEST_CASE("nccl operations on one rank", "[nccl]", float, double, grada
   }
 }
 
-TEMPLATE_TEST_CASE("nccl header compiled by nvcc runs every operation", "[nccl]", float, double, gradapt::half, gradapt::bfloat16) {
+TEMPLATE_TEST_CASE("nccl header compiled by nvcc runs every operation", "[nccl]", float, double,
+                   gradapt::half, gradapt::bfloat16) {
   using T = TestType;
   nccl c{g_handle, g_stream};
   const auto input = pattern<T>(19, 3);
@@ -235,7 +239,8 @@ TEST_CASE("nccl argument errors name the operation, the rank and the sizes", "[n
     CHECK(error_of([&] { c.reduce_scatter(big.cview(), a.view(), reduce_op::sum); }) ==
           p + "reduce_scatter on rank 0: send has 9 elements but must have size() * recv.size() = 1 * 4 = 4");
     CHECK(error_of([&] { c.reduce_scatter(big.part(0, 4), big.part(2, 4), reduce_op::max); }) ==
-          p + "reduce_scatter on rank 0: send overlaps recv; recv may only be send's own block at offset rank() * "
+          p + "reduce_scatter on rank 0: send overlaps recv; recv may only be send's own block at offset "
+              "rank() * "
               "recv.size() = 0");
 
     CHECK(error_of([&] { static_cast<void>(c.split(-1, 0)); }) ==
@@ -247,8 +252,11 @@ TEST_CASE("nccl argument errors name the operation, the rank and the sizes", "[n
     c.allreduce(a.view(), reduce_op::sum);
     CHECK(values(a.download()) == values(input));
   }
-  CHECK(error_of([] { nccl c{nullptr, g_stream}; }) ==
-        "gradapt: comm::nccl: the ncclComm_t handle is null; pass an initialised communicator (ncclCommInitRank, "
+  CHECK(error_of([] {
+          nccl c{nullptr, g_stream};
+        }) ==
+        "gradapt: comm::nccl: the ncclComm_t handle is null; pass an initialised communicator "
+        "(ncclCommInitRank, "
         "ncclCommInitAll or ncclCommSplit)");
 }
 
@@ -263,7 +271,8 @@ int main(int argc, char** argv) {
   const int device = 0;
   cudaSetDevice(device);
   if (const ncclResult_t r = ncclCommInitAll(&g_handle, 1, &device); r != ncclSuccess) {
-    std::cerr << "gradapt NCCL tests: ncclCommInitAll over device 0 failed: " << ncclGetErrorString(r) << '\n';
+    std::cerr << "gradapt NCCL tests: ncclCommInitAll over device 0 failed: " << ncclGetErrorString(r)
+              << '\n';
     return 1;
   }
   if (cudaStreamCreate(&g_stream) != cudaSuccess) {

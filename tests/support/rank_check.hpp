@@ -16,23 +16,23 @@ inline std::mutex& catch_mutex() {
 }
 }  // namespace gradapt_test
 
-#define RANK_REQUIRE(...)                                            \
-  do {                                                               \
-    std::lock_guard gradapt_lock_(::gradapt_test::catch_mutex());    \
-    REQUIRE(__VA_ARGS__);                                            \
+#define RANK_REQUIRE(...)                                         \
+  do {                                                            \
+    std::lock_guard gradapt_lock_(::gradapt_test::catch_mutex()); \
+    REQUIRE(__VA_ARGS__);                                         \
   } while (0)
 
-#define RANK_REQUIRE_THROWS_WITH(expr, matcher)                      \
-  do {                                                               \
-    bool gradapt_threw_ = false;                                     \
-    std::string gradapt_what_;                                       \
-    try {                                                            \
-      static_cast<void>(expr);                                       \
-    } catch (const std::exception& gradapt_e_) {                     \
-      gradapt_threw_ = true;                                         \
-      gradapt_what_ = gradapt_e_.what();                             \
-    }                                                                \
-    std::lock_guard gradapt_lock_(::gradapt_test::catch_mutex());    \
-    REQUIRE(gradapt_threw_);                                         \
-    REQUIRE_THAT(gradapt_what_, matcher);                            \
+#define RANK_REQUIRE_THROWS_WITH(expr, matcher)                   \
+  do {                                                            \
+    bool gradapt_threw_ = false;                                  \
+    std::string gradapt_what_;                                    \
+    try {                                                         \
+      static_cast<void>(expr);                                    \
+    } catch (const std::exception& gradapt_e_) {                  \
+      gradapt_threw_ = true;                                      \
+      gradapt_what_ = gradapt_e_.what();                          \
+    }                                                             \
+    std::lock_guard gradapt_lock_(::gradapt_test::catch_mutex()); \
+    REQUIRE(gradapt_threw_);                                      \
+    REQUIRE_THAT(gradapt_what_, matcher);                         \
   } while (0)

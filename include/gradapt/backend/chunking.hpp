@@ -84,12 +84,11 @@ GRADAPT_HD constexpr element_range chunk_range(std::size_t n, std::size_t c,
 /// number of chunks `prefix[sizes.size()]`.
 /// @throws gradapt::error if `prefix.size() != sizes.size() + 1`, if `chunk` is 0, or if the
 ///         total does not fit in std::size_t.
-inline std::size_t exclusive_chunk_prefix(std::span<const std::size_t> sizes,
-                                          std::span<std::size_t> prefix,
+inline std::size_t exclusive_chunk_prefix(std::span<const std::size_t> sizes, std::span<std::size_t> prefix,
                                           std::size_t chunk = chunk_elements) {
   detail::require(chunk > 0, "chunking: chunk size is 0 (expected a positive element count)");
-  detail::require(prefix.size() == sizes.size() + 1, "chunking: prefix has ", prefix.size(),
-                  " slots for ", sizes.size(), " tensors (expected ", sizes.size() + 1, ")");
+  detail::require(prefix.size() == sizes.size() + 1, "chunking: prefix has ", prefix.size(), " slots for ",
+                  sizes.size(), " tensors (expected ", sizes.size() + 1, ")");
   std::size_t total = 0;
   prefix[0] = 0;
   for (std::size_t t = 0; t < sizes.size(); ++t) {
@@ -154,8 +153,7 @@ GRADAPT_HD constexpr std::size_t lane_of(std::size_t offset, std::size_t lanes =
 template <class V, class Fold, class Combine>
 V lane_tree_reduce(std::size_t n, V identity, Fold fold, Combine combine,
                    std::size_t lanes = reduction_lanes) {
-  detail::require(is_power_of_two(lanes), "chunking: ", lanes,
-                  " reduction lanes (expected a power of two)");
+  detail::require(is_power_of_two(lanes), "chunking: ", lanes, " reduction lanes (expected a power of two)");
   std::vector<V> a(lanes, identity);
   for (std::size_t i = 0; i < n; ++i) {
     const std::size_t l = lane_of(i, lanes);
@@ -181,12 +179,10 @@ V chunked_tree_reduce(std::size_t n, V identity, Fold fold, Combine combine,
   for (std::size_t c = 0; c < nchunks; ++c) {
     const element_range r = chunk_range(n, c, chunk);
     partial.push_back(lane_tree_reduce(
-        r.size(), identity, [&](V acc, std::size_t j) { return fold(acc, r.begin + j); }, combine,
-        lanes));
+        r.size(), identity, [&](V acc, std::size_t j) { return fold(acc, r.begin + j); }, combine, lanes));
   }
   return lane_tree_reduce(
-      nchunks, identity, [&](V acc, std::size_t c) { return combine(acc, partial[c]); }, combine,
-      lanes);
+      nchunks, identity, [&](V acc, std::size_t c) { return combine(acc, partial[c]); }, combine, lanes);
 }
 
 }  // namespace gradapt::chunking

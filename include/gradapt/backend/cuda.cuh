@@ -14,9 +14,9 @@
 #endif
 
 #include "gradapt/backend/chunking.hpp"
+#include "gradapt/backend/cuda/backend.cuh"
 #include "gradapt/backend/cuda/check.cuh"
 #include "gradapt/backend/cuda/device_types.cuh"
-#include "gradapt/backend/cuda/workspace.cuh"
-#include "gradapt/backend/cuda/reduction_ops.cuh"
 #include "gradapt/backend/cuda/multi_tensor.cuh"
-#include "gradapt/backend/cuda/backend.cuh"
+#include "gradapt/backend/cuda/reduction_ops.cuh"
+#include "gradapt/backend/cuda/workspace.cuh"

@@ -7,8 +7,8 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <cstring>
 #include <cstddef>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <span>
@@ -35,8 +35,8 @@ namespace detail::host_impl {
 
 /// Elements per reduction block. A block is reduced with `lanes` independent double
 /// accumulators (lane l takes elements l, l + lanes, ... of the block), combined as a fixed
-/// binary tree (pairs of neighbours first); a tensor's blocks are then added in block order. This blocking is part of
-/// the determinism promise: it does not depend on the thread count.
+/// binary tree (pairs of neighbours first); a tensor's blocks are then added in block order. This blocking is
+/// part of the determinism promise: it does not depend on the thread count.
 inline constexpr std::size_t block = 4096;
 inline constexpr std::size_t lanes = 16;
 /// Blocks reduced in parallel per round (partials live on the stack: nothing is allocated).
@@ -50,10 +50,14 @@ enum class rk : unsigned char { sum, sum_squares, max_abs, nonfinite, dot };
 
 constexpr rk kind_of(reduction r) {
   switch (r) {
-    case reduction::sum: return rk::sum;
-    case reduction::sum_squares: return rk::sum_squares;
-    case reduction::max_abs: return rk::max_abs;
-    case reduction::count_nonfinite: return rk::nonfinite;
+    case reduction::sum:
+      return rk::sum;
+    case reduction::sum_squares:
+      return rk::sum_squares;
+    case reduction::max_abs:
+      return rk::max_abs;
+    case reduction::count_nonfinite:
+      return rk::nonfinite;
   }
   return rk::sum;
 }
@@ -207,8 +211,8 @@ template <rk K, class T, class U>
 double reduce_block(const T* x, const U* y, std::size_t n) {
 #if defined(GRADAPT_HOST_VECTOR)
   if constexpr ((K == rk::sum || K == rk::sum_squares || K == rk::dot) &&
-                (std::is_same_v<T, float> || std::is_same_v<T, double>) &&
-                (K != rk::dot || std::is_same_v<T, U>))
+                (std::is_same_v<T, float> || std::is_same_v<T, double>)&&(K != rk::dot ||
+                                                                          std::is_same_v<T, U>))
     return reduce_block_vec<K, T>(x, reinterpret_cast<const T*>(y), n);
   if constexpr (K == rk::max_abs && std::is_same_v<T, float>) return max_abs_block_vec(x, n);
 #endif
@@ -320,8 +324,8 @@ GRADAPT_INLINE std::array<compute_t<T>, group> load_group(const T* p) {
 /// Calls f on loaded copies of elements [b, e) of every pointer and stores back the non-const
 /// ones. `Indexed` passes the tensor index first.
 template <bool Indexed, class F, class... Ts, std::size_t... I>
-GRADAPT_INLINE void apply_range(F& f, tensor_index t, std::size_t b, std::size_t e,
-                                std::index_sequence<I...>, Ts*... p) {
+GRADAPT_INLINE void apply_range(F& f, tensor_index t, std::size_t b, std::size_t e, std::index_sequence<I...>,
+                                Ts*... p) {
   const auto call = [&](auto&... v) {
     if constexpr (Indexed)
       f(t, v...);
@@ -329,20 +333,24 @@ GRADAPT_INLINE void apply_range(F& f, tensor_index t, std::size_t b, std::size_t
       f(v...);
   };
   std::size_t i = b;
-    for (; i + group <= e; i += group) {
-      std::tuple<std::array<compute_t<Ts>, group>...> v{load_group(p + i)...};
-      for (std::size_t l = 0; l < group; ++l) call(std::get<I>(v)[l]...);
-      ((void)[&] {
-        if constexpr (!std::is_const_v<Ts>)
-          for (std::size_t l = 0; l < group; ++l) store(p[i + l], std::get<I>(v)[l]);
-      }(), ...);
-    }
+  for (; i + group <= e; i += group) {
+    std::tuple<std::array<compute_t<Ts>, group>...> v{load_group(p + i)...};
+    for (std::size_t l = 0; l < group; ++l) call(std::get<I>(v)[l]...);
+    (
+        (void)[&] {
+          if constexpr (!std::is_const_v<Ts>)
+            for (std::size_t l = 0; l < group; ++l) store(p[i + l], std::get<I>(v)[l]);
+        }(),
+        ...);
+  }
   for (; i < e; ++i) {
     std::tuple<compute_t<Ts>...> v{load(p[i])...};
     call(std::get<I>(v)...);
-    ((void)[&] {
-      if constexpr (!std::is_const_v<Ts>) store(p[i], std::get<I>(v));
-    }(), ...);
+    (
+        (void)[&] {
+          if constexpr (!std::is_const_v<Ts>) store(p[i], std::get<I>(v));
+        }(),
+        ...);
   }
 }
 
@@ -360,8 +368,7 @@ void apply_one(F& f, tensor_index t, std::size_t n, [[maybe_unused]] int threads
   if (threads > 1 && n >= 2 * apply_chunk) {
     const std::size_t nchunks = (n + apply_chunk - 1) / apply_chunk;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (std::size_t c = 0; c < nchunks; ++c)
-      run(c * apply_chunk, std::min(n, (c + 1) * apply_chunk));
+    for (std::size_t c = 0; c < nchunks; ++c) run(c * apply_chunk, std::min(n, (c + 1) * apply_chunk));
     return;
   }
 #endif
@@ -407,8 +414,7 @@ struct host {
   /// Element-wise `f` over lists of tensors: tensor t of every list must have the same size.
   /// When `f` is callable as `f(gradapt::tensor_index{t}, v0, v1, ...)` it gets the index.
   template <class F, class... Ls>
-    requires(view_list<Ls, host_space> && ...)
-  void apply_list(F f, const Ls&... lists) const {
+  requires(view_list<Ls, host_space>&&...) void apply_list(F f, const Ls&... lists) const {
     static_assert(sizeof...(Ls) > 0, "gradapt::host::apply_list needs at least one list");
     const std::size_t count = check_list_lengths(lists...);
     const int nt = thread_count();
@@ -428,17 +434,21 @@ struct host {
   /// Per-tensor reductions (into `per_tensor`, which must be empty or have one slot per
   /// tensor) and the global result: the per-tensor results combined in tensor order.
   template <class L>
-    requires view_list<L, host_space>
+  requires view_list<L, host_space>
   double reduce(reduction op, const L& xs, std::span<double> per_tensor) const {
     check_out(xs, per_tensor, "reduce");
     using namespace detail::host_impl;
     const int nt = thread_count();
     const auto no_y = [](std::size_t) { return static_cast<const float*>(nullptr); };
     switch (op) {
-      case reduction::sum: return reduce_list<rk::sum>(xs, no_y, per_tensor, nt);
-      case reduction::sum_squares: return reduce_list<rk::sum_squares>(xs, no_y, per_tensor, nt);
-      case reduction::max_abs: return reduce_list<rk::max_abs>(xs, no_y, per_tensor, nt);
-      case reduction::count_nonfinite: return reduce_list<rk::nonfinite>(xs, no_y, per_tensor, nt);
+      case reduction::sum:
+        return reduce_list<rk::sum>(xs, no_y, per_tensor, nt);
+      case reduction::sum_squares:
+        return reduce_list<rk::sum_squares>(xs, no_y, per_tensor, nt);
+      case reduction::max_abs:
+        return reduce_list<rk::max_abs>(xs, no_y, per_tensor, nt);
+      case reduction::count_nonfinite:
+        return reduce_list<rk::nonfinite>(xs, no_y, per_tensor, nt);
     }
     detail::fail("host backend: unknown reduction");
   }
@@ -453,7 +463,7 @@ struct host {
 
   /// Per-tensor dot products and their sum in tensor order.
   template <class L1, class L2>
-    requires view_list<L1, host_space> && view_list<L2, host_space>
+  requires view_list<L1, host_space> && view_list<L2, host_space>
   double dot(const L1& xs, const L2& ys, std::span<double> per_tensor) const {
     const std::size_t count = check_list_lengths(xs, ys);
     for (std::size_t t = 0; t < count; ++t) check_list_sizes(t, xs, ys);
@@ -466,7 +476,7 @@ struct host {
   /// Host work is synchronous: nothing to wait for.
   void synchronize() const {}
 
-private:
+ private:
   template <class V0, class... Vs>
   static std::size_t check_sizes(const V0& v0, const Vs&... vs) {
     const std::size_t n = v0.size();
@@ -480,9 +490,9 @@ private:
   static std::size_t check_list_lengths(const L0& l0, const Ls&... ls) {
     const std::size_t n = std::ranges::size(l0);
     std::size_t pos = 0;
-    ((++pos, detail::require(std::ranges::size(ls) == n, "host backend: list ", pos, " holds ",
-                             std::ranges::size(ls), " tensors but list 0 holds ", n,
-                             " (expected equal lengths)")),
+    ((++pos,
+      detail::require(std::ranges::size(ls) == n, "host backend: list ", pos, " holds ",
+                      std::ranges::size(ls), " tensors but list 0 holds ", n, " (expected equal lengths)")),
      ...);
     return n;
   }
@@ -490,9 +500,9 @@ private:
   static std::size_t check_list_sizes(std::size_t t, const L0& l0, const Ls&... ls) {
     const std::size_t n = std::ranges::data(l0)[t].size();
     std::size_t pos = 0;
-    ((++pos, detail::require(std::ranges::data(ls)[t].size() == n, "host backend: tensor ", t,
-                             " has ", std::ranges::data(ls)[t].size(), " elements in list ", pos,
-                             " but ", n, " in list 0 (expected equal sizes)")),
+    ((++pos, detail::require(std::ranges::data(ls)[t].size() == n, "host backend: tensor ", t, " has ",
+                             std::ranges::data(ls)[t].size(), " elements in list ", pos, " but ", n,
+                             " in list 0 (expected equal sizes)")),
      ...);
     return n;
   }

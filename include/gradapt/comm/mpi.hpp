@@ -139,8 +139,9 @@ inline int free_registry(MPI_Comm, int, void* attr, void*) {
 /// Throws gradapt::error for a failure while creating the 16-bit datatypes and operators.
 inline void setup_check(int code, std::string_view fn) {
   if (code != MPI_SUCCESS)
-    gradapt::detail::fail("comm::mpi: ", fn, " failed while creating the half/bfloat16 datatypes and operators: ",
-                          error_text(code));
+    gradapt::detail::fail(
+        "comm::mpi: ", fn,
+        " failed while creating the half/bfloat16 datatypes and operators: ", error_text(code));
 }
 
 inline registry make_registry() {
@@ -222,7 +223,7 @@ inline bool overlap(const void* a, std::size_t na, const void* b, std::size_t nb
 /// returned by `split` owns its new handle; copies share it, and the last copy to die calls
 /// `MPI_Comm_free` (skipped if MPI is already finalised). Copies are cheap.
 class mpi {
-public:
+ public:
   /// Views this communicator accepts: host memory.
   using space = host_space;
 
@@ -248,8 +249,7 @@ public:
   /// In place, element-wise across ranks: `buf[i] = op over ranks of buf[i]` (sum or max).
   /// Every rank must pass the same number of elements.
   template <element T>
-    requires(!std::is_const_v<T>)
-  void allreduce(tensor_view<T, host_space> buf, reduce_op op) {
+  requires(!std::is_const_v<T>) void allreduce(tensor_view<T, host_space> buf, reduce_op op) {
     constexpr std::string_view name = "allreduce";
     const auto n = static_cast<std::int64_t>(buf.size());
     agree(name, n, "buffer", {});
@@ -263,8 +263,7 @@ public:
   /// Copies `buf` of rank `root` into `buf` of every other rank. Every rank must pass the same
   /// `root` in `[0, size())` and the same number of elements.
   template <element T>
-    requires(!std::is_const_v<T>)
-  void broadcast(tensor_view<T, host_space> buf, int root) {
+  requires(!std::is_const_v<T>) void broadcast(tensor_view<T, host_space> buf, int root) {
     constexpr std::string_view name = "broadcast";
     std::string bad;
     if (root < 0 || root >= size_)
@@ -281,8 +280,8 @@ public:
   /// `send.size()` on every rank. `send` may be exactly rank()'s block of `recv` (in place);
   /// any other overlap is an error.
   template <element T>
-    requires(!std::is_const_v<T>)
-  void allgather(std::type_identity_t<tensor_view<const T, host_space>> send, tensor_view<T, host_space> recv) {
+  requires(!std::is_const_v<T>) void allgather(std::type_identity_t<tensor_view<const T, host_space>> send,
+                                               tensor_view<T, host_space> recv) {
     constexpr std::string_view name = "allgather";
     const std::size_t n = send.size();
     const std::size_t total = n * static_cast<std::size_t>(size_);
@@ -293,8 +292,9 @@ public:
       bad = text(name, "recv has ", recv.size(), " elements but must have size() * send.size() = ", size_,
                  " * ", n, " = ", total);
     else if (!in_place && detail_mpi::overlap(send.data(), send.bytes(), recv.data(), recv.bytes()))
-      bad = text(name, "send overlaps recv; it may only be recv's own block at offset rank() * send.size() = ",
-                 static_cast<std::size_t>(rank_) * n);
+      bad =
+          text(name, "send overlaps recv; it may only be recv's own block at offset rank() * send.size() = ",
+               static_cast<std::size_t>(rank_) * n);
     agree(name, static_cast<std::int64_t>(n), "send buffer", bad);
     if (n == 0) return;
     const MPI_Datatype type = detail_mpi::datatype<T>();
@@ -319,16 +319,16 @@ public:
   /// `send.size() == size() * recv.size()`, the same `recv.size()` on every rank, and `send`
   /// and `recv` not to overlap.
   template <element T>
-    requires(!std::is_const_v<T>)
-  void reduce_scatter(std::type_identity_t<tensor_view<const T, host_space>> send, tensor_view<T, host_space> recv,
-                      reduce_op op) {
+  requires(!std::is_const_v<T>) void reduce_scatter(
+      std::type_identity_t<tensor_view<const T, host_space>> send, tensor_view<T, host_space> recv,
+      reduce_op op) {
     constexpr std::string_view name = "reduce_scatter";
     const std::size_t m = recv.size();
     const std::size_t total = m * static_cast<std::size_t>(size_);
     std::string bad;
     if (send.size() != total)
-      bad = text(name, "send has ", send.size(), " elements but must have size() * recv.size() = ", size_, " * ",
-                 m, " = ", total);
+      bad = text(name, "send has ", send.size(), " elements but must have size() * recv.size() = ", size_,
+                 " * ", m, " = ", total);
     else if (detail_mpi::overlap(send.data(), send.bytes(), recv.data(), recv.bytes()))
       bad = text(name, "send and recv overlap; pass separate buffers");
     agree(name, static_cast<std::int64_t>(m), "recv buffer", bad);
@@ -343,8 +343,8 @@ public:
     for (int q = 0; q < size_; ++q) {
       const T* block = send.data() + static_cast<std::size_t>(q) * m;
       pieces(m, [&](std::size_t off, int count) {
-        check(MPI_Reduce(block + off, q == rank_ ? recv.data() + off : nullptr, count, type, mop, q, comm_), name,
-              "MPI_Reduce");
+        check(MPI_Reduce(block + off, q == rank_ ? recv.data() + off : nullptr, count, type, mop, q, comm_),
+              name, "MPI_Reduce");
       });
     }
   }
@@ -356,11 +356,12 @@ public:
   /// A `peer` outside `[0, size())` throws on this rank only: the rank that expected this one
   /// keeps waiting.
   template <element T>
-    requires(!std::is_const_v<T>)
-  void exchange(int peer, std::type_identity_t<tensor_view<const T, host_space>> send,
-                tensor_view<T, host_space> recv) {
+  requires(!std::is_const_v<T>) void exchange(int peer,
+                                              std::type_identity_t<tensor_view<const T, host_space>> send,
+                                              tensor_view<T, host_space> recv) {
     constexpr std::string_view name = "exchange";
-    if (peer < 0 || peer >= size_) fail(name, "peer ", peer, " is out of range (expected 0 to ", size_ - 1, ")");
+    if (peer < 0 || peer >= size_)
+      fail(name, "peer ", peer, " is out of range (expected 0 to ", size_ - 1, ")");
     const bool same = send.data() == recv.data();
     std::string bad;
     if (send.size() != recv.size())
@@ -378,8 +379,8 @@ public:
       // Swap sizes first; -1 tells the peer that this side's arguments are invalid.
       std::int64_t mine = bad.empty() ? static_cast<std::int64_t>(send.size()) : -1;
       std::int64_t theirs = 0;
-      check(MPI_Sendrecv(&mine, 1, MPI_INT64_T, peer, opts_.tag, &theirs, 1, MPI_INT64_T, peer, opts_.tag, comm_,
-                         MPI_STATUS_IGNORE),
+      check(MPI_Sendrecv(&mine, 1, MPI_INT64_T, peer, opts_.tag, &theirs, 1, MPI_INT64_T, peer, opts_.tag,
+                         comm_, MPI_STATUS_IGNORE),
             name, "MPI_Sendrecv");
       if (!bad.empty()) throw error(bad);
       if (theirs < 0) fail(name, "peer rank ", peer, " passed invalid arguments (it throws the reason)");
@@ -396,8 +397,8 @@ public:
                                    MPI_STATUS_IGNORE),
               name, "MPI_Sendrecv_replace");
       else
-        check(MPI_Sendrecv(send.data() + off, count, type, peer, opts_.tag, recv.data() + off, count, type, peer,
-                           opts_.tag, comm_, MPI_STATUS_IGNORE),
+        check(MPI_Sendrecv(send.data() + off, count, type, peer, opts_.tag, recv.data() + off, count, type,
+                           peer, opts_.tag, comm_, MPI_STATUS_IGNORE),
               name, "MPI_Sendrecv");
     });
   }
@@ -424,7 +425,7 @@ public:
   /// Returns once every rank of the communicator has entered `barrier`.
   void barrier() { check(MPI_Barrier(comm_), "barrier", "MPI_Barrier"); }
 
-private:
+ private:
   mpi(std::shared_ptr<MPI_Comm> owner, mpi_options options)
       : owner_(std::move(owner)), comm_(*owner_), opts_(options) {
     init();
@@ -433,26 +434,33 @@ private:
   void init() {
     int flag = 0;
     MPI_Initialized(&flag);
-    gradapt::detail::require(flag != 0, "comm::mpi: MPI is not initialised; call MPI_Init or MPI_Init_thread before "
-                               "constructing gradapt::comm::mpi");
+    gradapt::detail::require(flag != 0,
+                             "comm::mpi: MPI is not initialised; call MPI_Init or MPI_Init_thread before "
+                             "constructing gradapt::comm::mpi");
     MPI_Finalized(&flag);
-    gradapt::detail::require(flag == 0, "comm::mpi: MPI is already finalised; construct communicators between MPI_Init and "
-                               "MPI_Finalize");
-    gradapt::detail::require(comm_ != MPI_COMM_NULL, "comm::mpi: the handle is MPI_COMM_NULL; pass a valid communicator "
-                                            "(a rank outside a split group has none)");
-    gradapt::detail::require(opts_.max_count >= 1 && opts_.max_count <= INT_MAX, "comm::mpi: mpi_options::max_count is ",
-                    opts_.max_count, " (expected 1 to ", INT_MAX, ")");
+    gradapt::detail::require(
+        flag == 0,
+        "comm::mpi: MPI is already finalised; construct communicators between MPI_Init and "
+        "MPI_Finalize");
+    gradapt::detail::require(comm_ != MPI_COMM_NULL,
+                             "comm::mpi: the handle is MPI_COMM_NULL; pass a valid communicator "
+                             "(a rank outside a split group has none)");
+    gradapt::detail::require(opts_.max_count >= 1 && opts_.max_count <= INT_MAX,
+                             "comm::mpi: mpi_options::max_count is ", opts_.max_count, " (expected 1 to ",
+                             INT_MAX, ")");
     check(MPI_Comm_test_inter(comm_, &flag), "setup", "MPI_Comm_test_inter");
-    gradapt::detail::require(flag == 0, "comm::mpi: intercommunicators are not supported; pass an intracommunicator "
-                               "(e.g. from MPI_Intercomm_merge)");
-    if (opts_.errors_return) check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "setup", "MPI_Comm_set_errhandler");
+    gradapt::detail::require(flag == 0,
+                             "comm::mpi: intercommunicators are not supported; pass an intracommunicator "
+                             "(e.g. from MPI_Intercomm_merge)");
+    if (opts_.errors_return)
+      check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "setup", "MPI_Comm_set_errhandler");
     check(MPI_Comm_rank(comm_, &rank_), "setup", "MPI_Comm_rank");
     check(MPI_Comm_size(comm_, &size_), "setup", "MPI_Comm_size");
     void* ub = nullptr;
     check(MPI_Comm_get_attr(comm_, MPI_TAG_UB, &ub, &flag), "setup", "MPI_Comm_get_attr");
     const int tag_ub = flag ? *static_cast<int*>(ub) : 32767;
-    gradapt::detail::require(opts_.tag >= 0 && opts_.tag <= tag_ub, "comm::mpi: mpi_options::tag is ", opts_.tag,
-                    " (expected 0 to MPI_TAG_UB = ", tag_ub, ")");
+    gradapt::detail::require(opts_.tag >= 0 && opts_.tag <= tag_ub, "comm::mpi: mpi_options::tag is ",
+                             opts_.tag, " (expected 0 to MPI_TAG_UB = ", tag_ub, ")");
   }
 
   /// "comm::mpi <op> on rank <r>: <args...>" (without the "gradapt: " prefix added by fail).
@@ -508,7 +516,8 @@ private:
     if (sizes_differ)
       fail(op, what, " has ", n, " elements but rank ", other, " has ", theirs,
            " (every rank must pass the same size)");
-    fail(op, "root is ", root, " but rank ", other, " passes root ", theirs, " (every rank must pass the same root)");
+    fail(op, "root is ", root, " but rank ", other, " passes root ", theirs,
+         " (every rank must pass the same root)");
   }
 
   std::shared_ptr<MPI_Comm> owner_;  ///< set only for communicators made by split

@@ -84,9 +84,10 @@ inline bool overlap(const void* a, std::size_t na, const void* b, std::size_t nb
 
 /// Makes `device` current for the guard's lifetime and restores the previous device.
 class device_guard {
-public:
+ public:
   explicit device_guard(int device) {
-    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device && cudaSetDevice(device) == cudaSuccess)
+    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device &&
+        cudaSetDevice(device) == cudaSuccess)
       restore_ = true;
   }
   ~device_guard() {
@@ -95,7 +96,7 @@ public:
   device_guard(const device_guard&) = delete;
   device_guard& operator=(const device_guard&) = delete;
 
-private:
+ private:
   int previous_ = 0;
   bool restore_ = false;
 };
@@ -141,7 +142,7 @@ struct shared_state {
 /// stream. A communicator returned by `split` owns its new handle; copies share it, and the
 /// last copy to die finalises and destroys it (`ncclCommFinalize`, `ncclCommDestroy`).
 class nccl {
-public:
+ public:
   /// Views this communicator accepts: CUDA device memory.
   using space = device_space;
 
@@ -169,28 +170,27 @@ public:
   /// Enqueues, in place and element-wise across ranks, `buf[i] = op over ranks of buf[i]`.
   /// Every rank must pass the same number of elements.
   template <element T>
-    requires(!std::is_const_v<T>)
-  void allreduce(tensor_view<T, device_space> buf, reduce_op op) {
+  requires(!std::is_const_v<T>) void allreduce(tensor_view<T, device_space> buf, reduce_op op) {
     constexpr std::string_view name = "allreduce";
     agree(name, static_cast<std::int64_t>(buf.size()), "buffer", {});
     if (buf.empty()) return;
-    check(ncclAllReduce(buf.data(), buf.data(), buf.size(), detail_nccl::datatype<T>(), detail_nccl::reduction(op),
-                        comm_, stream_),
+    check(ncclAllReduce(buf.data(), buf.data(), buf.size(), detail_nccl::datatype<T>(),
+                        detail_nccl::reduction(op), comm_, stream_),
           name, "ncclAllReduce");
   }
 
   /// Enqueues a copy of rank `root`'s `buf` into `buf` of every other rank. Every rank must
   /// pass the same `root` in `[0, size())` and the same number of elements.
   template <element T>
-    requires(!std::is_const_v<T>)
-  void broadcast(tensor_view<T, device_space> buf, int root) {
+  requires(!std::is_const_v<T>) void broadcast(tensor_view<T, device_space> buf, int root) {
     constexpr std::string_view name = "broadcast";
     std::string bad;
-    if (root < 0 || root >= size_) bad = text(name, "root ", root, " is out of range (expected 0 to ", size_ - 1, ")");
+    if (root < 0 || root >= size_)
+      bad = text(name, "root ", root, " is out of range (expected 0 to ", size_ - 1, ")");
     agree(name, static_cast<std::int64_t>(buf.size()), "buffer", bad, true, root);
     if (buf.empty()) return;
-    check(ncclBroadcast(buf.data(), buf.data(), buf.size(), detail_nccl::datatype<T>(), root, comm_, stream_), name,
-          "ncclBroadcast");
+    check(ncclBroadcast(buf.data(), buf.data(), buf.size(), detail_nccl::datatype<T>(), root, comm_, stream_),
+          name, "ncclBroadcast");
   }
 
   /// Enqueues a gather of every rank's `send` into `recv` on every rank: rank r's block lands
@@ -198,19 +198,20 @@ public:
   /// `send.size()` on every rank. `send` may be exactly rank()'s block of `recv` (NCCL's in-place
   /// form); any other overlap is an error.
   template <element T>
-    requires(!std::is_const_v<T>)
-  void allgather(std::type_identity_t<tensor_view<const T, device_space>> send, tensor_view<T, device_space> recv) {
+  requires(!std::is_const_v<T>) void allgather(std::type_identity_t<tensor_view<const T, device_space>> send,
+                                               tensor_view<T, device_space> recv) {
     constexpr std::string_view name = "allgather";
     const std::size_t n = send.size();
     const std::size_t total = n * static_cast<std::size_t>(size_);
     std::string bad;
     if (recv.size() != total)
-      bad = text(name, "recv has ", recv.size(), " elements but must have size() * send.size() = ", size_, " * ", n,
-                 " = ", total);
+      bad = text(name, "recv has ", recv.size(), " elements but must have size() * send.size() = ", size_,
+                 " * ", n, " = ", total);
     else if (send.data() != recv.data() + static_cast<std::size_t>(rank_) * n &&
              detail_nccl::overlap(send.data(), send.bytes(), recv.data(), recv.bytes()))
-      bad = text(name, "send overlaps recv; it may only be recv's own block at offset rank() * send.size() = ",
-                 static_cast<std::size_t>(rank_) * n);
+      bad =
+          text(name, "send overlaps recv; it may only be recv's own block at offset rank() * send.size() = ",
+               static_cast<std::size_t>(rank_) * n);
     agree(name, static_cast<std::int64_t>(n), "send buffer", bad);
     if (n == 0) return;
     check(ncclAllGather(send.data(), recv.data(), n, detail_nccl::datatype<T>(), comm_, stream_), name,
@@ -222,24 +223,25 @@ public:
   /// `send.size() == size() * recv.size()` and the same `recv.size()` on every rank. `recv` may
   /// be exactly rank()'s block of `send` (NCCL's in-place form); any other overlap is an error.
   template <element T>
-    requires(!std::is_const_v<T>)
-  void reduce_scatter(std::type_identity_t<tensor_view<const T, device_space>> send, tensor_view<T, device_space> recv,
-                      reduce_op op) {
+  requires(!std::is_const_v<T>) void reduce_scatter(
+      std::type_identity_t<tensor_view<const T, device_space>> send, tensor_view<T, device_space> recv,
+      reduce_op op) {
     constexpr std::string_view name = "reduce_scatter";
     const std::size_t m = recv.size();
     const std::size_t total = m * static_cast<std::size_t>(size_);
     std::string bad;
     if (send.size() != total)
-      bad = text(name, "send has ", send.size(), " elements but must have size() * recv.size() = ", size_, " * ", m,
-                 " = ", total);
+      bad = text(name, "send has ", send.size(), " elements but must have size() * recv.size() = ", size_,
+                 " * ", m, " = ", total);
     else if (recv.data() != send.data() + static_cast<std::size_t>(rank_) * m &&
              detail_nccl::overlap(send.data(), send.bytes(), recv.data(), recv.bytes()))
-      bad = text(name, "send overlaps recv; recv may only be send's own block at offset rank() * recv.size() = ",
+      bad = text(name,
+                 "send overlaps recv; recv may only be send's own block at offset rank() * recv.size() = ",
                  static_cast<std::size_t>(rank_) * m);
     agree(name, static_cast<std::int64_t>(m), "recv buffer", bad);
     if (m == 0) return;
-    check(ncclReduceScatter(send.data(), recv.data(), m, detail_nccl::datatype<T>(), detail_nccl::reduction(op), comm_,
-                            stream_),
+    check(ncclReduceScatter(send.data(), recv.data(), m, detail_nccl::datatype<T>(),
+                            detail_nccl::reduction(op), comm_, stream_),
           name, "ncclReduceScatter");
   }
 
@@ -249,25 +251,29 @@ public:
   /// buffers. `peer == rank()` enqueues a device-to-device copy (nothing when `send` and `recv`
   /// are the same memory). A `peer` outside `[0, size())` throws on this rank only.
   template <element T>
-    requires(!std::is_const_v<T>)
-  void exchange(int peer, std::type_identity_t<tensor_view<const T, device_space>> send,
-                tensor_view<T, device_space> recv) {
+  requires(!std::is_const_v<T>) void exchange(int peer,
+                                              std::type_identity_t<tensor_view<const T, device_space>> send,
+                                              tensor_view<T, device_space> recv) {
     constexpr std::string_view name = "exchange";
-    if (peer < 0 || peer >= size_) fail(name, "peer ", peer, " is out of range (expected 0 to ", size_ - 1, ")");
+    if (peer < 0 || peer >= size_)
+      fail(name, "peer ", peer, " is out of range (expected 0 to ", size_ - 1, ")");
     const bool same = send.data() == recv.data();
     std::string bad;
     if (send.size() != recv.size())
-      bad = text(name, "send has ", send.size(), " elements but recv has ", recv.size(), " (exchange needs equal sizes)");
-    else if (peer == rank_ && !same && detail_nccl::overlap(send.data(), send.bytes(), recv.data(), recv.bytes()))
+      bad = text(name, "send has ", send.size(), " elements but recv has ", recv.size(),
+                 " (exchange needs equal sizes)");
+    else if (peer == rank_ && !same &&
+             detail_nccl::overlap(send.data(), send.bytes(), recv.data(), recv.bytes()))
       bad = text(name, "send and recv partly overlap; pass separate buffers or the same buffer");
     else if (peer != rank_ && detail_nccl::overlap(send.data(), send.bytes(), recv.data(), recv.bytes()))
-      bad = text(name, "send and recv overlap; NCCL cannot exchange with a peer in place, pass separate buffers");
+      bad = text(name,
+                 "send and recv overlap; NCCL cannot exchange with a peer in place, pass separate buffers");
     if (peer == rank_) {
       if (!bad.empty()) throw error(bad);
       if (!same && !send.empty()) {
         detail_nccl::device_guard guard(state_->device);
-        cuda_check(cudaMemcpyAsync(recv.data(), send.data(), send.bytes(), cudaMemcpyDeviceToDevice, stream_), name,
-                   "cudaMemcpyAsync");
+        cuda_check(cudaMemcpyAsync(recv.data(), send.data(), send.bytes(), cudaMemcpyDeviceToDevice, stream_),
+                   name, "cudaMemcpyAsync");
       }
       return;
     }
@@ -307,7 +313,7 @@ public:
     if (r == ncclInProgress && made != nullptr) r = wait(made);
     check(r, name, "ncclCommSplit");
     gradapt::detail::require(made != nullptr, "comm::nccl split on rank ", rank_,
-                    ": ncclCommSplit returned no communicator for color ", color);
+                             ": ncclCommSplit returned no communicator for color ", color);
     return nccl(std::move(state), made, stream_, opts_);
   }
 
@@ -320,15 +326,17 @@ public:
     synchronize(name);
   }
 
-private:
-  nccl(std::shared_ptr<detail_nccl::shared_state> state, ncclComm_t comm, cudaStream_t stream, nccl_options options)
+ private:
+  nccl(std::shared_ptr<detail_nccl::shared_state> state, ncclComm_t comm, cudaStream_t stream,
+       nccl_options options)
       : state_(std::move(state)), comm_(comm), stream_(stream), opts_(options) {
     init();
   }
 
   void init() {
-    gradapt::detail::require(comm_ != nullptr, "comm::nccl: the ncclComm_t handle is null; pass an initialised "
-                                      "communicator (ncclCommInitRank, ncclCommInitAll or ncclCommSplit)");
+    gradapt::detail::require(comm_ != nullptr,
+                             "comm::nccl: the ncclComm_t handle is null; pass an initialised "
+                             "communicator (ncclCommInitRank, ncclCommInitAll or ncclCommSplit)");
     check(ncclCommUserRank(comm_, &rank_), "setup", "ncclCommUserRank");
     check(ncclCommCount(comm_, &size_), "setup", "ncclCommCount");
     check(ncclCommCuDevice(comm_, &state_->device), "setup", "ncclCommCuDevice");
@@ -358,7 +366,8 @@ private:
     if (r == ncclInProgress) r = wait(comm_);
     if (r == ncclSuccess) return;
     const char* last = ncclGetLastError(comm_);
-    const std::string detail = last != nullptr && *last != '\0' ? std::string(" (") + last + ")" : std::string();
+    const std::string detail =
+        last != nullptr && *last != '\0' ? std::string(" (") + last + ")" : std::string();
     fail(op, fn, " failed: ", ncclGetErrorString(r), detail);
   }
 
@@ -397,7 +406,8 @@ private:
 
   /// Copies `count` 64-bit integers host -> scratch, runs `device_op`, copies them back, syncs.
   template <class F>
-  void round_trip(std::string_view op, std::int64_t* host, std::size_t in, std::size_t out, F&& device_op) const {
+  void round_trip(std::string_view op, std::int64_t* host, std::size_t in, std::size_t out,
+                  F&& device_op) const {
     auto* s = static_cast<std::int64_t*>(scratch());
     detail_nccl::device_guard guard(state_->device);
     cuda_check(cudaMemcpyAsync(s, host, in * sizeof(std::int64_t), cudaMemcpyHostToDevice, stream_), op,
@@ -433,7 +443,8 @@ private:
     const std::size_t count = with_root ? 5 : 3;
     std::int64_t v[5] = {n, -n, bad.empty() ? INT64_MIN : -static_cast<std::int64_t>(rank_), root, -root};
     round_trip(op, v, count, count, [&](std::int64_t* s) {
-      check(ncclAllReduce(s, s, count, ncclInt64, ncclMax, comm_, stream_), op, "ncclAllReduce (argument check)");
+      check(ncclAllReduce(s, s, count, ncclInt64, ncclMax, comm_, stream_), op,
+            "ncclAllReduce (argument check)");
     });
     if (!bad.empty()) throw error(bad);
     if (v[2] != INT64_MIN)
@@ -448,7 +459,8 @@ private:
     const auto ranks = static_cast<std::size_t>(size_);
     round_trip(op, all.data(), 1, 0, [&](std::int64_t* s) {
       check(ncclAllGather(s, s + 1, 1, ncclInt64, comm_, stream_), op, "ncclAllGather (argument check)");
-      cuda_check(cudaMemcpyAsync(all.data() + 1, s + 1, ranks * sizeof(std::int64_t), cudaMemcpyDeviceToHost, stream_),
+      cuda_check(cudaMemcpyAsync(all.data() + 1, s + 1, ranks * sizeof(std::int64_t), cudaMemcpyDeviceToHost,
+                                 stream_),
                  op, "cudaMemcpyAsync (argument check)");
     });
     int other = 0;
@@ -456,8 +468,10 @@ private:
     if (other == size_) other = rank_ == 0 ? 1 : 0;
     const std::int64_t theirs = all[static_cast<std::size_t>(other) + 1];
     if (sizes_differ)
-      fail(op, what, " has ", n, " elements but rank ", other, " has ", theirs, " (every rank must pass the same size)");
-    fail(op, "root is ", root, " but rank ", other, " passes root ", theirs, " (every rank must pass the same root)");
+      fail(op, what, " has ", n, " elements but rank ", other, " has ", theirs,
+           " (every rank must pass the same size)");
+    fail(op, "root is ", root, " but rank ", other, " passes root ", theirs,
+         " (every rank must pass the same root)");
   }
 
   std::shared_ptr<detail_nccl::shared_state> state_;

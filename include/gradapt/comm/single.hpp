@@ -15,39 +15,38 @@ namespace gradapt::comm {
 
 /// A communicator of exactly one rank over host memory.
 class single {
-public:
+ public:
   using space = host_space;
 
   int rank() const { return 0; }
   int size() const { return 1; }
 
   template <element T>
-    requires(!std::is_const_v<T>)
-  void allreduce(tensor_view<T, space>, reduce_op) {}
+  requires(!std::is_const_v<T>) void allreduce(tensor_view<T, space>, reduce_op) {}
 
   template <element T>
-    requires(!std::is_const_v<T>)
-  void broadcast(tensor_view<T, space>, int root) {
+  requires(!std::is_const_v<T>) void broadcast(tensor_view<T, space>, int root) {
     check_rank(root, "broadcast", "root");
   }
 
   template <element T>
-    requires(!std::is_const_v<T>)
-  void allgather(std::type_identity_t<tensor_view<const T, space>> send, tensor_view<T, space> recv) {
+  requires(!std::is_const_v<T>) void allgather(std::type_identity_t<tensor_view<const T, space>> send,
+                                               tensor_view<T, space> recv) {
     check_equal(send.size(), recv.size(), "allgather");
     std::copy_n(send.data(), send.size(), recv.data());
   }
 
   template <element T>
-    requires(!std::is_const_v<T>)
-  void reduce_scatter(std::type_identity_t<tensor_view<const T, space>> send, tensor_view<T, space> recv, reduce_op) {
+  requires(!std::is_const_v<T>) void reduce_scatter(std::type_identity_t<tensor_view<const T, space>> send,
+                                                    tensor_view<T, space> recv, reduce_op) {
     check_equal(send.size(), recv.size(), "reduce_scatter");
     std::copy_n(send.data(), send.size(), recv.data());
   }
 
   template <element T>
-    requires(!std::is_const_v<T>)
-  void exchange(int peer, std::type_identity_t<tensor_view<const T, space>> send, tensor_view<T, space> recv) {
+  requires(!std::is_const_v<T>) void exchange(int peer,
+                                              std::type_identity_t<tensor_view<const T, space>> send,
+                                              tensor_view<T, space> recv) {
     check_rank(peer, "exchange", "peer");
     check_equal(send.size(), recv.size(), "exchange");
     std::copy_n(send.data(), send.size(), recv.data());
@@ -60,13 +59,14 @@ public:
 
   void barrier() {}
 
-private:
+ private:
   static void check_rank(int r, const char* op, const char* what) {
-    gradapt::detail::require(r == 0, "comm::single ", op, ": ", what, " ", r, " is out of range (world of 1 rank)");
+    gradapt::detail::require(r == 0, "comm::single ", op, ": ", what, " ", r,
+                             " is out of range (world of 1 rank)");
   }
   static void check_equal(std::size_t send, std::size_t recv, const char* op) {
     gradapt::detail::require(send == recv, "comm::single ", op, " on rank 0: receive buffer has ", recv,
-                    " elements but ", send, " are sent (expected equal with 1 rank)");
+                             " elements but ", send, " are sent (expected equal with 1 rank)");
   }
 };
 

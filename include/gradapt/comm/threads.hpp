@@ -35,19 +35,25 @@ enum class coll : std::uint8_t { allreduce, broadcast, allgather, reduce_scatter
 
 constexpr const char* coll_name(coll c) {
   switch (c) {
-    case coll::allreduce: return "allreduce";
-    case coll::broadcast: return "broadcast";
-    case coll::allgather: return "allgather";
-    case coll::reduce_scatter: return "reduce_scatter";
-    case coll::split: return "split";
-    case coll::barrier: return "barrier";
+    case coll::allreduce:
+      return "allreduce";
+    case coll::broadcast:
+      return "broadcast";
+    case coll::allgather:
+      return "allgather";
+    case coll::reduce_scatter:
+      return "reduce_scatter";
+    case coll::split:
+      return "split";
+    case coll::barrier:
+      return "barrier";
   }
   return "collective";
 }
 
 /// Shared state of one in-process world. Internal: use comm::threads.
 class threads_world {
-public:
+ public:
   struct post {
     coll kind = coll::barrier;
     dtype type = dtype::float32;
@@ -67,7 +73,9 @@ public:
   };
 
   explicit threads_world(int n)
-      : n_(n), posts_(static_cast<std::size_t>(n)), chans_(static_cast<std::size_t>(n) * n),
+      : n_(n),
+        posts_(static_cast<std::size_t>(n)),
+        chans_(static_cast<std::size_t>(n) * n),
         split_worlds_(static_cast<std::size_t>(n)) {}
 
   int size() const { return n_; }
@@ -106,7 +114,9 @@ public:
   const post& posted(int rank) const { return posts_[static_cast<std::size_t>(rank)]; }
   std::byte* scratch() { return scratch_.data(); }
 
-  std::shared_ptr<threads_world>& split_slot(int rank) { return split_worlds_[static_cast<std::size_t>(rank)]; }
+  std::shared_ptr<threads_world>& split_slot(int rank) {
+    return split_worlds_[static_cast<std::size_t>(rank)];
+  }
 
   /// Pairwise exchange through the (rank -> peer) and (peer -> rank) mailboxes.
   void exchange(int rank, int peer, const void* send, std::size_t send_count, void* recv,
@@ -121,9 +131,8 @@ public:
     throw_if_aborted();
     std::string problem;
     if (in.type != type)
-      problem = gradapt::detail::message("comm::threads exchange on rank ", rank, ": peer ", peer,
-                                         " sends ", name(in.type), " but this rank receives ",
-                                         name(type));
+      problem = gradapt::detail::message("comm::threads exchange on rank ", rank, ": peer ", peer, " sends ",
+                                         name(in.type), " but this rank receives ", name(type));
     else if (in.count != recv_count)
       problem = gradapt::detail::message("comm::threads exchange on rank ", rank, ": receive buffer has ",
                                          recv_count, " elements but peer ", peer, " sends ", in.count);
@@ -141,7 +150,7 @@ public:
     throw_if_aborted();
   }
 
-private:
+ private:
   channel& chan(int from, int to) { return chans_[static_cast<std::size_t>(from) * n_ + to]; }
   void throw_if_aborted() const {
     if (aborted_) gradapt::detail::fail("comm::threads: ", abort_reason_);
@@ -170,7 +179,7 @@ private:
 /// collective that uses them is in flight, and the send and receive buffers of one call must
 /// not overlap.
 class threads {
-public:
+ public:
   using space = host_space;
 
   /// A new world of `n` ranks; element r is rank r's handle.
@@ -190,8 +199,7 @@ public:
   /// compute type (float for float/half/bfloat16, double for double) and rounded once; max
   /// propagates NaN.
   template <element T>
-    requires(!std::is_const_v<T>)
-  void allreduce(tensor_view<T, space> buf, reduce_op op) {
+  requires(!std::is_const_v<T>) void allreduce(tensor_view<T, space> buf, reduce_op op) {
     const std::size_t n = buf.size();
     begin({detail::coll::allreduce, dtype_of_v<T>, op, 0, nullptr, buf.data(), n, n}, n * sizeof(T));
     const int p = size();
@@ -209,37 +217,40 @@ public:
 
   /// Copies rank `root`'s buffer into every rank's buffer.
   template <element T>
-    requires(!std::is_const_v<T>)
-  void broadcast(tensor_view<T, space> buf, int root) {
+  requires(!std::is_const_v<T>) void broadcast(tensor_view<T, space> buf, int root) {
     check_rank(root, "broadcast", "root");
     begin({detail::coll::broadcast, dtype_of_v<T>, reduce_op::sum, root, nullptr, buf.data(), buf.size(),
-           buf.size()}, 0);
+           buf.size()},
+          0);
     if (rank_ != root) std::copy_n(static_cast<const T*>(w_->posted(root).recv), buf.size(), buf.data());
     w_->barrier();
   }
 
   /// Rank r's `send` lands at offset r * send.size() of every rank's `recv`.
   template <element T>
-    requires(!std::is_const_v<T>)
-  void allgather(std::type_identity_t<tensor_view<const T, space>> send, tensor_view<T, space> recv) {
+  requires(!std::is_const_v<T>) void allgather(std::type_identity_t<tensor_view<const T, space>> send,
+                                               tensor_view<T, space> recv) {
     check_multiple(recv.size(), send.size(), "allgather", "receive", "send");
     check_disjoint(send.data(), send.size(), recv.data(), recv.size(), "allgather");
     begin({detail::coll::allgather, dtype_of_v<T>, reduce_op::sum, 0, send.data(), recv.data(), send.size(),
-           recv.size()}, 0);
+           recv.size()},
+          0);
     const std::size_t n = send.size();
     for (int k = 0; k < size(); ++k)
-      std::copy_n(static_cast<const T*>(w_->posted(k).send), n, recv.data() + static_cast<std::size_t>(k) * n);
+      std::copy_n(static_cast<const T*>(w_->posted(k).send), n,
+                  recv.data() + static_cast<std::size_t>(k) * n);
     w_->barrier();
   }
 
   /// Element-wise reduction of every rank's `send`; rank r receives block r.
   template <element T>
-    requires(!std::is_const_v<T>)
-  void reduce_scatter(std::type_identity_t<tensor_view<const T, space>> send, tensor_view<T, space> recv, reduce_op op) {
+  requires(!std::is_const_v<T>) void reduce_scatter(std::type_identity_t<tensor_view<const T, space>> send,
+                                                    tensor_view<T, space> recv, reduce_op op) {
     check_multiple(send.size(), recv.size(), "reduce_scatter", "send", "receive");
     check_disjoint(send.data(), send.size(), recv.data(), recv.size(), "reduce_scatter");
     begin({detail::coll::reduce_scatter, dtype_of_v<T>, op, 0, send.data(), recv.data(), send.size(),
-           recv.size()}, 0);
+           recv.size()},
+          0);
     const std::size_t n = recv.size();
     const std::size_t off = static_cast<std::size_t>(rank_) * n;
     for (std::size_t i = 0; i < n; ++i) {
@@ -254,8 +265,9 @@ public:
   /// Sends `send` to `peer` and receives `peer`'s message into `recv` (which must have as
   /// many elements as the peer sends). Only the two ranks take part. `peer == rank()` copies.
   template <element T>
-    requires(!std::is_const_v<T>)
-  void exchange(int peer, std::type_identity_t<tensor_view<const T, space>> send, tensor_view<T, space> recv) {
+  requires(!std::is_const_v<T>) void exchange(int peer,
+                                              std::type_identity_t<tensor_view<const T, space>> send,
+                                              tensor_view<T, space> recv) {
     check_rank(peer, "exchange", "peer");
     check_disjoint(send.data(), send.size(), recv.data(), recv.size(), "exchange");
     if (peer == rank_) {
@@ -278,7 +290,8 @@ public:
     ck mine{color, key};
     // The (color, key) pair travels in the post's root and send_count fields.
     begin({detail::coll::split, dtype::float32, reduce_op::sum, color, &mine, nullptr,
-           static_cast<std::size_t>(static_cast<std::uint32_t>(key)), 0}, 0, /*check=*/false);
+           static_cast<std::size_t>(static_cast<std::uint32_t>(key)), 0},
+          0, /*check=*/false);
     std::vector<int> members;
     for (int k = 0; k < size(); ++k)
       if (w_->posted(k).root == color) members.push_back(k);
@@ -286,7 +299,8 @@ public:
     std::stable_sort(members.begin(), members.end(), [&](int a, int b) { return key_of(a) < key_of(b); });
     const int leader = members.front();
     const int new_rank = static_cast<int>(std::find(members.begin(), members.end(), rank_) - members.begin());
-    if (rank_ == leader) w_->split_slot(leader) = std::make_shared<detail::threads_world>(static_cast<int>(members.size()));
+    if (rank_ == leader)
+      w_->split_slot(leader) = std::make_shared<detail::threads_world>(static_cast<int>(members.size()));
     w_->barrier();
     threads result(w_->split_slot(leader), new_rank);
     w_->barrier();
@@ -303,7 +317,7 @@ public:
   /// run_threads calls it when a rank's function throws.
   void abort(const std::string& why) { w_->abort(rank_, why); }
 
-private:
+ private:
   threads(std::shared_ptr<detail::threads_world> w, int rank) : w_(std::move(w)), rank_(rank) {}
 
   /// Posts this rank's arguments, waits for all ranks, and checks that they agree.
@@ -331,7 +345,8 @@ private:
         problem = gradapt::detail::message(
             "comm::threads ", what, " on rank ", rank_, ": rank ", k, " buffer has ",
             (q.send_count != first.send_count ? q.send_count : q.recv_count), " elements but rank 0 has ",
-            (q.send_count != first.send_count ? first.send_count : first.recv_count), " (expected equal sizes)");
+            (q.send_count != first.send_count ? first.send_count : first.recv_count),
+            " (expected equal sizes)");
     }
     if (!problem.empty()) {
       w_->barrier();  // nobody may repost while others still read the posts
@@ -358,10 +373,10 @@ private:
   }
   void check_multiple(std::size_t big, std::size_t small, const char* op, const char* big_name,
                       const char* small_name) const {
-    gradapt::detail::require(big == small * static_cast<std::size_t>(size()), "comm::threads ", op, " on rank ",
-                             rank_, ": ", big_name, " buffer has ", big, " elements but ", small_name,
-                             " buffer has ", small, " (expected ", big_name, " = ", size(), " ranks x ",
-                             small_name, ")");
+    gradapt::detail::require(big == small * static_cast<std::size_t>(size()), "comm::threads ", op,
+                             " on rank ", rank_, ": ", big_name, " buffer has ", big, " elements but ",
+                             small_name, " buffer has ", small, " (expected ", big_name, " = ", size(),
+                             " ranks x ", small_name, ")");
   }
   template <class T>
   void check_disjoint(const T* a, std::size_t na, const T* b, std::size_t nb, const char* op) const {
@@ -393,7 +408,8 @@ void run_threads(int n, F&& fn) {
       try {
         fn(comms[static_cast<std::size_t>(r)]);
       } catch (const std::exception& e) {
-        const bool is_abort = std::string_view(e.what()).find("comm::threads: rank ") != std::string_view::npos;
+        const bool is_abort =
+            std::string_view(e.what()).find("comm::threads: rank ") != std::string_view::npos;
         {
           std::lock_guard lk(m);
           if (!first || (first_is_abort && !is_abort)) {

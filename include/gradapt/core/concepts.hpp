@@ -25,19 +25,21 @@ struct concept_probe {
 /// tensors (`apply_list`), single-tensor and multi-tensor reductions accumulated in double
 /// with a fixed order (bitwise reproducible), `dot`, and `synchronize()`.
 template <class B>
-concept backend =
-    requires { typename B::space; } && memory_space<typename B::space> &&
-    requires(const B& b, tensor_view<float, typename B::space> x,
-             tensor_view<const float, typename B::space> cx,
-             std::span<const tensor_view<float, typename B::space>> xs, std::span<double> out) {
-      { b.reduce(reduction::sum_squares, cx) } -> std::same_as<double>;
-      { b.dot(cx, cx) } -> std::same_as<double>;
-      { b.reduce(reduction::sum_squares, xs, out) } -> std::same_as<double>;
-      { b.dot(xs, xs, out) } -> std::same_as<double>;
-      b.apply(detail::concept_probe{}, x, cx);
-      b.apply_list(detail::concept_probe{}, xs, xs);
-      b.synchronize();
-    };
+concept backend = requires {
+  typename B::space;
+}
+&&memory_space<typename B::space>&& requires(const B& b, tensor_view<float, typename B::space> x,
+                                             tensor_view<const float, typename B::space> cx,
+                                             std::span<const tensor_view<float, typename B::space>> xs,
+                                             std::span<double> out) {
+  { b.reduce(reduction::sum_squares, cx) } -> std::same_as<double>;
+  { b.dot(cx, cx) } -> std::same_as<double>;
+  { b.reduce(reduction::sum_squares, xs, out) } -> std::same_as<double>;
+  { b.dot(xs, xs, out) } -> std::same_as<double>;
+  b.apply(detail::concept_probe{}, x, cx);
+  b.apply_list(detail::concept_probe{}, xs, xs);
+  b.synchronize();
+};
 
 /// Ranks that talk over buffers in memory space `C::space`.
 ///
@@ -45,26 +47,27 @@ concept backend =
 /// a pairwise exchange with one peer on float and double views; split into subgroups
 /// (returns the same communicator type); barrier.
 template <class C>
-concept communicator =
-    requires { typename C::space; } && memory_space<typename C::space> &&
-    requires(C& c, const C& cc, tensor_view<float, typename C::space> f,
-             tensor_view<const float, typename C::space> cf,
-             tensor_view<double, typename C::space> d,
-             tensor_view<const double, typename C::space> cd) {
-      { cc.rank() } -> std::convertible_to<int>;
-      { cc.size() } -> std::convertible_to<int>;
-      c.allreduce(f, reduce_op::sum);
-      c.allreduce(d, reduce_op::max);
-      c.broadcast(f, 0);
-      c.broadcast(d, 0);
-      c.allgather(cf, f);
-      c.allgather(cd, d);
-      c.reduce_scatter(cf, f, reduce_op::sum);
-      c.reduce_scatter(cd, d, reduce_op::sum);
-      c.exchange(0, cf, f);
-      c.exchange(0, cd, d);
-      { c.split(0, 0) } -> std::same_as<C>;
-      c.barrier();
-    };
+concept communicator = requires {
+  typename C::space;
+}
+&&memory_space<typename C::space>&& requires(C& c, const C& cc, tensor_view<float, typename C::space> f,
+                                             tensor_view<const float, typename C::space> cf,
+                                             tensor_view<double, typename C::space> d,
+                                             tensor_view<const double, typename C::space> cd) {
+  { cc.rank() } -> std::convertible_to<int>;
+  { cc.size() } -> std::convertible_to<int>;
+  c.allreduce(f, reduce_op::sum);
+  c.allreduce(d, reduce_op::max);
+  c.broadcast(f, 0);
+  c.broadcast(d, 0);
+  c.allgather(cf, f);
+  c.allgather(cd, d);
+  c.reduce_scatter(cf, f, reduce_op::sum);
+  c.reduce_scatter(cd, d, reduce_op::sum);
+  c.exchange(0, cf, f);
+  c.exchange(0, cd, d);
+  { c.split(0, 0) } -> std::same_as<C>;
+  c.barrier();
+};
 
 }  // namespace gradapt

@@ -43,7 +43,7 @@ GRADAPT_HD inline std::uint16_t float_to_half_bits(float f) {
     return static_cast<std::uint16_t>(sign | 0x7c00u | nan);
   }
   if (a >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // >= 65520: inf
-  if (a >= 0x38800000u) {  // normal half range: >= 2^-14
+  if (a >= 0x38800000u) {                                                   // normal half range: >= 2^-14
     a += 0x0fffu + ((a >> 13) & 1u);  // round to nearest even on the 13 dropped bits
     return static_cast<std::uint16_t>(sign | ((a - (112u << 23)) >> 13));
   }
@@ -128,9 +128,8 @@ enum class dtype : std::uint8_t { float32, float64, float16, bfloat16 };
 
 /// True for the four element types gradapt stores.
 template <class T>
-inline constexpr bool is_element_v =
-    std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, half> ||
-    std::is_same_v<T, bfloat16>;
+inline constexpr bool is_element_v = std::is_same_v<T, float> || std::is_same_v<T, double> ||
+                                     std::is_same_v<T, half> || std::is_same_v<T, bfloat16>;
 
 /// Concept form of is_element_v (cv-qualifiers are stripped first).
 template <class T>
@@ -146,18 +145,20 @@ inline constexpr dtype dtype_of_v = std::is_same_v<std::remove_cv_t<T>, float>  
 /// Human-readable name of a dtype, as used in error messages.
 constexpr std::string_view name(dtype t) {
   switch (t) {
-    case dtype::float32: return "float32";
-    case dtype::float64: return "float64";
-    case dtype::float16: return "float16";
-    case dtype::bfloat16: return "bfloat16";
+    case dtype::float32:
+      return "float32";
+    case dtype::float64:
+      return "float64";
+    case dtype::float16:
+      return "float16";
+    case dtype::bfloat16:
+      return "bfloat16";
   }
   return "unknown";
 }
 
 /// Bytes per element of a dtype.
-constexpr std::size_t size_of(dtype t) {
-  return t == dtype::float64 ? 8 : t == dtype::float32 ? 4 : 2;
-}
+constexpr std::size_t size_of(dtype t) { return t == dtype::float64 ? 8 : t == dtype::float32 ? 4 : 2; }
 
 /// The type element math runs in: double for double, float for everything else.
 template <element T>
@@ -166,8 +167,7 @@ using compute_t = std::conditional_t<std::is_same_v<std::remove_cv_t<T>, double>
 /// Loads one stored element into its compute type.
 template <class T>
 GRADAPT_HD GRADAPT_INLINE compute_t<T> load(const T& x) {
-  if constexpr (std::is_same_v<std::remove_cv_t<T>, float> ||
-                std::is_same_v<std::remove_cv_t<T>, double>)
+  if constexpr (std::is_same_v<std::remove_cv_t<T>, float> || std::is_same_v<std::remove_cv_t<T>, double>)
     return x;
   else
     return static_cast<float>(x);

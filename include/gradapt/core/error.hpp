@@ -15,7 +15,7 @@ namespace gradapt {
 /// The message names what was wrong (tensor name, rank, sizes) and what was expected, for
 /// example `gradapt: allreduce on rank 2: buffer has 10 elements but rank 0 has 12`.
 class error : public std::runtime_error {
-public:
+ public:
   explicit error(const std::string& what) : std::runtime_error(what) {}
 };
 

@@ -27,10 +27,14 @@ enum class reduce_op : std::uint8_t { sum, max };
 
 constexpr std::string_view name(reduction r) {
   switch (r) {
-    case reduction::sum: return "sum";
-    case reduction::sum_squares: return "sum_squares";
-    case reduction::max_abs: return "max_abs";
-    case reduction::count_nonfinite: return "count_nonfinite";
+    case reduction::sum:
+      return "sum";
+    case reduction::sum_squares:
+      return "sum_squares";
+    case reduction::max_abs:
+      return "max_abs";
+    case reduction::count_nonfinite:
+      return "count_nonfinite";
   }
   return "unknown";
 }

@@ -24,8 +24,8 @@ struct param_flags {
 
 /// Options a parameter group carries; algorithms read what they understand.
 struct group_options {
-  double lr_scale = 1.0;                ///< multiplies the learning rate for this group
-  std::optional<double> weight_decay;   ///< overrides the optimizer's weight decay when set
+  double lr_scale = 1.0;               ///< multiplies the learning rate for this group
+  std::optional<double> weight_decay;  ///< overrides the optimizer's weight decay when set
 };
 
 /// One parameter: a name, its value and gradient views, flags and its group index.
@@ -57,7 +57,7 @@ struct param_group {
 /// contiguous spans of views, the shape every multi-tensor backend operation takes.
 template <element V, element G = V, memory_space Space = host_space, class Options = group_options>
 class param_list {
-public:
+ public:
   using value_type = V;
   using grad_type = G;
   using space = Space;
@@ -83,8 +83,8 @@ public:
   std::size_t add(std::string name, tensor_view<V, Space> value, tensor_view<G, Space> grad,
                   param_flags flags = {}, std::size_t group = 0) {
     detail::require(!name.empty(), "param_list::add: empty parameter name");
-    detail::require(group < groups_.size(), "param_list::add: parameter '", name, "' names group ",
-                    group, " but only ", groups_.size(), " group(s) exist");
+    detail::require(group < groups_.size(), "param_list::add: parameter '", name, "' names group ", group,
+                    " but only ", groups_.size(), " group(s) exist");
     detail::require(value.same_shape(grad), "param_list::add: parameter '", name, "' has value shape ",
                     value.shape_string(), " but gradient shape ", grad.shape_string(),
                     " (expected equal shapes)");
@@ -105,8 +105,8 @@ public:
   const entry& operator[](std::size_t i) const { return entries_[i]; }
   /// Bounds-checked access by index.
   const entry& at(std::size_t i) const {
-    detail::require(i < entries_.size(), "param_list::at: index ", i, " out of range (size ",
-                    entries_.size(), ")");
+    detail::require(i < entries_.size(), "param_list::at: index ", i, " out of range (size ", entries_.size(),
+                    ")");
     return entries_[i];
   }
   /// Bounds-checked access by name.
@@ -130,18 +130,18 @@ public:
 
   std::size_t group_count() const { return groups_.size(); }
   const param_group<Options>& group(std::size_t g) const {
-    detail::require(g < groups_.size(), "param_list::group: index ", g, " out of range (",
-                    groups_.size(), " group(s))");
+    detail::require(g < groups_.size(), "param_list::group: index ", g, " out of range (", groups_.size(),
+                    " group(s))");
     return groups_[g];
   }
   /// Mutable group options (learning-rate scale changes mid-run, for example).
   Options& options(std::size_t g) {
-    detail::require(g < groups_.size(), "param_list::options: index ", g, " out of range (",
-                    groups_.size(), " group(s))");
+    detail::require(g < groups_.size(), "param_list::options: index ", g, " out of range (", groups_.size(),
+                    " group(s))");
     return groups_[g].options;
   }
 
-private:
+ private:
   std::vector<entry> entries_;
   std::vector<tensor_view<V, Space>> values_;
   std::vector<tensor_view<G, Space>> grads_;

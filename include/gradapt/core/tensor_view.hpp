@@ -42,9 +42,9 @@ inline constexpr int max_rank = 4;
 /// `tensor_view<T, S>` converts implicitly to `tensor_view<const T, S>`. Accessors are
 /// GRADAPT_HD so a view can be passed by value into a device kernel.
 template <class T, memory_space Space = host_space>
-  requires element<T>
+requires element<T>
 class tensor_view {
-public:
+ public:
   using element_type = T;
   using value_type = std::remove_cv_t<T>;
   using space = Space;
@@ -67,8 +67,7 @@ public:
 
   /// Read-only view of the same memory.
   template <class U = T>
-    requires(!std::is_const_v<U>)
-  constexpr operator tensor_view<const U, Space>() const {
+  requires(!std::is_const_v<U>) constexpr operator tensor_view<const U, Space>() const {
     return tensor_view<const U, Space>::from_parts(data_, dims_, rank_, size_);
   }
 
@@ -84,14 +83,12 @@ public:
   static constexpr dtype type() { return dtype_of_v<T>; }
 
   /// Element access, only for host views.
-  constexpr T& operator[](std::size_t i) const
-    requires std::is_same_v<Space, host_space>
-  {
-    return data_[i];
-  }
+  constexpr T& operator[](std::size_t i) const requires std::is_same_v<Space, host_space> { return data_[i]; }
 
   /// The same memory as a rank-1 view.
-  constexpr tensor_view flat() const { return from_parts(data_, {static_cast<std::int64_t>(size_), 0, 0, 0}, 1, size_); }
+  constexpr tensor_view flat() const {
+    return from_parts(data_, {static_cast<std::int64_t>(size_), 0, 0, 0}, 1, size_);
+  }
 
   /// True when both views have the same rank and dims.
   template <class U>
@@ -123,10 +120,10 @@ public:
     return v;
   }
 
-private:
+ private:
   void assign(std::span<const std::int64_t> shape) {
-    detail::require(shape.size() <= static_cast<std::size_t>(max_rank), "tensor_view: rank ",
-                    shape.size(), " is not supported (expected 0 to ", max_rank, ")");
+    detail::require(shape.size() <= static_cast<std::size_t>(max_rank), "tensor_view: rank ", shape.size(),
+                    " is not supported (expected 0 to ", max_rank, ")");
     rank_ = static_cast<int>(shape.size());
     std::size_t n = 1;
     for (std::size_t i = 0; i < shape.size(); ++i) {
@@ -151,7 +148,8 @@ private:
 
 /// Host view of a contiguous range (std::vector, std::array, std::span) as a rank-1 tensor.
 template <class R>
-  requires std::ranges::contiguous_range<R> && element<std::remove_reference_t<std::ranges::range_reference_t<R>>>
+requires std::ranges::contiguous_range<R> &&
+    element<std::remove_reference_t<std::ranges::range_reference_t<R>>>
 auto host_view(R&& r) {
   using T = std::remove_reference_t<std::ranges::range_reference_t<R>>;
   return tensor_view<T, host_space>::vector(std::ranges::data(r),
@@ -160,12 +158,12 @@ auto host_view(R&& r) {
 
 /// Host view of a contiguous range with an explicit shape.
 template <class R>
-  requires std::ranges::contiguous_range<R>
+requires std::ranges::contiguous_range<R>
 auto host_view(R&& r, std::initializer_list<std::int64_t> shape) {
   using T = std::remove_reference_t<std::ranges::range_reference_t<R>>;
   tensor_view<T, host_space> v(std::ranges::data(r), shape);
-  detail::require(v.size() == std::ranges::size(r), "host_view: shape ", v.shape_string(), " has ",
-                  v.size(), " elements but the range holds ", std::ranges::size(r));
+  detail::require(v.size() == std::ranges::size(r), "host_view: shape ", v.shape_string(), " has ", v.size(),
+                  " elements but the range holds ", std::ranges::size(r));
   return v;
 }
 
@@ -179,7 +177,7 @@ inline constexpr bool is_tensor_view_v<tensor_view<T, S>> = true;
 /// grads, a std::vector or std::span of views).
 template <class R, class Space>
 concept view_list = std::ranges::contiguous_range<R> &&
-                    is_tensor_view_v<std::remove_cvref_t<std::ranges::range_value_t<R>>> &&
-                    std::is_same_v<typename std::remove_cvref_t<std::ranges::range_value_t<R>>::space, Space>;
+    is_tensor_view_v<std::remove_cvref_t<std::ranges::range_value_t<R>>> &&
+    std::is_same_v<typename std::remove_cvref_t<std::ranges::range_value_t<R>>::space, Space>;
 
 }  // namespace gradapt

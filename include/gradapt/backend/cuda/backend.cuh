@@ -106,9 +106,8 @@ struct cuda {
                   "optionally preceded by gradapt::tensor_index");
     const std::size_t n = [](const auto& v0, const auto&... vs) {
       std::size_t pos = 0;
-      ((++pos, detail::require(vs.size() == v0.size(), "gradapt::cuda::apply: view ", pos, " has ",
-                               vs.size(), " elements but view 0 has ", v0.size(),
-                               " (expected equal sizes)")),
+      ((++pos, detail::require(vs.size() == v0.size(), "gradapt::cuda::apply: view ", pos, " has ", vs.size(),
+                               " elements but view 0 has ", v0.size(), " (expected equal sizes)")),
        ...);
       return v0.size();
     }(views...);
@@ -162,9 +161,8 @@ struct cuda {
     check_op(op, "reduce");
     const std::size_t count = std::ranges::size(xs);
     check_host_out(count, per_tensor.size(), "reduce");
-    return detail::cuda_ops::visit(op, [&](auto o) {
-      return host_result<decltype(o), 0>(count, per_tensor, std::ranges::data(xs));
-    });
+    return detail::cuda_ops::visit(
+        op, [&](auto o) { return host_result<decltype(o), 0>(count, per_tensor, std::ranges::data(xs)); });
   }
 
   /// Dot product sum x*y of two equal-size tensors, accumulated in double (fma per element)
@@ -187,14 +185,16 @@ struct cuda {
                   "gradapt::tensor_view<T, gradapt::device_space>");
     const std::size_t count = check_lists("dot", xs, ys);
     check_host_out(count, per_tensor.size(), "dot");
-    return host_result<detail::cuda_ops::dot, 0>(count, per_tensor, std::ranges::data(xs), std::ranges::data(ys));
+    return host_result<detail::cuda_ops::dot, 0>(count, per_tensor, std::ranges::data(xs),
+                                                 std::ranges::data(ys));
   }
 
   /// Device-resident reduction of one tensor: writes the value `reduce(op, x)` would return
   /// into `result[0]` (a one-element device view) without waiting for the stream.
   /// @throws gradapt::error unless `result` has exactly one element
   template <class T>
-  void reduce_to(reduction op, tensor_view<T, device_space> x, tensor_view<double, device_space> result) const {
+  void reduce_to(reduction op, tensor_view<T, device_space> x,
+                 tensor_view<double, device_space> result) const {
     check_op(op, "reduce_to");
     detail::require(result.size() == 1, "gradapt::cuda::reduce_to: result has ", result.size(),
                     " elements (expected 1)");
@@ -210,7 +210,7 @@ struct cuda {
   /// later kernels on `stream` (a trust ratio, a clipping factor) read the results in place.
   /// @throws gradapt::error on wrong output sizes or when both outputs are empty
   template <class L>
-    requires view_list<L, device_space>
+  requires view_list<L, device_space>
   void reduce_to(reduction op, const L& xs, tensor_view<double, device_space> per_tensor,
                  tensor_view<double, device_space> total = {}) const {
     check_op(op, "reduce_to");
@@ -238,12 +238,13 @@ struct cuda {
   /// empty) and their in-order sum into `total[0]` (or empty); no host sync.
   /// @throws gradapt::error on a length or size mismatch or wrong output sizes
   template <class L1, class L2>
-    requires view_list<L1, device_space> && view_list<L2, device_space>
+  requires view_list<L1, device_space> && view_list<L2, device_space>
   void dot_to(const L1& xs, const L2& ys, tensor_view<double, device_space> per_tensor,
               tensor_view<double, device_space> total = {}) const {
     const std::size_t count = check_lists("dot_to", xs, ys);
     check_device_out(count, per_tensor.size(), total.size(), "dot_to");
-    device_result<detail::cuda_ops::dot, 0>(count, per_tensor, total, std::ranges::data(xs), std::ranges::data(ys));
+    device_result<detail::cuda_ops::dot, 0>(count, per_tensor, total, std::ranges::data(xs),
+                                            std::ranges::data(ys));
   }
 
   /// Waits until all work enqueued on `stream` has finished (cudaStreamSynchronize).
@@ -259,7 +260,7 @@ struct cuda {
   /// Reserves what any reduction or dot over a list shaped like `xs` (same tensor count and
   /// sizes) needs: `workspace_bytes(xs)` device bytes and `8 * xs.size()` pinned bytes.
   template <class L>
-    requires view_list<L, device_space>
+  requires view_list<L, device_space>
   void reserve_for(const L& xs) const {
     reserve(workspace_bytes(xs), std::ranges::size(xs) * sizeof(double));
   }
@@ -267,13 +268,13 @@ struct cuda {
   /// Device workspace bytes a reduction or dot over `xs` needs: 8 bytes per chunk of
   /// `chunking::chunk_elements` elements plus 8 bytes per tensor.
   template <class L>
-    requires view_list<L, device_space>
+  requires view_list<L, device_space>
   static std::size_t workspace_bytes(const L& xs) {
     const std::size_t count = std::ranges::size(xs);
     return (detail::cuda_impl::total_chunks(count, std::ranges::data(xs)) + count) * sizeof(double);
   }
 
-private:
+ private:
   detail::cuda_workspace& ws() const {
     detail::require(workspace != nullptr,
                     "gradapt::cuda: workspace is null (leave the default, or assign a "
@@ -302,9 +303,9 @@ private:
       for (std::size_t t = 0; t < count; ++t) {
         const std::size_t n = d0[t].size();
         std::size_t pos = 0;
-        ((++pos, detail::require(std::ranges::data(ls)[t].size() == n, "gradapt::cuda::", what, ": tensor ", t,
-                                 " has ", std::ranges::data(ls)[t].size(), " elements in list ", pos, " but ", n,
-                                 " in list 0 (expected equal sizes)")),
+        ((++pos, detail::require(std::ranges::data(ls)[t].size() == n, "gradapt::cuda::", what, ": tensor ",
+                                 t, " has ", std::ranges::data(ls)[t].size(), " elements in list ", pos,
+                                 " but ", n, " in list 0 (expected equal sizes)")),
          ...);
       }
     }
@@ -337,7 +338,8 @@ private:
     if (count > 0) {
       double* dev_per_tensor = scratch + nchunks;
       detail::cuda_impl::reduce_lists<Op, Cap>(stream, scratch, dev_per_tensor, nullptr, count, l0, ls...);
-      GRADAPT_CUDA_CHECK(cudaMemcpyAsync(host, dev_per_tensor, count * sizeof(double), cudaMemcpyDeviceToHost, stream));
+      GRADAPT_CUDA_CHECK(
+          cudaMemcpyAsync(host, dev_per_tensor, count * sizeof(double), cudaMemcpyDeviceToHost, stream));
     }
     synchronize();
     if (!per_tensor.empty()) std::memcpy(per_tensor.data(), host, count * sizeof(double));

@@ -11,11 +11,12 @@ namespace gradapt::detail {
 /// Throws gradapt::error if `status` is not cudaSuccess. The message names the failed call
 /// (as written in the source), the CUDA error name and cudaGetErrorString's text, and the
 /// source location, e.g.
-/// `gradapt: CUDA call cudaMalloc(&p, 1024) failed: cudaErrorMemoryAllocation (out of memory) at workspace.cuh:40`.
+/// `gradapt: CUDA call cudaMalloc(&p, 1024) failed: cudaErrorMemoryAllocation (out of memory) at
+/// workspace.cuh:40`.
 inline void cuda_check(cudaError_t status, const char* call, const char* file, int line) {
   if (status != cudaSuccess)
-    fail("CUDA call ", call, " failed: ", cudaGetErrorName(status), " (", cudaGetErrorString(status),
-         ") at ", file, ":", line);
+    fail("CUDA call ", call, " failed: ", cudaGetErrorName(status), " (", cudaGetErrorString(status), ") at ",
+         file, ":", line);
 }
 
 /// Checks the launch of kernel `kernel` (configuration errors, missing device code) right
@@ -23,8 +24,8 @@ inline void cuda_check(cudaError_t status, const char* call, const char* file, i
 inline void cuda_check_launch(const char* kernel, const char* file, int line) {
   const cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess)
-    fail("CUDA launch of ", kernel, " failed: ", cudaGetErrorName(status), " (",
-         cudaGetErrorString(status), ") at ", file, ":", line);
+    fail("CUDA launch of ", kernel, " failed: ", cudaGetErrorName(status), " (", cudaGetErrorString(status),
+         ") at ", file, ":", line);
 }
 
 }  // namespace gradapt::detail

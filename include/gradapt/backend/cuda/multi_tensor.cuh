@@ -79,19 +79,19 @@ static_assert(chunking::is_power_of_two(chunking::reduction_lanes) && chunking::
 /// passed by value as a kernel argument.
 template <std::size_t K, std::size_t N>
 struct tensor_batch {
-  void* ptr[K][N];              ///< ptr[k][j]: data of tensor j of list k (const-ness restored by the kernel)
-  std::size_t size[N];          ///< elements of tensor j (equal across lists)
-  std::size_t prefix[N + 1];    ///< exclusive prefix of chunk counts; prefix[ntensors] = chunks in the launch
-  std::size_t ntensors;         ///< tensors in this batch
-  std::size_t first_tensor;     ///< list index of tensor 0 of the batch
-  std::size_t first_chunk;      ///< global chunk number of chunk 0 of the batch (partials slot)
+  void* ptr[K][N];            ///< ptr[k][j]: data of tensor j of list k (const-ness restored by the kernel)
+  std::size_t size[N];        ///< elements of tensor j (equal across lists)
+  std::size_t prefix[N + 1];  ///< exclusive prefix of chunk counts; prefix[ntensors] = chunks in the launch
+  std::size_t ntensors;       ///< tensors in this batch
+  std::size_t first_tensor;   ///< list index of tensor 0 of the batch
+  std::size_t first_chunk;    ///< global chunk number of chunk 0 of the batch (partials slot)
 };
 
 /// Tensors per launch for K lists when `reserved` bytes of other kernel arguments (the
 /// functor, output pointers) share the budget.
 template <std::size_t K, std::size_t Reserved>
-inline constexpr std::size_t batch_capacity =
-    (param_budget - Reserved - 4 * sizeof(std::size_t)) / (K * sizeof(void*) + 2 * sizeof(std::size_t));
+inline constexpr std::size_t batch_capacity = (param_budget - Reserved - 4 * sizeof(std::size_t)) /
+                                              (K * sizeof(void*) + 2 * sizeof(std::size_t));
 
 // ---- a tiny device-friendly tuple of compute values ----------------------------------------
 
@@ -123,8 +123,7 @@ template <class F, class... Ts>
 inline constexpr bool wants_index = std::is_invocable_v<F&, tensor_index, compute_t<Ts>&...>;
 /// True when F can be called either way.
 template <class F, class... Ts>
-inline constexpr bool callable =
-    wants_index<F, Ts...> || std::is_invocable_v<F&, compute_t<Ts>&...>;
+inline constexpr bool callable = wants_index<F, Ts...> || std::is_invocable_v<F&, compute_t<Ts>&...>;
 
 // ---- apply ------------------------------------------------------------------------------------
 
@@ -169,7 +168,8 @@ __device__ __forceinline__ void apply_chunk(F& f, const Batch& b, std::index_seq
 
 /// One block per chunk of the batch.
 template <class F, class Batch, class... Ts>
-__global__ void __launch_bounds__(apply_threads) apply_kernel(const F f, const GRADAPT_GRID_CONSTANT Batch batch) {
+__global__ void __launch_bounds__(apply_threads)
+    apply_kernel(const F f, const GRADAPT_GRID_CONSTANT Batch batch) {
   F g = f;  // a mutable per-thread copy, as the host loop calls a local copy
   apply_chunk<F, Batch, Ts...>(g, batch, std::index_sequence_for<Ts...>{});
 }
@@ -316,7 +316,8 @@ void for_each_batch(std::size_t count, Launch&& launch, const tensor_view<Ts, de
 /// budget allows. `Cap` > 0 caps the tensors per launch (1 for a single view keeps the
 /// kernel arguments small); 0 takes the full budget.
 template <std::size_t Cap = 0, class F, class... Ts>
-void apply_lists(const F& f, cudaStream_t stream, std::size_t count, const tensor_view<Ts, device_space>*... lists) {
+void apply_lists(const F& f, cudaStream_t stream, std::size_t count,
+                 const tensor_view<Ts, device_space>*... lists) {
   constexpr std::size_t N = Cap > 0 ? Cap : batch_capacity<sizeof...(Ts), sizeof(F)>;
   static_assert(N <= batch_capacity<sizeof...(Ts), sizeof(F)>, "Cap exceeds the kernel-argument budget");
   using batch_t = tensor_batch<sizeof...(Ts), N>;
@@ -338,14 +339,15 @@ template <class Op, std::size_t Cap = 0, class... Ts>
 void reduce_lists(cudaStream_t stream, double* partials, double* per_tensor, double* total, std::size_t count,
                   const tensor_view<Ts, device_space>*... lists) {
   constexpr std::size_t N = Cap > 0 ? Cap : batch_capacity<sizeof...(Ts), 2 * sizeof(void*)>;
-  static_assert(N <= batch_capacity<sizeof...(Ts), 2 * sizeof(void*)>, "Cap exceeds the kernel-argument budget");
+  static_assert(N <= batch_capacity<sizeof...(Ts), 2 * sizeof(void*)>,
+                "Cap exceeds the kernel-argument budget");
   using batch_t = tensor_batch<sizeof...(Ts), N>;
   for_each_batch<N>(
       count,
       [&](const batch_t& b, std::size_t chunks) {
         if (chunks > 0) {
-          reduce_chunks_kernel<Op, batch_t, Ts...><<<static_cast<unsigned>(chunks), reduce_threads, 0, stream>>>(
-              b, partials);
+          reduce_chunks_kernel<Op, batch_t, Ts...>
+              <<<static_cast<unsigned>(chunks), reduce_threads, 0, stream>>>(b, partials);
           GRADAPT_CUDA_CHECK_LAUNCH("gradapt reduce_chunks_kernel");
         }
         reduce_tensors_kernel<Op, batch_t>

@@ -75,10 +75,14 @@ struct dot {
 template <class Fn>
 decltype(auto) visit(reduction r, Fn&& fn) {
   switch (r) {
-    case reduction::sum: return fn(sum{});
-    case reduction::sum_squares: return fn(sum_squares{});
-    case reduction::max_abs: return fn(max_abs{});
-    case reduction::count_nonfinite: return fn(count_nonfinite{});
+    case reduction::sum:
+      return fn(sum{});
+    case reduction::sum_squares:
+      return fn(sum_squares{});
+    case reduction::max_abs:
+      return fn(max_abs{});
+    case reduction::count_nonfinite:
+      return fn(count_nonfinite{});
   }
   return fn(sum{});  // unreachable for valid enumerators; callers validate `r` first
 }

@@ -25,7 +25,7 @@ namespace gradapt::detail {
 /// the device that was current when it was first allocated; using it from another device is
 /// an error.
 class cuda_workspace {
-public:
+ public:
   cuda_workspace() = default;
   cuda_workspace(const cuda_workspace&) = delete;
   cuda_workspace& operator=(const cuda_workspace&) = delete;
@@ -37,9 +37,8 @@ public:
     int current = 0;
     GRADAPT_CUDA_CHECK(cudaGetDevice(&current));
     if (device_buffer_ != nullptr && current != device_id_)
-      fail("cuda backend: the workspace was allocated on device ", device_id_,
-           " but the current device is ", current,
-           " (use one gradapt::cuda object, with its own workspace, per device)");
+      fail("cuda backend: the workspace was allocated on device ", device_id_, " but the current device is ",
+           current, " (use one gradapt::cuda object, with its own workspace, per device)");
     if (bytes <= device_bytes_) return device_buffer_;
     const std::size_t want = grow_to(device_bytes_, bytes);
     if (device_buffer_ != nullptr) {
@@ -92,7 +91,7 @@ public:
     pinned_bytes_ = 0;
   }
 
-private:
+ private:
   static std::size_t grow_to(std::size_t have, std::size_t need) {
     std::size_t want = have * 2 > need ? have * 2 : need;
     return (want + 255) / 256 * 256;
