@@ -19,3 +19,17 @@ foreach(_cxx g++ clang++)
               -o ${CMAKE_CURRENT_BINARY_DIR}/consumer_${_cxx}.o)
   endif()
 endforeach()
+
+# The explicit vector path and the scalar fallback of the host reductions give the same bits.
+foreach(_mode vector scalar)
+  add_executable(reduction_bits_${_mode} reduction_bits.cpp)
+  target_link_libraries(reduction_bits_${_mode} PRIVATE gradapt::gradapt)
+  target_compile_options(reduction_bits_${_mode} PRIVATE ${GRADAPT_TEST_WARNINGS})
+  if(GRADAPT_WITH_OPENMP)
+    target_link_libraries(reduction_bits_${_mode} PRIVATE gradapt::openmp)
+  endif()
+endforeach()
+target_compile_definitions(reduction_bits_scalar PRIVATE GRADAPT_NO_VECTOR_EXTENSIONS)
+add_test(NAME host_vector_path_matches_scalar
+  COMMAND ${CMAKE_COMMAND} -DA=$<TARGET_FILE:reduction_bits_vector> -DB=$<TARGET_FILE:reduction_bits_scalar>
+          -DOUT=${CMAKE_CURRENT_BINARY_DIR} -P ${CMAKE_CURRENT_SOURCE_DIR}/compare_outputs.cmake)

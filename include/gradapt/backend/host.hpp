@@ -38,7 +38,7 @@ namespace detail::host_impl {
 /// binary tree (pairs of neighbours first); a tensor's blocks are then added in block order. This blocking is
 /// part of the determinism promise: it does not depend on the thread count.
 inline constexpr std::size_t block = 4096;
-inline constexpr std::size_t lanes = 16;
+inline constexpr std::size_t lanes = 8;
 /// Blocks reduced in parallel per round (partials live on the stack: nothing is allocated).
 inline constexpr std::size_t round_blocks = 256;
 /// Element-wise work is split into chunks of this many elements across threads.
@@ -110,63 +110,73 @@ GRADAPT_INLINE v2d widen2(const float* p) {
 #endif
 }
 
-/// Vector form of reduce_block for float and double sum / sum_squares / dot. Returns the
-/// same value as the scalar loop with `lanes` accumulators.
+/// Accumulators of one block on the vector path: lanes (0,1) (2,3) (4,5) (6,7) in four double
+/// pairs. `feed` takes the next 8 elements; `finish` adds a tail of fewer than 8 elements to
+/// lanes 0.. and combines the lanes exactly as the scalar loop does.
+template <rk K, class T>
+struct vec_block {
+  static_assert(lanes == 8, "the vector path holds 8 lanes in 4 double pairs");
+  v2d a0 = {0, 0}, a1 = {0, 0}, a2 = {0, 0}, a3 = {0, 0};
+
+  static GRADAPT_INLINE void step(v2d& acc, v2d v, v2d w) {
+    if constexpr (K == rk::sum)
+      acc += v;
+    else if constexpr (K == rk::sum_squares)
+      acc += v * v;
+    else
+      acc += v * w;
+  }
+  static GRADAPT_INLINE v2d get(const T* p) {
+    if constexpr (std::is_same_v<T, float>)
+      return widen2(p);
+    else
+      return load2(p);
+  }
+  GRADAPT_INLINE void feed(const T* x, const T* y) {
+    const v2d f0 = get(x), f1 = get(x + 2), f2 = get(x + 4), f3 = get(x + 6);
+    if constexpr (K == rk::dot) {
+      step(a0, f0, get(y)), step(a1, f1, get(y + 2)), step(a2, f2, get(y + 4)), step(a3, f3, get(y + 6));
+    } else {
+      step(a0, f0, f0), step(a1, f1, f1), step(a2, f2, f2), step(a3, f3, f3);
+    }
+  }
+  double finish(const T* x, const T* y, std::size_t rem) const {
+    double acc[lanes] = {a0[0], a0[1], a1[0], a1[1], a2[0], a2[1], a3[0], a3[1]};
+    for (std::size_t l = 0; l < rem; ++l) {
+      const double v = static_cast<double>(x[l]);
+      if constexpr (K == rk::sum)
+        acc[l] += v;
+      else if constexpr (K == rk::sum_squares)
+        acc[l] += v * v;
+      else
+        acc[l] += v * static_cast<double>(y[l]);
+    }
+    return combine_lanes<rk::sum>(acc);
+  }
+};
+
+/// Vector form of reduce_block for float and double sum / sum_squares / dot: the same value
+/// as the scalar loop.
 template <rk K, class T>
 double reduce_block_vec(const T* x, const T* y, std::size_t n) {
-  static_assert(lanes == 16, "the vector path holds 16 lanes in 8 double pairs");
-  v2d a[8] = {};
+  vec_block<K, T> s;
   std::size_t i = 0;
-  const auto step = [](v2d& acc, v2d v, v2d w) {
-    if constexpr (K == rk::sum) {
-      (void)w;
-      acc += v;
-    } else if constexpr (K == rk::sum_squares) {
-      (void)w;
-      acc += v * v;
-    } else {
-      acc += v * w;
-    }
-  };
-  // Unrolled by a fold so the eight accumulators stay in registers at -O2.
-  const auto body = [&]<std::size_t... Q>(std::index_sequence<Q...>) {
-    for (; i + lanes <= n; i += lanes) {
-      if constexpr (std::is_same_v<T, float>) {
-        (
-            [&] {
-              const v2d f0 = widen2(x + i + 4 * Q), f1 = widen2(x + i + 4 * Q + 2);
-              v2d g0 = f0, g1 = f1;
-              if constexpr (K == rk::dot) g0 = widen2(y + i + 4 * Q), g1 = widen2(y + i + 4 * Q + 2);
-              step(a[2 * Q], f0, g0);
-              step(a[2 * Q + 1], f1, g1);
-            }(),
-            ...);
-      } else {
-        (
-            [&] {
-              const v2d d0 = load2(x + i + 4 * Q), d1 = load2(x + i + 4 * Q + 2);
-              v2d e0 = d0, e1 = d1;
-              if constexpr (K == rk::dot) e0 = load2(y + i + 4 * Q), e1 = load2(y + i + 4 * Q + 2);
-              step(a[2 * Q], d0, e0);
-              step(a[2 * Q + 1], d1, e1);
-            }(),
-            ...);
-      }
-    }
-  };
-  body(std::make_index_sequence<4>{});
-  double acc[lanes];
-  for (std::size_t q = 0; q < 8; ++q) acc[2 * q] = a[q][0], acc[2 * q + 1] = a[q][1];
-  for (std::size_t l = 0; i + l < n; ++l) {
-    const double v = static_cast<double>(x[i + l]);
-    if constexpr (K == rk::sum)
-      acc[l] += v;
-    else if constexpr (K == rk::sum_squares)
-      acc[l] += v * v;
-    else
-      acc[l] += v * static_cast<double>(y[i + l]);
+  for (; i + lanes <= n; i += lanes) s.feed(x + i, K == rk::dot ? y + i : nullptr);
+  return s.finish(x + i, K == rk::dot ? y + i : nullptr, n - i);
+}
+
+/// Two full blocks reduced in lockstep: two independent read streams keep more memory
+/// requests in flight than one, which a single thread needs to approach the memory roof. Each
+/// result equals reduce_block_vec of that block alone.
+template <rk K, class T>
+void reduce_block_pair_vec(const T* xa, const T* ya, const T* xb, const T* yb, double& ra, double& rb) {
+  vec_block<K, T> A, B;
+  for (std::size_t i = 0; i < block; i += lanes) {
+    A.feed(xa + i, K == rk::dot ? ya + i : nullptr);
+    B.feed(xb + i, K == rk::dot ? yb + i : nullptr);
   }
-  return combine_lanes<rk::sum>(acc);
+  ra = A.finish(xa, ya, 0);
+  rb = B.finish(xb, yb, 0);
 }
 
 /// max |x| over float: exact in float, NaN tracked apart; returns what the scalar path does.
@@ -243,12 +253,70 @@ double reduce_block(const T* x, const U* y, std::size_t n) {
   return combine_lanes<K>(acc);
 }
 
-/// One tensor, reduced by the calling thread alone: blocks in order.
+template <rk K, class T, class U>
+inline constexpr bool vector_pair_v =
+#if defined(GRADAPT_HOST_VECTOR)
+    (K == rk::sum || K == rk::sum_squares || K == rk::dot) &&
+    (std::is_same_v<T, float> || std::is_same_v<T, double>)&&(K != rk::dot || std::is_same_v<T, U>);
+#else
+    false;
+#endif
+
+/// Partials of blocks ba and bb of a tensor of n elements: in lockstep when both are full and
+/// the vector path applies, one after the other otherwise. The values do not depend on which.
+template <rk K, class T, class U>
+void reduce_block_pair(const T* x, const U* y, std::size_t n, std::size_t ba, std::size_t bb, double& ra,
+                       double& rb) {
+  const std::size_t oa = ba * block, ob = bb * block;
+  const std::size_t na = std::min(block, n - oa), nb = std::min(block, n - ob);
+  if constexpr (vector_pair_v<K, T, U>) {
+    if (na == block && nb == block) {
+      const T* ya = nullptr;
+      const T* yb = nullptr;
+      if constexpr (K == rk::dot) ya = y + oa, yb = y + ob;
+      reduce_block_pair_vec<K, T>(x + oa, ya, x + ob, yb, ra, rb);
+      return;
+    }
+  }
+  ra = reduce_block<K>(x + oa, y ? y + oa : nullptr, na);
+  rb = reduce_block<K>(x + ob, y ? y + ob : nullptr, nb);
+}
+
+/// Partials of blocks [r0, r0 + rb) into part[0, rb): block j of the round is paired with
+/// block j + ceil(rb / 2). `Worksharing` makes the pair loop an OpenMP `for` (inside a
+/// parallel region).
+template <bool Worksharing, rk K, class T, class U>
+void round_partials(const T* x, const U* y, std::size_t n, std::size_t r0, std::size_t rb, double* part) {
+  const std::size_t half = (rb + 1) / 2;
+  const auto body = [&](std::size_t j) {
+    if (j + half < rb)
+      reduce_block_pair<K>(x, y, n, r0 + j, r0 + j + half, part[j], part[j + half]);
+    else
+      part[j] = reduce_block<K>(x + (r0 + j) * block, y ? y + (r0 + j) * block : nullptr,
+                                std::min(block, n - (r0 + j) * block));
+  };
+  if constexpr (Worksharing) {
+#if defined(_OPENMP)
+#pragma omp for schedule(static)
+#endif
+    for (std::size_t j = 0; j < half; ++j) body(j);
+  } else {
+    for (std::size_t j = 0; j < half; ++j) body(j);
+  }
+}
+
+/// One tensor, reduced by the calling thread alone: block partials by rounds, added in block
+/// order.
 template <rk K, class T, class U>
 double reduce_serial(const T* x, const U* y, std::size_t n) {
+  const std::size_t nblocks = (n + block - 1) / block;
   double total = 0.0;
-  for (std::size_t b = 0; b < n; b += block)
-    total = combine<K>(total, reduce_block<K>(x + b, y ? y + b : nullptr, std::min(block, n - b)));
+  double part[round_blocks];
+  for (std::size_t r0 = 0; r0 < nblocks; r0 += round_blocks) {
+    const std::size_t rb = std::min(round_blocks, nblocks - r0);
+    round_partials<false, K>(x, y, n, r0, rb, part);
+    for (std::size_t j = 0; j < rb; ++j) total = combine<K>(total, part[j]);
+  }
   return total;
 }
 
@@ -264,11 +332,7 @@ double reduce_parallel(const T* x, const U* y, std::size_t n, [[maybe_unused]] i
 #pragma omp parallel num_threads(threads)
     for (std::size_t r0 = 0; r0 < nblocks; r0 += round_blocks) {
       const std::size_t rb = std::min(round_blocks, nblocks - r0);
-#pragma omp for schedule(static)
-      for (std::size_t j = 0; j < rb; ++j) {
-        const std::size_t b = (r0 + j) * block;
-        part[j] = reduce_block<K>(x + b, y ? y + b : nullptr, std::min(block, n - b));
-      }
+      round_partials<true, K>(x, y, n, r0, rb, part);
 #pragma omp single
       for (std::size_t j = 0; j < rb; ++j) total = combine<K>(total, part[j]);
     }
