@@ -10,6 +10,8 @@
 //   bench_host [--benchmark_filter=...]     default: fp32, 16 Mi elements (64 MiB) per vector
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <map>
 #include <string>
@@ -35,6 +37,32 @@ void finish(benchmark::State& st, double bytes_per_call) {
 }
 
 // ---- plain reference loops ----------------------------------------------------------------
+void triad_loop(int t) {
+  auto& d = data();
+  float* __restrict a = d.a.data();
+  const float* __restrict b = d.b.data();
+  const float* __restrict c = d.c.data();
+  const float s = 0.5f;
+#pragma omp parallel for simd schedule(static) num_threads(t)
+  for (std::size_t i = 0; i < n_elems; ++i) a[i] = b[i] + s * c[i];
+  benchmark::ClobberMemory();
+}
+void plain_axpy_loop(int t) {
+  auto& d = data();
+  float* __restrict y = d.a.data();
+  const float* __restrict x = d.c.data();
+#pragma omp parallel for simd schedule(static) num_threads(t)
+  for (std::size_t i = 0; i < n_elems; ++i) y[i] += 0.5f * x[i];
+  benchmark::ClobberMemory();
+}
+float read_sum_loop(int t) {
+  const float* __restrict b = data().b.data();
+  float s = 0;
+#pragma omp parallel for simd schedule(static) num_threads(t) reduction(+ : s)
+  for (std::size_t i = 0; i < n_elems; ++i) s += b[i];
+  return s;
+}
+
 void BM_copy(benchmark::State& st) {
   const int t = static_cast<int>(st.range(0));
   auto& d = data();
@@ -162,6 +190,89 @@ void BM_list_sum_squares(benchmark::State& st) {
   finish(st, 4.0 * n_elems);
 }
 
+// ---- paired measurements ------------------------------------------------------------------
+// Each iteration times triad, the kernel's own-stream roof and the kernel back to back; the
+// counters are medians of the per-iteration ratios. On a shared machine whose bandwidth drifts
+// between benchmarks, this is the robust form of "ratio measured in the same run".
+enum class roof { axpy, read };
+
+template <class Kernel>
+void paired(benchmark::State& st, roof r, double kernel_bytes, Kernel kernel) {
+  using clock = std::chrono::steady_clock;
+  const int t = static_cast<int>(st.range(0));
+  std::vector<double> vs_triad, vs_roof;
+  const auto secs = [](clock::time_point a, clock::time_point b) {
+    return std::chrono::duration<double>(b - a).count();
+  };
+  for (auto _ : st) {
+    const auto t0 = clock::now();
+    triad_loop(t);
+    const auto t1 = clock::now();
+    if (r == roof::axpy)
+      plain_axpy_loop(t);
+    else
+      benchmark::DoNotOptimize(read_sum_loop(t));
+    const auto t2 = clock::now();
+    kernel(t);
+    const auto t3 = clock::now();
+    const double roof_bytes = r == roof::axpy ? 12.0 * n_elems : 4.0 * n_elems;
+    const double k = kernel_bytes / secs(t2, t3);
+    vs_triad.push_back(k / (12.0 * n_elems / secs(t0, t1)));
+    vs_roof.push_back(k / (roof_bytes / secs(t1, t2)));
+    st.SetIterationTime(secs(t2, t3));
+  }
+  const auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+  };
+  st.counters["ratio_vs_triad"] = median(vs_triad);
+  st.counters["ratio_vs_roof"] = median(vs_roof);
+  finish(st, kernel_bytes);
+}
+
+void PAIR_sum_squares(benchmark::State& st) {
+  const gradapt::tensor_view<const float> x = gradapt::host_view(data().b);
+  paired(st, roof::read, 4.0 * n_elems, [&](int t) {
+    benchmark::DoNotOptimize(gradapt::host{.threads = t}.reduce(gradapt::reduction::sum_squares, x));
+  });
+}
+void PAIR_list_sum_squares(benchmark::State& st) {
+  auto& s = tensors();
+  std::vector<double> per(s.xs.size());
+  paired(st, roof::read, 4.0 * n_elems, [&](int t) {
+    benchmark::DoNotOptimize(gradapt::host{.threads = t}.reduce(gradapt::reduction::sum_squares, s.xs, per));
+  });
+}
+void PAIR_apply_axpy(benchmark::State& st) {
+  const auto y = gradapt::host_view(data().a);
+  const gradapt::tensor_view<const float> x = gradapt::host_view(data().c);
+  paired(st, roof::axpy, 12.0 * n_elems, [&](int t) {
+    gradapt::host{.threads = t}.apply([](float& yy, float xx) { yy += 0.5f * xx; }, y, x);
+    benchmark::ClobberMemory();
+  });
+}
+void PAIR_apply_list_axpy(benchmark::State& st) {
+  auto& s = tensors();
+  paired(st, roof::axpy, 12.0 * n_elems, [&](int t) {
+    gradapt::host{.threads = t}.apply_list([](float& yy, float xx) { yy += 0.5f * xx; }, s.ys, s.xs);
+    benchmark::ClobberMemory();
+  });
+}
+void PAIR_max_abs(benchmark::State& st) {
+  const gradapt::tensor_view<const float> x = gradapt::host_view(data().b);
+  paired(st, roof::read, 4.0 * n_elems, [&](int t) {
+    benchmark::DoNotOptimize(gradapt::host{.threads = t}.reduce(gradapt::reduction::max_abs, x));
+  });
+}
+
+#define GRADAPT_PAIRED(fn) \
+  BENCHMARK(fn)->Arg(1)->Arg(2)->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(41)
+GRADAPT_PAIRED(PAIR_sum_squares);
+GRADAPT_PAIRED(PAIR_list_sum_squares);
+GRADAPT_PAIRED(PAIR_apply_axpy);
+GRADAPT_PAIRED(PAIR_apply_list_axpy);
+GRADAPT_PAIRED(PAIR_max_abs);
+
 #define GRADAPT_BENCH(fn)             \
   BENCHMARK(fn)                       \
       ->Arg(1)                        \
@@ -185,8 +296,13 @@ GRADAPT_BENCH(BM_max_abs);
 // Collects the median bytes/s of every benchmark to print the ratio table.
 class ratio_reporter : public benchmark::ConsoleReporter {
  public:
-  std::map<std::string, double> median;  // "BM_triad/1" -> bytes/s
+  std::map<std::string, double> median;                    // "BM_triad/1" -> bytes/s
+  std::map<std::string, std::pair<double, double>> pairs;  // "PAIR_x/1" -> (vs triad, vs roof)
   void ReportRuns(const std::vector<Run>& runs) override {
+    for (const auto& r : runs)
+      if (r.run_name.function_name.rfind("PAIR_", 0) == 0 && r.run_type == Run::RT_Iteration)
+        pairs[r.run_name.function_name + "/" + r.run_name.args] = {r.counters.at("ratio_vs_triad").value,
+                                                                   r.counters.at("ratio_vs_roof").value};
     for (const auto& r : runs)
       if (r.run_type == Run::RT_Aggregate && r.aggregate_name == "median") {
         const auto it = r.counters.find("bytes_per_second");
@@ -227,6 +343,15 @@ int main(int argc, char** argv) {
                   : axpy_like ? " (roof: plain_axpy)"
                               : "");
     }
+  }
+  std::printf(
+      "\nPaired: each of 41 iterations runs triad, the kernel's own-stream roof and the kernel back\n"
+      "to back; medians of the per-iteration ratios.\n");
+  std::printf("%-22s %7s %12s %12s\n", "kernel", "threads", "vs triad", "vs roof");
+  for (const auto& [name, v] : rep.pairs) {
+    const auto slash = name.find('/');
+    std::printf("%-22s %7s %12.2f %12.2f\n", name.substr(5, slash - 5).c_str(),
+                name.substr(slash + 1).c_str(), v.first, v.second);
   }
   benchmark::Shutdown();
   return 0;
