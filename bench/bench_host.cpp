@@ -77,44 +77,18 @@ void BM_copy(benchmark::State& st) {
 }
 
 void BM_triad(benchmark::State& st) {
-  const int t = static_cast<int>(st.range(0));
-  auto& d = data();
-  const float s = 0.5f;
-  for (auto _ : st) {
-    float* __restrict a = d.a.data();
-    const float* __restrict b = d.b.data();
-    const float* __restrict c = d.c.data();
-#pragma omp parallel for simd schedule(static) num_threads(t)
-    for (std::size_t i = 0; i < n_elems; ++i) a[i] = b[i] + s * c[i];
-    benchmark::ClobberMemory();
-  }
+  for (auto _ : st) triad_loop(static_cast<int>(st.range(0)));
   finish(st, 3.0 * 4 * n_elems);
 }
 
 // The same streams as apply_axpy (read y and x, write y in place): the honest roof for it.
 void BM_plain_axpy(benchmark::State& st) {
-  const int t = static_cast<int>(st.range(0));
-  auto& d = data();
-  for (auto _ : st) {
-    float* __restrict y = d.a.data();
-    const float* __restrict x = d.c.data();
-#pragma omp parallel for simd schedule(static) num_threads(t)
-    for (std::size_t i = 0; i < n_elems; ++i) y[i] += 0.5f * x[i];
-    benchmark::ClobberMemory();
-  }
+  for (auto _ : st) plain_axpy_loop(static_cast<int>(st.range(0)));
   finish(st, 3.0 * 4 * n_elems);
 }
 
 void BM_read_sum(benchmark::State& st) {  // one read stream, float accumulation: the read roof
-  const int t = static_cast<int>(st.range(0));
-  auto& d = data();
-  for (auto _ : st) {
-    const float* __restrict b = d.b.data();
-    float s = 0;
-#pragma omp parallel for simd schedule(static) num_threads(t) reduction(+ : s)
-    for (std::size_t i = 0; i < n_elems; ++i) s += b[i];
-    benchmark::DoNotOptimize(s);
-  }
+  for (auto _ : st) benchmark::DoNotOptimize(read_sum_loop(static_cast<int>(st.range(0))));
   finish(st, 4.0 * n_elems);
 }
 
