@@ -33,3 +33,21 @@ target_compile_definitions(reduction_bits_scalar PRIVATE GRADAPT_NO_VECTOR_EXTEN
 add_test(NAME host_vector_path_matches_scalar
   COMMAND ${CMAKE_COMMAND} -DA=$<TARGET_FILE:reduction_bits_vector> -DB=$<TARGET_FILE:reduction_bits_scalar>
           -DOUT=${CMAKE_CURRENT_BINARY_DIR} -P ${CMAKE_CURRENT_SOURCE_DIR}/compare_outputs.cmake)
+
+# Install into a scratch prefix and build a consumer with find_package (the components this
+# build enables that need no GPU, so the consumer can run here).
+set(_consumer_components)
+foreach(_c openmp mpi)
+  string(TOUPPER ${_c} _C)
+  if(GRADAPT_WITH_${_C})
+    list(APPEND _consumer_components ${_c})
+  endif()
+endforeach()
+if(GRADAPT_INSTALL)
+  string(REPLACE ";" "\\;" _consumer_components_arg "${_consumer_components}")
+  add_test(NAME install_and_consume
+    COMMAND ${CMAKE_COMMAND} -DBUILD=${PROJECT_BINARY_DIR} -DWORK=${CMAKE_CURRENT_BINARY_DIR}/install_and_consume
+            -DSRC=${CMAKE_CURRENT_SOURCE_DIR}/install/consumer -DGEN=${CMAKE_GENERATOR} -DCXX=${CMAKE_CXX_COMPILER}
+            -DCOMPONENTS=${_consumer_components_arg} -P ${CMAKE_CURRENT_SOURCE_DIR}/install/install_and_consume.cmake)
+  set_tests_properties(install_and_consume PROPERTIES TIMEOUT 300 ENVIRONMENT "ASAN_OPTIONS=detect_leaks=0")
+endif()

@@ -146,8 +146,11 @@ GRADAPT_HD constexpr std::size_t lane_of(std::size_t offset, std::size_t lanes =
 /// tree (`combine(identity, identity)` ...), matching a kernel whose lanes all stay idle.
 ///
 /// @tparam V       the value type (double for the CUDA backend)
+/// @param n        number of items
+/// @param identity the starting value of every lane
 /// @param fold     `V fold(V acc, std::size_t i)`: folds item `i` into a lane accumulator
 /// @param combine  `V combine(V a, V b)`: merges two lane results
+/// @param lanes    lanes of the partition (a power of two)
 /// @throws gradapt::error unless `lanes` is a power of two.
 /// This is a reference for tests and documentation; it allocates `lanes` values.
 template <class V, class Fold, class Combine>

@@ -1,0 +1,20 @@
+# ctest script: installs this gradapt build into a scratch prefix, then configures, builds and
+# runs a consumer project that uses find_package(gradapt CONFIG REQUIRED COMPONENTS ...).
+file(REMOVE_RECURSE ${WORK})
+execute_process(COMMAND ${CMAKE_COMMAND} --install ${BUILD} --prefix ${WORK}/prefix RESULT_VARIABLE r)
+if(r)
+  message(FATAL_ERROR "install failed: ${r}")
+endif()
+execute_process(COMMAND ${CMAKE_COMMAND} -S ${SRC} -B ${WORK}/build -G ${GEN} -DCMAKE_PREFIX_PATH=${WORK}/prefix
+                        -DCMAKE_CXX_COMPILER=${CXX} "-DGRADAPT_CONSUMER_COMPONENTS=${COMPONENTS}" RESULT_VARIABLE r)
+if(r)
+  message(FATAL_ERROR "consumer configure failed: ${r}")
+endif()
+execute_process(COMMAND ${CMAKE_COMMAND} --build ${WORK}/build RESULT_VARIABLE r)
+if(r)
+  message(FATAL_ERROR "consumer build failed: ${r}")
+endif()
+execute_process(COMMAND ${WORK}/build/consumer RESULT_VARIABLE r)
+if(r)
+  message(FATAL_ERROR "consumer run failed: ${r}")
+endif()
