@@ -29,6 +29,14 @@
 
 namespace gradapt::comm {
 
+/// Thrown by a comm::threads operation when another rank of the world has failed: the world
+/// was aborted, so the operation can never complete. The message names the failed rank and
+/// its error.
+class peer_failure : public gradapt::error {
+ public:
+  using gradapt::error::error;
+};
+
 namespace detail {
 
 enum class coll : std::uint8_t { allreduce, broadcast, allgather, reduce_scatter, split, barrier };
@@ -153,7 +161,7 @@ class threads_world {
  private:
   channel& chan(int from, int to) { return chans_[static_cast<std::size_t>(from) * n_ + to]; }
   void throw_if_aborted() const {
-    if (aborted_) gradapt::detail::fail("comm::threads: ", abort_reason_);
+    if (aborted_) throw peer_failure(gradapt::detail::message("comm::threads: ", abort_reason_));
   }
 
   int n_;
@@ -393,8 +401,9 @@ class threads {
 static_assert(communicator<threads>);
 
 /// Runs `fn(comm::threads&)` on `n` threads, one per rank of a new world, and joins them.
-/// If a rank throws, the world is aborted (ranks blocked in collectives throw too) and the
-/// first exception thrown by a rank's own code is rethrown here.
+/// If a rank throws, the world is aborted (ranks blocked in collectives throw peer_failure) and
+/// the first exception thrown by a rank's own code is rethrown here, in preference to the
+/// peer_failure exceptions it caused.
 template <class F>
 void run_threads(int n, F&& fn) {
   auto comms = threads::create(n);
@@ -408,8 +417,7 @@ void run_threads(int n, F&& fn) {
       try {
         fn(comms[static_cast<std::size_t>(r)]);
       } catch (const std::exception& e) {
-        const bool is_abort =
-            std::string_view(e.what()).find("comm::threads: rank ") != std::string_view::npos;
+        const bool is_abort = dynamic_cast<const peer_failure*>(&e) != nullptr;
         {
           std::lock_guard lk(m);
           if (!first || (first_is_abort && !is_abort)) {
