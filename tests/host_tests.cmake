@@ -33,6 +33,9 @@ target_compile_definitions(reduction_bits_scalar PRIVATE GRADAPT_NO_VECTOR_EXTEN
 add_test(NAME host_vector_path_matches_scalar
   COMMAND ${CMAKE_COMMAND} -DA=$<TARGET_FILE:reduction_bits_vector> -DB=$<TARGET_FILE:reduction_bits_scalar>
           -DOUT=${CMAKE_CURRENT_BINARY_DIR} -P ${CMAKE_CURRENT_SOURCE_DIR}/compare_outputs.cmake)
+gradapt_add_test(test_gradient_noise_scale SOURCES test_gradient_noise_scale.cpp)
+target_link_libraries(test_gradient_noise_scale PRIVATE Threads::Threads)
+gradapt_add_test(test_adascale SOURCES test_adascale.cpp)
 
 # Install into a scratch prefix and build a consumer with find_package (the components this
 # build enables that need no GPU, so the consumer can run here).
@@ -50,4 +53,10 @@ if(GRADAPT_INSTALL)
             -DSRC=${CMAKE_CURRENT_SOURCE_DIR}/install/consumer -DGEN=${CMAKE_GENERATOR} -DCXX=${CMAKE_CXX_COMPILER}
             -DCOMPONENTS=${_consumer_components_arg} -P ${CMAKE_CURRENT_SOURCE_DIR}/install/install_and_consume.cmake)
   set_tests_properties(install_and_consume PROPERTIES TIMEOUT 300 ENVIRONMENT "ASAN_OPTIONS=detect_leaks=0")
+endif()
+gradapt_add_test(test_goodput SOURCES test_goodput.cpp)
+find_package(Eigen3 3.3 QUIET NO_MODULE)
+if(TARGET Eigen3::Eigen)
+  gradapt_add_test(test_goodput_fit SOURCES test_goodput_fit.cpp)
+  target_link_libraries(test_goodput_fit PRIVATE Eigen3::Eigen)
 endif()

@@ -17,3 +17,7 @@
 
 #include "gradapt/comm/single.hpp"
 #include "gradapt/comm/threads.hpp"
+
+#include "gradapt/stats/gradient_noise_scale.hpp"
+
+#include "gradapt/scaling/adascale.hpp"
