@@ -48,20 +48,6 @@ inline constexpr std::size_t parallel_min = std::size_t{1} << 17;
 
 enum class rk : unsigned char { sum, sum_squares, max_abs, nonfinite, dot };
 
-constexpr rk kind_of(reduction r) {
-  switch (r) {
-    case reduction::sum:
-      return rk::sum;
-    case reduction::sum_squares:
-      return rk::sum_squares;
-    case reduction::max_abs:
-      return rk::max_abs;
-    case reduction::count_nonfinite:
-      return rk::nonfinite;
-  }
-  return rk::sum;
-}
-
 template <rk K>
 inline constexpr bool is_max = K == rk::max_abs;
 

@@ -292,18 +292,14 @@ class threads {
   threads split(int color, int key) {
     gradapt::detail::require(color >= 0, "comm::threads split on rank ", rank_, ": color ", color,
                              " is negative (expected >= 0)");
-    struct ck {
-      int color, key;
-    };
-    ck mine{color, key};
-    // The (color, key) pair travels in the post's root and send_count fields.
-    begin({detail::coll::split, dtype::float32, reduce_op::sum, color, &mine, nullptr,
-           static_cast<std::size_t>(static_cast<std::uint32_t>(key)), 0},
-          0, /*check=*/false);
+    // The colour travels in the post's root field, the key behind its send pointer.
+    const int mine = key;
+    begin({detail::coll::split, dtype::float32, reduce_op::sum, color, &mine, nullptr, 0, 0}, 0,
+          /*check=*/false);
     std::vector<int> members;
     for (int k = 0; k < size(); ++k)
       if (w_->posted(k).root == color) members.push_back(k);
-    const auto key_of = [&](int k) { return static_cast<const ck*>(w_->posted(k).send)->key; };
+    const auto key_of = [&](int k) { return *static_cast<const int*>(w_->posted(k).send); };
     std::stable_sort(members.begin(), members.end(), [&](int a, int b) { return key_of(a) < key_of(b); });
     const int leader = members.front();
     const int new_rank = static_cast<int>(std::find(members.begin(), members.end(), rank_) - members.begin());
