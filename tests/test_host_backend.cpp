@@ -7,6 +7,8 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <span>
+#include <utility>
 #include <vector>
 
 #include "catch.hpp"
@@ -239,4 +241,120 @@ TEST_CASE("host backend rejects mismatched arguments", "[host][errors]") {
                       Catch::Matchers::Contains("per_tensor has 3 slots for 2 tensors"));
   REQUIRE_THROWS_WITH((gradapt::host{.threads = -1}.reduce(reduction::sum, host_view(a))),
                       Catch::Matchers::Contains("threads is -1"));
+}
+
+TEMPLATE_TEST_CASE("apply_reduce_list updates and sums like apply_list followed by reduce, bit for bit",
+                   "[host][apply_reduce][determinism]", float, double, gradapt::half, gradapt::bfloat16) {
+  using C = gradapt::compute_t<TestType>;
+  // Tensor sizes cover empty, group tails, block edges and the parallel path.
+  std::vector<std::vector<TestType>> x0, y0;
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    x0.push_back(random_vector<TestType>(sizes[t], 300 + static_cast<unsigned>(t), 10.0));
+    y0.push_back(random_vector<TestType>(sizes[t], 400 + static_cast<unsigned>(t), 0.1));
+  }
+  x0.push_back(random_vector<TestType>(1000003, 77, 3.0));
+  y0.push_back(random_vector<TestType>(1000003, 78, 3.0));
+  const std::size_t count = x0.size();
+  // Reference: apply_list (x += 0.5 y), then reduce over the old and the new values.
+  auto xr = x0;
+  std::vector<tensor_view<TestType>> xrv;
+  std::vector<tensor_view<const TestType>> x0v, y0v, xrc;
+  for (std::size_t t = 0; t < count; ++t) {
+    xrv.push_back(host_view(xr[t]));
+    xrc.push_back(host_view(std::as_const(xr[t])));
+    x0v.push_back(host_view(std::as_const(x0[t])));
+    y0v.push_back(host_view(std::as_const(y0[t])));
+  }
+  gradapt::host ref_backend{.threads = 1};
+  ref_backend.apply_list([](C& x, C y) { x += C(0.5) * y; }, xrv, y0v);
+  std::vector<double> ref_old(count), ref_new(count), ref_dot(count);
+  const double tot_old = ref_backend.reduce(reduction::sum_squares, x0v, ref_old);
+  const double tot_new = ref_backend.reduce(reduction::sum_squares, xrc, ref_new);
+  const double tot_dot = ref_backend.dot(x0v, y0v, ref_dot);
+
+  for (int threads : {1, 2, 3}) {
+    INFO("threads " << threads);
+    gradapt::host h{.threads = threads};
+    // One value: the square of the value before the update.
+    {
+      auto x = x0;
+      std::vector<tensor_view<TestType>> xv;
+      for (auto& v : x) xv.push_back(host_view(v));
+      std::vector<double> per(count);
+      const double tot = h.apply_reduce_list(
+          [](C& a, C b) {
+            const double old = static_cast<double>(a);
+            a += C(0.5) * b;
+            return old * old;
+          },
+          per, xv, y0v);
+      REQUIRE(bits(tot) == bits(tot_old));
+      for (std::size_t t = 0; t < count; ++t) {
+        REQUIRE(bits(per[t]) == bits(ref_old[t]));
+        REQUIRE(same_bytes(x[t].data(), xr[t].data(), x[t].size() * sizeof(TestType)));
+      }
+    }
+    // Three values (new square, old-by-y dot, a count), with the tensor index passed first.
+    {
+      auto x = x0;
+      std::vector<tensor_view<TestType>> xv;
+      for (auto& v : x) xv.push_back(host_view(v));
+      std::vector<double> per(count * 3);
+      std::vector<std::size_t> seen(count, 0);
+      const auto tot = h.apply_reduce_list(
+          [&seen](gradapt::tensor_index ti, C& a, C b) {
+            gradapt::terms<3> r;
+            r[1] = static_cast<double>(a) * static_cast<double>(b);
+            a += C(0.5) * b;
+            r[0] = static_cast<double>(gradapt::load(static_cast<TestType>(a))) *
+                   static_cast<double>(gradapt::load(static_cast<TestType>(a)));
+            r[2] = 1.0;
+            (void)seen[ti.value];
+            return r;
+          },
+          per, xv, y0v);
+      static_assert(std::is_same_v<std::remove_const_t<decltype(tot)>, gradapt::terms<3>>);
+      REQUIRE(bits(tot[0]) == bits(tot_new));
+      REQUIRE(bits(tot[1]) == bits(tot_dot));
+      double n_total = 0;
+      for (std::size_t t = 0; t < count; ++t) {
+        REQUIRE(bits(per[3 * t]) == bits(ref_new[t]));
+        REQUIRE(bits(per[3 * t + 1]) == bits(ref_dot[t]));
+        REQUIRE(per[3 * t + 2] == static_cast<double>(x0[t].size()));
+        n_total += static_cast<double>(x0[t].size());
+      }
+      REQUIRE(tot[2] == n_total);
+    }
+  }
+}
+
+TEST_CASE("apply_reduce on single views, and its argument checks", "[host][apply_reduce][errors]") {
+  gradapt::host h{.threads = 2};
+  std::vector<float> a{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}, b(11, 1.0f);
+  const double s = h.apply_reduce(
+      [](float& x, float y) {
+        x -= y;
+        return static_cast<double>(x);
+      },
+      host_view(a), host_view(std::as_const(b)));
+  REQUIRE(s == 55.0);
+  REQUIRE(a.front() == 0.0f);
+  REQUIRE(a.back() == 10.0f);
+  // Empty list: nothing to do, the total is 0.
+  std::vector<tensor_view<float>> none;
+  REQUIRE(h.apply_reduce_list([](float& x) { return static_cast<double>(x); }, std::span<double>{}, none) == 0.0);
+  std::vector<float> c(12);
+  std::vector<tensor_view<float>> one{host_view(a)}, other{host_view(c)};
+  REQUIRE_THROWS_WITH(h.apply_reduce_list([](float& x, float& y) { return double(x + y); }, std::span<double>{},
+                                          one, other),
+                      Catch::Matchers::Contains("tensor 0 has 12 elements in list 1 but 11 in list 0"));
+  std::vector<double> per(3);
+  REQUIRE_THROWS_WITH(h.apply_reduce_list(
+                          [](float& x) {
+                            gradapt::terms<2> r{};
+                            r[0] = x;
+                            return r;
+                          },
+                          per, one),
+                      Catch::Matchers::Contains("per_tensor has 3 slots for 1 tensors x 2 values (expected 2"));
 }

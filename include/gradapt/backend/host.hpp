@@ -425,6 +425,109 @@ void apply_one(F& f, tensor_index t, std::size_t n, [[maybe_unused]] int threads
   run(0, n);
 }
 
+
+/// Element type (with const) of the views in a list.
+template <class L>
+using list_elem_t = std::remove_pointer_t<decltype(std::ranges::data(std::declval<const L&>())[0].data())>;
+
+/// Result type and value count of an apply_reduce functor called on compute-type lvalues.
+template <bool Indexed, class F, class... Ts>
+struct reduce_result {
+  using type = typename std::conditional_t<Indexed, std::invoke_result<F&, tensor_index, compute_t<Ts>&...>,
+                                           std::invoke_result<F&, compute_t<Ts>&...>>::type;
+  static constexpr std::size_t size = terms_size<std::remove_cvref_t<type>>::value;
+};
+
+/// Value k of one functor result (a scalar or terms<K>) as a double.
+template <class R>
+GRADAPT_INLINE double term_value(const R& r, [[maybe_unused]] std::size_t k) {
+  if constexpr (std::is_arithmetic_v<R>)
+    return static_cast<double>(r);
+  else
+    return r[k];
+}
+
+/// One block (at most `block` elements starting at b) of a fused apply + reduce: the functor
+/// runs on groups of `group` (== lanes) elements; the value of element l of a group goes to
+/// accumulator lane l, so lane assignment, the lane tree and therefore the partials equal
+/// reduce_block's for the same terms. Writes K partials into part[0, K).
+template <bool Indexed, std::size_t K, class F, class... Ts, std::size_t... I>
+GRADAPT_INLINE void apply_reduce_block(F& f, tensor_index t, std::size_t b, std::size_t e, double* part,
+                                       std::index_sequence<I...>, Ts*... p) {
+  static_assert(group == lanes, "apply_reduce maps group position to accumulator lane");
+  const auto call = [&](auto&... v) {
+    if constexpr (Indexed)
+      return f(t, v...);
+    else
+      return f(v...);
+  };
+  double acc[K][lanes] = {};
+  std::size_t i = b;
+  for (; i + group <= e; i += group) {
+    std::tuple<std::array<compute_t<Ts>, group>...> v{load_group(p + i)...};
+    for (std::size_t l = 0; l < group; ++l) {
+      const auto r = call(std::get<I>(v)[l]...);
+      for (std::size_t k = 0; k < K; ++k) acc[k][l] += term_value(r, k);
+    }
+    (
+        (void)[&] {
+          if constexpr (!std::is_const_v<Ts>)
+            for (std::size_t l = 0; l < group; ++l) store(p[i + l], std::get<I>(v)[l]);
+        }(),
+        ...);
+  }
+  for (std::size_t l = 0; i < e; ++i, ++l) {
+    std::tuple<compute_t<Ts>...> v{load(p[i])...};
+    const auto r = call(std::get<I>(v)...);
+    for (std::size_t k = 0; k < K; ++k) acc[k][l] += term_value(r, k);
+    (
+        (void)[&] {
+          if constexpr (!std::is_const_v<Ts>) store(p[i], std::get<I>(v));
+        }(),
+        ...);
+  }
+  for (std::size_t k = 0; k < K; ++k) part[k] = combine_lanes<rk::sum>(acc[k]);
+}
+
+/// Fused apply + reduce over one tensor of n elements: block partials by rounds of
+/// `round_blocks` (computed by up to `threads` threads), added in block order into out[0, K).
+/// The result does not depend on the thread count.
+template <std::size_t K, class F, class... Ts>
+void apply_reduce_one(F& f, tensor_index t, std::size_t n, [[maybe_unused]] int threads, double* out,
+                      Ts*... p) {
+  constexpr bool indexed = std::is_invocable_v<F&, tensor_index, compute_t<Ts>&...>;
+  const std::size_t nblocks = (n + block - 1) / block;
+  for (std::size_t k = 0; k < K; ++k) out[k] = 0.0;
+  double part[round_blocks][K];
+  const auto blk = [&](std::size_t r0, std::size_t j) {
+    const std::size_t b = (r0 + j) * block;
+    apply_reduce_block<indexed, K>(f, t, b, std::min(n, b + block), part[j], std::index_sequence_for<Ts...>{},
+                                   p...);
+  };
+  const auto add = [&](std::size_t rb) {
+    for (std::size_t j = 0; j < rb; ++j)
+      for (std::size_t k = 0; k < K; ++k) out[k] += part[j][k];
+  };
+#if defined(_OPENMP)
+  if (threads > 1 && n >= parallel_min) {
+#pragma omp parallel num_threads(threads)
+    for (std::size_t r0 = 0; r0 < nblocks; r0 += round_blocks) {
+      const std::size_t rb = std::min(round_blocks, nblocks - r0);
+#pragma omp for schedule(static)
+      for (std::size_t j = 0; j < rb; ++j) blk(r0, j);
+#pragma omp single
+      add(rb);
+    }
+    return;
+  }
+#endif
+  for (std::size_t r0 = 0; r0 < nblocks; r0 += round_blocks) {
+    const std::size_t rb = std::min(round_blocks, nblocks - r0);
+    for (std::size_t j = 0; j < rb; ++j) blk(r0, j);
+    add(rb);
+  }
+}
+
 }  // namespace detail::host_impl
 
 /// Host backend: runs element functors and reductions over `tensor_view<T, host_space>`.
@@ -472,6 +575,56 @@ struct host {
       const std::size_t n = check_list_sizes(t, lists...);
       detail::host_impl::apply_one(f, tensor_index{t}, n, nt, std::ranges::data(lists)[t].data()...);
     }
+  }
+
+  /// Fused element-wise apply and per-tensor sum: like `apply_list`, but `f` also returns a
+  /// value per element (a `double`, or `gradapt::terms<K>` for K values) that is summed per
+  /// tensor in double. Writes per-tensor sums into `per_tensor` (empty, or count * K slots;
+  /// tensor t's value k at t * K + k) and returns their sum in tensor order (a `double`, or
+  /// `terms<K>`).
+  ///
+  /// One pass over memory: the update and the statistics it needs (a gradient norm for the
+  /// noise scale, a trust-ratio norm, a non-finite count) cost no extra read. The summation
+  /// order is `reduce`'s (4096-element blocks, 8 lanes, fixed tree, blocks then tensors in
+  /// order), so a functor returning `double(x) * double(x)` gives `reduce(sum_squares)`'s bits
+  /// for any thread count. Each value is taken from the functor's return, before the element's
+  /// stores.
+  template <class F, class... Ls>
+  requires(view_list<Ls, host_space>&&...) auto apply_reduce_list(F f, std::span<double> per_tensor,
+                                                                   const Ls&... lists) const {
+    static_assert(sizeof...(Ls) > 0, "gradapt::host::apply_reduce_list needs at least one list");
+    using R = typename detail::host_impl::reduce_result<
+        std::is_invocable_v<F&, tensor_index, compute_t<detail::host_impl::list_elem_t<Ls>>&...>, F,
+        detail::host_impl::list_elem_t<Ls>...>::type;
+    static_assert(std::is_arithmetic_v<std::remove_cvref_t<R>> ||
+                      terms_size<std::remove_cvref_t<R>>::value > 1 ||
+                      std::is_same_v<std::remove_cvref_t<R>, terms<1>>,
+                  "gradapt::host::apply_reduce_list: the functor must return a double (or another "
+                  "arithmetic type) or gradapt::terms<K>");
+    constexpr std::size_t K = terms_size<std::remove_cvref_t<R>>::value;
+    const std::size_t count = check_list_lengths(lists...);
+    detail::require(per_tensor.empty() || per_tensor.size() == count * K,
+                    "host backend apply_reduce_list: per_tensor has ", per_tensor.size(), " slots for ", count,
+                    " tensors x ", K, " values (expected ", count * K, ", or empty for the total only)");
+    const int nt = thread_count();
+    terms<K> total{};
+    double one[K];
+    for (std::size_t t = 0; t < count; ++t) {
+      const std::size_t n = check_list_sizes(t, lists...);
+      double* out = per_tensor.empty() ? one : per_tensor.data() + t * K;
+      detail::host_impl::apply_reduce_one<K>(f, tensor_index{t}, n, nt, out, std::ranges::data(lists)[t].data()...);
+      for (std::size_t k = 0; k < K; ++k) total[k] += out[k];
+    }
+    if constexpr (std::is_arithmetic_v<std::remove_cvref_t<R>>)
+      return total[0];
+    else
+      return total;
+  }
+
+  /// `apply_reduce_list` over single views of equal size.
+  template <class F, class... Ts>
+  auto apply_reduce(F f, tensor_view<Ts, host_space>... views) const {
+    return apply_reduce_list(f, std::span<double>{}, std::span<const tensor_view<Ts, host_space>>(&views, 1)...);
   }
 
   /// Reduction of one tensor, accumulated in double.

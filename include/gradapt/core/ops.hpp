@@ -5,6 +5,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
+#include <type_traits>
+
+#include "gradapt/core/config.hpp"
 
 namespace gradapt {
 
@@ -21,6 +24,23 @@ enum class reduction : std::uint8_t {
 struct tensor_index {
   std::size_t value;
 };
+
+/// K values an `apply_reduce` functor returns for one element; each is summed per tensor in
+/// double with the backend's fixed reduction order. A functor with one value returns a plain
+/// `double` instead.
+template <std::size_t K>
+struct terms {
+  static_assert(K >= 1, "gradapt::terms needs at least one value");
+  double v[K];
+  GRADAPT_HD constexpr double& operator[](std::size_t k) { return v[k]; }
+  GRADAPT_HD constexpr const double& operator[](std::size_t k) const { return v[k]; }
+};
+
+/// Number of values a functor result of type R carries (1 for a scalar, K for terms<K>).
+template <class R>
+struct terms_size : std::integral_constant<std::size_t, 1> {};
+template <std::size_t K>
+struct terms_size<terms<K>> : std::integral_constant<std::size_t, K> {};
 
 /// Combining rule of a collective reduction.
 enum class reduce_op : std::uint8_t { sum, max };
