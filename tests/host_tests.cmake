@@ -36,6 +36,8 @@ add_test(NAME host_vector_path_matches_scalar
 gradapt_add_test(test_gradient_noise_scale SOURCES test_gradient_noise_scale.cpp)
 target_link_libraries(test_gradient_noise_scale PRIVATE Threads::Threads)
 gradapt_add_test(test_adascale SOURCES test_adascale.cpp)
+gradapt_add_test(test_allreduce_with_norms SOURCES test_allreduce_with_norms.cpp)
+target_link_libraries(test_allreduce_with_norms PRIVATE Threads::Threads)
 
 # Install into a scratch prefix and build a consumer with find_package (the components this
 # build enables that need no GPU, so the consumer can run here).

@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "gradapt/backend/host.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/dtype.hpp"
 #include "gradapt/core/error.hpp"
@@ -39,12 +40,22 @@ class peer_failure : public gradapt::error {
 
 namespace detail {
 
-enum class coll : std::uint8_t { allreduce, broadcast, allgather, reduce_scatter, split, barrier };
+enum class coll : std::uint8_t {
+  allreduce,
+  allreduce_with_norms,
+  broadcast,
+  allgather,
+  reduce_scatter,
+  split,
+  barrier
+};
 
 constexpr const char* coll_name(coll c) {
   switch (c) {
     case coll::allreduce:
       return "allreduce";
+    case coll::allreduce_with_norms:
+      return "allreduce_with_norms";
     case coll::broadcast:
       return "broadcast";
     case coll::allgather:
@@ -208,19 +219,18 @@ class threads {
   /// propagates NaN.
   template <element T>
   requires(!std::is_const_v<T>) void allreduce(tensor_view<T, space> buf, reduce_op op) {
-    const std::size_t n = buf.size();
-    begin({detail::coll::allreduce, dtype_of_v<T>, op, 0, nullptr, buf.data(), n, n}, n * sizeof(T));
-    const int p = size();
-    auto* out = reinterpret_cast<T*>(w_->scratch());
-    const auto [lo, hi] = slice(n);
-    for (std::size_t i = lo; i < hi; ++i) {
-      compute_t<T> acc = load(static_cast<const T*>(w_->posted(0).recv)[i]);
-      for (int k = 1; k < p; ++k) acc = combine(acc, load(static_cast<const T*>(w_->posted(k).recv)[i]), op);
-      store(out[i], acc);
-    }
-    w_->barrier();
-    std::copy_n(out, n, buf.data());
-    w_->barrier();
+    reduce_in_place<false>(buf, op);
+  }
+
+  /// Sum over ranks, in place (exactly `allreduce(buf, reduce_op::sum)`), that also returns
+  /// the squared norms the gradient noise scale needs, computed while the data is read anyway:
+  /// the sum over ranks of |x_r|^2 of the inputs, and |sum_r x_r|^2 of the result as stored.
+  /// Both are accumulated in double in a fixed order (the host backend's blocks within a
+  /// rank's slice, slices in rank order), so every rank gets the same bits. Costs no extra pass
+  /// over memory: each block's norms are taken while it is still in cache.
+  template <element T>
+  requires(!std::is_const_v<T>) allreduce_norms allreduce_with_norms(tensor_view<T, space> buf) {
+    return reduce_in_place<true>(buf, reduce_op::sum);
   }
 
   /// Copies rank `root`'s buffer into every rank's buffer.
@@ -315,6 +325,8 @@ class threads {
   /// Waits until every rank has arrived.
   void barrier() {
     begin({detail::coll::barrier, dtype::float32, reduce_op::sum, 0, nullptr, nullptr, 0, 0}, 0);
+    // Nobody may post the next collective while a peer still checks this one's posts.
+    w_->barrier();
   }
 
   /// Marks the world failed so that ranks blocked in a collective throw instead of waiting.
@@ -355,6 +367,79 @@ class threads {
     if (!problem.empty()) {
       w_->barrier();  // nobody may repost while others still read the posts
       throw gradapt::error(problem);
+    }
+  }
+
+  /// Rank r reduces slice r of every rank's buffer into the shared scratch (in groups of 8
+  /// elements, so the compiler vectorises at plain -O2), then every rank copies the result out.
+  /// With `Norms`, the slice goes in blocks of the host backend's block size: right after a
+  /// block is reduced, its inputs and its result are still in cache and their squared norms
+  /// are taken with the host backend's block reduction; block values are added in order, and
+  /// each rank posts its two sums after the data for every rank to add in rank order.
+  template <bool Norms, class T>
+  allreduce_norms reduce_in_place(tensor_view<T, space> buf, reduce_op op) {
+    const std::size_t n = buf.size();
+    const int p = size();
+    const std::size_t data_bytes = (n * sizeof(T) + 63) / 64 * 64;
+    begin({Norms ? detail::coll::allreduce_with_norms : detail::coll::allreduce, dtype_of_v<T>, op, 0,
+           nullptr, buf.data(), n, n},
+          data_bytes + (Norms ? 2 * static_cast<std::size_t>(p) * sizeof(double) : 0));
+    auto* out = reinterpret_cast<T*>(w_->scratch());
+    const auto [lo, hi] = slice(n);
+    const auto src = [&](int k) { return static_cast<const T*>(w_->posted(k).recv); };
+    double local = 0.0, result = 0.0;
+    if constexpr (Norms) {
+      namespace hi_ = gradapt::detail::host_impl;
+      constexpr std::size_t blk = hi_::block;
+      for (std::size_t b = lo; b < hi; b += blk) {
+        const std::size_t e = std::min(hi, b + blk);
+        reduce_range(op, b, e, out, src);
+        for (int k = 0; k < p; ++k)
+          local += hi_::reduce_block<hi_::rk::sum_squares>(src(k) + b, static_cast<const T*>(nullptr), e - b);
+        result += hi_::reduce_block<hi_::rk::sum_squares>(out + b, static_cast<const T*>(nullptr), e - b);
+      }
+    } else {
+      reduce_range(op, lo, hi, out, src);
+    }
+    allreduce_norms norms;
+    auto* posted = reinterpret_cast<double*>(w_->scratch() + data_bytes);
+    if constexpr (Norms) {
+      posted[2 * rank_] = local;
+      posted[2 * rank_ + 1] = result;
+    }
+    w_->barrier();
+    std::copy_n(out, n, buf.data());
+    if constexpr (Norms)
+      for (int k = 0; k < p; ++k) norms.sum_local_sq += posted[2 * k], norms.result_sq += posted[2 * k + 1];
+    w_->barrier();
+    return norms;
+  }
+
+  /// out[i] = combination over ranks (in rank order) of element i, for i in [b, e).
+  template <class T, class Src>
+  void reduce_range(reduce_op op, std::size_t b, std::size_t e, T* out, const Src& src) const {
+    using C = compute_t<T>;
+    constexpr std::size_t g = 8;
+    const int p = size();
+    std::size_t i = b;
+    if (op == reduce_op::sum) {
+      for (; i + g <= e; i += g) {
+        C acc[g];
+        const T* x0 = src(0) + i;
+        for (std::size_t l = 0; l < g; ++l) acc[l] = load(x0[l]);
+        for (int k = 1; k < p; ++k) {
+          const T* xk = src(k) + i;
+          C v[g];
+          for (std::size_t l = 0; l < g; ++l) v[l] = load(xk[l]);
+          for (std::size_t l = 0; l < g; ++l) acc[l] += v[l];
+        }
+        for (std::size_t l = 0; l < g; ++l) store(out[i + l], acc[l]);
+      }
+    }
+    for (; i < e; ++i) {
+      C acc = load(src(0)[i]);
+      for (int k = 1; k < p; ++k) acc = combine(acc, load(src(k)[i]), op);
+      store(out[i], acc);
     }
   }
 

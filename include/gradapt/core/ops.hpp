@@ -42,6 +42,13 @@ struct terms_size : std::integral_constant<std::size_t, 1> {};
 template <std::size_t K>
 struct terms_size<terms<K>> : std::integral_constant<std::size_t, K> {};
 
+/// Squared norms returned by a communicator's `allreduce_with_norms` (sum over ranks, in place):
+/// what the data-parallel gradient noise scale needs, computed during the reduction itself.
+struct allreduce_norms {
+  double sum_local_sq = 0.0;  ///< sum over ranks of |x_r|^2, the inputs before the reduction
+  double result_sq = 0.0;     ///< |sum_r x_r|^2 of the reduced result as stored
+};
+
 /// Combining rule of a collective reduction.
 enum class reduce_op : std::uint8_t { sum, max };
 

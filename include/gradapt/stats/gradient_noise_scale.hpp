@@ -227,6 +227,17 @@ class gradient_noise_scale {
     return update_reduced(buf[0] / static_cast<double>(ranks), global_sq, ranks, batch);
   }
 
+  /// Data-parallel form from the norms of a summing gradient allreduce
+  /// (`gradapt::allreduce_with_norms`, or a communicator's own `allreduce_with_norms`): the mean
+  /// local squared norm is norms.sum_local_sq / ranks and the squared norm of the averaged
+  /// gradient is norms.result_sq / ranks^2. Not collective: every rank holds the same norms.
+  bool update(const allreduce_norms& norms, int ranks, const noise_batch& batch) {
+    detail::require(ranks >= 2, "gradient_noise_scale::update(allreduce_norms): ranks is ", ranks,
+                    " (expected >= 2; with one replica use update_single_replica)");
+    const double p = static_cast<double>(ranks);
+    return update_reduced(norms.sum_local_sq / p, norms.result_sq / (p * p), ranks, batch);
+  }
+
   /// Data-parallel form with the reduction done by the caller (fused into its own
   /// communication): `mean_local_sq` is the mean over ranks of the local squared norms.
   /// B_small = batch.local(), B_big = ranks × batch.local(); norms divided by loss_scale^2.
