@@ -118,7 +118,7 @@ double median(std::vector<double> v) {
 
 void BM_gns_adascale_overhead(benchmark::State& st) {
   const int p = static_cast<int>(st.range(0));
-  constexpr int rounds = 15;
+  constexpr int rounds = 21;
   std::vector<double> base_t, fused_over, generic_over, fused_t, generic_t;
   std::vector<replica> reps;
   for (int r = 0; r < p; ++r) reps.emplace_back(r);
@@ -132,41 +132,39 @@ void BM_gns_adascale_overhead(benchmark::State& st) {
       const auto schedule = [](double tau) { return 0.1 / (1.0 + 1e-3 * tau); };
       const gradapt::noise_batch batch{.micro_batch = 32};
       plain_comm pc{&c};
-      for (int round = -2; round < rounds; ++round) {  // two warm-up rounds
+      // Each round runs the three variants in a rotated order (memory and cache state left by
+      // one variant favour or hurt the next), each on a freshly written gradient bucket.
+      for (int round = -3; round < rounds; ++round) {  // three warm-up rounds
         const auto bucket = gradapt::host_view(rep.bucket);
-        rep.refill(c.rank(), round + 2);
-        c.barrier();
-        const auto t0 = clock_type::now();
-        c.allreduce(bucket, gradapt::reduce_op::sum);
-        sgd_step(backend, rep, 0.1f, inv_p);
-        c.barrier();
-        const auto t1 = clock_type::now();
-        rep.refill(c.rank(), round + 2);
-        c.barrier();
-        const auto t2 = clock_type::now();
-        const auto norms = gradapt::allreduce_with_norms(c, backend, bucket);
-        gns.update(norms, p, batch);
-        const auto s = ada.step(schedule, gns, batch.local());
-        sgd_step(backend, rep, static_cast<float>(s.lr), inv_p);
-        c.barrier();
-        const auto t3 = clock_type::now();
-        rep.refill(c.rank(), round + 2);
-        c.barrier();
-        const auto t4 = clock_type::now();
-        const auto norms2 = gradapt::allreduce_with_norms(pc, backend, bucket);
-        gns2.update(norms2, p, batch);
-        const auto s2 = ada2.step(schedule, gns2, batch.local());
-        sgd_step(backend, rep, static_cast<float>(s2.lr), inv_p);
-        c.barrier();
-        const auto t5 = clock_type::now();
+        double t[3] = {};
+        for (int j = 0; j < 3; ++j) {
+          const int variant = (j + round + 3) % 3;
+          rep.refill(c.rank(), round + 3);
+          c.barrier();
+          const auto t0 = clock_type::now();
+          if (variant == 0) {
+            c.allreduce(bucket, gradapt::reduce_op::sum);
+            sgd_step(backend, rep, 0.1f, inv_p);
+          } else if (variant == 1) {
+            const auto norms = gradapt::allreduce_with_norms(c, backend, bucket);
+            gns.update(norms, p, batch);
+            const auto s = ada.step(schedule, gns, batch.local());
+            sgd_step(backend, rep, static_cast<float>(s.lr), inv_p);
+          } else {
+            const auto norms = gradapt::allreduce_with_norms(pc, backend, bucket);
+            gns2.update(norms, p, batch);
+            const auto s = ada2.step(schedule, gns2, batch.local());
+            sgd_step(backend, rep, static_cast<float>(s.lr), inv_p);
+          }
+          c.barrier();
+          t[variant] = std::chrono::duration<double>(clock_type::now() - t0).count();
+        }
         if (c.rank() == 0 && round >= 0) {
-          const auto sec = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
-          const double b = sec(t0, t1), f = sec(t2, t3), g = sec(t4, t5);
-          base_t.push_back(b);
-          fused_t.push_back(f);
-          generic_t.push_back(g);
-          fused_over.push_back((f - b) / b);
-          generic_over.push_back((g - b) / b);
+          base_t.push_back(t[0]);
+          fused_t.push_back(t[1]);
+          generic_t.push_back(t[2]);
+          fused_over.push_back((t[1] - t[0]) / t[0]);
+          generic_over.push_back((t[2] - t[0]) / t[0]);
         }
       }
     });
@@ -191,7 +189,7 @@ BENCHMARK(BM_gns_adascale_overhead)
 int main(int argc, char** argv) {
   std::size_t total = 0;
   for (auto n : shapes()) total += n;
-  std::printf("%zu parameters in %zu tensors per replica (fp32); medians over 15 rounds per rank count\n",
+  std::printf("%zu parameters in %zu tensors per replica (fp32); medians over 21 rounds per rank count\n",
               total, shapes().size());
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;

@@ -178,3 +178,36 @@ TEST_CASE("allreduce_with_norms: mismatched sizes and mixed calls throw on every
   });
   REQUIRE(threw == std::vector<int>{2, 2, 2});
 }
+
+#if defined(GRADAPT_HOST_VECTOR)
+TEST_CASE("the fused fp32 sum-with-squares kernel: dispatched (AVX2 when present) and baseline bits agree",
+          "[norms][determinism]") {
+  for (int p : {1, 2, 3, 7}) {
+    for (std::size_t n :
+         {std::size_t{0}, std::size_t{5}, std::size_t{8}, std::size_t{4096}, std::size_t{4103}}) {
+      std::vector<std::vector<float>> src;
+      std::vector<const float*> ptr;
+      for (int k = 0; k < p; ++k) src.push_back(rank_data<float>(k, n));
+      for (auto& v : src) ptr.push_back(v.data());
+      std::vector<float> o1(n), o2(n);
+      const auto a = gradapt::comm::detail::sum_with_squares(ptr.data(), p, o1.data(), n);
+      const auto b = gradapt::comm::detail::sum_with_squares_body(ptr.data(), p, o2.data(), n);
+      REQUIRE(std::memcmp(&a, &b, sizeof a) == 0);
+      REQUIRE((n == 0 || std::memcmp(o1.data(), o2.data(), n * sizeof(float)) == 0));
+      long double l = 0, r = 0;
+      for (std::size_t i = 0; i < n; ++i) {
+        float s = 0;
+        for (int k = 0; k < p; ++k) {
+          s = k == 0 ? src[0][i] : s + src[static_cast<std::size_t>(k)][i];
+          l += static_cast<long double>(src[static_cast<std::size_t>(k)][i]) *
+               src[static_cast<std::size_t>(k)][i];
+        }
+        REQUIRE(o1[i] == s);
+        r += static_cast<long double>(s) * s;
+      }
+      REQUIRE(std::fabs(a.first - l) <= 1e-13 * l);
+      REQUIRE(std::fabs(a.second - r) <= 1e-13 * r);
+    }
+  }
+}
+#endif

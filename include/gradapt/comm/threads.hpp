@@ -70,6 +70,81 @@ constexpr const char* coll_name(coll c) {
   return "collective";
 }
 
+#if defined(GRADAPT_HOST_VECTOR)
+/// Source ranks the fused fp32 sum-with-squares loop takes (more ranks use the block path).
+inline constexpr int max_fused_ranks = 64;
+
+typedef float v4f __attribute__((vector_size(16)));
+typedef double v4d __attribute__((vector_size(32)));
+
+/// out[i] = x_0[i] + ... + x_{p-1}[i] (fp32, rank order) for i < n, and in double: the sum of
+/// all x_k[i]^2 and the sum of out[i]^2. Eight elements per step in two 4-wide halves, so
+/// element i feeds lane i mod 8 of both sums; lanes are combined in a fixed tree. Written
+/// once with 4-wide vector types: compiled for AVX2 in the dispatching wrapper below and as
+/// pairs of SSE2 operations otherwise, with the same bits either way (no FMA contraction:
+/// products and sums are separate operations on both paths).
+GRADAPT_INLINE std::pair<double, double> sum_with_squares_body(const float* const* xs, int p, float* out,
+                                                               std::size_t n) {
+  v4d l0 = {0, 0, 0, 0}, l1 = l0, r0 = l0, r1 = l0;
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    v4f a0, a1;
+    std::memcpy(&a0, xs[0] + i, sizeof a0);
+    std::memcpy(&a1, xs[0] + i + 4, sizeof a1);
+    v4d d0 = __builtin_convertvector(a0, v4d), d1 = __builtin_convertvector(a1, v4d);
+    l0 += d0 * d0;
+    l1 += d1 * d1;
+    for (int k = 1; k < p; ++k) {
+      v4f b0, b1;
+      std::memcpy(&b0, xs[k] + i, sizeof b0);
+      std::memcpy(&b1, xs[k] + i + 4, sizeof b1);
+      a0 += b0;
+      a1 += b1;
+      d0 = __builtin_convertvector(b0, v4d);
+      d1 = __builtin_convertvector(b1, v4d);
+      l0 += d0 * d0;
+      l1 += d1 * d1;
+    }
+    std::memcpy(out + i, &a0, sizeof a0);
+    std::memcpy(out + i + 4, &a1, sizeof a1);
+    d0 = __builtin_convertvector(a0, v4d);
+    d1 = __builtin_convertvector(a1, v4d);
+    r0 += d0 * d0;
+    r1 += d1 * d1;
+  }
+  double lo[8] = {l0[0], l0[1], l0[2], l0[3], l1[0], l1[1], l1[2], l1[3]};
+  double ro[8] = {r0[0], r0[1], r0[2], r0[3], r1[0], r1[1], r1[2], r1[3]};
+  for (std::size_t l = 0; i < n; ++i, ++l) {
+    float a = xs[0][i];
+    lo[l] += static_cast<double>(a) * static_cast<double>(a);
+    for (int k = 1; k < p; ++k) {
+      const float b = xs[k][i];
+      a += b;
+      lo[l] += static_cast<double>(b) * static_cast<double>(b);
+    }
+    out[i] = a;
+    ro[l] += static_cast<double>(a) * static_cast<double>(a);
+  }
+  return {gradapt::detail::host_impl::combine_lanes<gradapt::detail::host_impl::rk::sum>(lo),
+          gradapt::detail::host_impl::combine_lanes<gradapt::detail::host_impl::rk::sum>(ro)};
+}
+
+#if defined(GRADAPT_HOST_AVX2)
+__attribute__((target("avx2"))) inline std::pair<double, double> sum_with_squares_avx2(const float* const* xs,
+                                                                                       int p, float* out,
+                                                                                       std::size_t n) {
+  return sum_with_squares_body(xs, p, out, n);
+}
+#endif
+
+inline std::pair<double, double> sum_with_squares(const float* const* xs, int p, float* out, std::size_t n) {
+#if defined(GRADAPT_HOST_AVX2)
+  if (gradapt::detail::host_impl::cpu_has_avx2()) return sum_with_squares_avx2(xs, p, out, n);
+#endif
+  return sum_with_squares_body(xs, p, out, n);
+}
+#endif
+
 /// Shared state of one in-process world. Internal: use comm::threads.
 class threads_world {
  public:
@@ -393,6 +468,20 @@ class threads {
       constexpr std::size_t blk = hi_::block;
       for (std::size_t b = lo; b < hi; b += blk) {
         const std::size_t e = std::min(hi, b + blk);
+#if defined(GRADAPT_HOST_VECTOR)
+        if constexpr (std::is_same_v<T, float>) {
+          if (p <= detail::max_fused_ranks) {
+            // fp32: the squares are taken inside the reduction loop, on the values in
+            // registers, so their arithmetic overlaps the loop's memory traffic.
+            const float* xs[detail::max_fused_ranks];
+            for (int k = 0; k < p; ++k) xs[k] = src(k) + b;
+            const auto [l, r] = detail::sum_with_squares(xs, p, out + b, e - b);
+            local += l;
+            result += r;
+            continue;
+          }
+        }
+#endif
         reduce_range(op, b, e, out, src);
         for (int k = 0; k < p; ++k)
           local += hi_::reduce_block<hi_::rk::sum_squares>(src(k) + b, static_cast<const T*>(nullptr), e - b);
