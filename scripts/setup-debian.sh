@@ -10,5 +10,11 @@ $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends \
   build-essential g++ clang cmake ninja-build pkg-config \
   catch2 libbenchmark-dev libopenmpi-dev openmpi-bin libomp-dev \
-  libxsimd-dev libeigen3-dev doxygen python3 >/dev/null
+  libxsimd-dev libeigen3-dev doxygen python3 python3-venv >/dev/null
+# Conan 2 (for the packaging test) from PyPI, in a virtual environment under build/.
+cd "$(dirname "$0")/.."
+if [ ! -x build/tools/bin/conan ]; then
+  python3 -m venv build/tools
+  build/tools/bin/pip install -q --disable-pip-version-check "conan>=2,<3"
+fi
 echo "setup-debian: build dependencies installed"

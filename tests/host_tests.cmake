@@ -56,6 +56,12 @@ if(GRADAPT_INSTALL)
             -DCOMPONENTS=${_consumer_components_arg} -P ${CMAKE_CURRENT_SOURCE_DIR}/install/install_and_consume.cmake)
   set_tests_properties(install_and_consume PROPERTIES TIMEOUT 300 ENVIRONMENT "ASAN_OPTIONS=detect_leaks=0")
 endif()
+# The CMake path of the vcpkg port (ports/gradapt): its configure options, install layout and a
+# consumer of the relocated tree (the vcpkg tool itself is not available here).
+add_test(NAME vcpkg_port_layout
+  COMMAND ${CMAKE_COMMAND} -DSRC=${PROJECT_SOURCE_DIR} -DWORK=${CMAKE_CURRENT_BINARY_DIR}/vcpkg_port_layout
+          -DGEN=${CMAKE_GENERATOR} -DCXX=${CMAKE_CXX_COMPILER} -P ${CMAKE_CURRENT_SOURCE_DIR}/install/vcpkg_port_layout.cmake)
+set_tests_properties(vcpkg_port_layout PROPERTIES TIMEOUT 300 ENVIRONMENT "ASAN_OPTIONS=detect_leaks=0")
 gradapt_add_test(test_goodput SOURCES test_goodput.cpp)
 find_package(Eigen3 3.3 QUIET NO_MODULE)
 if(TARGET Eigen3::Eigen)

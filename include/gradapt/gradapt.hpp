@@ -18,6 +18,7 @@
 #include "gradapt/comm/single.hpp"
 #include "gradapt/comm/threads.hpp"
 
+#include "gradapt/stats/allreduce_with_norms.hpp"
 #include "gradapt/stats/gradient_noise_scale.hpp"
 
 #include "gradapt/scaling/adascale.hpp"
