@@ -22,3 +22,4 @@
 #include "gradapt/stats/gradient_noise_scale.hpp"
 
 #include "gradapt/scaling/adascale.hpp"
+#include "gradapt/sync/local_sgd.hpp"

@@ -1,0 +1,120 @@
+#pragma once
+/// @file
+/// Fixed averaging period for local SGD, with an optional warm-up at period 1 and an optional
+/// doubling ramp: the rounds after local SGD begins use the periods
+///
+///     1, 1, ..., 1 (warmup_rounds times),  then 2, 4, 8, ... (one round each, if ramp),  then K.
+///
+/// Lin, Stich, Patel and Jaggi (2018), "Don't Use Large Mini-Batches, Use Local SGD", average
+/// every H steps (here K). The warm-up counts averaging rounds *after* local SGD has begun
+/// (local_sgd_options::start_step), so it cannot disagree with the synchronous phase: see
+/// local_sgd.hpp.
+
+#include <cstddef>
+#include <cstdint>
+
+#include "gradapt/core/error.hpp"
+#include "gradapt/sync/averaging_schedule.hpp"
+
+namespace gradapt {
+
+/// Hyperparameters of fixed_period, e.g. `gradapt::fixed_period_options{.period = 16}`.
+///
+/// | name          | type    | default | meaning                                                   |
+/// |---------------|---------|---------|-----------------------------------------------------------|
+/// | period        | int64   | 8       | K: local steps between averaging rounds (>= 1)            |
+/// | warmup_rounds | int64   | 0       | rounds at period 1 right after local SGD begins (>= 0)    |
+/// | ramp          | bool    | false   | after the warm-up, one round each at 2, 4, 8, ... below K |
+struct fixed_period_options {
+  std::int64_t period = 8;         ///< K, local steps per averaging round once warmed up
+  std::int64_t warmup_rounds = 0;  ///< averaging rounds at period 1 before the ramp
+  bool ramp = false;               ///< periods 2, 4, 8, ... (one round each, capped at K) after the warm-up
+};
+
+/// The complete state of a fixed_period: plain data.
+struct fixed_period_state {
+  std::uint64_t rounds = 0;    ///< averaging rounds completed under this schedule
+  std::uint64_t next_due = 0;  ///< local-step count c at which the next round happens
+};
+
+/// Averages the whole world every K local steps, after an optional warm-up and ramp.
+///
+/// Local steps are counted from the first step after local_sgd_options::start_step
+/// (c = 1, 2, ...). Round r (0-based) comes `period_of_round(r)` local steps after round r − 1
+/// (or after local SGD began, for r = 0):
+///
+///     period_of_round(r) = 1                       for r < W (W = warmup_rounds)
+///                        = min(2^(r − W + 1), K)   for r >= W, with ramp
+///                        = K                       for r >= W, without ramp
+///
+/// With warmup_rounds = 1 and ramp the periods are 1, 2, 4, ..., K, K, ...
+class fixed_period {
+ public:
+  using options_type = fixed_period_options;
+  using state_type = fixed_period_state;
+  /// This schedule does not read the training loss.
+  static constexpr bool uses_loss = false;
+
+  /// @throws gradapt::error when period < 1 or warmup_rounds < 0.
+  explicit fixed_period(fixed_period_options options = {}) : opt_(options) {
+    detail::require(opt_.period >= 1, "fixed_period: period is ", opt_.period,
+                    " (expected K >= 1 local steps between averaging rounds)");
+    detail::require(opt_.warmup_rounds >= 0, "fixed_period: warmup_rounds is ", opt_.warmup_rounds,
+                    " (expected >= 0 rounds at period 1)");
+    st_.next_due = period_of_round(0);
+  }
+
+  /// The options this schedule was built with.
+  const fixed_period_options& options() const { return opt_; }
+
+  /// Local steps between round r − 1 and round r (see the class comment).
+  std::uint64_t period_of_round(std::uint64_t r) const {
+    const auto w = static_cast<std::uint64_t>(opt_.warmup_rounds);
+    const auto k = static_cast<std::uint64_t>(opt_.period);
+    if (r < w) return 1;
+    if (!opt_.ramp) return k;
+    const std::uint64_t j = r - w + 1;  // 1, 2, ...: period 2^j
+    if (j >= 63) return k;
+    const std::uint64_t p = std::uint64_t{1} << j;
+    return p < k ? p : k;
+  }
+
+  /// The period of the interval now running (the one that ends at the next round).
+  std::uint64_t period() const { return period_of_round(st_.rounds); }
+
+  /// One level: the whole world.
+  std::size_t levels() const { return 1; }
+  /// The averaging group is the whole world.
+  int group_size(std::size_t, int world) const { return world; }
+  /// Level 0 when a round is due after local step c (c >= 1), -1 otherwise.
+  int due(std::uint64_t c) const { return c == st_.next_due ? 0 : -1; }
+
+  /// The state after a round at local step c (no side effect).
+  fixed_period_state advance(std::uint64_t c, std::size_t, const round_observation&) const {
+    fixed_period_state s = st_;
+    ++s.rounds;
+    s.next_due = c + period_of_round(s.rounds);
+    return s;
+  }
+  /// Installs a state returned by advance().
+  void commit(const fixed_period_state& s) { st_ = s; }
+
+  /// The complete state (plain data).
+  const fixed_period_state& save() const { return st_; }
+  /// Restores a state from save(); `local_steps` is the local-step count of the run it belongs
+  /// to. @throws gradapt::error when the next round is not within the current period ahead.
+  void load(const fixed_period_state& s, std::uint64_t local_steps) {
+    const std::uint64_t p = period_of_round(s.rounds);
+    detail::require(s.next_due > local_steps && s.next_due - local_steps <= p,
+                    "fixed_period::load: next round at local step ", s.next_due, " after ", local_steps,
+                    " local steps and ", s.rounds, " rounds (expected within the current period of ", p,
+                    " steps ahead; was the state saved with other options?)");
+    st_ = s;
+  }
+
+ private:
+  fixed_period_options opt_;
+  fixed_period_state st_;
+};
+
+}  // namespace gradapt
