@@ -27,6 +27,7 @@
 
 #include <gradapt/gradapt.hpp>
 
+#include "common/digits_mlp.hpp"
 #include "common/svg_plot.hpp"
 
 #ifndef GRADAPT_EXAMPLES_DATA_DIR
@@ -35,105 +36,10 @@
 
 namespace {
 
-constexpr int features = 64, classes = 10, base_batch = 16;
+using examples::digits::dataset;
+using examples::digits::mlp;
 
-struct dataset {
-  std::vector<float> x;  // n x 64, pixels / 16
-  std::vector<int> y;
-  int n = 0;
-};
-
-dataset load(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) gradapt::detail::fail("adascale_digits: cannot open '", path, "' (pass --data PATH)");
-  dataset d;
-  std::string line;
-  while (std::getline(f, line)) {
-    std::stringstream ss(line);
-    std::string cell;
-    std::getline(ss, cell, ',');
-    d.y.push_back(std::stoi(cell));
-    for (int j = 0; j < features; ++j) {
-      if (!std::getline(ss, cell, ','))
-        gradapt::detail::fail("adascale_digits: row ", d.n + 1, " of '", path, "' has fewer than 65 fields");
-      d.x.push_back(std::stof(cell) / 16.0f);
-    }
-    ++d.n;
-  }
-  if (d.n == 0) gradapt::detail::fail("adascale_digits: '", path, "' holds no rows");
-  return d;
-}
-
-constexpr int hidden = 32;
-
-// A 64-32-10 MLP with ReLU: the parameters and their gradients, in this rank's own buffers.
-struct mlp {
-  std::vector<float> w1, b1, w2, b2, gw1, gb1, gw2, gb2;
-  gradapt::param_list<float> params;
-  mlp()
-      : w1(hidden * features),
-        b1(hidden, 0.0f),
-        w2(classes * hidden),
-        b2(classes, 0.0f),
-        gw1(w1.size()),
-        gb1(b1.size()),
-        gw2(w2.size()),
-        gb2(b2.size()) {
-    std::mt19937 rng(42);  // the same initial weights on every rank
-    std::normal_distribution<float> n1(0.0f, std::sqrt(2.0f / features)), n2(0.0f, std::sqrt(2.0f / hidden));
-    for (auto& v : w1) v = n1(rng);
-    for (auto& v : w2) v = n2(rng);
-    using gradapt::host_view;
-    params.add("fc1.weight", host_view(w1, {hidden, features}), host_view(gw1, {hidden, features}));
-    params.add("fc1.bias", host_view(b1), host_view(gb1), {.skip_weight_decay = true});
-    params.add("fc2.weight", host_view(w2, {classes, hidden}), host_view(gw2, {classes, hidden}));
-    params.add("fc2.bias", host_view(b2), host_view(gb2), {.skip_weight_decay = true});
-  }
-
-  // Mean cross-entropy over examples idx[0..count) (all examples when idx is null); with
-  // `grad`, the gradient of that mean is written into the gradient buffers.
-  double loss(const dataset& d, const int* idx, int count, bool grad) {
-    if (grad)
-      for (auto* g : {&gw1, &gb1, &gw2, &gb2}) std::fill(g->begin(), g->end(), 0.0f);
-    double total = 0;
-    float h[hidden], z[classes], dz[classes];
-    for (int k = 0; k < count; ++k) {
-      const int i = idx ? idx[k] : k;
-      const float* x = &d.x[static_cast<std::size_t>(i) * features];
-      for (int u = 0; u < hidden; ++u) {
-        float s = b1[static_cast<std::size_t>(u)];
-        for (int j = 0; j < features; ++j) s += w1[static_cast<std::size_t>(u * features + j)] * x[j];
-        h[u] = s > 0 ? s : 0;
-      }
-      float zmax = -1e30f;
-      for (int c = 0; c < classes; ++c) {
-        float s = b2[static_cast<std::size_t>(c)];
-        for (int u = 0; u < hidden; ++u) s += w2[static_cast<std::size_t>(c * hidden + u)] * h[u];
-        z[c] = s, zmax = std::max(zmax, s);
-      }
-      double zsum = 0;
-      for (int c = 0; c < classes; ++c) zsum += std::exp(double(z[c] - zmax));
-      const int y = d.y[static_cast<std::size_t>(i)];
-      total += std::log(zsum) - double(z[y] - zmax);
-      if (!grad) continue;
-      for (int c = 0; c < classes; ++c)
-        dz[c] = (static_cast<float>(std::exp(double(z[c] - zmax)) / zsum) - (c == y ? 1.0f : 0.0f)) /
-                float(count);
-      for (int c = 0; c < classes; ++c) {
-        for (int u = 0; u < hidden; ++u) gw2[static_cast<std::size_t>(c * hidden + u)] += dz[c] * h[u];
-        gb2[static_cast<std::size_t>(c)] += dz[c];
-      }
-      for (int u = 0; u < hidden; ++u) {
-        if (h[u] <= 0) continue;
-        float dh = 0;
-        for (int c = 0; c < classes; ++c) dh += w2[static_cast<std::size_t>(c * hidden + u)] * dz[c];
-        for (int j = 0; j < features; ++j) gw1[static_cast<std::size_t>(u * features + j)] += dh * x[j];
-        gb1[static_cast<std::size_t>(u)] += dh;
-      }
-    }
-    return total / count;
-  }
-};
+constexpr int base_batch = 16;
 
 struct curve {
   std::string method;
@@ -198,7 +104,8 @@ std::string arg(int argc, char** argv, const char* name, const std::string& def)
 
 int main(int argc, char** argv) {
   try {
-    const dataset d = load(arg(argc, argv, "--data", GRADAPT_EXAMPLES_DATA_DIR "/digits.csv"));
+    const dataset d = examples::digits::load(
+        arg(argc, argv, "--data", GRADAPT_EXAMPLES_DATA_DIR "/digits.csv"), "adascale_digits");
     const std::string out_dir = arg(argc, argv, "--out", ".");
     const double iters = std::stod(arg(argc, argv, "--iters", "3000"));
     const double lr0 = std::stod(arg(argc, argv, "--lr", "0.2"));
