@@ -22,4 +22,5 @@
 #include "gradapt/stats/gradient_noise_scale.hpp"
 
 #include "gradapt/scaling/adascale.hpp"
+#include "gradapt/combine/adasum.hpp"
 #include "gradapt/sync/local_sgd.hpp"
