@@ -10,7 +10,8 @@ $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends \
   build-essential g++ clang cmake ninja-build pkg-config \
   catch2 libbenchmark-dev libopenmpi-dev openmpi-bin libomp-dev \
-  libxsimd-dev libeigen3-dev doxygen python3 python3-venv >/dev/null
+  libxsimd-dev libeigen3-dev libxtensor-dev libtorch-dev \
+  doxygen python3 python3-venv >/dev/null
 # Conan 2 (for the packaging test) from PyPI, in a virtual environment under build/.
 cd "$(dirname "$0")/.."
 if [ ! -x build/tools/bin/conan ]; then

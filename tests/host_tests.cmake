@@ -58,10 +58,12 @@ if(GRADAPT_INSTALL)
 endif()
 # The CMake path of the vcpkg port (ports/gradapt): its configure options, install layout and a
 # consumer of the relocated tree (the vcpkg tool itself is not available here).
-add_test(NAME vcpkg_port_layout
-  COMMAND ${CMAKE_COMMAND} -DSRC=${PROJECT_SOURCE_DIR} -DWORK=${CMAKE_CURRENT_BINARY_DIR}/vcpkg_port_layout
-          -DGEN=${CMAKE_GENERATOR} -DCXX=${CMAKE_CXX_COMPILER} -P ${CMAKE_CURRENT_SOURCE_DIR}/install/vcpkg_port_layout.cmake)
-set_tests_properties(vcpkg_port_layout PROPERTIES TIMEOUT 300 ENVIRONMENT "ASAN_OPTIONS=detect_leaks=0")
+if(GRADAPT_INSTALL)
+  add_test(NAME vcpkg_port_layout
+    COMMAND ${CMAKE_COMMAND} -DSRC=${PROJECT_SOURCE_DIR} -DWORK=${CMAKE_CURRENT_BINARY_DIR}/vcpkg_port_layout
+            -DGEN=${CMAKE_GENERATOR} -DCXX=${CMAKE_CXX_COMPILER} -P ${CMAKE_CURRENT_SOURCE_DIR}/install/vcpkg_port_layout.cmake)
+  set_tests_properties(vcpkg_port_layout PROPERTIES TIMEOUT 300 ENVIRONMENT "ASAN_OPTIONS=detect_leaks=0")
+endif()
 gradapt_add_test(test_goodput SOURCES test_goodput.cpp)
 find_package(Eigen3 3.3 QUIET NO_MODULE)
 if(TARGET Eigen3::Eigen)
@@ -70,5 +72,12 @@ if(TARGET Eigen3::Eigen)
 endif()
 gradapt_add_test(test_local_sgd SOURCES test_local_sgd.cpp)
 target_link_libraries(test_local_sgd PRIVATE Threads::Threads)
+gradapt_add_test(test_loss_scaler SOURCES test_loss_scaler.cpp)
+target_link_libraries(test_loss_scaler PRIVATE Threads::Threads)
+target_compile_definitions(test_loss_scaler PRIVATE GRADAPT_TEST_DATA_DIR="${PROJECT_SOURCE_DIR}/tests/data")
 gradapt_add_test(test_adasum SOURCES test_adasum.cpp)
 target_link_libraries(test_adasum PRIVATE Threads::Threads)
+include(${CMAKE_CURRENT_SOURCE_DIR}/adapters.cmake)
+gradapt_add_test(test_clip SOURCES test_clip.cpp)
+target_link_libraries(test_clip PRIVATE Threads::Threads)
+target_compile_definitions(test_clip PRIVATE GRADAPT_TEST_DATA_DIR="${PROJECT_SOURCE_DIR}/tests/data")

@@ -24,3 +24,5 @@
 #include "gradapt/scaling/adascale.hpp"
 #include "gradapt/combine/adasum.hpp"
 #include "gradapt/sync/local_sgd.hpp"
+#include "gradapt/precision/loss_scaler.hpp"
+#include "gradapt/optim/clip.hpp"
