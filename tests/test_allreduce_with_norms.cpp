@@ -91,7 +91,7 @@ void check_world(int n, std::size_t size, bool fused) {
       plain_comm pc{&c};
       nr = gradapt::allreduce_with_norms(pc, backend, host_view(v));
     }
-    RANK_REQUIRE(std::memcmp(v.data(), ref[0].data(), size * sizeof(T)) == 0);
+    RANK_REQUIRE((size == 0 || std::memcmp(v.data(), ref[0].data(), size * sizeof(T)) == 0));
     got[static_cast<std::size_t>(c.rank())] = nr;
   });
   for (const auto& g : got) {
