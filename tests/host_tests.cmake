@@ -78,6 +78,30 @@ target_compile_definitions(test_loss_scaler PRIVATE GRADAPT_TEST_DATA_DIR="${PRO
 gradapt_add_test(test_adasum SOURCES test_adasum.cpp)
 target_link_libraries(test_adasum PRIVATE Threads::Threads)
 include(${CMAKE_CURRENT_SOURCE_DIR}/adapters.cmake)
+# Optimizer chains and presets (optim/): optax/PyTorch reference vectors, chain properties,
+# the SIMD pack type, and the pack path against the scalar path bit for bit.
+gradapt_add_test(test_optim_refs SOURCES test_optim_refs.cpp)
+target_compile_definitions(test_optim_refs PRIVATE GRADAPT_OPTIM_DATA="${PROJECT_SOURCE_DIR}/tests/data/optim")
+gradapt_add_test(test_optim_chain SOURCES test_optim_chain.cpp)
 gradapt_add_test(test_clip SOURCES test_clip.cpp)
 target_link_libraries(test_clip PRIVATE Threads::Threads)
 target_compile_definitions(test_clip PRIVATE GRADAPT_TEST_DATA_DIR="${PROJECT_SOURCE_DIR}/tests/data")
+gradapt_add_test(test_optim_simd SOURCES test_optim_simd.cpp)
+# The optimizers' pack paths (run-time AVX2, SSE2 only) and the scalar path give the same bits.
+foreach(_mode vector sse scalar)
+  add_executable(test_optim_bits_${_mode} test_optim_bits.cpp)
+  target_link_libraries(test_optim_bits_${_mode} PRIVATE gradapt::gradapt)
+  target_compile_options(test_optim_bits_${_mode} PRIVATE ${GRADAPT_TEST_WARNINGS})
+  if(GRADAPT_WITH_OPENMP)
+    target_link_libraries(test_optim_bits_${_mode} PRIVATE gradapt::openmp)
+  endif()
+endforeach()
+target_compile_definitions(test_optim_bits_scalar PRIVATE GRADAPT_NO_VECTOR_EXTENSIONS)
+target_compile_definitions(test_optim_bits_sse PRIVATE GRADAPT_NO_AVX2_DISPATCH)
+add_test(NAME optim_pack_path_matches_scalar
+  COMMAND ${CMAKE_COMMAND} -DA=$<TARGET_FILE:test_optim_bits_vector> -DB=$<TARGET_FILE:test_optim_bits_scalar>
+          -DOUT=${CMAKE_CURRENT_BINARY_DIR}/optim_bits -P ${CMAKE_CURRENT_SOURCE_DIR}/compare_outputs.cmake)
+add_test(NAME optim_sse_path_matches_scalar
+  COMMAND ${CMAKE_COMMAND} -DA=$<TARGET_FILE:test_optim_bits_sse> -DB=$<TARGET_FILE:test_optim_bits_scalar>
+          -DOUT=${CMAKE_CURRENT_BINARY_DIR}/optim_bits_sse -P ${CMAKE_CURRENT_SOURCE_DIR}/compare_outputs.cmake)
+file(MAKE_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR}/optim_bits ${CMAKE_CURRENT_BINARY_DIR}/optim_bits_sse)

@@ -22,7 +22,18 @@
 #include "gradapt/stats/gradient_noise_scale.hpp"
 
 #include "gradapt/scaling/adascale.hpp"
+
 #include "gradapt/combine/adasum.hpp"
+
 #include "gradapt/sync/local_sgd.hpp"
+
 #include "gradapt/precision/loss_scaler.hpp"
+
 #include "gradapt/optim/clip.hpp"
+
+#include "gradapt/optim/adamw.hpp"
+#include "gradapt/optim/chain.hpp"
+#include "gradapt/optim/lamb.hpp"
+#include "gradapt/optim/lars.hpp"
+#include "gradapt/optim/sgd.hpp"
+#include "gradapt/optim/transforms.hpp"

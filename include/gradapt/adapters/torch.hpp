@@ -141,12 +141,11 @@ tensor_view<T, Space> view_of(const at::Tensor& t) {
 
 /// Options of `param_list_of`, e.g. `{.allocate_missing_grads = true}`.
 ///
-/// | name                   | type          | default | meaning                                     |
-/// |------------------------|---------------|---------|---------------------------------------------|
-/// | allocate_missing_grads | bool          | false   | give parameters without a gradient a zero-filled one
-/// (otherwise: error) | | include_frozen         | bool          | false   | also list parameters with
-/// requires_grad() == false | | flags                  | std::function | empty   | per-parameter flags from
-/// (name, value), e.g. skip weight decay for biases |
+/// | name                   | type          | default | meaning                                        |
+/// |------------------------|---------------|---------|------------------------------------------------|
+/// | allocate_missing_grads | bool          | false   | zero-fill missing gradients (otherwise: error) |
+/// | include_frozen         | bool          | false   | also list requires_grad() == false parameters  |
+/// | flags                  | std::function | empty   | per-parameter flags from (name, value)         |
 struct torch_param_options {
   /// Parameters whose `.grad()` is undefined get `p.mutable_grad() = zeros` (same dtype, device,
   /// sizes; contiguous). Autograd then accumulates into that tensor in place, so the views stay
@@ -171,6 +170,8 @@ struct torch_param_options {
 /// @tparam Space host_space for CPU modules, device_space for CUDA modules
 /// @param module a torch::nn::Module, a module holder (torch::nn::Linear, ...) or a
 ///               std::shared_ptr to a module
+/// @param options missing-gradient policy, frozen parameters and per-parameter flags (see
+///               torch_param_options)
 /// @throws gradapt::error naming the parameter when a view cannot be made (see `view_of`) or a
 ///         gradient is missing: "run backward() first, or pass .allocate_missing_grads = true"
 template <element V, element G = V, memory_space Space = host_space, class Module>

@@ -45,18 +45,20 @@ inline constexpr std::size_t reduction_lanes = 256;
 
 /// A half-open element range `[begin, end)` inside one tensor.
 struct element_range {
-  std::size_t begin = 0;
-  std::size_t end = 0;
+  std::size_t begin = 0;  ///< first element (offset from the tensor's start)
+  std::size_t end = 0;    ///< one past the last element; `end >= begin`
+  /// Number of elements, `end - begin`.
   GRADAPT_HD constexpr std::size_t size() const { return end - begin; }
 };
 
 /// Where a global chunk lives: its tensor, its index inside that tensor and its elements.
 /// For an out-of-range global chunk, `tensor == ntensors` and the range is empty.
 struct chunk_location {
-  std::size_t tensor = 0;
-  std::size_t chunk_in_tensor = 0;
-  std::size_t begin = 0;
-  std::size_t end = 0;
+  std::size_t tensor = 0;           ///< index of the owning tensor in the list (`ntensors` if none)
+  std::size_t chunk_in_tensor = 0;  ///< chunk number counted from the tensor's first chunk
+  std::size_t begin = 0;            ///< first element of the chunk, offset inside the tensor
+  std::size_t end = 0;              ///< one past the chunk's last element, offset inside the tensor
+  /// Number of elements in the chunk (0 for an out-of-range chunk).
   GRADAPT_HD constexpr std::size_t size() const { return end - begin; }
 };
 

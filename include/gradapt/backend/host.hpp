@@ -15,7 +15,9 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
+#include "gradapt/backend/simd.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/dtype.hpp"
 #include "gradapt/core/error.hpp"
@@ -458,6 +460,185 @@ GRADAPT_INLINE std::array<compute_t<T>, group> load_group(const T* p) {
   return a;
 }
 
+/// The compute type shared by the views Ts (their first's).
+template <class... Ts>
+using first_compute_t = compute_t<std::tuple_element_t<0, std::tuple<std::remove_cv_t<Ts>...>>>;
+
+/// True when the element loops call `f` with `simd::pack` lvalues of one register
+/// (`simd::native_lanes<C>` lanes; 32 bytes on the run-time AVX2 path): `f` opts in
+/// (`simd::vectorizable_v`), every view has the same compute type C (float or double), and
+/// `f` is invocable with one pack per view (after the tensor index when `Indexed`). Otherwise
+/// the loops call `f` per element, as before. Both give the same bits: pack lanes run the
+/// element's IEEE operations. The pack loops call a const local copy of `f` (so its constants
+/// stay in registers): a vectorizable functor's call operator is const.
+template <bool Indexed, class F, class... Ts>
+inline constexpr bool use_packs = [] {
+#if GRADAPT_SIMD_PACKS
+  if constexpr (simd::vectorizable_v<F> && sizeof...(Ts) > 0) {
+    using C = first_compute_t<Ts...>;
+    if constexpr ((std::is_same_v<compute_t<Ts>, C> && ...)) {
+      using P = simd::pack<C, simd::native_lanes<C>>;
+      static_assert(group % P::size == 0, "a group must hold whole packs");
+      if constexpr (Indexed)
+        return std::is_invocable_v<const F&, tensor_index, std::conditional_t<true, P, Ts>&...>;
+      else
+        return std::is_invocable_v<const F&, std::conditional_t<true, P, Ts>&...>;
+    }
+  }
+#endif
+  return false;
+}();
+
+#if GRADAPT_SIMD_PACKS
+/// [b, e) in packs P: loads every view's pack, calls f once, stores the non-const packs.
+/// Returns where the scalar tail (< P::size elements) starts.
+template <bool Indexed, class P, class F, class... Ts, std::size_t... I>
+GRADAPT_INLINE std::size_t apply_pack_groups(F& f, tensor_index t, std::size_t b, std::size_t e,
+                                             std::index_sequence<I...>, Ts*... p) {
+  constexpr std::size_t W = P::size;
+  const F fc = f;  // a local copy: its constants stay in registers across the stores
+  std::size_t i = b;
+  for (; i + W <= e; i += W) {
+    P v[sizeof...(Ts)] = {simd::load_as<P>(p + i)...};
+    if constexpr (Indexed)
+      fc(t, v[I]...);
+    else
+      fc(v[I]...);
+    (
+        (void)[&] {
+          if constexpr (!std::is_const_v<Ts>) simd::store(p + i, v[I]);
+        }(),
+        ...);
+  }
+  return i;
+}
+
+/// vacc[k][s] += r[k] for every k, unrolled at compile time.
+template <std::size_t s, class WD, std::size_t K, std::size_t S, std::size_t... k>
+GRADAPT_INLINE void add_terms(WD (&vacc)[K][S], const simd::vterms<K, WD>& r, std::index_sequence<k...>) {
+  ((vacc[k][s] += r[k]), ...);
+}
+
+/// Pack s of a group at element o (s a compile-time index, so the accumulators stay in
+/// registers): load, call, add the K values to vacc[k][s], store the non-const views.
+template <bool Indexed, std::size_t s, class F, class P, class WD, std::size_t K, std::size_t S, class... Ts,
+          std::size_t... I>
+GRADAPT_INLINE void reduce_one_pack(const F& fc, tensor_index t, std::size_t o, WD (&vacc)[K][S],
+                                    std::index_sequence<I...>, Ts*... p) {
+  P v[sizeof...(Ts)] = {simd::load_as<P>(p + o)...};
+  simd::vterms<K, WD> r;
+  if constexpr (Indexed) {
+    static_assert(std::is_same_v<std::remove_cvref_t<decltype(fc(t, v[I]...))>, simd::vterms<K, WD>>,
+                  "gradapt::host::apply_reduce_list: a vectorizable functor called on packs must return "
+                  "gradapt::simd::terms_t<V, K> (simd::vterms<K, pack<double, W>>) with its scalar form's K");
+    r = fc(t, v[I]...);
+  } else {
+    static_assert(std::is_same_v<std::remove_cvref_t<decltype(fc(v[I]...))>, simd::vterms<K, WD>>,
+                  "gradapt::host::apply_reduce_list: a vectorizable functor called on packs must return "
+                  "gradapt::simd::terms_t<V, K> (simd::vterms<K, pack<double, W>>) with its scalar form's K");
+    r = fc(v[I]...);
+  }
+  add_terms<s>(vacc, r, std::make_index_sequence<K>{});
+  (
+      (void)[&] {
+        if constexpr (!std::is_const_v<Ts>) simd::store(p + o, v[I]);
+      }(),
+      ...);
+}
+
+/// All `S` packs of the group at element i.
+template <bool Indexed, class P, class F, class WD, std::size_t K, std::size_t S, std::size_t... s,
+          std::size_t... I, class... Ts>
+GRADAPT_INLINE void reduce_group_packs(const F& fc, tensor_index t, std::size_t i, WD (&vacc)[K][S],
+                                       std::index_sequence<s...>, std::index_sequence<I...> seq, Ts*... p) {
+  (reduce_one_pack<Indexed, s, F, P>(fc, t, i + s * P::size, vacc, seq, p...), ...);
+}
+
+/// Full groups of [b, e) of a fused apply + reduce through the pack form of f, `group / W`
+/// packs P of W lanes per group. f returns `simd::vterms<K, pack<double, W>>`; lane w of pack
+/// s of value k is added to acc[k][s * W + w], the lane the scalar loop uses for that element
+/// of the group, in the same order. Returns where the scalar tail starts.
+template <bool Indexed, std::size_t K, class P, class F, class... Ts, std::size_t... I>
+GRADAPT_INLINE std::size_t apply_reduce_pack_groups(F& f, tensor_index t, std::size_t b, std::size_t e,
+                                                    double (&acc)[K][lanes], std::index_sequence<I...>,
+                                                    Ts*... p) {
+  constexpr std::size_t W = P::size;
+  constexpr std::size_t S = group / W;
+  using WD = typename simd::wide_pack<P>::type;
+  const F fc = f;  // a local copy: its constants stay in registers across the stores
+  WD vacc[K][S];
+  for (std::size_t k = 0; k < K; ++k)
+    for (std::size_t s = 0; s < S; ++s) vacc[k][s] = WD(0.0);
+  std::size_t i = b;
+  for (; i + group <= e; i += group)
+    reduce_group_packs<Indexed, P>(fc, t, i, vacc, std::make_index_sequence<S>{}, std::index_sequence<I...>{},
+                                   p...);
+  for (std::size_t k = 0; k < K; ++k)
+    for (std::size_t s = 0; s < S; ++s) {
+      double lane_values[W];
+      vacc[k][s].store(lane_values);
+      for (std::size_t w = 0; w < W; ++w) acc[k][s * W + w] = lane_values[w];
+    }
+  return i;
+}
+
+#if defined(GRADAPT_HOST_AVX2) && GRADAPT_SIMD_AVX_ASM
+#define GRADAPT_HOST_PACKS_AVX2 1
+/// The pack loops compiled for AVX2 (chosen at run time, like the reductions): 32-byte packs,
+/// so one instruction handles 8 floats or 4 doubles. No FMA: every lane runs the same IEEE
+/// operations as the SSE2 and scalar paths, so the bits are the same.
+template <bool Indexed, class F, class... Ts, std::size_t... I>
+__attribute__((target("avx2"))) std::size_t apply_pack_groups_avx2(F& f, tensor_index t, std::size_t b,
+                                                                   std::size_t e,
+                                                                   std::index_sequence<I...> seq, Ts*... p) {
+  using C = first_compute_t<Ts...>;
+  return apply_pack_groups<Indexed, simd::pack<C, 32 / sizeof(C), 32>>(f, t, b, e, seq, p...);
+}
+template <bool Indexed, std::size_t K, class F, class... Ts, std::size_t... I>
+__attribute__((target("avx2"))) std::size_t apply_reduce_pack_groups_avx2(F& f, tensor_index t, std::size_t b,
+                                                                          std::size_t e,
+                                                                          double (&acc)[K][lanes],
+                                                                          std::index_sequence<I...> seq,
+                                                                          Ts*... p) {
+  using C = first_compute_t<Ts...>;
+  return apply_reduce_pack_groups<Indexed, K, simd::pack<C, 32 / sizeof(C), 32>>(f, t, b, e, acc, seq, p...);
+}
+#endif
+
+/// The pack loop for [b, e): AVX2 when the CPU has it (GCC, x86-64), one 16-byte register
+/// otherwise.
+template <bool Indexed, class F, class... Ts, std::size_t... I>
+GRADAPT_INLINE std::size_t run_pack_groups(F& f, tensor_index t, std::size_t b, std::size_t e,
+                                           std::index_sequence<I...> seq, Ts*... p) {
+#if defined(GRADAPT_HOST_PACKS_AVX2)
+  if (cpu_has_avx2()) return apply_pack_groups_avx2<Indexed>(f, t, b, e, seq, p...);
+#endif
+  using C = first_compute_t<Ts...>;
+  return apply_pack_groups<Indexed, simd::pack<C, simd::native_lanes<C>>>(f, t, b, e, seq, p...);
+}
+template <bool Indexed, std::size_t K, class F, class... Ts, std::size_t... I>
+GRADAPT_INLINE std::size_t run_reduce_pack_groups(F& f, tensor_index t, std::size_t b, std::size_t e,
+                                                  double (&acc)[K][lanes], std::index_sequence<I...> seq,
+                                                  Ts*... p) {
+#if defined(GRADAPT_HOST_PACKS_AVX2)
+  if (cpu_has_avx2()) return apply_reduce_pack_groups_avx2<Indexed, K>(f, t, b, e, acc, seq, p...);
+#endif
+  using C = first_compute_t<Ts...>;
+  return apply_reduce_pack_groups<Indexed, K, simd::pack<C, simd::native_lanes<C>>>(f, t, b, e, acc, seq,
+                                                                                    p...);
+}
+#else
+template <bool Indexed, class F, class... Ts, std::size_t... I>
+std::size_t run_pack_groups(F&, tensor_index, std::size_t b, std::size_t, std::index_sequence<I...>, Ts*...) {
+  return b;
+}
+template <bool Indexed, std::size_t K, class F, class... Ts, std::size_t... I>
+std::size_t run_reduce_pack_groups(F&, tensor_index, std::size_t b, std::size_t, double (&)[K][lanes],
+                                   std::index_sequence<I...>, Ts*...) {
+  return b;
+}
+#endif
+
 /// Calls f on loaded copies of elements [b, e) of every pointer and stores back the non-const
 /// ones. `Indexed` passes the tensor index first.
 template <bool Indexed, class F, class... Ts, std::size_t... I>
@@ -470,15 +651,19 @@ GRADAPT_INLINE void apply_range(F& f, tensor_index t, std::size_t b, std::size_t
       f(v...);
   };
   std::size_t i = b;
-  for (; i + group <= e; i += group) {
-    std::tuple<std::array<compute_t<Ts>, group>...> v{load_group(p + i)...};
-    for (std::size_t l = 0; l < group; ++l) call(std::get<I>(v)[l]...);
-    (
-        (void)[&] {
-          if constexpr (!std::is_const_v<Ts>)
-            for (std::size_t l = 0; l < group; ++l) store(p[i + l], std::get<I>(v)[l]);
-        }(),
-        ...);
+  if constexpr (use_packs<Indexed, F, Ts...>) {
+    i = run_pack_groups<Indexed>(f, t, b, e, std::index_sequence<I...>{}, p...);
+  } else {
+    for (; i + group <= e; i += group) {
+      std::tuple<std::array<compute_t<Ts>, group>...> v{load_group(p + i)...};
+      for (std::size_t l = 0; l < group; ++l) call(std::get<I>(v)[l]...);
+      (
+          (void)[&] {
+            if constexpr (!std::is_const_v<Ts>)
+              for (std::size_t l = 0; l < group; ++l) store(p[i + l], std::get<I>(v)[l]);
+          }(),
+          ...);
+    }
   }
   for (; i < e; ++i) {
     std::tuple<compute_t<Ts>...> v{load(p[i])...};
@@ -550,18 +735,22 @@ GRADAPT_INLINE void apply_reduce_block(F& f, tensor_index t, std::size_t b, std:
   };
   double acc[K][lanes] = {};
   std::size_t i = b;
-  for (; i + group <= e; i += group) {
-    std::tuple<std::array<compute_t<Ts>, group>...> v{load_group(p + i)...};
-    for (std::size_t l = 0; l < group; ++l) {
-      const auto r = call(std::get<I>(v)[l]...);
-      for (std::size_t k = 0; k < K; ++k) acc[k][l] += term_value(r, k);
+  if constexpr (use_packs<Indexed, F, Ts...>) {
+    i = run_reduce_pack_groups<Indexed, K>(f, t, b, e, acc, std::index_sequence<I...>{}, p...);
+  } else {
+    for (; i + group <= e; i += group) {
+      std::tuple<std::array<compute_t<Ts>, group>...> v{load_group(p + i)...};
+      for (std::size_t l = 0; l < group; ++l) {
+        const auto r = call(std::get<I>(v)[l]...);
+        for (std::size_t k = 0; k < K; ++k) acc[k][l] += term_value(r, k);
+      }
+      (
+          (void)[&] {
+            if constexpr (!std::is_const_v<Ts>)
+              for (std::size_t l = 0; l < group; ++l) store(p[i + l], std::get<I>(v)[l]);
+          }(),
+          ...);
     }
-    (
-        (void)[&] {
-          if constexpr (!std::is_const_v<Ts>)
-            for (std::size_t l = 0; l < group; ++l) store(p[i + l], std::get<I>(v)[l]);
-        }(),
-        ...);
   }
   for (std::size_t l = 0; i < e; ++i, ++l) {
     std::tuple<compute_t<Ts>...> v{load(p[i])...};
@@ -597,13 +786,28 @@ void apply_reduce_one(F& f, tensor_index t, std::size_t n, [[maybe_unused]] int 
   };
 #if defined(_OPENMP)
   if (threads > 1 && n >= parallel_min) {
+    // Rounds of 2 * round_blocks blocks in two alternating buffers: one thread adds round r's
+    // partials (single nowait) while the others compute round r + 1 into the other buffer, so
+    // a round costs one barrier (the loop's) instead of two, and there are half as many
+    // rounds. Round r + 2 reuses round r's buffer only after round r + 1's loop barrier, which
+    // the adding thread reaches after its additions. Same partials, same order of additions.
+    constexpr std::size_t R = 2 * round_blocks;
+    double twin[2][R][K];
 #pragma omp parallel num_threads(threads)
-    for (std::size_t r0 = 0; r0 < nblocks; r0 += round_blocks) {
-      const std::size_t rb = std::min(round_blocks, nblocks - r0);
+    {
+      std::size_t buf = 0;
+      for (std::size_t r0 = 0; r0 < nblocks; r0 += R, buf ^= 1) {
+        const std::size_t rb = std::min(R, nblocks - r0);
 #pragma omp for schedule(static)
-      for (std::size_t j = 0; j < rb; ++j) blk(r0, j);
-#pragma omp single
-      add(rb);
+        for (std::size_t j = 0; j < rb; ++j) {
+          const std::size_t b = (r0 + j) * block;
+          apply_reduce_block<indexed, K>(f, t, b, std::min(n, b + block), twin[buf][j],
+                                         std::index_sequence_for<Ts...>{}, p...);
+        }
+#pragma omp single nowait
+        for (std::size_t j = 0; j < rb; ++j)
+          for (std::size_t k = 0; k < K; ++k) out[k] += twin[buf][j][k];
+      }
     }
     return;
   }
@@ -658,10 +862,41 @@ struct host {
     static_assert(sizeof...(Ls) > 0, "gradapt::host::apply_list needs at least one list");
     const std::size_t count = check_list_lengths(lists...);
     const int nt = thread_count();
-    for (std::size_t t = 0; t < count; ++t) {
-      const std::size_t n = check_list_sizes(t, lists...);
-      detail::host_impl::apply_one(f, tensor_index{t}, n, nt, std::ranges::data(lists)[t].data()...);
+    // All sizes are checked before any element is touched (and before a parallel region,
+    // where an exception could not propagate).
+    std::size_t chunks = 0;
+    for (std::size_t t = 0; t < count; ++t)
+      chunks += (check_list_sizes(t, lists...) + detail::host_impl::apply_chunk - 1) /
+                detail::host_impl::apply_chunk;
+#if defined(_OPENMP)
+    // One parallel region for the whole list: the chunks of all tensors, numbered in tensor
+    // order, are split into one contiguous range per thread. No barrier between tensors, and
+    // small tensors are spread over the threads too. Element-wise work: the split does not
+    // change any result.
+    if (nt > 1 && chunks > 1) {
+#pragma omp parallel num_threads(nt)
+      {
+        const auto T = static_cast<std::size_t>(omp_get_num_threads());
+        const auto me = static_cast<std::size_t>(omp_get_thread_num());
+        const std::size_t lo = chunks * me / T, hi = chunks * (me + 1) / T;
+        std::size_t first = 0;  // global number of tensor t's first chunk
+        for (std::size_t t = 0; t < count && first < hi; ++t) {
+          const std::size_t n = std::ranges::data(first_list(lists...))[t].size();
+          constexpr std::size_t C = detail::host_impl::apply_chunk;
+          const std::size_t nc = (n + C - 1) / C;
+          for (std::size_t c = std::max(lo, first); c < std::min(hi, first + nc); ++c)
+            detail::host_impl::apply_one(f, tensor_index{t},
+                                         std::min(n, (c - first + 1) * C) - (c - first) * C, 1,
+                                         (std::ranges::data(lists)[t].data() + (c - first) * C)...);
+          first += nc;
+        }
+      }
+      return;
     }
+#endif
+    for (std::size_t t = 0; t < count; ++t)
+      detail::host_impl::apply_one(f, tensor_index{t}, std::ranges::data(first_list(lists...))[t].size(), nt,
+                                   std::ranges::data(lists)[t].data()...);
   }
 
   /// Fused element-wise apply and per-tensor sum: like `apply_list`, but `f` also returns a
@@ -766,7 +1001,290 @@ struct host {
   /// Host work is synchronous: nothing to wait for.
   void synchronize() const {}
 
+  /// Owning, zero-initialised memory for `n` elements of T that this backend's operations
+  /// read and write (an algorithm's state between steps, e.g. optimizer moments). Allocate
+  /// at set-up: a step path never calls it. `data()` and `size()` give the view's parts.
+  template <element T>
+  std::vector<T> allocate(std::size_t n) const {
+    return std::vector<T>(n);
+  }
+
+  /// Copies `src` into `dst` (equal sizes). Here both are host memory; the CUDA backend's
+  /// overloads copy between device and host memory, so state save/restore is written once.
+  /// @throws gradapt::error if the sizes differ
+  template <class T>
+  void copy(tensor_view<const T, host_space> src, tensor_view<T, host_space> dst) const {
+    detail::require(src.size() == dst.size(), "host backend copy: source has ", src.size(),
+                    " elements but destination has ", dst.size(), " (expected equal sizes)");
+    if (src.size() != 0) std::memcpy(static_cast<void*>(dst.data()), src.data(), src.bytes());
+  }
+
+  /// Row and column reductions of a tensor seen as the row-major shape d = [A, X, B, Y, C]
+  /// (A·X·B·Y·C == x.size()): the factored statistics of Adafactor (Shazeer & Stern 2018) and
+  /// the covers of SM3 (Anil et al. 2019). With t = f(r, c, x[a, i, b, j, c']) where r and c
+  /// are the element's entries of the optional `row` and `col` vectors (indexed as over_y and
+  /// over_x below; 1 where a vector is empty), in their compute types, and f returns a double:
+  ///
+  ///     over_y[((a·X + i)·B + b)·C + c'] = ⊕_j t     (A·X·B·C values; reduce over axis Y)
+  ///     over_x[((a·B + b)·Y + j)·C + c'] = ⊕_i t     (A·B·Y·C values; reduce over axis X)
+  ///
+  /// ⊕ is `op`: a sum (in double) or a max (NaN if any term is NaN; -inf for no terms). A 2-D
+  /// [n, m] tensor is d = [1, n, 1, m, 1]: over_y holds the n row results, over_x the m column
+  /// results. Either output may be empty (not computed). Fixed order, independent of
+  /// `threads`: over_x adds i in ascending order; over_y with C == 1 adds term j into lane
+  /// j mod 8 and combines the 8 lanes as a fixed tree, with C > 1 adds j in ascending order.
+  /// Lines are processed in blocks of about 256 KiB so that the column reduction re-reads them
+  /// from cache. Nothing is allocated.
+  /// @throws gradapt::error if d does not describe x or a vector has the wrong size
+  template <class F, class RY, class RX, class T>
+  void reduce_factored(F f, std::array<std::int64_t, 5> d, tensor_view<RY, host_space> row,
+                       tensor_view<RX, host_space> col, tensor_view<T, host_space> x,
+                       tensor_view<double, host_space> over_y, tensor_view<double, host_space> over_x,
+                       reduce_op op = reduce_op::sum) const {
+    const auto dd = check_factored(d, x.size(), "reduce_factored");
+    const std::size_t A = dd[0], X = dd[1], B = dd[2], Y = dd[3], C = dd[4];
+    const std::size_t ny = A * X * B * C, nx = A * B * Y * C;
+    detail::require(row.empty() || row.size() == ny, "host backend reduce_factored: row vector has ", row.size(),
+                    " elements (expected A*X*B*C = ", ny, ", or 0)");
+    detail::require(col.empty() || col.size() == nx, "host backend reduce_factored: column vector has ",
+                    col.size(), " elements (expected A*B*Y*C = ", nx, ", or 0)");
+    detail::require(over_y.empty() || over_y.size() == ny, "host backend reduce_factored: over_y has ",
+                    over_y.size(), " elements (expected A*X*B*C = ", ny, ", or 0)");
+    detail::require(over_x.empty() || over_x.size() == nx, "host backend reduce_factored: over_x has ",
+                    over_x.size(), " elements (expected A*B*Y*C = ", nx, ", or 0)");
+    const auto* rp = row.empty() ? nullptr : row.data();
+    const auto* cp = col.empty() ? nullptr : col.data();
+    if (op == reduce_op::max)
+      reduce_factored_impl<true>(f, rp, cp, x.data(), A, X, B, Y, C, over_y.data(), over_y.empty(), over_x.data(),
+                                 over_x.empty());
+    else
+      reduce_factored_impl<false>(f, rp, cp, x.data(), A, X, B, Y, C, over_y.data(), over_y.empty(),
+                                  over_x.data(), over_x.empty());
+  }
+
+  /// Element-wise `f` over views of equal size seen as d = [A, X, B, Y, C] (see
+  /// `reduce_factored`), with one entry of a row vector and one of a column vector per
+  /// element: `f(r, c, v0, v1, ...)` where r = row[((a·X + i)·B + b)·C + c] and
+  /// c = col[((a·B + b)·Y + j)·C + c] in their compute types (1 where that vector is empty),
+  /// and v0, v1, ... are lvalues of the elements (non-const views are stored back). Adafactor's
+  /// update: u = g · r_i · c_j.
+  ///
+  /// When `f` returns a value it is summed in double and returned: per line of Y·C elements
+  /// in 8 lanes (element k into lane k mod 8, fixed tree), lines added in order; independent of
+  /// `threads`. A functor with `vectorizable = true` is called with `simd::pack` lvalues when
+  /// C == 1 and every view and vector holds float (same bits as the scalar calls).
+  /// @throws gradapt::error on a size mismatch
+  template <class F, class RY, class RX, class... Ts>
+  double apply_factored(F f, std::array<std::int64_t, 5> d, tensor_view<RY, host_space> row,
+                        tensor_view<RX, host_space> col, tensor_view<Ts, host_space>... views) const {
+    static_assert(sizeof...(Ts) > 0, "gradapt::host::apply_factored needs at least one view");
+    const std::size_t n = check_sizes(views...);
+    const auto dd = check_factored(d, n, "apply_factored");
+    const std::size_t A = dd[0], X = dd[1], B = dd[2], Y = dd[3], C = dd[4];
+    detail::require(row.empty() || row.size() == A * X * B * C, "host backend apply_factored: row vector has ",
+                    row.size(), " elements (expected A*X*B*C = ", A * X * B * C, ", or 0)");
+    detail::require(col.empty() || col.size() == A * B * Y * C, "host backend apply_factored: column vector has ",
+                    col.size(), " elements (expected A*B*Y*C = ", A * B * Y * C, ", or 0)");
+    if (n == 0) return 0.0;
+    const std::size_t L = Y * C, lines = A * X * B;
+    const auto* rp = row.empty() ? nullptr : row.data();
+    const auto* cp = col.empty() ? nullptr : col.data();
+    using R = decltype(f(compute_t<RY>(1), compute_t<RX>(1), std::declval<compute_t<Ts>&>()...));
+    constexpr bool reduces = !std::is_void_v<R>;
+    const auto line = [&](std::size_t l) -> double {
+      const std::size_t a = l / (X * B), b = l % B;
+      const std::size_t cbase = (a * B + b) * L;
+      return factored_line<reduces>(f, l * L, L, C, rp, rp ? l * C : 0, cp, cbase, views.data()...);
+    };
+    const int nt = thread_count();
+    const bool par = nt > 1 && lines > 1 && n >= 2 * detail::host_impl::apply_chunk;
+    if constexpr (!reduces) {
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static) num_threads(nt) if (par)
+#endif
+      for (std::size_t l = 0; l < lines; ++l) line(l);
+      (void)par;
+      return 0.0;
+    } else {
+      constexpr std::size_t R0 = 256;
+      double part[R0];
+      double total = 0.0;
+      for (std::size_t l0 = 0; l0 < lines; l0 += R0) {
+        const std::size_t rb = std::min(R0, lines - l0);
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static) num_threads(nt) if (par && rb > 1)
+#endif
+        for (std::size_t j = 0; j < rb; ++j) part[j] = line(l0 + j);
+        for (std::size_t j = 0; j < rb; ++j) total += part[j];
+      }
+      (void)par;
+      return total;
+    }
+  }
+
  private:
+  static std::array<std::size_t, 5> check_factored(const std::array<std::int64_t, 5>& d, std::size_t n,
+                                                   const char* what) {
+    std::size_t prod = 1;
+    for (std::size_t k = 0; k < 5; ++k) {
+      detail::require(d[k] >= 0, "host backend ", what, ": factored dim ", k, " is ", d[k],
+                      " (expected non-negative [A, X, B, Y, C])");
+      prod *= static_cast<std::size_t>(d[k]);
+    }
+    detail::require(prod == n, "host backend ", what, ": factored dims [", d[0], ", ", d[1], ", ", d[2], ", ",
+                    d[3], ", ", d[4], "] hold ", prod, " elements but the tensor has ", n);
+    return {static_cast<std::size_t>(d[0]), static_cast<std::size_t>(d[1]), static_cast<std::size_t>(d[2]),
+            static_cast<std::size_t>(d[3]), static_cast<std::size_t>(d[4])};
+  }
+
+  template <bool Max>
+  static GRADAPT_INLINE double fold(double a, double t) {
+    if constexpr (Max)
+      return (a != a || t != t) ? std::numeric_limits<double>::quiet_NaN() : (a < t ? t : a);
+    else
+      return a + t;
+  }
+
+  template <bool Max, class F, class RY, class RX, class T>
+  void reduce_factored_impl(const F& f, const RY* rp, const RX* cp, const T* x, std::size_t A, std::size_t X,
+                            std::size_t B, std::size_t Y, std::size_t C, double* oy, bool skip_y, double* ox,
+                            bool skip_x) const {
+    const std::size_t L = Y * C, lines = A * X * B, n = lines * L;
+    const double init = Max ? -std::numeric_limits<double>::infinity() : 0.0;
+    if (!skip_y)
+      for (std::size_t k = 0; k < lines * C; ++k) oy[k] = init;
+    if (!skip_x)
+      for (std::size_t k = 0; k < A * B * L; ++k) ox[k] = init;
+    if (n == 0 || (skip_x && skip_y)) return;
+    const int nt = thread_count();
+    const bool par = nt > 1 && n >= 2 * detail::host_impl::apply_chunk;
+    (void)par;
+    const std::size_t per_block = std::max<std::size_t>(1, (std::size_t{1} << 16) / std::max<std::size_t>(L, 1));
+    constexpr std::size_t chunk = 512;  // columns per task of the column reduction
+    const std::size_t col_tasks = (L + chunk - 1) / chunk;
+    const auto term = [&](std::size_t l, std::size_t k, const T* p) {
+      const auto r = rp ? load(rp[l * C + k % C]) : compute_t<RY>(1);
+      const std::size_t a = l / (X * B), b = l % B;
+      const auto c = cp ? load(cp[(a * B + b) * L + k]) : compute_t<RX>(1);
+      return static_cast<double>(f(r, c, load(p[k])));
+    };
+    for (std::size_t a = 0; a < A; ++a)
+      for (std::size_t b = 0; b < B; ++b)
+        for (std::size_t i0 = 0; i0 < X; i0 += per_block) {
+          const std::size_t i1 = std::min(X, i0 + per_block);
+          const auto line_of = [&](std::size_t i) { return (a * X + i) * B + b; };
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(nt) if (par)
+#endif
+          {
+            if (!skip_y) {
+#if defined(_OPENMP)
+#pragma omp for schedule(static)
+#endif
+              for (std::size_t i = i0; i < i1; ++i) {
+                const std::size_t l = line_of(i);
+                const T* p = x + l * L;
+                if (C == 1) {
+                  double acc[8] = {init, init, init, init, init, init, init, init};
+                  std::size_t j = 0;
+                  for (; j + 8 <= Y; j += 8)
+                    for (std::size_t q = 0; q < 8; ++q) acc[q] = fold<Max>(acc[q], term(l, j + q, p));
+                  for (std::size_t q = 0; j < Y; ++j, ++q) acc[q] = fold<Max>(acc[q], term(l, j, p));
+                  for (std::size_t w = 4; w >= 1; w /= 2)
+                    for (std::size_t q = 0; q < w; ++q) acc[q] = fold<Max>(acc[2 * q], acc[2 * q + 1]);
+                  oy[l] = acc[0];
+                } else {
+                  double* o = oy + l * C;
+                  for (std::size_t k = 0; k < L; ++k) o[k % C] = fold<Max>(o[k % C], term(l, k, p));
+                }
+              }
+            }
+            if (!skip_x) {
+#if defined(_OPENMP)
+#pragma omp for schedule(static)
+#endif
+              for (std::size_t task = 0; task < col_tasks; ++task) {
+                const std::size_t k0 = task * chunk, k1 = std::min(L, k0 + chunk);
+                double* o = ox + (a * B + b) * L;
+                for (std::size_t i = i0; i < i1; ++i) {
+                  const std::size_t l = line_of(i);
+                  const T* p = x + l * L;
+                  for (std::size_t k = k0; k < k1; ++k) o[k] = fold<Max>(o[k], term(l, k, p));
+                }
+              }
+            }
+          }
+        }
+  }
+
+  /// One line of apply_factored: elements [base, base + L), row entries at rbase + (k mod C),
+  /// column entries at cbase + k.
+  template <bool Reduces, class F, class RY, class RX, class... Ts>
+  static double factored_line(const F& f, std::size_t base, std::size_t L, std::size_t C, const RY* rp,
+                              std::size_t rbase, const RX* cp, std::size_t cbase, Ts*... ptrs) {
+    double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::size_t k = 0;
+#if GRADAPT_SIMD_PACKS
+    constexpr bool all_float = std::is_same_v<std::remove_cv_t<RY>, float> &&
+                               std::is_same_v<std::remove_cv_t<RX>, float> &&
+                               (std::is_same_v<std::remove_cv_t<Ts>, float> && ...);
+    if constexpr (all_float && simd::vectorizable_v<F>) {
+      using P = simd::pack<float, simd::native_lanes<float>>;
+      constexpr std::size_t W = P::size;
+      if constexpr (std::is_invocable_v<const F&, P, P, std::conditional_t<true, P, Ts>&...>) {
+        if (C == 1 && cp != nullptr) {
+          const P r(rp ? rp[rbase] : 1.0f);
+          for (; k + W <= L; k += W) {
+            const P c = P::load(cp + cbase + k);
+            auto v = std::make_tuple(P::load(ptrs + base + k)...);
+            std::apply(
+                [&](auto&... e) {
+                  if constexpr (Reduces) {
+                    const auto res = f(r, c, e...);
+                    float tmp[W];
+                    res.store(tmp);
+                    for (std::size_t q = 0; q < W; ++q) acc[(k + q) % 8] += static_cast<double>(tmp[q]);
+                  } else {
+                    f(r, c, e...);
+                  }
+                  (
+                      [&] {
+                        if constexpr (!std::is_const_v<Ts>) e.store(ptrs + base + k);
+                      }(),
+                      ...);
+                },
+                v);
+          }
+        }
+      }
+    }
+#endif
+    for (; k < L; ++k) {
+      const auto r = rp ? load(rp[rbase + k % C]) : compute_t<RY>(1);
+      const auto c = cp ? load(cp[cbase + k]) : compute_t<RX>(1);
+      auto v = std::make_tuple(load(ptrs[base + k])...);
+      std::apply(
+          [&](auto&... e) {
+            if constexpr (Reduces)
+              acc[k % 8] += static_cast<double>(f(r, c, e...));
+            else
+              f(r, c, e...);
+            ([&] {
+              if constexpr (!std::is_const_v<Ts>) store(ptrs[base + k], e);
+            }(),
+             ...);
+          },
+          v);
+    }
+    if constexpr (Reduces) {
+      for (std::size_t w = 4; w >= 1; w /= 2)
+        for (std::size_t q = 0; q < w; ++q) acc[q] = acc[2 * q] + acc[2 * q + 1];
+      return acc[0];
+    } else {
+      return 0.0;
+    }
+  }
+
   template <class V0, class... Vs>
   static std::size_t check_sizes(const V0& v0, const Vs&... vs) {
     const std::size_t n = v0.size();
@@ -775,6 +1293,10 @@ struct host {
                              " elements but view 0 has ", n, " (expected equal sizes)")),
      ...);
     return n;
+  }
+  template <class L0, class... Ls>
+  static const L0& first_list(const L0& l0, const Ls&...) {
+    return l0;
   }
   template <class L0, class... Ls>
   static std::size_t check_list_lengths(const L0& l0, const Ls&... ls) {

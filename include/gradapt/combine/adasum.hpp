@@ -158,7 +158,9 @@ class adasum_workspace {
   /// Move-only: the lists inside point into its own buffers.
   adasum_workspace(const adasum_workspace&) = delete;
   adasum_workspace& operator=(const adasum_workspace&) = delete;
+  /// Takes over the buffers and lists; the moved-from workspace must not be used again.
   adasum_workspace(adasum_workspace&&) noexcept = default;
+  /// Takes over the buffers and lists; the moved-from workspace must not be used again.
   adasum_workspace& operator=(adasum_workspace&&) noexcept = default;
   ~adasum_workspace() = default;
 

@@ -274,7 +274,7 @@ class threads_world {
 /// not overlap.
 class threads {
  public:
-  using space = host_space;
+  using space = host_space;  ///< buffers are host memory shared by the in-process ranks
 
   /// A new world of `n` ranks; element r is rank r's handle.
   static std::vector<threads> create(int n) {
@@ -286,7 +286,9 @@ class threads {
     return out;
   }
 
+  /// This handle's rank, 0 to size() - 1.
   int rank() const { return rank_; }
+  /// Number of ranks in this handle's world (the one created, or the sub-world of a split).
   int size() const { return w_->size(); }
 
   /// Element-wise sum or max over ranks, in place. Values are combined in rank order in the

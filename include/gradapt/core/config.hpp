@@ -4,14 +4,16 @@
 
 /// Library version, kept equal to the CMake project version.
 #define GRADAPT_VERSION_MAJOR 0
-#define GRADAPT_VERSION_MINOR 1
-#define GRADAPT_VERSION_PATCH 0
+#define GRADAPT_VERSION_MINOR 1  ///< minor version; see GRADAPT_VERSION_MAJOR
+#define GRADAPT_VERSION_PATCH 0  ///< patch version; see GRADAPT_VERSION_MAJOR
 
 /// Marks a function callable from host and device code. Under nvcc (or clang-cuda) it expands
 /// to `__host__ __device__`; under a plain host compiler it expands to nothing, so the headers
 /// a host compiler sees never contain CUDA syntax.
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define GRADAPT_HD __host__ __device__
+/// 1 when the translation unit is compiled by a CUDA/HIP compiler (host and device passes),
+/// 0 under a plain host compiler.
 #define GRADAPT_DEVICE_COMPILER 1
 #else
 #define GRADAPT_HD

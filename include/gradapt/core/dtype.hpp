@@ -90,33 +90,43 @@ GRADAPT_HD inline float bfloat16_bits_to_float(std::uint16_t b) {
 
 /// IEEE 754 binary16 storage type (1 sign, 5 exponent, 10 mantissa bits).
 struct half {
+  /// The raw binary16 bit pattern (sign in bit 15). A default-constructed value is +0.
   std::uint16_t bits = 0;
 
   half() = default;
   /// Rounds `f` to the nearest half (ties to even); overflow gives inf, NaN stays NaN.
   GRADAPT_HD explicit half(float f) : bits(detail::float_to_half_bits(f)) {}
+  /// Widens to binary32; exact for every binary16 value (inf and NaN included).
   GRADAPT_HD explicit operator float() const { return detail::half_bits_to_float(bits); }
+  /// A value with the bit pattern `b`, taken as is (no rounding, NaN payloads kept).
   GRADAPT_HD static half from_bits(std::uint16_t b) {
     half h;
     h.bits = b;
     return h;
   }
+  /// Bitwise equality: +0 and -0 differ, and a NaN equals a NaN with the same bits (unlike
+  /// IEEE comparison). Compare `float(a) == float(b)` for numeric equality.
   friend GRADAPT_HD bool operator==(half a, half b) { return a.bits == b.bits; }
 };
 
 /// bfloat16 storage type (1 sign, 8 exponent, 7 mantissa bits): float's range, less precision.
 struct bfloat16 {
+  /// The raw bfloat16 bit pattern (sign in bit 15). A default-constructed value is +0.
   std::uint16_t bits = 0;
 
   bfloat16() = default;
   /// Rounds `f` to the nearest bfloat16 (ties to even); NaN stays NaN.
   GRADAPT_HD explicit bfloat16(float f) : bits(detail::float_to_bfloat16_bits(f)) {}
+  /// Widens to binary32; exact for every bfloat16 value (inf and NaN included).
   GRADAPT_HD explicit operator float() const { return detail::bfloat16_bits_to_float(bits); }
+  /// A value with the bit pattern `b`, taken as is (no rounding, NaN payloads kept).
   GRADAPT_HD static bfloat16 from_bits(std::uint16_t b) {
     bfloat16 h;
     h.bits = b;
     return h;
   }
+  /// Bitwise equality: +0 and -0 differ, and a NaN equals a NaN with the same bits (unlike
+  /// IEEE comparison). Compare `float(a) == float(b)` for numeric equality.
   friend GRADAPT_HD bool operator==(bfloat16 a, bfloat16 b) { return a.bits == b.bits; }
 };
 

@@ -16,6 +16,8 @@ namespace gradapt {
 /// example `gradapt: allreduce on rank 2: buffer has 10 elements but rank 0 has 12`.
 class error : public std::runtime_error {
  public:
+  /// Builds the error from a complete message; `what()` returns it unchanged. Library code
+  /// builds messages with the "gradapt: " prefix; user code may pass any text.
   explicit error(const std::string& what) : std::runtime_error(what) {}
 };
 

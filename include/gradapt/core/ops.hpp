@@ -22,7 +22,7 @@ enum class reduction : std::uint8_t {
 /// Index of the tensor inside a list, passed first to an `apply_list` functor that asks for it
 /// (for per-tensor scalars such as a trust ratio).
 struct tensor_index {
-  std::size_t value;
+  std::size_t value;  ///< zero-based position of the tensor in the list passed to the backend
 };
 
 /// K values an `apply_reduce` functor returns for one element; each is summed per tensor in
@@ -31,8 +31,10 @@ struct tensor_index {
 template <std::size_t K>
 struct terms {
   static_assert(K >= 1, "gradapt::terms needs at least one value");
-  double v[K];
+  double v[K];  ///< the K per-element values, summed independently
+  /// Value `k` (0 <= k < K; not bounds-checked, the functor owns the index).
   GRADAPT_HD constexpr double& operator[](std::size_t k) { return v[k]; }
+  /// Value `k` (0 <= k < K; not bounds-checked).
   GRADAPT_HD constexpr const double& operator[](std::size_t k) const { return v[k]; }
 };
 
@@ -52,6 +54,8 @@ struct allreduce_norms {
 /// Combining rule of a collective reduction.
 enum class reduce_op : std::uint8_t { sum, max };
 
+/// The enumerator's name ("sum", "sum_squares", "max_abs", "count_nonfinite") for error
+/// messages and logs; "unknown" for a value outside the enumeration.
 constexpr std::string_view name(reduction r) {
   switch (r) {
     case reduction::sum:
@@ -66,6 +70,7 @@ constexpr std::string_view name(reduction r) {
   return "unknown";
 }
 
+/// The enumerator's name ("sum" or "max") for error messages and logs.
 constexpr std::string_view name(reduce_op r) { return r == reduce_op::sum ? "sum" : "max"; }
 
 }  // namespace gradapt

@@ -31,18 +31,18 @@ struct group_options {
 /// One parameter: a name, its value and gradient views, flags and its group index.
 template <class V, class G, class Space>
 struct param_entry {
-  std::string name;
-  tensor_view<V, Space> value;
-  tensor_view<G, Space> grad;
-  param_flags flags;
-  std::size_t group = 0;
+  std::string name;             ///< unique, non-empty name (e.g. the framework's parameter path)
+  tensor_view<V, Space> value;  ///< the weights, updated in place by optimizers
+  tensor_view<G, Space> grad;   ///< the gradient, same shape as `value`
+  param_flags flags;            ///< per-parameter masks (weight decay, trust ratio)
+  std::size_t group = 0;        ///< index of the parameter's group in the list (0 = "default")
 };
 
 /// A named group of parameters with its own options.
 template <class Options>
 struct param_group {
-  std::string name;
-  Options options;
+  std::string name;                  ///< unique, non-empty group name; group 0 is "default"
+  Options options;                   ///< the group's options, read by the algorithms that understand them
   std::vector<std::size_t> members;  ///< indices into the parameter list, in insertion order
 };
 
@@ -58,13 +58,15 @@ struct param_group {
 template <element V, element G = V, memory_space Space = host_space, class Options = group_options>
 class param_list {
  public:
-  using value_type = V;
-  using grad_type = G;
-  using space = Space;
-  using options_type = Options;
-  using entry = param_entry<V, G, Space>;
+  using value_type = V;                    ///< element type of the weights
+  using grad_type = G;                     ///< element type of the gradients
+  using space = Space;                     ///< memory space of every view in the list
+  using options_type = Options;            ///< what each group carries
+  using entry = param_entry<V, G, Space>;  ///< one parameter's record
 
+  /// An empty list with group 0 ("default") holding value-initialised options.
   param_list() { groups_.push_back({"default", Options{}, {}}); }
+  /// An empty list whose group 0 ("default") holds `default_options`.
   explicit param_list(Options default_options) {
     groups_.push_back({"default", std::move(default_options), {}});
   }
@@ -97,11 +99,14 @@ class param_list {
     return entries_.size() - 1;
   }
 
+  /// Number of parameters (tensors), not elements; see total_elements().
   std::size_t size() const { return entries_.size(); }
+  /// True when no parameter has been added (groups do not count).
   bool empty() const { return entries_.empty(); }
   /// Total number of elements over all parameters.
   std::size_t total_elements() const { return total_; }
 
+  /// Parameter `i` in insertion order; unchecked (precondition i < size()), see at().
   const entry& operator[](std::size_t i) const { return entries_[i]; }
   /// Bounds-checked access by index.
   const entry& at(std::size_t i) const {
@@ -122,13 +127,17 @@ class param_list {
     return std::nullopt;
   }
 
+  /// All parameter records in insertion order. The span is invalidated by add().
   std::span<const entry> entries() const { return entries_; }
   /// Value views in parameter order.
   std::span<const tensor_view<V, Space>> values() const { return values_; }
   /// Gradient views in parameter order.
   std::span<const tensor_view<G, Space>> grads() const { return grads_; }
 
+  /// Number of groups, including group 0 ("default"); always at least 1.
   std::size_t group_count() const { return groups_.size(); }
+  /// Group `g` (name, options, member indices).
+  /// @throws gradapt::error when `g >= group_count()`
   const param_group<Options>& group(std::size_t g) const {
     detail::require(g < groups_.size(), "param_list::group: index ", g, " out of range (", groups_.size(),
                     " group(s))");

@@ -22,12 +22,12 @@ namespace gradapt {
 
 /// Memory-space tag: ordinary host memory.
 struct host_space {
-  static constexpr std::string_view name = "host";
+  static constexpr std::string_view name = "host";  ///< "host", for error messages
 };
 /// Memory-space tag: CUDA device memory. Host loops never accept views in this space and
 /// device kernels never accept host views: the mismatch is a compile error.
 struct device_space {
-  static constexpr std::string_view name = "device";
+  static constexpr std::string_view name = "device";  ///< "device", for error messages
 };
 
 template <class S>
@@ -45,15 +45,18 @@ template <class T, memory_space Space = host_space>
 requires element<T>
 class tensor_view {
  public:
-  using element_type = T;
-  using value_type = std::remove_cv_t<T>;
-  using space = Space;
+  using element_type = T;                  ///< the element type as given, const included
+  using value_type = std::remove_cv_t<T>;  ///< the element type without const
+  using space = Space;                     ///< host_space or device_space
 
   /// An empty rank-1 view (size 0).
   constexpr tensor_view() = default;
 
   /// A view of `data` with the given shape (rank = number of dims, 0 to 4).
   tensor_view(T* data, std::span<const std::int64_t> shape) : data_(data) { assign(shape); }
+  /// The same from a brace list, e.g. `tensor_view<float>(p, {3, 4})`.
+  /// @throws gradapt::error for rank > 4, a negative extent, a shape whose byte size overflows
+  ///         size_t, or a null `data` with a non-zero element count
   tensor_view(T* data, std::initializer_list<std::int64_t> shape)
       : tensor_view(data, std::span<const std::int64_t>(shape.begin(), shape.size())) {}
 
@@ -71,15 +74,23 @@ class tensor_view {
     return tensor_view<const U, Space>::from_parts(data_, dims_, rank_, size_);
   }
 
+  /// Pointer to the first element (may be null when the view is empty).
   GRADAPT_HD constexpr T* data() const { return data_; }
+  /// Number of elements: the product of the dims (1 for rank 0).
   GRADAPT_HD constexpr std::size_t size() const { return size_; }
+  /// True when the view has no elements.
   GRADAPT_HD constexpr bool empty() const { return size_ == 0; }
+  /// Number of dimensions, 0 to max_rank.
   GRADAPT_HD constexpr int rank() const { return rank_; }
+  /// Extent of dimension `i`; unchecked (precondition 0 <= i < rank()).
   GRADAPT_HD constexpr std::int64_t dim(int i) const { return dims_[static_cast<std::size_t>(i)]; }
+  /// The extents, outermost first (empty for rank 0).
   constexpr std::span<const std::int64_t> shape() const {
     return {dims_.data(), static_cast<std::size_t>(rank_)};
   }
+  /// Size in bytes: size() * sizeof(T).
   constexpr std::size_t bytes() const { return size_ * sizeof(T); }
+  /// Runtime tag of the element type (const ignored), for messages and dtype dispatch.
   static constexpr dtype type() { return dtype_of_v<T>; }
 
   /// Element access, only for host views.
@@ -170,6 +181,7 @@ auto host_view(R&& r, std::initializer_list<std::int64_t> shape) {
 /// True for every tensor_view specialisation.
 template <class V>
 inline constexpr bool is_tensor_view_v = false;
+/// Specialisation that makes is_tensor_view_v true for tensor_view<T, S>.
 template <class T, class S>
 inline constexpr bool is_tensor_view_v<tensor_view<T, S>> = true;
 

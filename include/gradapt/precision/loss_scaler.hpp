@@ -374,8 +374,8 @@ void unscale_flag_nonfinite(const B& b, const L& grads, const LM& master, float 
 /// unchanged (gradients of ranks with valid input may already be unscaled).
 class loss_scaler {
  public:
-  using options_type = loss_scaler_options;
-  using state_type = loss_scaler_state;
+  using options_type = loss_scaler_options;  ///< the hyperparameters (loss_scaler_options)
+  using state_type = loss_scaler_state;      ///< what save() returns and load() takes (plain data)
 
   /// @throws gradapt::error when an option is out of range (the message names it).
   explicit loss_scaler(loss_scaler_options options = {}) : opt_(validated(options)) {

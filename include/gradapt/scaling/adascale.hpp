@@ -76,8 +76,8 @@ struct adascale_step {
 /// inflated on bad data), τ advances by 1, and `skipped()` counts it.
 class adascale {
  public:
-  using options_type = adascale_options;
-  using state_type = adascale_state;
+  using options_type = adascale_options;  ///< the hyperparameters (adascale_options)
+  using state_type = adascale_state;      ///< what save() returns and load() takes (plain data)
 
   /// @throws gradapt::error when scale is not finite or < 1.
   explicit adascale(adascale_options options = {}) : sqrt_gain_(options.sqrt_gain) {
@@ -104,7 +104,10 @@ class adascale {
 
   /// Gain at the current scale from a noise-scale estimator: σ² = tr(Σ) / base_batch,
   /// |G|² = smoothed |G|². Returns 1 while the estimator has no sample.
+  /// @param gns        the estimator fed with the scaled batch's gradients; its smoothed tr(Σ)
+  ///                   and |G|² are used
   /// @param base_batch B_base, the batch size S is measured against (examples, > 0)
+  /// @throws gradapt::error when base_batch is not finite or not > 0
   double gain(const gradient_noise_scale& gns, double base_batch) const {
     const auto [v, g] = statistics(gns, base_batch, "adascale::gain");
     if (!v) return 1.0;
@@ -170,12 +173,17 @@ class adascale {
     st_.scale = scale;
   }
 
+  /// S, the current batch-size ratio (>= 1) the gain is bounded by.
   double scale() const { return st_.scale; }
   /// τ: scale-invariant iterations (sum of gains) so far.
   double progress() const { return st_.progress; }
+  /// r of the latest advance / step, in [1, S] (1 before the first step).
   double last_gain() const { return st_.last_gain; }
+  /// Steps taken with advance / step (skipped ones included).
   std::uint64_t steps() const { return st_.steps; }
+  /// Steps whose statistics were not finite; each used gain 1 and advanced τ by 1.
   std::uint64_t skipped() const { return st_.skipped; }
+  /// True when the learning-rate factor is r^0.5 (adascale_options::sqrt_gain), false for r.
   bool sqrt_gain() const { return sqrt_gain_; }
 
   /// The complete state (plain data: copy it into a checkpoint).

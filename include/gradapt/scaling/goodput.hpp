@@ -85,6 +85,7 @@ struct goodput_config {
     return static_cast<double>(replicas) * static_cast<double>(atomic_batch) *
            static_cast<double>(accum_steps);
   }
+  /// Member-wise equality (all of replicas, nodes, atomic_batch, accum_steps).
   friend bool operator==(const goodput_config&, const goodput_config&) = default;
 };
 

@@ -167,8 +167,8 @@ inline noise_scale_estimate two_batch_estimate(double small_sq, double b_small, 
 /// The state is a plain struct; `load(save())` restores the estimator exactly.
 class gradient_noise_scale {
  public:
-  using options_type = gradient_noise_scale_options;
-  using state_type = gradient_noise_scale_state;
+  using options_type = gradient_noise_scale_options;  ///< the hyperparameters (gradient_noise_scale_options)
+  using state_type = gradient_noise_scale_state;      ///< what save() returns and load() takes (plain data)
 
   /// @throws gradapt::error when smoothing is outside [0, 1).
   explicit gradient_noise_scale(gradient_noise_scale_options options = {}) : opt_(options) {
@@ -177,6 +177,7 @@ class gradient_noise_scale {
                     " (expected 0 <= smoothing < 1; 0.99 is typical)");
   }
 
+  /// The options given at construction (fixed for the estimator's lifetime).
   const gradient_noise_scale_options& options() const { return opt_; }
 
   /// Serial two-batch form: |g_small|^2 over B_small examples and |g_big|^2 over B_big.
@@ -201,6 +202,8 @@ class gradient_noise_scale {
   /// errors found on any rank are agreed on through the same allreduce (a second double
   /// carries an error flag), so every rank throws and none is left waiting.
   ///
+  /// @param comm      the data-parallel communicator (host memory, >= 2 ranks); its size is the
+  ///                  number of replicas whose local batches make up the big batch
   /// @param local_sq  |g_local|^2 of this rank's gradient before the gradient allreduce
   /// @param global_sq |g|^2 of the rank-averaged gradient (the same on every rank)
   /// @param batch     local batch (micro_batch × accumulation_steps) and loss scale
@@ -350,7 +353,10 @@ class gradient_noise_scale {
 
   /// The latest accepted unsmoothed estimate pair (zeros before the first sample).
   noise_scale_estimate last() const { return {st_.last_grad_sq, st_.last_trace}; }
+  /// Accepted samples so far (both forms, biased ones included).
   std::uint64_t samples() const { return st_.samples; }
+  /// Samples rejected because a norm or estimate was not finite (inf/NaN); they never reached
+  /// the averages.
   std::uint64_t skipped() const { return st_.skipped; }
   /// Accepted samples from the single-replica (biased) form.
   std::uint64_t biased_samples() const { return st_.biased; }
@@ -407,6 +413,7 @@ class grouped_noise_scale {
 
   /// Number of slots: groups + 1.
   std::size_t slots() const { return est_.size(); }
+  /// The whole-model estimator (slot 0): norms summed over every tensor of the list.
   const gradient_noise_scale& global() const { return est_[0]; }
   /// The estimator of group g.
   const gradient_noise_scale& group(std::size_t g) const {

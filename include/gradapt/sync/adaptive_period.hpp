@@ -81,8 +81,8 @@ struct adaptive_period_state {
 /// checks both on every rank before the round and throws on every rank together.
 class adaptive_period {
  public:
-  using options_type = adaptive_period_options;
-  using state_type = adaptive_period_state;
+  using options_type = adaptive_period_options;  ///< the hyperparameters (adaptive_period_options)
+  using state_type = adaptive_period_state;      ///< what save() returns and load() takes (plain data)
   /// This schedule reads the rank-mean loss and learning rate at every round.
   static constexpr bool uses_loss = true;
 

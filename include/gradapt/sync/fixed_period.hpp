@@ -50,8 +50,8 @@ struct fixed_period_state {
 /// With warmup_rounds = 1 and ramp the periods are 1, 2, 4, ..., K, K, ...
 class fixed_period {
  public:
-  using options_type = fixed_period_options;
-  using state_type = fixed_period_state;
+  using options_type = fixed_period_options;  ///< the hyperparameters (fixed_period_options)
+  using state_type = fixed_period_state;      ///< what save() returns and load() takes (plain data)
   /// This schedule does not read the training loss.
   static constexpr bool uses_loss = false;
 

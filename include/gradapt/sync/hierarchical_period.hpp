@@ -68,8 +68,8 @@ inline constexpr std::size_t max_average_levels = 8;
 /// PyTorch's HierarchicalModelAverager).
 class hierarchical_period {
  public:
-  using options_type = hierarchical_period_options;
-  using state_type = hierarchical_period_state;
+  using options_type = hierarchical_period_options;  ///< the hyperparameters (hierarchical_period_options)
+  using state_type = hierarchical_period_state;      ///< what save() returns and load() takes (empty)
   /// This schedule does not read the training loss.
   static constexpr bool uses_loss = false;
 

@@ -137,7 +137,8 @@ struct local_sgd_checkpoint {
 template <communicator C, averaging_schedule S>
 class local_sgd {
  public:
-  using schedule_type = S;
+  using schedule_type = S;  ///< the averaging schedule (fixed_period, adaptive_period, ...)
+  /// What save() returns and load() takes: the driver's counters and the schedule's state.
   using checkpoint_type = local_sgd_checkpoint<typename S::state_type>;
 
   /// Builds the averaging groups of every schedule level on `comm`.

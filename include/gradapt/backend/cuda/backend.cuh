@@ -14,7 +14,9 @@
 #include <type_traits>
 
 #include "gradapt/backend/chunking.hpp"
+#include "gradapt/backend/cuda/apply_reduce.cuh"
 #include "gradapt/backend/cuda/check.cuh"
+#include "gradapt/backend/cuda/device_buffer.cuh"
 #include "gradapt/backend/cuda/device_types.cuh"
 #include "gradapt/backend/cuda/multi_tensor.cuh"
 #include "gradapt/backend/cuda/reduction_ops.cuh"
@@ -245,6 +247,67 @@ struct cuda {
     check_device_out(count, per_tensor.size(), total.size(), "dot_to");
     device_result<detail::cuda_ops::dot, 0>(count, per_tensor, total, std::ranges::data(xs),
                                             std::ranges::data(ys));
+  }
+
+  /// Fused element-wise `f` and per-tensor sums over lists of tensors, with no host
+  /// synchronisation: `f` works like apply_list's functor and also returns a value per
+  /// element (a `double`, or `gradapt::terms<K>` for K values); the values are summed per
+  /// tensor in double (the order of backend/cuda/apply_reduce.cuh: fixed, no atomics) into
+  /// `per_tensor` (device memory, count * K doubles, tensor t's value k at t * K + k), where
+  /// later kernels on `stream` read them (an optimizer's trust ratio). Asynchronous.
+  /// @throws gradapt::error on a length or size mismatch, or unless per_tensor has count * K
+  ///         elements
+  template <class F, class... Lists>
+  void apply_reduce_list(F f, tensor_view<double, device_space> per_tensor, const Lists&... lists) const {
+    static_assert(sizeof...(Lists) > 0, "gradapt::cuda::apply_reduce_list needs at least one list");
+    static_assert((view_list<Lists, device_space> && ...),
+                  "gradapt::cuda::apply_reduce_list: every list must be a contiguous range of "
+                  "gradapt::tensor_view<T, gradapt::device_space>");
+    static_assert(
+        detail::cuda_impl::callable<F, typename detail::cuda_impl::list_view_t<Lists>::element_type...>,
+        "gradapt::cuda::apply_reduce_list: the functor must be callable with one compute-type lvalue "
+        "reference per list, optionally preceded by gradapt::tensor_index");
+    constexpr std::size_t K = detail::cuda_impl::apply_reduce_terms<
+        F, typename detail::cuda_impl::list_view_t<Lists>::element_type...>::value;
+    const std::size_t count = check_lists("apply_reduce_list", lists...);
+    detail::require(per_tensor.size() == count * K, "gradapt::cuda::apply_reduce_list: per_tensor has ",
+                    per_tensor.size(), " elements for ", count, " tensors x ", K, " values (expected ",
+                    count * K, ")");
+    if (count == 0) return;
+    const auto* l0 = [](const auto& first, const auto&...) { return std::ranges::data(first); }(lists...);
+    const std::size_t nchunks = detail::cuda_impl::total_chunks(count, l0);
+    auto* partials = static_cast<double*>(ws().device(K * nchunks * sizeof(double)));
+    detail::cuda_impl::apply_reduce_lists<K>(f, stream, partials, per_tensor.data(), count,
+                                             std::ranges::data(lists)...);
+  }
+
+  /// Owning, zero-initialised device memory for `n` elements of T (an algorithm's state
+  /// between steps). Allocates (cudaMalloc): call it at set-up, never in a step.
+  template <element T>
+  cuda_buffer<T> allocate(std::size_t n) const {
+    return cuda_buffer<T>(n);
+  }
+
+  /// Copies device memory to host memory (equal sizes) and waits for it.
+  /// @throws gradapt::error if the sizes differ or the copy fails
+  template <class T>
+  void copy(tensor_view<const T, device_space> src, tensor_view<T, host_space> dst) const {
+    detail::require(src.size() == dst.size(), "gradapt::cuda::copy: source has ", src.size(),
+                    " elements but destination has ", dst.size(), " (expected equal sizes)");
+    if (src.size() == 0) return;
+    GRADAPT_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), src.bytes(), cudaMemcpyDeviceToHost, stream));
+    synchronize();
+  }
+  /// Copies host memory to device memory (equal sizes) and waits for it, so the source may be
+  /// released on return.
+  /// @throws gradapt::error if the sizes differ or the copy fails
+  template <class T>
+  void copy(tensor_view<const T, host_space> src, tensor_view<T, device_space> dst) const {
+    detail::require(src.size() == dst.size(), "gradapt::cuda::copy: source has ", src.size(),
+                    " elements but destination has ", dst.size(), " (expected equal sizes)");
+    if (src.size() == 0) return;
+    GRADAPT_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), src.bytes(), cudaMemcpyHostToDevice, stream));
+    synchronize();
   }
 
   /// Waits until all work enqueued on `stream` has finished (cudaStreamSynchronize).

@@ -31,6 +31,9 @@
 // (gradapt/backend/simd.hpp): the one-pass partials and the combine then run at memory speed
 // under the consumer's plain -O2, with the same bits as the scalar calls (lane-wise IEEE
 // operations, the same accumulator lanes). Without that header the functors stay scalar.
+/// @def GRADAPT_ADASUM_PACKS
+/// 1 when gradapt/backend/simd.hpp is available and the Adasum functors accept SIMD packs,
+/// 0 when they are scalar only. Internal: set by this header, not meant to be defined by users.
 #if __has_include("gradapt/backend/simd.hpp")
 #include "gradapt/backend/simd.hpp"
 #define GRADAPT_ADASUM_PACKS 1

@@ -1,0 +1,62 @@
+#pragma once
+/// @file
+/// `gradapt::cuda_buffer<T>`: owning, zero-initialised device memory that algorithms keep
+/// between steps (optimizer moments), returned by `gradapt::cuda::allocate`. Included only
+/// from .cu translation units.
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <utility>
+
+#include "gradapt/backend/cuda/check.cuh"
+#include "gradapt/core/error.hpp"
+
+namespace gradapt {
+
+/// Owning device memory for `size()` elements of T, zero-initialised, freed by the destructor.
+/// Move-only. `data()` is a device pointer (null when empty).
+template <class T>
+class cuda_buffer {
+ public:
+  cuda_buffer() = default;
+  /// Allocates n elements with cudaMalloc and zeroes them (synchronously: set-up only).
+  explicit cuda_buffer(std::size_t n) : n_(n) {
+    if (n == 0) return;
+    detail::require(n <= static_cast<std::size_t>(-1) / sizeof(T), "cuda_buffer: ", n,
+                    " elements overflow size_t");
+    GRADAPT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&p_), n * sizeof(T)));
+    const cudaError_t e = cudaMemset(p_, 0, n * sizeof(T));
+    if (e != cudaSuccess) {
+      cudaFree(p_);
+      p_ = nullptr;
+      GRADAPT_CUDA_CHECK(e);
+    }
+  }
+  cuda_buffer(const cuda_buffer&) = delete;
+  cuda_buffer& operator=(const cuda_buffer&) = delete;
+  cuda_buffer(cuda_buffer&& o) noexcept : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
+  cuda_buffer& operator=(cuda_buffer&& o) noexcept {
+    if (this != &o) {
+      release();
+      p_ = std::exchange(o.p_, nullptr);
+      n_ = std::exchange(o.n_, 0);
+    }
+    return *this;
+  }
+  ~cuda_buffer() { release(); }
+
+  T* data() const { return p_; }
+  std::size_t size() const { return n_; }
+
+ private:
+  void release() noexcept {
+    if (p_ != nullptr) cudaFree(p_);  // errors ignored: this also runs from the destructor
+    p_ = nullptr;
+    n_ = 0;
+  }
+  T* p_ = nullptr;
+  std::size_t n_ = 0;
+};
+
+}  // namespace gradapt

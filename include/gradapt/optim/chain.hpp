@@ -1,0 +1,884 @@
+#pragma once
+/// @file
+/// `gradapt::chain<Stages...>`: an optimizer composed from gradient transformations
+/// (optax's `chain`), run with as few passes over memory as its stages allow, and its typed
+/// state `gradapt::chain_state`.
+///
+/// Passes. The update u starts as the gradient g, flows through the stages in order, and the
+/// chain ends with p ← p + u. Element-wise stages (Adam's moments, weight decay, momentum, the
+/// learning rate) fuse into one pass. A *barrier* stage needs a reduction of its input over a
+/// whole tensor (a trust-ratio norm) or over all tensors (a global norm) before it can act;
+/// it ends a pass:
+///
+///     pass 0:  u = g → stages before barrier 1 (state advanced) → measure barrier 1's sums
+///              (fused: backend.apply_reduce_list)
+///     finalize: per-tensor (or global) factor from the sums, computed where the backend runs
+///              (a tiny apply; on CUDA no host synchronisation)
+///     pass 1:  replay the stages before barrier 1 from their new state, apply its factor,
+///              advance the stages up to barrier 2, measure ...
+///     last:    ... advance the remaining stages and write p ← p + u (backend.apply_list)
+///
+/// A replay rebuilds u instead of storing it between passes; a stage whose replay needs only
+/// its state (Adam) cuts the rebuild there, so LAMB's second pass reads p, m, v and not g.
+/// Views a pass only reads are passed as const lists, so the backend never writes them back.
+/// Stages switched off by their options (momentum 0, no gradient clipping) cost nothing: the
+/// chain keeps one compiled form per combination of optional stages and picks it at run time.
+///
+/// State. `init` allocates, through the backend, one buffer per state buffer of each active
+/// stage (sized to all parameters), plus small per-tensor arrays; `step` allocates nothing.
+/// `chain_state::save` / `load` round-trip the state exactly.
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <span>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "gradapt/backend/simd.hpp"
+#include "gradapt/core/concepts.hpp"
+#include "gradapt/core/config.hpp"
+#include "gradapt/core/dtype.hpp"
+#include "gradapt/core/error.hpp"
+#include "gradapt/core/ops.hpp"
+#include "gradapt/core/param_list.hpp"
+#include "gradapt/core/tensor_view.hpp"
+#include "gradapt/optim/stage.hpp"
+
+namespace gradapt {
+
+template <class... Stages>
+class chain;
+
+namespace detail::optim {
+
+/// Compile-time description of one stage.
+struct stage_info {
+  bool barrier = false;
+  bool global = false;
+  bool optional = false;
+  bool ignores_input = false;
+  bool uses_param = true;
+  std::size_t buffers = 0;
+  std::size_t slots = 0;
+  std::size_t terms = 0;
+};
+
+template <class S>
+GRADAPT_HD constexpr stage_info info_of() {
+  stage_info i;
+  i.barrier = S::barrier;
+  i.optional = S::optional;
+  i.ignores_input = S::replay_ignores_input;
+  i.uses_param = S::uses_param;
+  i.buffers = S::buffers;
+  i.slots = S::tensor_slots;
+  if constexpr (S::barrier) {
+    static_assert(S::buffers == 0, "gradapt::chain: a barrier stage keeps no per-element state");
+    i.global = S::global;
+    i.terms = S::terms;
+  }
+  return i;
+}
+
+/// What a stage does in a pass.
+enum class mode : unsigned char { skip, replay, update, measure };
+
+/// Which list a backend argument of a pass is.
+enum class arg_kind : unsigned char { param_mut, param_const, grad, buffer_mut, buffer_const };
+
+struct arg_desc {
+  arg_kind kind = arg_kind::param_const;
+  std::size_t index = 0;  ///< buffer index for buffer kinds
+};
+
+/// The pass structure of a chain for the enabled-stage mask E (bit i: stage i is on).
+template <class... S>
+struct plan {
+  static constexpr std::size_t n = sizeof...(S);
+  static_assert(n >= 1 && n <= 64, "gradapt::chain holds 1 to 64 stages");
+  static constexpr stage_info info[n] = {info_of<S>()...};
+  /// info_at(k) without touching the static array, so the queries below also compile as device
+  /// functions (nvcc has no device copy of a static constexpr member array).
+  GRADAPT_HD static constexpr stage_info info_at(std::size_t k) {
+    const stage_info a[n] = {info_of<S>()...};
+    return a[k];
+  }
+
+  GRADAPT_HD static constexpr std::size_t buffer_offset(std::size_t i) {
+    std::size_t o = 0;
+    for (std::size_t k = 0; k < i; ++k) o += info_at(k).buffers;
+    return o;
+  }
+  GRADAPT_HD static constexpr std::size_t slot_offset(std::size_t i) {
+    std::size_t o = 0;
+    for (std::size_t k = 0; k < i; ++k) o += info_at(k).slots;
+    return o;
+  }
+  static constexpr std::size_t total_buffers = buffer_offset(n);
+  static constexpr std::size_t total_slots = slot_offset(n);
+  static constexpr std::size_t max_terms = [] {
+    std::size_t m = 0;
+    for (std::size_t k = 0; k < n; ++k) m = info_at(k).terms > m ? info_at(k).terms : m;
+    return m;
+  }();
+  static constexpr std::uint64_t required_mask = [] {
+    std::uint64_t m = 0;
+    for (std::size_t k = 0; k < n; ++k)
+      if (!info_at(k).optional) m |= std::uint64_t{1} << k;
+    return m;
+  }();
+  static constexpr std::size_t optional_count = [] {
+    std::size_t c = 0;
+    for (std::size_t k = 0; k < n; ++k) c += info_at(k).optional ? 1 : 0;
+    return c;
+  }();
+  static_assert(optional_count <= 6,
+                "gradapt::chain compiles one form per combination of optional stages: at most 6");
+
+  /// The mask with optional stage number j (in order) on exactly when bit j of `bits` is set.
+  static constexpr std::uint64_t mask_of(std::size_t bits) {
+    std::uint64_t m = required_mask;
+    std::size_t j = 0;
+    for (std::size_t k = 0; k < n; ++k)
+      if (info_at(k).optional) {
+        if ((bits >> j) & 1u) m |= std::uint64_t{1} << k;
+        ++j;
+      }
+    return m;
+  }
+
+  GRADAPT_HD static constexpr bool on(std::size_t i, std::uint64_t e) { return ((e >> i) & 1u) != 0; }
+  GRADAPT_HD static constexpr std::size_t barriers(std::uint64_t e) {
+    std::size_t c = 0;
+    for (std::size_t k = 0; k < n; ++k) c += (on(k, e) && info_at(k).barrier) ? 1 : 0;
+    return c;
+  }
+  GRADAPT_HD static constexpr std::size_t barrier_pos(std::size_t j, std::uint64_t e) {
+    for (std::size_t k = 0; k < n; ++k)
+      if (on(k, e) && info_at(k).barrier && j-- == 0) return k;
+    return n;
+  }
+  /// Number of enabled barriers before stage i (the slot of its factors).
+  GRADAPT_HD static constexpr std::size_t barrier_number(std::size_t i, std::uint64_t e) {
+    std::size_t c = 0;
+    for (std::size_t k = 0; k < i; ++k) c += (on(k, e) && info_at(k).barrier) ? 1 : 0;
+    return c;
+  }
+  GRADAPT_HD static constexpr std::size_t passes(std::uint64_t e) { return barriers(e) + 1; }
+  GRADAPT_HD static constexpr bool is_final(std::size_t pass, std::uint64_t e) {
+    return pass + 1 == passes(e);
+  }
+  GRADAPT_HD static constexpr std::size_t lo(std::size_t pass, std::uint64_t e) {
+    return pass == 0 ? 0 : barrier_pos(pass - 1, e) + 1;
+  }
+  GRADAPT_HD static constexpr std::size_t hi(std::size_t pass, std::uint64_t e) {
+    return is_final(pass, e) ? n : barrier_pos(pass, e);
+  }
+  /// True when a replayed stage rebuilds u from its state alone, so the stages before it and
+  /// the gradient are not needed in this pass.
+  GRADAPT_HD static constexpr bool starts_fresh(std::size_t pass, std::uint64_t e) {
+    for (std::size_t k = 0; k < lo(pass, e); ++k)
+      if (on(k, e) && !info_at(k).barrier && info_at(k).ignores_input) return true;
+    return false;
+  }
+  GRADAPT_HD static constexpr std::size_t live_from(std::size_t pass, std::uint64_t e) {
+    std::size_t s = 0;
+    for (std::size_t k = 0; k < lo(pass, e); ++k)
+      if (on(k, e) && !info_at(k).barrier && info_at(k).ignores_input) s = k;
+    return s;
+  }
+  GRADAPT_HD static constexpr mode mode_of(std::size_t pass, std::size_t i, std::uint64_t e) {
+    if (!on(i, e)) return mode::skip;
+    if (starts_fresh(pass, e) && i < live_from(pass, e)) return mode::skip;
+    if (i < lo(pass, e)) return mode::replay;
+    if (i < hi(pass, e)) return mode::update;
+    if (i == hi(pass, e) && !is_final(pass, e)) return mode::measure;
+    return mode::skip;
+  }
+  GRADAPT_HD static constexpr bool active(std::size_t pass, std::size_t i, std::uint64_t e) {
+    const mode m = mode_of(pass, i, e);
+    return m == mode::replay || m == mode::update;
+  }
+  GRADAPT_HD static constexpr bool needs_grad(std::size_t pass, std::uint64_t e) {
+    return !starts_fresh(pass, e);
+  }
+  GRADAPT_HD static constexpr bool needs_param(std::size_t pass, std::uint64_t e) {
+    if (is_final(pass, e)) return true;
+    for (std::size_t k = 0; k < n; ++k)
+      if (mode_of(pass, k, e) != mode::skip && info_at(k).uses_param) return true;
+    return false;
+  }
+  /// Argument position (after the tensor index) of the gradient.
+  GRADAPT_HD static constexpr std::size_t grad_arg(std::size_t pass, std::uint64_t e) {
+    return needs_param(pass, e) ? 1 : 0;
+  }
+  /// Argument position of stage i's first buffer.
+  GRADAPT_HD static constexpr std::size_t buffer_arg(std::size_t pass, std::size_t i, std::uint64_t e) {
+    std::size_t a = (needs_param(pass, e) ? 1 : 0) + (needs_grad(pass, e) ? 1 : 0);
+    for (std::size_t k = 0; k < i; ++k)
+      if (active(pass, k, e) && !info_at(k).barrier) a += info_at(k).buffers;
+    return a;
+  }
+  GRADAPT_HD static constexpr std::size_t args(std::size_t pass, std::uint64_t e) {
+    return buffer_arg(pass, n, e);
+  }
+  /// What backend argument a of the pass is.
+  static constexpr arg_desc arg_at(std::size_t pass, std::uint64_t e, std::size_t a) {
+    if (needs_param(pass, e)) {
+      if (a == 0) return {is_final(pass, e) ? arg_kind::param_mut : arg_kind::param_const, 0};
+      --a;
+    }
+    if (needs_grad(pass, e)) {
+      if (a == 0) return {arg_kind::grad, 0};
+      --a;
+    }
+    for (std::size_t k = 0; k < n; ++k) {
+      if (!active(pass, k, e) || info_at(k).barrier) continue;
+      if (a < info_at(k).buffers)
+        return {mode_of(pass, k, e) == mode::update ? arg_kind::buffer_mut : arg_kind::buffer_const,
+                buffer_offset(k) + a};
+      a -= info_at(k).buffers;
+    }
+    return {};
+  }
+};
+
+// ---- a device-friendly aggregate of the stages' kernels ------------------------------------
+
+template <std::size_t I, class T>
+struct kslot {
+  T value;
+};
+template <class Seq, class... T>
+struct kpack_base;
+template <std::size_t... I, class... T>
+struct kpack_base<std::index_sequence<I...>, T...> : kslot<I, T>... {};
+/// One value of each type, trivially copyable when they are (it travels into CUDA kernels).
+template <class... T>
+struct kpack : kpack_base<std::index_sequence_for<T...>, T...> {};
+
+template <std::size_t I, class T>
+GRADAPT_HD GRADAPT_INLINE constexpr const T& kget(const kslot<I, T>& s) {
+  return s.value;
+}
+template <std::size_t I, class T>
+GRADAPT_HD GRADAPT_INLINE constexpr T& kget(kslot<I, T>& s) {
+  return s.value;
+}
+
+/// Argument I of a pack of lvalues of one type (resolved at compile time: no addresses are
+/// stored, so the compiler keeps the values in registers).
+template <std::size_t I, class T, class... R>
+GRADAPT_HD GRADAPT_INLINE T& nth(T& a, R&... r) {
+  if constexpr (I == 0)
+    return a;
+  else
+    return nth<I - 1>(r...);
+}
+
+/// The element functor of pass `Pass` under mask E: called with the tensor index and one
+/// lvalue per backend argument (plan::arg_at), all in compute type C (or host packs of C).
+template <class Plan, std::size_t Pass, std::uint64_t E, class C, class K>
+struct pass_functor {
+  static constexpr bool vectorizable = true;
+
+  K kernels;
+  const double* tconst;   ///< per-tensor constants, plan::total_slots per tensor
+  const double* factors;  ///< barrier factors: [barrier number][tensor]
+  std::size_t count;      ///< tensors
+
+  template <std::size_t I, class V, class... A, std::size_t... J>
+  GRADAPT_HD GRADAPT_INLINE void stage_step(V& u, const V& p, const double* tc, std::size_t t,
+                                            std::index_sequence<J...>, A&... args) const {
+    // Every plan query is a constant expression (nothing of the plan is read at run time, so
+    // the same code compiles for the device).
+    constexpr mode m = Plan::mode_of(Pass, I, E);
+    if constexpr (m == mode::replay || m == mode::update) {
+      constexpr std::size_t soff = Plan::slot_offset(I);
+      constexpr std::size_t boff = Plan::buffer_arg(Pass, I, E);
+      constexpr bool barrier = Plan::info_at(I).barrier;
+      constexpr bool global = Plan::info_at(I).global;
+      const auto& k = kget<I>(kernels);
+      const double* stc = tc + soff;
+      if constexpr (barrier) {
+        constexpr std::size_t b = Plan::barrier_number(I, E);
+        const double f = factors[b * count + (global ? 0 : t)];
+        k.apply(u, p, static_cast<C>(f), stc);
+      } else if constexpr (m == mode::update) {
+        k.update(u, p, stc, nth<boff + J>(args...)...);
+      } else {
+        k.replay(u, p, stc, nth<boff + J>(args...)...);
+      }
+    }
+  }
+
+  template <class V, class... A, std::size_t... I>
+  GRADAPT_HD GRADAPT_INLINE void run_stages(V& u, const V& p, const double* tc, std::size_t t,
+                                            std::index_sequence<I...>, A&... args) const {
+    (stage_step<I>(u, p, tc, t, std::make_index_sequence<Plan::info_at(I).buffers>{}, args...), ...);
+  }
+
+  template <class V, class... A>
+  GRADAPT_HD GRADAPT_INLINE V& param(V& unused, A&... args) const {
+    if constexpr (Plan::needs_param(Pass, E))
+      return nth<0>(args...);
+    else
+      return unused;
+  }
+
+  template <class V, class... A>
+  GRADAPT_HD GRADAPT_INLINE auto operator()(tensor_index t, V& a0, A&... rest) const {
+    static_assert(1 + sizeof...(A) == Plan::args(Pass, E), "gradapt::chain: pass argument count mismatch");
+    V unused{};
+    V& p = param(unused, a0, rest...);
+    V u;
+    if constexpr (Plan::needs_grad(Pass, E))
+      u = nth<Plan::grad_arg(Pass, E)>(a0, rest...);
+    else
+      u = V(C(0));
+    constexpr std::size_t slots = Plan::total_slots;
+    const double* tc = tconst + t.value * slots;
+    run_stages(u, p, tc, t.value, std::make_index_sequence<Plan::n>{}, a0, rest...);
+    if constexpr (Plan::is_final(Pass, E)) {
+      p = p + u;
+    } else {
+      constexpr std::size_t h = Plan::hi(Pass, E);
+      constexpr std::size_t hoff = Plan::slot_offset(h);
+      return kget<h>(kernels).measure(u, p, tc + hoff);
+    }
+  }
+};
+
+/// factor[t] = finalize(sums of tensor t), over one-element views of the factor array.
+template <class Kernel>
+struct finalize_each {
+  Kernel k;
+  const double* sums;
+  const double* tconst;
+  std::size_t terms;
+  std::size_t slots;
+  std::size_t offset;
+  GRADAPT_HD void operator()(tensor_index t, double& f) const {
+    f = k.finalize(sums + t.value * terms, tconst + t.value * slots + offset);
+  }
+};
+
+/// factor = finalize(sums over all tensors, added in tensor order from +0).
+template <class Kernel, std::size_t K>
+struct finalize_all {
+  Kernel k;
+  const double* sums;
+  std::size_t count;
+  GRADAPT_HD void operator()(double& f) const {
+    double s[K];
+    for (std::size_t j = 0; j < K; ++j) s[j] = 0.0;
+    for (std::size_t t = 0; t < count; ++t)
+      for (std::size_t j = 0; j < K; ++j) s[j] += sums[t * K + j];
+    f = k.finalize(s, nullptr);
+  }
+};
+
+/// The per-tensor output argument of apply_reduce_list: a std::span for host memory, the
+/// device view itself for device memory (the CUDA form keeps the sums on the device).
+template <class Space>
+auto per_tensor_arg(tensor_view<double, Space> v) {
+  if constexpr (std::is_same_v<Space, host_space>)
+    return std::span<double>(v.data(), v.size());
+  else
+    return v;
+}
+
+template <class O>
+double group_lr_scale(const O& o) {
+  if constexpr (requires { o.lr_scale; })
+    return static_cast<double>(o.lr_scale);
+  else
+    return 1.0;
+}
+template <class O>
+std::optional<double> group_weight_decay(const O& o) {
+  if constexpr (requires { o.weight_decay; })
+    return std::optional<double>(o.weight_decay);
+  else
+    return std::nullopt;
+}
+
+template <class B, class T>
+using buffer_t = std::remove_cvref_t<decltype(std::declval<const B&>().template allocate<T>(std::size_t{}))>;
+
+/// A view of a whole backend buffer (const when the buffer is).
+template <class Space, class Buf>
+auto view_of(Buf& buf) {
+  using T = std::remove_pointer_t<decltype(buf.data())>;
+  return tensor_view<T, Space>::vector(buf.data(), static_cast<std::int64_t>(buf.size()));
+}
+
+/// Element functor used only to probe the optimizer_backend concept: y += 1, returns y.
+struct reduce_probe {
+  GRADAPT_HD double operator()(float& y) const {
+    y += 1.0f;
+    return static_cast<double>(y);
+  }
+};
+
+inline constexpr char checkpoint_magic[8] = {'g', 'r', 'a', 'd', 'a', 'p', 't', 'O'};
+inline constexpr std::uint32_t checkpoint_version = 1;
+
+}  // namespace detail::optim
+
+/// A backend an optimizer chain can run on: the `backend` concept plus owning allocation,
+/// copies to and from host memory, and the fused apply + per-tensor reduction
+/// (`apply_reduce_list`). gradapt::host and gradapt::cuda provide them.
+template <class B>
+concept optimizer_backend = backend<B> &&
+    requires(const B& b, std::size_t n, tensor_view<const double, typename B::space> cs,
+             tensor_view<double, typename B::space> s, tensor_view<const double, host_space> ch,
+             tensor_view<double, host_space> h, std::span<const tensor_view<float, typename B::space>> xs) {
+  b.template allocate<double>(n).data();
+  b.template allocate<double>(n).size();
+  b.copy(cs, h);
+  b.copy(ch, s);
+  b.apply_reduce_list(detail::optim::reduce_probe{}, detail::optim::per_tensor_arg(s), xs);
+};
+
+/// The state of a `chain<Stages...>` for one backend and element types: per-element buffers
+/// (Adam's m and v, a momentum trace) in the backend's memory, the step count, and the small
+/// per-tensor arrays the passes use. Created by `chain::init`, advanced by `chain::step`.
+///
+/// @tparam Chain the chain type (its plan fixes the buffers)
+/// @tparam B     the backend (gradapt::host, gradapt::cuda)
+/// @tparam V,G   parameter and gradient element types
+/// @tparam S     state element type (the compute type of V by default)
+///
+/// `save` writes a self-describing byte string (a header with the element type, stages,
+/// active stages, tensor sizes and step count, then the raw buffers); `load` checks the
+/// header against this state and restores it bit for bit, so training continues exactly as
+/// it would have.
+template <class Chain, class B, class V, class G, class S>
+class chain_state {
+ public:
+  using backend_type = B;
+  using space = typename B::space;
+  using value_type = V;
+  using grad_type = G;
+  using state_element = S;
+  using plan = typename Chain::plan;
+
+  chain_state() = default;
+  /// Move-only: the per-tensor views point into the state's own buffers. Duplicate a state
+  /// through `save` and `load`.
+  chain_state(chain_state&&) noexcept = default;
+  chain_state& operator=(chain_state&&) noexcept = default;
+  chain_state(const chain_state&) = delete;
+  chain_state& operator=(const chain_state&) = delete;
+
+  /// Steps taken (optax's count).
+  std::uint64_t steps() const { return steps_; }
+  /// Parameters the state was created for.
+  std::size_t tensors() const { return sizes_.size(); }
+  /// Bit i set when stage i of the chain is active in this state.
+  std::uint64_t active_stages() const { return enabled_; }
+  /// Number of per-element state buffers over all stages (inactive stages' are empty).
+  static constexpr std::size_t buffer_count() { return plan::total_buffers; }
+  /// Per-tensor views of state buffer j (stage buffers in stage order: for AdamW 0 = m,
+  /// 1 = v). Empty when the owning stage is inactive.
+  std::span<const tensor_view<S, space>> buffer(std::size_t j) const {
+    detail::require(j < plan::total_buffers, "chain_state::buffer: index ", j, " out of range (",
+                    plan::total_buffers, " buffer(s))");
+    return mut_[j];
+  }
+
+  /// The state as bytes: header, then every active buffer (all tensors, in parameter order).
+  std::vector<std::byte> save(const B& b) const {
+    std::vector<std::byte> out;
+    put(out, detail::optim::checkpoint_magic, sizeof detail::optim::checkpoint_magic);
+    put_u64(out, detail::optim::checkpoint_version);
+    put_u64(out, static_cast<std::uint64_t>(dtype_of_v<S>));
+    put_u64(out, plan::n);
+    put_u64(out, plan::total_buffers);
+    put_u64(out, enabled_);
+    put_u64(out, steps_);
+    put_u64(out, sizes_.size());
+    for (std::size_t s : sizes_) put_u64(out, s);
+    std::vector<S> host;
+    for (std::size_t j = 0; j < plan::total_buffers; ++j) {
+      const std::size_t n = bufs_[j].size();
+      put_u64(out, n);
+      host.resize(n);
+      b.copy(tensor_view<const S, space>(detail::optim::view_of<space>(bufs_[j])), host_view(host));
+      put(out, host.data(), n * sizeof(S));
+    }
+    return out;
+  }
+
+  /// Restores a state written by `save` for the same chain, element type, active stages and
+  /// parameter sizes.
+  /// @throws gradapt::error naming the first field that does not match
+  void load(const B& b, std::span<const std::byte> bytes) {
+    std::size_t at = 0;
+    const auto take = [&](void* dst, std::size_t n, const char* what) {
+      detail::require(at + n <= bytes.size(), "chain_state::load: the checkpoint ends inside ", what, " (",
+                      bytes.size(), " bytes; truncated?)");
+      if (n) std::memcpy(dst, bytes.data() + at, n);
+      at += n;
+    };
+    const auto u64 = [&](const char* what) {
+      std::uint64_t v = 0;
+      take(&v, sizeof v, what);
+      return v;
+    };
+    char magic[sizeof detail::optim::checkpoint_magic];
+    take(magic, sizeof magic, "the header");
+    detail::require(std::memcmp(magic, detail::optim::checkpoint_magic, sizeof magic) == 0,
+                    "chain_state::load: not an optimizer checkpoint written by chain_state::save");
+    const std::uint64_t version = u64("the header");
+    detail::require(version == detail::optim::checkpoint_version, "chain_state::load: checkpoint version ",
+                    version, " (expected ", detail::optim::checkpoint_version, ")");
+    const auto expect = [&](const char* what, std::uint64_t want) {
+      const std::uint64_t got = u64(what);
+      detail::require(got == want, "chain_state::load: the checkpoint's ", what, " is ", got,
+                      " but this state's is ", want,
+                      " (restore into a state created by the same optimizer type and options for the "
+                      "same parameters)");
+    };
+    const std::uint64_t dt = u64("the element type");
+    detail::require(dt == static_cast<std::uint64_t>(dtype_of_v<S>),
+                    "chain_state::load: the checkpoint holds ", name(static_cast<dtype>(dt)),
+                    " state but this state is ", name(dtype_of_v<S>));
+    expect("stage count", plan::n);
+    expect("buffer count", plan::total_buffers);
+    expect("active-stage mask", enabled_);
+    const std::uint64_t steps = u64("the step count");
+    expect("tensor count", sizes_.size());
+    for (std::size_t t = 0; t < sizes_.size(); ++t) {
+      const std::uint64_t got = u64("a tensor size");
+      detail::require(got == sizes_[t], "chain_state::load: tensor ", t, " has ", got,
+                      " elements in the checkpoint but ", sizes_[t], " here");
+    }
+    // Validate every buffer length before changing anything.
+    std::size_t scan = at;
+    for (std::size_t j = 0; j < plan::total_buffers; ++j) {
+      std::uint64_t n = 0;
+      detail::require(scan + sizeof n <= bytes.size(),
+                      "chain_state::load: the checkpoint ends inside buffer ", j);
+      std::memcpy(&n, bytes.data() + scan, sizeof n);
+      detail::require(n == bufs_[j].size(), "chain_state::load: buffer ", j, " has ", n,
+                      " elements in the checkpoint but ", bufs_[j].size(), " here");
+      scan += sizeof n + n * sizeof(S);
+      detail::require(scan <= bytes.size(), "chain_state::load: the checkpoint ends inside buffer ", j);
+    }
+    detail::require(scan == bytes.size(), "chain_state::load: ", bytes.size() - scan,
+                    " unexpected trailing bytes in the checkpoint");
+    std::vector<S> host;
+    for (std::size_t j = 0; j < plan::total_buffers; ++j) {
+      const std::uint64_t n = u64("a buffer length");
+      host.resize(n);
+      take(host.data(), n * sizeof(S), "a buffer");
+      b.copy(tensor_view<const S, host_space>(host_view(host)), detail::optim::view_of<space>(bufs_[j]));
+    }
+    b.synchronize();
+    steps_ = steps;
+  }
+
+ private:
+  template <class...>
+  friend class chain;
+
+  static void put(std::vector<std::byte>& out, const void* p, std::size_t n) {
+    const auto* c = static_cast<const std::byte*>(p);
+    out.insert(out.end(), c, c + n);
+  }
+  static void put_u64(std::vector<std::byte>& out, std::uint64_t v) { put(out, &v, sizeof v); }
+
+  std::uint64_t steps_ = 0;
+  std::uint64_t enabled_ = 0;
+  std::vector<std::size_t> sizes_;
+  std::vector<detail::optim::buffer_t<B, S>> bufs_;
+  std::vector<std::vector<tensor_view<S, space>>> mut_;
+  std::vector<std::vector<tensor_view<const S, space>>> const_;
+  std::vector<tensor_view<const V, space>> p_const_;
+  std::vector<tensor_view<const G, space>> g_const_;
+  detail::optim::buffer_t<B, double> tconst_, factors_, sums_;
+  std::vector<double> tconst_host_;
+  std::vector<std::vector<tensor_view<double, space>>> factor_views_;  ///< per enabled barrier
+  std::vector<double> group_lr_;
+  std::vector<std::optional<double>> group_wd_;
+};
+
+/// An optimizer assembled from gradient transformations (see optim/transforms.hpp and the
+/// file comment for how passes are formed), e.g. AdamW:
+///
+///     gradapt::chain opt{gradapt::transform::scale_by_adam{},
+///                        gradapt::transform::add_decayed_weights{.weight_decay = 1e-4},
+///                        gradapt::transform::scale_by_learning_rate{.lr = 1e-3}};
+///     auto state = opt.init(backend, params);
+///     opt.step(backend, params, state, {.lr = schedule(step)});
+///
+/// Stages are validated when the chain is built (gradapt::error naming the option). The chain
+/// is a value: copy it, or change a stage's options through `stage<I>()` between steps (a
+/// change that switches an optional stage on or off needs a new state).
+template <class... Stages>
+class chain {
+ public:
+  using plan = detail::optim::plan<Stages...>;
+  /// The state type for backend B, parameters V, gradients G and state elements S.
+  template <class B, element V, element G = V, element S = compute_t<V>>
+  using state_type = chain_state<chain, B, V, G, S>;
+
+  chain() { validate(); }
+  explicit chain(Stages... stages) : stages_(std::move(stages)...) { validate(); }
+
+  /// Stage I (options readable and writable between steps).
+  template <std::size_t I>
+  auto& stage() {
+    return std::get<I>(stages_);
+  }
+  template <std::size_t I>
+  const auto& stage() const {
+    return std::get<I>(stages_);
+  }
+
+  /// Creates the state for `params` on backend `b`: zero-initialised buffers of element type
+  /// S (default: the compute type of the parameters) for every active stage.
+  /// @throws gradapt::error on invalid options
+  template <class S = void, optimizer_backend B, element V, element G, class Options>
+  auto init(const B& b, const param_list<V, G, typename B::space, Options>& params) const {
+    using St = std::conditional_t<std::is_void_v<S>, compute_t<V>, S>;
+    static_assert(std::is_same_v<compute_t<V>, compute_t<G>> && std::is_same_v<compute_t<V>, compute_t<St>>,
+                  "gradapt::chain: parameters, gradients and state must share one compute type (float for "
+                  "float/half/bfloat16, double for double)");
+    validate();
+    using space = typename B::space;
+    chain_state<chain, B, V, G, St> st;
+    const std::size_t count = params.size();
+    st.enabled_ = current_mask();
+    st.sizes_.resize(count);
+    std::size_t total = 0;
+    for (std::size_t t = 0; t < count; ++t) total += (st.sizes_[t] = params.values()[t].size());
+    st.mut_.resize(plan::total_buffers);
+    st.const_.resize(plan::total_buffers);
+    for (std::size_t i = 0; i < plan::n; ++i) {
+      for (std::size_t j = 0; j < plan::info[i].buffers; ++j) {
+        const std::size_t k = plan::buffer_offset(i) + j;
+        const bool on = plan::on(i, st.enabled_);
+        st.bufs_.push_back(b.template allocate<St>(on ? total : 0));
+        if (!on) continue;
+        St* base = st.bufs_.back().data();
+        std::size_t off = 0;
+        for (std::size_t t = 0; t < count; ++t) {
+          const auto v = tensor_view<St, space>::vector(base + off, static_cast<std::int64_t>(st.sizes_[t]));
+          st.mut_[k].push_back(v);
+          st.const_[k].push_back(v);
+          off += st.sizes_[t];
+        }
+      }
+    }
+    st.p_const_.resize(count);
+    st.g_const_.resize(count);
+    st.tconst_host_.assign(count * plan::total_slots, 0.0);
+    st.tconst_ = b.template allocate<double>(count * plan::total_slots);
+    const std::size_t nb = plan::barriers(st.enabled_);
+    st.factors_ = b.template allocate<double>(nb * count);
+    st.sums_ = b.template allocate<double>(count * plan::max_terms);
+    st.factor_views_.resize(nb);
+    for (std::size_t i = 0; i < plan::n; ++i) {
+      if (!plan::on(i, st.enabled_) || !plan::info[i].barrier) continue;
+      const std::size_t bn = plan::barrier_number(i, st.enabled_);
+      double* base = st.factors_.data() + bn * count;
+      const std::size_t views = plan::info[i].global ? (count > 0 ? 1 : 0) : count;
+      for (std::size_t t = 0; t < views; ++t)
+        st.factor_views_[bn].push_back(tensor_view<double, space>::vector(base + t, 1));
+    }
+    refresh_constants(b, params, st, true);
+    return st;
+  }
+
+  /// One optimizer step: reads the gradients, advances the state and updates the parameters
+  /// in place, in `plan::passes` passes over memory (see the file comment).
+  /// @throws gradapt::error when `params` does not match the state (tensor count or sizes),
+  ///         the state's active stages differ from the options now, or the learning rate is
+  ///         not finite
+  template <optimizer_backend B, element V, element G, class Options, class S>
+  void step(const B& b, const param_list<V, G, typename B::space, Options>& params,
+            chain_state<chain, B, V, G, S>& st, const step_args& args = {}) const {
+    const std::size_t count = params.size();
+    detail::require(count == st.sizes_.size(), "chain::step: the parameter list holds ", count,
+                    " tensors but the state was created for ", st.sizes_.size(),
+                    " (create the state with init() for this list)");
+    for (std::size_t t = 0; t < count; ++t) {
+      const auto& e = params[t];
+      detail::require(e.value.size() == st.sizes_[t], "chain::step: parameter '", e.name, "' (tensor ", t,
+                      ") has ", e.value.size(), " elements but the state holds ", st.sizes_[t]);
+      st.p_const_[t] = e.value;
+      st.g_const_[t] = e.grad;
+    }
+    const std::uint64_t mask = current_mask();
+    detail::require(mask == st.enabled_, "chain::step: the options switch stages ", describe_mask(mask),
+                    " but the state was created with ", describe_mask(st.enabled_),
+                    " (a stage's state cannot appear or vanish mid-run: create a new state with init())");
+    refresh_constants(b, params, st, false);
+    const step_context ctx{st.steps_ + 1, args.lr};
+    using C = compute_t<V>;
+    const auto kernels = make_kernels<C>(ctx, std::index_sequence_for<Stages...>{});
+    if (count > 0) {
+      dispatch(mask, [&]<std::uint64_t E>() {
+        run_passes<E>(b, params, st, kernels, std::make_index_sequence<plan::passes(E)>{});
+      });
+    }
+    ++st.steps_;
+  }
+
+ private:
+  std::tuple<Stages...> stages_;
+
+  void validate() const {
+    std::apply([](const auto&... s) { (s.validate(), ...); }, stages_);
+  }
+
+  std::uint64_t current_mask() const {
+    std::uint64_t m = 0;
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      (
+          [&] {
+            using S = std::tuple_element_t<I, std::tuple<Stages...>>;
+            bool on = true;
+            if constexpr (S::optional) on = std::get<I>(stages_).enabled();
+            if (on) m |= std::uint64_t{1} << I;
+          }(),
+          ...);
+    }
+    (std::index_sequence_for<Stages...>{});
+    return m;
+  }
+
+  static std::string describe_mask(std::uint64_t m) {
+    std::string s = "{";
+    bool first = true;
+    for (std::size_t i = 0; i < plan::n; ++i)
+      if (plan::info[i].optional) {
+        s += first ? "" : ", ";
+        s += "stage " + std::to_string(i) + (((m >> i) & 1u) ? " on" : " off");
+        first = false;
+      }
+    return s + "}";
+  }
+
+  template <class F, std::size_t... J>
+  static void dispatch_impl(std::uint64_t mask, F&& f, std::index_sequence<J...>) {
+    const bool done =
+        ((mask == plan::mask_of(J) ? (f.template operator()<plan::mask_of(J)>(), true) : false) || ...);
+    if (!done) detail::fail("chain::step: internal error: no compiled form for stage mask ", mask);
+  }
+  template <class F>
+  static void dispatch(std::uint64_t mask, F&& f) {
+    dispatch_impl(mask, f, std::make_index_sequence<std::size_t{1} << plan::optional_count>{});
+  }
+
+  template <class C, std::size_t... I>
+  auto make_kernels(const step_context& ctx, std::index_sequence<I...>) const {
+    detail::optim::kpack<typename Stages::template kernel<C>...> k;
+    ((detail::optim::kget<I>(k) = std::get<I>(stages_).template prepare<C>(ctx)), ...);
+    return k;
+  }
+
+  /// Recomputes the per-tensor constants when a group's options changed (always at init) and
+  /// copies them where the backend reads them.
+  template <class B, class PL, class St>
+  void refresh_constants(const B& b, const PL& params, St& st, bool force) const {
+    const std::size_t ng = params.group_count();
+    bool changed = force || st.group_lr_.size() != ng;
+    if (!changed)
+      for (std::size_t g = 0; g < ng && !changed; ++g) {
+        const auto& o = params.group(g).options;
+        changed = detail::optim::group_lr_scale(o) != st.group_lr_[g] ||
+                  detail::optim::group_weight_decay(o) != st.group_wd_[g];
+      }
+    if (!changed) return;
+    st.group_lr_.resize(ng);
+    st.group_wd_.resize(ng);
+    for (std::size_t g = 0; g < ng; ++g) {
+      st.group_lr_[g] = detail::optim::group_lr_scale(params.group(g).options);
+      st.group_wd_[g] = detail::optim::group_weight_decay(params.group(g).options);
+    }
+    for (std::size_t t = 0; t < params.size(); ++t) {
+      const auto& e = params[t];
+      const tensor_setup ts{e.name, t, e.value.size(), e.flags, st.group_lr_[e.group], st.group_wd_[e.group]};
+      [&]<std::size_t... I>(std::index_sequence<I...>) {
+        (std::get<I>(stages_).tensor_constants(
+             ts, st.tconst_host_.data() + t * plan::total_slots + plan::slot_offset(I)),
+         ...);
+      }
+      (std::index_sequence_for<Stages...>{});
+    }
+    if (!st.tconst_host_.empty())
+      b.copy(tensor_view<const double, host_space>(host_view(st.tconst_host_)),
+             detail::optim::view_of<typename B::space>(st.tconst_));
+  }
+
+  /// The backend list for argument descriptor D of a pass.
+  template <detail::optim::arg_desc D, class PL, class St>
+  static decltype(auto) list(const PL& params, St& st) {
+    using detail::optim::arg_kind;
+    if constexpr (D.kind == arg_kind::param_mut)
+      return params.values();
+    else if constexpr (D.kind == arg_kind::param_const)
+      return std::span<const typename decltype(st.p_const_)::value_type>(st.p_const_);
+    else if constexpr (D.kind == arg_kind::grad)
+      return std::span<const typename decltype(st.g_const_)::value_type>(st.g_const_);
+    else if constexpr (D.kind == arg_kind::buffer_mut)
+      return std::span<const typename std::remove_cvref_t<decltype(st.mut_[0])>::value_type>(
+          st.mut_[D.index]);
+    else
+      return std::span<const typename std::remove_cvref_t<decltype(st.const_[0])>::value_type>(
+          st.const_[D.index]);
+  }
+
+  template <std::uint64_t E, class B, class PL, class St, class K, std::size_t... P>
+  void run_passes(const B& b, const PL& params, St& st, const K& kernels, std::index_sequence<P...>) const {
+    (run_pass<P, E>(b, params, st, kernels), ...);
+  }
+
+  template <std::size_t Pass, std::uint64_t E, class B, class PL, class St, class K>
+  void run_pass(const B& b, const PL& params, St& st, const K& kernels) const {
+    using C = compute_t<typename PL::value_type>;
+    using space = typename B::space;
+    const std::size_t count = params.size();
+    const detail::optim::pass_functor<plan, Pass, E, C, K> f{kernels, st.tconst_.data(), st.factors_.data(),
+                                                             count};
+    constexpr std::size_t nargs = plan::args(Pass, E);
+    if constexpr (plan::is_final(Pass, E)) {
+      [&]<std::size_t... A>(std::index_sequence<A...>) {
+        b.apply_list(f, list<plan::arg_at(Pass, E, A)>(params, st)...);
+      }
+      (std::make_index_sequence<nargs>{});
+    } else {
+      constexpr std::size_t h = plan::hi(Pass, E);
+      constexpr std::size_t terms = plan::info[h].terms;
+      constexpr std::size_t bn = plan::barrier_number(h, E);
+      const auto sums =
+          tensor_view<double, space>::vector(st.sums_.data(), static_cast<std::int64_t>(count * terms));
+      [&]<std::size_t... A>(std::index_sequence<A...>) {
+        b.apply_reduce_list(f, detail::optim::per_tensor_arg(sums),
+                            list<plan::arg_at(Pass, E, A)>(params, st)...);
+      }
+      (std::make_index_sequence<nargs>{});
+      const auto& k = detail::optim::kget<h>(kernels);
+      using Kernel = std::remove_cvref_t<decltype(k)>;
+      if constexpr (plan::info[h].global) {
+        b.apply(detail::optim::finalize_all<Kernel, terms>{k, st.sums_.data(), count},
+                st.factor_views_[bn][0]);
+      } else {
+        b.apply_list(detail::optim::finalize_each<Kernel>{k, st.sums_.data(), st.tconst_.data(), terms,
+                                                          plan::total_slots, plan::slot_offset(h)},
+                     st.factor_views_[bn]);
+      }
+    }
+  }
+};
+
+}  // namespace gradapt

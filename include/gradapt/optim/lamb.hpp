@@ -1,0 +1,87 @@
+#pragma once
+/// @file
+/// LAMB (You, Li, Reddi, Hseu, Kumar, Bhojanapalli, Song, Demmel, Keutzer & Hsieh 2020,
+/// "Large Batch Optimization for Deep Learning: Training BERT in 76 minutes",
+/// arXiv:1904.00962, algorithm 2), as optax's `lamb` with apex's and DeepSpeed's switches:
+///
+///     g ← g · c/‖g‖ when ‖g‖ > c (‖g‖ over all tensors; optional, apex's max_grad_norm)
+///     m ← b1 m + (1−b1) g;  v ← b2 v + (1−b2) g²;  m̂ = m/(1−b1^t);  v̂ = v/(1−b2^t)
+///     u = m̂ / (√(v̂ + eps_root) + eps) + λ p                    (eps outside the root)
+///     r = ‖p‖ / ‖u‖ per tensor (1 when either is 0), optionally clamped to [r_min, r_max]
+///     p ← p − η r u
+///
+/// Masks: a parameter whose `param_flags::skip_weight_decay` is set (or named by the
+/// `skip_weight_decay` predicate) gets λ = 0; one whose `skip_trust_ratio` is set (or named by
+/// `skip_trust_ratio`) gets r = 1. A group's `weight_decay` replaces λ, its `lr_scale`
+/// multiplies η.
+///
+/// Passes: the trust ratio needs ‖u‖ of the whole tensor before any element is written, so a
+/// step is two passes: (1) read p, g, m, v, write m, v, sum ‖p‖² and ‖u‖² per tensor; (2)
+/// read p, m, v, rebuild u, write p. With `max_grad_norm` set, one read pass over g comes
+/// first.
+
+#include <functional>
+#include <limits>
+#include <string_view>
+
+#include "gradapt/optim/chain.hpp"
+#include "gradapt/optim/transforms.hpp"
+
+namespace gradapt {
+
+/// Options of `gradapt::lamb`, e.g. `gradapt::lamb({.lr = 1e-3, .weight_decay = 0.01})`.
+///
+/// | name              | type                             | default | meaning |
+/// |-------------------|----------------------------------|---------|----------------------------------------------------------|
+/// | lr                | double                           | 1e-3    | η (a step's `step_args::lr` overrides
+/// it)               | | b1                | double                           | 0.9     | first-moment decay
+/// | | b2                | double                           | 0.999   | second-moment decay | | eps | double
+/// | 1e-6    | added to √v̂ (outside the root; optax's and apex's place) | | eps_root          | double | 0 |
+/// added to v̂ inside the root                               | | weight_decay      | double | 0       | λ,
+/// decoupled, inside the trust ratio (optax: 0, apex: 0.01) | | bias_correction   | bool | true    | divide
+/// the moments by 1 − b^t (apex's switch)            | | max_grad_norm     | double | +inf    | clip the
+/// global gradient norm to this first (apex: 1.0)  | | min_trust_ratio   | double                           |
+/// 0       | lower clamp of r (DeepSpeed: 0.01)                       | | max_trust_ratio   | double | +inf
+/// | upper clamp of r (DeepSpeed: 10)                         | | skip_weight_decay |
+/// std::function<bool(string_view)> | empty   | names with λ = 0 (in addition to param_flags)            | |
+/// skip_trust_ratio  | std::function<bool(string_view)> | empty   | names with r = 1 (in addition to
+/// param_flags)            |
+struct lamb_options {
+  double lr = 1e-3;
+  double b1 = 0.9;
+  double b2 = 0.999;
+  double eps = 1e-6;
+  double eps_root = 0.0;
+  double weight_decay = 0.0;
+  bool bias_correction = true;
+  double max_grad_norm = std::numeric_limits<double>::infinity();
+  double min_trust_ratio = 0.0;
+  double max_trust_ratio = std::numeric_limits<double>::infinity();
+  std::function<bool(std::string_view)> skip_weight_decay = {};
+  std::function<bool(std::string_view)> skip_trust_ratio = {};
+};
+
+/// The chain behind `gradapt::lamb`.
+using lamb_chain =
+    chain<transform::clip_by_global_norm, transform::scale_by_adam, transform::add_decayed_weights,
+          transform::scale_by_trust_ratio, transform::scale_by_learning_rate>;
+
+/// LAMB (see the file comment). State buffers: 0 = m, 1 = v.
+class lamb : public lamb_chain {
+ public:
+  /// @throws gradapt::error on an invalid option, naming it
+  explicit lamb(const lamb_options& o = {})
+      : lamb_chain(
+            transform::clip_by_global_norm{.max_norm = o.max_grad_norm},
+            transform::scale_by_adam{.b1 = o.b1,
+                                     .b2 = o.b2,
+                                     .eps = o.eps,
+                                     .eps_root = o.eps_root,
+                                     .bias_correction = o.bias_correction},
+            transform::add_decayed_weights{.weight_decay = o.weight_decay, .skip = o.skip_weight_decay},
+            transform::scale_by_trust_ratio{
+                .min_ratio = o.min_trust_ratio, .max_ratio = o.max_trust_ratio, .skip = o.skip_trust_ratio},
+            transform::scale_by_learning_rate{.lr = o.lr}) {}
+};
+
+}  // namespace gradapt

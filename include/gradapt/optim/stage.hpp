@@ -1,0 +1,87 @@
+#pragma once
+/// @file
+/// The interface of one gradient transformation ("stage") of a `gradapt::chain`, and the
+/// host-side values a stage reads when it sets itself up for a step or a tensor.
+///
+/// An optimizer is a chain of small stages (optax's idea: Loshchilov & Hutter's decoupled
+/// weight decay, Adam's moments, You et al.'s trust ratio, momentum, a learning-rate scale are
+/// each one transformation of the update u, which starts as the gradient g). In C++ the chain
+/// is a template and runs as few passes over memory as the stages allow: consecutive
+/// element-wise stages fuse into one pass, and only a stage that needs a reduction of its
+/// input (a trust-ratio norm, a global gradient norm, a block RMS) ends a pass.
+///
+/// A stage type S is an aggregate of options with these members:
+///
+/// | member                                   | meaning                                                  |
+/// |------------------------------------------|----------------------------------------------------------|
+/// | `static constexpr std::size_t buffers`   | per-element state buffers (Adam: 2, momentum: 1)         |
+/// | `static constexpr std::size_t tensor_slots` | per-tensor constants (masked weight decay, lr scale)  |
+/// | `static constexpr bool barrier`          | needs a reduction over its input before it acts          |
+/// | `static constexpr bool optional`         | may be switched off by its options (`enabled()`)         |
+/// | `static constexpr bool replay_ignores_input` | its replay computes u from its state alone (Adam)    |
+/// | `static constexpr bool uses_param`       | its math reads the parameter p                          |
+/// | `void validate() const`                  | throws gradapt::error naming a bad option                |
+/// | `void tensor_constants(const tensor_setup&, double* out) const` | fills tensor_slots values |
+/// | `template <class C> kernel<C> prepare(const step_context&) const` | per-step constants    |
+///
+/// `kernel<C>` is trivially copyable (it travels into CUDA kernels) and holds the element math
+/// as GRADAPT_HD templates on the value type V (C = float or double, or a host `simd::pack`);
+/// `tc` points at the stage's per-tensor constants for the element's tensor:
+///
+///  - element stages: `update(V& u, const V& p, const double* tc, V&... buffers)` transforms u
+///    and advances the stage's state buffers; `replay(V& u, const V& p, const double* tc,
+///    const V&... buffers)` recomputes the same u from the already advanced state without
+///    writing it. Replay lets a later pass (after a barrier) rebuild u instead of storing it:
+///    for the output to be bitwise the one `update` produced, it must be a function of
+///    (input u, new state) computed by the same expressions.
+///  - barrier stages (`buffers == 0`) also declare `static constexpr bool global` (one factor
+///    for all tensors, else one per tensor) and `static constexpr std::size_t terms`, and
+///    provide `measure(const V& u, const V& p, const double* tc)` returning
+///    `simd::terms_t<V, terms>` (values summed per tensor in double with the backend's fixed
+///    order), `double finalize(const double* sums, const double* tc)` (the factor from the
+///    sums; for a global barrier the sums over all tensors in tensor order and tc == nullptr),
+///    and `apply(V& u, const V& p, C factor, const double* tc)`.
+///  - `static constexpr bool uses_param` says whether the math reads p (a pass that needs no p
+///    does not read it).
+///
+/// Extension point (Adafactor, SM3): a factored second-moment stage needs row and column sums
+/// of u^2 rather than per-tensor sums. It fits the same pass structure as a barrier whose
+/// reduction is not a per-tensor sum; the chain currently supports per-tensor and global sums
+/// and rejects other barriers at compile time.
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+#include "gradapt/core/param_list.hpp"
+
+namespace gradapt {
+
+/// What a stage sees when it prepares one step.
+struct step_context {
+  /// 1-based number of the step being taken (optax's incremented count): 1 at the first step.
+  std::uint64_t step = 1;
+  /// Learning rate passed to this step (`step_args::lr`), if any; stages that scale by a
+  /// learning rate use it instead of their option.
+  std::optional<double> lr;
+};
+
+/// What a stage sees when it sets up its per-tensor constants (at init, and again whenever a
+/// group's options change).
+struct tensor_setup {
+  std::string_view name;               ///< the parameter's name in the param_list
+  std::size_t index = 0;               ///< the parameter's position
+  std::size_t size = 0;                ///< elements of the tensor
+  param_flags flags;                   ///< masks recorded with the parameter
+  double lr_scale = 1.0;               ///< the group's learning-rate scale (1 without one)
+  std::optional<double> weight_decay;  ///< the group's weight-decay override, if any
+};
+
+/// Per-step arguments of `chain::step`, e.g. `opt.step(b, params, state, {.lr = schedule(t)})`.
+struct step_args {
+  /// Learning rate for this step; when unset, the optimizer's `lr` option is used.
+  std::optional<double> lr;
+};
+
+}  // namespace gradapt

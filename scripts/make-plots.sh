@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Regenerates every plot (and the CSV files committed beside them) under docs/algorithms/img/
+# by building and running the examples that write them:
+#
+#   adascale_digits  -> adascale_digits.svg                      (docs/algorithms/adascale.md)
+#   comm_strategies  -> comm_strategies_steps.svg, comm_strategies_bytes.svg, comm_strategies.csv
+#                                                  (docs/algorithms/adasum.md, local-sgd.md)
+#   goodput_adapt    -> goodput_adapt.svg, noise_scale_digits.svg
+#                                                  (docs/algorithms/goodput.md, gradient-noise-scale.md)
+#   loss_scale_trace -> loss_scale_trace.svg, loss_scale_trace.csv (docs/algorithms/loss-scaling.md)
+#
+# Every example runs with its defaults, as the pages describe. The first three programs are
+# deterministic (fixed seeds, fixed reduction orders): with unchanged sources their files come
+# out byte-identical to the committed ones. goodput_adapt is not: it times its own steps and
+# its batch-size decisions follow the measured times, so its two plots change from run to run
+# (and with the machine's load); the committed ones come from one run described in goodput.md.
+#
+# Usage: scripts/make-plots.sh [--out DIR] [--build DIR] [--skip-timed]
+#   --out DIR     where the files go (default docs/algorithms/img). With another directory the
+#                 script also says, file by file, whether the result equals the committed one.
+#   --build DIR   build directory (default build/plots; configured if needed)
+#   --skip-timed  leave out goodput_adapt (its plots depend on timing; needs Eigen)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/env.sh
+
+out=docs/algorithms/img
+build=build/plots
+skip_timed=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) out=${2:?--out needs a directory}; shift 2 ;;
+    --build) build=${2:?--build needs a directory}; shift 2 ;;
+    --skip-timed) skip_timed=1; shift ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    *) echo "make-plots: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+targets=(adascale_digits comm_strategies loss_scale_trace)
+[ "$skip_timed" = 1 ] || targets+=(goodput_adapt)
+
+# The same compiler flags as the default preset (RelWithDebInfo), without tests, benches, docs.
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGRADAPT_WITH_CUDA=OFF \
+  -DGRADAPT_BUILD_TESTS=OFF -DGRADAPT_BUILD_BENCH=OFF -DGRADAPT_BUILD_DOCS=OFF -DGRADAPT_INSTALL=OFF \
+  -DGRADAPT_BUILD_EXAMPLES=ON -DCMAKE_DISABLE_FIND_PACKAGE_Torch=ON >/dev/null
+cmake --build "$build" --target "${targets[@]}" -j2
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+mkdir -p "$out"
+produced=()
+run() {  # run <example> <file>...: runs build/examples/<example> --out <work>, keeps the files
+  local example=$1
+  shift
+  echo "==== $example"
+  local t0=$SECONDS
+  "$build/examples/$example" --out "$work" | tail -n 3
+  echo "     ($((SECONDS - t0)) s)"
+  for f in "$@"; do
+    [ -s "$work/$f" ] || { echo "make-plots: $example did not write $f" >&2; exit 1; }
+    cp "$work/$f" "$out/$f"
+    produced+=("$f")
+  done
+}
+run adascale_digits adascale_digits.svg
+run comm_strategies comm_strategies_steps.svg comm_strategies_bytes.svg comm_strategies.csv
+run loss_scale_trace loss_scale_trace.svg loss_scale_trace.csv
+[ "$skip_timed" = 1 ] || run goodput_adapt goodput_adapt.svg noise_scale_digits.svg
+
+echo "==== compared with the committed files (git HEAD)"
+for f in "${produced[@]}"; do
+  if git cat-file -e "HEAD:docs/algorithms/img/$f" 2>/dev/null; then
+    if git show "HEAD:docs/algorithms/img/$f" | cmp -s - "$out/$f"; then
+      echo "  same     $f"
+    else
+      echo "  differs  $f"
+    fi
+  else
+    echo "  new      $f"
+  fi
+done
+echo "make-plots: wrote ${#produced[@]} files into $out"

@@ -1,0 +1,222 @@
+// The optimizer chains on the CUDA backend: the same GRADAPT_HD functors as on the host, in
+// multi-tensor launches, with the trust-ratio norms summed on the device
+// (cuda::apply_reduce_list) and read in place by the next kernels (no host synchronisation
+// between norm and update).
+//
+//  - cuda::apply_reduce_list's per-tensor sums equal chunking::chunked_tree_reduce on the host
+//    bit for bit (exact-valued data), its updates equal the host's;
+//  - SGD, AdamW, LAMB (with clipping and clamp) and LARS over hundreds of tensors follow the host
+//    backend to within float rounding (nvcc contracts to fma and sums in another fixed order,
+//    so the bits differ);
+//  - a device checkpoint round-trips: training continues bit for bit;
+//  - device allocation and copies, and their size checks.
+//
+// Compiled wherever nvcc is found; skipped (exit 77) without a GPU.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cuda_test_support.cuh"
+#include "gradapt/backend/host.hpp"
+#include "gradapt/optim/adamw.hpp"
+#include "gradapt/optim/lamb.hpp"
+#include "gradapt/optim/lars.hpp"
+#include "gradapt/optim/sgd.hpp"
+
+using namespace gradapt_test;
+using gradapt::device_space;
+using gradapt::host_space;
+using gradapt::tensor_view;
+
+static_assert(gradapt::optimizer_backend<gradapt::cuda>);
+
+namespace {
+
+/// y += x; returns (x², 1): exact for k/8 data, so any fixed summation order gives the same
+/// bits as the host reference.
+struct add_and_measure {
+  GRADAPT_HD gradapt::terms<2> operator()(gradapt::tensor_index, float& y, float x) const {
+    y += x;
+    gradapt::terms<2> r;
+    r[0] = static_cast<double>(x) * static_cast<double>(x);
+    r[1] = 1.0;
+    return r;
+  }
+};
+
+/// Device copies of a host parameter list, with views, and a device param_list over them.
+struct device_params {
+  std::vector<dvec<float>> p, g;
+  gradapt::param_list<float, float, device_space> list;
+  device_params(const std::vector<std::vector<float>>& hp, const std::vector<std::size_t>& sizes) {
+    for (std::size_t t = 0; t < sizes.size(); ++t) {
+      p.push_back(to_device(hp[t]));
+      g.push_back(dvec<float>(sizes[t]));
+    }
+    for (std::size_t t = 0; t < sizes.size(); ++t)
+      list.add("t" + std::to_string(t), view(p[t]), view(g[t]),
+               {.skip_weight_decay = t % 5 == 1, .skip_trust_ratio = t % 7 == 2});
+  }
+  void set_grads(const std::vector<std::vector<float>>& hg) {
+    for (std::size_t t = 0; t < hg.size(); ++t) thrust::copy(hg[t].begin(), hg[t].end(), g[t].begin());
+  }
+};
+
+struct host_params {
+  std::vector<std::vector<float>> p, g;
+  gradapt::param_list<float> list;
+  host_params(const std::vector<std::vector<float>>& hp, const std::vector<std::size_t>& sizes) : p(hp) {
+    for (std::size_t n : sizes) g.emplace_back(n);
+    for (std::size_t t = 0; t < sizes.size(); ++t)
+      list.add("t" + std::to_string(t), gradapt::host_view(p[t]), gradapt::host_view(g[t]),
+               {.skip_weight_decay = t % 5 == 1, .skip_trust_ratio = t % 7 == 2});
+  }
+};
+
+/// Runs `steps` steps on both backends and returns the largest |device − host| in units of the
+/// host run's largest movement.
+template <class Opt>
+double device_vs_host(const Opt& opt, int steps) {
+  const auto sizes = list_sizes(301, 5);
+  std::vector<std::vector<float>> p0;
+  for (std::size_t t = 0; t < sizes.size(); ++t) p0.push_back(random_values<float>(sizes[t], 100 + t, -1, 1));
+  device_params d(p0, sizes);
+  host_params h(p0, sizes);
+  const gradapt::cuda cb{};
+  const gradapt::host hb{.threads = 1};
+  auto sd = opt.init(cb, d.list);
+  auto sh = opt.init(hb, h.list);
+  for (int s = 1; s <= steps; ++s) {
+    std::vector<std::vector<float>> g;
+    for (std::size_t t = 0; t < sizes.size(); ++t)
+      g.push_back(random_values<float>(sizes[t], 1000 * s + t, -0.1, 0.1));
+    d.set_grads(g);
+    for (std::size_t t = 0; t < sizes.size(); ++t) std::copy(g[t].begin(), g[t].end(), h.g[t].begin());
+    opt.step(cb, d.list, sd, {.lr = 0.01 * s});
+    opt.step(hb, h.list, sh, {.lr = 0.01 * s});
+  }
+  cb.synchronize();
+  double scale = 0, worst = 0;
+  for (std::size_t t = 0; t < sizes.size(); ++t)
+    for (std::size_t i = 0; i < sizes[t]; ++i)
+      scale = std::max(scale, std::fabs(double(h.p[t][i]) - p0[t][i]));
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    const auto got = to_host(d.p[t]);
+    for (std::size_t i = 0; i < sizes[t]; ++i) worst = std::max(worst, std::fabs(double(got[i]) - h.p[t][i]));
+  }
+  return worst / scale;
+}
+
+}  // namespace
+
+TEST_CASE("cuda apply_reduce_list: per-tensor sums in the chunked-tree order, updates as on the host",
+          "[cuda][apply_reduce]") {
+  const auto sizes = list_sizes(403, 17);
+  std::vector<std::vector<float>> hy, hx;
+  std::vector<dvec<float>> dy, dx;
+  std::vector<tensor_view<float, device_space>> ys;
+  std::vector<tensor_view<const float, device_space>> xs;
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    hy.push_back(eighths<float>(sizes[t], 2 * t));
+    hx.push_back(eighths<float>(sizes[t], 2 * t + 1));
+    dy.push_back(to_device(hy.back()));
+    dx.push_back(to_device(hx.back()));
+  }
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    ys.push_back(view(dy[t]));
+    xs.push_back(cview(dx[t]));
+  }
+  dvec<double> per(2 * sizes.size());
+  const gradapt::cuda b{};
+  b.apply_reduce_list(add_and_measure{}, view(per), ys, xs);
+  const auto got = to_host(per);
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    std::vector<double> sq(sizes[t]);
+    for (std::size_t i = 0; i < sizes[t]; ++i) sq[i] = double(hx[t][i]) * hx[t][i];
+    const double want = gradapt::chunking::chunked_tree_reduce(
+        sizes[t], 0.0, [&](double a, std::size_t i) { return a + sq[i]; },
+        [](double a, double c) { return a + c; });
+    INFO("tensor " << t << " of size " << sizes[t]);
+    REQUIRE(bits(got[2 * t]) == bits(want));
+    REQUIRE(got[2 * t + 1] == double(sizes[t]));
+    const auto y = to_host(dy[t]);
+    for (std::size_t i = 0; i < sizes[t]; ++i) REQUIRE(bits(y[i]) == bits(hy[t][i] + hx[t][i]));
+  }
+  // Size checks.
+  dvec<double> wrong(3);
+  REQUIRE(error_of([&] {
+            b.apply_reduce_list(add_and_measure{}, view(wrong), ys, xs);
+          }).find("per_tensor has 3 elements for 403 tensors x 2 values") != std::string::npos);
+}
+
+TEST_CASE("cuda optimizers follow the host backend", "[cuda][optim]") {
+  REQUIRE(device_vs_host(gradapt::sgd({.momentum = 0.9, .nesterov = true, .weight_decay = 0.01}), 4) < 1e-5);
+  REQUIRE(device_vs_host(gradapt::adamw({.weight_decay = 0.01}), 4) < 1e-5);
+  REQUIRE(device_vs_host(gradapt::lamb({.weight_decay = 0.01, .max_grad_norm = 1.0, .max_trust_ratio = 10}),
+                         4) < 1e-5);
+  REQUIRE(device_vs_host(gradapt::lars({.weight_decay = 0.01}), 4) < 1e-5);
+}
+
+TEST_CASE("cuda optimizer state round-trips through a checkpoint", "[cuda][optim][checkpoint]") {
+  const auto sizes = list_sizes(97, 23);
+  std::vector<std::vector<float>> p0;
+  for (std::size_t t = 0; t < sizes.size(); ++t) p0.push_back(random_values<float>(sizes[t], 7 + t, -1, 1));
+  const gradapt::cuda cb{};
+  gradapt::lamb opt({.weight_decay = 0.01});
+  device_params a(p0, sizes);
+  auto sa = opt.init(cb, a.list);
+  const auto grads = [&](int s) {
+    std::vector<std::vector<float>> g;
+    for (std::size_t t = 0; t < sizes.size(); ++t)
+      g.push_back(random_values<float>(sizes[t], 500 * s + t, -0.1, 0.1));
+    return g;
+  };
+  for (int s = 1; s <= 2; ++s) {
+    a.set_grads(grads(s));
+    opt.step(cb, a.list, sa);
+  }
+  const auto bytes = sa.save(cb);
+  std::vector<std::vector<float>> p_saved;
+  for (auto& d : a.p) p_saved.push_back(to_host(d));
+  for (int s = 3; s <= 4; ++s) {
+    a.set_grads(grads(s));
+    opt.step(cb, a.list, sa);
+  }
+  device_params c(p_saved, sizes);
+  auto sc = opt.init(cb, c.list);
+  sc.load(cb, bytes);
+  for (int s = 3; s <= 4; ++s) {
+    c.set_grads(grads(s));
+    opt.step(cb, c.list, sc);
+  }
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    const auto x = to_host(a.p[t]), y = to_host(c.p[t]);
+    for (std::size_t i = 0; i < x.size(); ++i) REQUIRE(bits(x[i]) == bits(y[i]));
+  }
+  REQUIRE(sc.save(cb) == sa.save(cb));
+}
+
+TEST_CASE("cuda allocate and copy", "[cuda][memory]") {
+  const gradapt::cuda b{};
+  auto buf = b.allocate<float>(1000);
+  REQUIRE(buf.size() == 1000);
+  std::vector<float> h(1000, 1.0f), back(1000, 2.0f);
+  const auto dv = tensor_view<float, device_space>::vector(buf.data(), 1000);
+  b.copy(tensor_view<const float, device_space>(dv), gradapt::host_view(back));
+  for (float x : back) REQUIRE(x == 0.0f);  // zero-initialised
+  b.copy(tensor_view<const float, host_space>(gradapt::host_view(h)), dv);
+  b.copy(tensor_view<const float, device_space>(dv), gradapt::host_view(back));
+  REQUIRE(back == h);
+  std::vector<float> small(3);
+  REQUIRE(error_of([&] {
+            b.copy(tensor_view<const float, device_space>(dv), gradapt::host_view(small));
+          }).find("source has 1000 elements but destination has 3") != std::string::npos);
+  auto moved = std::move(buf);
+  REQUIRE(buf.data() == nullptr);
+  REQUIRE(moved.size() == 1000);
+  REQUIRE(b.allocate<double>(0).data() == nullptr);
+}

@@ -1,0 +1,99 @@
+// Prints the exact bits of every preset's parameters and state after a few steps on fixed
+// pseudo-random data (float, double, bfloat16 and half parameters; sizes that leave scalar
+// tails after the packs). Built twice, with the explicit pack path and with
+// -DGRADAPT_NO_VECTOR_EXTENSIONS (scalar functor calls); ctest compares the two outputs byte
+// for byte, because the two paths promise identical results.
+#include <cinttypes>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "gradapt/backend/host.hpp"
+#include "gradapt/optim/adamw.hpp"
+#include "gradapt/optim/lamb.hpp"
+#include "gradapt/optim/lars.hpp"
+#include "gradapt/optim/sgd.hpp"
+
+namespace {
+
+std::uint64_t state = 0x243f6a8885a308d3ull;
+double next() {  // splitmix64 -> [-1, 1) with a spread of magnitudes
+  std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  const double u = static_cast<double>(z >> 11) * 0x1.0p-53;
+  return (2 * u - 1) * std::ldexp(1.0, static_cast<int>(z & 7) - 4);
+}
+
+template <class T>
+void print(const char* what, const std::vector<T>& v) {
+  std::uint64_t h = 1469598103934665603ull;  // FNV-1a of the bytes, then the first elements
+  const auto* b = reinterpret_cast<const unsigned char*>(v.data());
+  for (std::size_t i = 0; i < v.size() * sizeof(T); ++i) h = (h ^ b[i]) * 1099511628211ull;
+  std::printf("%s %zu %016" PRIx64, what, v.size(), h);
+  for (std::size_t i = 0; i < v.size() && i < 3; ++i) {
+    std::uint64_t e = 0;
+    std::memcpy(&e, &v[i], sizeof(T));
+    std::printf(" %" PRIx64, e);
+  }
+  std::printf("\n");
+}
+
+template <class V, class G, class Opt>
+void run(const char* name, const Opt& opt) {
+  const std::vector<std::size_t> sizes{0, 1, 5, 8, 13, 4099, 70001, 300007};
+  std::vector<std::vector<V>> p(sizes.size());
+  std::vector<std::vector<G>> g(sizes.size());
+  gradapt::param_list<V, G> params;
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    p[t].resize(sizes[t]);
+    g[t].resize(sizes[t]);
+    for (auto& x : p[t]) gradapt::store(x, static_cast<gradapt::compute_t<V>>(next()));
+    params.add("t" + std::to_string(t), gradapt::host_view(p[t]), gradapt::host_view(g[t]),
+               {.skip_weight_decay = t == 2, .skip_trust_ratio = t == 3});
+  }
+  gradapt::host backend{.threads = 2};
+  auto st = opt.init(backend, params);
+  for (int s = 0; s < 3; ++s) {
+    for (auto& t : g)
+      for (auto& x : t) gradapt::store(x, static_cast<gradapt::compute_t<G>>(next() * 0.1));
+    opt.step(backend, params, st, {.lr = 0.01 * (s + 1)});
+  }
+  std::printf("== %s\n", name);
+  for (const auto& t : p) print("p", t);
+  for (std::size_t j = 0; j < st.buffer_count(); ++j)
+    for (const auto& v : st.buffer(j)) {
+      std::vector<typename std::remove_cvref_t<decltype(v)>::value_type> copy(v.data(), v.data() + v.size());
+      print("state", copy);
+    }
+}
+
+template <class V, class G>
+void all(const char* type) {
+  const std::string t(type);
+  run<V, G>((t + " sgd").c_str(), gradapt::sgd({.momentum = 0.9, .nesterov = true, .weight_decay = 0.01}));
+  run<V, G>((t + " adamw").c_str(), gradapt::adamw({.eps_root = 1e-9, .weight_decay = 0.01}));
+  run<V, G>(
+      (t + " lamb").c_str(),
+      gradapt::lamb(
+          {.weight_decay = 0.01, .max_grad_norm = 0.5, .min_trust_ratio = 0.01, .max_trust_ratio = 10}));
+  run<V, G>((t + " lars").c_str(), gradapt::lars({.weight_decay = 0.01, .nesterov = true}));
+  run<V, G>((t + " lars paper").c_str(),
+            gradapt::lars(
+                {.weight_decay = 0.01, .denominator = gradapt::transform::lars_denominator::sum_of_norms}));
+}
+
+}  // namespace
+
+int main() {
+  all<float, float>("float");
+  all<double, double>("double");
+  all<float, gradapt::bfloat16>("float/bf16");
+  all<float, gradapt::half>("float/half");
+  all<gradapt::bfloat16, gradapt::bfloat16>("bf16");
+  all<gradapt::half, gradapt::half>("half");
+  return 0;
+}
