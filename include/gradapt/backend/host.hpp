@@ -829,8 +829,12 @@ void apply_reduce_one(F& f, tensor_index t, std::size_t n, [[maybe_unused]] int 
 /// Determinism: reductions use a fixed blocking (4096-element blocks, 8 double accumulators
 /// per block, blocks added in order, tensors added in order), independent of `threads`.
 struct host {
+  /// Views this backend accepts: ordinary host memory.
   using space = host_space;
 
+  /// OpenMP threads per operation: 0 (default) for OpenMP's default, else a positive count.
+  /// A negative count makes the operations throw gradapt::error (`thread_count()` checks it);
+  /// without OpenMP a valid count is ignored. Results do not depend on it.
   int threads = 0;
 
   /// Threads actually used.

@@ -53,6 +53,8 @@
 /// GRADAPT_NO_VECTOR_EXTENSIONS), 0 otherwise.
 #define GRADAPT_SIMD_PACKS 1
 #else
+/// 0: this compilation (a device compiler, a non-GNU host compiler, or
+/// GRADAPT_NO_VECTOR_EXTENSIONS) has no `gradapt::simd::pack`; only the scalar paths exist.
 #define GRADAPT_SIMD_PACKS 0
 #endif
 

@@ -19,26 +19,24 @@
 namespace gradapt {
 
 /// Options of `gradapt::adamw`, e.g. `gradapt::adamw({.lr = 3e-4, .weight_decay = 0.1})`.
-///
-/// | name              | type                             | default | meaning |
-/// |-------------------|----------------------------------|---------|--------------------------------------------------|
-/// | lr                | double                           | 1e-3    | η (a step's `step_args::lr` overrides
-/// it)       | | b1                | double                           | 0.9     | first-moment decay | | b2
-/// | double                           | 0.999   | second-moment decay                              | | eps |
-/// double                           | 1e-8    | added to √v̂ (outside the root)                   | | eps_root
-/// | double                           | 0       | added to v̂ (inside the root)                     | |
-/// weight_decay      | double                           | 1e-4    | λ (optax's default; PyTorch's is 1e-2) |
-/// | bias_correction   | bool                             | true    | divide the moments by 1 − b^t | |
-/// skip_weight_decay | std::function<bool(string_view)> | empty   | names that get no decay (with
-/// param_flags)       |
+/// The `adamw` constructor validates them and throws gradapt::error naming a bad one.
 struct adamw_options {
+  /// η, finite. Default 1e-3. A step's `step_args::lr` overrides it.
   double lr = 1e-3;
+  /// First-moment decay, in [0, 1). Default 0.9.
   double b1 = 0.9;
+  /// Second-moment decay, in [0, 1). Default 0.999.
   double b2 = 0.999;
+  /// Added to √v̂ (outside the root); finite, >= 0. Default 1e-8.
   double eps = 1e-8;
+  /// Added to v̂ (inside the root); finite, >= 0. Default 0.
   double eps_root = 0.0;
+  /// λ, finite. Default 1e-4 (optax's default; PyTorch's is 1e-2).
   double weight_decay = 1e-4;
+  /// Divide the moments by 1 − b^t. Default true.
   bool bias_correction = true;
+  /// Returns true for parameter names that get no decay (in addition to
+  /// `param_flags::skip_weight_decay`). Default empty: no name is skipped.
   std::function<bool(std::string_view)> skip_weight_decay = {};
 };
 

@@ -462,17 +462,19 @@ concept optimizer_backend = backend<B> &&
 template <class Chain, class B, class V, class G, class S>
 class chain_state {
  public:
-  using backend_type = B;
-  using space = typename B::space;
-  using value_type = V;
-  using grad_type = G;
-  using state_element = S;
-  using plan = typename Chain::plan;
+  using backend_type = B;             ///< the backend the buffers live on
+  using space = typename B::space;    ///< memory space of the views (host_space, device_space)
+  using value_type = V;               ///< parameter element type
+  using grad_type = G;                ///< gradient element type
+  using state_element = S;            ///< element type of the state buffers
+  using plan = typename Chain::plan;  ///< the chain's compile-time stage layout
 
   chain_state() = default;
   /// Move-only: the per-tensor views point into the state's own buffers. Duplicate a state
   /// through `save` and `load`.
   chain_state(chain_state&&) noexcept = default;
+  /// Move assignment: takes over the other state's buffers (the views stay valid, the memory
+  /// does not move).
   chain_state& operator=(chain_state&&) noexcept = default;
   chain_state(const chain_state&) = delete;
   chain_state& operator=(const chain_state&) = delete;
@@ -625,12 +627,18 @@ class chain_state {
 template <class... Stages>
 class chain {
  public:
+  /// Compile-time layout of the stages: state-buffer and per-tensor-slot offsets, barriers,
+  /// which stages are optional.
   using plan = detail::optim::plan<Stages...>;
   /// The state type for backend B, parameters V, gradients G and state elements S.
   template <class B, element V, element G = V, element S = compute_t<V>>
   using state_type = chain_state<chain, B, V, G, S>;
 
+  /// Every stage with its default options.
+  /// @throws gradapt::error if a stage's defaults fail its `validate()` (a user-written stage)
   chain() { validate(); }
+  /// The stages in order, with their options.
+  /// @throws gradapt::error naming the first invalid option (each stage's `validate()`)
   explicit chain(Stages... stages) : stages_(std::move(stages)...) { validate(); }
 
   /// Stage I (options readable and writable between steps).
@@ -638,6 +646,7 @@ class chain {
   auto& stage() {
     return std::get<I>(stages_);
   }
+  /// Stage I, read-only.
   template <std::size_t I>
   const auto& stage() const {
     return std::get<I>(stages_);

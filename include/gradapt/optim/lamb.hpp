@@ -30,34 +30,34 @@
 namespace gradapt {
 
 /// Options of `gradapt::lamb`, e.g. `gradapt::lamb({.lr = 1e-3, .weight_decay = 0.01})`.
-///
-/// | name              | type                             | default | meaning |
-/// |-------------------|----------------------------------|---------|----------------------------------------------------------|
-/// | lr                | double                           | 1e-3    | η (a step's `step_args::lr` overrides
-/// it)               | | b1                | double                           | 0.9     | first-moment decay
-/// | | b2                | double                           | 0.999   | second-moment decay | | eps | double
-/// | 1e-6    | added to √v̂ (outside the root; optax's and apex's place) | | eps_root          | double | 0 |
-/// added to v̂ inside the root                               | | weight_decay      | double | 0       | λ,
-/// decoupled, inside the trust ratio (optax: 0, apex: 0.01) | | bias_correction   | bool | true    | divide
-/// the moments by 1 − b^t (apex's switch)            | | max_grad_norm     | double | +inf    | clip the
-/// global gradient norm to this first (apex: 1.0)  | | min_trust_ratio   | double                           |
-/// 0       | lower clamp of r (DeepSpeed: 0.01)                       | | max_trust_ratio   | double | +inf
-/// | upper clamp of r (DeepSpeed: 10)                         | | skip_weight_decay |
-/// std::function<bool(string_view)> | empty   | names with λ = 0 (in addition to param_flags)            | |
-/// skip_trust_ratio  | std::function<bool(string_view)> | empty   | names with r = 1 (in addition to
-/// param_flags)            |
+/// The `lamb` constructor validates them and throws gradapt::error naming a bad one.
 struct lamb_options {
+  /// η, finite. Default 1e-3. A step's `step_args::lr` overrides it.
   double lr = 1e-3;
+  /// First-moment decay, in [0, 1). Default 0.9.
   double b1 = 0.9;
+  /// Second-moment decay, in [0, 1). Default 0.999.
   double b2 = 0.999;
+  /// Added to √v̂ (outside the root: optax's and apex's place); finite, >= 0. Default 1e-6.
   double eps = 1e-6;
+  /// Added to v̂ inside the root; finite, >= 0. Default 0.
   double eps_root = 0.0;
+  /// λ, decoupled, inside the trust ratio; finite. Default 0 (optax: 0, apex: 0.01).
   double weight_decay = 0.0;
+  /// Divide the moments by 1 − b^t (apex's switch). Default true.
   bool bias_correction = true;
+  /// Clip the global gradient norm to this first; >= 0. Default +inf: no clipping, no extra
+  /// pass (apex: 1.0).
   double max_grad_norm = std::numeric_limits<double>::infinity();
+  /// Lower clamp of r, >= 0. Default 0 (DeepSpeed: 0.01).
   double min_trust_ratio = 0.0;
+  /// Upper clamp of r, >= min_trust_ratio. Default +inf (DeepSpeed: 10).
   double max_trust_ratio = std::numeric_limits<double>::infinity();
+  /// Returns true for parameter names with λ = 0 (in addition to
+  /// `param_flags::skip_weight_decay`). Default empty: no name is skipped.
   std::function<bool(std::string_view)> skip_weight_decay = {};
+  /// Returns true for parameter names with r = 1 (in addition to
+  /// `param_flags::skip_trust_ratio`). Default empty: no name is skipped.
   std::function<bool(std::string_view)> skip_trust_ratio = {};
 };
 

@@ -26,28 +26,28 @@
 namespace gradapt {
 
 /// Options of `gradapt::lars`, e.g. `gradapt::lars({.lr = 1.0, .weight_decay = 1e-4})`.
-///
-/// | name              | type                             | default     | meaning |
-/// |-------------------|----------------------------------|-------------|-------------------------------------------------|
-/// | lr                | double                           | 1e-3        | η (a step's `step_args::lr`
-/// overrides it)      | | weight_decay      | double                           | 0           | λ | |
-/// trust_coefficient | double                           | 0.001       | k (η in the paper) | | eps | double
-/// | 0           | added to the trust-ratio denominator            | | momentum          | double | 0.9 | μ
-/// in [0, 1]; 0 drops the buffer                 | | nesterov          | bool                             |
-/// false       | Nesterov momentum                               | | denominator       |
-/// transform::lars_denominator      | norm_of_sum | ‖g+λp‖ (optax) or ‖g‖+λ‖p‖ (paper, apex LARC)   | |
-/// skip_weight_decay | std::function<bool(string_view)> | empty       | names with λ = 0 (with param_flags) |
-/// | skip_trust_ratio  | std::function<bool(string_view)> | empty       | names with r = 1 (with param_flags)
-/// |
+/// The `lars` constructor validates them and throws gradapt::error naming a bad one.
 struct lars_options {
+  /// η, finite. Default 1e-3. A step's `step_args::lr` overrides it.
   double lr = 1e-3;
+  /// λ, finite. Default 0.
   double weight_decay = 0.0;
+  /// k (η in the paper); finite, > 0. Default 0.001.
   double trust_coefficient = 0.001;
+  /// Added to the trust-ratio denominator; finite, >= 0. Default 0.
   double eps = 0.0;
+  /// μ, in [0, 1]. Default 0.9; 0 drops the buffer.
   double momentum = 0.9;
+  /// Nesterov momentum. Default false.
   bool nesterov = false;
+  /// ‖g + λp‖ (norm_of_sum, optax's; the default) or ‖g‖ + λ‖p‖ (sum_of_norms: the paper,
+  /// apex's LARC).
   transform::lars_denominator denominator = transform::lars_denominator::norm_of_sum;
+  /// Returns true for parameter names with λ = 0 (in addition to
+  /// `param_flags::skip_weight_decay`). Default empty: no name is skipped.
   std::function<bool(std::string_view)> skip_weight_decay = {};
+  /// Returns true for parameter names with r = 1 (in addition to
+  /// `param_flags::skip_trust_ratio`). Default empty: no name is skipped.
   std::function<bool(std::string_view)> skip_trust_ratio = {};
 };
 

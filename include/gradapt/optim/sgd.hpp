@@ -24,20 +24,18 @@
 namespace gradapt {
 
 /// Options of `gradapt::sgd`, e.g. `gradapt::sgd({.lr = 0.1, .momentum = 0.9})`.
-///
-/// | name              | type                             | default | meaning |
-/// |-------------------|----------------------------------|---------|---------------------------------------------------|
-/// | lr                | double                           | 1e-3    | η (a step's `step_args::lr` overrides
-/// it)        | | momentum          | double                           | 0       | μ in [0, 1]; 0: plain SGD,
-/// no buffer (optax: None) | | nesterov          | bool                             | false   | Nesterov
-/// momentum (needs μ > 0, as in PyTorch)    | | weight_decay      | double                           | 0 | λ,
-/// added to the gradient before momentum          | | skip_weight_decay | std::function<bool(string_view)> |
-/// empty   | names that get no decay (with param_flags)        |
+/// The `sgd` constructor validates them and throws gradapt::error naming a bad one.
 struct sgd_options {
+  /// η, finite. Default 1e-3. A step's `step_args::lr` overrides it.
   double lr = 1e-3;
+  /// μ, in [0, 1]. Default 0: plain SGD, no buffer (optax: None).
   double momentum = 0.0;
+  /// Nesterov momentum; needs μ > 0, as in PyTorch. Default false.
   bool nesterov = false;
+  /// λ, finite, added to the gradient before momentum. Default 0.
   double weight_decay = 0.0;
+  /// Returns true for parameter names that get no decay (in addition to
+  /// `param_flags::skip_weight_decay`). Default empty: no name is skipped.
   std::function<bool(std::string_view)> skip_weight_decay = {};
 };
 

@@ -9,19 +9,23 @@
 /// compute in the compute type C (float for float/half/bfloat16 parameters, double for
 /// double); norms and their sums are accumulated in double.
 ///
-/// | stage                   | formula                                                        | state  |
-/// passes          |
-/// |-------------------------|----------------------------------------------------------------|--------|-----------------|
-/// | scale_by_adam           | m ← b1 m + (1−b1) u; v ← b2 v + (1−b2) u²; u ← m̂ / (√(v̂ + ε_root) + ε) | m, v
-/// | element | | add_decayed_weights     | u ← u + λ p                                                    | –
-/// | element         | | trace                   | τ ← u + μ τ; u ← τ (Nesterov: u + μ τ) | τ      | element
-/// | | scale_by_learning_rate  | u ← −η s u (s: the group's lr_scale)                           | –      |
-/// element         | | scale                   | u ← c u | –      | element         | | scale_by_trust_ratio
-/// | u ← r u, r = k ‖p‖ / (‖u‖ + ε) (1 if a norm is 0), clamped      | –      | per-tensor norm | |
-/// scale_by_lars           | u ← r (u + λ p), r = k ‖p‖ / (‖u + λp‖ + ε) or k ‖p‖ / (‖u‖ + λ‖p‖ + ε) | – |
-/// per-tensor norm | | clip_by_global_norm     | u ← u · c/‖u‖ when ‖u‖ > c (‖·‖ over all tensors) | –      |
-/// global norm     | | clip_by_block_rms       | u ← u / max(1, rms(u)/c) per tensor | –      | per-tensor
-/// norm |
+/// The stages: formula; state buffers; whether the stage fuses into a pass (element-wise) or
+/// ends one (it needs a norm first).
+///
+///  - scale_by_adam: m ← b1 m + (1−b1) u; v ← b2 v + (1−b2) u²; u ← m̂ / (√(v̂ + ε_root) + ε).
+///    State m, v; element-wise.
+///  - add_decayed_weights: u ← u + λ p. No state; element-wise.
+///  - trace: τ ← u + μ τ; u ← τ (Nesterov: u ← u + μ τ). State τ; element-wise.
+///  - scale_by_learning_rate: u ← −η s u (s: the group's lr_scale). No state; element-wise.
+///  - scale: u ← c u. No state; element-wise.
+///  - scale_by_trust_ratio: u ← r u, r = k ‖p‖ / (‖u‖ + ε) (1 if a norm is 0), clamped. No state;
+///    ends a pass (per-tensor norms).
+///  - scale_by_lars: u ← r (u + λ p), r = k ‖p‖ / (‖u + λp‖ + ε) or k ‖p‖ / (‖u‖ + λ‖p‖ + ε).
+///    No state; ends a pass (per-tensor norms).
+///  - clip_by_global_norm: u ← u · c/‖u‖ when ‖u‖ > c (‖·‖ over all tensors). No state; ends a
+///    pass (one global norm).
+///  - clip_by_block_rms: u ← u / max(1, rms(u)/c) per tensor. No state; ends a pass (per-tensor
+///    norms).
 ///
 /// References: Adam, Kingma & Ba 2015 (arXiv:1412.6980); decoupled weight decay, Loshchilov &
 /// Hutter 2019 (arXiv:1711.05101); LARS, You, Gitman & Ginsburg 2017 (arXiv:1708.03888); LAMB,
@@ -77,57 +81,79 @@ GRADAPT_HD GRADAPT_INLINE double dsqrt(double x) { return simd::sqrt(x); }
 /// bias corrections are computed in double per step and applied as multiplications by their
 /// reciprocals. Replay (after a barrier) recomputes u from the stored m and v, so the gradient
 /// is not read again.
-///
-/// | name            | type   | default | meaning                                           |
-/// |-----------------|--------|---------|---------------------------------------------------|
-/// | b1              | double | 0.9     | first-moment decay, in [0, 1)                     |
-/// | b2              | double | 0.999   | second-moment decay, in [0, 1)                    |
-/// | eps             | double | 1e-8    | added to √v̂ (outside the root), >= 0              |
-/// | eps_root        | double | 0       | added to v̂ inside the root, >= 0                  |
-/// | bias_correction | bool   | true    | divide the moments by 1 − b^t (apex's switch)     |
 struct scale_by_adam {
+  /// First-moment decay b1, in [0, 1). Default 0.9.
   double b1 = 0.9;
+  /// Second-moment decay b2, in [0, 1). Default 0.999.
   double b2 = 0.999;
+  /// eps, added to √v̂ outside the root; finite, >= 0. Default 1e-8 (LAMB uses 1e-6).
   double eps = 1e-8;
+  /// eps_root, added to v̂ inside the root; finite, >= 0. Default 0.
   double eps_root = 0.0;
+  /// Divide the moments by 1 − b^t (apex's `bias_correction` switch). Default true.
   bool bias_correction = true;
 
-  static constexpr std::size_t buffers = 2;  ///< m, v
-  static constexpr std::size_t tensor_slots = 0;
-  static constexpr bool barrier = false;
-  static constexpr bool optional = false;
-  static constexpr bool replay_ignores_input = true;
-  static constexpr bool uses_param = false;
+  static constexpr std::size_t buffers = 2;           ///< m, v
+  static constexpr std::size_t tensor_slots = 0;      ///< no per-tensor constants
+  static constexpr bool barrier = false;              ///< element-wise: fuses into a pass
+  static constexpr bool optional = false;             ///< always active
+  static constexpr bool replay_ignores_input = true;  ///< replay needs only m and v
+  static constexpr bool uses_param = false;           ///< never reads p
 
+  /// Checks the options (the chain calls it when it is built and at `init`).
+  /// @throws gradapt::error naming the option when b1 or b2 is outside [0, 1) or eps or eps_root
+  ///         is negative or not finite
   void validate() const {
     detail::check_range(b1, 0.0, 1.0, false, "scale_by_adam", "b1", "0.9 is typical");
     detail::check_range(b2, 0.0, 1.0, false, "scale_by_adam", "b2", "0.999 is typical");
     detail::check_nonneg(eps, "scale_by_adam", "eps", "1e-8 for Adam, 1e-6 for LAMB");
     detail::check_nonneg(eps_root, "scale_by_adam", "eps_root", "usually 0");
   }
+  /// Writes nothing: the stage has no per-tensor constants.
   void tensor_constants(const tensor_setup&, double*) const {}
 
   /// Element math of scale_by_adam in compute type C.
   template <class C>
   struct kernel {
+    /// @var b1
+    /// First-moment decay b1, rounded to C.
+    /// @var omb1
+    /// 1 − b1, formed in double, then rounded to C.
+    /// @var b2
+    /// Second-moment decay b2, rounded to C.
+    /// @var omb2
+    /// 1 − b2, formed in double, then rounded to C.
+    /// @var inv_bc1
+    /// 1 / (1 − b1^t) for this step (1 without bias correction).
+    /// @var inv_bc2
+    /// 1 / (1 − b2^t) for this step (1 without bias correction).
+    /// @var eps
+    /// eps, added to √v̂.
+    /// @var eps_root
+    /// eps_root, added to v̂ inside the root.
     C b1, omb1, b2, omb2, inv_bc1, inv_bc2, eps, eps_root;
 
+    /// The update direction m̂ / (√(v̂ + eps_root) + eps) from the advanced moments m and v.
     template <class V>
     GRADAPT_HD GRADAPT_INLINE V direction(const V& m, const V& v) const {
       return (m * inv_bc1) / (simd::sqrt(v * inv_bc2 + eps_root) + eps);
     }
+    /// Advances m and v with the incoming u, then sets u to `direction(m, v)`.
     template <class V>
     GRADAPT_HD GRADAPT_INLINE void update(V& u, const V&, const double*, V& m, V& v) const {
       m = omb1 * u + b1 * m;
       v = omb2 * (u * u) + b2 * v;
       u = direction(m, v);
     }
+    /// Sets u to `direction(m, v)` from the already advanced moments; reads no input u.
     template <class V>
     GRADAPT_HD GRADAPT_INLINE void replay(V& u, const V&, const double*, const V& m, const V& v) const {
       u = direction(m, v);
     }
   };
 
+  /// The kernel for step `s.step` (t): the decays and 1 − b rounded to C, and the reciprocal bias
+  /// corrections 1 / (1 − b^t) computed in double with std::pow.
   template <class C>
   kernel<C> prepare(const step_context& s) const {
     const double t = static_cast<double>(s.step);
@@ -144,43 +170,49 @@ struct scale_by_adam {
 /// one, and 0 for a parameter whose `param_flags::skip_weight_decay` is set or for which the
 /// `skip` predicate returns true (biases and norm layers, typically). A tensor with λ = 0 is
 /// left exactly as it is (optax's mask semantics).
-///
-/// | name         | type                               | default | meaning                              |
-/// |--------------|------------------------------------|---------|--------------------------------------|
-/// | weight_decay | double                             | 0       | λ, finite                            |
-/// | skip         | std::function<bool(string_view)>   | empty   | true for names that get no decay     |
 struct add_decayed_weights {
+  /// λ; finite. Default 0 (no decay).
   double weight_decay = 0.0;
+  /// Returns true for parameter names that get no decay (in addition to
+  /// `param_flags::skip_weight_decay`). Default empty: no name is skipped.
   std::function<bool(std::string_view)> skip = {};
 
-  static constexpr std::size_t buffers = 0;
-  static constexpr std::size_t tensor_slots = 1;  ///< λ of the tensor
-  static constexpr bool barrier = false;
-  static constexpr bool optional = false;
-  static constexpr bool replay_ignores_input = false;
-  static constexpr bool uses_param = true;
+  static constexpr std::size_t buffers = 0;            ///< no state
+  static constexpr std::size_t tensor_slots = 1;       ///< λ of the tensor
+  static constexpr bool barrier = false;               ///< element-wise: fuses into a pass
+  static constexpr bool optional = false;              ///< always active
+  static constexpr bool replay_ignores_input = false;  ///< replay recomputes from its input u
+  static constexpr bool uses_param = true;             ///< reads p
 
+  /// Checks the options (the chain calls it when it is built and at `init`).
+  /// @throws gradapt::error when weight_decay is not finite
   void validate() const {
     gradapt::detail::require(std::isfinite(weight_decay), "add_decayed_weights: weight_decay is ",
                              weight_decay, " (expected a finite value; 0 disables decay)");
   }
+  /// out[0] = the tensor's λ: 0 when its flags or `skip` mask it, else the group's
+  /// `weight_decay` when set, else `weight_decay`.
   void tensor_constants(const tensor_setup& ts, double* out) const {
     const bool off = ts.flags.skip_weight_decay || detail::predicate_says(skip, ts.name);
     out[0] = off ? 0.0 : ts.weight_decay.value_or(weight_decay);
   }
 
+  /// Element math of add_decayed_weights in compute type C; λ arrives per tensor in tc[0].
   template <class C>
   struct kernel {
+    /// u ← u + λ p with λ = tc[0] rounded to C; u is left untouched when λ is 0.
     template <class V>
     GRADAPT_HD GRADAPT_INLINE void update(V& u, const V& p, const double* tc) const {
       const C wd = static_cast<C>(tc[0]);
       if (wd != C(0)) u = u + wd * p;
     }
+    /// The same as `update` (the stage has no state to replay from).
     template <class V>
     GRADAPT_HD GRADAPT_INLINE void replay(V& u, const V& p, const double* tc) const {
       update(u, p, tc);
     }
   };
+  /// The kernel (stateless, no per-step constants).
   template <class C>
   kernel<C> prepare(const step_context&) const {
     return {};
@@ -195,42 +227,47 @@ struct add_decayed_weights {
 /// With τ starting at 0 this equals PyTorch's SGD momentum buffer (dampening 0), whose first
 /// step copies the gradient. A trace with μ = 0 is switched off: it keeps no buffer and costs
 /// no memory traffic.
-///
-/// | name     | type   | default | meaning                                 |
-/// |----------|--------|---------|-----------------------------------------|
-/// | decay    | double | 0.9     | μ, in [0, 1]; 0 switches the stage off  |
-/// | nesterov | bool   | false   | Nesterov's look-ahead form              |
 struct trace {
+  /// μ, in [0, 1]. Default 0.9; 0 switches the stage off.
   double decay = 0.9;
+  /// Nesterov's look-ahead form u ← u + μ τ instead of u ← τ. Default false.
   bool nesterov = false;
 
-  static constexpr std::size_t buffers = 1;  ///< τ
-  static constexpr std::size_t tensor_slots = 0;
-  static constexpr bool barrier = false;
-  static constexpr bool optional = true;
-  static constexpr bool replay_ignores_input = false;
-  static constexpr bool uses_param = false;
+  static constexpr std::size_t buffers = 1;            ///< τ
+  static constexpr std::size_t tensor_slots = 0;       ///< no per-tensor constants
+  static constexpr bool barrier = false;               ///< element-wise: fuses into a pass
+  static constexpr bool optional = true;               ///< off when decay is 0
+  static constexpr bool replay_ignores_input = false;  ///< replay needs its input u
+  static constexpr bool uses_param = false;            ///< never reads p
 
+  /// False when decay is 0: the stage then keeps no buffer and is not run.
   bool enabled() const { return decay != 0.0; }
+  /// Checks the options (the chain calls it when it is built and at `init`).
+  /// @throws gradapt::error when decay is outside [0, 1] or not finite
   void validate() const {
     detail::check_range(decay, 0.0, 1.0, true, "trace", "decay (momentum)", "0.9 is typical");
   }
+  /// Writes nothing: the stage has no per-tensor constants.
   void tensor_constants(const tensor_setup&, double*) const {}
 
+  /// Element math of trace in compute type C.
   template <class C>
   struct kernel {
-    C decay;
-    bool nesterov;
+    C decay;        ///< μ, rounded to C
+    bool nesterov;  ///< use the Nesterov form
+    /// τ ← u + μ τ, then u ← τ (Nesterov: u ← u + μ τ with the new τ).
     template <class V>
     GRADAPT_HD GRADAPT_INLINE void update(V& u, const V&, const double*, V& t) const {
       t = u + decay * t;
       u = nesterov ? u + decay * t : t;
     }
+    /// Rebuilds the u of `update` from its input u and the advanced τ; τ is not written.
     template <class V>
     GRADAPT_HD GRADAPT_INLINE void replay(V& u, const V&, const double*, const V& t) const {
       u = nesterov ? u + decay * t : t;
     }
   };
+  /// The kernel with μ rounded to C (no per-step constants).
   template <class C>
   kernel<C> prepare(const step_context&) const {
     return {static_cast<C>(decay), nesterov};
@@ -239,40 +276,45 @@ struct trace {
 
 /// The learning rate, as optax's `scale_by_learning_rate`: u ← −η s u, with η the step's
 /// `step_args::lr` when given (schedules), else `lr`, and s the parameter group's `lr_scale`.
-///
-/// | name      | type   | default | meaning                                        |
-/// |-----------|--------|---------|------------------------------------------------|
-/// | lr        | double | 1e-3    | η when a step passes none; finite              |
-/// | flip_sign | bool   | true    | multiply by −η (descent); false: by +η         |
 struct scale_by_learning_rate {
+  /// η when a step passes no `step_args::lr`; finite. Default 1e-3.
   double lr = 1e-3;
+  /// Multiply by −η (descent) when true, by +η when false. Default true.
   bool flip_sign = true;
 
-  static constexpr std::size_t buffers = 0;
-  static constexpr std::size_t tensor_slots = 1;  ///< the group's lr_scale
-  static constexpr bool barrier = false;
-  static constexpr bool optional = false;
-  static constexpr bool replay_ignores_input = false;
-  static constexpr bool uses_param = false;
+  static constexpr std::size_t buffers = 0;            ///< no state
+  static constexpr std::size_t tensor_slots = 1;       ///< the group's lr_scale
+  static constexpr bool barrier = false;               ///< element-wise: fuses into a pass
+  static constexpr bool optional = false;              ///< always active
+  static constexpr bool replay_ignores_input = false;  ///< replay recomputes from its input u
+  static constexpr bool uses_param = false;            ///< never reads p
 
+  /// Checks the options (the chain calls it when it is built and at `init`).
+  /// @throws gradapt::error when lr is not finite
   void validate() const {
     gradapt::detail::require(std::isfinite(lr), "scale_by_learning_rate: lr is ", lr,
                              " (expected a finite value)");
   }
+  /// out[0] = the tensor's group `lr_scale` (1 for a tensor outside any group).
   void tensor_constants(const tensor_setup& ts, double* out) const { out[0] = ts.lr_scale; }
 
+  /// Element math of scale_by_learning_rate in compute type C.
   template <class C>
   struct kernel {
     double factor;  ///< ±η
+    /// u ← (±η · s) u, with s = tc[0]; the product is formed in double, then rounded to C.
     template <class V>
     GRADAPT_HD GRADAPT_INLINE void update(V& u, const V&, const double* tc) const {
       u = u * static_cast<C>(factor * tc[0]);
     }
+    /// The same as `update` (the stage has no state to replay from).
     template <class V>
     GRADAPT_HD GRADAPT_INLINE void replay(V& u, const V& p, const double* tc) const {
       update(u, p, tc);
     }
   };
+  /// The kernel for this step: η = `s.lr` when set, else `lr`; negated when flip_sign.
+  /// @throws gradapt::error when the step's η is not finite (a schedule gone wrong)
   template <class C>
   kernel<C> prepare(const step_context& s) const {
     const double eta = s.lr.value_or(lr);
@@ -283,38 +325,42 @@ struct scale_by_learning_rate {
 };
 
 /// A constant factor: u ← c u.
-///
-/// | name   | type   | default | meaning          |
-/// |--------|--------|---------|------------------|
-/// | factor | double | 1       | c, finite        |
 struct scale {
+  /// c; finite. Default 1.
   double factor = 1.0;
 
-  static constexpr std::size_t buffers = 0;
-  static constexpr std::size_t tensor_slots = 0;
-  static constexpr bool barrier = false;
-  static constexpr bool optional = false;
-  static constexpr bool replay_ignores_input = false;
-  static constexpr bool uses_param = false;
+  static constexpr std::size_t buffers = 0;            ///< no state
+  static constexpr std::size_t tensor_slots = 0;       ///< no per-tensor constants
+  static constexpr bool barrier = false;               ///< element-wise: fuses into a pass
+  static constexpr bool optional = false;              ///< always active
+  static constexpr bool replay_ignores_input = false;  ///< replay recomputes from its input u
+  static constexpr bool uses_param = false;            ///< never reads p
 
+  /// Checks the options (the chain calls it when it is built and at `init`).
+  /// @throws gradapt::error when factor is not finite
   void validate() const {
     gradapt::detail::require(std::isfinite(factor), "scale: factor is ", factor,
                              " (expected a finite value)");
   }
+  /// Writes nothing: the stage has no per-tensor constants.
   void tensor_constants(const tensor_setup&, double*) const {}
 
+  /// Element math of scale in compute type C.
   template <class C>
   struct kernel {
-    C factor;
+    C factor;  ///< c, rounded to C
+    /// u ← c u.
     template <class V>
     GRADAPT_HD GRADAPT_INLINE void update(V& u, const V&, const double*) const {
       u = u * factor;
     }
+    /// The same as `update` (the stage has no state to replay from).
     template <class V>
     GRADAPT_HD GRADAPT_INLINE void replay(V& u, const V&, const double*) const {
       u = u * factor;
     }
   };
+  /// The kernel with c rounded to C (no per-step constants).
   template <class C>
   kernel<C> prepare(const step_context&) const {
     return {static_cast<C>(factor)};
@@ -332,32 +378,34 @@ struct scale {
 /// keeps r = 1. A NaN or inf in p or u makes r NaN (the tensor's update becomes NaN), as in
 /// optax and apex. The norms need the whole tensor's u, so this stage ends a pass: the chain
 /// measures ‖p‖² and ‖u‖² in the pass that produces u and applies r in the next one.
-///
-/// | name              | type                             | default | meaning |
-/// |-------------------|----------------------------------|---------|------------------------------------------|
-/// | trust_coefficient | double                           | 1       | k, finite > 0 | | eps               |
-/// double                           | 0       | added to n_u, >= 0                       | | min_norm |
-/// double                           | 0       | floor of both norms, >= 0                | | min_ratio |
-/// double                           | 0       | lower clamp of r (DeepSpeed: 0.01)       | | max_ratio |
-/// double                           | +inf    | upper clamp of r (DeepSpeed: 10)         | | skip |
-/// std::function<bool(string_view)> | empty   | true for names that keep r = 1           |
 struct scale_by_trust_ratio {
+  /// k; finite, > 0. Default 1 (LAMB).
   double trust_coefficient = 1.0;
+  /// Added to n_u in the denominator; finite, >= 0. Default 0.
   double eps = 0.0;
+  /// Floor of both norms; finite, >= 0. Default 0 (no floor).
   double min_norm = 0.0;
+  /// Lower clamp of r, >= 0. Default 0 (DeepSpeed's LAMB: 0.01).
   double min_ratio = 0.0;
+  /// Upper clamp of r, >= min_ratio. Default +inf (DeepSpeed's LAMB: 10).
   double max_ratio = std::numeric_limits<double>::infinity();
+  /// Returns true for parameter names that keep r = 1 (in addition to
+  /// `param_flags::skip_trust_ratio`). Default empty: no name is skipped.
   std::function<bool(std::string_view)> skip = {};
 
-  static constexpr std::size_t buffers = 0;
-  static constexpr std::size_t tensor_slots = 1;  ///< 1 when the ratio applies, 0 when masked
-  static constexpr bool barrier = true;
-  static constexpr bool global = false;
-  static constexpr std::size_t terms = 2;  ///< ‖p‖², ‖u‖²
-  static constexpr bool optional = false;
-  static constexpr bool replay_ignores_input = false;
-  static constexpr bool uses_param = true;
+  static constexpr std::size_t buffers = 0;            ///< no state
+  static constexpr std::size_t tensor_slots = 1;       ///< 1 when the ratio applies, 0 when masked
+  static constexpr bool barrier = true;                ///< needs whole-tensor norms: ends a pass
+  static constexpr bool global = false;                ///< one ratio per tensor
+  static constexpr std::size_t terms = 2;              ///< ‖p‖², ‖u‖²
+  static constexpr bool optional = false;              ///< always active
+  static constexpr bool replay_ignores_input = false;  ///< replay recomputes from its input u
+  static constexpr bool uses_param = true;             ///< reads p (its norm)
 
+  /// Checks the options (the chain calls it when it is built and at `init`).
+  /// @throws gradapt::error naming the option when trust_coefficient is not finite and > 0, eps
+  ///         or min_norm is negative or not finite, or the clamp is not 0 <= min_ratio <=
+  ///         max_ratio (NaN included)
   void validate() const {
     gradapt::detail::require(std::isfinite(trust_coefficient) && trust_coefficient > 0.0,
                              "scale_by_trust_ratio: trust_coefficient is ", trust_coefficient,
@@ -370,13 +418,26 @@ struct scale_by_trust_ratio {
         "] (expected 0 <= min_ratio <= max_ratio; DeepSpeed uses [0.01, 10], "
         "[0, inf] disables the clamp)");
   }
+  /// out[0] = 0 when the tensor's flags or `skip` mask the ratio, else 1.
   void tensor_constants(const tensor_setup& ts, double* out) const {
     out[0] = ts.flags.skip_trust_ratio || detail::predicate_says(skip, ts.name) ? 0.0 : 1.0;
   }
 
+  /// Element math and ratio of scale_by_trust_ratio; C is the compute type of the elements.
   template <class C>
   struct kernel {
+    /// @var k
+    /// trust_coefficient.
+    /// @var eps
+    /// eps, added to n_u.
+    /// @var min_norm
+    /// Floor of both norms.
+    /// @var lo
+    /// min_ratio, the lower clamp of r.
+    /// @var hi
+    /// max_ratio, the upper clamp of r.
     double k, eps, min_norm, lo, hi;
+    /// The terms summed per tensor in double: p² and u².
     template <class V>
     GRADAPT_HD GRADAPT_INLINE simd::terms_t<V, 2> measure(const V& u, const V& p, const double*) const {
       simd::terms_t<V, 2> r;
@@ -386,6 +447,8 @@ struct scale_by_trust_ratio {
       r[1] = uw * uw;
       return r;
     }
+    /// r from the tensor's sums (sums[0] = ‖p‖², sums[1] = ‖u‖²): 1 when masked (tc[0] = 0) or
+    /// a floored norm is 0, else k n_p / (n_u + eps) clamped to [lo, hi].
     GRADAPT_HD double finalize(const double* sums, const double* tc) const {
       if (tc[0] == 0.0) return 1.0;
       const double pn = simd::max(detail::dsqrt(sums[0]), min_norm);
@@ -396,11 +459,13 @@ struct scale_by_trust_ratio {
       if (r > hi) r = hi;
       return r;
     }
+    /// u ← r u, with `factor` the tensor's r rounded to C.
     template <class V>
     GRADAPT_HD GRADAPT_INLINE void apply(V& u, const V&, C factor, const double*) const {
       u = u * factor;
     }
   };
+  /// The kernel (the options in double; no per-step constants).
   template <class C>
   kernel<C> prepare(const step_context&) const {
     return {trust_coefficient, eps, min_norm, min_ratio, max_ratio};
@@ -426,32 +491,37 @@ enum class lars_denominator : std::uint8_t {
 /// override); r is masked (kept at 1) by `param_flags::skip_trust_ratio` or the
 /// `skip_trust_ratio` predicate. With norm_of_sum this is optax's
 /// `chain(add_decayed_weights, masked(scale_by_trust_ratio))`.
-///
-/// | name              | type                             | default     | meaning                       |
-/// |-------------------|----------------------------------|-------------|-------------------------------|
-/// | weight_decay      | double                           | 0           | λ, finite                     |
-/// | trust_coefficient | double                           | 0.001       | k (η in the paper), > 0       |
-/// | eps               | double                           | 0           | added to the denominator      |
-/// | denominator       | lars_denominator                 | norm_of_sum | see above                     |
-/// | skip_weight_decay | std::function<bool(string_view)> | empty       | names with λ = 0              |
-/// | skip_trust_ratio  | std::function<bool(string_view)> | empty       | names with r = 1              |
 struct scale_by_lars {
+  /// λ; finite. Default 0. A group's `weight_decay` replaces it for the group's tensors.
   double weight_decay = 0.0;
+  /// k (η in the paper); finite, > 0. Default 0.001 (optax's).
   double trust_coefficient = 0.001;
+  /// Added to the denominator; finite, >= 0. Default 0 (optax's).
   double eps = 0.0;
+  /// Which norm forms the denominator (see lars_denominator). Default norm_of_sum (optax's).
   lars_denominator denominator = lars_denominator::norm_of_sum;
+  /// Returns true for parameter names that get λ = 0 (in addition to
+  /// `param_flags::skip_weight_decay`). Default empty: no name is skipped.
   std::function<bool(std::string_view)> skip_weight_decay = {};
+  /// Returns true for parameter names that keep r = 1 (in addition to
+  /// `param_flags::skip_trust_ratio`). Default empty: no name is skipped.
   std::function<bool(std::string_view)> skip_trust_ratio = {};
 
-  static constexpr std::size_t buffers = 0;
-  static constexpr std::size_t tensor_slots = 2;  ///< λ of the tensor, trust ratio on (1) / off (0)
-  static constexpr bool barrier = true;
-  static constexpr bool global = false;
-  static constexpr std::size_t terms = 2;  ///< ‖p‖², and ‖u + λp‖² (norm_of_sum) or ‖u‖² (sum_of_norms)
-  static constexpr bool optional = false;
-  static constexpr bool replay_ignores_input = false;
-  static constexpr bool uses_param = true;
+  static constexpr std::size_t buffers = 0;  ///< no state
+  /// λ of the tensor, and trust ratio on (1) / off (0)
+  static constexpr std::size_t tensor_slots = 2;
+  static constexpr bool barrier = true;  ///< needs whole-tensor norms: ends a pass
+  static constexpr bool global = false;  ///< one ratio per tensor
+  /// ‖p‖², and ‖u + λp‖² (norm_of_sum) or ‖u‖² (sum_of_norms)
+  static constexpr std::size_t terms = 2;
+  static constexpr bool optional = false;              ///< always active
+  static constexpr bool replay_ignores_input = false;  ///< replay recomputes from its input u
+  static constexpr bool uses_param = true;             ///< reads p (decay and its norm)
 
+  /// Checks the options (the chain calls it when it is built and at `init`).
+  /// @throws gradapt::error naming the option when weight_decay is not finite, trust_coefficient
+  ///         is not finite and > 0, eps is negative or not finite, or denominator is not one of
+  ///         the enumerators
   void validate() const {
     gradapt::detail::require(std::isfinite(weight_decay), "scale_by_lars: weight_decay is ", weight_decay,
                              " (expected a finite value)");
@@ -463,21 +533,31 @@ struct scale_by_lars {
         denominator == lars_denominator::norm_of_sum || denominator == lars_denominator::sum_of_norms,
         "scale_by_lars: unknown denominator ", static_cast<int>(denominator));
   }
+  /// out[0] = the tensor's λ (0 when its flags or `skip_weight_decay` mask it, else the group's
+  /// `weight_decay` when set, else `weight_decay`); out[1] = 0 when its flags or
+  /// `skip_trust_ratio` mask the ratio, else 1.
   void tensor_constants(const tensor_setup& ts, double* out) const {
     const bool no_wd = ts.flags.skip_weight_decay || detail::predicate_says(skip_weight_decay, ts.name);
     out[0] = no_wd ? 0.0 : ts.weight_decay.value_or(weight_decay);
     out[1] = ts.flags.skip_trust_ratio || detail::predicate_says(skip_trust_ratio, ts.name) ? 0.0 : 1.0;
   }
 
+  /// Element math and ratio of scale_by_lars; C is the compute type of the elements.
   template <class C>
   struct kernel {
+    /// @var k
+    /// trust_coefficient.
+    /// @var eps
+    /// eps, added to the denominator.
     double k, eps;
-    bool sum_of_norms;
+    bool sum_of_norms;  ///< true: the paper's denominator ‖u‖ + λ‖p‖ + eps
+    /// d = u + λ p with λ = tc[0] rounded to C (u itself when λ is 0).
     template <class V>
     GRADAPT_HD GRADAPT_INLINE V decayed(const V& u, const V& p, const double* tc) const {
       const C wd = static_cast<C>(tc[0]);
       return wd != C(0) ? V(u + wd * p) : u;
     }
+    /// The terms summed per tensor in double: p², and d² (norm_of_sum) or u² (sum_of_norms).
     template <class V>
     GRADAPT_HD GRADAPT_INLINE simd::terms_t<V, 2> measure(const V& u, const V& p, const double* tc) const {
       simd::terms_t<V, 2> r;
@@ -487,6 +567,8 @@ struct scale_by_lars {
       r[1] = dw * dw;
       return r;
     }
+    /// r from the tensor's sums: 1 when the ratio is masked (tc[1] = 0) or ‖p‖ or the measured
+    /// norm is 0, else k‖p‖ / (‖d‖ + eps) or k‖p‖ / (‖u‖ + λ‖p‖ + eps).
     GRADAPT_HD double finalize(const double* sums, const double* tc) const {
       if (tc[1] == 0.0) return 1.0;
       const double pn = detail::dsqrt(sums[0]);
@@ -494,11 +576,13 @@ struct scale_by_lars {
       if (pn == 0.0 || n1 == 0.0) return 1.0;
       return sum_of_norms ? k * pn / (n1 + tc[0] * pn + eps) : k * pn / (n1 + eps);
     }
+    /// u ← r (u + λ p), with `factor` the tensor's r rounded to C.
     template <class V>
     GRADAPT_HD GRADAPT_INLINE void apply(V& u, const V& p, C factor, const double* tc) const {
       u = decayed(u, p, tc) * factor;
     }
   };
+  /// The kernel (the options in double; no per-step constants).
   template <class C>
   kernel<C> prepare(const step_context&) const {
     return {trust_coefficient, eps, denominator == lars_denominator::sum_of_norms};
@@ -512,32 +596,35 @@ struct scale_by_lars {
 ///
 /// Switched off (no pass) while `max_norm` is +inf. A NaN norm leaves u as it is (the NaN
 /// reaches the update anyway); an inf norm gives factor 0.
-///
-/// | name     | type   | default | meaning                                |
-/// |----------|--------|---------|----------------------------------------|
-/// | max_norm | double | +inf    | c, >= 0; +inf switches the stage off   |
 struct clip_by_global_norm {
+  /// c, >= 0. Default +inf, which switches the stage off (apex's FusedLAMB uses 1).
   double max_norm = std::numeric_limits<double>::infinity();
 
-  static constexpr std::size_t buffers = 0;
-  static constexpr std::size_t tensor_slots = 0;
-  static constexpr bool barrier = true;
-  static constexpr bool global = true;
-  static constexpr std::size_t terms = 1;  ///< ‖u‖²
-  static constexpr bool optional = true;
-  static constexpr bool replay_ignores_input = false;
-  static constexpr bool uses_param = false;
+  static constexpr std::size_t buffers = 0;            ///< no state
+  static constexpr std::size_t tensor_slots = 0;       ///< no per-tensor constants
+  static constexpr bool barrier = true;                ///< needs the global norm: ends a pass
+  static constexpr bool global = true;                 ///< one factor for all tensors
+  static constexpr std::size_t terms = 1;              ///< ‖u‖²
+  static constexpr bool optional = true;               ///< off while max_norm is +inf
+  static constexpr bool replay_ignores_input = false;  ///< replay recomputes from its input u
+  static constexpr bool uses_param = false;            ///< never reads p
 
+  /// False while max_norm is +inf: the stage then costs no pass.
   bool enabled() const { return std::isfinite(max_norm); }
+  /// Checks the options (the chain calls it when it is built and at `init`).
+  /// @throws gradapt::error when max_norm is negative or NaN
   void validate() const {
     gradapt::detail::require(max_norm >= 0.0, "clip_by_global_norm: max_norm is ", max_norm,
                              " (expected >= 0; +inf switches clipping off; apex's LAMB uses 1)");
   }
+  /// Writes nothing: the stage has no per-tensor constants.
   void tensor_constants(const tensor_setup&, double*) const {}
 
+  /// Element math and factor of clip_by_global_norm; C is the compute type of the elements.
   template <class C>
   struct kernel {
-    double max_norm;
+    double max_norm;  ///< c
+    /// The term summed in double over all tensors: u².
     template <class V>
     GRADAPT_HD GRADAPT_INLINE simd::terms_t<V, 1> measure(const V& u, const V&, const double*) const {
       simd::terms_t<V, 1> r;
@@ -545,15 +632,19 @@ struct clip_by_global_norm {
       r[0] = uw * uw;
       return r;
     }
+    /// The factor from sums[0] = ‖u‖² over all tensors: c / ‖u‖ when ‖u‖ > c, else 1 (so 1
+    /// for a NaN norm and 0 for an inf norm).
     GRADAPT_HD double finalize(const double* sums, const double*) const {
       const double n = detail::dsqrt(sums[0]);
       return n > max_norm ? max_norm / n : 1.0;
     }
+    /// u ← factor · u, with `factor` rounded to C.
     template <class V>
     GRADAPT_HD GRADAPT_INLINE void apply(V& u, const V&, C factor, const double*) const {
       u = u * factor;
     }
   };
+  /// The kernel (no per-step constants).
   template <class C>
   kernel<C> prepare(const step_context&) const {
     return {max_norm};
@@ -562,31 +653,33 @@ struct clip_by_global_norm {
 
 /// Clipping by each tensor's root mean square, as optax's `clip_by_block_rms`:
 /// u ← u / max(1, rms(u) / c), rms(u) = √(Σu² / n) per tensor. A NaN rms gives NaN (optax).
-///
-/// | name      | type   | default | meaning             |
-/// |-----------|--------|---------|---------------------|
-/// | threshold | double | 1       | c, finite > 0       |
 struct clip_by_block_rms {
+  /// c; finite, > 0. Default 1.
   double threshold = 1.0;
 
-  static constexpr std::size_t buffers = 0;
-  static constexpr std::size_t tensor_slots = 1;  ///< element count n
-  static constexpr bool barrier = true;
-  static constexpr bool global = false;
-  static constexpr std::size_t terms = 1;  ///< ‖u‖²
-  static constexpr bool optional = false;
-  static constexpr bool replay_ignores_input = false;
-  static constexpr bool uses_param = false;
+  static constexpr std::size_t buffers = 0;            ///< no state
+  static constexpr std::size_t tensor_slots = 1;       ///< element count n
+  static constexpr bool barrier = true;                ///< needs whole-tensor sums: ends a pass
+  static constexpr bool global = false;                ///< one factor per tensor
+  static constexpr std::size_t terms = 1;              ///< ‖u‖²
+  static constexpr bool optional = false;              ///< always active
+  static constexpr bool replay_ignores_input = false;  ///< replay recomputes from its input u
+  static constexpr bool uses_param = false;            ///< never reads p
 
+  /// Checks the options (the chain calls it when it is built and at `init`).
+  /// @throws gradapt::error when threshold is not finite and > 0
   void validate() const {
     gradapt::detail::require(std::isfinite(threshold) && threshold > 0.0, "clip_by_block_rms: threshold is ",
                              threshold, " (expected a finite value > 0)");
   }
+  /// out[0] = the tensor's element count n.
   void tensor_constants(const tensor_setup& ts, double* out) const { out[0] = static_cast<double>(ts.size); }
 
+  /// Element math and factor of clip_by_block_rms; C is the compute type of the elements.
   template <class C>
   struct kernel {
-    double threshold;
+    double threshold;  ///< c
+    /// The term summed per tensor in double: u².
     template <class V>
     GRADAPT_HD GRADAPT_INLINE simd::terms_t<V, 1> measure(const V& u, const V&, const double*) const {
       simd::terms_t<V, 1> r;
@@ -594,17 +687,21 @@ struct clip_by_block_rms {
       r[0] = uw * uw;
       return r;
     }
+    /// The factor 1 / max(1, rms / c) with rms = √(sums[0] / n), n = tc[0]: 1 for an empty
+    /// tensor, NaN when rms is NaN.
     GRADAPT_HD double finalize(const double* sums, const double* tc) const {
       if (tc[0] == 0.0) return 1.0;
       const double d = detail::dsqrt(sums[0] / tc[0]) / threshold;
       if (d != d) return d;
       return d > 1.0 ? 1.0 / d : 1.0;
     }
+    /// u ← factor · u, with `factor` rounded to C.
     template <class V>
     GRADAPT_HD GRADAPT_INLINE void apply(V& u, const V&, C factor, const double*) const {
       u = u * factor;
     }
   };
+  /// The kernel (no per-step constants).
   template <class C>
   kernel<C> prepare(const step_context&) const {
     return {threshold};

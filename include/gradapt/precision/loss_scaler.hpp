@@ -31,6 +31,7 @@
 #include <string>
 #include <type_traits>
 
+#include "gradapt/backend/simd.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
 #include "gradapt/core/dtype.hpp"
@@ -120,24 +121,69 @@ GRADAPT_HD GRADAPT_INLINE bool nonfinite_when_stored(compute_t<T> v) {
   }
 }
 
+#if GRADAPT_SIMD_PACKS
+/// Pack form of `nonfinite_when_stored`: 1.0 in the lanes whose value is not finite once stored
+/// as T, 0.0 elsewhere, widened to double (the same limits and comparisons, lane by lane).
+template <class T, class V>
+GRADAPT_INLINE simd::terms_t<V, 1> nonfinite_when_stored_pack(const V& v) {
+  using U = std::remove_cv_t<T>;
+  using S = simd::scalar_t<V>;
+  decltype(v < v) finite;
+  if constexpr (std::is_same_v<U, half>) {
+    finite = (v < V(S(65520.0f))) & (v > V(S(-65520.0f)));
+  } else if constexpr (std::is_same_v<U, bfloat16>) {
+    const S lim = detail::bits_float(0x7f7f8000u);
+    finite = (v < V(lim)) & (v > V(-lim));
+  } else if constexpr (std::is_same_v<U, float>) {
+    const S lim = detail::bits_float(0x7f7fffffu);
+    finite = (v <= V(lim)) & (v >= V(-lim));
+  } else {
+    const S lim = S(1.7976931348623157e308);
+    finite = (v <= V(lim)) & (v >= V(-lim));
+  }
+  simd::terms_t<V, 1> r;
+  r[0] = simd::widen(simd::select(finite, V(S(0)), V(S(1))));
+  return r;
+}
+#endif
+
 /// In-place unscale, returning 1 for an element that is not finite after the store.
 template <class G>
 struct unscale_count_inplace {
+  /// The host runs it on `simd::pack`s of float or double (same bits as the scalar form).
+  static constexpr bool vectorizable = true;
   float inv_scale;
   GRADAPT_HD GRADAPT_INLINE double operator()(compute_t<G>& g) const {
     g = g * static_cast<compute_t<G>>(inv_scale);
     return nonfinite_when_stored<G>(g) ? 1.0 : 0.0;
   }
+#if GRADAPT_SIMD_PACKS
+  template <class V>
+  requires simd::is_pack_v<V> GRADAPT_INLINE simd::terms_t<V, 1> operator()(V& g) const {
+    g = g * static_cast<simd::scalar_t<V>>(inv_scale);
+    return nonfinite_when_stored_pack<G>(g);
+  }
+#endif
 };
 
 /// master = g · (1/S), returning 1 for a master element that is not finite after the store.
 template <class M, class G>
 struct unscale_count_into {
+  /// The host runs it on `simd::pack`s when M and G share a compute type (fp16/bf16/fp32
+  /// gradients into fp32 masters); same bits as the scalar form.
+  static constexpr bool vectorizable = true;
   float inv_scale;
   GRADAPT_HD GRADAPT_INLINE double operator()(compute_t<M>& master, compute_t<G> g) const {
     master = static_cast<compute_t<M>>(g * static_cast<compute_t<G>>(inv_scale));
     return nonfinite_when_stored<M>(master) ? 1.0 : 0.0;
   }
+#if GRADAPT_SIMD_PACKS
+  template <class V>
+  requires simd::is_pack_v<V> GRADAPT_INLINE simd::terms_t<V, 1> operator()(V& master, const V& g) const {
+    master = g * static_cast<simd::scalar_t<V>>(inv_scale);
+    return nonfinite_when_stored_pack<M>(master);
+  }
+#endif
 };
 
 /// Sets *flag to 1. Every writer writes the same value; on the host the store is a relaxed

@@ -49,6 +49,11 @@ struct apply_reduce_terms {
   static constexpr std::size_t value = terms_size<std::remove_cvref_t<typename result::type>>::value;
 };
 
+// Doxygen skips this kernel (the conditional section below): its parser, seeing
+// `__launch_bounds__(...)` before the name, reads the templated lambda in the body as a
+// declaration and warns about an undeclared `std::index_sequence`. The kernel is internal
+// (detail), so nothing is lost.
+/// @cond GRADAPT_DOXYGEN_SKIP
 /// One block per chunk: applies f to the chunk and writes K partials,
 /// partials[k * total_chunks + first_chunk + blockIdx.x].
 template <std::size_t K, class F, class Batch, class... Ts>
@@ -85,6 +90,7 @@ __global__ void __launch_bounds__(reduce_threads)
     if (threadIdx.x == 0) partials[k * total_chunks + b.first_chunk + blockIdx.x] = r;
   }
 }
+/// @endcond
 
 /// Block (t, k): out[(first_tensor + t) * K + k] = the tree over tensor t's chunk partials of
 /// value k (0 for an empty tensor).

@@ -35,7 +35,9 @@ class cuda_buffer {
   }
   cuda_buffer(const cuda_buffer&) = delete;
   cuda_buffer& operator=(const cuda_buffer&) = delete;
+  /// Takes over o's memory; o is left empty.
   cuda_buffer(cuda_buffer&& o) noexcept : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
+  /// Frees this buffer's memory (cudaFree, errors ignored), then takes over o's; o is left empty.
   cuda_buffer& operator=(cuda_buffer&& o) noexcept {
     if (this != &o) {
       release();
@@ -46,7 +48,9 @@ class cuda_buffer {
   }
   ~cuda_buffer() { release(); }
 
+  /// Device pointer to the first element; null when empty. Not dereferenceable on the host.
   T* data() const { return p_; }
+  /// Number of elements (0 when empty or moved from).
   std::size_t size() const { return n_; }
 
  private:

@@ -34,40 +34,48 @@ static_assert(sizeof(__nv_bfloat16) == sizeof(bfloat16) && alignof(__nv_bfloat16
 /// `__nv_bfloat16` for bfloat16, T itself for float and double.
 template <class T>
 struct cuda_type {
-  using type = T;
+  using type = T;  ///< T itself (float, double)
 };
+/// gradapt::half is stored as CUDA's `__half`.
 template <>
 struct cuda_type<half> {
-  using type = __half;
+  using type = __half;  ///< `__half`
 };
+/// gradapt::bfloat16 is stored as CUDA's `__nv_bfloat16`.
 template <>
 struct cuda_type<bfloat16> {
-  using type = __nv_bfloat16;
+  using type = __nv_bfloat16;  ///< `__nv_bfloat16`
 };
+/// A const element maps to the const CUDA type.
 template <class T>
 struct cuda_type<const T> {
-  using type = const typename cuda_type<T>::type;
+  using type = const typename cuda_type<T>::type;  ///< `const cuda_type_t<T>`
 };
+/// CUDA's type for gradapt element type T: `cuda_type<T>::type`.
 template <class T>
 using cuda_type_t = typename cuda_type<T>::type;
 
 /// gradapt's type for CUDA element type T (cv-qualifiers kept): the inverse of cuda_type.
 template <class T>
 struct gradapt_type {
-  using type = T;
+  using type = T;  ///< T itself (float, double)
 };
+/// CUDA's `__half` is gradapt::half.
 template <>
 struct gradapt_type<__half> {
-  using type = half;
+  using type = half;  ///< gradapt::half
 };
+/// CUDA's `__nv_bfloat16` is gradapt::bfloat16.
 template <>
 struct gradapt_type<__nv_bfloat16> {
-  using type = bfloat16;
+  using type = bfloat16;  ///< gradapt::bfloat16
 };
+/// A const element maps to the const gradapt type.
 template <class T>
 struct gradapt_type<const T> {
-  using type = const typename gradapt_type<T>::type;
+  using type = const typename gradapt_type<T>::type;  ///< `const gradapt_type_t<T>`
 };
+/// gradapt's type for CUDA element type T: `gradapt_type<T>::type`.
 template <class T>
 using gradapt_type_t = typename gradapt_type<T>::type;
 
