@@ -88,6 +88,7 @@ target_link_libraries(test_clip PRIVATE Threads::Threads)
 target_compile_definitions(test_clip PRIVATE GRADAPT_TEST_DATA_DIR="${PROJECT_SOURCE_DIR}/tests/data")
 gradapt_add_test(test_optim_simd SOURCES test_optim_simd.cpp)
 # The optimizers' pack paths (run-time AVX2, SSE2 only) and the scalar path give the same bits.
+if(NOT GRADAPT_TEST_THREADED_ONLY)
 foreach(_mode vector sse scalar)
   add_executable(test_optim_bits_${_mode} test_optim_bits.cpp)
   target_link_libraries(test_optim_bits_${_mode} PRIVATE gradapt::gradapt)
@@ -105,3 +106,4 @@ add_test(NAME optim_sse_path_matches_scalar
   COMMAND ${CMAKE_COMMAND} -DA=$<TARGET_FILE:test_optim_bits_sse> -DB=$<TARGET_FILE:test_optim_bits_scalar>
           -DOUT=${CMAKE_CURRENT_BINARY_DIR}/optim_bits_sse -P ${CMAKE_CURRENT_SOURCE_DIR}/compare_outputs.cmake)
 file(MAKE_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR}/optim_bits ${CMAKE_CURRENT_BINARY_DIR}/optim_bits_sse)
+endif()
