@@ -53,7 +53,7 @@ struct dots3 {
 #if GRADAPT_ADASUM_PACKS
   static constexpr bool vectorizable = true;
   template <class V>
-  GRADAPT_HD simd::terms_t<V, 3> operator()(V& a, V& b) const {
+  GRADAPT_HD GRADAPT_INLINE simd::terms_t<V, 3> operator()(V& a, V& b) const {
     const auto x = simd::widen(a);
     const auto y = simd::widen(b);
     simd::terms_t<V, 3> r;
@@ -64,7 +64,7 @@ struct dots3 {
   }
 #else
   template <std::floating_point C>
-  GRADAPT_HD terms<3> operator()(C& a, C& b) const {
+  GRADAPT_HD GRADAPT_INLINE terms<3> operator()(C& a, C& b) const {
     const double x = static_cast<double>(a);
     const double y = static_cast<double>(b);
     return terms<3>{{x * y, x * x, y * y}};
@@ -97,18 +97,18 @@ struct combine {
 #if GRADAPT_ADASUM_PACKS
   static constexpr bool vectorizable = true;
   template <class V>
-  GRADAPT_HD void operator()(tensor_index t, V& mine, V& theirs) const {
+  GRADAPT_HD GRADAPT_INLINE void operator()(tensor_index t, V& mine, V& theirs) const {
     step<simd::scalar_t<V>>(t, mine, theirs);
   }
 #else
   template <std::floating_point V>
-  GRADAPT_HD void operator()(tensor_index t, V& mine, V& theirs) const {
+  GRADAPT_HD GRADAPT_INLINE void operator()(tensor_index t, V& mine, V& theirs) const {
     step<V>(t, mine, theirs);
   }
 #endif
   /// V is C or a pack of C lanes (the coefficients are broadcast).
   template <class C, class V>
-  GRADAPT_HD void step(tensor_index t, V& mine, V& theirs) const {
+  GRADAPT_HD GRADAPT_INLINE void step(tensor_index t, V& mine, V& theirs) const {
     const C ca = static_cast<C>(alpha[first + t.value]);
     const C cb = static_cast<C>(beta[first + t.value]);
     if constexpr (Upper)
