@@ -10,6 +10,11 @@ for preset in default asan tsan; do
   echo "==== workflow preset: $preset"
   cmake --workflow --preset "$preset" --fresh
 done
+echo "==== docs: Doxygen over every public header; any warning fails (WARN_AS_ERROR in docs/Doxyfile.in)"
+command -v doxygen >/dev/null || { echo "test-all: doxygen not found (scripts/setup-debian.sh installs it)"; exit 1; }
+cmake -S . -B build/docs -G Ninja -DGRADAPT_BUILD_TESTS=OFF -DGRADAPT_BUILD_EXAMPLES=OFF \
+  -DGRADAPT_BUILD_BENCH=OFF -DGRADAPT_INSTALL=OFF -DGRADAPT_WITH_CUDA=OFF >/dev/null
+cmake --build build/docs --target docs
 echo "==== packaging: conan create (the CMake install, find_package and vcpkg port layout are ctests)"
 ./scripts/test-conan.sh
 echo "test-all: every preset and the packaging test passed"

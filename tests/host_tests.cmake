@@ -107,3 +107,6 @@ add_test(NAME optim_sse_path_matches_scalar
           -DOUT=${CMAKE_CURRENT_BINARY_DIR}/optim_bits_sse -P ${CMAKE_CURRENT_SOURCE_DIR}/compare_outputs.cmake)
 file(MAKE_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR}/optim_bits ${CMAKE_CURRENT_BINARY_DIR}/optim_bits_sse)
 endif()
+# The composed data-parallel step (train/) on the threads communicator.
+gradapt_add_test(test_train_step SOURCES test_train_step.cpp)
+target_link_libraries(test_train_step PRIVATE Threads::Threads)

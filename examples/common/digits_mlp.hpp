@@ -1,7 +1,7 @@
 #pragma once
 // The 8x8 handwritten digits (examples/data/digits.csv: label, then 64 pixels in 0..16) and a
 // 64-32-10 ReLU MLP with a cross-entropy loss, written out by hand so the examples need nothing
-// but gradapt. Shared by adascale_digits and goodput_adapt.
+// but gradapt. Shared by adascale_digits, goodput_adapt, comm_strategies and demo.
 //
 // The MLP keeps its parameters in four buffers and all four gradients in ONE flat buffer (the
 // "gradient bucket" a framework allreduces), with param_list views into both.
@@ -92,6 +92,25 @@ struct mlp {
   }
 
   void zero_grad() { std::fill(grad.begin(), grad.end(), 0.0f); }
+
+  /// The predicted class (arg max of the logits) of example i.
+  int predict(const dataset& d, int i) const {
+    const float* x = &d.x[static_cast<std::size_t>(i) * features];
+    float h[hidden];
+    for (int u = 0; u < hidden; ++u) {
+      float s = b1[static_cast<std::size_t>(u)];
+      for (int j = 0; j < features; ++j) s += w1[static_cast<std::size_t>(u * features + j)] * x[j];
+      h[u] = s > 0 ? s : 0;
+    }
+    int best = 0;
+    float best_z = -1e30f;
+    for (int c = 0; c < classes; ++c) {
+      float s = b2[static_cast<std::size_t>(c)];
+      for (int u = 0; u < hidden; ++u) s += w2[static_cast<std::size_t>(c * hidden + u)] * h[u];
+      if (s > best_z) best_z = s, best = c;
+    }
+    return best;
+  }
 
   /// Mean cross-entropy over examples idx[0..count) (all examples when idx is null); with
   /// `with_grad`, the gradient of that mean is written into the gradient buffer.

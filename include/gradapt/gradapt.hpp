@@ -37,3 +37,5 @@
 #include "gradapt/optim/lars.hpp"
 #include "gradapt/optim/sgd.hpp"
 #include "gradapt/optim/transforms.hpp"
+
+#include "gradapt/train/data_parallel_step.hpp"

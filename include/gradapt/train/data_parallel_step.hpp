@@ -1,0 +1,901 @@
+#pragma once
+/// @file
+/// `gradapt::train::data_parallel_step`: one data-parallel training step composed from the
+/// library's policies, for users who want the whole recipe rather than the stages one by one.
+///
+/// After the framework's backward pass, one call of `step()` runs, on every rank:
+///
+///  1. scaler:  g ← g / S_loss and the overflow check agreed by all ranks
+///              (`loss_scaler::unscale`); an overflow skips the step (optimizer step count,
+///              AdaScale progress and LocalSGD counters unchanged) and backs S_loss off;
+///  2. combine: g ← (1/N) Σ_r g_r (`allreduce_mean`; with AdaScale on, through
+///              `allreduce_with_norms`, which also yields Σ_r |g_r|² and |Σ_r g_r|²), or
+///              g ← Adasum_r(g_r) (`adasum_combine`); skipped on LocalSGD's local steps;
+///  3. adapt:   noise-scale update (McCandlish et al. 2018) from those norms, AdaScale gain
+///              r = (σ² + |G|²)/(σ²/S + |G|²) and progress τ ← τ + r (Johnson et al. 2020);
+///  4. optimizer step at lr = η · r (or η · √r), η = `step_settings::lr`;
+///  5. sync:    LocalSGD counts the step and averages the parameters when its schedule says so.
+///
+/// Each stage is a slot (see train/policies.hpp) whose policy is chosen by the values passed
+/// to `make_data_parallel_step`; a slot left out compiles to nothing. Hooks passed to the
+/// factory watch the metrics and change the settings (learning rate, batch, LocalSGD period).
+///
+///     auto step = gradapt::train::make_data_parallel_step(
+///         comm, backend, params, gradapt::lamb({.weight_decay = 0.01}),
+///         {.lr = 1e-3, .local_batch = 32},
+///         gradapt::loss_scaler({.init_scale = 65536}),
+///         gradapt::train::adascale_policy{.base_batch = 32},
+///         my_schedule_hook{});
+///     for (...) {
+///       backward(loss * step.loss_scale());     // the framework's own backward pass
+///       const auto& m = step.step({.loss = loss});
+///     }
+///
+/// The step owns the optimizer state and the policies; it references (never copies) the
+/// communicator and the parameter list, which must outlive it. Checkpoints: `save()` writes the
+/// whole step's state (settings, counters, optimizer state, scaler, noise scale, AdaScale,
+/// LocalSGD) into one byte vector and `load()` restores it exactly; the parameters themselves
+/// are the framework's and are saved by it.
+
+#include <cmath>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <optional>
+#include <span>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "gradapt/combine/adasum.hpp"
+#include "gradapt/core/concepts.hpp"
+#include "gradapt/core/config.hpp"
+#include "gradapt/core/error.hpp"
+#include "gradapt/core/ops.hpp"
+#include "gradapt/core/param_list.hpp"
+#include "gradapt/core/tensor_view.hpp"
+#include "gradapt/optim/chain.hpp"
+#include "gradapt/optim/stage.hpp"
+#include "gradapt/precision/loss_scaler.hpp"
+#include "gradapt/scaling/adascale.hpp"
+#include "gradapt/stats/allreduce_with_norms.hpp"
+#include "gradapt/stats/gradient_noise_scale.hpp"
+#include "gradapt/sync/local_sgd.hpp"
+#include "gradapt/train/policies.hpp"
+
+namespace gradapt::train {
+
+/// The state type an optimizer creates for backend B and parameter list PL.
+template <class O, class B, class PL>
+using optimizer_state_t = std::remove_cvref_t<decltype(std::declval<const O&>().init(
+    std::declval<const B&>(), std::declval<const PL&>()))>;
+
+/// An optimizer with the chain interface (gradapt::lamb, adamw, sgd, lars, any gradapt::chain):
+/// `init(backend, params)` creates a state; `step(backend, params, state, step_args)` steps;
+/// the state counts steps and saves to / loads from bytes.
+template <class O, class B, class PL>
+concept step_optimizer = requires(const O& o, const B& b, const PL& p) {
+  o.init(b, p);
+}
+&&requires(const O& o, const B& b, const PL& p, optimizer_state_t<O, B, PL>& st,
+           const optimizer_state_t<O, B, PL>& cst, std::span<const std::byte> bytes) {
+  o.step(b, p, st, step_args{});
+  { cst.save(b) } -> std::same_as<std::vector<std::byte>>;
+  st.load(b, bytes);
+  { cst.steps() } -> std::convertible_to<std::uint64_t>;
+};
+
+namespace detail {
+
+/// An empty member for a slot that is off.
+struct nothing {};
+
+/// Element functor of the mean: g ← g / n in the compute type, one rounding.
+struct divide_by_ranks {
+  int n;
+  template <class T>
+  GRADAPT_HD void operator()(T& g) const {
+    g = g / static_cast<T>(n);
+  }
+};
+
+template <class T>
+struct schedule_of {
+  using type = fixed_period;  // unused placeholder when the sync slot is off
+};
+template <class S>
+struct schedule_of<local_sgd_policy<S>> {
+  using type = S;
+};
+
+/// The runtime of the adapt slot: the estimator, AdaScale and the policy's options.
+struct adapt_runtime {
+  adascale_policy policy;
+  gradient_noise_scale gns;
+  adascale ada;
+};
+
+/// The runtime of the sync slot: the driver (rebuilt when a fixed period changes).
+template <class C, class S>
+struct sync_runtime {
+  local_sgd_options options;
+  S schedule;
+  std::optional<local_sgd<C, S>> driver;
+};
+
+/// Fingerprint of a list's tensor sizes (below 2^50, exact in a double).
+template <class L>
+double fingerprint(const L& list) {
+  std::uint64_t h = 1469598103ULL;
+  std::uint64_t t = 0;
+  for (const auto& v : list) {
+    h = (h * 1099511ULL + (++t) * 7919ULL + static_cast<std::uint64_t>(v.size())) % (std::uint64_t{1} << 50);
+  }
+  return static_cast<double>(h);
+}
+
+/// Byte writer/reader of the checkpoint.
+struct writer {
+  std::vector<std::byte>& out;
+  template <class T>
+  void put(const T& v) {
+    static_assert(std::is_trivially_copyable_v<T>, "checkpoint fields are plain data");
+    const auto* p = reinterpret_cast<const std::byte*>(&v);
+    out.insert(out.end(), p, p + sizeof(T));
+  }
+  void bytes(const std::vector<std::byte>& b) {
+    put(static_cast<std::uint64_t>(b.size()));
+    out.insert(out.end(), b.begin(), b.end());
+  }
+};
+
+struct reader {
+  std::span<const std::byte> in;
+  std::size_t at = 0;
+  void take(void* dst, std::size_t n, const char* what) {
+    gradapt::detail::require(at + n <= in.size(),
+                             "train::data_parallel_step::load: the checkpoint ends inside ", what, " (",
+                             in.size(), " bytes; truncated?)");
+    if (n) std::memcpy(dst, in.data() + at, n);
+    at += n;
+  }
+  template <class T>
+  T get(const char* what) {
+    T v;
+    take(&v, sizeof(T), what);
+    return v;
+  }
+  std::span<const std::byte> bytes(const char* what) {
+    const auto n = get<std::uint64_t>(what);
+    gradapt::detail::require(n <= in.size() - at,
+                             "train::data_parallel_step::load: the checkpoint ends inside ", what, " (", n,
+                             " bytes announced, ", in.size() - at, " left; truncated?)");
+    const auto s = in.subspan(at, static_cast<std::size_t>(n));
+    at += static_cast<std::size_t>(n);
+    return s;
+  }
+};
+
+// Field by field for the states that have padding, so that a checkpoint's bytes are a
+// function of the state alone (save after load reproduces them).
+inline void put_state(writer& w, const loss_scaler_state& s) {
+  w.put(s.scale);
+  w.put(s.growth_tracker);
+  w.put(static_cast<std::int64_t>(s.hysteresis_left));
+  w.put(s.steps);
+  w.put(s.skipped);
+  w.put(s.backoffs);
+  w.put(s.growths);
+}
+inline void get_state(reader& r, loss_scaler_state& s) {
+  constexpr const char* what = "the loss scaler state";
+  s.scale = r.get<double>(what);
+  s.growth_tracker = r.get<std::int64_t>(what);
+  s.hysteresis_left = static_cast<int>(r.get<std::int64_t>(what));
+  s.steps = r.get<std::uint64_t>(what);
+  s.skipped = r.get<std::uint64_t>(what);
+  s.backoffs = r.get<std::uint64_t>(what);
+  s.growths = r.get<std::uint64_t>(what);
+}
+inline void put_state(writer& w, const gradient_noise_scale_state& s) {
+  w.put(s.ema_grad_sq);
+  w.put(s.ema_trace);
+  w.put(s.beta_power);
+  w.put(s.last_grad_sq);
+  w.put(s.last_trace);
+  w.put(s.samples);
+  w.put(s.skipped);
+  w.put(s.biased);
+  w.put(static_cast<std::uint64_t>(s.has_previous ? 1 : 0));
+}
+inline void get_state(reader& r, gradient_noise_scale_state& s) {
+  constexpr const char* what = "the noise scale state";
+  s.ema_grad_sq = r.get<double>(what);
+  s.ema_trace = r.get<double>(what);
+  s.beta_power = r.get<double>(what);
+  s.last_grad_sq = r.get<double>(what);
+  s.last_trace = r.get<double>(what);
+  s.samples = r.get<std::uint64_t>(what);
+  s.skipped = r.get<std::uint64_t>(what);
+  s.biased = r.get<std::uint64_t>(what);
+  s.has_previous = r.get<std::uint64_t>(what) != 0;
+}
+inline void put_state(writer& w, const adascale_state& s) {
+  w.put(s.scale);
+  w.put(s.progress);
+  w.put(s.last_gain);
+  w.put(s.steps);
+  w.put(s.skipped);
+}
+inline void get_state(reader& r, adascale_state& s) {
+  constexpr const char* what = "the AdaScale state";
+  s.scale = r.get<double>(what);
+  s.progress = r.get<double>(what);
+  s.last_gain = r.get<double>(what);
+  s.steps = r.get<std::uint64_t>(what);
+  s.skipped = r.get<std::uint64_t>(what);
+}
+/// LocalSGD: the driver's counters field by field, the schedule's state as plain bytes
+/// (fixed_period's has no padding; other schedules' padding bytes are copied as they are).
+template <class SS>
+void put_state(writer& w, const local_sgd_checkpoint<SS>& s) {
+  w.put(s.driver.steps);
+  w.put(s.driver.rounds);
+  for (auto v : s.driver.level_rounds) w.put(v);
+  w.put(s.driver.payload_bytes);
+  w.put(s.driver.ring_bytes);
+  w.put(s.driver.every_step_payload_bytes);
+  w.put(s.driver.every_step_ring_bytes);
+  w.put(s.schedule);
+}
+template <class SS>
+void get_state(reader& r, local_sgd_checkpoint<SS>& s) {
+  constexpr const char* what = "the LocalSGD state";
+  s.driver.steps = r.get<std::uint64_t>(what);
+  s.driver.rounds = r.get<std::uint64_t>(what);
+  for (auto& v : s.driver.level_rounds) v = r.get<std::uint64_t>(what);
+  s.driver.payload_bytes = r.get<std::uint64_t>(what);
+  s.driver.ring_bytes = r.get<std::uint64_t>(what);
+  s.driver.every_step_payload_bytes = r.get<std::uint64_t>(what);
+  s.driver.every_step_ring_bytes = r.get<std::uint64_t>(what);
+  s.schedule = r.get<SS>(what);
+}
+
+inline constexpr char checkpoint_magic[8] = {'g', 'r', 'a', 'd', 'a', 'p', 't', 'T'};
+inline constexpr std::uint64_t checkpoint_version = 1;
+
+template <class H>
+decltype(auto) unwrap(H& h) {
+  if constexpr (std::is_same_v<std::unwrap_reference_t<H>, H>)
+    return (h);
+  else
+    return h.get();
+}
+
+template <slot K, class Default>
+Default pick() {
+  return Default{};
+}
+template <slot K, class Default, class A0, class... A>
+auto pick(A0&& a0, A&&... a) {
+  if constexpr (slot_v<A0> == K)
+    return std::remove_cvref_t<A0>(std::forward<A0>(a0));
+  else
+    return pick<K, Default>(std::forward<A>(a)...);
+}
+
+/// How many of the arguments A fill slot K.
+template <slot K, class... A>
+inline constexpr int count_slot = ((slot_v<A> == K ? 1 : 0) + ... + 0);
+
+template <class A>
+auto hook_tuple(A&& a) {
+  if constexpr (slot_v<A> == slot::hook)
+    return std::tuple<std::remove_cvref_t<A>>(std::forward<A>(a));
+  else
+    return std::tuple<>();
+}
+
+}  // namespace detail
+
+/// One data-parallel step composed from policies; build it with `make_data_parallel_step`
+/// (the template arguments are deduced from the policies and hooks passed there).
+///
+/// @tparam Comm   communicator (comm::single, comm::threads, comm::mpi), host memory
+/// @tparam B      backend (gradapt::host)
+/// @tparam PL     the parameter list type (gradapt::param_list<V, G>)
+/// @tparam Opt    optimizer with the chain interface (`step_optimizer`)
+/// @tparam Scaler no_loss_scaling | gradapt::loss_scaler
+/// @tparam Combine allreduce_mean | adasum_combine
+/// @tparam Adapt  no_adascale | adascale_policy
+/// @tparam Sync   no_local_sgd | local_sgd_policy<Schedule>
+/// @tparam Hooks  std::tuple of hook objects, called in the order they were passed
+///
+/// Construction is collective: the ranks agree with one small allreduce that they hold the
+/// same number of tensors with the same sizes (every rank throws the same gradapt::error
+/// otherwise), and an Adasum policy in hierarchical mode splits the communicator. `step()` is
+/// collective. Hooks run on every rank with identical metrics and must act identically (a
+/// hook that throws on one rank only leaves the others in a collective: comm::threads then
+/// aborts them with comm::peer_failure). The steady-state step allocates nothing beyond what
+/// hooks do. Device memory (CUDA/NCCL) is not wired here yet: call the stages one by one.
+template <class Comm, class B, class PL, class Opt, class Scaler, class Combine, class Adapt, class Sync,
+          class Hooks>
+class data_parallel_step {
+ public:
+  using comm_type = Comm;                                          ///< the communicator
+  using backend_type = B;                                          ///< the backend
+  using params_type = PL;                                          ///< the parameter list
+  using optimizer_type = Opt;                                      ///< the optimizer
+  using optimizer_state_type = optimizer_state_t<Opt, B, PL>;      ///< what Opt::init returns
+  using value_type = typename PL::value_type;                      ///< parameter element type
+  using grad_type = typename PL::grad_type;                        ///< gradient element type
+  using schedule_type = typename detail::schedule_of<Sync>::type;  ///< LocalSGD schedule (sync slot on)
+  using hooks_type = Hooks;                                        ///< std::tuple of the hooks
+
+  /// The scaler slot holds a loss_scaler.
+  static constexpr bool has_loss_scaling = std::is_same_v<Scaler, loss_scaler>;
+  /// The combine slot holds adasum_combine.
+  static constexpr bool has_adasum = std::is_same_v<Combine, adasum_combine>;
+  /// The adapt slot holds adascale_policy.
+  static constexpr bool has_adascale = std::is_same_v<Adapt, adascale_policy>;
+  /// The sync slot holds a local_sgd_policy.
+  static constexpr bool has_local_sgd = !std::is_same_v<Sync, no_local_sgd>;
+  /// The sync slot holds a local_sgd_policy<fixed_period> (step_settings::period is live).
+  static constexpr bool has_settable_period = has_local_sgd && std::is_same_v<schedule_type, fixed_period>;
+
+  static_assert(communicator<Comm> && backend<B>,
+                "train::data_parallel_step: Comm and B must model the concepts");
+  static_assert(
+      std::is_same_v<typename Comm::space, host_space> && std::is_same_v<typename B::space, host_space> &&
+          std::is_same_v<typename PL::space, host_space>,
+      "train::data_parallel_step runs on host memory (gradapt::host with comm::single, threads or "
+      "mpi); on a device, call the stages (loss_scaler, adasum, gradient_noise_scale, adascale, the "
+      "optimizer, local_sgd) one by one");
+  static_assert(step_optimizer<Opt, B, PL>,
+                "train::data_parallel_step: the optimizer needs the chain interface (init, step with "
+                "step_args, a state with save/load/steps), e.g. gradapt::lamb, adamw, sgd, lars");
+  static_assert(!(has_adasum && has_adascale),
+                "train::data_parallel_step: adascale_policy needs the rank MEAN of the gradients for the "
+                "noise scale, which adasum_combine does not form; use allreduce_mean with AdaScale");
+
+  /// Builds the step (collective; see the class comment). Prefer `make_data_parallel_step`.
+  /// @throws gradapt::error when the parameter lists differ across ranks or are empty, a
+  ///         setting or option is invalid, or AdaScale's initial scale is below 1
+  data_parallel_step(Comm& comm, const B& b, const PL& params, Opt opt, step_settings settings, Scaler scaler,
+                     Combine combine, Adapt adapt, Sync sync, Hooks hooks)
+      : comm_(&comm),
+        backend_(b),
+        params_(&params),
+        opt_(std::move(opt)),
+        scaler_(std::move(scaler)),
+        settings_(settings),
+        hooks_(std::move(hooks)) {
+    agree_on_lists();
+    tensors_ = params.size();
+    total_ = params.total_elements();
+    state_ = opt_.init(backend_, params);
+    if constexpr (has_adasum) {
+      adasum_.emplace(comm, combine.options);
+      ws_.emplace(params.grads());
+    } else {
+      (void)combine;
+    }
+    if constexpr (has_adascale) {
+      detail::require(std::isfinite(adapt.base_batch) && adapt.base_batch > 0.0,
+                      "train::adascale_policy: base_batch is ", adapt.base_batch,
+                      " (expected the positive number of examples the learning rate was tuned for)");
+      adapt_.policy = adapt;
+      check_batch("train::data_parallel_step");
+      const double s0 = adascale_scale();
+      check_scale(s0, "train::data_parallel_step");
+      adapt_.gns = gradient_noise_scale(adapt.noise);
+      adapt_.ada = adascale({.scale = s0, .sqrt_gain = adapt.sqrt_gain});
+      last_.scale = s0;
+    } else {
+      (void)adapt;
+    }
+    if constexpr (has_local_sgd) {
+      sync_.options = sync.options;
+      sync_.schedule = sync.schedule;
+      if constexpr (has_settable_period) {
+        if (settings_.period == 0)
+          settings_.period = sync.schedule.options().period;
+        else
+          sync_.schedule = with_period(settings_.period);
+      }
+      sync_.driver.emplace(comm, sync_.options, sync_.schedule);
+    } else {
+      (void)sync;
+    }
+    if constexpr (!has_settable_period)
+      detail::require(settings_.period == 0, "train::data_parallel_step: step_settings::period is ",
+                      settings_.period,
+                      " but the sync slot holds no local_sgd_policy<fixed_period> (leave it 0)");
+    check_lr("train::data_parallel_step");
+    if constexpr (has_loss_scaling) last_.loss_scale = scaler_.scale();
+  }
+
+  /// Movable (the optimizer state and the workspaces move with it), not copyable.
+  data_parallel_step(data_parallel_step&&) = default;
+  /// Move assignment.
+  data_parallel_step& operator=(data_parallel_step&&) = default;
+  data_parallel_step(const data_parallel_step&) = delete;
+  data_parallel_step& operator=(const data_parallel_step&) = delete;
+
+  /// One step (collective). The gradients in the parameter list must hold this rank's
+  /// gradient of its local batch, multiplied by `loss_scale()` when loss scaling is on; they
+  /// are unscaled and combined in place, then the optimizer updates the parameters.
+  /// @return the metrics of this step (also `metrics()`)
+  /// @throws gradapt::error on invalid settings (naming the setting), a parameter list that
+  ///         changed since construction, or an error of a stage (overflow at the minimum loss
+  ///         scale, a list mismatch across ranks found by a collective)
+  const step_metrics& step(const step_input& in = {}) {
+    constexpr const char* fn = "train::data_parallel_step::step";
+    detail::require(params_->size() == tensors_ && params_->total_elements() == total_, fn, " on rank ",
+                    comm_->rank(), ": the parameter list now holds ", params_->size(), " tensors (",
+                    params_->total_elements(), " elements) but the step was built for ", tensors_, " (",
+                    total_, "); build a new step when the model changes");
+    const std::uint64_t call = calls_ + 1;
+    for_each_hook([&](auto& h) {
+      if constexpr (before_step_hook<std::remove_reference_t<decltype(h)>>) h.before_step(settings_, last_);
+    });
+    apply_settings(call);
+
+    step_metrics m;
+    m.step = call;
+    m.loss = in.loss;
+    if constexpr (has_adascale) m.scale = adapt_.ada.scale();
+
+    if constexpr (has_loss_scaling) {
+      const bool ok = scaler_.unscale(backend_, *comm_, *params_);
+      m.loss_scale = scaler_.scale();
+      if (!ok) {
+        m.found_inf = true;
+        m.optimizer_steps = state_.steps();
+        m.progress = progress();
+        m.noise_scale = noise_scale_value();
+        calls_ = call;
+        last_ = m;
+        for_each_hook([&](auto& h) {
+          if constexpr (overflow_hook<std::remove_reference_t<decltype(h)>>) h.on_overflow(settings_, last_);
+        });
+        for_each_hook([&](auto& h) {
+          if constexpr (after_step_hook<std::remove_reference_t<decltype(h)>>) h.after_step(settings_, last_);
+        });
+        return last_;
+      }
+    }
+
+    bool sync = true;
+    if constexpr (has_local_sgd) sync = sync_.driver->sync_gradients();
+    m.synchronous = sync;
+    if (sync) combine();
+
+    double lr = settings_.lr;
+    double gain = 1.0;
+    if constexpr (has_adascale) {
+      gain = sync ? adapt_.ada.advance(adapt_.gns, adapt_.policy.base_batch) : adapt_.ada.advance(0.0, 0.0);
+      if (adapt_.policy.scale_lr) lr = settings_.lr * adapt_.ada.lr_factor(gain);
+    }
+    opt_.step(backend_, *params_, state_, step_args{.lr = lr});
+
+    if constexpr (has_local_sgd) {
+      local_sgd_result res;
+      if constexpr (schedule_type::uses_loss)
+        res = sync_.driver->step(*comm_, backend_, local_sgd_input{.loss = in.loss, .lr = lr},
+                                 params_->values());
+      else
+        res = sync_.driver->step(*comm_, backend_, params_->values());
+      m.averaged = res.averaged;
+    }
+
+    m.stepped = true;
+    m.gain = gain;
+    m.lr = lr;
+    m.optimizer_steps = state_.steps();
+    m.progress = progress();
+    m.noise_scale = noise_scale_value();
+    calls_ = call;
+    last_ = m;
+    for_each_hook([&](auto& h) {
+      if constexpr (after_step_hook<std::remove_reference_t<decltype(h)>>) h.after_step(settings_, last_);
+    });
+    return last_;
+  }
+
+  /// The factor to multiply the loss by before the backward pass (1 without loss scaling).
+  double loss_scale() const {
+    if constexpr (has_loss_scaling)
+      return scaler_.scale();
+    else
+      return 1.0;
+  }
+
+  /// The settings (learning rate, batch, period); changes apply at the next step.
+  step_settings& settings() { return settings_; }
+  /// The settings (read only).
+  const step_settings& settings() const { return settings_; }
+  /// The metrics of the latest step (default values before the first).
+  const step_metrics& metrics() const { return last_; }
+  /// Calls of step() so far (taken and skipped).
+  std::uint64_t steps() const { return calls_; }
+
+  /// The optimizer (its options).
+  const Opt& optimizer() const { return opt_; }
+  /// The optimizer's state (moments etc.), e.g. for inspection or averaging.
+  const optimizer_state_type& optimizer_state() const { return state_; }
+  /// The loss scaler (scaler slot on).
+  const loss_scaler& scaler() const requires has_loss_scaling { return scaler_; }
+  /// The noise-scale estimator (adapt slot on).
+  const gradient_noise_scale& noise_scale() const requires has_adascale { return adapt_.gns; }
+  /// AdaScale's gain, scale and progress (adapt slot on).
+  const adascale& ada_scale() const requires has_adascale { return adapt_.ada; }
+  /// The LocalSGD driver (sync slot on).
+  const local_sgd<Comm, schedule_type>& local() const requires has_local_sgd { return *sync_.driver; }
+  /// The hooks, in the order they were passed.
+  Hooks& hooks() { return hooks_; }
+  /// The hooks (read only).
+  const Hooks& hooks() const { return hooks_; }
+
+  /// The whole state as one byte vector: a header (format, rank count, slots, parameter
+  /// layout), the settings, the step counter and latest metrics, the optimizer state
+  /// (`chain_state::save`), and the states of the loss scaler, noise scale, AdaScale and
+  /// LocalSGD when those slots are on. Not collective. The parameters are not included (they
+  /// are the framework's buffers; save them with the framework). With LocalSGD the replicas and
+  /// their optimizer states differ between rounds: every rank saves its own.
+  std::vector<std::byte> save() const {
+    std::vector<std::byte> out;
+    detail::writer w{out};
+    out.insert(
+        out.end(), reinterpret_cast<const std::byte*>(detail::checkpoint_magic),
+        reinterpret_cast<const std::byte*>(detail::checkpoint_magic) + sizeof detail::checkpoint_magic);
+    w.put(detail::checkpoint_version);
+    w.put(static_cast<std::uint64_t>(comm_->size()));
+    w.put(slot_mask());
+    w.put(static_cast<std::uint64_t>(tensors_));
+    w.put(static_cast<std::uint64_t>(total_));
+    w.put(settings_.lr);
+    w.put(settings_.local_batch);
+    w.put(static_cast<std::int64_t>(settings_.accumulation_steps));
+    w.put(settings_.period);
+    w.put(calls_);
+    put_metrics(w, last_);
+    w.bytes(state_.save(backend_));
+    if constexpr (has_loss_scaling) detail::put_state(w, scaler_.save());
+    if constexpr (has_adascale) {
+      detail::put_state(w, adapt_.gns.save());
+      detail::put_state(w, adapt_.ada.save());
+    }
+    if constexpr (has_local_sgd) detail::put_state(w, sync_.driver->save());
+    return out;
+  }
+
+  /// Restores a state written by `save()` of a step with the same slots, optimizer, rank
+  /// count and parameter layout; the following steps are then bit for bit those of the run
+  /// that saved it (given the same parameters and gradients). Not collective; call it on
+  /// every rank. All or nothing: on a throw the step's state is unchanged.
+  /// @throws gradapt::error naming the first field that does not match
+  void load(std::span<const std::byte> bytes) {
+    const std::vector<std::byte> backup = save();
+    try {
+      load_impl(bytes);
+    } catch (...) {
+      load_impl(backup);
+      throw;
+    }
+  }
+
+ private:
+  static std::uint64_t slot_mask() {
+    return (has_loss_scaling ? 1u : 0u) | (has_adasum ? 2u : 0u) | (has_adascale ? 4u : 0u) |
+           (has_local_sgd ? 8u : 0u);
+  }
+
+  template <class F>
+  void for_each_hook(F&& f) {
+    std::apply([&](auto&... h) { (f(detail::unwrap(h)), ...); }, hooks_);
+  }
+
+  double progress() const {
+    if constexpr (has_adascale)
+      return adapt_.ada.progress();
+    else
+      return static_cast<double>(state_.steps());
+  }
+
+  double noise_scale_value() const {
+    if constexpr (has_adascale) {
+      const auto b = adapt_.gns.b_simple();
+      if (b) return *b;
+    }
+    return std::numeric_limits<double>::quiet_NaN();
+  }
+
+  double adascale_scale() const {
+    return static_cast<double>(comm_->size()) * settings_.local_batch *
+           static_cast<double>(settings_.accumulation_steps) / adapt_policy_base_batch();
+  }
+  double adapt_policy_base_batch() const {
+    if constexpr (has_adascale)
+      return adapt_.policy.base_batch;
+    else
+      return 1.0;
+  }
+
+  void check_batch(const char* fn) const {
+    detail::require(
+        std::isfinite(settings_.local_batch) && settings_.local_batch > 0.0, fn,
+        ": step_settings::local_batch is ", settings_.local_batch,
+        " (expected the positive number of examples in one rank's micro-batch; set by the caller or a "
+        "hook)");
+    detail::require(settings_.accumulation_steps >= 1, fn, ": step_settings::accumulation_steps is ",
+                    settings_.accumulation_steps, " (expected >= 1 micro-batches per step)");
+  }
+
+  void check_lr(const char* fn) const {
+    detail::require(std::isfinite(settings_.lr) && settings_.lr >= 0.0, fn, ": step_settings::lr is ",
+                    settings_.lr, " (expected a finite learning rate >= 0; set by the caller or a hook)");
+  }
+
+  void check_scale(double s, const char* fn) const {
+    detail::require(
+        std::isfinite(s) && s >= 1.0, fn, ": AdaScale's scale S = ranks ", comm_->size(), " x local_batch ",
+        settings_.local_batch, " x accumulation_steps ", settings_.accumulation_steps, " / base_batch ",
+        adapt_policy_base_batch(), " = ", s,
+        " is below 1 (expected the step's batch to be at least the base batch: lower base_batch or "
+        "raise the batch)");
+  }
+
+  fixed_period with_period(std::int64_t k) const requires has_settable_period {
+    fixed_period_options o = sync_.schedule.options();
+    o.period = k;
+    return fixed_period(o);  // validates k >= 1
+  }
+
+  /// Replaces the LocalSGD driver by one whose fixed period is k, carrying its state: the next
+  /// round is k local steps after the last one (or at the next step if that is already past).
+  void change_period(std::int64_t k) requires has_settable_period {
+    auto ck = sync_.driver->save();
+    const std::uint64_t done = sync_.driver->local_steps();
+    const fixed_period next = with_period(k);
+    const std::uint64_t last = ck.schedule.next_due - sync_.schedule.period_of_round(ck.schedule.rounds);
+    std::uint64_t due = last + next.period_of_round(ck.schedule.rounds);
+    if (due <= done) due = done + 1;
+    ck.schedule.next_due = due;
+    sync_.schedule = next;
+    sync_.driver.emplace(*comm_, sync_.options, sync_.schedule);
+    sync_.driver->load(ck);
+  }
+
+  /// Validates the settings after the before_step hooks and applies batch and period changes.
+  void apply_settings(std::uint64_t call) {
+    constexpr const char* fn = "train::data_parallel_step::step";
+    if constexpr (has_adascale) {
+      check_batch(fn);
+      const double s = adascale_scale();
+      if (s != adapt_.ada.scale()) {
+        check_scale(s, fn);
+        const rescale_event e{adapt_.ada.scale(), s, call};
+        adapt_.ada.set_scale(s);
+        for_each_hook([&](auto& h) {
+          if constexpr (rescale_hook<std::remove_reference_t<decltype(h)>>) h.on_rescale(settings_, e);
+        });
+      }
+    }
+    if constexpr (has_settable_period) {
+      detail::require(settings_.period >= 1, fn, ": step_settings::period is ", settings_.period,
+                      " (expected K >= 1 local steps between averaging rounds)");
+      if (settings_.period != sync_.schedule.options().period) change_period(settings_.period);
+    } else {
+      detail::require(settings_.period == 0, fn, ": step_settings::period is ", settings_.period,
+                      " but the sync slot holds no local_sgd_policy<fixed_period> (leave it 0)");
+    }
+    check_lr(fn);
+  }
+
+  /// One allreduce of six doubles (max): tensor count, element count and a size fingerprint.
+  void agree_on_lists() {
+    const auto c = static_cast<double>(params_->size());
+    const auto t = static_cast<double>(params_->total_elements());
+    const double f = detail::fingerprint(params_->grads());
+    double v[6] = {c, -c, t, -t, f, -f};
+    comm_->allreduce(tensor_view<double, host_space>::vector(v, 6), reduce_op::max);
+    detail::require(
+        v[0] == -v[1] && v[2] == -v[3] && v[4] == -v[5], "train::data_parallel_step on rank ", comm_->rank(),
+        ": this rank's parameter list holds ", params_->size(), " tensors (", params_->total_elements(),
+        " elements) but the ranks hold between ", -v[1], " and ", v[0], " tensors (", -v[3], " to ", v[2],
+        " elements) or tensors of other sizes; every rank must pass the same parameters, with the "
+        "same shapes, in the same order");
+    detail::require(params_->size() > 0, "train::data_parallel_step on rank ", comm_->rank(),
+                    ": the parameter list is empty (add the model's parameters before building the step)");
+  }
+
+  /// Stage 2 (and the statistics of stage 3): combine the gradients across the ranks.
+  void combine() {
+    if constexpr (has_adasum) {
+      adasum_->allreduce(backend_, params_->grads(), *ws_);
+    } else {
+      const int n = comm_->size();
+      if (n == 1) return;
+      if constexpr (has_adascale) {
+        allreduce_norms norms{0.0, 0.0};
+        for (const auto& g : params_->grads()) {
+          const allreduce_norms t = allreduce_with_norms(*comm_, backend_, g);
+          norms.sum_local_sq += t.sum_local_sq;
+          norms.result_sq += t.result_sq;
+        }
+        backend_.apply_list(detail::divide_by_ranks{n}, params_->grads());
+        adapt_.gns.update(norms, n,
+                          noise_batch{.micro_batch = settings_.local_batch,
+                                      .accumulation_steps = settings_.accumulation_steps,
+                                      .loss_scale = 1.0});
+      } else {
+        for (const auto& g : params_->grads()) comm_->allreduce(g, reduce_op::sum);
+        backend_.apply_list(detail::divide_by_ranks{n}, params_->grads());
+      }
+    }
+  }
+
+  static void put_metrics(detail::writer& w, const step_metrics& m) {
+    w.put(m.step);
+    w.put(m.optimizer_steps);
+    w.put(m.loss);
+    w.put(m.loss_scale);
+    w.put(m.noise_scale);
+    w.put(m.gain);
+    w.put(m.lr);
+    w.put(m.progress);
+    w.put(m.scale);
+    const std::uint64_t flags =
+        (m.found_inf ? 1u : 0u) | (m.stepped ? 2u : 0u) | (m.synchronous ? 4u : 0u) | (m.averaged ? 8u : 0u);
+    w.put(flags);
+  }
+  static step_metrics get_metrics(detail::reader& r) {
+    step_metrics m;
+    m.step = r.get<std::uint64_t>("the metrics");
+    m.optimizer_steps = r.get<std::uint64_t>("the metrics");
+    m.loss = r.get<double>("the metrics");
+    m.loss_scale = r.get<double>("the metrics");
+    m.noise_scale = r.get<double>("the metrics");
+    m.gain = r.get<double>("the metrics");
+    m.lr = r.get<double>("the metrics");
+    m.progress = r.get<double>("the metrics");
+    m.scale = r.get<double>("the metrics");
+    const auto flags = r.get<std::uint64_t>("the metrics");
+    m.found_inf = flags & 1u;
+    m.stepped = flags & 2u;
+    m.synchronous = flags & 4u;
+    m.averaged = flags & 8u;
+    return m;
+  }
+
+  void load_impl(std::span<const std::byte> bytes) {
+    constexpr const char* fn = "train::data_parallel_step::load";
+    detail::reader r{bytes};
+    char magic[sizeof detail::checkpoint_magic];
+    r.take(magic, sizeof magic, "the header");
+    detail::require(std::memcmp(magic, detail::checkpoint_magic, sizeof magic) == 0, fn,
+                    ": not a checkpoint written by train::data_parallel_step::save");
+    const auto expect = [&](const char* what, std::uint64_t want, const char* hint) {
+      const auto got = r.get<std::uint64_t>(what);
+      detail::require(got == want, fn, ": the checkpoint's ", what, " is ", got, " but this step's is ", want,
+                      " (", hint, ")");
+    };
+    expect("format version", detail::checkpoint_version, "written by another gradapt version");
+    expect("rank count", static_cast<std::uint64_t>(comm_->size()), "restore on as many ranks as saved");
+    expect("slot mask (1 loss scaling, 2 Adasum, 4 AdaScale, 8 LocalSGD)", slot_mask(),
+           "restore into a step built with the same policies");
+    expect("tensor count", static_cast<std::uint64_t>(tensors_), "restore for the same parameters");
+    expect("element count", static_cast<std::uint64_t>(total_), "restore for the same parameters");
+    step_settings s;
+    s.lr = r.get<double>("the settings");
+    s.local_batch = r.get<double>("the settings");
+    s.accumulation_steps = static_cast<int>(r.get<std::int64_t>("the settings"));
+    s.period = r.get<std::int64_t>("the settings");
+    const auto calls = r.get<std::uint64_t>("the step counter");
+    const step_metrics m = get_metrics(r);
+    const auto opt_bytes = r.bytes("the optimizer state");
+    loss_scaler_state scaler_state{};
+    gradient_noise_scale_state gns_state{};
+    adascale_state ada_state{};
+    if constexpr (has_loss_scaling) detail::get_state(r, scaler_state);
+    if constexpr (has_adascale) {
+      detail::get_state(r, gns_state);
+      detail::get_state(r, ada_state);
+    }
+    local_sgd_checkpoint<typename schedule_type::state_type> sync_state{};
+    if constexpr (has_local_sgd) detail::get_state(r, sync_state);
+    detail::require(r.at == bytes.size(), fn, ": ", bytes.size() - r.at,
+                    " unexpected trailing bytes in the checkpoint (written by a step with other policies?)");
+    if constexpr (!has_settable_period)
+      detail::require(s.period == 0, fn, ": the checkpoint's period is ", s.period,
+                      " but this step has no fixed "
+                      "LocalSGD period");
+    // Apply (component loads validate their own states).
+    state_.load(backend_, opt_bytes);
+    if constexpr (has_loss_scaling) scaler_.load(scaler_state);
+    if constexpr (has_adascale) {
+      adapt_.gns.load(gns_state);
+      adapt_.ada.load(ada_state);
+    }
+    if constexpr (has_local_sgd) {
+      if constexpr (has_settable_period) {
+        detail::require(s.period >= 1, fn, ": the checkpoint's period is ", s.period, " (expected >= 1)");
+        if (s.period != sync_.schedule.options().period) {
+          sync_.schedule = with_period(s.period);
+          sync_.driver.emplace(*comm_, sync_.options, sync_.schedule);
+        }
+      }
+      sync_.driver->load(sync_state);
+    }
+    settings_ = s;
+    calls_ = calls;
+    last_ = m;
+  }
+
+  Comm* comm_;
+  B backend_;
+  const PL* params_;
+  Opt opt_;
+  optimizer_state_type state_;
+  [[no_unique_address]] Scaler scaler_;
+  [[no_unique_address]] std::conditional_t<has_adasum, std::optional<adasum<Comm>>, detail::nothing> adasum_;
+  [[no_unique_address]] std::conditional_t<has_adasum, std::optional<adasum_workspace<grad_type>>,
+                                           detail::nothing>
+      ws_;
+  [[no_unique_address]] std::conditional_t<has_adascale, detail::adapt_runtime, detail::nothing> adapt_;
+  [[no_unique_address]] std::conditional_t<has_local_sgd, detail::sync_runtime<Comm, schedule_type>,
+                                           detail::nothing>
+      sync_;
+  step_settings settings_;
+  step_metrics last_;
+  std::uint64_t calls_ = 0;
+  std::size_t tensors_ = 0;
+  std::size_t total_ = 0;
+  Hooks hooks_;
+};
+
+/// Builds a `data_parallel_step` from an optimizer, the initial settings and any number of
+/// policies and hooks, in any order: each policy fills its slot (at most one per slot; slots
+/// left out are off), every other argument must be a hook (see `step_hook`).
+///
+///     auto step = gradapt::train::make_data_parallel_step(comm, backend, params, gradapt::sgd(),
+///                                                         {.lr = 0.1});   // plain allreduce-mean SGD
+///
+/// Collective over `comm` (see data_parallel_step). `comm` and `params` must outlive the step.
+template <communicator Comm, backend B, class PL, class Opt, class... Args>
+auto make_data_parallel_step(Comm& comm, const B& backend, const PL& params, Opt optimizer,
+                             step_settings settings, Args&&... args) {
+  using detail::count_slot;
+  using detail::slot;
+  using detail::slot_v;
+  static_assert(count_slot<slot::scaler, Args...> <= 1,
+                "train::make_data_parallel_step: more than one scaler policy");
+  static_assert(count_slot<slot::combine, Args...> <= 1,
+                "train::make_data_parallel_step: more than one combine policy");
+  static_assert(count_slot<slot::adapt, Args...> <= 1,
+                "train::make_data_parallel_step: more than one adapt policy");
+  static_assert(count_slot<slot::sync, Args...> <= 1,
+                "train::make_data_parallel_step: more than one sync policy");
+  static_assert(
+      count_slot<slot::none, Args...> == 0,
+      "train::make_data_parallel_step: an argument is neither a policy (no_loss_scaling, loss_scaler, "
+      "allreduce_mean, adasum_combine, no_adascale, adascale_policy, no_local_sgd, local_sgd_policy) "
+      "nor a hook (an object with before_step, after_step, on_overflow or on_rescale)");
+  auto scaler = detail::pick<slot::scaler, no_loss_scaling>(args...);
+  auto combine = detail::pick<slot::combine, allreduce_mean>(args...);
+  auto adapt = detail::pick<slot::adapt, no_adascale>(args...);
+  auto sync = detail::pick<slot::sync, no_local_sgd>(args...);
+  auto hooks = std::tuple_cat(detail::hook_tuple(std::forward<Args>(args))...);
+  return data_parallel_step<Comm, B, PL, Opt, decltype(scaler), decltype(combine), decltype(adapt),
+                            decltype(sync), decltype(hooks)>(
+      comm, backend, params, std::move(optimizer), settings, std::move(scaler), std::move(combine),
+      std::move(adapt), std::move(sync), std::move(hooks));
+}
+
+}  // namespace gradapt::train
