@@ -110,3 +110,6 @@ endif()
 # The composed data-parallel step (train/) on the threads communicator.
 gradapt_add_test(test_train_step SOURCES test_train_step.cpp)
 target_link_libraries(test_train_step PRIVATE Threads::Threads)
+gradapt_add_test(test_optim_adafactor SOURCES test_optim_adafactor.cpp)
+target_compile_definitions(test_optim_adafactor PRIVATE GRADAPT_FACTORED_DATA="${PROJECT_SOURCE_DIR}/tests/data/optim_factored")
+gradapt_add_test(test_optim_sm3 SOURCES test_optim_sm3.cpp)

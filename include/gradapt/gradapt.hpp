@@ -31,11 +31,14 @@
 
 #include "gradapt/optim/clip.hpp"
 
+#include "gradapt/optim/adafactor.hpp"
 #include "gradapt/optim/adamw.hpp"
 #include "gradapt/optim/chain.hpp"
+#include "gradapt/optim/factored.hpp"
 #include "gradapt/optim/lamb.hpp"
 #include "gradapt/optim/lars.hpp"
 #include "gradapt/optim/sgd.hpp"
+#include "gradapt/optim/sm3.hpp"
 #include "gradapt/optim/transforms.hpp"
 
 #include "gradapt/train/data_parallel_step.hpp"

@@ -1027,7 +1027,8 @@ struct host {
   /// (A·X·B·Y·C == x.size()): the factored statistics of Adafactor (Shazeer & Stern 2018) and
   /// the covers of SM3 (Anil et al. 2019). With t = f(r, c, x[a, i, b, j, c']) where r and c
   /// are the element's entries of the optional `row` and `col` vectors (indexed as over_y and
-  /// over_x below; 1 where a vector is empty), in their compute types, and f returns a double:
+  /// over_x below; 1 where a vector is empty), in their compute types, and f returns a value
+  /// that is widened to double (a compute-type value, or a double):
   ///
   ///     over_y[((a·X + i)·B + b)·C + c'] = ⊕_j t     (A·X·B·C values; reduce over axis Y)
   ///     over_x[((a·B + b)·Y + j)·C + c'] = ⊕_i t     (A·B·Y·C values; reduce over axis X)
@@ -1038,7 +1039,9 @@ struct host {
   /// `threads`: over_x adds i in ascending order; over_y with C == 1 adds term j into lane
   /// j mod 8 and combines the 8 lanes as a fixed tree, with C > 1 adds j in ascending order.
   /// Lines are processed in blocks of about 256 KiB so that the column reduction re-reads them
-  /// from cache. Nothing is allocated.
+  /// from cache. A sum through a functor with `vectorizable = true` over float data (C == 1) is
+  /// computed on `simd::pack`s of 8 (f returns the float pack, widened), with the same bits.
+  /// Nothing is allocated.
   /// @throws gradapt::error if d does not describe x or a vector has the wrong size
   template <class F, class RY, class RX, class T>
   void reduce_factored(F f, std::array<std::int64_t, 5> d, tensor_view<RY, host_space> row,
@@ -1048,8 +1051,8 @@ struct host {
     const auto dd = check_factored(d, x.size(), "reduce_factored");
     const std::size_t A = dd[0], X = dd[1], B = dd[2], Y = dd[3], C = dd[4];
     const std::size_t ny = A * X * B * C, nx = A * B * Y * C;
-    detail::require(row.empty() || row.size() == ny, "host backend reduce_factored: row vector has ", row.size(),
-                    " elements (expected A*X*B*C = ", ny, ", or 0)");
+    detail::require(row.empty() || row.size() == ny, "host backend reduce_factored: row vector has ",
+                    row.size(), " elements (expected A*X*B*C = ", ny, ", or 0)");
     detail::require(col.empty() || col.size() == nx, "host backend reduce_factored: column vector has ",
                     col.size(), " elements (expected A*B*Y*C = ", nx, ", or 0)");
     detail::require(over_y.empty() || over_y.size() == ny, "host backend reduce_factored: over_y has ",
@@ -1059,8 +1062,8 @@ struct host {
     const auto* rp = row.empty() ? nullptr : row.data();
     const auto* cp = col.empty() ? nullptr : col.data();
     if (op == reduce_op::max)
-      reduce_factored_impl<true>(f, rp, cp, x.data(), A, X, B, Y, C, over_y.data(), over_y.empty(), over_x.data(),
-                                 over_x.empty());
+      reduce_factored_impl<true>(f, rp, cp, x.data(), A, X, B, Y, C, over_y.data(), over_y.empty(),
+                                 over_x.data(), over_x.empty());
     else
       reduce_factored_impl<false>(f, rp, cp, x.data(), A, X, B, Y, C, over_y.data(), over_y.empty(),
                                   over_x.data(), over_x.empty());
@@ -1085,10 +1088,12 @@ struct host {
     const std::size_t n = check_sizes(views...);
     const auto dd = check_factored(d, n, "apply_factored");
     const std::size_t A = dd[0], X = dd[1], B = dd[2], Y = dd[3], C = dd[4];
-    detail::require(row.empty() || row.size() == A * X * B * C, "host backend apply_factored: row vector has ",
-                    row.size(), " elements (expected A*X*B*C = ", A * X * B * C, ", or 0)");
-    detail::require(col.empty() || col.size() == A * B * Y * C, "host backend apply_factored: column vector has ",
-                    col.size(), " elements (expected A*B*Y*C = ", A * B * Y * C, ", or 0)");
+    detail::require(row.empty() || row.size() == A * X * B * C,
+                    "host backend apply_factored: row vector has ", row.size(),
+                    " elements (expected A*X*B*C = ", A * X * B * C, ", or 0)");
+    detail::require(col.empty() || col.size() == A * B * Y * C,
+                    "host backend apply_factored: column vector has ", col.size(),
+                    " elements (expected A*B*Y*C = ", A * B * Y * C, ", or 0)");
     if (n == 0) return 0.0;
     const std::size_t L = Y * C, lines = A * X * B;
     const auto* rp = row.empty() ? nullptr : row.data();
@@ -1110,15 +1115,22 @@ struct host {
       (void)par;
       return 0.0;
     } else {
-      constexpr std::size_t R0 = 256;
+      // Line sums of a round on the stack (32 KiB), added in line order after the round.
+      constexpr std::size_t R0 = 4096;
       double part[R0];
       double total = 0.0;
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(nt) if (par)
+#endif
       for (std::size_t l0 = 0; l0 < lines; l0 += R0) {
         const std::size_t rb = std::min(R0, lines - l0);
 #if defined(_OPENMP)
-#pragma omp parallel for schedule(static) num_threads(nt) if (par && rb > 1)
+#pragma omp for schedule(static)
 #endif
         for (std::size_t j = 0; j < rb; ++j) part[j] = line(l0 + j);
+#if defined(_OPENMP)
+#pragma omp single
+#endif
         for (std::size_t j = 0; j < rb; ++j) total += part[j];
       }
       (void)par;
@@ -1153,6 +1165,25 @@ struct host {
   void reduce_factored_impl(const F& f, const RY* rp, const RX* cp, const T* x, std::size_t A, std::size_t X,
                             std::size_t B, std::size_t Y, std::size_t C, double* oy, bool skip_y, double* ox,
                             bool skip_x) const {
+    const auto run = [&]<bool HasR, bool HasC>() {
+      reduce_factored_loops<Max, HasR, HasC>(f, rp, cp, x, A, X, B, Y, C, oy, skip_y, ox, skip_x);
+    };
+    if (rp && cp)
+      run.template operator()<true, true>();
+    else if (rp)
+      run.template operator()<true, false>();
+    else if (cp)
+      run.template operator()<false, true>();
+    else
+      run.template operator()<false, false>();
+  }
+
+  /// reduce_factored's loops with the presence of the row and column vectors fixed at compile
+  /// time (no per-element branches or index divisions).
+  template <bool Max, bool HasR, bool HasC, class F, class RY, class RX, class T>
+  void reduce_factored_loops(const F& f, const RY* rp, const RX* cp, const T* x, std::size_t A, std::size_t X,
+                             std::size_t B, std::size_t Y, std::size_t C, double* oy, bool skip_y, double* ox,
+                             bool skip_x) const {
     const std::size_t L = Y * C, lines = A * X * B, n = lines * L;
     const double init = Max ? -std::numeric_limits<double>::infinity() : 0.0;
     if (!skip_y)
@@ -1163,62 +1194,190 @@ struct host {
     const int nt = thread_count();
     const bool par = nt > 1 && n >= 2 * detail::host_impl::apply_chunk;
     (void)par;
-    const std::size_t per_block = std::max<std::size_t>(1, (std::size_t{1} << 16) / std::max<std::size_t>(L, 1));
+    using CY = compute_t<RY>;
+    using CX = compute_t<RX>;
+    const auto rv = [&](std::size_t i) { return HasR ? load(rp[i]) : CY(1); };
+    const auto cv = [&](const RX* c, std::size_t k) {
+      if constexpr (HasC)
+        return load(c[k]);
+      else
+        return CX(1);
+    };
+    // Lines are processed in blocks of about 256 KiB so that the column reduction re-reads them
+    // from cache.
+    const std::size_t per_block =
+        std::max<std::size_t>(1, (std::size_t{1} << 16) / std::max<std::size_t>(L, 1));
     constexpr std::size_t chunk = 512;  // columns per task of the column reduction
     const std::size_t col_tasks = (L + chunk - 1) / chunk;
-    const auto term = [&](std::size_t l, std::size_t k, const T* p) {
-      const auto r = rp ? load(rp[l * C + k % C]) : compute_t<RY>(1);
-      const std::size_t a = l / (X * B), b = l % B;
-      const auto c = cp ? load(cp[(a * B + b) * L + k]) : compute_t<RX>(1);
-      return static_cast<double>(f(r, c, load(p[k])));
-    };
-    for (std::size_t a = 0; a < A; ++a)
-      for (std::size_t b = 0; b < B; ++b)
-        for (std::size_t i0 = 0; i0 < X; i0 += per_block) {
-          const std::size_t i1 = std::min(X, i0 + per_block);
-          const auto line_of = [&](std::size_t i) { return (a * X + i) * B + b; };
+#if GRADAPT_SIMD_PACKS
+    // Sums of float data through a vectorizable f: 8 lanes per call (f returns a float pack,
+    // widened), the same terms in the same order as the scalar loops.
+    using narrow = simd::pack<float, 8>;
+    using wide = simd::pack<double, 8>;
+    constexpr bool packs =
+        !Max && simd::vectorizable_v<F> && std::is_same_v<std::remove_cv_t<T>, float> &&
+        (!HasR || std::is_same_v<std::remove_cv_t<RY>, float>)&&(
+            !HasC || std::is_same_v<std::remove_cv_t<RX>, float>)&&std::is_invocable_v<const F&, narrow,
+                                                                                       narrow, narrow>;
+#endif
+    // One thread and both outputs of a matrix-like view: one read of each line feeds its row
+    // lanes and the column sums (the same terms, in the same order, as the two loops below).
+    if (!par && C == 1 && !skip_y && !skip_x) {
+      for (std::size_t a = 0; a < A; ++a)
+        for (std::size_t b = 0; b < B; ++b) {
+          const RX* cb = HasC ? cp + (a * B + b) * L : nullptr;
+          double* o = ox + (a * B + b) * L;
+          for (std::size_t i = 0; i < X; ++i) {
+            const std::size_t l = (a * X + i) * B + b;
+            const T* p = x + l * L;
+            const CY r = rv(l);
+            double acc[8] = {init, init, init, init, init, init, init, init};
+            std::size_t j = 0;
+#if GRADAPT_SIMD_PACKS
+            if constexpr (packs) {
+              wide va(init);
+              const narrow rr(r);
+              for (; j + 8 <= Y; j += 8) {
+                const wide t =
+                    simd::widen(f(rr, HasC ? narrow::load(cb + j) : narrow(1.0f), narrow::load(p + j)));
+                va = va + t;
+                (wide::load(o + j) + t).store(o + j);
+              }
+              va.store(acc);
+            }
+#endif
+            for (; j + 8 <= Y; j += 8)
+              for (std::size_t q = 0; q < 8; ++q) {
+                const double t = static_cast<double>(f(r, cv(cb, j + q), load(p[j + q])));
+                acc[q] = fold<Max>(acc[q], t);
+                o[j + q] = fold<Max>(o[j + q], t);
+              }
+            for (std::size_t q = 0; j < Y; ++j, ++q) {
+              const double t = static_cast<double>(f(r, cv(cb, j), load(p[j])));
+              acc[q] = fold<Max>(acc[q], t);
+              o[j] = fold<Max>(o[j], t);
+            }
+            for (std::size_t w = 4; w >= 1; w /= 2)
+              for (std::size_t q = 0; q < w; ++q) acc[q] = fold<Max>(acc[2 * q], acc[2 * q + 1]);
+            oy[l] = acc[0];
+          }
+        }
+      return;
+    }
+    // One parallel region, no barrier inside: rows are independent, and the column loop has
+    // the same trip count in every block, so with schedule(static) each column chunk stays
+    // with one thread, which adds the blocks in order.
 #if defined(_OPENMP)
 #pragma omp parallel num_threads(nt) if (par)
 #endif
+    for (std::size_t a = 0; a < A; ++a)
+      for (std::size_t b = 0; b < B; ++b) {
+        const RX* cb = HasC ? cp + (a * B + b) * L : nullptr;
+        for (std::size_t i0 = 0; i0 < X; i0 += per_block) {
+          const std::size_t i1 = std::min(X, i0 + per_block);
           {
             if (!skip_y) {
 #if defined(_OPENMP)
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
 #endif
               for (std::size_t i = i0; i < i1; ++i) {
-                const std::size_t l = line_of(i);
+                const std::size_t l = (a * X + i) * B + b;
                 const T* p = x + l * L;
                 if (C == 1) {
+                  const CY r = rv(l);
                   double acc[8] = {init, init, init, init, init, init, init, init};
                   std::size_t j = 0;
+#if GRADAPT_SIMD_PACKS
+                  if constexpr (packs) {
+                    // lane q of the double pack is acc[q]: the same terms in the same order
+                    wide va(init);
+                    const narrow rr(r);
+                    if constexpr (HasC) {
+                      for (; j + 8 <= Y; j += 8)
+                        va = va + simd::widen(f(rr, narrow::load(cb + j), narrow::load(p + j)));
+                    } else {
+                      const narrow one(1.0f);
+                      for (; j + 8 <= Y; j += 8) va = va + simd::widen(f(rr, one, narrow::load(p + j)));
+                    }
+                    va.store(acc);
+                  }
+#endif
                   for (; j + 8 <= Y; j += 8)
-                    for (std::size_t q = 0; q < 8; ++q) acc[q] = fold<Max>(acc[q], term(l, j + q, p));
-                  for (std::size_t q = 0; j < Y; ++j, ++q) acc[q] = fold<Max>(acc[q], term(l, j, p));
+                    for (std::size_t q = 0; q < 8; ++q)
+                      acc[q] = fold<Max>(acc[q], static_cast<double>(f(r, cv(cb, j + q), load(p[j + q]))));
+                  for (std::size_t q = 0; j < Y; ++j, ++q)
+                    acc[q] = fold<Max>(acc[q], static_cast<double>(f(r, cv(cb, j), load(p[j]))));
                   for (std::size_t w = 4; w >= 1; w /= 2)
                     for (std::size_t q = 0; q < w; ++q) acc[q] = fold<Max>(acc[2 * q], acc[2 * q + 1]);
                   oy[l] = acc[0];
                 } else {
                   double* o = oy + l * C;
-                  for (std::size_t k = 0; k < L; ++k) o[k % C] = fold<Max>(o[k % C], term(l, k, p));
+                  for (std::size_t j = 0; j < Y; ++j)
+                    for (std::size_t c = 0; c < C; ++c)
+                      o[c] = fold<Max>(
+                          o[c], static_cast<double>(f(rv(l * C + c), cv(cb, j * C + c), load(p[j * C + c]))));
                 }
               }
             }
             if (!skip_x) {
 #if defined(_OPENMP)
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
 #endif
               for (std::size_t task = 0; task < col_tasks; ++task) {
                 const std::size_t k0 = task * chunk, k1 = std::min(L, k0 + chunk);
                 double* o = ox + (a * B + b) * L;
                 for (std::size_t i = i0; i < i1; ++i) {
-                  const std::size_t l = line_of(i);
+                  const std::size_t l = (a * X + i) * B + b;
                   const T* p = x + l * L;
-                  for (std::size_t k = k0; k < k1; ++k) o[k] = fold<Max>(o[k], term(l, k, p));
+                  if (C == 1) {
+                    const CY r = rv(l);
+                    std::size_t k = k0;
+#if GRADAPT_SIMD_PACKS
+                    if constexpr (packs) {
+                      const narrow rr(r);
+                      if constexpr (HasC) {
+                        for (; k + 8 <= k1; k += 8)
+                          (wide::load(o + k) + simd::widen(f(rr, narrow::load(cb + k), narrow::load(p + k))))
+                              .store(o + k);
+                      } else {
+                        const narrow one(1.0f);
+                        for (; k + 8 <= k1; k += 8)
+                          (wide::load(o + k) + simd::widen(f(rr, one, narrow::load(p + k)))).store(o + k);
+                      }
+                    }
+#endif
+                    for (; k < k1; ++k)
+                      o[k] = fold<Max>(o[k], static_cast<double>(f(r, cv(cb, k), load(p[k]))));
+                  } else {
+                    std::size_t c = k0 % C;
+                    for (std::size_t k = k0; k < k1; ++k) {
+                      o[k] = fold<Max>(o[k], static_cast<double>(f(rv(l * C + c), cv(cb, k), load(p[k]))));
+                      c = c + 1 == C ? 0 : c + 1;
+                    }
+                  }
                 }
               }
             }
           }
         }
+      }
+  }
+
+  /// One group of 8 elements of apply_factored's pack path: loads, call, stores (inlined, so
+  /// the packs stay in registers).
+  template <class T, class P>
+  static GRADAPT_INLINE void store_pack(const P& v, T* dst) {
+    if constexpr (!std::is_const_v<T>) v.store(dst);
+  }
+  template <bool Reduces, class F, class P, class D, class... Ts, std::size_t... I>
+  static GRADAPT_INLINE void factored_pack(const F& f, const P& r, const P& c, D& va, std::size_t at,
+                                           std::index_sequence<I...>, Ts*... ptrs) {
+    P v[sizeof...(Ts)] = {P::load(ptrs + at)...};
+    if constexpr (Reduces)
+      va = va + simd::widen(f(r, c, v[I]...));
+    else
+      f(r, c, v[I]...);
+    (store_pack(v[I], ptrs + at), ...);
   }
 
   /// One line of apply_factored: elements [base, base + L), row entries at rbase + (k mod C),
@@ -1233,32 +1392,16 @@ struct host {
                                std::is_same_v<std::remove_cv_t<RX>, float> &&
                                (std::is_same_v<std::remove_cv_t<Ts>, float> && ...);
     if constexpr (all_float && simd::vectorizable_v<F>) {
-      using P = simd::pack<float, simd::native_lanes<float>>;
+      using P = simd::pack<float, 8>;
       constexpr std::size_t W = P::size;
       if constexpr (std::is_invocable_v<const F&, P, P, std::conditional_t<true, P, Ts>&...>) {
         if (C == 1 && cp != nullptr) {
           const P r(rp ? rp[rbase] : 1.0f);
-          for (; k + W <= L; k += W) {
-            const P c = P::load(cp + cbase + k);
-            auto v = std::make_tuple(P::load(ptrs + base + k)...);
-            std::apply(
-                [&](auto&... e) {
-                  if constexpr (Reduces) {
-                    const auto res = f(r, c, e...);
-                    float tmp[W];
-                    res.store(tmp);
-                    for (std::size_t q = 0; q < W; ++q) acc[(k + q) % 8] += static_cast<double>(tmp[q]);
-                  } else {
-                    f(r, c, e...);
-                  }
-                  (
-                      [&] {
-                        if constexpr (!std::is_const_v<Ts>) e.store(ptrs + base + k);
-                      }(),
-                      ...);
-                },
-                v);
-          }
+          simd::pack<double, 8> va(0.0);  // lane q is acc[q]: element k + q of each group of 8
+          for (; k + W <= L; k += W)
+            factored_pack<Reduces>(f, r, P::load(cp + cbase + k), va, base + k,
+                                   std::index_sequence_for<Ts...>{}, ptrs...);
+          if constexpr (Reduces) va.store(acc);
         }
       }
     }
@@ -1273,10 +1416,11 @@ struct host {
               acc[k % 8] += static_cast<double>(f(r, c, e...));
             else
               f(r, c, e...);
-            ([&] {
-              if constexpr (!std::is_const_v<Ts>) store(ptrs[base + k], e);
-            }(),
-             ...);
+            (
+                [&] {
+                  if constexpr (!std::is_const_v<Ts>) store(ptrs[base + k], e);
+                }(),
+                ...);
           },
           v);
     }

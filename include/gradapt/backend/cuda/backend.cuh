@@ -6,7 +6,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <ranges>
@@ -18,6 +20,7 @@
 #include "gradapt/backend/cuda/check.cuh"
 #include "gradapt/backend/cuda/device_buffer.cuh"
 #include "gradapt/backend/cuda/device_types.cuh"
+#include "gradapt/backend/cuda/factored.cuh"
 #include "gradapt/backend/cuda/multi_tensor.cuh"
 #include "gradapt/backend/cuda/reduction_ops.cuh"
 #include "gradapt/backend/cuda/workspace.cuh"
@@ -80,6 +83,7 @@ using list_view_t = std::remove_cvref_t<std::ranges::range_value_t<L>>;
 /// Functors must be trivially copyable and callable on the device (GRADAPT_HD members or
 /// `__host__ __device__` lambdas); each thread calls its own copy.
 struct cuda {
+  /// Views this backend accepts: device memory (host_space views do not compile).
   using space = device_space;
 
   /// Stream every operation is enqueued on (nullptr: the default stream).
@@ -281,6 +285,95 @@ struct cuda {
                                              std::ranges::data(lists)...);
   }
 
+  /// Row and column reductions of `x` seen as d = [A, X, B, Y, C] (Adafactor's factored
+  /// statistics, SM3's covers): the same contract as gradapt::host::reduce_factored (f(r, c, v)
+  /// with the optional row/column vector entries, a sum in double or a NaN-propagating max),
+  /// in the order of backend/cuda/factored.cuh. Asynchronous.
+  /// @throws gradapt::error if d does not describe x or a vector has the wrong size
+  template <class F, class RY, class RX, class T>
+  void reduce_factored(F f, std::array<std::int64_t, 5> d, tensor_view<RY, device_space> row,
+                       tensor_view<RX, device_space> col, tensor_view<T, device_space> x,
+                       tensor_view<double, device_space> over_y, tensor_view<double, device_space> over_x,
+                       reduce_op op = reduce_op::sum) const {
+    const auto fd = check_factored(d, x.size(), "reduce_factored");
+    const std::size_t ny = fd.A * fd.X * fd.B * fd.C, nx = fd.A * fd.B * fd.Y * fd.C;
+    check_factored_vector(row.size(), ny, "reduce_factored", "row vector");
+    check_factored_vector(col.size(), nx, "reduce_factored", "column vector");
+    check_factored_vector(over_y.size(), ny, "reduce_factored", "over_y");
+    check_factored_vector(over_x.size(), nx, "reduce_factored", "over_x");
+    const detail::cuda_impl::fvectors<RY, RX> v{row.empty() ? nullptr : row.data(),
+                                                col.empty() ? nullptr : col.data()};
+    using detail::cuda_impl::factored_grid;
+    using detail::cuda_impl::factored_threads;
+    const auto launch = [&]<bool Max>() {
+      if (!over_y.empty() && ny > 0) {
+        detail::cuda_impl::factored_rows_kernel<Max>
+            <<<factored_grid(ny, 1), factored_threads, 0, stream>>>(f, fd, v, x.data(), over_y.data());
+        GRADAPT_CUDA_CHECK(cudaGetLastError());
+      }
+      if (!over_x.empty() && nx > 0) {
+        detail::cuda_impl::factored_cols_kernel<Max>
+            <<<factored_grid(nx, factored_threads), factored_threads, 0, stream>>>(f, fd, v, x.data(),
+                                                                                   over_x.data());
+        GRADAPT_CUDA_CHECK(cudaGetLastError());
+      }
+    };
+    if (op == reduce_op::max)
+      launch.template operator()<true>();
+    else
+      launch.template operator()<false>();
+  }
+
+  /// Element-wise `f(r, c, v...)` over views seen as d = [A, X, B, Y, C], with the row and
+  /// column vector entries of each element (the contract of gradapt::host::apply_factored).
+  /// A void `f` is enqueued and 0 returned at once; when `f` returns a value, the values are
+  /// summed in double (per line, then over lines, fixed trees) and the sum is returned, which
+  /// waits for the stream.
+  /// @throws gradapt::error on a size mismatch
+  template <class F, class RY, class RX, class... Ts>
+  double apply_factored(F f, std::array<std::int64_t, 5> d, tensor_view<RY, device_space> row,
+                        tensor_view<RX, device_space> col, tensor_view<Ts, device_space>... views) const {
+    static_assert(sizeof...(Ts) > 0, "gradapt::cuda::apply_factored needs at least one view");
+    const std::size_t n = [](const auto& v0, const auto&... vs) {
+      std::size_t pos = 0;
+      ((++pos, detail::require(vs.size() == v0.size(), "gradapt::cuda::apply_factored: view ", pos, " has ",
+                               vs.size(), " elements but view 0 has ", v0.size(), " (expected equal sizes)")),
+       ...);
+      return v0.size();
+    }(views...);
+    const auto fd = check_factored(d, n, "apply_factored");
+    const std::size_t ny = fd.A * fd.X * fd.B * fd.C, nx = fd.A * fd.B * fd.Y * fd.C;
+    check_factored_vector(row.size(), ny, "apply_factored", "row vector");
+    check_factored_vector(col.size(), nx, "apply_factored", "column vector");
+    if (n == 0) return 0.0;
+    const detail::cuda_impl::fvectors<RY, RX> v{row.empty() ? nullptr : row.data(),
+                                                col.empty() ? nullptr : col.data()};
+    using detail::cuda_impl::factored_grid;
+    using detail::cuda_impl::factored_threads;
+    using R = decltype(f(compute_t<RY>(1), compute_t<RX>(1), std::declval<compute_t<Ts>&>()...));
+    if constexpr (std::is_void_v<R>) {
+      detail::cuda_impl::
+          factored_apply_kernel<<<factored_grid(n, factored_threads), factored_threads, 0, stream>>>(
+              f, fd, v, n, views.data()...);
+      GRADAPT_CUDA_CHECK(cudaGetLastError());
+      return 0.0;
+    } else {
+      const std::size_t lines = fd.A * fd.X * fd.B;
+      auto* scratch = static_cast<double*>(ws().device((lines + 1) * sizeof(double)));
+      auto* host = static_cast<double*>(ws().pinned(sizeof(double)));
+      detail::cuda_impl::factored_apply_sum_kernel<<<factored_grid(lines, 1), factored_threads, 0, stream>>>(
+          f, fd, v, scratch, views.data()...);
+      GRADAPT_CUDA_CHECK(cudaGetLastError());
+      detail::cuda_impl::factored_sum_kernel<<<1, factored_threads, 0, stream>>>(scratch, lines,
+                                                                                 scratch + lines);
+      GRADAPT_CUDA_CHECK(cudaGetLastError());
+      GRADAPT_CUDA_CHECK(
+          cudaMemcpyAsync(host, scratch + lines, sizeof(double), cudaMemcpyDeviceToHost, stream));
+      synchronize();
+      return *host;
+    }
+  }
+
   /// Owning, zero-initialised device memory for `n` elements of T (an algorithm's state
   /// between steps). Allocates (cudaMalloc): call it at set-up, never in a step.
   template <element T>
@@ -343,6 +436,24 @@ struct cuda {
                     "gradapt::cuda: workspace is null (leave the default, or assign a "
                     "std::make_shared<gradapt::detail::cuda_workspace>())");
     return *workspace;
+  }
+
+  static detail::cuda_impl::fdims check_factored(const std::array<std::int64_t, 5>& d, std::size_t n,
+                                                 const char* what) {
+    std::size_t prod = 1;
+    for (std::size_t k = 0; k < 5; ++k) {
+      detail::require(d[k] >= 0, "gradapt::cuda::", what, ": factored dim ", k, " is ", d[k],
+                      " (expected non-negative [A, X, B, Y, C])");
+      prod *= static_cast<std::size_t>(d[k]);
+    }
+    detail::require(prod == n, "gradapt::cuda::", what, ": factored dims [", d[0], ", ", d[1], ", ", d[2],
+                    ", ", d[3], ", ", d[4], "] hold ", prod, " elements but the tensor has ", n);
+    return {static_cast<std::size_t>(d[0]), static_cast<std::size_t>(d[1]), static_cast<std::size_t>(d[2]),
+            static_cast<std::size_t>(d[3]), static_cast<std::size_t>(d[4])};
+  }
+  static void check_factored_vector(std::size_t got, std::size_t want, const char* what, const char* name) {
+    detail::require(got == 0 || got == want, "gradapt::cuda::", what, ": ", name, " has ", got,
+                    " elements (expected ", want, ", or 0)");
   }
 
   static void check_op(reduction op, const char* what) {

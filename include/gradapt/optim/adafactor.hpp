@@ -1,0 +1,652 @@
+#pragma once
+/// @file
+/// Adafactor (Shazeer & Stern 2018, "Adafactor: Adaptive Learning Rates with Sublinear Memory
+/// Cost", arXiv:1804.04235), as optax's `adafactor` with torch.optim.Adafactor's switches.
+///
+/// For a tensor whose two factored dims (the two largest, both >= min_dim_size_to_factor) are
+/// rows i and columns j, at step t (1-based):
+///
+///     β_t   = 1 − (t − decay_offset)^(−decay_rate)                 (0 at the first step)
+///     s     = g² + eps1
+///     R_i   ← β_t R_i + (1 − β_t) mean_j s_ij                      (n values)
+///     C_j   ← β_t C_j + (1 − β_t) mean_i s_ij                      (m values)
+///     y_ij  = g_ij · (R_i / mean(R))^(−1/2) · C_j^(−1/2)          (the "largest" axis' statistic
+///                                                                   is the normalised one, as optax)
+/// and for 1-D, small and unfactored tensors v ← β_t v + (1 − β_t) s, y = g · v^(−1/2). Then
+///
+///     y ← y / max(1, rms(y) / d)                                   (update clipping, d = 1)
+///     y ← y · η_t      η_t = lr, or min(lr, 1/√t) with relative_step
+///     y ← y · max(rms(p), eps2)                                    (multiply_by_parameter_scale)
+///     m ← b1 m + (1 − b1) y;  y = m                                (optional momentum)
+///     p ← p − (y + λ p)                                            (λ = weight_decay, or lr · weight_decay)
+///
+/// Tensors of rank > 2 factor their two largest dims (the others index separate statistics).
+/// State: n + m elements for an n × m factored matrix (plus n·m for momentum), the full size
+/// otherwise. A shared workspace (the largest tensor's row and column sums and factors) is
+/// allocated at init and reused for every tensor; the step allocates nothing.
+///
+/// Passes per factored tensor: (1) read g, row and column sums of g² (backend
+/// `reduce_factored`); (2) read g, Σ y² for the clipping; (3) read p for rms(p); (4) read g, p
+/// (and m), write p (and m). Tensors are processed one after another, so passes 2 to 4 find a
+/// tensor of up to a few MiB in the last-level cache.
+///
+/// Non-finite gradients: inf or NaN in g makes that tensor's statistics (the row and column
+/// of the element, then through the normalisation the whole tensor) inf or NaN, and the
+/// parameters it touches become NaN, exactly as in optax; skip such steps with the loss
+/// scaler (a skipped step does not call `step`, so the step count does not advance).
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "gradapt/backend/simd.hpp"
+#include "gradapt/core/config.hpp"
+#include "gradapt/core/dtype.hpp"
+#include "gradapt/core/error.hpp"
+#include "gradapt/core/param_list.hpp"
+#include "gradapt/core/tensor_view.hpp"
+#include "gradapt/optim/factored.hpp"
+#include "gradapt/optim/stage.hpp"
+
+namespace gradapt {
+
+/// Where Adafactor's eps1 enters.
+enum class adafactor_eps1 : unsigned char {
+  add_to_square,  ///< s = g² + eps1 (optax, the paper)
+  clamp           ///< statistics without eps; V̂ clamped to >= eps1² and mean(R) to >= eps1 (torch)
+};
+
+/// Options of `gradapt::adafactor`, e.g. `gradapt::adafactor({.lr = 1e-2, .relative_step = true})`.
+/// Defaults follow optax.adafactor; the torch column gives torch.optim.Adafactor's equivalent.
+///
+struct adafactor_options {
+  double lr = 1.0;  ///< η, the learning rate (a step's `step_args::lr` overrides it); optax's
+                    ///< learning_rate=None means 1 (torch: 1e-2)
+  bool relative_step =
+      false;  ///< true: η_t = min(lr, 1/√t), the paper's relative step size (torch: always on)
+  double decay_rate = 0.8;  ///< β2_t = 1 − t^(−decay_rate) (torch: beta2_decay = −0.8); must be in (0, 1]
+  std::uint64_t decay_offset = 0;  ///< t is counted from this step (for fine-tuning); before it β2 = 0
+  std::int64_t min_dim_size_to_factor =
+      128;               ///< factor a tensor when both factored dims are at least this (torch: 0, always)
+  bool factored = true;  ///< false: every tensor keeps a full second moment (Adam-like state)
+  factor_axes axes = factor_axes::largest_two;  ///< which two dims are factored: the two largest (optax) or
+                                                ///< the last two (torch)
+  double eps1 = 1e-30;  ///< regulariser of g² (torch: eps[0] = 1.19e-7, float's epsilon); must be >= 0
+  adafactor_eps1 eps1_mode = adafactor_eps1::add_to_square;  ///< where eps1 enters: added to g² (optax, the
+                                                             ///< paper) or as a clamp (torch)
+  double clipping_threshold =
+      1.0;  ///< d of the update clipping u ← u / max(1, rms(u)/d); +inf turns clipping off
+  bool multiply_by_parameter_scale = true;  ///< scale the step by max(rms(p), eps2) (torch: always on)
+  double eps2 = 1e-3;                       ///< lower bound of the parameter scale (torch: eps[1] = 1e-3)
+  double momentum = 0.0;      ///< b1 of an EMA of the update; 0 keeps no momentum buffer (torch: no momentum)
+  double weight_decay = 0.0;  ///< λ: p ← p − λ p on top of the update (optax's weight_decay_rate)
+  bool weight_decay_times_lr =
+      false;  ///< true: λ is multiplied by the learning rate (torch: p ← p (1 − lr λ))
+};
+
+/// The options torch.optim.Adafactor uses for (lr, eps2, weight_decay): relative step,
+/// last-two factoring of every tensor of rank >= 2, eps1 = float epsilon as a clamp.
+inline adafactor_options torch_adafactor_options(double lr = 1e-2, double eps2 = 1e-3,
+                                                 double weight_decay = 0.0) {
+  return {.lr = lr,
+          .relative_step = true,
+          .min_dim_size_to_factor = 0,
+          .axes = factor_axes::last_two,
+          .eps1 = static_cast<double>(std::numeric_limits<float>::epsilon()),
+          .eps1_mode = adafactor_eps1::clamp,
+          .eps2 = eps2,
+          .weight_decay = weight_decay,
+          .weight_decay_times_lr = true};
+}
+
+namespace detail::adafactor_k {
+
+/// s = g² + eps in the compute type (the backend widens it): a row/column statistic term.
+template <class C>
+struct square_plus {
+  static constexpr bool vectorizable = true;
+  C eps;
+  template <class V>
+  GRADAPT_HD GRADAPT_INLINE V operator()(V, V, V v) const {
+    return v * v + V(eps);
+  }
+};
+/// The value itself (a sum of a statistic).
+struct identity {
+  template <class C>
+  GRADAPT_HD double operator()(C, C, C v) const {
+    return static_cast<double>(v);
+  }
+};
+/// v ← β v + w · (sum / len).
+template <class C>
+struct ema_mean {
+  C beta, w;
+  double inv_len;
+  GRADAPT_HD void operator()(C& v, double& sum) const {
+    const C mean = static_cast<C>(sum * inv_len);
+    v = beta * v + w * mean;
+  }
+};
+/// out = (stat / max(mean, floor))^(−1/2), mean = sum / len (the normalised statistic).
+template <class C>
+struct norm_factor {
+  double inv_len;
+  C floor;
+  GRADAPT_HD void operator()(C, double sum, C& stat, C& out) const {
+    C mean = static_cast<C>(sum * inv_len);
+    mean = mean < floor ? floor : mean;
+    out = C(1) / simd::sqrt(stat / mean);
+  }
+};
+/// out = stat^(−1/2).
+template <class C>
+struct inv_sqrt {
+  GRADAPT_HD void operator()(C& stat, C& out) const { out = C(1) / simd::sqrt(stat); }
+};
+
+/// y = g · r · c in optax's order (the normalised factor first), or g · min(r c, 1/eps1).
+template <bool NormY, bool Clamp, class V, class C>
+GRADAPT_HD GRADAPT_INLINE V factored_y(const V& r, const V& c, const V& g, C inv_eps) {
+  if constexpr (Clamp) {
+    return g * simd::min(r * c, V(inv_eps));
+  } else if constexpr (NormY) {
+    return (g * r) * c;
+  } else {
+    return (g * c) * r;
+  }
+}
+
+/// Σ y² of a factored tensor (the clipping statistic).
+template <bool NormY, bool Clamp, class C>
+struct factored_clip_sum {
+  static constexpr bool vectorizable = true;
+  C inv_eps;
+  template <class V>
+  GRADAPT_HD GRADAPT_INLINE V operator()(V r, V c, V& g) const {
+    const V y = factored_y<NormY, Clamp>(r, c, g, inv_eps);
+    return y * y;
+  }
+};
+
+/// p² widened (the parameter scale's sum), vectorised on the host.
+struct square_sum {
+  static constexpr bool vectorizable = true;
+  template <class V>
+  GRADAPT_HD GRADAPT_INLINE simd::terms_t<V, 1> operator()(V& p) const {
+    simd::terms_t<V, 1> r;
+    const auto w = simd::widen(p);
+    r[0] = w * w;
+    return r;
+  }
+};
+
+/// The per-step scalars of the final update.
+template <class C>
+struct update_scalars {
+  C inv_denom_unused;
+  C denom, lr, pscale, b1, one_minus_b1, wd;
+};
+
+/// y → clipped, scaled, momentum, decay; p ← p − u.
+template <bool Mom, class V, class C>
+GRADAPT_HD GRADAPT_INLINE void finish(V y, V& p, const update_scalars<C>& s, V* m) {
+  V u = y / V(s.denom);
+  u = u * V(s.lr);
+  u = u * V(s.pscale);
+  if constexpr (Mom) {
+    *m = V(s.one_minus_b1) * u + V(s.b1) * *m;
+    u = *m;
+  }
+  u = u + V(s.wd) * p;
+  p = p - u;
+}
+
+/// The final pass of a factored tensor: f(r, c, p, g[, m]).
+template <bool NormY, bool Clamp, bool Mom, class C>
+struct factored_update {
+  static constexpr bool vectorizable = true;
+  C inv_eps;
+  update_scalars<C> s;
+  template <class V>
+  GRADAPT_HD GRADAPT_INLINE void operator()(V r, V c, V& p, V& g) const requires(!Mom) {
+    finish<false>(factored_y<NormY, Clamp>(r, c, g, inv_eps), p, s, static_cast<V*>(nullptr));
+  }
+  template <class V>
+  GRADAPT_HD GRADAPT_INLINE void operator()(V r, V c, V& p, V& g, V& m) const requires Mom {
+    finish<true>(factored_y<NormY, Clamp>(r, c, g, inv_eps), p, s, &m);
+  }
+};
+
+/// y of an unfactored tensor from its advanced v.
+template <class V, class C>
+GRADAPT_HD GRADAPT_INLINE V full_y(const V& g, const V& v, C clamp) {
+  return g * (V(C(1)) / simd::sqrt(simd::max(v, V(clamp))));
+}
+
+/// v ← β v + w (g² + eps); returns y² (the clipping statistic).
+template <class C>
+struct full_moment {
+  C beta, w, eps_add, clamp;
+  GRADAPT_HD double operator()(C& v, C& g) const {
+    v = beta * v + w * (g * g + eps_add);
+    const C y = full_y(g, v, clamp);
+    return static_cast<double>(y * y);
+  }
+};
+
+/// The final pass of an unfactored tensor: f(p, g, v[, m]).
+template <bool Mom, class C>
+struct full_update {
+  static constexpr bool vectorizable = true;
+  C clamp;
+  update_scalars<C> s;
+  template <class V>
+  GRADAPT_HD GRADAPT_INLINE void operator()(V& p, V& g, V& v) const requires(!Mom) {
+    finish<false>(full_y(g, v, clamp), p, s, static_cast<V*>(nullptr));
+  }
+  template <class V>
+  GRADAPT_HD GRADAPT_INLINE void operator()(V& p, V& g, V& v, V& m) const requires Mom {
+    finish<true>(full_y(g, v, clamp), p, s, &m);
+  }
+};
+
+inline constexpr std::uint64_t version = 1;
+inline constexpr std::uint64_t kind_adafactor = 1;
+
+}  // namespace detail::adafactor_k
+
+class adafactor;
+
+/// The state of `gradapt::adafactor` for backend B, parameter type V, gradient type G and
+/// state element type S (the compute type of V by default): the second-moment statistics
+/// (row and column EMAs of factored tensors, the full EMA of the others), the optional
+/// momentum buffer, the step count, and the workspace. Created by `adafactor::init`.
+template <class B, class V, class G, class S>
+class adafactor_state {
+ public:
+  using backend_type = B;           ///< the backend the state lives on
+  using space = typename B::space;  ///< memory space of the state buffers
+  using value_type = V;             ///< parameter element type
+  using grad_type = G;              ///< gradient element type
+  using state_element = S;          ///< element type of the state buffers (the parameters' compute type)
+
+  adafactor_state() = default;
+  /// Move-only (the same rule as chain_state; duplicate through save/load): moves the
+  /// buffers, leaving the source empty.
+  adafactor_state(adafactor_state&&) noexcept = default;
+  /// Move-assigns the state.
+  adafactor_state& operator=(adafactor_state&&) noexcept = default;
+  adafactor_state(const adafactor_state&) = delete;
+  adafactor_state& operator=(const adafactor_state&) = delete;
+
+  /// Steps taken.
+  std::uint64_t steps() const { return steps_; }
+  /// Parameters the state was created for.
+  std::size_t tensors() const { return info_.size(); }
+  /// True when tensor t keeps a factored (row + column) second moment.
+  bool factored(std::size_t t) const { return at(t).f.factored; }
+  /// Second-moment elements of tensor t: X·(A·B·C) + Y·(A·B·C) when factored (n + m for an
+  /// n × m matrix), its size otherwise.
+  std::size_t second_moment_elements(std::size_t t) const { return at(t).ny + at(t).nx; }
+  /// Momentum elements of tensor t (its size with momentum, else 0).
+  std::size_t momentum_elements(std::size_t t) const { return has_m_ ? at(t).size : 0; }
+  /// All optimizer-state elements (second moments and momentum): what a checkpoint holds.
+  std::size_t state_elements() const { return v_.size() + m_.size(); }
+  /// Workspace elements (row/column sums in double, factors in S), shared by all tensors.
+  std::size_t workspace_bytes() const {
+    return (sy_.size() + sx_.size() + sn_.size() + red_.size()) * sizeof(double) +
+           (fy_.size() + fx_.size()) * sizeof(S);
+  }
+  /// Tensor t's second moment: the row statistic (reduced over Y, A·X·B·C values) then the
+  /// column statistic (A·B·Y·C values) when factored, else the full v.
+  tensor_view<const S, space> second_moment(std::size_t t) const {
+    const auto& i = at(t);
+    return tensor_view<const S, space>::vector(v_.data() + i.v_off, static_cast<std::int64_t>(i.ny + i.nx));
+  }
+
+  /// The state as bytes: a header (kind, element type, step count, tensor sizes and
+  /// factorings) then the second moments and the momentum buffer.
+  std::vector<std::byte> save(const B& b) const {
+    using namespace detail::optim;
+    std::vector<std::byte> out;
+    put_bytes(out, detail::optim::factored_magic, sizeof detail::optim::factored_magic);
+    put_u64(out, detail::adafactor_k::version);
+    put_u64(out, detail::adafactor_k::kind_adafactor);
+    put_u64(out, static_cast<std::uint64_t>(dtype_of_v<S>));
+    put_u64(out, steps_);
+    put_u64(out, info_.size());
+    for (const auto& i : info_) {
+      put_u64(out, i.size);
+      put_u64(out, i.f.factored ? 1 : 0);
+      put_u64(out, i.ny);
+      put_u64(out, i.nx);
+    }
+    put_u64(out, v_.size());
+    put_u64(out, m_.size());
+    std::vector<S> host(v_.size());
+    b.copy(tensor_view<const S, space>::vector(v_.data(), static_cast<std::int64_t>(v_.size())),
+           host_view(host));
+    put_bytes(out, host.data(), host.size() * sizeof(S));
+    host.resize(m_.size());
+    b.copy(tensor_view<const S, space>::vector(m_.data(), static_cast<std::int64_t>(m_.size())),
+           host_view(host));
+    put_bytes(out, host.data(), host.size() * sizeof(S));
+    return out;
+  }
+
+  /// Restores a state written by `save` for the same parameters and options.
+  /// @throws gradapt::error naming the first field that does not match (nothing is changed)
+  void load(const B& b, std::span<const std::byte> bytes) {
+    detail::optim::byte_reader r{bytes, "adafactor_state::load"};
+    char mg[8];
+    r.take(mg, sizeof mg, "the header");
+    detail::require(std::memcmp(mg, detail::optim::factored_magic, sizeof mg) == 0,
+                    "adafactor_state::load: not a checkpoint written by adafactor_state::save");
+    r.expect("format version", detail::adafactor_k::version);
+    r.expect("optimizer kind (1 = adafactor)", detail::adafactor_k::kind_adafactor);
+    r.expect("element type", static_cast<std::uint64_t>(dtype_of_v<S>));
+    const std::uint64_t steps = r.u64("the step count");
+    r.expect("tensor count", info_.size());
+    for (const auto& i : info_) {
+      r.expect("tensor size", i.size);
+      r.expect("factored flag", i.f.factored ? 1 : 0);
+      r.expect("row statistic size", i.ny);
+      r.expect("column statistic size", i.nx);
+    }
+    r.expect("second-moment length", v_.size());
+    r.expect("momentum length (0 without momentum)", m_.size());
+    detail::require(r.at + (v_.size() + m_.size()) * sizeof(S) == bytes.size(),
+                    "adafactor_state::load: the checkpoint has ", bytes.size(), " bytes but ",
+                    r.at + (v_.size() + m_.size()) * sizeof(S),
+                    " were expected (truncated or trailing bytes)");
+    std::vector<S> host(v_.size());
+    r.take(host.data(), host.size() * sizeof(S), "the second moments");
+    b.copy(tensor_view<const S, host_space>(host_view(host)),
+           tensor_view<S, space>::vector(v_.data(), static_cast<std::int64_t>(v_.size())));
+    host.resize(m_.size());
+    r.take(host.data(), host.size() * sizeof(S), "the momentum");
+    b.copy(tensor_view<const S, host_space>(host_view(host)),
+           tensor_view<S, space>::vector(m_.data(), static_cast<std::int64_t>(m_.size())));
+    b.synchronize();
+    steps_ = steps;
+  }
+
+ private:
+  friend class adafactor;
+  struct tensor_info {
+    std::size_t size = 0;
+    detail::optim::factoring f;
+    std::size_t ny = 0, nx = 0;  ///< row / column statistic sizes (factored), or ny = size
+    std::size_t v_off = 0, m_off = 0;
+    std::array<std::int64_t, 5> nd{1, 1, 1, 1, 1};  ///< view of the normalised statistic
+    std::size_t ng = 0;                             ///< normalisation groups
+    std::size_t norm_len = 1;                       ///< elements per normalisation group
+  };
+  const tensor_info& at(std::size_t t) const {
+    detail::require(t < info_.size(), "adafactor_state: tensor ", t, " out of range (", info_.size(),
+                    " tensors)");
+    return info_[t];
+  }
+
+  std::uint64_t steps_ = 0;
+  bool has_m_ = false;
+  std::vector<tensor_info> info_;
+  detail::optim::buffer_t<B, S> v_, m_, fy_, fx_;
+  detail::optim::buffer_t<B, double> sy_, sx_, sn_, red_;
+};
+
+/// Adafactor (see the file comment). Same interface as the chain presets:
+///
+///     gradapt::adafactor opt({.momentum = 0.9});
+///     auto st = opt.init(backend, params);
+///     opt.step(backend, params, st, {.lr = schedule(t)});
+class adafactor {
+ public:
+  /// @throws gradapt::error on an invalid option, naming it
+  explicit adafactor(const adafactor_options& o = {}) : o_(o) { validate(o_); }
+
+  /// The options.
+  const adafactor_options& options() const { return o_; }
+
+  /// Throws gradapt::error naming the first invalid option.
+  static void validate(const adafactor_options& o) {
+    const auto finite_nonneg = [](double v) { return std::isfinite(v) && v >= 0; };
+    detail::require(finite_nonneg(o.lr), "adafactor: lr is ", o.lr, " (expected finite and >= 0)");
+    detail::require(std::isfinite(o.decay_rate) && o.decay_rate >= 0, "adafactor: decay_rate is ",
+                    o.decay_rate, " (expected finite and >= 0; 0.8 in the paper)");
+    detail::require(o.min_dim_size_to_factor >= 0, "adafactor: min_dim_size_to_factor is ",
+                    o.min_dim_size_to_factor, " (expected >= 0)");
+    detail::require(finite_nonneg(o.eps1), "adafactor: eps1 is ", o.eps1, " (expected finite and >= 0)");
+    detail::require(o.eps1_mode != adafactor_eps1::clamp || o.eps1 > 0,
+                    "adafactor: eps1 is 0 with "
+                    "eps1_mode = clamp (expected > 0: it bounds 1/sqrt(v))");
+    detail::require(o.clipping_threshold > 0 && !std::isnan(o.clipping_threshold),
+                    "adafactor: clipping_threshold is ", o.clipping_threshold,
+                    " (expected > 0; +inf turns clipping off)");
+    detail::require(finite_nonneg(o.eps2), "adafactor: eps2 is ", o.eps2, " (expected finite and >= 0)");
+    detail::require(std::isfinite(o.momentum) && o.momentum >= 0 && o.momentum < 1, "adafactor: momentum is ",
+                    o.momentum, " (expected 0 <= momentum < 1; 0 keeps no momentum buffer)");
+    detail::require(finite_nonneg(o.weight_decay), "adafactor: weight_decay is ", o.weight_decay,
+                    " (expected finite and >= 0)");
+  }
+
+  /// Creates the state for `params`: statistics, momentum (when enabled) and workspace,
+  /// zero-initialised, in the backend's memory.
+  template <class S = void, factored_backend B, element V, element G, class Options>
+  auto init(const B& b, const param_list<V, G, typename B::space, Options>& params) const {
+    using St = std::conditional_t<std::is_void_v<S>, compute_t<V>, S>;
+    static_assert(std::is_same_v<compute_t<V>, compute_t<G>> && std::is_same_v<compute_t<V>, St>,
+                  "gradapt::adafactor: the state element type is the parameters' compute type");
+    validate(o_);
+    adafactor_state<B, V, G, St> st;
+    st.has_m_ = o_.momentum > 0;
+    std::size_t v_total = 0, m_total = 0, my = 0, mx = 0, mg = 0;
+    for (std::size_t t = 0; t < params.size(); ++t) {
+      const auto& e = params[t];
+      typename adafactor_state<B, V, G, St>::tensor_info i;
+      i.size = e.value.size();
+      i.f = detail::optim::factor_of(e.value.shape(), o_.factored, o_.axes, o_.min_dim_size_to_factor);
+      if (i.size == 0) i.f.factored = false;
+      if (i.f.factored) {
+        const auto [A, X, Bd, Y, C] = i.f.d;
+        i.ny = static_cast<std::size_t>(A * X * Bd * C);
+        i.nx = static_cast<std::size_t>(A * Bd * Y * C);
+        if (i.f.largest_is_y) {  // normalised: the statistic over Y, [A, X, B, C], over X
+          i.nd = {A, X, Bd * C, 1, 1};
+          i.ng = static_cast<std::size_t>(A * Bd * C);
+          i.norm_len = static_cast<std::size_t>(X);
+        } else {  // normalised: the statistic over X, [A, B, Y, C], over Y
+          i.nd = {A * Bd, Y, C, 1, 1};
+          i.ng = static_cast<std::size_t>(A * Bd * C);
+          i.norm_len = static_cast<std::size_t>(Y);
+        }
+        my = std::max(my, i.ny);
+        mx = std::max(mx, i.nx);
+        mg = std::max(mg, i.ng);
+      } else {
+        i.ny = i.size;
+      }
+      i.v_off = v_total;
+      v_total += i.ny + i.nx;
+      i.m_off = m_total;
+      if (st.has_m_) m_total += i.size;
+      st.info_.push_back(i);
+    }
+    st.v_ = b.template allocate<St>(v_total);
+    st.m_ = b.template allocate<St>(m_total);
+    st.sy_ = b.template allocate<double>(my);
+    st.sx_ = b.template allocate<double>(mx);
+    st.sn_ = b.template allocate<double>(mg);
+    st.fy_ = b.template allocate<St>(my);
+    st.fx_ = b.template allocate<St>(mx);
+    st.red_ = b.template allocate<double>(1);
+    return st;
+  }
+
+  /// One Adafactor step over all tensors (see the file comment).
+  /// @throws gradapt::error when `params` does not match the state or the learning rate is
+  ///         not finite and >= 0
+  template <factored_backend B, element V, element G, class Options, class S>
+  void step(const B& b, const param_list<V, G, typename B::space, Options>& params,
+            adafactor_state<B, V, G, S>& st, const step_args& args = {}) const {
+    detail::require(params.size() == st.info_.size(), "adafactor::step: the parameter list holds ",
+                    params.size(), " tensors but the state was created for ", st.info_.size(),
+                    " (create the state with init() for this list)");
+    for (std::size_t t = 0; t < params.size(); ++t)
+      detail::require(params[t].value.size() == st.info_[t].size, "adafactor::step: parameter '",
+                      params[t].name, "' (tensor ", t, ") has ", params[t].value.size(),
+                      " elements but the state holds ", st.info_[t].size);
+    detail::require((o_.momentum > 0) == st.has_m_, "adafactor::step: momentum is ",
+                    o_.momentum > 0 ? "on" : "off", " but the state was created with it ",
+                    st.has_m_ ? "on" : "off", " (create a new state with init())");
+    const double lr = args.lr.value_or(o_.lr);
+    detail::require(std::isfinite(lr) && lr >= 0, "adafactor::step: learning rate ", lr,
+                    " (expected finite and >= 0)");
+    using C = compute_t<V>;
+    using space = typename B::space;
+    const std::uint64_t t = st.steps_ + 1;
+    const double td = t > o_.decay_offset ? static_cast<double>(t - o_.decay_offset) : 1.0;
+    const double w = std::pow(td, -o_.decay_rate);  // 1 - beta
+    const C beta = static_cast<C>(1.0 - w), wc = static_cast<C>(w);
+    const double lr_t = o_.relative_step ? std::min(lr, 1.0 / std::sqrt(static_cast<double>(t))) : lr;
+    const bool clamp = o_.eps1_mode == adafactor_eps1::clamp;
+    const C eps_add = clamp ? C(0) : static_cast<C>(o_.eps1);
+    const C clamp_v = clamp ? static_cast<C>(o_.eps1 * o_.eps1) : C(0);
+    const C inv_eps = clamp ? static_cast<C>(1.0 / o_.eps1) : C(0);
+    const C floor = clamp ? static_cast<C>(o_.eps1) : C(0);
+    const auto vec = [](auto* p, std::size_t n) {
+      using T = std::remove_pointer_t<decltype(p)>;
+      return tensor_view<T, space>::vector(p, static_cast<std::int64_t>(n));
+    };
+    const auto cvec = [](auto* p, std::size_t n) {
+      using T = std::remove_pointer_t<decltype(p)>;
+      return tensor_view<const T, space>::vector(p, static_cast<std::int64_t>(n));
+    };
+
+    for (std::size_t k = 0; k < params.size(); ++k) {
+      const auto& i = st.info_[k];
+      if (i.size == 0) continue;
+      const auto& e = params[k];
+      const auto p = e.value.flat();
+      const auto g = tensor_view<const G, space>(e.grad.flat());
+      S* v = st.v_.data() + i.v_off;
+      S* m = st.has_m_ ? st.m_.data() + i.m_off : nullptr;
+      double clip_sum = 0;
+      if (i.f.factored) {
+        // (1) row and column sums of s = g² + eps1, EMAs of their means.
+        b.reduce_factored(detail::adafactor_k::square_plus<C>{eps_add}, i.f.d, cvec(st.fy_.data(), 0),
+                          cvec(st.fx_.data(), 0), g, vec(st.sy_.data(), i.ny), vec(st.sx_.data(), i.nx));
+        const auto [A, X, Bd, Y, Cd] = i.f.d;
+        b.apply(detail::adafactor_k::ema_mean<C>{beta, wc, 1.0 / static_cast<double>(Y)}, vec(v, i.ny),
+                vec(st.sy_.data(), i.ny));
+        b.apply(detail::adafactor_k::ema_mean<C>{beta, wc, 1.0 / static_cast<double>(X)}, vec(v + i.ny, i.nx),
+                vec(st.sx_.data(), i.nx));
+        // (2) factors: the normalised statistic's and the other's.
+        S* vn = i.f.largest_is_y ? v : v + i.ny;
+        S* vo = i.f.largest_is_y ? v + i.ny : v;
+        S* fn = i.f.largest_is_y ? st.fy_.data() : st.fx_.data();
+        S* fo = i.f.largest_is_y ? st.fx_.data() : st.fy_.data();
+        const std::size_t nn = i.f.largest_is_y ? i.ny : i.nx, no = i.f.largest_is_y ? i.nx : i.ny;
+        b.reduce_factored(detail::adafactor_k::identity{}, i.nd, cvec(fn, 0), cvec(fn, 0), cvec(vn, nn),
+                          vec(st.sx_.data(), 0), vec(st.sn_.data(), i.ng));
+        b.apply_factored(detail::adafactor_k::norm_factor<C>{1.0 / static_cast<double>(i.norm_len), floor},
+                         i.nd, cvec(st.fy_.data(), 0), cvec(st.sn_.data(), i.ng), vec(vn, nn), vec(fn, nn));
+        b.apply(detail::adafactor_k::inv_sqrt<C>{}, vec(vo, no), vec(fo, no));
+        const auto fy = cvec(st.fy_.data(), i.ny);
+        const auto fx = cvec(st.fx_.data(), i.nx);
+        // (3) Σ y² for the clipping.
+        if (std::isfinite(o_.clipping_threshold)) {
+          clip_sum = dispatch_norm(i.f.largest_is_y, clamp, [&]<bool NY, bool CL>() {
+            return static_cast<double>(b.apply_factored(
+                detail::adafactor_k::factored_clip_sum<NY, CL, C>{inv_eps}, i.f.d, fy, fx, g));
+          });
+        }
+        const auto s = scalars<C>(b, st, p, clip_sum, lr, lr_t);
+        // (4) the update.
+        dispatch_norm(i.f.largest_is_y, clamp, [&]<bool NY, bool CL>() {
+          if (m)
+            b.apply_factored(detail::adafactor_k::factored_update<NY, CL, true, C>{inv_eps, s}, i.f.d, fy, fx,
+                             p, g, vec(m, i.size));
+          else
+            b.apply_factored(detail::adafactor_k::factored_update<NY, CL, false, C>{inv_eps, s}, i.f.d, fy,
+                             fx, p, g);
+          return 0.0;
+        });
+      } else {
+        const auto vv = vec(v, i.size);
+        const tensor_view<S, space> vl[1] = {vv};
+        const tensor_view<const G, space> gl[1] = {g};
+        b.apply_reduce_list(detail::adafactor_k::full_moment<C>{beta, wc, eps_add, clamp_v},
+                            detail::optim::per_tensor_arg(vec(st.red_.data(), 1)),
+                            std::span<const tensor_view<S, space>>(vl),
+                            std::span<const tensor_view<const G, space>>(gl));
+        b.copy(cvec(st.red_.data(), 1), tensor_view<double, host_space>::vector(&clip_sum, 1));
+        if (!std::isfinite(o_.clipping_threshold)) clip_sum = 0;
+        const auto s = scalars<C>(b, st, p, clip_sum, lr, lr_t);
+        if (m)
+          b.apply(detail::adafactor_k::full_update<true, C>{clamp_v, s}, p, g, vv, vec(m, i.size));
+        else
+          b.apply(detail::adafactor_k::full_update<false, C>{clamp_v, s}, p, g, vv);
+      }
+    }
+    ++st.steps_;
+  }
+
+ private:
+  adafactor_options o_;
+
+  template <class F>
+  static double dispatch_norm(bool norm_y, bool clamp, F&& f) {
+    if (clamp) return f.template operator()<true, true>();  // the order is irrelevant with the clamp
+    return norm_y ? f.template operator()<true, false>() : f.template operator()<false, false>();
+  }
+
+  /// Σ p² of one tensor through the backend's fused reduction (read back to the host).
+  template <class B, class St, class P>
+  static double param_sum_squares(const B& b, St& st, const P& p) {
+    using space = typename B::space;
+    using T = typename P::value_type;
+    const tensor_view<const T, space> pl[1] = {p};
+    b.apply_reduce_list(detail::adafactor_k::square_sum{},
+                        detail::optim::per_tensor_arg(tensor_view<double, space>::vector(st.red_.data(), 1)),
+                        std::span<const tensor_view<const T, space>>(pl));
+    double out = 0;
+    b.copy(tensor_view<const double, space>::vector(st.red_.data(), 1),
+           tensor_view<double, host_space>::vector(&out, 1));
+    return out;
+  }
+
+  /// The update's per-tensor scalars: clipping denominator, learning rate, parameter scale,
+  /// momentum and decay.
+  template <class C, class B, class St, class P>
+  detail::adafactor_k::update_scalars<C> scalars(const B& b, St& st, const P& p, double clip_sum, double lr,
+                                                 double lr_t) const {
+    const double n = static_cast<double>(p.size());
+    detail::adafactor_k::update_scalars<C> s{};
+    double denom = 1.0;
+    if (std::isfinite(o_.clipping_threshold)) {
+      const double rms = std::sqrt(clip_sum / n) / o_.clipping_threshold;
+      denom = rms > 1.0 ? rms : (std::isnan(rms) ? rms : 1.0);
+    }
+    double pscale = 1.0;
+    if (o_.multiply_by_parameter_scale) {
+      const double rms = std::sqrt(param_sum_squares(b, st, p) / n);
+      pscale = rms > o_.eps2 ? rms : (std::isnan(rms) ? rms : o_.eps2);
+    }
+    s.denom = static_cast<C>(denom);
+    s.lr = static_cast<C>(lr_t);
+    s.pscale = static_cast<C>(pscale);
+    s.b1 = static_cast<C>(o_.momentum);
+    s.one_minus_b1 = static_cast<C>(1.0 - o_.momentum);
+    s.wd = static_cast<C>(o_.weight_decay * (o_.weight_decay_times_lr ? lr : 1.0));
+    return s;
+  }
+};
+
+}  // namespace gradapt

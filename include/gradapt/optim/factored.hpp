@@ -1,0 +1,136 @@
+#pragma once
+/// @file
+/// Shared pieces of the factored optimizers (gradapt::adafactor, gradapt::sm3): the backend
+/// concept they need (row and column reductions over a 2-D view of a tensor), the choice of
+/// the two factored axes, and checkpoint helpers.
+///
+/// A tensor whose factored axes are p < q is seen as the row-major shape [A, X, B, Y, C]
+/// with X = shape[p], Y = shape[q], A, B, C the products of the dims before p, between p and
+/// q, and after q. The backend's `reduce_factored` reduces over Y (one value per
+/// [A, X, B, C]) and over X (one value per [A, B, Y, C]) in one call; `apply_factored` runs
+/// an element functor that gets the row entry and the column entry of each element.
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "gradapt/core/concepts.hpp"
+#include "gradapt/core/error.hpp"
+#include "gradapt/core/tensor_view.hpp"
+#include "gradapt/optim/chain.hpp"
+
+namespace gradapt {
+
+namespace detail::optim {
+/// Element functor used only to probe `factored_backend`: r · c · v² as a double.
+struct factored_probe {
+  GRADAPT_HD double operator()(float r, float c, float v) const { return static_cast<double>(r * c * v * v); }
+};
+/// Element functor used only to probe `factored_backend`: y *= r * c.
+struct factored_apply_probe {
+  GRADAPT_HD void operator()(float r, float c, float& y) const { y *= r * c; }
+};
+}  // namespace detail::optim
+
+/// A backend the factored optimizers run on: `optimizer_backend` plus the row/column
+/// reduction `reduce_factored` and the row/column-indexed `apply_factored` (gradapt::host in
+/// backend/host.hpp and gradapt::cuda in backend/cuda/backend.cuh, kernels in
+/// backend/cuda/factored.cuh, provide them).
+template <class B>
+concept factored_backend = optimizer_backend<B> &&
+    requires(const B& b, tensor_view<const float, typename B::space> cx,
+             tensor_view<float, typename B::space> x, tensor_view<double, typename B::space> s,
+             std::array<std::int64_t, 5> d) {
+  b.reduce_factored(detail::optim::factored_probe{}, d, cx, cx, cx, s, s);
+  b.reduce_factored(detail::optim::factored_probe{}, d, cx, cx, cx, s, s, reduce_op::max);
+  { b.apply_factored(detail::optim::factored_apply_probe{}, d, cx, cx, x) } -> std::convertible_to<double>;
+};
+
+/// How a factored optimizer picks the two axes of a tensor of rank >= 2.
+enum class factor_axes : unsigned char {
+  largest_two,  ///< the two largest dims (optax; ties go to the later axis)
+  last_two      ///< the last two dims (torch.optim.Adafactor)
+};
+
+namespace detail::optim {
+
+/// The factoring of one tensor: its [A, X, B, Y, C] view and which axis is the "largest"
+/// (d0 in optax's `_factored_dims`, whose statistic is the normalised one).
+struct factoring {
+  bool factored = false;
+  std::array<std::int64_t, 5> d{1, 1, 1, 1, 1};
+  bool largest_is_y = true;  ///< d0 (the axis optax's v_row removes) is the Y axis
+};
+
+/// optax's `_factored_dims` (ties: np.argsort's stable order, so the later of two equal
+/// dims is the larger) or torch's last-two rule; `min_dim` applies to the smaller of the two.
+inline factoring factor_of(std::span<const std::int64_t> shape, bool enabled, factor_axes rule,
+                           std::int64_t min_dim) {
+  factoring f;
+  const std::size_t r = shape.size();
+  if (!enabled || r < 2) return f;
+  std::size_t d0 = 0, d1 = 0;  // largest, second largest
+  if (rule == factor_axes::last_two) {
+    d0 = r - 1;
+    d1 = r - 2;
+  } else {
+    std::array<std::size_t, max_rank> idx{};
+    for (std::size_t k = 0; k < r; ++k) idx[k] = k;
+    std::stable_sort(idx.begin(), idx.begin() + static_cast<std::ptrdiff_t>(r),
+                     [&](std::size_t a, std::size_t b) { return shape[a] < shape[b]; });
+    d0 = idx[r - 1];
+    d1 = idx[r - 2];
+  }
+  if (std::min(shape[d0], shape[d1]) < min_dim) return f;
+  const std::size_t p = std::min(d0, d1), q = std::max(d0, d1);
+  f.factored = true;
+  f.largest_is_y = d0 == q;
+  std::int64_t a = 1, b = 1, c = 1;
+  for (std::size_t k = 0; k < p; ++k) a *= shape[k];
+  for (std::size_t k = p + 1; k < q; ++k) b *= shape[k];
+  for (std::size_t k = q + 1; k < r; ++k) c *= shape[k];
+  f.d = {a, shape[p], b, shape[q], c};
+  return f;
+}
+
+/// First bytes of an adafactor or sm3 checkpoint (a kind field follows the version).
+inline constexpr char factored_magic[8] = {'g', 'r', 'a', 'd', 'a', 'p', 't', 'F'};
+
+/// Appends raw bytes to a checkpoint.
+inline void put_bytes(std::vector<std::byte>& out, const void* p, std::size_t n) {
+  const auto* c = static_cast<const std::byte*>(p);
+  out.insert(out.end(), c, c + n);
+}
+inline void put_u64(std::vector<std::byte>& out, std::uint64_t v) { put_bytes(out, &v, sizeof v); }
+
+/// Reads a checkpoint written with put_u64/put_bytes, naming `who` in its errors.
+struct byte_reader {
+  std::span<const std::byte> bytes;
+  const char* who;
+  std::size_t at = 0;
+  void take(void* dst, std::size_t n, const char* what) {
+    detail::require(at + n <= bytes.size(), who, ": the checkpoint ends inside ", what, " (", bytes.size(),
+                    " bytes; truncated?)");
+    if (n) std::memcpy(dst, bytes.data() + at, n);
+    at += n;
+  }
+  std::uint64_t u64(const char* what) {
+    std::uint64_t v = 0;
+    take(&v, sizeof v, what);
+    return v;
+  }
+  void expect(const char* what, std::uint64_t want) {
+    const std::uint64_t got = u64(what);
+    detail::require(
+        got == want, who, ": the checkpoint's ", what, " is ", got, " but this state's is ", want,
+        " (restore into a state created by the same optimizer and options for the same parameters)");
+  }
+};
+
+}  // namespace detail::optim
+}  // namespace gradapt

@@ -1,0 +1,453 @@
+#pragma once
+/// @file
+/// SM3 (Anil, Gupta, Koren & Singer 2019, "Memory-Efficient Adaptive Optimization",
+/// arXiv:1901.11150, algorithm SM3-II with one cover per dimension), as optax's `sm3`:
+///
+///     ν_i   = min over the covers r ∋ i of μ(r)           (a tensor of rank k has k covers: its
+///                                                          slices along each dim, one accumulator
+///                                                          per index of that dim)
+///     a_i   = g_i² + ν_i                                  ((1 − b2) g_i² + b2 ν_i when b2 ≠ 1)
+///     μ(r)  ← max over i ∈ r of a_i                      (row and column maxima for a matrix)
+///     u_i   = g_i / √(a_i + eps)  where a_i > 0, else 0
+///     m     ← b1 m + (1 − b1) u;  p ← p − η m            (b1 = momentum; no buffer when 0)
+///
+/// 1-D and rank-0 tensors keep a full accumulator (a = g² + a). State: d_0 + ... + d_{k−1}
+/// elements for a rank-k tensor (n + m for an n × m matrix), plus the momentum buffer.
+///
+/// Passes per tensor of rank k >= 2, seen as [d_0 ⋯ d_{k−2}, d_{k−1}]: (1) read g, a, and the
+/// maxima of a over the last axis and over the others (backend `reduce_factored` with max);
+/// (2) read p, g (and m), write p (and m); then the small arrays: the maxima over the last
+/// axis are reduced again for the covers of the other dims. For k >= 3 the covers of the
+/// first k − 1 dims are first expanded into their minimum (a workspace of d_0 ⋯ d_{k−2}).
+///
+/// Non-finite gradients: an inf or NaN in g makes a (and then the covers of its row and column,
+/// for good) inf or NaN; as in optax, an element whose a is NaN gets u = 0 unless its own g is
+/// not finite (then u is NaN), and an element whose a is inf gets u = 0 (g / inf) or NaN.
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "gradapt/backend/simd.hpp"
+#include "gradapt/core/config.hpp"
+#include "gradapt/core/dtype.hpp"
+#include "gradapt/core/error.hpp"
+#include "gradapt/core/param_list.hpp"
+#include "gradapt/core/tensor_view.hpp"
+#include "gradapt/optim/factored.hpp"
+#include "gradapt/optim/stage.hpp"
+
+namespace gradapt {
+
+/// Options of `gradapt::sm3`, e.g. `gradapt::sm3({.lr = 0.1})`. Formulas and defaults of
+/// optax.sm3 (whose learning rate has no default).
+struct sm3_options {
+  double lr = 0.01;  ///< η (a step's `step_args::lr` overrides it); optax has no default, 0.01 is gradapt's
+  double momentum = 0.9;  ///< b1 of the EMA of the update; 0 keeps no momentum buffer
+  double b2 = 1.0;        ///< 1: a = g² + ν (the paper); otherwise a = (1 − b2) g² + b2 ν
+  double eps = 1e-8;      ///< added to a inside the root
+};
+
+namespace detail::sm3_k {
+
+/// a = c1 g² + c2 ν, with ν = min(r, c) (the covers' minimum), as a double for the maxima.
+template <class C>
+struct accumulate {
+  C c1, c2;
+  GRADAPT_HD double operator()(C r, C c, C g) const {
+    const C nu = simd::min(r, c);
+    return static_cast<double>(c1 * (g * g) + c2 * nu);
+  }
+};
+/// The maximum's terms of an already reduced array: the value itself.
+struct identity {
+  template <class R, class C>
+  GRADAPT_HD double operator()(R, R, C v) const {
+    return static_cast<double>(v);
+  }
+};
+/// out = min(r, c): the expanded minimum of two covers.
+struct cover_min {
+  template <class C>
+  GRADAPT_HD void operator()(C r, C c, C& out) const {
+    out = simd::min(r, c);
+  }
+};
+/// dst = src (a maximum computed in double is a float value: exact).
+struct assign {
+  template <class C>
+  GRADAPT_HD void operator()(C& dst, double& src) const {
+    dst = static_cast<C>(src);
+  }
+};
+
+template <class V, class C>
+GRADAPT_HD GRADAPT_INLINE V update_of(const V& g, const V& a, C eps) {
+  const V inv = V(C(1)) / simd::sqrt(a + V(eps));
+  return g * simd::select(a > V(C(0)), inv, V(C(0)));
+}
+
+template <bool Mom, class V, class C>
+GRADAPT_HD GRADAPT_INLINE void finish(V u, V& p, C lr, C b1, C one_minus_b1, V* m) {
+  if constexpr (Mom) {
+    *m = V(one_minus_b1) * u + V(b1) * *m;
+    u = *m;
+  }
+  p = p - V(lr) * u;
+}
+
+/// The update pass of a tensor of rank >= 2: f(r, c, p, g[, m]).
+template <bool Mom, class C>
+struct covered_update {
+  static constexpr bool vectorizable = true;
+  C c1, c2, eps, lr, b1, one_minus_b1;
+  template <class V>
+  GRADAPT_HD GRADAPT_INLINE void operator()(V r, V c, V& p, V& g) const requires(!Mom) {
+    const V a = V(c1) * (g * g) + V(c2) * simd::min(r, c);
+    finish<false>(update_of(g, a, eps), p, lr, b1, one_minus_b1, static_cast<V*>(nullptr));
+  }
+  template <class V>
+  GRADAPT_HD GRADAPT_INLINE void operator()(V r, V c, V& p, V& g, V& m) const requires Mom {
+    const V a = V(c1) * (g * g) + V(c2) * simd::min(r, c);
+    finish<true>(update_of(g, a, eps), p, lr, b1, one_minus_b1, &m);
+  }
+};
+
+/// The whole step of a 1-D or rank-0 tensor (a full accumulator): f(p, g, acc[, m]).
+template <bool Mom, class C>
+struct full_update {
+  static constexpr bool vectorizable = true;
+  C c1, c2, eps, lr, b1, one_minus_b1;
+  template <class V>
+  GRADAPT_HD GRADAPT_INLINE void operator()(V& p, V& g, V& acc) const requires(!Mom) {
+    acc = V(c1) * (g * g) + V(c2) * acc;
+    finish<false>(update_of(g, acc, eps), p, lr, b1, one_minus_b1, static_cast<V*>(nullptr));
+  }
+  template <class V>
+  GRADAPT_HD GRADAPT_INLINE void operator()(V& p, V& g, V& acc, V& m) const requires Mom {
+    acc = V(c1) * (g * g) + V(c2) * acc;
+    finish<true>(update_of(g, acc, eps), p, lr, b1, one_minus_b1, &m);
+  }
+};
+
+inline constexpr std::uint64_t kind_sm3 = 2;
+
+}  // namespace detail::sm3_k
+
+class sm3;
+
+/// The state of `gradapt::sm3`: one accumulator per dimension of each tensor (a full one for
+/// 1-D and rank-0 tensors), the optional momentum buffer, the step count and a workspace.
+template <class B, class V, class G, class S>
+class sm3_state {
+ public:
+  using backend_type = B;           ///< the backend the state lives on
+  using space = typename B::space;  ///< memory space of the state buffers
+  using value_type = V;             ///< parameter element type
+  using grad_type = G;              ///< gradient element type
+  using state_element = S;          ///< element type of the state buffers (the parameters' compute type)
+
+  sm3_state() = default;
+  /// Moves the state (buffers are not copied; the source is left empty).
+  sm3_state(sm3_state&&) noexcept = default;
+  /// Move-assigns the state.
+  sm3_state& operator=(sm3_state&&) noexcept = default;
+  sm3_state(const sm3_state&) = delete;
+  sm3_state& operator=(const sm3_state&) = delete;
+
+  /// Steps taken.
+  std::uint64_t steps() const { return steps_; }
+  /// Parameters the state was created for.
+  std::size_t tensors() const { return info_.size(); }
+  /// Accumulator elements of tensor t: the sum of its dims (rank >= 2), else its size.
+  std::size_t accumulator_elements(std::size_t t) const { return at(t).acc_len; }
+  /// Momentum elements of tensor t.
+  std::size_t momentum_elements(std::size_t t) const { return has_m_ ? at(t).size : 0; }
+  /// All optimizer-state elements (accumulators and momentum).
+  std::size_t state_elements() const { return mu_.size() + m_.size(); }
+  /// Accumulator of dim `k` of tensor t (the whole accumulator for rank <= 1, k = 0).
+  tensor_view<const S, space> accumulator(std::size_t t, std::size_t k) const {
+    const auto& i = at(t);
+    if (i.rank < 2) {
+      detail::require(k == 0, "sm3_state::accumulator: tensor ", t, " has one accumulator (asked for dim ", k,
+                      ")");
+      return tensor_view<const S, space>::vector(mu_.data() + i.off, static_cast<std::int64_t>(i.acc_len));
+    }
+    detail::require(k < i.rank, "sm3_state::accumulator: tensor ", t, " has rank ", i.rank,
+                    " (asked for dim ", k, ")");
+    return tensor_view<const S, space>::vector(mu_.data() + i.off + i.cover_off[k], i.dims[k]);
+  }
+
+  /// The state as bytes (header, accumulators, momentum).
+  std::vector<std::byte> save(const B& b) const {
+    using namespace detail::optim;
+    std::vector<std::byte> out;
+    put_bytes(out, detail::optim::factored_magic, 8);
+    put_u64(out, 1);
+    put_u64(out, detail::sm3_k::kind_sm3);
+    put_u64(out, static_cast<std::uint64_t>(dtype_of_v<S>));
+    put_u64(out, steps_);
+    put_u64(out, info_.size());
+    for (const auto& i : info_) {
+      put_u64(out, i.size);
+      put_u64(out, i.acc_len);
+    }
+    put_u64(out, mu_.size());
+    put_u64(out, m_.size());
+    std::vector<S> host(mu_.size());
+    b.copy(tensor_view<const S, space>::vector(mu_.data(), static_cast<std::int64_t>(mu_.size())),
+           host_view(host));
+    put_bytes(out, host.data(), host.size() * sizeof(S));
+    host.resize(m_.size());
+    b.copy(tensor_view<const S, space>::vector(m_.data(), static_cast<std::int64_t>(m_.size())),
+           host_view(host));
+    put_bytes(out, host.data(), host.size() * sizeof(S));
+    return out;
+  }
+
+  /// Restores a state written by `save` for the same parameters and options.
+  /// @throws gradapt::error naming the first field that does not match (nothing is changed)
+  void load(const B& b, std::span<const std::byte> bytes) {
+    detail::optim::byte_reader r{bytes, "sm3_state::load"};
+    char mg[8];
+    r.take(mg, sizeof mg, "the header");
+    detail::require(std::memcmp(mg, detail::optim::factored_magic, sizeof mg) == 0,
+                    "sm3_state::load: not a checkpoint written by sm3_state::save");
+    r.expect("format version", 1);
+    r.expect("optimizer kind (2 = sm3)", detail::sm3_k::kind_sm3);
+    r.expect("element type", static_cast<std::uint64_t>(dtype_of_v<S>));
+    const std::uint64_t steps = r.u64("the step count");
+    r.expect("tensor count", info_.size());
+    for (const auto& i : info_) {
+      r.expect("tensor size", i.size);
+      r.expect("accumulator size", i.acc_len);
+    }
+    r.expect("accumulator length", mu_.size());
+    r.expect("momentum length (0 without momentum)", m_.size());
+    detail::require(r.at + (mu_.size() + m_.size()) * sizeof(S) == bytes.size(),
+                    "sm3_state::load: the checkpoint has ", bytes.size(), " bytes but ",
+                    r.at + (mu_.size() + m_.size()) * sizeof(S),
+                    " were expected (truncated or trailing bytes)");
+    std::vector<S> host(mu_.size());
+    r.take(host.data(), host.size() * sizeof(S), "the accumulators");
+    b.copy(tensor_view<const S, host_space>(host_view(host)),
+           tensor_view<S, space>::vector(mu_.data(), static_cast<std::int64_t>(mu_.size())));
+    host.resize(m_.size());
+    r.take(host.data(), host.size() * sizeof(S), "the momentum");
+    b.copy(tensor_view<const S, host_space>(host_view(host)),
+           tensor_view<S, space>::vector(m_.data(), static_cast<std::int64_t>(m_.size())));
+    b.synchronize();
+    steps_ = steps;
+  }
+
+ private:
+  friend class sm3;
+  struct tensor_info {
+    std::size_t size = 0;
+    std::size_t rank = 0;
+    std::array<std::int64_t, max_rank> dims{};
+    std::array<std::size_t, max_rank> cover_off{};
+    std::size_t acc_len = 0;
+    std::size_t off = 0, m_off = 0;
+  };
+  const tensor_info& at(std::size_t t) const {
+    detail::require(t < info_.size(), "sm3_state: tensor ", t, " out of range (", info_.size(), " tensors)");
+    return info_[t];
+  }
+
+  std::uint64_t steps_ = 0;
+  bool has_m_ = false;
+  std::vector<tensor_info> info_;
+  detail::optim::buffer_t<B, S> mu_, m_, wa_, wb_;
+  detail::optim::buffer_t<B, double> da_, db_, dx_;
+};
+
+/// SM3 (see the file comment). Same interface as the chain presets:
+///
+///     gradapt::sm3 opt({.lr = 0.1});
+///     auto st = opt.init(backend, params);
+///     opt.step(backend, params, st, {.lr = schedule(t)});
+class sm3 {
+ public:
+  /// @throws gradapt::error on an invalid option, naming it
+  explicit sm3(const sm3_options& o = {}) : o_(o) { validate(o_); }
+
+  /// The options.
+  const sm3_options& options() const { return o_; }
+
+  /// Throws gradapt::error naming the first invalid option.
+  static void validate(const sm3_options& o) {
+    detail::require(std::isfinite(o.lr) && o.lr >= 0, "sm3: lr is ", o.lr, " (expected finite and >= 0)");
+    detail::require(std::isfinite(o.momentum) && o.momentum >= 0 && o.momentum < 1, "sm3: momentum is ",
+                    o.momentum, " (expected 0 <= momentum < 1; 0 keeps no momentum buffer)");
+    detail::require(std::isfinite(o.b2) && o.b2 > 0 && o.b2 <= 1, "sm3: b2 is ", o.b2,
+                    " (expected 0 < b2 <= 1; 1 is the paper's sum)");
+    detail::require(std::isfinite(o.eps) && o.eps >= 0, "sm3: eps is ", o.eps, " (expected finite and >= 0)");
+  }
+
+  /// Creates the state for `params` (zero accumulators and momentum, and the workspace).
+  template <class S = void, factored_backend B, element V, element G, class Options>
+  auto init(const B& b, const param_list<V, G, typename B::space, Options>& params) const {
+    using St = std::conditional_t<std::is_void_v<S>, compute_t<V>, S>;
+    static_assert(std::is_same_v<compute_t<V>, compute_t<G>> && std::is_same_v<compute_t<V>, St>,
+                  "gradapt::sm3: the state element type is the parameters' compute type");
+    validate(o_);
+    sm3_state<B, V, G, St> st;
+    st.has_m_ = o_.momentum > 0;
+    std::size_t total = 0, m_total = 0, wa = 0, wd = 0, wx = 0;
+    for (std::size_t t = 0; t < params.size(); ++t) {
+      const auto& e = params[t];
+      typename sm3_state<B, V, G, St>::tensor_info i;
+      i.size = e.value.size();
+      i.rank = static_cast<std::size_t>(e.value.rank());
+      for (std::size_t k = 0; k < i.rank; ++k) i.dims[k] = e.value.dim(static_cast<int>(k));
+      if (i.rank < 2 || i.size == 0) {
+        i.acc_len = i.size;
+        if (i.rank >= 2) {  // empty: the covers exist (sum of dims) but nothing is updated
+          i.acc_len = 0;
+          for (std::size_t k = 0; k < i.rank; ++k) i.acc_len += static_cast<std::size_t>(i.dims[k]);
+        }
+        if (i.rank >= 2) {
+          std::size_t o = 0;
+          for (std::size_t k = 0; k < i.rank; ++k) {
+            i.cover_off[k] = o;
+            o += static_cast<std::size_t>(i.dims[k]);
+          }
+        }
+      } else {
+        std::size_t o = 0;
+        for (std::size_t k = 0; k < i.rank; ++k) {
+          i.cover_off[k] = o;
+          o += static_cast<std::size_t>(i.dims[k]);
+          wx = std::max(wx, static_cast<std::size_t>(i.dims[k]));
+        }
+        i.acc_len = o;
+        const std::size_t lead = i.size / static_cast<std::size_t>(i.dims[i.rank - 1]);
+        wd = std::max(wd, lead);
+        if (i.rank >= 3) wa = std::max(wa, lead);
+      }
+      i.off = total;
+      total += i.acc_len;
+      i.m_off = m_total;
+      if (st.has_m_) m_total += i.size;
+      st.info_.push_back(i);
+    }
+    st.mu_ = b.template allocate<St>(total);
+    st.m_ = b.template allocate<St>(m_total);
+    st.wa_ = b.template allocate<St>(wa);
+    st.wb_ = b.template allocate<St>(wa);
+    st.da_ = b.template allocate<double>(wd);
+    st.db_ = b.template allocate<double>(wd);
+    st.dx_ = b.template allocate<double>(wx);
+    return st;
+  }
+
+  /// One SM3 step over all tensors (see the file comment).
+  /// @throws gradapt::error when `params` does not match the state or the learning rate is
+  ///         not finite and >= 0
+  template <factored_backend B, element V, element G, class Options, class S>
+  void step(const B& b, const param_list<V, G, typename B::space, Options>& params, sm3_state<B, V, G, S>& st,
+            const step_args& args = {}) const {
+    detail::require(params.size() == st.info_.size(), "sm3::step: the parameter list holds ", params.size(),
+                    " tensors but the state was created for ", st.info_.size(),
+                    " (create the state with init() for this list)");
+    for (std::size_t t = 0; t < params.size(); ++t)
+      detail::require(params[t].value.size() == st.info_[t].size, "sm3::step: parameter '", params[t].name,
+                      "' (tensor ", t, ") has ", params[t].value.size(), " elements but the state holds ",
+                      st.info_[t].size);
+    detail::require((o_.momentum > 0) == st.has_m_, "sm3::step: momentum is ", o_.momentum > 0 ? "on" : "off",
+                    " but the state was created with it ", st.has_m_ ? "on" : "off",
+                    " (create a new state with init())");
+    const double lr = args.lr.value_or(o_.lr);
+    detail::require(std::isfinite(lr) && lr >= 0, "sm3::step: learning rate ", lr,
+                    " (expected finite and >= 0)");
+    using C = compute_t<V>;
+    using space = typename B::space;
+    const C c1 = o_.b2 == 1.0 ? C(1) : static_cast<C>(1.0 - o_.b2);
+    const C c2 = static_cast<C>(o_.b2);
+    const C eps = static_cast<C>(o_.eps), lrc = static_cast<C>(lr), b1 = static_cast<C>(o_.momentum),
+            omb1 = static_cast<C>(1.0 - o_.momentum);
+    const auto vec = [](auto* p, std::size_t n) {
+      using T = std::remove_pointer_t<decltype(p)>;
+      return tensor_view<T, space>::vector(p, static_cast<std::int64_t>(n));
+    };
+    const auto cvec = [](auto* p, std::size_t n) {
+      using T = std::remove_pointer_t<decltype(p)>;
+      return tensor_view<const T, space>::vector(p, static_cast<std::int64_t>(n));
+    };
+    for (std::size_t k = 0; k < params.size(); ++k) {
+      const auto& i = st.info_[k];
+      if (i.size == 0) continue;
+      const auto& e = params[k];
+      const auto p = e.value.flat();
+      const auto g = tensor_view<const G, space>(e.grad.flat());
+      S* mu = st.mu_.data() + i.off;
+      S* m = st.has_m_ ? st.m_.data() + i.m_off : nullptr;
+      if (i.rank < 2) {
+        if (m)
+          b.apply(detail::sm3_k::full_update<true, C>{c1, c2, eps, lrc, b1, omb1}, p, g, vec(mu, i.size),
+                  vec(m, i.size));
+        else
+          b.apply(detail::sm3_k::full_update<false, C>{c1, c2, eps, lrc, b1, omb1}, p, g, vec(mu, i.size));
+        continue;
+      }
+      const std::size_t r = i.rank;
+      const auto Y = static_cast<std::size_t>(i.dims[r - 1]);
+      const std::size_t lead = i.size / Y;
+      // The covers' minimum over the first r - 1 dims, expanded to [d_0 ... d_{r-2}].
+      tensor_view<const S, space> row = cvec(mu + i.cover_off[0], static_cast<std::size_t>(i.dims[0]));
+      if (r >= 3) {
+        std::size_t len = static_cast<std::size_t>(i.dims[0]);
+        S* dst = st.wa_.data();
+        for (std::size_t q = 1; q + 1 < r; ++q) {
+          const auto dq = static_cast<std::size_t>(i.dims[q]);
+          b.apply_factored(detail::sm3_k::cover_min{},
+                           {1, static_cast<std::int64_t>(len), 1, static_cast<std::int64_t>(dq), 1}, row,
+                           cvec(mu + i.cover_off[q], dq), vec(dst, len * dq));
+          row = cvec(dst, len * dq);
+          len *= dq;
+          dst = dst == st.wa_.data() ? st.wb_.data() : st.wa_.data();
+        }
+      }
+      const std::array<std::int64_t, 5> d{1, static_cast<std::int64_t>(lead), 1, static_cast<std::int64_t>(Y),
+                                          1};
+      const auto col = cvec(mu + i.cover_off[r - 1], Y);
+      // (1) maxima of a over the last axis (per leading index) and over the leading axes.
+      b.reduce_factored(detail::sm3_k::accumulate<C>{c1, c2}, d, row, col, g, vec(st.da_.data(), lead),
+                        vec(st.dx_.data(), Y), reduce_op::max);
+      // (2) the update, from the old covers.
+      if (m)
+        b.apply_factored(detail::sm3_k::covered_update<true, C>{c1, c2, eps, lrc, b1, omb1}, d, row, col, p,
+                         g, vec(m, i.size));
+      else
+        b.apply_factored(detail::sm3_k::covered_update<false, C>{c1, c2, eps, lrc, b1, omb1}, d, row, col, p,
+                         g);
+      // (3) the new covers: the last dim's directly, the others by reducing the maxima further.
+      b.apply(detail::sm3_k::assign{}, vec(mu + i.cover_off[r - 1], Y), vec(st.dx_.data(), Y));
+      double* cur = st.da_.data();
+      double* nxt = st.db_.data();
+      std::size_t len = lead;
+      for (std::size_t q = r - 1; q-- > 1;) {  // cur holds the maxima over dims > q, shape [d_0 .. d_q]
+        const auto dq = static_cast<std::size_t>(i.dims[q]);
+        const std::size_t before = len / dq;
+        b.reduce_factored(detail::sm3_k::identity{},
+                          {1, static_cast<std::int64_t>(before), 1, static_cast<std::int64_t>(dq), 1},
+                          cvec(st.wa_.data(), 0), cvec(st.wa_.data(), 0), cvec(cur, len), vec(nxt, before),
+                          vec(st.dx_.data(), dq), reduce_op::max);
+        b.apply(detail::sm3_k::assign{}, vec(mu + i.cover_off[q], dq), vec(st.dx_.data(), dq));
+        std::swap(cur, nxt);
+        len = before;
+      }
+      b.apply(detail::sm3_k::assign{}, vec(mu + i.cover_off[0], len), vec(cur, len));
+    }
+    ++st.steps_;
+  }
+
+ private:
+  sm3_options o_;
+};
+
+}  // namespace gradapt

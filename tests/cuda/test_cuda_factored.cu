@@ -1,0 +1,239 @@
+// The factored optimizers on the CUDA backend (Adafactor, SM3) and the two backend operations
+// they need (cuda::reduce_factored, cuda::apply_factored).
+//
+//  - reduce_factored's row and column sums of exact-valued data (k/8) equal plain host loops
+//    bit for bit (any order gives the same exact sums), its maxima always do;
+//  - apply_factored's element results equal the host loop, its sum equals it for exact data;
+//  - adafactor (optax defaults, momentum, torch form) and sm3 over a mixed list of 1-D, 2-D,
+//    3-D and 4-D tensors follow gradapt::host to within float rounding (nvcc contracts to fma
+//    and sums in another fixed order, so the bits differ);
+//  - a device checkpoint round-trips: training continues bit for bit.
+//
+// Compiled wherever nvcc is found; skipped (exit 77) without a GPU.
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cuda_test_support.cuh"
+#include "gradapt/backend/host.hpp"
+#include "gradapt/optim/adafactor.hpp"
+#include "gradapt/optim/sm3.hpp"
+
+using namespace gradapt_test;
+using gradapt::device_space;
+using gradapt::host_space;
+using gradapt::tensor_view;
+
+static_assert(gradapt::factored_backend<gradapt::cuda>);
+static_assert(gradapt::factored_backend<gradapt::host>);
+
+namespace {
+
+struct square_term {
+  GRADAPT_HD double operator()(float r, float c, float v) const { return static_cast<double>(r * c * v * v); }
+};
+struct scale_rc {
+  GRADAPT_HD float operator()(float r, float c, float& y) const {
+    y = y * r * c;
+    return y;
+  }
+};
+
+std::vector<float> exact_values(std::size_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> k(-16, 16);
+  std::vector<float> v(n);
+  for (auto& x : v) x = static_cast<float>(k(rng)) / 8.0f;
+  return v;
+}
+
+struct host_tensor {
+  std::string name;
+  std::vector<std::int64_t> shape;
+  std::vector<float> p, g;
+};
+
+std::vector<host_tensor> mixed(unsigned seed) {
+  const std::vector<std::pair<std::string, std::vector<std::int64_t>>> shapes = {
+      {"bias", {37}},          {"scalar", {}},           {"big", {515, 257}},        {"wide", {130, 300}},
+      {"cube", {3, 140, 129}}, {"apart", {150, 2, 130}}, {"four", {129, 2, 131, 3}}, {"small", {16, 24}},
+      {"unit", {1, 300, 1}}};
+  std::vector<host_tensor> out;
+  unsigned s = seed;
+  for (const auto& [name, shape] : shapes) {
+    std::size_t n = 1;
+    for (auto d : shape) n *= static_cast<std::size_t>(d);
+    out.push_back({name, shape, random_values<float>(n, s++, -1.0, 1.0), std::vector<float>(n)});
+  }
+  return out;
+}
+
+void fill_grads(std::vector<host_tensor>& ts, unsigned seed) {
+  unsigned s = seed;
+  for (auto& t : ts) t.g = random_values<float>(t.p.size(), s++, -0.125, 0.125);
+}
+
+/// Runs `Opt` for `steps` steps on the host and on the device from the same start and
+/// gradients; returns the largest difference relative to the largest movement.
+template <class Opt>
+double host_vs_device(const Opt& opt, int steps) {
+  auto h = mixed(1);
+  const auto start = h;
+  gradapt::param_list<float> hp;
+  for (auto& t : h)
+    hp.add(t.name, tensor_view<float>(t.p.data(), std::span<const std::int64_t>(t.shape)),
+           tensor_view<float>(t.g.data(), std::span<const std::int64_t>(t.shape)));
+  std::vector<dvec<float>> dp, dg;
+  for (auto& t : h) {
+    dp.push_back(to_device(t.p));
+    dg.push_back(to_device(t.g));
+  }
+  gradapt::param_list<float, float, device_space> dpl;
+  for (std::size_t i = 0; i < h.size(); ++i)
+    dpl.add(h[i].name,
+            tensor_view<float, device_space>(thrust::raw_pointer_cast(dp[i].data()),
+                                             std::span<const std::int64_t>(h[i].shape)),
+            tensor_view<float, device_space>(thrust::raw_pointer_cast(dg[i].data()),
+                                             std::span<const std::int64_t>(h[i].shape)));
+  gradapt::host hb{.threads = 2};
+  gradapt::cuda cb{};
+  auto hs = opt.init(hb, hp);
+  auto ds = opt.init(cb, dpl);
+  for (int s = 1; s <= steps; ++s) {
+    fill_grads(h, 100u * static_cast<unsigned>(s));
+    for (std::size_t i = 0; i < h.size(); ++i) thrust::copy(h[i].g.begin(), h[i].g.end(), dg[i].begin());
+    // h[i].g was reassigned: rebuild the host list's views
+    gradapt::param_list<float> hp2;
+    for (auto& t : h)
+      hp2.add(t.name, tensor_view<float>(t.p.data(), std::span<const std::int64_t>(t.shape)),
+              tensor_view<float>(t.g.data(), std::span<const std::int64_t>(t.shape)));
+    opt.step(hb, hp2, hs);
+    opt.step(cb, dpl, ds);
+  }
+  cb.synchronize();
+  double move = 0, err = 0;
+  for (std::size_t i = 0; i < h.size(); ++i) {
+    const auto d = to_host(dp[i]);
+    for (std::size_t k = 0; k < d.size(); ++k) {
+      REQUIRE(std::isfinite(d[k]));
+      move = std::max(move, std::fabs(double(h[i].p[k]) - double(start[i].p[k])));
+      err = std::max(err, std::fabs(double(h[i].p[k]) - double(d[k])));
+    }
+  }
+  REQUIRE(move > 0);
+  return err / move;
+}
+
+}  // namespace
+
+TEST_CASE("cuda reduce_factored and apply_factored match host loops", "[cuda][factored]") {
+  gradapt::cuda cb{};
+  for (auto d : {std::array<std::int64_t, 5>{2, 5, 3, 7, 4}, std::array<std::int64_t, 5>{1, 300, 1, 1029, 1},
+                 std::array<std::int64_t, 5>{1, 1, 1, 5000, 1}}) {
+    const std::size_t A = std::size_t(d[0]), X = std::size_t(d[1]), B = std::size_t(d[2]),
+                      Y = std::size_t(d[3]), C = std::size_t(d[4]);
+    const auto x = exact_values(A * X * B * Y * C, 3);
+    const auto rv = exact_values(A * X * B * C, 4);
+    const auto cv = exact_values(A * B * Y * C, 5);
+    std::vector<double> wy(rv.size(), 0), wx(cv.size(), 0), my(rv.size(), -INFINITY),
+        mx(cv.size(), -INFINITY);
+    std::vector<float> wyv(x.size());
+    double wsum = 0;
+    for (std::size_t a = 0; a < A; ++a)
+      for (std::size_t i = 0; i < X; ++i)
+        for (std::size_t b = 0; b < B; ++b)
+          for (std::size_t j = 0; j < Y; ++j)
+            for (std::size_t c = 0; c < C; ++c) {
+              const std::size_t e = (((a * X + i) * B + b) * Y + j) * C + c;
+              const std::size_t iy = ((a * X + i) * B + b) * C + c, ix = ((a * B + b) * Y + j) * C + c;
+              const double t = square_term{}(rv[iy], cv[ix], x[e]);
+              wy[iy] += t;
+              wx[ix] += t;
+              my[iy] = std::max(my[iy], t);
+              mx[ix] = std::max(mx[ix], t);
+              wyv[e] = x[e] * rv[iy] * cv[ix];
+              wsum += wyv[e];
+            }
+    auto dx = to_device(x);
+    auto dr = to_device(rv);
+    auto dc = to_device(cv);
+    dvec<double> oy(wy.size()), ox(wx.size());
+    cb.reduce_factored(square_term{}, d, cview(dr), cview(dc), cview(dx), view(oy), view(ox));
+    REQUIRE(to_host(oy) == wy);
+    REQUIRE(to_host(ox) == wx);
+    cb.reduce_factored(square_term{}, d, cview(dr), cview(dc), cview(dx), view(oy), view(ox),
+                       gradapt::reduce_op::max);
+    REQUIRE(to_host(oy) == my);
+    REQUIRE(to_host(ox) == mx);
+    auto dy = to_device(x);
+    const double s = cb.apply_factored(scale_rc{}, d, cview(dr), cview(dc), view(dy));
+    REQUIRE(to_host(dy) == wyv);
+    REQUIRE(s == wsum);
+  }
+  dvec<float> x(10);
+  dvec<double> o(3);
+  const tensor_view<const float, device_space> none;
+  REQUIRE_THROWS_WITH(
+      cb.reduce_factored(square_term{}, {1, 3, 1, 3, 1}, none, none, cview(x), view(o), view(o)),
+      Catch::Matchers::Contains("hold 9 elements but the tensor has 10"));
+}
+
+TEST_CASE("cuda adafactor and sm3 follow the host backend", "[cuda][factored][optim]") {
+  for (const auto& o : {gradapt::adafactor_options{}, gradapt::adafactor_options{.lr = 0.05, .momentum = 0.9},
+                        gradapt::torch_adafactor_options(0.01, 1e-3, 0.1)}) {
+    const double d = host_vs_device(gradapt::adafactor(o), 4);
+    WARN("adafactor lr " << o.lr << ": device vs host " << d << " of the movement");
+    REQUIRE(d <= 1e-4);
+  }
+  for (const auto& o : {gradapt::sm3_options{.lr = 0.1}, gradapt::sm3_options{.lr = 0.05, .momentum = 0.0}}) {
+    const double d = host_vs_device(gradapt::sm3(o), 4);
+    WARN("sm3 lr " << o.lr << ": device vs host " << d << " of the movement");
+    REQUIRE(d <= 1e-4);
+  }
+}
+
+TEST_CASE("cuda adafactor checkpoints continue bit for bit", "[cuda][factored][optim]") {
+  auto h = mixed(7);
+  std::vector<dvec<float>> dp, dg, dp2;
+  for (auto& t : h) {
+    dp.push_back(to_device(t.p));
+    dp2.push_back(to_device(t.p));
+    dg.push_back(to_device(t.g));
+  }
+  gradapt::param_list<float, float, device_space> a, b;
+  for (std::size_t i = 0; i < h.size(); ++i) {
+    const auto shp = std::span<const std::int64_t>(h[i].shape);
+    a.add(h[i].name, tensor_view<float, device_space>(thrust::raw_pointer_cast(dp[i].data()), shp),
+          tensor_view<float, device_space>(thrust::raw_pointer_cast(dg[i].data()), shp));
+    b.add(h[i].name, tensor_view<float, device_space>(thrust::raw_pointer_cast(dp2[i].data()), shp),
+          tensor_view<float, device_space>(thrust::raw_pointer_cast(dg[i].data()), shp));
+  }
+  gradapt::cuda cb{};
+  gradapt::adafactor opt({.lr = 0.02, .momentum = 0.5});
+  auto sa = opt.init(cb, a);
+  for (int s = 1; s <= 2; ++s) {
+    fill_grads(h, 9u * static_cast<unsigned>(s));
+    for (std::size_t i = 0; i < h.size(); ++i) thrust::copy(h[i].g.begin(), h[i].g.end(), dg[i].begin());
+    opt.step(cb, a, sa);
+  }
+  for (std::size_t i = 0; i < h.size(); ++i) dp2[i] = dp[i];
+  auto sb = opt.init(cb, b);
+  sb.load(cb, sa.save(cb));
+  for (int s = 3; s <= 4; ++s) {
+    fill_grads(h, 9u * static_cast<unsigned>(s));
+    for (std::size_t i = 0; i < h.size(); ++i) thrust::copy(h[i].g.begin(), h[i].g.end(), dg[i].begin());
+    opt.step(cb, a, sa);
+    opt.step(cb, b, sb);
+  }
+  for (std::size_t i = 0; i < h.size(); ++i) {
+    const auto x = to_host(dp[i]), y = to_host(dp2[i]);
+    for (std::size_t k = 0; k < x.size(); ++k) REQUIRE(bits(x[k]) == bits(y[k]));
+  }
+  REQUIRE(sa.save(cb) == sb.save(cb));
+}

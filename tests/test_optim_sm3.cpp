@@ -1,0 +1,369 @@
+// gradapt::sm3 on the host backend.
+//
+//  - multi-step runs against an independent long double re-computation of Anil et al.'s SM3-II
+//    with one cover per dimension (written here from the paper and optax's documented formula,
+//    not from the library): 1-D, rank-0, 2-D, 3-D and 4-D shapes, size-1 dims, momentum on and
+//    off, b2 < 1;
+//  - the covers after a step equal the maxima of a over each dim's slices (closed form);
+//  - state size: the sum of the dims (n + m for a matrix), plus the momentum buffer;
+//  - determinism across thread counts, save/restore mid-run, bad checkpoints rejected;
+//  - edge cases: zero gradients (u = 0 where a = 0), zero weights, inf and NaN gradients,
+//    empty tensors and lists, subnormal gradients, invalid options, mismatched lists.
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "catch.hpp"
+#include "gradapt/backend/host.hpp"
+#include "gradapt/optim/sm3.hpp"
+
+using Catch::Matchers::Contains;
+using gradapt::host;
+using gradapt::tensor_view;
+using ld = long double;
+
+namespace {
+
+struct tensor {
+  std::string name;
+  std::vector<std::int64_t> shape;
+  std::vector<float> p, g;
+  std::size_t size() const { return p.size(); }
+};
+
+tensor make(std::string name, std::vector<std::int64_t> shape, unsigned seed) {
+  tensor t{std::move(name), std::move(shape), {}, {}};
+  std::size_t n = 1;
+  for (auto d : t.shape) n *= static_cast<std::size_t>(d);
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  t.p.resize(n);
+  t.g.resize(n);
+  for (auto& x : t.p) x = u(rng);
+  return t;
+}
+
+void fill_grad(tensor& t, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (std::size_t i = 0; i < t.size(); ++i) t.g[i] = u(rng) * 0.125f * (1.0f + float(i % 5) * 0.5f);
+}
+
+gradapt::param_list<float> list_of(std::vector<tensor>& ts) {
+  gradapt::param_list<float> pl;
+  for (auto& t : ts)
+    pl.add(t.name, tensor_view<float>(t.p.data(), std::span<const std::int64_t>(t.shape)),
+           tensor_view<float>(t.g.data(), std::span<const std::int64_t>(t.shape)));
+  return pl;
+}
+
+std::vector<tensor> shapes_mix() {
+  return {make("bias", {37}, 1),       make("scalar", {}, 2),        make("mat", {130, 70}, 3),
+          make("big", {515, 257}, 4),  make("cube", {3, 40, 29}, 5), make("four", {5, 2, 7, 3}, 6),
+          make("unit", {1, 30, 1}, 7), make("row", {1, 50}, 8)};
+}
+
+// ---- the long double reference (SM3-II, one cover per dim) ------------------------------------
+struct ref_tensor {
+  std::vector<std::int64_t> shape;
+  std::vector<std::vector<ld>> mu;  // one per dim (rank >= 2) or the full accumulator
+  std::vector<ld> m;
+};
+
+struct ref_opt {
+  gradapt::sm3_options o;
+  std::vector<ref_tensor> ts;
+
+  static std::vector<std::size_t> coords(const std::vector<std::int64_t>& s, std::size_t flat) {
+    std::vector<std::size_t> c(s.size());
+    for (std::size_t k = s.size(); k-- > 0;) {
+      c[k] = flat % static_cast<std::size_t>(s[k]);
+      flat /= static_cast<std::size_t>(s[k]);
+    }
+    return c;
+  }
+  void init(const std::vector<tensor>& in) {
+    for (const auto& x : in) {
+      ref_tensor r;
+      r.shape = x.shape;
+      if (x.shape.size() < 2)
+        r.mu.push_back(std::vector<ld>(x.size(), 0));
+      else
+        for (auto d : x.shape) r.mu.push_back(std::vector<ld>(static_cast<std::size_t>(d), 0));
+      r.m.assign(x.size(), 0);
+      ts.push_back(std::move(r));
+    }
+  }
+  void step(std::vector<tensor>& in) {
+    const ld c1 = o.b2 == 1.0 ? 1 : 1 - ld(o.b2), c2 = o.b2;
+    for (std::size_t k = 0; k < in.size(); ++k) {
+      auto& x = in[k];
+      auto& r = ts[k];
+      const std::size_t n = x.size();
+      std::vector<ld> a(n);
+      const bool full = x.shape.size() < 2;
+      for (std::size_t i = 0; i < n; ++i) {
+        ld nu;
+        if (full) {
+          nu = r.mu[0][i];
+        } else {
+          const auto c = coords(x.shape, i);
+          nu = std::numeric_limits<ld>::infinity();
+          for (std::size_t q = 0; q < c.size(); ++q) nu = std::min(nu, r.mu[q][c[q]]);
+        }
+        a[i] = c1 * ld(x.g[i]) * ld(x.g[i]) + c2 * nu;
+      }
+      if (full) {
+        r.mu[0] = a;
+      } else {
+        for (auto& v : r.mu) std::fill(v.begin(), v.end(), -std::numeric_limits<ld>::infinity());
+        for (std::size_t i = 0; i < n; ++i) {
+          const auto c = coords(x.shape, i);
+          for (std::size_t q = 0; q < c.size(); ++q) r.mu[q][c[q]] = std::max(r.mu[q][c[q]], a[i]);
+        }
+      }
+      for (std::size_t i = 0; i < n; ++i) {
+        const ld u = a[i] > 0 ? ld(x.g[i]) / std::sqrt(a[i] + ld(o.eps)) : 0;
+        r.m[i] = ld(o.momentum) * r.m[i] + (1 - ld(o.momentum)) * u;
+        x.p[i] = static_cast<float>(ld(x.p[i]) - ld(o.lr) * (o.momentum > 0 ? r.m[i] : u));
+      }
+    }
+  }
+};
+
+double run_compare(const gradapt::sm3_options& o, int steps, int threads = 2) {
+  auto mine = shapes_mix();
+  auto theirs = shapes_mix();
+  const auto start = shapes_mix();
+  host b{.threads = threads};
+  auto pl = list_of(mine);
+  gradapt::sm3 opt(o);
+  auto st = opt.init(b, pl);
+  ref_opt ref{o, {}};
+  ref.init(theirs);
+  for (int s = 1; s <= steps; ++s) {
+    for (std::size_t k = 0; k < mine.size(); ++k) {
+      fill_grad(mine[k], 100u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
+      fill_grad(theirs[k], 100u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
+    }
+    opt.step(b, pl, st);
+    ref.step(theirs);
+  }
+  double move = 0, err = 0, top = 0;
+  for (std::size_t k = 0; k < mine.size(); ++k)
+    for (std::size_t i = 0; i < mine[k].size(); ++i) {
+      REQUIRE(std::isfinite(mine[k].p[i]));
+      move = std::max(move, std::fabs(double(theirs[k].p[i]) - double(start[k].p[i])));
+      err = std::max(err, std::fabs(double(mine[k].p[i]) - double(theirs[k].p[i])));
+      top = std::max(top, std::fabs(double(theirs[k].p[i])));
+    }
+  REQUIRE(move > 0);
+  // Both sides round p to float every step: a few ulps of the largest |p| are allowed on top.
+  return std::max(0.0, err - 4 * std::ldexp(top, -23)) / move;
+}
+
+}  // namespace
+
+TEST_CASE("sm3 matches a long double re-computation of SM3-II", "[optim][sm3]") {
+  for (const auto& o : {gradapt::sm3_options{}, gradapt::sm3_options{.lr = 0.1, .momentum = 0.0},
+                        gradapt::sm3_options{.lr = 0.05, .momentum = 0.5, .b2 = 0.9, .eps = 1e-4}}) {
+    const double d = run_compare(o, 5);
+    WARN("sm3 lr " << o.lr << " momentum " << o.momentum << " b2 " << o.b2 << ": largest difference " << d);
+    REQUIRE(d <= 2e-5);
+  }
+  // A plausible mistake (covers summed instead of maximised is too far; a different momentum
+  // is the subtle one) lands far outside the tolerance.
+  auto mine = shapes_mix();
+  auto theirs = shapes_mix();
+  const auto start = shapes_mix();
+  host b{.threads = 2};
+  auto pl = list_of(mine);
+  gradapt::sm3 opt({.lr = 0.1});
+  auto st = opt.init(b, pl);
+  ref_opt ref{{.lr = 0.1, .momentum = 0.85}, {}};
+  ref.init(theirs);
+  for (int s = 1; s <= 4; ++s) {
+    for (std::size_t k = 0; k < mine.size(); ++k) {
+      fill_grad(mine[k], 3u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
+      fill_grad(theirs[k], 3u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
+    }
+    opt.step(b, pl, st);
+    ref.step(theirs);
+  }
+  double move = 0, err = 0;
+  for (std::size_t k = 0; k < mine.size(); ++k)
+    for (std::size_t i = 0; i < mine[k].size(); ++i) {
+      move = std::max(move, std::fabs(double(theirs[k].p[i]) - double(start[k].p[i])));
+      err = std::max(err, std::fabs(double(mine[k].p[i]) - double(theirs[k].p[i])));
+    }
+  REQUIRE(err / move > 100 * 2e-5);
+}
+
+TEST_CASE("sm3 covers after one step are the maxima of g^2 over each dim's slices", "[optim][sm3]") {
+  std::vector<tensor> ts = {make("c", {4, 6, 5}, 1)};
+  fill_grad(ts[0], 9);
+  auto pl = list_of(ts);
+  host b{};
+  gradapt::sm3 opt;
+  auto st = opt.init(b, pl);
+  opt.step(b, pl, st);
+  const std::int64_t D[3] = {4, 6, 5};
+  for (std::size_t k = 0; k < 3; ++k) {
+    const auto cov = st.accumulator(0, k);
+    REQUIRE(cov.size() == static_cast<std::size_t>(D[k]));
+    for (std::int64_t j = 0; j < D[k]; ++j) {
+      float want = 0;
+      for (std::int64_t a = 0; a < 4; ++a)
+        for (std::int64_t bb = 0; bb < 6; ++bb)
+          for (std::int64_t c = 0; c < 5; ++c) {
+            const std::int64_t idx[3] = {a, bb, c};
+            if (idx[k] != j) continue;
+            const float g = ts[0].g[static_cast<std::size_t>((a * 6 + bb) * 5 + c)];
+            want = std::max(want, g * g);  // a = g^2 + 0 at the first step
+          }
+      REQUIRE(cov[static_cast<std::size_t>(j)] == want);
+    }
+  }
+}
+
+TEST_CASE("sm3 state takes the sum of the dims", "[optim][sm3]") {
+  std::vector<tensor> ts = {make("w", {300, 129}, 1), make("b", {300}, 2), make("c", {4, 20, 13}, 3),
+                            make("s", {}, 4)};
+  auto pl = list_of(ts);
+  host b{};
+  auto st = gradapt::sm3({.momentum = 0.0}).init(b, pl);
+  REQUIRE(st.accumulator_elements(0) == 300 + 129);
+  REQUIRE(st.accumulator_elements(1) == 300);
+  REQUIRE(st.accumulator_elements(2) == 4 + 20 + 13);
+  REQUIRE(st.accumulator_elements(3) == 1);
+  REQUIRE(st.state_elements() == 429 + 300 + 37 + 1);
+  auto sm = gradapt::sm3{}.init(b, pl);
+  REQUIRE(sm.state_elements() == 429 + 300 + 37 + 1 + pl.total_elements());
+}
+
+TEST_CASE("sm3 is deterministic across threads and restores exactly", "[optim][sm3]") {
+  std::vector<std::vector<float>> out;
+  for (int th : {1, 2}) {
+    auto ts = shapes_mix();
+    auto pl = list_of(ts);
+    host b{.threads = th};
+    gradapt::sm3 opt({.lr = 0.1});
+    auto st = opt.init(b, pl);
+    for (int s = 1; s <= 3; ++s) {
+      for (std::size_t k = 0; k < ts.size(); ++k)
+        fill_grad(ts[k], 7u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
+      opt.step(b, pl, st);
+    }
+    // save, continue in a copy and in the original
+    const auto bytes = st.save(b);
+    auto copy = ts;
+    auto pc = list_of(copy);
+    auto sc = opt.init(b, pc);
+    sc.load(b, bytes);
+    REQUIRE(sc.steps() == 3);
+    for (int s = 4; s <= 5; ++s) {
+      for (std::size_t k = 0; k < ts.size(); ++k) {
+        fill_grad(ts[k], 7u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
+        fill_grad(copy[k], 7u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
+      }
+      opt.step(b, pl, st);
+      opt.step(b, pc, sc);
+    }
+    REQUIRE(st.save(b) == sc.save(b));
+    auto bad = bytes;
+    bad.erase(bad.end() - 4, bad.end());
+    REQUIRE_THROWS_WITH(sc.load(b, bad), Contains("sm3_state::load"));
+    auto sm = gradapt::sm3({.momentum = 0.0}).init(b, pl);
+    REQUIRE_THROWS_WITH(sm.load(b, bytes), Contains("momentum length"));
+    std::vector<float> all;
+    for (auto& t : ts) all.insert(all.end(), t.p.begin(), t.p.end());
+    out.push_back(all);
+  }
+  for (std::size_t i = 0; i < out[0].size(); ++i)
+    REQUIRE(std::bit_cast<std::uint32_t>(out[0][i]) == std::bit_cast<std::uint32_t>(out[1][i]));
+}
+
+TEST_CASE("sm3 edge cases", "[optim][sm3]") {
+  host b{.threads = 2};
+  SECTION("zero gradients leave the parameters; zero weights move") {
+    std::vector<tensor> ts = {make("w", {30, 20}, 1), make("v", {9}, 2)};
+    for (auto& t : ts) std::fill(t.g.begin(), t.g.end(), 0.0f);
+    const auto before = ts;
+    auto pl = list_of(ts);
+    gradapt::sm3 opt({.lr = 0.1});
+    auto st = opt.init(b, pl);
+    opt.step(b, pl, st);  // a = 0 everywhere: u = 0 (the 0/0 = 0 convention)
+    for (std::size_t k = 0; k < ts.size(); ++k) REQUIRE(ts[k].p == before[k].p);
+    for (auto& t : ts) std::fill(t.p.begin(), t.p.end(), 0.0f);
+    fill_grad(ts[0], 4);
+    opt.step(b, pl, st);
+    REQUIRE(
+        std::all_of(ts[0].p.begin(), ts[0].p.end(), [](float x) { return x != 0.0f && std::isfinite(x); }));
+  }
+  SECTION("inf and NaN gradients stay in their tensor") {
+    std::vector<tensor> ts = {make("w", {30, 20}, 1), make("v", {9}, 2), make("ok", {10, 10}, 3)};
+    for (std::size_t k = 0; k < ts.size(); ++k) fill_grad(ts[k], static_cast<unsigned>(k));
+    ts[0].g[21] = std::numeric_limits<float>::infinity();  // row 1, column 1
+    ts[1].g[4] = std::numeric_limits<float>::quiet_NaN();
+    auto pl = list_of(ts);
+    gradapt::sm3 opt({.lr = 0.1, .momentum = 0.0});
+    auto st = opt.init(b, pl);
+    opt.step(b, pl, st);
+    // w: the inf element gets inf / inf = NaN; the others of row 1 and column 1 get
+    // g / sqrt(g^2 + 0) (their own a is finite at the first step); the covers of row 1 and
+    // column 1 become inf.
+    REQUIRE(std::isnan(ts[0].p[21]));
+    REQUIRE(std::isfinite(ts[0].p[22]));
+    REQUIRE(std::isinf(st.accumulator(0, 0)[1]));
+    REQUIRE(std::isinf(st.accumulator(0, 1)[1]));
+    REQUIRE(std::isnan(ts[1].p[4]));
+    REQUIRE(std::isfinite(ts[1].p[3]));
+    REQUIRE(std::all_of(ts[2].p.begin(), ts[2].p.end(), [](float x) { return std::isfinite(x); }));
+    // Next step: nu is the minimum over the covers, so only the element whose row and column
+    // covers are both inf keeps a = inf (u = g / inf = 0); its neighbours move normally.
+    const float keep = ts[0].p[22];
+    fill_grad(ts[0], 77);
+    opt.step(b, pl, st);
+    REQUIRE(std::isfinite(ts[0].p[22]));
+    REQUIRE(ts[0].p[22] != keep);
+  }
+  SECTION("empty tensors, empty lists, subnormal gradients") {
+    std::vector<tensor> ts = {make("e", {0, 5}, 1), make("e1", {0}, 2), make("d", {6, 7}, 3)};
+    for (std::size_t i = 0; i < ts[2].size(); ++i) ts[2].g[i] = std::ldexp(float(int(i % 5) - 2), -140);
+    const auto before = ts;
+    auto pl = list_of(ts);
+    gradapt::sm3 opt({.lr = 0.1});
+    auto st = opt.init(b, pl);
+    REQUIRE(st.accumulator_elements(0) == 5);
+    opt.step(b, pl, st);
+    // g^2 underflows to 0: a = 0, u = 0.
+    REQUIRE(ts[2].p == before[2].p);
+    gradapt::param_list<float> none;
+    auto s0 = opt.init(b, none);
+    opt.step(b, none, s0);
+    REQUIRE(s0.steps() == 1);
+  }
+  SECTION("invalid options and mismatched lists") {
+    using O = gradapt::sm3_options;
+    REQUIRE_THROWS_WITH(gradapt::sm3(O{.lr = -1}), Contains("lr"));
+    REQUIRE_THROWS_WITH(gradapt::sm3(O{.momentum = 1}), Contains("momentum"));
+    REQUIRE_THROWS_WITH(gradapt::sm3(O{.b2 = 0}), Contains("b2"));
+    REQUIRE_THROWS_WITH(gradapt::sm3(O{.eps = -1}), Contains("eps"));
+    auto ts = shapes_mix();
+    auto pl = list_of(ts);
+    gradapt::sm3 opt;
+    auto st = opt.init(b, pl);
+    auto fewer = shapes_mix();
+    fewer.pop_back();
+    auto pf = list_of(fewer);
+    REQUIRE_THROWS_WITH(opt.step(b, pf, st), Contains("holds 7 tensors but the state was created for 8"));
+    REQUIRE_THROWS_WITH(opt.step(b, pl, st, {.lr = std::numeric_limits<double>::infinity()}),
+                        Contains("learning rate"));
+    REQUIRE_THROWS_WITH(gradapt::sm3({.momentum = 0.0}).step(b, pl, st), Contains("momentum is off"));
+  }
+}
