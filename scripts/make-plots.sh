@@ -8,8 +8,10 @@
 #   goodput_adapt    -> goodput_adapt.svg, noise_scale_digits.svg
 #                                                  (docs/algorithms/goodput.md, gradient-noise-scale.md)
 #   loss_scale_trace -> loss_scale_trace.svg, loss_scale_trace.csv (docs/algorithms/loss-scaling.md)
+#   demo             -> demo.svg                                  (docs/algorithms/train-step.md)
+#   optimizer_memory -> optimizer_memory.svg, optimizer_memory.csv (docs/algorithms/adafactor-sm3.md)
 #
-# Every example runs with its defaults, as the pages describe. The first three programs are
+# Every example runs with its defaults, as the pages describe. All but goodput_adapt are
 # deterministic (fixed seeds, fixed reduction orders): with unchanged sources their files come
 # out byte-identical to the committed ones. goodput_adapt is not: it times its own steps and
 # its batch-size decisions follow the measured times, so its two plots change from run to run
@@ -37,7 +39,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-targets=(adascale_digits comm_strategies loss_scale_trace)
+targets=(adascale_digits comm_strategies loss_scale_trace demo optimizer_memory)
 [ "$skip_timed" = 1 ] || targets+=(goodput_adapt)
 
 # The same compiler flags as the default preset (RelWithDebInfo), without tests, benches, docs.
@@ -66,6 +68,8 @@ run() {  # run <example> <file>...: runs build/examples/<example> --out <work>, 
 run adascale_digits adascale_digits.svg
 run comm_strategies comm_strategies_steps.svg comm_strategies_bytes.svg comm_strategies.csv
 run loss_scale_trace loss_scale_trace.svg loss_scale_trace.csv
+run demo demo.svg
+run optimizer_memory optimizer_memory.svg optimizer_memory.csv
 [ "$skip_timed" = 1 ] || run goodput_adapt goodput_adapt.svg noise_scale_digits.svg
 
 echo "==== compared with the committed files (git HEAD)"
