@@ -1,4 +1,5 @@
-// Prints the exact bits of every preset's parameters and state after a few steps on fixed
+// Prints the exact bits of every preset's parameters and state (Adafactor and SM3: parameters,
+// on 1, 2 and 3 threads) after a few steps on fixed
 // pseudo-random data (float, double, bfloat16 and half parameters; sizes that leave scalar
 // tails after the packs). Built twice, with the explicit pack path and with
 // -DGRADAPT_NO_VECTOR_EXTENSIONS (scalar functor calls); ctest compares the two outputs byte
@@ -11,10 +12,12 @@
 #include <vector>
 
 #include "gradapt/backend/host.hpp"
+#include "gradapt/optim/adafactor.hpp"
 #include "gradapt/optim/adamw.hpp"
 #include "gradapt/optim/lamb.hpp"
 #include "gradapt/optim/lars.hpp"
 #include "gradapt/optim/sgd.hpp"
+#include "gradapt/optim/sm3.hpp"
 
 namespace {
 
@@ -71,6 +74,44 @@ void run(const char* name, const Opt& opt) {
     }
 }
 
+/// Adafactor and SM3 on factored and unfactored shapes (odd sizes, a rank-3 tensor with a
+/// trailing dim, tensors above and below the host's one-thread task size), parameters only.
+/// Returns an FNV-1a hash of all parameters; the data depend only on the fixed seed, so every
+/// thread count must give the same hash.
+template <class Opt>
+std::uint64_t run_factored(const char* name, const Opt& opt, int threads) {
+  state = 0x13198a2e03707344ull;
+  const std::vector<std::vector<std::int64_t>> shapes = {{300, 257}, {37, 45},    {130, 129}, {3, 140, 150},
+                                                         {1000},     {129, 3000}, {5},        {128, 128, 2},
+                                                         {700, 200}, {0},         {1, 130}};
+  std::vector<std::vector<float>> p(shapes.size()), g(shapes.size());
+  gradapt::param_list<float> params;
+  for (std::size_t t = 0; t < shapes.size(); ++t) {
+    std::size_t n = 1;
+    for (auto d : shapes[t]) n *= static_cast<std::size_t>(d);
+    p[t].resize(n);
+    g[t].resize(n);
+    for (auto& x : p[t]) x = static_cast<float>(next());
+    params.add("t" + std::to_string(t), gradapt::tensor_view<float>(p[t].data(), shapes[t]),
+               gradapt::tensor_view<float>(g[t].data(), shapes[t]));
+  }
+  gradapt::host backend{.threads = threads};
+  auto st = opt.init(backend, params);
+  for (int s = 0; s < 3; ++s) {
+    for (auto& t : g)
+      for (auto& x : t) x = static_cast<float>(next() * 0.1);
+    opt.step(backend, params, st, {.lr = 0.01 * (s + 1)});
+  }
+  std::printf("== %s (threads %d)\n", name, threads);
+  std::uint64_t h = 1469598103934665603ull;
+  for (const auto& t : p) {
+    print("p", t);
+    const auto* b = reinterpret_cast<const unsigned char*>(t.data());
+    for (std::size_t i = 0; i < t.size() * sizeof(float); ++i) h = (h ^ b[i]) * 1099511628211ull;
+  }
+  return h;
+}
+
 template <class V, class G>
 void all(const char* type) {
   const std::string t(type);
@@ -89,6 +130,29 @@ void all(const char* type) {
 }  // namespace
 
 int main() {
+  std::vector<std::uint64_t> first;
+  for (int threads : {1, 2, 3}) {
+    const std::uint64_t h[] = {
+        run_factored("adafactor", gradapt::adafactor({.lr = 1e-2}), threads),
+        run_factored("adafactor torch",
+                     gradapt::adafactor(gradapt::torch_adafactor_options(1e-2, 1e-3, 0.01)), threads),
+        run_factored("adafactor momentum",
+                     gradapt::adafactor({.lr = 1e-2, .momentum = 0.9, .weight_decay = 1e-3}), threads),
+        run_factored("adafactor relative",
+                     gradapt::adafactor({.lr = 3e-3,
+                                         .relative_step = true,
+                                         .clipping_threshold = 0.5,
+                                         .multiply_by_parameter_scale = false}),
+                     threads),
+        run_factored("sm3", gradapt::sm3({.lr = 1e-2}), threads),
+        run_factored("sm3 no momentum", gradapt::sm3({.lr = 1e-2, .momentum = 0.0}), threads)};
+    if (first.empty()) first.assign(std::begin(h), std::end(h));
+    for (std::size_t k = 0; k < first.size(); ++k)
+      if (h[k] != first[k]) {
+        std::fprintf(stderr, "factored case %zu: %d threads give other bits than 1 thread\n", k, threads);
+        return 1;
+      }
+  }
   all<float, float>("float");
   all<double, double>("double");
   all<float, gradapt::bfloat16>("float/bf16");

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <limits>
 #include <span>
@@ -1069,6 +1070,47 @@ struct host {
                                   over_x.data(), over_x.empty());
   }
 
+  /// `reduce_factored` (sums) that also returns Σ_k y_k² of a second view `y` of x's size,
+  /// read in the same pass as x (each line of y right after the same line of x; Adafactor's
+  /// parameter scale rides in its statistics pass). Each element is widened to double, then
+  /// squared; line l = (a·X + i)·B + b of Y·C elements is summed in 8 lanes (element k into lane
+  /// k mod 8, fixed tree) into line_sums[l], and the A·X·B line sums are added in line order,
+  /// so the result is independent of `threads`. Both outputs are required. Nothing is allocated.
+  /// @throws gradapt::error on a size mismatch (names the view and the expected size)
+  template <class F, class RY, class RX, class T, class U>
+  double reduce_factored_sumsq(F f, std::array<std::int64_t, 5> d, tensor_view<RY, host_space> row,
+                               tensor_view<RX, host_space> col, tensor_view<T, host_space> x,
+                               tensor_view<double, host_space> over_y, tensor_view<double, host_space> over_x,
+                               tensor_view<U, host_space> y,
+                               tensor_view<double, host_space> line_sums) const {
+    const auto dd = check_factored(d, x.size(), "reduce_factored_sumsq");
+    const std::size_t A = dd[0], X = dd[1], B = dd[2], Y = dd[3], C = dd[4];
+    const std::size_t ny = A * X * B * C, nx = A * B * Y * C, lines = A * X * B;
+    detail::require(row.empty() || row.size() == ny, "host backend reduce_factored_sumsq: row vector has ",
+                    row.size(), " elements (expected A*X*B*C = ", ny, ", or 0)");
+    detail::require(col.empty() || col.size() == nx, "host backend reduce_factored_sumsq: column vector has ",
+                    col.size(), " elements (expected A*B*Y*C = ", nx, ", or 0)");
+    detail::require(over_y.size() == ny, "host backend reduce_factored_sumsq: over_y has ", over_y.size(),
+                    " elements (expected A*X*B*C = ", ny, ")");
+    detail::require(over_x.size() == nx, "host backend reduce_factored_sumsq: over_x has ", over_x.size(),
+                    " elements (expected A*B*Y*C = ", nx, ")");
+    detail::require(y.size() == x.size(), "host backend reduce_factored_sumsq: y has ", y.size(),
+                    " elements but x has ", x.size(), " (expected equal sizes)");
+    detail::require(line_sums.size() >= lines, "host backend reduce_factored_sumsq: line_sums has ",
+                    line_sums.size(), " elements (expected at least A*X*B = ", lines, ")");
+    if (x.size() == 0) {
+      reduce_factored(f, d, row, col, x, over_y, over_x);
+      return 0.0;
+    }
+    const auto* rp = row.empty() ? nullptr : row.data();
+    const auto* cp = col.empty() ? nullptr : col.data();
+    reduce_factored_impl<false>(f, rp, cp, x.data(), A, X, B, Y, C, over_y.data(), false, over_x.data(),
+                                false, y.data(), line_sums.data());
+    double total = 0.0;
+    for (std::size_t l = 0; l < lines; ++l) total += line_sums.data()[l];
+    return total;
+  }
+
   /// Element-wise `f` over views of equal size seen as d = [A, X, B, Y, C] (see
   /// `reduce_factored`), with one entry of a row vector and one of a column vector per
   /// element: `f(r, c, v0, v1, ...)` where r = row[((a·X + i)·B + b)·C + c] and
@@ -1138,6 +1180,37 @@ struct host {
     }
   }
 
+  /// Runs `fn(task, slot)` for every task in [0, n) on min(max_threads, thread_count())
+  /// threads, handing tasks out one at a time in ascending order (OpenMP dynamic schedule); slot
+  /// is the running thread's number (below that count), for per-thread workspace. The tasks
+  /// must be independent. One parallel region, no barrier but its end: the factored optimizers
+  /// run whole tensors as tasks (on a copy of the backend with threads = 1), which stays fast
+  /// when other processes share the cores. The first exception a task throws is rethrown after
+  /// all tasks ran. Nothing is allocated (unless a task throws).
+  template <class F>
+  void run_tasks(std::size_t n, std::size_t max_threads, const F& fn) const {
+    const std::size_t nt = std::min(max_threads, static_cast<std::size_t>(thread_count()));
+#if defined(_OPENMP)
+    if (nt > 1 && n > 1) {
+      std::exception_ptr err;
+      const int nti = static_cast<int>(nt);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nti)
+      for (std::size_t q = 0; q < n; ++q) {
+        try {
+          fn(q, static_cast<std::size_t>(omp_get_thread_num()));
+        } catch (...) {
+#pragma omp critical(gradapt_host_run_tasks)
+          if (!err) err = std::current_exception();
+        }
+      }
+      if (err) std::rethrow_exception(err);
+      return;
+    }
+#endif
+    (void)nt;
+    for (std::size_t q = 0; q < n; ++q) fn(q, 0);
+  }
+
  private:
   static std::array<std::size_t, 5> check_factored(const std::array<std::int64_t, 5>& d, std::size_t n,
                                                    const char* what) {
@@ -1161,12 +1234,12 @@ struct host {
       return a + t;
   }
 
-  template <bool Max, class F, class RY, class RX, class T>
+  template <bool Max, class F, class RY, class RX, class T, class U = const float>
   void reduce_factored_impl(const F& f, const RY* rp, const RX* cp, const T* x, std::size_t A, std::size_t X,
                             std::size_t B, std::size_t Y, std::size_t C, double* oy, bool skip_y, double* ox,
-                            bool skip_x) const {
+                            bool skip_x, U* ys = nullptr, double* ls = nullptr) const {
     const auto run = [&]<bool HasR, bool HasC>() {
-      reduce_factored_loops<Max, HasR, HasC>(f, rp, cp, x, A, X, B, Y, C, oy, skip_y, ox, skip_x);
+      reduce_factored_loops<Max, HasR, HasC>(f, rp, cp, x, A, X, B, Y, C, oy, skip_y, ox, skip_x, ys, ls);
     };
     if (rp && cp)
       run.template operator()<true, true>();
@@ -1180,10 +1253,11 @@ struct host {
 
   /// reduce_factored's loops with the presence of the row and column vectors fixed at compile
   /// time (no per-element branches or index divisions).
-  template <bool Max, bool HasR, bool HasC, class F, class RY, class RX, class T>
+  /// With `ys` (and !skip_y), ls[l] = line_sumsq of line l of ys, read next to line l of x.
+  template <bool Max, bool HasR, bool HasC, class F, class RY, class RX, class T, class U>
   void reduce_factored_loops(const F& f, const RY* rp, const RX* cp, const T* x, std::size_t A, std::size_t X,
                              std::size_t B, std::size_t Y, std::size_t C, double* oy, bool skip_y, double* ox,
-                             bool skip_x) const {
+                             bool skip_x, U* ys, double* ls) const {
     const std::size_t L = Y * C, lines = A * X * B, n = lines * L;
     const double init = Max ? -std::numeric_limits<double>::infinity() : 0.0;
     if (!skip_y)
@@ -1213,7 +1287,6 @@ struct host {
     // Sums of float data through a vectorizable f: 8 lanes per call (f returns a float pack,
     // widened), the same terms in the same order as the scalar loops.
     using narrow = simd::pack<float, 8>;
-    using wide = simd::pack<double, 8>;
     constexpr bool packs =
         !Max && simd::vectorizable_v<F> && std::is_same_v<std::remove_cv_t<T>, float> &&
         (!HasR || std::is_same_v<std::remove_cv_t<RY>, float>)&&(
@@ -1232,19 +1305,12 @@ struct host {
             const T* p = x + l * L;
             const CY r = rv(l);
             double acc[8] = {init, init, init, init, init, init, init, init};
-            std::size_t j = 0;
+            double yacc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            std::size_t j = 0, yk = 0;
 #if GRADAPT_SIMD_PACKS
-            if constexpr (packs) {
-              wide va(init);
-              const narrow rr(r);
-              for (; j + 8 <= Y; j += 8) {
-                const wide t =
-                    simd::widen(f(rr, HasC ? narrow::load(cb + j) : narrow(1.0f), narrow::load(p + j)));
-                va = va + t;
-                (wide::load(o + j) + t).store(o + j);
-              }
-              va.store(acc);
-            }
+            if constexpr (packs)
+              j = fact_lines_y<fact_kind::both, HasC>(f, static_cast<float>(r), cb, p, Y, o, acc,
+                                                      ys ? ys + l * L : ys, yacc, &yk);
 #endif
             for (; j + 8 <= Y; j += 8)
               for (std::size_t q = 0; q < 8; ++q) {
@@ -1260,6 +1326,7 @@ struct host {
             for (std::size_t w = 4; w >= 1; w /= 2)
               for (std::size_t q = 0; q < w; ++q) acc[q] = fold<Max>(acc[2 * q], acc[2 * q + 1]);
             oy[l] = acc[0];
+            if (ys) ls[l] = line_sumsq(ys + l * L, L, yk, yacc);
           }
         }
       return;
@@ -1283,24 +1350,17 @@ struct host {
               for (std::size_t i = i0; i < i1; ++i) {
                 const std::size_t l = (a * X + i) * B + b;
                 const T* p = x + l * L;
+                double yacc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                std::size_t yk = 0;
                 if (C == 1) {
                   const CY r = rv(l);
                   double acc[8] = {init, init, init, init, init, init, init, init};
                   std::size_t j = 0;
 #if GRADAPT_SIMD_PACKS
-                  if constexpr (packs) {
-                    // lane q of the double pack is acc[q]: the same terms in the same order
-                    wide va(init);
-                    const narrow rr(r);
-                    if constexpr (HasC) {
-                      for (; j + 8 <= Y; j += 8)
-                        va = va + simd::widen(f(rr, narrow::load(cb + j), narrow::load(p + j)));
-                    } else {
-                      const narrow one(1.0f);
-                      for (; j + 8 <= Y; j += 8) va = va + simd::widen(f(rr, one, narrow::load(p + j)));
-                    }
-                    va.store(acc);
-                  }
+                  // lane q of the double pack is acc[q]: the same terms in the same order
+                  if constexpr (packs)
+                    j = fact_lines_y<fact_kind::rows, HasC>(f, static_cast<float>(r), cb, p, Y, nullptr, acc,
+                                                            ys ? ys + l * L : ys, yacc, &yk);
 #endif
                   for (; j + 8 <= Y; j += 8)
                     for (std::size_t q = 0; q < 8; ++q)
@@ -1317,6 +1377,7 @@ struct host {
                       o[c] = fold<Max>(
                           o[c], static_cast<double>(f(rv(l * C + c), cv(cb, j * C + c), load(p[j * C + c]))));
                 }
+                if (ys) ls[l] = line_sumsq(ys + l * L, L, yk, yacc);
               }
             }
             if (!skip_x) {
@@ -1333,18 +1394,9 @@ struct host {
                     const CY r = rv(l);
                     std::size_t k = k0;
 #if GRADAPT_SIMD_PACKS
-                    if constexpr (packs) {
-                      const narrow rr(r);
-                      if constexpr (HasC) {
-                        for (; k + 8 <= k1; k += 8)
-                          (wide::load(o + k) + simd::widen(f(rr, narrow::load(cb + k), narrow::load(p + k))))
-                              .store(o + k);
-                      } else {
-                        const narrow one(1.0f);
-                        for (; k + 8 <= k1; k += 8)
-                          (wide::load(o + k) + simd::widen(f(rr, one, narrow::load(p + k)))).store(o + k);
-                      }
-                    }
+                    if constexpr (packs)
+                      k = fact_lines<fact_kind::columns, HasC>(f, static_cast<float>(r), cb, p, k0, k1, o,
+                                                               nullptr);
 #endif
                     for (; k < k1; ++k)
                       o[k] = fold<Max>(o[k], static_cast<double>(f(r, cv(cb, k), load(p[k]))));
@@ -1363,6 +1415,150 @@ struct host {
       }
   }
 
+#if GRADAPT_SIMD_PACKS
+  /// acc += t part by part (a fold over the parts: no loop is left for -O2 to keep in memory).
+  template <class D, std::size_t... I>
+  static GRADAPT_INLINE void add_parts(D& acc, const D& t, std::index_sequence<I...>) {
+    ((acc.part[I] = acc.part[I] + t.part[I]), ...);
+  }
+  /// o[0, D::size) += t, part by part.
+  template <class D, std::size_t... I>
+  static GRADAPT_INLINE void add_parts_to(double* o, const D& t, std::index_sequence<I...>) {
+    (
+        [&] {
+          typename D::native v;
+          std::memcpy(&v, o + I * D::part_lanes, sizeof v);
+          v = v + t.part[I];
+          std::memcpy(o + I * D::part_lanes, &v, sizeof v);
+        }(),
+        ...);
+  }
+
+  /// What a pack loop of reduce_factored computes for one line: its row lanes, its column sums,
+  /// or both from one read.
+  enum class fact_kind { rows, columns, both };
+
+  /// reduce_factored's pack loop (sums, float data, C == 1) over elements [j0, j1) of one line
+  /// p, in packs NP of 8 floats: rows: lane q of the double accumulator is acc[q] (element j
+  /// into lane j mod 8); columns: o[j] += term j. With HasY, also y's squares (widened) into
+  /// lane j mod 8 of yacc (line_sumsq's terms), read in the same loop. Returns the first
+  /// element not done.
+  template <class NP, fact_kind K, bool HasC, bool HasY, class F, class RX, class T>
+  static GRADAPT_INLINE std::size_t fact_packs(const F& f, float r, const RX* cb, const T* p, std::size_t j0,
+                                               std::size_t j1, double* o, double* acc, const float* y,
+                                               double* yacc) {
+    using D = decltype(simd::widen(std::declval<const NP&>()));
+    constexpr auto I = std::make_index_sequence<D::parts>{};
+    const NP rr(r), one(1.0f);
+    D va(0.0), vy(0.0);
+    std::size_t j = j0;
+    for (; j + 8 <= j1; j += 8) {
+      const D t = simd::widen(f(rr, HasC ? NP::load(cb + j) : one, NP::load(p + j)));
+      if constexpr (K != fact_kind::columns) add_parts(va, t, I);
+      if constexpr (K != fact_kind::rows) add_parts_to(o + j, t, I);
+      if constexpr (HasY) add_squares(vy, simd::widen(NP::load(y + j)), I);
+    }
+    if constexpr (K != fact_kind::columns) va.store(acc);
+    if constexpr (HasY) vy.store(yacc);
+    return j;
+  }
+#if defined(GRADAPT_HOST_PACKS_AVX2)
+  /// fact_packs compiled for AVX2 (8 floats per register; no FMA, same bits as SSE2).
+  template <fact_kind K, bool HasC, bool HasY, class F, class RX, class T>
+  __attribute__((target("avx2"))) static std::size_t fact_packs_avx2(const F& f, float r, const RX* cb,
+                                                                     const T* p, std::size_t j0,
+                                                                     std::size_t j1, double* o, double* acc,
+                                                                     const float* y, double* yacc) {
+    return fact_packs<simd::pack<float, 8, 32>, K, HasC, HasY>(f, r, cb, p, j0, j1, o, acc, y, yacc);
+  }
+#endif
+  /// fact_packs on AVX2 when the CPU has it, else on 16-byte registers.
+  template <fact_kind K, bool HasC, bool HasY = false, class F, class RX, class T>
+  static GRADAPT_INLINE std::size_t fact_lines(const F& f, float r, const RX* cb, const T* p, std::size_t j0,
+                                               std::size_t j1, double* o, double* acc,
+                                               const float* y = nullptr, double* yacc = nullptr) {
+#if defined(GRADAPT_HOST_PACKS_AVX2)
+    if (detail::host_impl::cpu_has_avx2())
+      return fact_packs_avx2<K, HasC, HasY>(f, r, cb, p, j0, j1, o, acc, y, yacc);
+#endif
+    return fact_packs<simd::pack<float, 8>, K, HasC, HasY>(f, r, cb, p, j0, j1, o, acc, y, yacc);
+  }
+  /// A rows or both pass over line l (C == 1, packs), with y's squares read in the same loop
+  /// when y is float and present: returns the first element not done; *yk is how many of
+  /// y's elements are in yacc (0: none).
+  template <fact_kind K, bool HasC, class F, class RX, class T, class U>
+  static GRADAPT_INLINE std::size_t fact_lines_y(const F& f, float r, const RX* cb, const T* p, std::size_t Y,
+                                                 double* o, double* acc, U* y, double* yacc,
+                                                 std::size_t* yk) {
+    *yk = 0;
+    if constexpr (std::is_same_v<std::remove_cv_t<U>, float>) {
+      if (y) {
+        const std::size_t j = fact_lines<K, HasC, true>(f, r, cb, p, 0, Y, o, acc, y, yacc);
+        *yk = j;
+        return j;
+      }
+    }
+    return fact_lines<K, HasC>(f, r, cb, p, 0, Y, o, acc);
+  }
+#endif
+
+  /// Σ_k y_k² of one line (widened to double before squaring): element k into lane k mod 8,
+  /// lanes combined as a fixed tree (the same bits on the pack and scalar paths).
+  /// With k > 0, the first k elements (k a multiple of 8) are already in pre[0, 8) (lanes).
+  template <class U>
+  static double line_sumsq(U* y, std::size_t L, std::size_t k = 0, const double* pre = nullptr) {
+    double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (k > 0)
+      for (std::size_t q = 0; q < 8; ++q) acc[q] = pre[q];
+#if GRADAPT_SIMD_PACKS
+    if constexpr (std::is_same_v<std::remove_cv_t<U>, float>) {
+      if (k == 0) {
+#if defined(GRADAPT_HOST_PACKS_AVX2)
+        if (detail::host_impl::cpu_has_avx2())
+          k = sumsq_packs_avx2(y, L, acc);
+        else
+#endif
+          k = sumsq_packs<simd::pack<float, 8>>(y, L, acc);
+      }
+    }
+#endif
+    for (; k + 8 <= L; k += 8)
+      for (std::size_t q = 0; q < 8; ++q) {
+        const double w = static_cast<double>(load(y[k + q]));
+        acc[q] += w * w;
+      }
+    for (std::size_t q = 0; k < L; ++k, ++q) {
+      const double w = static_cast<double>(load(y[k]));
+      acc[q] += w * w;
+    }
+    for (std::size_t w = 4; w >= 1; w /= 2)
+      for (std::size_t q = 0; q < w; ++q) acc[q] = acc[2 * q] + acc[2 * q + 1];
+    return acc[0];
+  }
+#if GRADAPT_SIMD_PACKS
+  template <class D, std::size_t... I>
+  static GRADAPT_INLINE void add_squares(D& acc, const D& w, std::index_sequence<I...>) {
+    ((acc.part[I] = acc.part[I] + w.part[I] * w.part[I]), ...);
+  }
+  /// line_sumsq's pack loop: lane q of the double accumulator is acc[q].
+  template <class P>
+  static GRADAPT_INLINE std::size_t sumsq_packs(const float* y, std::size_t L, double* acc) {
+    using D = decltype(simd::widen(std::declval<const P&>()));
+    D va(0.0);
+    std::size_t k = 0;
+    for (; k + 8 <= L; k += 8)
+      add_squares(va, simd::widen(P::load(y + k)), std::make_index_sequence<D::parts>{});
+    va.store(acc);
+    return k;
+  }
+#if defined(GRADAPT_HOST_PACKS_AVX2)
+  __attribute__((target("avx2"))) static std::size_t sumsq_packs_avx2(const float* y, std::size_t L,
+                                                                      double* acc) {
+    return sumsq_packs<simd::pack<float, 8, 32>>(y, L, acc);
+  }
+#endif
+#endif
+
   /// One group of 8 elements of apply_factored's pack path: loads, call, stores (inlined, so
   /// the packs stay in registers).
   template <class T, class P>
@@ -1374,11 +1570,35 @@ struct host {
                                            std::index_sequence<I...>, Ts*... ptrs) {
     P v[sizeof...(Ts)] = {P::load(ptrs + at)...};
     if constexpr (Reduces)
-      va = va + simd::widen(f(r, c, v[I]...));
+      add_parts(va, simd::widen(f(r, c, v[I]...)), std::make_index_sequence<D::parts>{});
     else
       f(r, c, v[I]...);
     (store_pack(v[I], ptrs + at), ...);
   }
+
+  /// apply_factored's pack loop over one line of L elements (C == 1, float data): packs P of
+  /// 8 floats, lane q of the double accumulator is acc[q]. Returns the elements done.
+  template <bool Reduces, class P, class F, class... Ts>
+  static GRADAPT_INLINE std::size_t factored_packs(const F& f, float rv, const float* cp, std::size_t L,
+                                                   double* acc, Ts*... ptrs) {
+    using D = decltype(simd::widen(std::declval<const P&>()));
+    D va(0.0);
+    const P r(rv);
+    std::size_t k = 0;
+    for (; k + 8 <= L; k += 8)
+      factored_pack<Reduces>(f, r, P::load(cp + k), va, k, std::index_sequence_for<Ts...>{}, ptrs...);
+    if constexpr (Reduces) va.store(acc);
+    return k;
+  }
+#if defined(GRADAPT_HOST_PACKS_AVX2)
+  /// factored_packs compiled for AVX2 (one 32-byte register per 8 floats; no FMA, same bits).
+  template <bool Reduces, class F, class... Ts>
+  __attribute__((target("avx2"))) static std::size_t factored_packs_avx2(const F& f, float rv,
+                                                                         const float* cp, std::size_t L,
+                                                                         double* acc, Ts*... ptrs) {
+    return factored_packs<Reduces, simd::pack<float, 8, 32>>(f, rv, cp, L, acc, ptrs...);
+  }
+#endif
 
   /// One line of apply_factored: elements [base, base + L), row entries at rbase + (k mod C),
   /// column entries at cbase + k.
@@ -1393,15 +1613,16 @@ struct host {
                                (std::is_same_v<std::remove_cv_t<Ts>, float> && ...);
     if constexpr (all_float && simd::vectorizable_v<F>) {
       using P = simd::pack<float, 8>;
-      constexpr std::size_t W = P::size;
       if constexpr (std::is_invocable_v<const F&, P, P, std::conditional_t<true, P, Ts>&...>) {
         if (C == 1 && cp != nullptr) {
-          const P r(rp ? rp[rbase] : 1.0f);
-          simd::pack<double, 8> va(0.0);  // lane q is acc[q]: element k + q of each group of 8
-          for (; k + W <= L; k += W)
-            factored_pack<Reduces>(f, r, P::load(cp + cbase + k), va, base + k,
-                                   std::index_sequence_for<Ts...>{}, ptrs...);
-          if constexpr (Reduces) va.store(acc);
+          // lane q of the double pack is acc[q]: element k + q of each group of 8
+          const float r = rp ? rp[rbase] : 1.0f;
+#if defined(GRADAPT_HOST_PACKS_AVX2)
+          if (detail::host_impl::cpu_has_avx2())
+            k = factored_packs_avx2<Reduces>(f, r, cp + cbase, L, acc, ptrs + base...);
+          else
+#endif
+            k = factored_packs<Reduces, P>(f, r, cp + cbase, L, acc, ptrs + base...);
         }
       }
     }

@@ -26,15 +26,22 @@
 /// allocated at init and reused for every tensor; the step allocates nothing.
 ///
 /// Passes per factored tensor: (1) read g, row and column sums of g² (backend
-/// `reduce_factored`); (2) read g, Σ y² for the clipping; (3) read p for rms(p); (4) read g, p
-/// (and m), write p (and m). Tensors are processed one after another, so passes 2 to 4 find a
-/// tensor of up to a few MiB in the last-level cache.
+/// `reduce_factored`; on the host `reduce_factored_sumsq`, which also reads p for Σp² in the
+/// same pass); (2) read g, Σ y² for the clipping; (3) other backends only: read p for rms(p);
+/// (4) read g, p (and m), write p (and m). The element update is y · s with one per-tensor
+/// scale s = η_t · max(rms(p), eps2) / max(1, rms(y)/d) (the row and column factors
+/// (R_i/mean R)^(−1/2) and C_j^(−1/2) are computed once per row and column). A tensor's passes
+/// run back to back, so passes 2 and 4 find a tensor of up to a few MiB in the last-level
+/// cache. On the host with T > 1 threads, tensors smaller than 1/T of the list run as whole
+/// one-thread tasks (`host::run_tasks`, one workspace slot per thread, so the workspace is T
+/// times the one-thread size); larger ones first, each on all threads. Same bits either way.
 ///
 /// Non-finite gradients: inf or NaN in g makes that tensor's statistics (the row and column
 /// of the element, then through the normalisation the whole tensor) inf or NaN, and the
 /// parameters it touches become NaN, exactly as in optax; skip such steps with the loss
 /// scaler (a skipped step does not call `step`, so the step count does not advance).
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -186,19 +193,26 @@ struct square_sum {
   }
 };
 
-/// The per-step scalars of the final update.
-template <class C>
-struct update_scalars {
-  C inv_denom_unused;
-  C denom, lr, pscale, b1, one_minus_b1, wd;
+/// One slot of the step's workspace: factors, row/column sums, normalisation sums, a
+/// one-value reduction target and the per-line Σp² (host).
+template <class S>
+struct workspace {
+  S *fy, *fx;
+  double *sy, *sx, *sn, *red, *sl;
 };
 
-/// y → clipped, scaled, momentum, decay; p ← p − u.
+/// The per-step scalars of the final update: scale = η_t · max(rms(p), eps2) / max(1, rms(y)/d),
+/// computed once per tensor in double (so the element update is one multiply, not a division
+/// and two multiplies).
+template <class C>
+struct update_scalars {
+  C scale, b1, one_minus_b1, wd;
+};
+
+/// y → clipped and scaled (one multiply), momentum, decay; p ← p − u.
 template <bool Mom, class V, class C>
 GRADAPT_HD GRADAPT_INLINE void finish(V y, V& p, const update_scalars<C>& s, V* m) {
-  V u = y / V(s.denom);
-  u = u * V(s.lr);
-  u = u * V(s.pscale);
+  V u = y * V(s.scale);
   if constexpr (Mom) {
     *m = V(s.one_minus_b1) * u + V(s.b1) * *m;
     u = *m;
@@ -300,7 +314,7 @@ class adafactor_state {
   std::size_t state_elements() const { return v_.size() + m_.size(); }
   /// Workspace elements (row/column sums in double, factors in S), shared by all tensors.
   std::size_t workspace_bytes() const {
-    return (sy_.size() + sx_.size() + sn_.size() + red_.size()) * sizeof(double) +
+    return (sy_.size() + sx_.size() + sn_.size() + red_.size() + sl_.size()) * sizeof(double) +
            (fy_.size() + fx_.size()) * sizeof(S);
   }
   /// Tensor t's second moment: the row statistic (reduced over Y, A·X·B·C values) then the
@@ -394,11 +408,21 @@ class adafactor_state {
     return info_[t];
   }
 
+  /// The workspace of slot k (one per thread of the host's task mode).
+  detail::adafactor_k::workspace<S> slot(std::size_t k) {
+    return {fy_.data() + k * my_, fx_.data() + k * mx_, sy_.data() + k * my_, sx_.data() + k * mx_,
+            sn_.data() + k * mg_, red_.data() + k,      sl_.data() + k * my_};
+  }
+
   std::uint64_t steps_ = 0;
   bool has_m_ = false;
+  std::size_t my_ = 0, mx_ = 0, mg_ = 0;  ///< per-slot workspace sizes
+  std::size_t slots_ = 1;                 ///< workspace slots
+  std::size_t total_ = 0;                 ///< parameters in the list
+  std::vector<std::size_t> order_;        ///< tensors by size, largest first (task order)
   std::vector<tensor_info> info_;
   detail::optim::buffer_t<B, S> v_, m_, fy_, fx_;
-  detail::optim::buffer_t<B, double> sy_, sx_, sn_, red_;
+  detail::optim::buffer_t<B, double> sy_, sx_, sn_, red_, sl_;  ///< sl_: per-line Σp² (host)
 };
 
 /// Adafactor (see the file comment). Same interface as the chain presets:
@@ -478,14 +502,30 @@ class adafactor {
       if (st.has_m_) m_total += i.size;
       st.info_.push_back(i);
     }
+    std::size_t slots = 1;
+    if constexpr (requires(B c) {
+                    c.threads = 1;
+                    b.run_tasks(std::size_t{}, std::size_t{}, one_task_probe{});
+                  })
+      slots = static_cast<std::size_t>(std::max(1, b.thread_count()));
+    st.slots_ = slots;
+    st.my_ = my;
+    st.mx_ = mx;
+    st.mg_ = mg;
+    for (const auto& i : st.info_) st.total_ += i.size;
+    st.order_.resize(st.info_.size());
+    for (std::size_t k = 0; k < st.order_.size(); ++k) st.order_[k] = k;
+    std::stable_sort(st.order_.begin(), st.order_.end(),
+                     [&](std::size_t a, std::size_t c) { return st.info_[a].size > st.info_[c].size; });
     st.v_ = b.template allocate<St>(v_total);
     st.m_ = b.template allocate<St>(m_total);
-    st.sy_ = b.template allocate<double>(my);
-    st.sx_ = b.template allocate<double>(mx);
-    st.sn_ = b.template allocate<double>(mg);
-    st.fy_ = b.template allocate<St>(my);
-    st.fx_ = b.template allocate<St>(mx);
-    st.red_ = b.template allocate<double>(1);
+    st.sy_ = b.template allocate<double>(my * slots);
+    st.sx_ = b.template allocate<double>(mx * slots);
+    st.sn_ = b.template allocate<double>(mg * slots);
+    st.fy_ = b.template allocate<St>(my * slots);
+    st.fx_ = b.template allocate<St>(mx * slots);
+    st.red_ = b.template allocate<double>(slots);
+    st.sl_ = b.template allocate<double>(my * slots);
     return st;
   }
 
@@ -529,9 +569,11 @@ class adafactor {
       return tensor_view<const T, space>::vector(p, static_cast<std::int64_t>(n));
     };
 
-    for (std::size_t k = 0; k < params.size(); ++k) {
+    // One tensor on backend bb with workspace slot `slot` (tensors are independent).
+    const auto one = [&](const B& bb, std::size_t k, std::size_t slot) {
+      const auto ws = st.slot(slot);
       const auto& i = st.info_[k];
-      if (i.size == 0) continue;
+      if (i.size == 0) return;
       const auto& e = params[k];
       const auto p = e.value.flat();
       const auto g = tensor_view<const G, space>(e.grad.flat());
@@ -539,67 +581,118 @@ class adafactor {
       S* m = st.has_m_ ? st.m_.data() + i.m_off : nullptr;
       double clip_sum = 0;
       if (i.f.factored) {
-        // (1) row and column sums of s = g² + eps1, EMAs of their means.
-        b.reduce_factored(detail::adafactor_k::square_plus<C>{eps_add}, i.f.d, cvec(st.fy_.data(), 0),
-                          cvec(st.fx_.data(), 0), g, vec(st.sy_.data(), i.ny), vec(st.sx_.data(), i.nx));
+        // (1) row and column sums of s = g² + eps1 (on the host with Σp², read in the same
+        // pass), EMAs of their means.
+        double p_sq = 0;
+        const double* p_sq_ptr = nullptr;
+        const auto stats = detail::adafactor_k::square_plus<C>{eps_add};
+        if constexpr (requires {
+                        bb.reduce_factored_sumsq(stats, i.f.d, cvec(ws.fy, 0), cvec(ws.fx, 0), g,
+                                                 vec(ws.sy, i.ny), vec(ws.sx, i.nx),
+                                                 tensor_view<const V, space>(p), vec(ws.sl, i.ny));
+                      }) {
+          if (o_.multiply_by_parameter_scale) {
+            p_sq =
+                bb.reduce_factored_sumsq(stats, i.f.d, cvec(ws.fy, 0), cvec(ws.fx, 0), g, vec(ws.sy, i.ny),
+                                         vec(ws.sx, i.nx), tensor_view<const V, space>(p), vec(ws.sl, i.ny));
+            p_sq_ptr = &p_sq;
+          }
+        }
+        if (!p_sq_ptr)
+          bb.reduce_factored(stats, i.f.d, cvec(ws.fy, 0), cvec(ws.fx, 0), g, vec(ws.sy, i.ny),
+                             vec(ws.sx, i.nx));
         const auto [A, X, Bd, Y, Cd] = i.f.d;
-        b.apply(detail::adafactor_k::ema_mean<C>{beta, wc, 1.0 / static_cast<double>(Y)}, vec(v, i.ny),
-                vec(st.sy_.data(), i.ny));
-        b.apply(detail::adafactor_k::ema_mean<C>{beta, wc, 1.0 / static_cast<double>(X)}, vec(v + i.ny, i.nx),
-                vec(st.sx_.data(), i.nx));
+        bb.apply(detail::adafactor_k::ema_mean<C>{beta, wc, 1.0 / static_cast<double>(Y)}, vec(v, i.ny),
+                 vec(ws.sy, i.ny));
+        bb.apply(detail::adafactor_k::ema_mean<C>{beta, wc, 1.0 / static_cast<double>(X)},
+                 vec(v + i.ny, i.nx), vec(ws.sx, i.nx));
         // (2) factors: the normalised statistic's and the other's.
         S* vn = i.f.largest_is_y ? v : v + i.ny;
         S* vo = i.f.largest_is_y ? v + i.ny : v;
-        S* fn = i.f.largest_is_y ? st.fy_.data() : st.fx_.data();
-        S* fo = i.f.largest_is_y ? st.fx_.data() : st.fy_.data();
+        S* fn = i.f.largest_is_y ? ws.fy : ws.fx;
+        S* fo = i.f.largest_is_y ? ws.fx : ws.fy;
         const std::size_t nn = i.f.largest_is_y ? i.ny : i.nx, no = i.f.largest_is_y ? i.nx : i.ny;
-        b.reduce_factored(detail::adafactor_k::identity{}, i.nd, cvec(fn, 0), cvec(fn, 0), cvec(vn, nn),
-                          vec(st.sx_.data(), 0), vec(st.sn_.data(), i.ng));
-        b.apply_factored(detail::adafactor_k::norm_factor<C>{1.0 / static_cast<double>(i.norm_len), floor},
-                         i.nd, cvec(st.fy_.data(), 0), cvec(st.sn_.data(), i.ng), vec(vn, nn), vec(fn, nn));
-        b.apply(detail::adafactor_k::inv_sqrt<C>{}, vec(vo, no), vec(fo, no));
-        const auto fy = cvec(st.fy_.data(), i.ny);
-        const auto fx = cvec(st.fx_.data(), i.nx);
+        bb.reduce_factored(detail::adafactor_k::identity{}, i.nd, cvec(fn, 0), cvec(fn, 0), cvec(vn, nn),
+                           vec(ws.sx, 0), vec(ws.sn, i.ng));
+        bb.apply_factored(detail::adafactor_k::norm_factor<C>{1.0 / static_cast<double>(i.norm_len), floor},
+                          i.nd, cvec(ws.fy, 0), cvec(ws.sn, i.ng), vec(vn, nn), vec(fn, nn));
+        bb.apply(detail::adafactor_k::inv_sqrt<C>{}, vec(vo, no), vec(fo, no));
+        const auto fy = cvec(ws.fy, i.ny);
+        const auto fx = cvec(ws.fx, i.nx);
         // (3) Σ y² for the clipping.
         if (std::isfinite(o_.clipping_threshold)) {
           clip_sum = dispatch_norm(i.f.largest_is_y, clamp, [&]<bool NY, bool CL>() {
-            return static_cast<double>(b.apply_factored(
+            return static_cast<double>(bb.apply_factored(
                 detail::adafactor_k::factored_clip_sum<NY, CL, C>{inv_eps}, i.f.d, fy, fx, g));
           });
         }
-        const auto s = scalars<C>(b, st, p, clip_sum, lr, lr_t);
+        const auto s = scalars<C>(bb, ws.red, p, clip_sum, lr, lr_t, p_sq_ptr);
         // (4) the update.
         dispatch_norm(i.f.largest_is_y, clamp, [&]<bool NY, bool CL>() {
           if (m)
-            b.apply_factored(detail::adafactor_k::factored_update<NY, CL, true, C>{inv_eps, s}, i.f.d, fy, fx,
-                             p, g, vec(m, i.size));
+            bb.apply_factored(detail::adafactor_k::factored_update<NY, CL, true, C>{inv_eps, s}, i.f.d, fy,
+                              fx, p, g, vec(m, i.size));
           else
-            b.apply_factored(detail::adafactor_k::factored_update<NY, CL, false, C>{inv_eps, s}, i.f.d, fy,
-                             fx, p, g);
+            bb.apply_factored(detail::adafactor_k::factored_update<NY, CL, false, C>{inv_eps, s}, i.f.d, fy,
+                              fx, p, g);
           return 0.0;
         });
       } else {
         const auto vv = vec(v, i.size);
         const tensor_view<S, space> vl[1] = {vv};
         const tensor_view<const G, space> gl[1] = {g};
-        b.apply_reduce_list(detail::adafactor_k::full_moment<C>{beta, wc, eps_add, clamp_v},
-                            detail::optim::per_tensor_arg(vec(st.red_.data(), 1)),
-                            std::span<const tensor_view<S, space>>(vl),
-                            std::span<const tensor_view<const G, space>>(gl));
-        b.copy(cvec(st.red_.data(), 1), tensor_view<double, host_space>::vector(&clip_sum, 1));
+        bb.apply_reduce_list(detail::adafactor_k::full_moment<C>{beta, wc, eps_add, clamp_v},
+                             detail::optim::per_tensor_arg(vec(ws.red, 1)),
+                             std::span<const tensor_view<S, space>>(vl),
+                             std::span<const tensor_view<const G, space>>(gl));
+        bb.copy(cvec(ws.red, 1), tensor_view<double, host_space>::vector(&clip_sum, 1));
         if (!std::isfinite(o_.clipping_threshold)) clip_sum = 0;
-        const auto s = scalars<C>(b, st, p, clip_sum, lr, lr_t);
+        const auto s = scalars<C>(bb, ws.red, p, clip_sum, lr, lr_t);
         if (m)
-          b.apply(detail::adafactor_k::full_update<true, C>{clamp_v, s}, p, g, vv, vec(m, i.size));
+          bb.apply(detail::adafactor_k::full_update<true, C>{clamp_v, s}, p, g, vv, vec(m, i.size));
         else
-          b.apply(detail::adafactor_k::full_update<false, C>{clamp_v, s}, p, g, vv);
+          bb.apply(detail::adafactor_k::full_update<false, C>{clamp_v, s}, p, g, vv);
       }
-    }
+    };
+    for_tensors(b, st, one);
     ++st.steps_;
   }
 
  private:
   adafactor_options o_;
+
+  /// Calls one(backend, k, slot) for every tensor k. On a backend with `run_tasks` (the host)
+  /// and more than one thread: tensors larger than 1/T of the list first, each on all threads,
+  /// then the others as independent one-thread tasks, largest first, each with its own
+  /// workspace slot: one parallel region per step instead of several per tensor, and no
+  /// barrier inside a tensor. Each tensor's arithmetic is the same in both modes (the backend's
+  /// results do not depend on its thread count), so the bits are too.
+  template <class B, class St, class F>
+  static void for_tensors(const B& b, const St& st, const F& one) {
+    const std::size_t n = st.info_.size();
+    if constexpr (requires(B c) {
+                    c.threads = 1;
+                    b.run_tasks(n, n, one_task_probe{});
+                  }) {
+      const std::size_t T = std::min(static_cast<std::size_t>(b.thread_count()), st.slots_);
+      if (T > 1) {
+        for (const std::size_t k : st.order_)
+          if (st.info_[k].size * T > st.total_) one(b, k, 0);
+        B b1 = b;
+        b1.threads = 1;
+        b.run_tasks(st.order_.size(), T, [&](std::size_t q, std::size_t slot) {
+          const std::size_t k = st.order_[q];
+          if (st.info_[k].size * T <= st.total_) one(b1, k, slot);
+        });
+        return;
+      }
+    }
+    for (std::size_t k = 0; k < n; ++k) one(b, k, 0);
+  }
+  /// Only for the `run_tasks` probe.
+  struct one_task_probe {
+    void operator()(std::size_t, std::size_t) const {}
+  };
 
   template <class F>
   static double dispatch_norm(bool norm_y, bool clamp, F&& f) {
@@ -608,25 +701,26 @@ class adafactor {
   }
 
   /// Σ p² of one tensor through the backend's fused reduction (read back to the host).
-  template <class B, class St, class P>
-  static double param_sum_squares(const B& b, St& st, const P& p) {
+  template <class B, class P>
+  static double param_sum_squares(const B& b, double* red, const P& p) {
     using space = typename B::space;
     using T = typename P::value_type;
     const tensor_view<const T, space> pl[1] = {p};
     b.apply_reduce_list(detail::adafactor_k::square_sum{},
-                        detail::optim::per_tensor_arg(tensor_view<double, space>::vector(st.red_.data(), 1)),
+                        detail::optim::per_tensor_arg(tensor_view<double, space>::vector(red, 1)),
                         std::span<const tensor_view<const T, space>>(pl));
     double out = 0;
-    b.copy(tensor_view<const double, space>::vector(st.red_.data(), 1),
+    b.copy(tensor_view<const double, space>::vector(red, 1),
            tensor_view<double, host_space>::vector(&out, 1));
     return out;
   }
 
   /// The update's per-tensor scalars: clipping denominator, learning rate, parameter scale,
   /// momentum and decay.
-  template <class C, class B, class St, class P>
-  detail::adafactor_k::update_scalars<C> scalars(const B& b, St& st, const P& p, double clip_sum, double lr,
-                                                 double lr_t) const {
+  template <class C, class B, class P>
+  detail::adafactor_k::update_scalars<C> scalars(const B& b, double* red, const P& p, double clip_sum,
+                                                 double lr, double lr_t,
+                                                 const double* p_sum_squares = nullptr) const {
     const double n = static_cast<double>(p.size());
     detail::adafactor_k::update_scalars<C> s{};
     double denom = 1.0;
@@ -636,12 +730,10 @@ class adafactor {
     }
     double pscale = 1.0;
     if (o_.multiply_by_parameter_scale) {
-      const double rms = std::sqrt(param_sum_squares(b, st, p) / n);
+      const double rms = std::sqrt((p_sum_squares ? *p_sum_squares : param_sum_squares(b, red, p)) / n);
       pscale = rms > o_.eps2 ? rms : (std::isnan(rms) ? rms : o_.eps2);
     }
-    s.denom = static_cast<C>(denom);
-    s.lr = static_cast<C>(lr_t);
-    s.pscale = static_cast<C>(pscale);
+    s.scale = static_cast<C>(lr_t * pscale / denom);
     s.b1 = static_cast<C>(o_.momentum);
     s.one_minus_b1 = static_cast<C>(1.0 - o_.momentum);
     s.wd = static_cast<C>(o_.weight_decay * (o_.weight_decay_times_lr ? lr : 1.0));
