@@ -21,6 +21,10 @@ foreach(_cxx g++ clang++)
 endforeach()
 
 # The explicit vector path and the scalar fallback of the host reductions give the same bits.
+# (These path comparisons, here and for the optimizers below, run in the default preset only:
+# GRADAPT_TEST_PATH_COMPARISONS is OFF in the sanitizer presets, whose other tests run the
+# same code.)
+if(GRADAPT_TEST_PATH_COMPARISONS)
 foreach(_mode vector scalar)
   add_executable(reduction_bits_${_mode} reduction_bits.cpp)
   target_link_libraries(reduction_bits_${_mode} PRIVATE gradapt::gradapt)
@@ -33,6 +37,7 @@ target_compile_definitions(reduction_bits_scalar PRIVATE GRADAPT_NO_VECTOR_EXTEN
 add_test(NAME host_vector_path_matches_scalar
   COMMAND ${CMAKE_COMMAND} -DA=$<TARGET_FILE:reduction_bits_vector> -DB=$<TARGET_FILE:reduction_bits_scalar>
           -DOUT=${CMAKE_CURRENT_BINARY_DIR} -P ${CMAKE_CURRENT_SOURCE_DIR}/compare_outputs.cmake)
+endif()
 gradapt_add_test(test_gradient_noise_scale SOURCES test_gradient_noise_scale.cpp)
 target_link_libraries(test_gradient_noise_scale PRIVATE Threads::Threads)
 gradapt_add_test(test_adascale SOURCES test_adascale.cpp)
@@ -88,7 +93,7 @@ target_link_libraries(test_clip PRIVATE Threads::Threads)
 target_compile_definitions(test_clip PRIVATE GRADAPT_TEST_DATA_DIR="${PROJECT_SOURCE_DIR}/tests/data")
 gradapt_add_test(test_optim_simd SOURCES test_optim_simd.cpp)
 # The optimizers' pack paths (run-time AVX2, SSE2 only) and the scalar path give the same bits.
-if(NOT GRADAPT_TEST_THREADED_ONLY)
+if(GRADAPT_TEST_PATH_COMPARISONS)
 foreach(_mode vector sse scalar)
   add_executable(test_optim_bits_${_mode} test_optim_bits.cpp)
   target_link_libraries(test_optim_bits_${_mode} PRIVATE gradapt::gradapt)
