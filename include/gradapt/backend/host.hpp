@@ -213,8 +213,8 @@ __attribute__((target("avx2"))) double reduce_block_avx2(const T* x, const T* y,
 }
 
 template <rk K, class T>
-__attribute__((target("avx2"))) void reduce_block_pair_avx2(const T* xa, const T* ya, const T* xb, const T* yb,
-                                                              double& ra, double& rb) {
+__attribute__((target("avx2"))) void reduce_block_pair_avx2(const T* xa, const T* ya, const T* xb,
+                                                            const T* yb, double& ra, double& rb) {
   avx_block<K, T> A, B;
   for (std::size_t i = 0; i < block; i += lanes) {
     A.feed(xa + i, K == rk::dot ? ya + i : nullptr);
@@ -698,7 +698,6 @@ void apply_one(F& f, tensor_index t, std::size_t n, [[maybe_unused]] int threads
   run(0, n);
 }
 
-
 /// Element type (with const) of the views in a list.
 template <class L>
 using list_elem_t = std::remove_pointer_t<decltype(std::ranges::data(std::declval<const L&>())[0].data())>;
@@ -918,7 +917,7 @@ struct host {
   /// stores.
   template <class F, class... Ls>
   requires(view_list<Ls, host_space>&&...) auto apply_reduce_list(F f, std::span<double> per_tensor,
-                                                                   const Ls&... lists) const {
+                                                                  const Ls&... lists) const {
     static_assert(sizeof...(Ls) > 0, "gradapt::host::apply_reduce_list needs at least one list");
     using R = typename detail::host_impl::reduce_result<
         std::is_invocable_v<F&, tensor_index, compute_t<detail::host_impl::list_elem_t<Ls>>&...>, F,
@@ -931,15 +930,17 @@ struct host {
     constexpr std::size_t K = terms_size<std::remove_cvref_t<R>>::value;
     const std::size_t count = check_list_lengths(lists...);
     detail::require(per_tensor.empty() || per_tensor.size() == count * K,
-                    "host backend apply_reduce_list: per_tensor has ", per_tensor.size(), " slots for ", count,
-                    " tensors x ", K, " values (expected ", count * K, ", or empty for the total only)");
+                    "host backend apply_reduce_list: per_tensor has ", per_tensor.size(), " slots for ",
+                    count, " tensors x ", K, " values (expected ", count * K,
+                    ", or empty for the total only)");
     const int nt = thread_count();
     terms<K> total{};
     double one[K];
     for (std::size_t t = 0; t < count; ++t) {
       const std::size_t n = check_list_sizes(t, lists...);
       double* out = per_tensor.empty() ? one : per_tensor.data() + t * K;
-      detail::host_impl::apply_reduce_one<K>(f, tensor_index{t}, n, nt, out, std::ranges::data(lists)[t].data()...);
+      detail::host_impl::apply_reduce_one<K>(f, tensor_index{t}, n, nt, out,
+                                             std::ranges::data(lists)[t].data()...);
       for (std::size_t k = 0; k < K; ++k) total[k] += out[k];
     }
     if constexpr (std::is_arithmetic_v<std::remove_cvref_t<R>>)
@@ -951,7 +952,8 @@ struct host {
   /// `apply_reduce_list` over single views of equal size.
   template <class F, class... Ts>
   auto apply_reduce(F f, tensor_view<Ts, host_space>... views) const {
-    return apply_reduce_list(f, std::span<double>{}, std::span<const tensor_view<Ts, host_space>>(&views, 1)...);
+    return apply_reduce_list(f, std::span<double>{},
+                             std::span<const tensor_view<Ts, host_space>>(&views, 1)...);
   }
 
   /// Reduction of one tensor, accumulated in double.

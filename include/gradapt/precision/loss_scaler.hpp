@@ -159,7 +159,8 @@ struct unscale_count_inplace {
   }
 #if GRADAPT_SIMD_PACKS
   template <class V>
-  requires simd::is_pack_v<V> GRADAPT_INLINE simd::terms_t<V, 1> operator()(V& g) const {
+  requires simd::is_pack_v<V> GRADAPT_INLINE simd::terms_t<V, 1>
+  operator()(V& g) const {
     g = g * static_cast<simd::scalar_t<V>>(inv_scale);
     return nonfinite_when_stored_pack<G>(g);
   }
@@ -179,7 +180,8 @@ struct unscale_count_into {
   }
 #if GRADAPT_SIMD_PACKS
   template <class V>
-  requires simd::is_pack_v<V> GRADAPT_INLINE simd::terms_t<V, 1> operator()(V& master, const V& g) const {
+  requires simd::is_pack_v<V> GRADAPT_INLINE simd::terms_t<V, 1>
+  operator()(V& master, const V& g) const {
     master = g * static_cast<simd::scalar_t<V>>(inv_scale);
     return nonfinite_when_stored_pack<M>(master);
   }
