@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "gpt2_shapes.hpp"
 #include "gradapt/backend/host.hpp"
 #include "gradapt/optim/adafactor.hpp"
 #include "gradapt/optim/sm3.hpp"
@@ -33,34 +34,8 @@ namespace {
 
 using clock_type = std::chrono::steady_clock;
 
-struct tensor_shape {
-  std::string name;
-  std::vector<std::int64_t> dims;
-};
-
-/// GPT-2-small-shaped parameters (embeddings, 12 blocks, final norm), as bench_optim.
-std::vector<tensor_shape> shapes() {
-  constexpr std::int64_t d = 768, vocab = 20000, positions = 1024, layers = 12;
-  std::vector<tensor_shape> s{{"wte", {vocab, d}}, {"wpe", {positions, d}}};
-  for (std::int64_t l = 0; l < layers; ++l) {
-    const std::string p = "h" + std::to_string(l) + ".";
-    s.push_back({p + "ln_1.weight", {d}});
-    s.push_back({p + "ln_1.bias", {d}});
-    s.push_back({p + "attn.c_attn.weight", {d, 3 * d}});
-    s.push_back({p + "attn.c_attn.bias", {3 * d}});
-    s.push_back({p + "attn.c_proj.weight", {d, d}});
-    s.push_back({p + "attn.c_proj.bias", {d}});
-    s.push_back({p + "ln_2.weight", {d}});
-    s.push_back({p + "ln_2.bias", {d}});
-    s.push_back({p + "mlp.c_fc.weight", {d, 4 * d}});
-    s.push_back({p + "mlp.c_fc.bias", {4 * d}});
-    s.push_back({p + "mlp.c_proj.weight", {4 * d, d}});
-    s.push_back({p + "mlp.c_proj.bias", {d}});
-  }
-  s.push_back({"ln_f.weight", {d}});
-  s.push_back({"ln_f.bias", {d}});
-  return s;
-}
+using gradapt_bench::tensor_shape;
+inline std::vector<tensor_shape> shapes() { return gradapt_bench::gpt2_small_shapes(); }
 
 struct model {
   std::size_t n = 0;
