@@ -626,6 +626,34 @@ TEST_CASE("adafactor edge cases", "[optim][adafactor]") {
   }
 }
 
+TEST_CASE("adafactor's per-tensor update scale (the function the CUDA path runs on device sums)",
+          "[optim][adafactor]") {
+  using gradapt::detail::adafactor_k::scale_params;
+  using gradapt::detail::adafactor_k::update_scale;
+  const scale_params k{.n = 4, .threshold = 1, .eps2 = 1e-3, .lr_t = 0.01, .clip = true, .param_scale = true};
+  // rms(y) = sqrt(16/4) = 2 > d: divide by 2; rms(p) = 0 < eps2: the floor.
+  REQUIRE(update_scale(k, 16.0, 0.0) == 0.01 * 1e-3 / 2.0);
+  // rms(y) = sqrt(2/4) < 1: no clipping; rms(p) = sqrt(36/4) = 3.
+  REQUIRE(update_scale(k, 2.0, 36.0) == 0.01 * 3.0 / 1.0);
+  // threshold 0.5: rms(y) / d = 2 * sqrt(2/4) (> 1).
+  scale_params h = k;
+  h.threshold = 0.5;
+  REQUIRE(update_scale(h, 2.0, 36.0) == 0.01 * 3.0 / (std::sqrt(2.0 / 4.0) / 0.5));
+  // non-finite sums propagate; switched-off terms are ignored.
+  REQUIRE(std::isnan(update_scale(k, NAN, 36.0)));
+  REQUIRE(std::isnan(update_scale(k, 2.0, NAN)));
+  REQUIRE(update_scale(k, INFINITY, 36.0) == 0.0);
+  REQUIRE(update_scale(k, 2.0, INFINITY) == INFINITY);
+  scale_params off = k;
+  off.clip = false;
+  off.param_scale = false;
+  REQUIRE(update_scale(off, NAN, NAN) == 0.01);
+  // the functor form writes the same value
+  double c = 16.0, p = 36.0, out = -1.0;
+  gradapt::detail::adafactor_k::scale_from_sums{k}(c, p, out);
+  REQUIRE(out == update_scale(k, 16.0, 36.0));
+}
+
 TEST_CASE("host reduce_factored and apply_factored against plain loops", "[optim][adafactor][backend]") {
   // [A, X, B, Y, C] = [2, 5, 3, 7, 4] and the 2-D [n, m] form, sum and max.
   host b{.threads = 2};
@@ -688,6 +716,26 @@ TEST_CASE("host reduce_factored and apply_factored against plain loops", "[optim
               want += v;
             }
     REQUIRE(std::fabs(total - double(want)) <= 1e-9 * std::fabs(double(want)) + 1e-9);
+    // apply_factored_sum: the same elements and the same sum, stored instead of returned.
+    std::vector<float> y2 = x;
+    std::vector<double> sum(1, -1.0);
+    b.apply_factored_sum(
+        [](float r, float c, float& v) {
+          v = v * r * c;
+          return v;
+        },
+        d, gradapt::host_view(std::as_const(rv)), gradapt::host_view(std::as_const(cv)),
+        gradapt::host_view(sum), gradapt::host_view(y2));
+    REQUIRE(y2 == y);
+    REQUIRE(sum[0] == total);
+  }
+  {
+    std::vector<float> empty;
+    std::vector<double> none_sum;
+    REQUIRE_THROWS_WITH(b.apply_factored_sum([](float, float, float& v) { return v; }, {1, 0, 1, 0, 1},
+                                             tensor_view<const float>(), tensor_view<const float>(),
+                                             gradapt::host_view(none_sum), gradapt::host_view(empty)),
+                        Contains("sum view is empty"));
   }
   std::vector<float> x(10);
   std::vector<double> o(3);

@@ -7,7 +7,11 @@
 //  - adafactor (optax defaults, momentum, torch form) and sm3 over a mixed list of 1-D, 2-D,
 //    3-D and 4-D tensors follow gradapt::host to within float rounding (nvcc contracts to fma
 //    and sums in another fixed order, so the bits differ);
-//  - a device checkpoint round-trips: training continues bit for bit.
+//  - a device checkpoint round-trips: training continues bit for bit;
+//  - apply_factored_sum leaves apply_factored's sum in device memory;
+//  - adafactor and sm3 steps capture into a CUDA graph (the capture fails on any host
+//    synchronisation, copy to the host or allocation), and the graph gives the direct step's
+//    bits.
 //
 // Compiled wherever nvcc is found; skipped (exit 77) without a GPU.
 
@@ -175,6 +179,24 @@ TEST_CASE("cuda reduce_factored and apply_factored match host loops", "[cuda][fa
     const double s = cb.apply_factored(scale_rc{}, d, cview(dr), cview(dc), view(dy));
     REQUIRE(to_host(dy) == wyv);
     REQUIRE(s == wsum);
+    // apply_factored_sum leaves the same sum in device memory (no host round trip).
+    dvec<double> dsum(1, -1.0);
+    auto dy2 = to_device(x);
+    cb.apply_factored_sum(scale_rc{}, d, cview(dr), cview(dc), view(dsum), view(dy2));
+    REQUIRE(to_host(dy2) == wyv);
+    REQUIRE(to_host(dsum)[0] == wsum);
+  }
+  {
+    dvec<double> dsum(1, -1.0);
+    dvec<float> empty;
+    cb.apply_factored_sum(scale_rc{}, {1, 0, 1, 0, 1}, tensor_view<const float, device_space>(),
+                          tensor_view<const float, device_space>(), view(dsum), view(empty));
+    REQUIRE(to_host(dsum)[0] == 0.0);
+    dvec<double> none_sum;
+    REQUIRE_THROWS_WITH(
+        cb.apply_factored_sum(scale_rc{}, {1, 0, 1, 0, 1}, tensor_view<const float, device_space>(),
+                              tensor_view<const float, device_space>(), view(none_sum), view(empty)),
+        Catch::Matchers::Contains("sum view is empty"));
   }
   dvec<float> x(10);
   dvec<double> o(3);
@@ -236,4 +258,75 @@ TEST_CASE("cuda adafactor checkpoints continue bit for bit", "[cuda][factored][o
     for (std::size_t k = 0; k < x.size(); ++k) REQUIRE(bits(x[k]) == bits(y[k]));
   }
   REQUIRE(sa.save(cb) == sb.save(cb));
+}
+
+namespace {
+
+/// Steps `opt` once directly on list `a` and once through a CUDA graph captured from the
+/// backend's stream on twin list `b` (same start, same gradients, same state): the capture
+/// fails if the step synchronises with the host, copies to the host or allocates, and the
+/// graph's launch must give the direct step's bits.
+template <class Opt>
+void step_captures(const Opt& opt) {
+  auto h = mixed(11);
+  fill_grads(h, 5);
+  std::vector<dvec<float>> pa, pb, dg;
+  for (auto& t : h) {
+    pa.push_back(to_device(t.p));
+    pb.push_back(to_device(t.p));
+    dg.push_back(to_device(t.g));
+  }
+  gradapt::param_list<float, float, device_space> a, b;
+  for (std::size_t i = 0; i < h.size(); ++i) {
+    const auto shp = std::span<const std::int64_t>(h[i].shape);
+    a.add(h[i].name, tensor_view<float, device_space>(thrust::raw_pointer_cast(pa[i].data()), shp),
+          tensor_view<float, device_space>(thrust::raw_pointer_cast(dg[i].data()), shp));
+    b.add(h[i].name, tensor_view<float, device_space>(thrust::raw_pointer_cast(pb[i].data()), shp),
+          tensor_view<float, device_space>(thrust::raw_pointer_cast(dg[i].data()), shp));
+  }
+  cudaStream_t stream = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
+  gradapt::cuda cb{.stream = stream};
+  auto sa = opt.init(cb, a);
+  auto sb = opt.init(cb, b);
+  opt.step(cb, a, sa);  // the first step sizes the workspace (growth may synchronise)
+  opt.step(cb, b, sb);
+  cb.synchronize();
+
+  opt.step(cb, a, sa);
+  REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) == cudaSuccess);
+  std::string thrown;
+  try {
+    opt.step(cb, b, sb);
+  } catch (const std::exception& e) {
+    thrown = e.what();
+  }
+  cudaGraph_t graph = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+  INFO("exception during capture: " << thrown);
+  REQUIRE(thrown.empty());
+  REQUIRE(ended == cudaSuccess);
+  cudaGraphExec_t exec = nullptr;
+  REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+  REQUIRE(cudaGraphLaunch(exec, stream) == cudaSuccess);
+  REQUIRE(cudaStreamSynchronize(stream) == cudaSuccess);
+  for (std::size_t i = 0; i < h.size(); ++i) {
+    const auto x = to_host(pa[i]), y = to_host(pb[i]);
+    for (std::size_t k = 0; k < x.size(); ++k) REQUIRE(bits(x[k]) == bits(y[k]));
+  }
+  REQUIRE(sa.save(cb) == sb.save(cb));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+}  // namespace
+
+TEST_CASE("cuda adafactor and sm3 steps never wait for the host (they capture into a CUDA graph)",
+          "[cuda][factored][optim]") {
+  step_captures(gradapt::adafactor(gradapt::adafactor_options{}));
+  step_captures(gradapt::adafactor(gradapt::adafactor_options{.lr = 0.05, .momentum = 0.9}));
+  step_captures(gradapt::adafactor(gradapt::torch_adafactor_options(0.01, 1e-3, 0.1)));
+  step_captures(gradapt::adafactor(gradapt::adafactor_options{.multiply_by_parameter_scale = false}));
+  step_captures(gradapt::sm3(gradapt::sm3_options{.lr = 0.1}));
 }

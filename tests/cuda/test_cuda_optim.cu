@@ -9,6 +9,7 @@
 //    backend to within float rounding (nvcc contracts to fma and sums in another fixed order,
 //    so the bits differ);
 //  - a device checkpoint round-trips: training continues bit for bit;
+//  - a step captures into a CUDA graph (no host synchronisation, copy or allocation in it);
 //  - device allocation and copies, and their size checks.
 //
 // Compiled wherever nvcc is found; skipped (exit 77) without a GPU.
@@ -159,6 +160,66 @@ TEST_CASE("cuda optimizers follow the host backend", "[cuda][optim]") {
   REQUIRE(device_vs_host(gradapt::lamb({.weight_decay = 0.01, .max_grad_norm = 1.0, .max_trust_ratio = 10}),
                          4) < 1e-5);
   REQUIRE(device_vs_host(gradapt::lars({.weight_decay = 0.01}), 4) < 1e-5);
+}
+
+namespace {
+
+/// Steps `opt` on list a directly and on twin list b through a CUDA graph captured from the
+/// backend's stream (after one warm-up step each). The capture fails if the step synchronises
+/// with the host, copies to the host or allocates; the graph must give the direct step's bits.
+template <class Opt>
+void step_captures(const Opt& opt) {
+  const auto sizes = list_sizes(61, 9);
+  std::vector<std::vector<float>> p0, g;
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    p0.push_back(random_values<float>(sizes[t], 300 + t, -1, 1));
+    g.push_back(random_values<float>(sizes[t], 900 + t, -0.1, 0.1));
+  }
+  device_params a(p0, sizes), b(p0, sizes);
+  a.set_grads(g);
+  b.set_grads(g);
+  cudaStream_t stream = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
+  const gradapt::cuda cb{.stream = stream};
+  auto sa = opt.init(cb, a.list);
+  auto sb = opt.init(cb, b.list);
+  opt.step(cb, a.list, sa, {.lr = 0.01});
+  opt.step(cb, b.list, sb, {.lr = 0.01});
+  cb.synchronize();
+  opt.step(cb, a.list, sa, {.lr = 0.02});
+  REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) == cudaSuccess);
+  std::string thrown;
+  try {
+    opt.step(cb, b.list, sb, {.lr = 0.02});
+  } catch (const std::exception& e) {
+    thrown = e.what();
+  }
+  cudaGraph_t graph = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+  INFO("exception during capture: " << thrown);
+  REQUIRE(thrown.empty());
+  REQUIRE(ended == cudaSuccess);
+  cudaGraphExec_t exec = nullptr;
+  REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+  REQUIRE(cudaGraphLaunch(exec, stream) == cudaSuccess);
+  REQUIRE(cudaStreamSynchronize(stream) == cudaSuccess);
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    const auto x = to_host(a.p[t]), y = to_host(b.p[t]);
+    for (std::size_t i = 0; i < x.size(); ++i) REQUIRE(bits(x[i]) == bits(y[i]));
+  }
+  REQUIRE(sa.save(cb) == sb.save(cb));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+}  // namespace
+
+TEST_CASE("cuda optimizer steps never wait for the host (they capture into a CUDA graph)", "[cuda][optim]") {
+  step_captures(gradapt::sgd({.momentum = 0.9, .nesterov = true, .weight_decay = 0.01}));
+  step_captures(gradapt::adamw({.weight_decay = 0.01}));
+  step_captures(gradapt::lamb({.weight_decay = 0.01, .max_grad_norm = 1.0, .max_trust_ratio = 10}));
+  step_captures(gradapt::lars({.weight_decay = 0.01}));
 }
 
 TEST_CASE("cuda optimizer state round-trips through a checkpoint", "[cuda][optim][checkpoint]") {

@@ -1182,6 +1182,19 @@ struct host {
     }
   }
 
+  /// `apply_factored` with a value-returning `f` whose sum is stored in `sum[0]` instead of
+  /// returned (the same bits). The form the optimizers call on every backend: on a device the
+  /// sum stays in device memory for a later kernel, so the step never waits for the host.
+  /// @throws gradapt::error on a size mismatch or when `sum` is empty
+  template <class F, class RY, class RX, class... Ts>
+  void apply_factored_sum(F f, std::array<std::int64_t, 5> d, tensor_view<RY, host_space> row,
+                          tensor_view<RX, host_space> col, tensor_view<double, host_space> sum,
+                          tensor_view<Ts, host_space>... views) const {
+    detail::require(sum.size() >= 1,
+                    "host backend apply_factored_sum: the sum view is empty (expected 1 element)");
+    sum.data()[0] = apply_factored(f, d, row, col, views...);
+  }
+
   /// Runs `fn(task, slot)` for every task in [0, n) on min(max_threads, thread_count())
   /// threads, handing tasks out one at a time in ascending order (OpenMP dynamic schedule); slot
   /// is the running thread's number (below that count), for per-thread workspace. The tasks

@@ -32,7 +32,10 @@
 /// scale s = η_t · max(rms(p), eps2) / max(1, rms(y)/d) (the row and column factors
 /// (R_i/mean R)^(−1/2) and C_j^(−1/2) are computed once per row and column). A tensor's passes
 /// run back to back, so passes 2 and 4 find a tensor of up to a few MiB in the last-level
-/// cache. On the host with T > 1 threads, tensors smaller than 1/T of the list run as whole
+/// cache. The sums Σy² and Σp² and the scale s stay where the backend runs: on CUDA they are
+/// written by kernels (`apply_factored_sum`, `apply_reduce_list`, a one-element `apply` of
+/// `update_scale`) and read by the update kernel, so a step never waits for the host. On the
+/// host with T > 1 threads, tensors smaller than 1/T of the list run as whole
 /// one-thread tasks (`host::run_tasks`, one workspace slot per thread, so the workspace is T
 /// times the one-thread size); larger ones first, each on all threads. Same bits either way.
 ///
@@ -193,8 +196,8 @@ struct square_sum {
   }
 };
 
-/// One slot of the step's workspace: factors, row/column sums, normalisation sums, a
-/// one-value reduction target and the per-line Σp² (host).
+/// One slot of the step's workspace: factors, row/column sums, normalisation sums,
+/// three reduction targets (Σy², Σp², the update's scale) and the per-line Σp² (host).
 template <class S>
 struct workspace {
   S *fy, *fx;
@@ -209,6 +212,55 @@ struct update_scalars {
   C scale, b1, one_minus_b1, wd;
 };
 
+/// The per-tensor constants of the update scale (see `update_scale`).
+struct scale_params {
+  double n;          ///< elements of the tensor
+  double threshold;  ///< clipping threshold d
+  double eps2;       ///< floor of the parameter scale
+  double lr_t;       ///< the step's (relative) learning rate
+  bool clip;         ///< clipping on (d finite)
+  bool param_scale;  ///< multiply_by_parameter_scale
+};
+
+/// scale = lr_t · max(rms(p), eps2) / max(1, rms(y) / d) from the tensor's sums Σy² and Σp²
+/// (a NaN rms propagates). One function for every backend: the host calls it directly, the
+/// CUDA path runs it in a one-element kernel on sums that never leave the device.
+GRADAPT_HD inline double update_scale(const scale_params& k, double clip_sum, double p_sq) {
+  double denom = 1.0;
+  if (k.clip) {
+    const double rms = simd::sqrt(clip_sum / k.n) / k.threshold;
+    denom = rms > 1.0 ? rms : (rms != rms ? rms : 1.0);
+  }
+  double pscale = 1.0;
+  if (k.param_scale) {
+    const double rms = simd::sqrt(p_sq / k.n);
+    pscale = rms > k.eps2 ? rms : (rms != rms ? rms : k.eps2);
+  }
+  return k.lr_t * pscale / denom;
+}
+
+/// `update_scale` as a backend functor over three one-element views: (Σy², Σp², scale).
+struct scale_from_sums {
+  scale_params k;
+  GRADAPT_HD void operator()(double& clip_sum, double& p_sq, double& scale) const {
+    scale = update_scale(k, clip_sum, p_sq);
+  }
+};
+
+/// The scalars of an update whose scale is read from memory (`Dev`: the device-resident value
+/// of `scale_from_sums`) or carried by value.
+template <bool Dev, class C>
+GRADAPT_HD GRADAPT_INLINE update_scalars<C> scalars_of(const update_scalars<C>& s, const double* scale_at) {
+  if constexpr (Dev) {
+    update_scalars<C> r = s;
+    r.scale = static_cast<C>(*scale_at);
+    return r;
+  } else {
+    (void)scale_at;
+    return s;
+  }
+}
+
 /// y → clipped and scaled (one multiply), momentum, decay; p ← p − u.
 template <bool Mom, class V, class C>
 GRADAPT_HD GRADAPT_INLINE void finish(V y, V& p, const update_scalars<C>& s, V* m) {
@@ -221,19 +273,22 @@ GRADAPT_HD GRADAPT_INLINE void finish(V y, V& p, const update_scalars<C>& s, V* 
   p = p - u;
 }
 
-/// The final pass of a factored tensor: f(r, c, p, g[, m]).
-template <bool NormY, bool Clamp, bool Mom, class C>
+/// The final pass of a factored tensor: f(r, c, p, g[, m]). `Dev`: the scale is read from
+/// `scale_at` (device memory) instead of `s.scale`.
+template <bool NormY, bool Clamp, bool Mom, class C, bool Dev = false>
 struct factored_update {
   static constexpr bool vectorizable = true;
   C inv_eps;
   update_scalars<C> s;
+  const double* scale_at = nullptr;
   template <class V>
   GRADAPT_HD GRADAPT_INLINE void operator()(V r, V c, V& p, V& g) const requires(!Mom) {
-    finish<false>(factored_y<NormY, Clamp>(r, c, g, inv_eps), p, s, static_cast<V*>(nullptr));
+    finish<false>(factored_y<NormY, Clamp>(r, c, g, inv_eps), p, scalars_of<Dev>(s, scale_at),
+                  static_cast<V*>(nullptr));
   }
   template <class V>
   GRADAPT_HD GRADAPT_INLINE void operator()(V r, V c, V& p, V& g, V& m) const requires Mom {
-    finish<true>(factored_y<NormY, Clamp>(r, c, g, inv_eps), p, s, &m);
+    finish<true>(factored_y<NormY, Clamp>(r, c, g, inv_eps), p, scalars_of<Dev>(s, scale_at), &m);
   }
 };
 
@@ -254,19 +309,20 @@ struct full_moment {
   }
 };
 
-/// The final pass of an unfactored tensor: f(p, g, v[, m]).
-template <bool Mom, class C>
+/// The final pass of an unfactored tensor: f(p, g, v[, m]) (`Dev` as in factored_update).
+template <bool Mom, class C, bool Dev = false>
 struct full_update {
   static constexpr bool vectorizable = true;
   C clamp;
   update_scalars<C> s;
+  const double* scale_at = nullptr;
   template <class V>
   GRADAPT_HD GRADAPT_INLINE void operator()(V& p, V& g, V& v) const requires(!Mom) {
-    finish<false>(full_y(g, v, clamp), p, s, static_cast<V*>(nullptr));
+    finish<false>(full_y(g, v, clamp), p, scalars_of<Dev>(s, scale_at), static_cast<V*>(nullptr));
   }
   template <class V>
   GRADAPT_HD GRADAPT_INLINE void operator()(V& p, V& g, V& v, V& m) const requires Mom {
-    finish<true>(full_y(g, v, clamp), p, s, &m);
+    finish<true>(full_y(g, v, clamp), p, scalars_of<Dev>(s, scale_at), &m);
   }
 };
 
@@ -411,7 +467,7 @@ class adafactor_state {
   /// The workspace of slot k (one per thread of the host's task mode).
   detail::adafactor_k::workspace<S> slot(std::size_t k) {
     return {fy_.data() + k * my_, fx_.data() + k * mx_, sy_.data() + k * my_, sx_.data() + k * mx_,
-            sn_.data() + k * mg_, red_.data() + k,      sl_.data() + k * my_};
+            sn_.data() + k * mg_, red_.data() + 3 * k,  sl_.data() + k * my_};
   }
 
   std::uint64_t steps_ = 0;
@@ -524,7 +580,7 @@ class adafactor {
     st.sn_ = b.template allocate<double>(mg * slots);
     st.fy_ = b.template allocate<St>(my * slots);
     st.fx_ = b.template allocate<St>(mx * slots);
-    st.red_ = b.template allocate<double>(slots);
+    st.red_ = b.template allocate<double>(3 * slots);
     st.sl_ = b.template allocate<double>(my * slots);
     return st;
   }
@@ -568,6 +624,28 @@ class adafactor {
       using T = std::remove_pointer_t<decltype(p)>;
       return tensor_view<const T, space>::vector(p, static_cast<std::int64_t>(n));
     };
+    constexpr bool on_host = std::is_same_v<space, host_space>;
+    const bool clip_on = std::isfinite(o_.clipping_threshold);
+    const detail::adafactor_k::update_scalars<C> base{
+        C(0), static_cast<C>(o_.momentum), static_cast<C>(1.0 - o_.momentum),
+        static_cast<C>(o_.weight_decay * (o_.weight_decay_times_lr ? lr : 1.0))};
+    // ws.red of a slot: [Σ y² (clipping), Σ p² (parameter scale), the update's scale]. On a
+    // device all three stay in device memory: the step never waits for the host.
+    const auto update_scale = [&](const B& bb, double* red, std::size_t n) {
+      const detail::adafactor_k::scale_params kp{
+          static_cast<double>(n),        o_.clipping_threshold, o_.eps2, lr_t, clip_on,
+          o_.multiply_by_parameter_scale};
+      if constexpr (on_host)
+        red[2] = detail::adafactor_k::update_scale(kp, red[0], red[1]);
+      else
+        bb.apply(detail::adafactor_k::scale_from_sums{kp}, vec(red, 1), vec(red + 1, 1), vec(red + 2, 1));
+    };
+    // The update's scalars on the host (the scale by value); on a device the kernel reads it.
+    const auto host_scalars = [&](const double* red) {
+      auto s = base;
+      if constexpr (on_host) s.scale = static_cast<C>(red[2]);
+      return s;
+    };
 
     // One tensor on backend bb with workspace slot `slot` (tensors are independent).
     const auto one = [&](const B& bb, std::size_t k, std::size_t slot) {
@@ -579,12 +657,10 @@ class adafactor {
       const auto g = tensor_view<const G, space>(e.grad.flat());
       S* v = st.v_.data() + i.v_off;
       S* m = st.has_m_ ? st.m_.data() + i.m_off : nullptr;
-      double clip_sum = 0;
       if (i.f.factored) {
         // (1) row and column sums of s = g² + eps1 (on the host with Σp², read in the same
         // pass), EMAs of their means.
-        double p_sq = 0;
-        const double* p_sq_ptr = nullptr;
+        bool have_p_sq = false;
         const auto stats = detail::adafactor_k::square_plus<C>{eps_add};
         if constexpr (requires {
                         bb.reduce_factored_sumsq(stats, i.f.d, cvec(ws.fy, 0), cvec(ws.fx, 0), g,
@@ -592,13 +668,13 @@ class adafactor {
                                                  tensor_view<const V, space>(p), vec(ws.sl, i.ny));
                       }) {
           if (o_.multiply_by_parameter_scale) {
-            p_sq =
+            ws.red[1] =
                 bb.reduce_factored_sumsq(stats, i.f.d, cvec(ws.fy, 0), cvec(ws.fx, 0), g, vec(ws.sy, i.ny),
                                          vec(ws.sx, i.nx), tensor_view<const V, space>(p), vec(ws.sl, i.ny));
-            p_sq_ptr = &p_sq;
+            have_p_sq = true;
           }
         }
-        if (!p_sq_ptr)
+        if (!have_p_sq)
           bb.reduce_factored(stats, i.f.d, cvec(ws.fy, 0), cvec(ws.fx, 0), g, vec(ws.sy, i.ny),
                              vec(ws.sx, i.nx));
         const auto [A, X, Bd, Y, Cd] = i.f.d;
@@ -619,22 +695,26 @@ class adafactor {
         bb.apply(detail::adafactor_k::inv_sqrt<C>{}, vec(vo, no), vec(fo, no));
         const auto fy = cvec(ws.fy, i.ny);
         const auto fx = cvec(ws.fx, i.nx);
-        // (3) Σ y² for the clipping.
-        if (std::isfinite(o_.clipping_threshold)) {
-          clip_sum = dispatch_norm(i.f.largest_is_y, clamp, [&]<bool NY, bool CL>() {
-            return static_cast<double>(bb.apply_factored(
-                detail::adafactor_k::factored_clip_sum<NY, CL, C>{inv_eps}, i.f.d, fy, fx, g));
+        // (3) Σ y² for the clipping and Σ p² for the parameter scale, then the scale.
+        if (clip_on)
+          dispatch_norm(i.f.largest_is_y, clamp, [&]<bool NY, bool CL>() {
+            bb.apply_factored_sum(detail::adafactor_k::factored_clip_sum<NY, CL, C>{inv_eps}, i.f.d, fy, fx,
+                                  vec(ws.red, 1), g);
+            return 0.0;
           });
-        }
-        const auto s = scalars<C>(bb, ws.red, p, clip_sum, lr, lr_t, p_sq_ptr);
+        if (o_.multiply_by_parameter_scale && !have_p_sq) param_sum_squares(bb, ws.red + 1, p);
+        update_scale(bb, ws.red, i.size);
         // (4) the update.
+        const auto s = host_scalars(ws.red);
         dispatch_norm(i.f.largest_is_y, clamp, [&]<bool NY, bool CL>() {
           if (m)
-            bb.apply_factored(detail::adafactor_k::factored_update<NY, CL, true, C>{inv_eps, s}, i.f.d, fy,
-                              fx, p, g, vec(m, i.size));
+            bb.apply_factored(
+                detail::adafactor_k::factored_update<NY, CL, true, C, !on_host>{inv_eps, s, ws.red + 2},
+                i.f.d, fy, fx, p, g, vec(m, i.size));
           else
-            bb.apply_factored(detail::adafactor_k::factored_update<NY, CL, false, C>{inv_eps, s}, i.f.d, fy,
-                              fx, p, g);
+            bb.apply_factored(
+                detail::adafactor_k::factored_update<NY, CL, false, C, !on_host>{inv_eps, s, ws.red + 2},
+                i.f.d, fy, fx, p, g);
           return 0.0;
         });
       } else {
@@ -645,13 +725,14 @@ class adafactor {
                              detail::optim::per_tensor_arg(vec(ws.red, 1)),
                              std::span<const tensor_view<S, space>>(vl),
                              std::span<const tensor_view<const G, space>>(gl));
-        bb.copy(cvec(ws.red, 1), tensor_view<double, host_space>::vector(&clip_sum, 1));
-        if (!std::isfinite(o_.clipping_threshold)) clip_sum = 0;
-        const auto s = scalars<C>(bb, ws.red, p, clip_sum, lr, lr_t);
+        if (o_.multiply_by_parameter_scale) param_sum_squares(bb, ws.red + 1, p);
+        update_scale(bb, ws.red, i.size);
+        const auto s = host_scalars(ws.red);
         if (m)
-          bb.apply(detail::adafactor_k::full_update<true, C>{clamp_v, s}, p, g, vv, vec(m, i.size));
+          bb.apply(detail::adafactor_k::full_update<true, C, !on_host>{clamp_v, s, ws.red + 2}, p, g, vv,
+                   vec(m, i.size));
         else
-          bb.apply(detail::adafactor_k::full_update<false, C>{clamp_v, s}, p, g, vv);
+          bb.apply(detail::adafactor_k::full_update<false, C, !on_host>{clamp_v, s, ws.red + 2}, p, g, vv);
       }
     };
     for_tensors(b, st, one);
@@ -700,44 +781,16 @@ class adafactor {
     return norm_y ? f.template operator()<true, false>() : f.template operator()<false, false>();
   }
 
-  /// Σ p² of one tensor through the backend's fused reduction (read back to the host).
+  /// Σ p² of one tensor into `out[0]` through the backend's fused reduction (on a device it
+  /// stays there).
   template <class B, class P>
-  static double param_sum_squares(const B& b, double* red, const P& p) {
+  static void param_sum_squares(const B& b, double* out, const P& p) {
     using space = typename B::space;
     using T = typename P::value_type;
     const tensor_view<const T, space> pl[1] = {p};
     b.apply_reduce_list(detail::adafactor_k::square_sum{},
-                        detail::optim::per_tensor_arg(tensor_view<double, space>::vector(red, 1)),
+                        detail::optim::per_tensor_arg(tensor_view<double, space>::vector(out, 1)),
                         std::span<const tensor_view<const T, space>>(pl));
-    double out = 0;
-    b.copy(tensor_view<const double, space>::vector(red, 1),
-           tensor_view<double, host_space>::vector(&out, 1));
-    return out;
-  }
-
-  /// The update's per-tensor scalars: clipping denominator, learning rate, parameter scale,
-  /// momentum and decay.
-  template <class C, class B, class P>
-  detail::adafactor_k::update_scalars<C> scalars(const B& b, double* red, const P& p, double clip_sum,
-                                                 double lr, double lr_t,
-                                                 const double* p_sum_squares = nullptr) const {
-    const double n = static_cast<double>(p.size());
-    detail::adafactor_k::update_scalars<C> s{};
-    double denom = 1.0;
-    if (std::isfinite(o_.clipping_threshold)) {
-      const double rms = std::sqrt(clip_sum / n) / o_.clipping_threshold;
-      denom = rms > 1.0 ? rms : (std::isnan(rms) ? rms : 1.0);
-    }
-    double pscale = 1.0;
-    if (o_.multiply_by_parameter_scale) {
-      const double rms = std::sqrt((p_sum_squares ? *p_sum_squares : param_sum_squares(b, red, p)) / n);
-      pscale = rms > o_.eps2 ? rms : (std::isnan(rms) ? rms : o_.eps2);
-    }
-    s.scale = static_cast<C>(lr_t * pscale / denom);
-    s.b1 = static_cast<C>(o_.momentum);
-    s.one_minus_b1 = static_cast<C>(1.0 - o_.momentum);
-    s.wd = static_cast<C>(o_.weight_decay * (o_.weight_decay_times_lr ? lr : 1.0));
-    return s;
   }
 };
 

@@ -38,7 +38,8 @@ struct factored_apply_probe {
 }  // namespace detail::optim
 
 /// A backend the factored optimizers run on: `optimizer_backend` plus the row/column
-/// reduction `reduce_factored` and the row/column-indexed `apply_factored` (gradapt::host in
+/// reduction `reduce_factored` and the row/column-indexed `apply_factored` and
+/// `apply_factored_sum` (the sum left in the backend's memory) (gradapt::host in
 /// backend/host.hpp and gradapt::cuda in backend/cuda/backend.cuh, kernels in
 /// backend/cuda/factored.cuh, provide them).
 template <class B>
@@ -49,6 +50,7 @@ concept factored_backend = optimizer_backend<B> &&
   b.reduce_factored(detail::optim::factored_probe{}, d, cx, cx, cx, s, s);
   b.reduce_factored(detail::optim::factored_probe{}, d, cx, cx, cx, s, s, reduce_op::max);
   { b.apply_factored(detail::optim::factored_apply_probe{}, d, cx, cx, x) } -> std::convertible_to<double>;
+  b.apply_factored_sum(detail::optim::factored_probe{}, d, cx, cx, s, cx);
 };
 
 /// How a factored optimizer picks the two axes of a tensor of rank >= 2.

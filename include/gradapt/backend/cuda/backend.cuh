@@ -328,50 +328,41 @@ struct cuda {
   /// column vector entries of each element (the contract of gradapt::host::apply_factored).
   /// A void `f` is enqueued and 0 returned at once; when `f` returns a value, the values are
   /// summed in double (per line, then over lines, fixed trees) and the sum is returned, which
-  /// waits for the stream.
+  /// waits for the stream (`apply_factored_sum` keeps it on the device instead).
   /// @throws gradapt::error on a size mismatch
   template <class F, class RY, class RX, class... Ts>
   double apply_factored(F f, std::array<std::int64_t, 5> d, tensor_view<RY, device_space> row,
                         tensor_view<RX, device_space> col, tensor_view<Ts, device_space>... views) const {
     static_assert(sizeof...(Ts) > 0, "gradapt::cuda::apply_factored needs at least one view");
-    const std::size_t n = [](const auto& v0, const auto&... vs) {
-      std::size_t pos = 0;
-      ((++pos, detail::require(vs.size() == v0.size(), "gradapt::cuda::apply_factored: view ", pos, " has ",
-                               vs.size(), " elements but view 0 has ", v0.size(), " (expected equal sizes)")),
-       ...);
-      return v0.size();
-    }(views...);
-    const auto fd = check_factored(d, n, "apply_factored");
-    const std::size_t ny = fd.A * fd.X * fd.B * fd.C, nx = fd.A * fd.B * fd.Y * fd.C;
-    check_factored_vector(row.size(), ny, "apply_factored", "row vector");
-    check_factored_vector(col.size(), nx, "apply_factored", "column vector");
-    if (n == 0) return 0.0;
-    const detail::cuda_impl::fvectors<RY, RX> v{row.empty() ? nullptr : row.data(),
-                                                col.empty() ? nullptr : col.data()};
-    using detail::cuda_impl::factored_grid;
-    using detail::cuda_impl::factored_threads;
     using R = decltype(f(compute_t<RY>(1), compute_t<RX>(1), std::declval<compute_t<Ts>&>()...));
     if constexpr (std::is_void_v<R>) {
-      detail::cuda_impl::
-          factored_apply_kernel<<<factored_grid(n, factored_threads), factored_threads, 0, stream>>>(
-              f, fd, v, n, views.data()...);
-      GRADAPT_CUDA_CHECK(cudaGetLastError());
+      factored_launch(f, d, row, col, nullptr, views...);
       return 0.0;
     } else {
-      const std::size_t lines = fd.A * fd.X * fd.B;
-      auto* scratch = static_cast<double*>(ws().device((lines + 1) * sizeof(double)));
+      const double* out = factored_launch(f, d, row, col, nullptr, views...);
+      if (out == nullptr) return 0.0;
       auto* host = static_cast<double*>(ws().pinned(sizeof(double)));
-      detail::cuda_impl::factored_apply_sum_kernel<<<factored_grid(lines, 1), factored_threads, 0, stream>>>(
-          f, fd, v, scratch, views.data()...);
-      GRADAPT_CUDA_CHECK(cudaGetLastError());
-      detail::cuda_impl::factored_sum_kernel<<<1, factored_threads, 0, stream>>>(scratch, lines,
-                                                                                 scratch + lines);
-      GRADAPT_CUDA_CHECK(cudaGetLastError());
-      GRADAPT_CUDA_CHECK(
-          cudaMemcpyAsync(host, scratch + lines, sizeof(double), cudaMemcpyDeviceToHost, stream));
+      GRADAPT_CUDA_CHECK(cudaMemcpyAsync(host, out, sizeof(double), cudaMemcpyDeviceToHost, stream));
       synchronize();
       return *host;
     }
+  }
+
+  /// `apply_factored` with a value-returning `f` whose sum is written to `sum[0]` in device
+  /// memory (0 for empty views), with no host synchronisation: a later kernel on `stream` reads
+  /// it (Adafactor's clipping statistic). Asynchronous.
+  /// @throws gradapt::error on a size mismatch or when `sum` is empty
+  template <class F, class RY, class RX, class... Ts>
+  void apply_factored_sum(F f, std::array<std::int64_t, 5> d, tensor_view<RY, device_space> row,
+                          tensor_view<RX, device_space> col, tensor_view<double, device_space> sum,
+                          tensor_view<Ts, device_space>... views) const {
+    static_assert(sizeof...(Ts) > 0, "gradapt::cuda::apply_factored_sum needs at least one view");
+    using R = decltype(f(compute_t<RY>(1), compute_t<RX>(1), std::declval<compute_t<Ts>&>()...));
+    static_assert(!std::is_void_v<R>, "gradapt::cuda::apply_factored_sum: f must return the value to sum");
+    detail::require(sum.size() >= 1,
+                    "gradapt::cuda::apply_factored_sum: the sum view is empty (expected 1 element)");
+    if (!factored_launch(f, d, row, col, sum.data(), views...))
+      GRADAPT_CUDA_CHECK(cudaMemsetAsync(sum.data(), 0, sizeof(double), stream));
   }
 
   /// Owning, zero-initialised device memory for `n` elements of T (an algorithm's state
@@ -431,6 +422,49 @@ struct cuda {
   }
 
  private:
+  /// Checks the views against d and enqueues `f` over them (apply_factored's kernels). For a
+  /// value-returning `f` the sum goes to `out` (to the workspace when out is null) and its
+  /// address is returned; nullptr when the views are empty or f returns nothing.
+  template <class F, class RY, class RX, class... Ts>
+  double* factored_launch(F f, std::array<std::int64_t, 5> d, tensor_view<RY, device_space> row,
+                          tensor_view<RX, device_space> col, double* out,
+                          tensor_view<Ts, device_space>... views) const {
+    const std::size_t n = [](const auto& v0, const auto&... vs) {
+      std::size_t pos = 0;
+      ((++pos, detail::require(vs.size() == v0.size(), "gradapt::cuda::apply_factored: view ", pos, " has ",
+                               vs.size(), " elements but view 0 has ", v0.size(), " (expected equal sizes)")),
+       ...);
+      return v0.size();
+    }(views...);
+    const auto fd = check_factored(d, n, "apply_factored");
+    const std::size_t ny = fd.A * fd.X * fd.B * fd.C, nx = fd.A * fd.B * fd.Y * fd.C;
+    check_factored_vector(row.size(), ny, "apply_factored", "row vector");
+    check_factored_vector(col.size(), nx, "apply_factored", "column vector");
+    if (n == 0) return nullptr;
+    const detail::cuda_impl::fvectors<RY, RX> v{row.empty() ? nullptr : row.data(),
+                                                col.empty() ? nullptr : col.data()};
+    using detail::cuda_impl::factored_grid;
+    using detail::cuda_impl::factored_threads;
+    using R = decltype(f(compute_t<RY>(1), compute_t<RX>(1), std::declval<compute_t<Ts>&>()...));
+    if constexpr (std::is_void_v<R>) {
+      detail::cuda_impl::
+          factored_apply_kernel<<<factored_grid(n, factored_threads), factored_threads, 0, stream>>>(
+              f, fd, v, n, views.data()...);
+      GRADAPT_CUDA_CHECK(cudaGetLastError());
+      return nullptr;
+    } else {
+      const std::size_t lines = fd.A * fd.X * fd.B;
+      auto* scratch = static_cast<double*>(ws().device((lines + 1) * sizeof(double)));
+      double* dst = out != nullptr ? out : scratch + lines;
+      detail::cuda_impl::factored_apply_sum_kernel<<<factored_grid(lines, 1), factored_threads, 0, stream>>>(
+          f, fd, v, scratch, views.data()...);
+      GRADAPT_CUDA_CHECK(cudaGetLastError());
+      detail::cuda_impl::factored_sum_kernel<<<1, factored_threads, 0, stream>>>(scratch, lines, dst);
+      GRADAPT_CUDA_CHECK(cudaGetLastError());
+      return dst;
+    }
+  }
+
   detail::cuda_workspace& ws() const {
     detail::require(workspace != nullptr,
                     "gradapt::cuda: workspace is null (leave the default, or assign a "
