@@ -18,12 +18,12 @@
 // Issue 5's floors, at 2 threads: SGD-momentum and AdamW >= 0.85 of triad; LAMB and LARS
 // >= 0.65. Compiled like a consumer (plain -O2, no -march, no fast-math).
 //
-//   bench_optim [rounds=15] [threads...=1 2]
-#include <algorithm>
-#include <chrono>
+// Google Benchmark: one benchmark per step with argument = threads (1 and 2), each iteration a
+// paired round (bench/paired.hpp), 9 iterations unless --rounds=N. A table of the medians with
+// the floors follows the console output.
+//
+//   bench_optim [--rounds=9] [--benchmark_filter=/2]
 #include <cstdio>
-#include <cstdlib>
-#include <functional>
 #include <string>
 #include <vector>
 
@@ -33,10 +33,9 @@
 #include "gradapt/optim/lamb.hpp"
 #include "gradapt/optim/lars.hpp"
 #include "gradapt/optim/sgd.hpp"
+#include "paired.hpp"
 
 namespace {
-
-using clock_type = std::chrono::steady_clock;
 
 using gradapt_bench::tensor_shape;
 inline std::vector<tensor_shape> shapes() { return gradapt_bench::gpt2_small_shapes(); }
@@ -104,89 +103,55 @@ void roof(model& m, int t, int state_streams) {
   }
 }
 
-double seconds(clock_type::time_point a, clock_type::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
+model& the_model() {
+  static model m;
+  return m;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
-struct row {
-  std::string name;
-  int threads;
-  double ms, gbs, vs_triad, vs_roof, triad_gbs;
-  double floor;
-};
-
+/// One optimizer step per paired round; the state is created (and warmed up by one step) per
+/// benchmark run.
 template <class Opt>
-row measure(model& m, const char* name, const Opt& opt, double bytes_per_param, int state_streams,
-            int threads, int rounds, double floor) {
+void run_step(benchmark::State& st, const Opt& opt, double bytes_per_param, int state_streams) {
+  model& m = the_model();
+  const int threads = static_cast<int>(st.range(0));
   gradapt::host backend{.threads = threads};
-  auto st = opt.init(backend, m.params);
-  opt.step(backend, m.params, st, {.lr = 1e-4});  // warm-up (first touch of the state)
-  std::vector<double> k_time, vs_triad, vs_roof, triad_bw;
-  const double n = static_cast<double>(m.n);
-  for (int r = 0; r < rounds; ++r) {
-    const auto t0 = clock_type::now();
-    triad(m, threads);
-    const auto t1 = clock_type::now();
-    roof(m, threads, state_streams);
-    const auto t2 = clock_type::now();
-    opt.step(backend, m.params, st, {.lr = 1e-4});
-    const auto t3 = clock_type::now();
-    const double tri = 12.0 * n / seconds(t0, t1);
-    const double rf = (8.0 + 8.0 * state_streams + 4.0) * n / seconds(t1, t2);
-    const double k = bytes_per_param * n / seconds(t2, t3);
-    k_time.push_back(seconds(t2, t3));
-    vs_triad.push_back(k / tri);
-    vs_roof.push_back(k / rf);
-    triad_bw.push_back(tri);
-  }
-  const double t = median(k_time);
-  return {name,
-          threads,
-          t * 1e3,
-          bytes_per_param * n / t * 1e-9,
-          median(vs_triad),
-          median(vs_roof),
-          median(triad_bw) * 1e-9,
-          floor};
+  auto state = opt.init(backend, m.params);
+  opt.step(backend, m.params, state, {.lr = 1e-4});  // warm-up (first touch of the state)
+  gradapt_bench::paired_rounds(
+      st, {static_cast<double>(m.n), bytes_per_param, 8.0 + 8.0 * state_streams + 4.0},
+      [&] { triad(m, threads); }, [&] { roof(m, threads, state_streams); },
+      [&] { opt.step(backend, m.params, state, {.lr = 1e-4}); });
 }
+
+void sgd_momentum(benchmark::State& st) { run_step(st, gradapt::sgd({.lr = 1e-4, .momentum = 0.9}), 20, 1); }
+void adamw(benchmark::State& st) { run_step(st, gradapt::adamw({.lr = 1e-4, .weight_decay = 0.01}), 28, 2); }
+void lamb(benchmark::State& st) { run_step(st, gradapt::lamb({.lr = 1e-4, .weight_decay = 0.01}), 28, 2); }
+void lars(benchmark::State& st) { run_step(st, gradapt::lars({.lr = 1e-4, .weight_decay = 0.01}), 20, 1); }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int rounds = argc > 1 ? std::atoi(argv[1]) : 15;
-  std::vector<int> threads;
-  for (int i = 2; i < argc; ++i) threads.push_back(std::atoi(argv[i]));
-  if (threads.empty()) threads = {1, 2};
-  model m;
+  const int rounds = gradapt_bench::take_rounds(argc, argv, 9);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  const model& m = the_model();
   std::printf("%zu tensors, %.1fM fp32 parameters (%.2f GB per stream); %d paired rounds, medians\n",
               m.params.size(), static_cast<double>(m.n) * 1e-6, static_cast<double>(m.n) * 4e-9, rounds);
-  std::vector<row> rows;
-  for (int t : threads) {
-    rows.push_back(
-        measure(m, "sgd_momentum", gradapt::sgd({.lr = 1e-4, .momentum = 0.9}), 20, 1, t, rounds, 0.85));
-    rows.push_back(
-        measure(m, "adamw", gradapt::adamw({.lr = 1e-4, .weight_decay = 0.01}), 28, 2, t, rounds, 0.85));
-    rows.push_back(
-        measure(m, "lamb", gradapt::lamb({.lr = 1e-4, .weight_decay = 0.01}), 28, 2, t, rounds, 0.65));
-    rows.push_back(
-        measure(m, "lars", gradapt::lars({.lr = 1e-4, .weight_decay = 0.01}), 20, 1, t, rounds, 0.65));
-  }
-  std::printf("\n%-14s %7s %10s %10s %10s %10s %10s %8s\n", "step", "threads", "ms", "eff GB/s", "triad GB/s",
-              "vs triad", "vs roof", "floor");
-  for (const auto& r : rows)
-    std::printf("%-14s %7d %10.1f %10.1f %10.1f %10.2f %10.2f %8s\n", r.name.c_str(), r.threads, r.ms, r.gbs,
-                r.triad_gbs, r.vs_triad, r.vs_roof,
-                r.threads == 2 ? (r.vs_triad >= r.floor ? "met" : "MISSED") : "-");
-  std::printf(
-      "\neff GB/s: fewest bytes the step must move (SGD/LARS 20 B, AdamW/LAMB 28 B per parameter) / step "
+  for (auto [name, fn] : {std::pair{"sgd_momentum", &sgd_momentum}, std::pair{"adamw", &adamw},
+                          std::pair{"lamb", &lamb}, std::pair{"lars", &lars}})
+    benchmark::RegisterBenchmark(name, fn)
+        ->Arg(1)
+        ->Arg(2)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond)
+        ->Iterations(rounds);
+  gradapt_bench::table_reporter rep;
+  rep.floors = {{"sgd_momentum", 0.85}, {"adamw", 0.85}, {"lamb", 0.65}, {"lars", 0.65}};
+  benchmark::RunSpecifiedBenchmarks(&rep);
+  rep.print_table(
+      "eff GB/s: fewest bytes the step must move (SGD/LARS 20 B, AdamW/LAMB 28 B per parameter) / step "
       "time.\n"
-      "vs triad / vs roof: per-round ratios to the triad loop and to a plain loop with the step's own "
-      "streams.\n"
-      "floor (issue 5, 2 threads): SGD-momentum and AdamW >= 0.85 of triad, LAMB and LARS >= 0.65.\n");
+      "floor (issue 5, 2 threads): SGD-momentum and AdamW >= 0.85 of triad, LAMB and LARS >= 0.65.");
+  benchmark::Shutdown();
   return 0;
 }
