@@ -92,6 +92,7 @@ gradapt_add_test(test_clip SOURCES test_clip.cpp)
 target_link_libraries(test_clip PRIVATE Threads::Threads)
 target_compile_definitions(test_clip PRIVATE GRADAPT_TEST_DATA_DIR="${PROJECT_SOURCE_DIR}/tests/data")
 gradapt_add_test(test_optim_simd SOURCES test_optim_simd.cpp)
+gradapt_add_test(test_simd_half SOURCES test_simd_half.cpp)
 # The optimizers' pack paths (run-time AVX2, SSE2 only) and the scalar path give the same bits.
 if(GRADAPT_TEST_PATH_COMPARISONS)
 foreach(_mode vector sse scalar)

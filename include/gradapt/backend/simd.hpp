@@ -547,52 +547,157 @@ requires(std::is_same_v<T, float> || std::is_same_v<T, double>) GRADAPT_INLINE p
 }
 
 namespace detail {
-typedef std::uint16_t u16x4 __attribute__((vector_size(8)));
-typedef std::int32_t i32x4 __attribute__((vector_size(16)));
-typedef float f32x4 __attribute__((vector_size(16)));
+/// A GCC vector of `Bytes / 4` lanes of type L (the lane vectors of the 16-bit loads and
+/// stores; `Bytes` is a pack's `part_bytes`).
+template <class L, std::size_t Bytes>
+struct lanes_of_t {
+  typedef L type __attribute__((vector_size(Bytes), aligned(Bytes < native_bytes ? Bytes : native_bytes)));
+};
+template <class L, std::size_t Bytes>
+using lanes_of = typename lanes_of_t<L, Bytes>::type;
 
-/// Four bfloat16 bit patterns widened to float bit patterns (a 16-bit shift per lane).
-GRADAPT_INLINE i32x4 bfloat16x4_bits(const bfloat16* src) {
-  u16x4 h;
-  std::memcpy(&h, src, sizeof h);
-  return __builtin_convertvector(h, i32x4) << 16;
-}
-
-/// Four binary16 bit patterns converted to float bit patterns exactly, as `gradapt::half`
-/// does: normals by exponent rebias, subnormals through an exact integer-to-float conversion
-/// (m * 2^-24, no subnormal float involved, so flush-to-zero modes do not matter), inf and
-/// NaN with their payload. Integer lane operations only.
-GRADAPT_INLINE i32x4 halfx4_bits(const half* src) {
-  u16x4 h;
-  std::memcpy(&h, src, sizeof h);
-  const i32x4 x = __builtin_convertvector(h, i32x4);
-  const i32x4 sign = (x & 0x8000) << 16;
-  const i32x4 em = x & 0x7fff;
-  i32x4 bits = (em << 13) + (112 << 23);
-  bits += (em >= 0x7c00) & (112 << 23);  // inf / NaN: exponent all ones
-  const f32x4 sub = __builtin_convertvector(em, f32x4) * 0x1p-24f;
-  i32x4 sub_bits;
+/// binary16 bit patterns (one per 32-bit lane, zero-extended) converted to float bit patterns
+/// exactly, as `gradapt::half` does: normals by exponent rebias, subnormals through an exact
+/// integer-to-float conversion (m · 2^-24, no subnormal float involved, so flush-to-zero modes
+/// do not matter), inf and NaN with their payload; any lane count (written through `out`:
+/// returning a 32-byte vector from a function without AVX changes the ABI).
+template <class VI, class VF>
+GRADAPT_INLINE void half_to_float_bits(const VI& x, VI& out) {
+  const VI sign = (x & 0x8000) << 16;
+  const VI em = x & 0x7fff;
+  VI bits = (em << 13) + (112 << 23);
+  bits += (em >= 0x7c00) & (112 << 23);                       // inf / NaN: exponent all ones
+  const VF sub = __builtin_convertvector(em, VF) * 0x1p-24f;  // exact: m * 2^-24 is a normal float
+  VI sub_bits;
   std::memcpy(&sub_bits, &sub, sizeof sub_bits);
-  const i32x4 is_sub = em < 0x400;
-  return ((is_sub & sub_bits) | (~is_sub & bits)) | sign;
+  const VI is_sub = em < 0x400;
+  out = ((is_sub & sub_bits) | (~is_sub & bits)) | sign;
 }
+
+/// float bit patterns (VI: signed 32-bit lanes) rounded to binary16 bit patterns (in the low
+/// 16 bits of each lane), bit for bit `float_to_half_bits`: round to nearest even, overflow
+/// to ±inf, NaN quiet with the sign and the top 10 payload bits, subnormals exact, -0 kept.
+/// Integer lane operations only, so the result does not depend on MXCSR (rounding mode,
+/// FTZ/DAZ). The subnormal branch needs per-lane shifts: one instruction with AVX2, four
+/// scalar shifts with SSE2, so on SSE2 it runs only when some lane is below 2^-14.
+template <class VI>
+GRADAPT_INLINE void float_to_half_bits(const VI& x, VI& out) {
+  using VU = lanes_of<std::uint32_t, sizeof(VI)>;
+  const VI a = x & 0x7fffffff;
+  const VU au = (VU)a;
+  const VI sign = (x >> 16) & 0x8000;
+  // Normal half range (2^-14 <= |x| < 65520): round the 13 dropped bits to nearest even.
+  const VI normal = (VI)((au + 0x0fffu + ((au >> 13) & 1u) - (112u << 23)) >> 13);
+  const VI nan = ((a >> 13) & 0x03ff) | 0x7e00;  // quiet, top payload bits kept
+  VI r = (a >= 0x38800000) & normal;
+  r = (a >= 0x477ff000) ? VI{} + 0x7c00 : r;  // >= 65520 and inf: inf
+  r = (a > 0x7f800000) ? nan : r;
+  const VI is_sub = a < 0x38800000;
+  bool any_sub = true;
+#if !defined(__AVX2__)
+  if constexpr (sizeof(VI) ==
+                16) {  // SSE2 (or a generic target): skip the slow shifts when none is subnormal
+    std::uint64_t w[2];
+    std::memcpy(w, &is_sub, sizeof w);
+    any_sub = (w[0] | w[1]) != 0;
+  }
+#endif
+  if (any_sub) {
+    // k = m >> s rounded to nearest even, m the 24-bit significand, s = 126 - e (14 .. 24);
+    // s is clamped to 25 below 2^-25 (k = 0, no round-up) and to 0 for lanes not used.
+    const VI e = a >> 23;
+    VI s = 126 - e;
+    s = s > 25 ? VI{} + 25 : s;
+    s = s < 0 ? VI{} : s;
+    const VU su = (VU)s;
+    const VU m = (au & 0x007fffffu) | 0x00800000u;
+    VU k = m >> su;
+    const VU rem = m & (((VU{} + 1u) << su) - 1u);
+    const VU halfway = ((VU{} + 1u) << su) >> 1;
+    const VI up = (VI)((rem > halfway) | ((rem == halfway) & ((k & 1u) != 0u)));
+    k -= (VU)up;  // up is all ones where k rounds up; k == 0x400 is the smallest normal
+    r = (is_sub & (VI)k) | (~is_sub & r);
+  }
+  out = r | sign;
+}
+
+/// float bit patterns rounded to bfloat16 bit patterns (low 16 bits of each lane), bit for
+/// bit `float_to_bfloat16_bits`: round to nearest even, NaN quiet with its sign and payload.
+template <class VI>
+GRADAPT_INLINE void float_to_bfloat16_bits(const VI& x, VI& out) {
+  using VU = lanes_of<std::uint32_t, sizeof(VI)>;
+  const VU xu = (VU)x;
+  const VI rounded = (VI)((xu + 0x7fffu + ((xu >> 16) & 1u)) >> 16);
+  const VI nan = (VI)((xu >> 16) | 0x0040u);
+  out = ((x & 0x7fffffff) > 0x7f800000) ? nan : rounded;
+}
+
+/// Stores the lanes of float pack P into 16-bit elements through the integer lane operations
+/// above (every part of the pack; any register width). The portable path of `simd::store`.
+template <class T, class P>
+GRADAPT_INLINE void store_16bit_int(T* dst, const P& v) {
+  static_assert(std::is_same_v<typename P::value_type, float>);
+  using VI = typename P::native_int;
+  typedef std::uint16_t VH __attribute__((vector_size(P::part_bytes / 2), aligned(alignof(T)), may_alias));
+  for (std::size_t p = 0; p < P::parts; ++p) {
+    VI x, b;
+    std::memcpy(&x, &v.part[p], sizeof x);
+    if constexpr (std::is_same_v<T, half>)
+      detail::float_to_half_bits(x, b);
+    else
+      detail::float_to_bfloat16_bits(x, b);
+    *reinterpret_cast<VH*>(dst + p * P::part_lanes) = __builtin_convertvector(b, VH);
+  }
+}
+
+#if GRADAPT_SIMD_AVX_ASM
+/// Whether this CPU has F16C (`vcvtps2ph`), read once at start-up. False before the static
+/// initialiser has run, which only means the integer path is used.
+inline const bool cpu_has_f16c = (__builtin_cpu_init(), __builtin_cpu_supports("f16c") != 0);
+
+/// `store_16bit_int` for 32-byte packs as an out-of-line AVX2 function (the fallback of
+/// `simd::store` on AVX2 CPUs without F16C).
+template <class T, class P>
+__attribute__((target("avx2"), noinline)) void store_16bit_int_avx2(T* dst, const P* v) {
+  store_16bit_int(dst, *v);
+}
+
+/// Stores 32-byte float packs (only inlined into the host backend's AVX2 functions) into
+/// binary16 with F16C: `vcvtps2ph` with immediate 0, round to nearest even whatever MXCSR's
+/// rounding mode. It gives the bits `float_to_half_bits` gives for every float (overflow,
+/// subnormals, ties, -0, NaN sign and payload; checked in tests/test_simd_half.cpp, FTZ/DAZ
+/// set as well). Call only when `cpu_has_f16c`.
+template <class P>
+GRADAPT_INLINE void store_half_f16c(half* dst, const P& v) {
+  static_assert(std::is_same_v<typename P::value_type, float> && P::part_bytes == 32);
+  typedef std::uint16_t VH __attribute__((vector_size(16), aligned(2), may_alias));
+  for (std::size_t p = 0; p < P::parts; ++p) {
+    VH h;
+    asm("vcvtps2ph $0, %1, %0" : "=x"(h) : "x"(v.part[p]));
+    *reinterpret_cast<VH*>(dst + p * P::part_lanes) = h;
+  }
+}
+#endif
 }  // namespace detail
 
-/// P::size 16-bit elements (bfloat16 or half) converted exactly to a float pack P.
+/// P::size 16-bit elements (bfloat16 or half) converted exactly to a float pack P, one
+/// register-to-register conversion per part (no round trip through memory, which would stall
+/// on store forwarding when the part is 32 bytes).
 template <class P, class T>
 requires(std::is_same_v<T, bfloat16> || std::is_same_v<T, half>) GRADAPT_INLINE P load_16bit(const T* src) {
   static_assert(std::is_same_v<typename P::value_type, float> && P::size % 4 == 0);
-  std::int32_t bits[P::size];
-  for (std::size_t i = 0; i < P::size; i += 4) {
-    detail::i32x4 b;
-    if constexpr (std::is_same_v<T, bfloat16>)
-      b = detail::bfloat16x4_bits(src + i);
-    else
-      b = detail::halfx4_bits(src + i);
-    std::memcpy(bits + i, &b, sizeof b);
-  }
+  using VI = typename P::native_int;
+  typedef std::uint16_t VH __attribute__((vector_size(P::part_bytes / 2), aligned(alignof(T)), may_alias));
   P r;
-  std::memcpy(static_cast<void*>(r.part), bits, sizeof bits);
+  for (std::size_t p = 0; p < P::parts; ++p) {
+    const VI x = __builtin_convertvector(*reinterpret_cast<const VH*>(src + p * P::part_lanes), VI);
+    VI b;
+    if constexpr (std::is_same_v<T, bfloat16>)
+      b = x << 16;
+    else
+      detail::half_to_float_bits<VI, typename P::native>(x, b);
+    std::memcpy(static_cast<void*>(&r.part[p]), &b, sizeof b);
+  }
   return r;
 }
 
@@ -602,7 +707,7 @@ requires(N % 4 == 0) GRADAPT_INLINE pack<float, N> load(const bfloat16* src) {
   return load_16bit<pack<float, N>>(src);
 }
 
-/// N binary16 elements converted to float exactly (see detail::halfx4_bits).
+/// N binary16 elements converted to float exactly (see detail::half_to_float_bits).
 template <std::size_t N>
 requires(N % 4 == 0) GRADAPT_INLINE pack<float, N> load(const half* src) {
   return load_16bit<pack<float, N>>(src);
@@ -625,13 +730,42 @@ requires(std::is_same_v<T, float> || std::is_same_v<T, double>) GRADAPT_INLINE
   v.store(dst);
 }
 /// Stores N float lanes into 16-bit elements, each rounded to nearest even exactly as
-/// `gradapt::store` does.
+/// `gradapt::store` does (bit for bit, NaN payloads included): packed integer lane
+/// operations (detail::store_16bit_int), or F16C's `vcvtps2ph` for binary16 in the host
+/// backend's run-time AVX2 path when the CPU has F16C.
 template <class T, std::size_t N, std::size_t B>
 requires(std::is_same_v<T, half> || std::is_same_v<T, bfloat16>) GRADAPT_INLINE
     void store(T* dst, const pack<float, N, B>& v) {
-  float a[N];
-  v.store(a);
-  for (std::size_t i = 0; i < N; ++i) gradapt::store(dst[i], a[i]);
+#if defined(__F16C__) && defined(__AVX__)
+  // The consumer compiles for F16C (-mf16c, -march=native): vcvtps2ph with round to nearest
+  // even, as in store_half_f16c.
+  if constexpr (std::is_same_v<T, half>) {
+    using P = pack<float, N, B>;
+    for (std::size_t p = 0; p < P::parts; ++p) {
+      if constexpr (P::part_bytes == 32) {
+        __m256 x;
+        std::memcpy(&x, &v.part[p], 32);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + p * P::part_lanes), _mm256_cvtps_ph(x, 0));
+      } else {
+        static_assert(P::part_bytes == 16);
+        __m128 x;
+        std::memcpy(&x, &v.part[p], 16);
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + p * P::part_lanes), _mm_cvtps_ph(x, 0));
+      }
+    }
+    return;
+  }
+#endif
+#if GRADAPT_SIMD_AVX_ASM
+  if constexpr (std::is_same_v<T, half> && pack<float, N, B>::part_bytes == 32) {
+    if (__builtin_expect(detail::cpu_has_f16c, 1))
+      detail::store_half_f16c(dst, v);
+    else
+      detail::store_16bit_int_avx2(dst, &v);  // out of line: its constants would crowd the loop's registers
+    return;
+  }
+#endif
+  detail::store_16bit_int(dst, v);
 }
 
 /// K per-element values of a pack functor's result, one pack<double, N> each: the pack form
