@@ -571,16 +571,16 @@ GRADAPT_INLINE std::size_t apply_reduce_pack_groups(F& f, tensor_index t, std::s
   // Every access to vacc has a compile-time index (no loops over k or s), so the compiler
   // keeps the accumulators in registers instead of a stack slot that each group would load,
   // add to and store (a latency chain through store forwarding).
-  [&]<std::size_t... j>(std::index_sequence<j...>) {
-    ((vacc[j / S][j % S] = WD(0.0)), ...);
-  }(std::make_index_sequence<K * S>{});
+  [&]<std::size_t... j>(std::index_sequence<j...>) { ((vacc[j / S][j % S] = WD(0.0)), ...); }
+  (std::make_index_sequence<K * S>{});
   std::size_t i = b;
   for (; i + group <= e; i += group)
     reduce_group_packs<Indexed, P>(fc, t, i, vacc, std::make_index_sequence<S>{}, std::index_sequence<I...>{},
                                    p...);
   [&]<std::size_t... j>(std::index_sequence<j...>) {
     (vacc[j / S][j % S].store(&acc[j / S][(j % S) * W]), ...);
-  }(std::make_index_sequence<K * S>{});
+  }
+  (std::make_index_sequence<K * S>{});
   return i;
 }
 
