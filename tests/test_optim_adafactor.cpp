@@ -28,6 +28,7 @@
 #include "catch.hpp"
 #include "gradapt/backend/host.hpp"
 #include "gradapt/optim/adafactor.hpp"
+#include "gradapt/optim/sm3.hpp"
 
 using Catch::Matchers::Contains;
 using gradapt::host;
@@ -489,6 +490,27 @@ TEST_CASE("adafactor save/restore continues bit-identically; the step allocates 
     REQUIRE_THROWS_WITH(sm.load(b, bytes), Contains("momentum length"));
     REQUIRE(sc.steps() == 6);
   }
+}
+
+TEST_CASE("sm3's steady-state step allocates nothing (1 and 2 threads, with and without momentum)",
+          "[optim][sm3]") {
+  // The counter lives in this executable; shapes_mix() holds 1-D to 4-D tensors, so the host
+  // step's fused covers, its line pieces and the leading-dim covers all run.
+  for (const int threads : {1, 2})
+    for (const double mom : {0.0, 0.9}) {
+      auto a = shapes_mix();
+      auto pa = list_of(a);
+      host b{.threads = threads};
+      gradapt::sm3 opt({.lr = 0.05, .momentum = mom});
+      auto sa = opt.init(b, pa);
+      for (int s = 1; s <= 4; ++s) {
+        for (std::size_t k = 0; k < a.size(); ++k)
+          fill_grad(a[k], 11u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
+        const long before = g_allocs.load();
+        opt.step(b, pa, sa);
+        if (s > 1) REQUIRE(g_allocs.load() == before);
+      }
+    }
 }
 
 TEST_CASE("adafactor edge cases", "[optim][adafactor]") {

@@ -14,11 +14,18 @@
 /// 1-D and rank-0 tensors keep a full accumulator (a = g² + a). State: d_0 + ... + d_{k−1}
 /// elements for a rank-k tensor (n + m for an n × m matrix), plus the momentum buffer.
 ///
-/// Passes per tensor of rank k >= 2, seen as [d_0 ⋯ d_{k−2}, d_{k−1}]: (1) read g, a, and the
-/// maxima of a over the last axis and over the others (backend `reduce_factored` with max);
-/// (2) read p, g (and m), write p (and m); then the small arrays: the maxima over the last
-/// axis are reduced again for the covers of the other dims. For k >= 3 the covers of the
-/// first k − 1 dims are first expanded into their minimum (a workspace of d_0 ⋯ d_{k−2}).
+/// Passes per tensor of rank k >= 2, seen as [d_0 ⋯ d_{k−2}, d_{k−1}] (lines of d_{k−1}).
+/// On the host (a backend with `run_tasks`): one pass that reads p, g (and m) once, computes a
+/// from the old covers, keeps the maxima of a per line and per column, and writes p (and m);
+/// the tensors (large ones cut into pieces of whole lines) run as one-thread tasks in one
+/// parallel region, and the covers are written when a tensor's pieces are done. On other
+/// backends (CUDA): (1) read g, a, and the maxima of a over the last axis and over the others
+/// (backend `reduce_factored` with max); (2) read p, g (and m), write p (and m); then the small
+/// arrays: the maxima over the last axis are reduced again for the covers of the other dims,
+/// and for k >= 3 the covers of the first k − 1 dims are first expanded into their minimum (a
+/// workspace of d_0 ⋯ d_{k−2}). Both give the same values (the maxima do not depend on order;
+/// a NaN maximum is stored as the positive quiet NaN), and the host's are the same bits for
+/// any thread count and for its AVX2, SSE2 and scalar paths.
 ///
 /// Non-finite gradients: an inf or NaN in g makes a (and then the covers of its row and column,
 /// for good) inf or NaN; as in optax, an element whose a is NaN gets u = 0 unless its own g is
@@ -28,7 +35,10 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include "gradapt/backend/simd.hpp"
@@ -99,20 +109,29 @@ GRADAPT_HD GRADAPT_INLINE void finish(V u, V& p, C lr, C b1, C one_minus_b1, V* 
   p = p - V(lr) * u;
 }
 
-/// The update pass of a tensor of rank >= 2: f(r, c, p, g[, m]).
+/// The update pass of a tensor of rank >= 2: f(r, c, p, g[, m]). `accumulate` and `update` are
+/// its two halves, which the host's fused pass calls separately (it also takes the maxima of a).
 template <bool Mom, class C>
 struct covered_update {
   static constexpr bool vectorizable = true;
   C c1, c2, eps, lr, b1, one_minus_b1;
+  /// a = c1 g² + c2 min(r, c).
+  template <class V>
+  GRADAPT_HD GRADAPT_INLINE V accumulate(const V& r, const V& c, const V& g) const {
+    return V(c1) * (g * g) + V(c2) * simd::min(r, c);
+  }
+  /// p ← p − η (momentum of) g / √(a + eps) (0 where a <= 0).
+  template <class V>
+  GRADAPT_HD GRADAPT_INLINE void update(const V& a, V& p, const V& g, V* m) const {
+    finish<Mom>(update_of(g, a, eps), p, lr, b1, one_minus_b1, m);
+  }
   template <class V>
   GRADAPT_HD GRADAPT_INLINE void operator()(V r, V c, V& p, V& g) const requires(!Mom) {
-    const V a = V(c1) * (g * g) + V(c2) * simd::min(r, c);
-    finish<false>(update_of(g, a, eps), p, lr, b1, one_minus_b1, static_cast<V*>(nullptr));
+    update(accumulate(r, c, g), p, g, static_cast<V*>(nullptr));
   }
   template <class V>
   GRADAPT_HD GRADAPT_INLINE void operator()(V r, V c, V& p, V& g, V& m) const requires Mom {
-    const V a = V(c1) * (g * g) + V(c2) * simd::min(r, c);
-    finish<true>(update_of(g, a, eps), p, lr, b1, one_minus_b1, &m);
+    update(accumulate(r, c, g), p, g, &m);
   }
 };
 
@@ -135,6 +154,146 @@ struct full_update {
 
 inline constexpr std::uint64_t kind_sm3 = 2;
 
+/// max(acc, t) that keeps a NaN from either side: t where acc < t or t is NaN, else acc. The
+/// maxima of SM3's covers are order-independent with it (a NaN is stored canonical, see
+/// `canonical`), so the host's fused pass may take them in any order and over any split.
+template <class V>
+GRADAPT_INLINE V nan_max(const V& acc, const V& t) {
+  return simd::select((acc < t) | (t != t), t, acc);
+}
+/// v, with any NaN replaced by the positive quiet NaN (the value the backends' max reductions
+/// produce), so the covers' bits do not depend on which NaN was seen first.
+template <class C>
+GRADAPT_INLINE C canonical(C v) {
+  return v != v ? std::numeric_limits<C>::quiet_NaN() : v;
+}
+
+/// One work item of the host's fused step: lines [b, e) of factored tensor `tensor` (elements
+/// [b, e) of a 1-D or rank-0 one), with Y column maxima at `col_off` of the maxima buffer.
+struct host_item {
+  std::size_t tensor = 0, b = 0, e = 0, col_off = 0;
+};
+
+/// `a > b ? a : b` lane-wise: x86's maxps rule, b when either is NaN (one instruction; the
+/// fused pass keeps its running maxima in b, so a NaN maximum stays, and flags NaN terms).
+template <class V>
+GRADAPT_INLINE V gt_max(const V& a, const V& b) {
+#if GRADAPT_SIMD_PACKS
+  if constexpr (simd::is_pack_v<V>) {
+    V r;
+    for (std::size_t q = 0; q < V::parts; ++q) r.part[q] = a.part[q] > b.part[q] ? a.part[q] : b.part[q];
+    return r;
+  } else
+#endif
+  {
+    return a > b ? a : b;
+  }
+}
+
+#if GRADAPT_SIMD_PACKS
+/// The pack loop of `fused_line` (float data) in packs P of 8 floats: elements [0, j) with
+/// j the returned count; the row maximum of the non-NaN terms is folded into *racc and *bad
+/// is set when a term was NaN.
+template <class P, bool Mom>
+GRADAPT_INLINE std::size_t fused_packs(const covered_update<Mom, float>& f, float r, const float* col,
+                                       float* cm, float* p, const float* g, float* m, std::size_t Y,
+                                       float* racc, bool* bad) {
+  const P rr(r), zero(0.0f);
+  P ra(-std::numeric_limits<float>::infinity());
+  auto nan = zero != zero;
+  std::size_t j = 0;
+  for (; j + 8 <= Y; j += 8) {
+    const P gv = P::load(g + j);
+    const P a = f.accumulate(rr, P::load(col + j), gv);
+    nan = nan | (a != a);
+    ra = gt_max(a, ra);
+    gt_max(a, P::load(cm + j)).store(cm + j);
+    P pv = P::load(p + j);
+    if constexpr (Mom) {
+      P mv = P::load(m + j);
+      f.update(a, pv, gv, &mv);
+      mv.store(m + j);
+    } else {
+      f.update(a, pv, gv, static_cast<P*>(nullptr));
+    }
+    pv.store(p + j);
+  }
+  float lanes[8];
+  ra.store(lanes);
+  for (std::size_t q = 0; q < 8; ++q) {
+    *racc = gt_max(lanes[q], *racc);
+    *bad = *bad || nan[q];
+  }
+  return j;
+}
+#if defined(__x86_64__) && GRADAPT_SIMD_AVX_ASM && !defined(GRADAPT_NO_AVX2_DISPATCH)
+#define GRADAPT_SM3_AVX2_DISPATCH 1
+/// Whether this CPU runs AVX2 code (checked once).
+inline bool sm3_cpu_has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+}
+/// fused_packs compiled for AVX2 (one 32-byte register per 8 floats; no FMA, same bits).
+template <bool Mom>
+__attribute__((target("avx2"))) std::size_t fused_packs_avx2(const covered_update<Mom, float>& f, float r,
+                                                             const float* col, float* cm, float* p,
+                                                             const float* g, float* m, std::size_t Y,
+                                                             float* racc, bool* bad) {
+  return fused_packs<simd::pack<float, 8, 32>>(f, r, col, cm, p, g, m, Y, racc, bad);
+}
+#endif
+#endif
+
+/// The host's fused pass over one line of Y elements of a tensor of rank >= 2 (SM3's two passes
+/// in one read: the old covers give a, a's maxima go to the running column maxima `cm` and the
+/// returned row maximum, and the update is applied). r is the line's cover minimum, `col` the
+/// last dim's cover. The maxima are taken with `gt_max` (one instruction) and NaN terms only
+/// flagged; a line with a NaN term is looked at again (its terms recomputed from g and the old
+/// covers, which nothing has changed yet) to make its row maximum and its columns' maxima NaN.
+/// Float data runs on `simd::pack`s of 8 (AVX2 when the CPU has it; the same bits as the
+/// scalar loop, which does the tail and the other element types).
+template <bool Mom, class C, class V, class G, class S>
+C fused_line(const covered_update<Mom, C> f, C r, const S* col, S* cm, V* p, const G* g, S* m,
+             std::size_t Y) {
+  C racc = -std::numeric_limits<C>::infinity();
+  bool bad = false;
+  std::size_t j = 0;
+#if GRADAPT_SIMD_PACKS
+  if constexpr (std::is_same_v<C, float> && std::is_same_v<V, float> &&
+                std::is_same_v<std::remove_cv_t<G>, float> && std::is_same_v<S, float>) {
+#if defined(GRADAPT_SM3_AVX2_DISPATCH)
+    if (sm3_cpu_has_avx2())
+      j = fused_packs_avx2<Mom>(f, r, col, cm, p, g, m, Y, &racc, &bad);
+    else
+#endif
+      j = fused_packs<simd::pack<float, 8>>(f, r, col, cm, p, g, m, Y, &racc, &bad);
+  }
+#endif
+  for (; j < Y; ++j) {
+    const C gv = load(g[j]);
+    const C a = f.accumulate(r, load(col[j]), gv);
+    bad = bad || a != a;
+    racc = gt_max(a, racc);
+    cm[j] = gt_max(a, cm[j]);
+    C pv = load(p[j]);
+    if constexpr (Mom) {
+      C mv = load(m[j]);
+      f.update(a, pv, gv, &mv);
+      store(m[j], mv);
+    } else {
+      f.update(a, pv, gv, static_cast<C*>(nullptr));
+    }
+    store(p[j], pv);
+  }
+  if (bad) {
+    for (j = 0; j < Y; ++j) {
+      const C a = f.accumulate(r, load(col[j]), load(g[j]));
+      if (a != a) cm[j] = a;
+    }
+    racc = std::numeric_limits<C>::quiet_NaN();
+  }
+  return racc;
+}
 }  // namespace detail::sm3_k
 
 class sm3;
@@ -252,6 +411,9 @@ class sm3_state {
     std::array<std::size_t, max_rank> cover_off{};
     std::size_t acc_len = 0;
     std::size_t off = 0, m_off = 0;
+    std::size_t chunks = 0;    ///< host path: work items of this tensor
+    std::size_t col_off = 0;   ///< host path: its items' column maxima (chunks × last dim)
+    std::size_t rows_off = 0;  ///< host path: its row maxima (rank >= 3)
   };
   const tensor_info& at(std::size_t t) const {
     detail::require(t < info_.size(), "sm3_state: tensor ", t, " out of range (", info_.size(), " tensors)");
@@ -263,6 +425,10 @@ class sm3_state {
   std::vector<tensor_info> info_;
   detail::optim::buffer_t<B, S> mu_, m_, wa_, wb_;
   detail::optim::buffer_t<B, double> da_, db_, dx_;
+  // Host path (a backend with run_tasks): the work items, largest first, the column maxima of
+  // each item and the row maxima of the rank >= 3 tensors.
+  std::vector<detail::sm3_k::host_item> items_;
+  detail::optim::buffer_t<B, S> cmax_, rmax_;
 };
 
 /// SM3 (see the file comment). Same interface as the chain presets:
@@ -337,11 +503,15 @@ class sm3 {
     }
     st.mu_ = b.template allocate<St>(total);
     st.m_ = b.template allocate<St>(m_total);
-    st.wa_ = b.template allocate<St>(wa);
-    st.wb_ = b.template allocate<St>(wa);
-    st.da_ = b.template allocate<double>(wd);
-    st.db_ = b.template allocate<double>(wd);
-    st.dx_ = b.template allocate<double>(wx);
+    if constexpr (host_tasks<B>) {
+      plan_host(b, st);
+    } else {
+      st.wa_ = b.template allocate<St>(wa);
+      st.wb_ = b.template allocate<St>(wa);
+      st.da_ = b.template allocate<double>(wd);
+      st.db_ = b.template allocate<double>(wd);
+      st.dx_ = b.template allocate<double>(wx);
+    }
     return st;
   }
 
@@ -370,6 +540,16 @@ class sm3 {
     const C c2 = static_cast<C>(o_.b2);
     const C eps = static_cast<C>(o_.eps), lrc = static_cast<C>(lr), b1 = static_cast<C>(o_.momentum),
             omb1 = static_cast<C>(1.0 - o_.momentum);
+    if constexpr (host_tasks<B>) {
+      if (st.has_m_)
+        host_step(b, params, st, detail::sm3_k::covered_update<true, C>{c1, c2, eps, lrc, b1, omb1},
+                  detail::sm3_k::full_update<true, C>{c1, c2, eps, lrc, b1, omb1});
+      else
+        host_step(b, params, st, detail::sm3_k::covered_update<false, C>{c1, c2, eps, lrc, b1, omb1},
+                  detail::sm3_k::full_update<false, C>{c1, c2, eps, lrc, b1, omb1});
+      ++st.steps_;
+      return;
+    }
     const auto vec = [](auto* p, std::size_t n) {
       using T = std::remove_pointer_t<decltype(p)>;
       return tensor_view<T, space>::vector(p, static_cast<std::int64_t>(n));
@@ -448,6 +628,160 @@ class sm3 {
 
  private:
   sm3_options o_;
+
+  /// Only for the `run_tasks` probe.
+  struct one_task_probe {
+    void operator()(std::size_t, std::size_t) const {}
+  };
+  /// A host-memory backend with `run_tasks` and a `threads` field (gradapt::host): the step
+  /// runs as one fused pass per tensor, in tasks (see `host_step`).
+  template <class B>
+  static constexpr bool host_tasks = std::is_same_v<typename B::space, host_space>&& requires(B c,
+                                                                                              const B& b) {
+    c.threads = 1;
+    b.run_tasks(std::size_t{}, std::size_t{}, one_task_probe{});
+    { b.thread_count() } -> std::convertible_to<int>;
+  };
+
+  /// Splits the tensors into work items for `host_step`: with T = b.thread_count() > 1, a
+  /// tensor of more than 1/(2T) of all elements is cut into pieces of whole lines (elements for
+  /// 1-D) of about that size; items are ordered largest first (run_tasks hands them out in that
+  /// order, so the threads end together). Allocates the items' column maxima and the row maxima
+  /// of rank >= 3 tensors.
+  template <class B, class St>
+  static void plan_host(const B& b, St& st) {
+    using S = typename St::state_element;
+    const std::size_t T = static_cast<std::size_t>(std::max(1, b.thread_count()));
+    std::size_t total = 0;
+    for (const auto& i : st.info_) total += i.size;
+    const std::size_t cap = T > 1 ? std::max<std::size_t>(1, (total + 2 * T - 1) / (2 * T)) : total + 1;
+    std::size_t cm = 0, rm = 0;
+    st.items_.clear();
+    for (std::size_t k = 0; k < st.info_.size(); ++k) {
+      auto& i = st.info_[k];
+      if (i.size == 0) continue;
+      const bool factored = i.rank >= 2;
+      const std::size_t Y = factored ? static_cast<std::size_t>(i.dims[i.rank - 1]) : 1;
+      const std::size_t lines = i.size / Y;
+      const std::size_t n = std::min(lines, (i.size + cap - 1) / cap);
+      i.chunks = n;
+      if (factored) {
+        i.col_off = cm;
+        cm += n * Y;
+        if (i.rank >= 3) {
+          i.rows_off = rm;
+          rm += lines;
+        }
+      }
+      for (std::size_t c = 0; c < n; ++c)
+        st.items_.push_back({k, lines * c / n, lines * (c + 1) / n, i.col_off + c * Y});
+    }
+    const auto work = [&](const detail::sm3_k::host_item& it) {
+      const auto& i = st.info_[it.tensor];
+      return (it.e - it.b) * (i.rank >= 2 ? static_cast<std::size_t>(i.dims[i.rank - 1]) : 1);
+    };
+    std::stable_sort(st.items_.begin(), st.items_.end(),
+                     [&](const auto& x, const auto& y) { return work(x) > work(y); });
+    st.cmax_ = b.template allocate<S>(cm);
+    st.rmax_ = b.template allocate<S>(rm);
+  }
+
+  /// The host step: every work item as a one-thread task (`host::run_tasks`: one parallel
+  /// region, no barrier inside). An item of a tensor of rank >= 2 makes one pass over its lines
+  /// (`fused_line`: a from the old covers, its row and column maxima, the update), writes the
+  /// row maxima (a rank-2 tensor's first cover directly: line l reads only entry l) and keeps
+  /// its column maxima; the covers read by other lines are written when all of the tensor's
+  /// items are done (by the task itself when it is the only one, else after the region). The
+  /// maxima do not depend on the order or the split, so the result is the same for any thread
+  /// count, and the same bits as the two-pass form.
+  template <bool Mom, class B, class V, class G, class Options, class S, class C>
+  static void host_step(const B& b, const param_list<V, G, typename B::space, Options>& params,
+                        sm3_state<B, V, G, S>& st, const detail::sm3_k::covered_update<Mom, C>& cu,
+                        const detail::sm3_k::full_update<Mom, C>& fu) {
+    B b1 = b;
+    b1.threads = 1;
+    const auto run = [&](std::size_t q, std::size_t) {
+      const auto& it = st.items_[q];
+      const auto& i = st.info_[it.tensor];
+      const auto& e = params[it.tensor];
+      V* p = e.value.flat().data();
+      const G* g = e.grad.flat().data();
+      S* mu = st.mu_.data() + i.off;
+      S* m = Mom ? st.m_.data() + i.m_off : nullptr;
+      if (i.rank < 2) {
+        const std::size_t n = it.e - it.b;
+        const auto v = [&](auto* x) {
+          using T = std::remove_pointer_t<decltype(x)>;
+          return tensor_view<T, host_space>::vector(x + it.b, static_cast<std::int64_t>(n));
+        };
+        if constexpr (Mom)
+          b1.apply(fu, v(p), v(g), v(mu), v(m));
+        else
+          b1.apply(fu, v(p), v(g), v(mu));
+        return;
+      }
+      const std::size_t r = i.rank;
+      const auto Y = static_cast<std::size_t>(i.dims[r - 1]);
+      S* cm = st.cmax_.data() + it.col_off;
+      std::fill(cm, cm + Y, -std::numeric_limits<S>::infinity());
+      const S* col = mu + i.cover_off[r - 1];
+      for (std::size_t l = it.b; l < it.e; ++l) {
+        const std::size_t at = l * Y;
+        if (r == 2) {
+          const C mx = detail::sm3_k::fused_line(cu, static_cast<C>(mu[l]), col, cm, p + at, g + at,
+                                                 m ? m + at : nullptr, Y);
+          mu[l] = static_cast<S>(detail::sm3_k::canonical(mx));
+        } else {
+          // The cover minimum of line l: min over dims q < r - 1 of cover_q[i_q], in q order.
+          std::size_t idx[max_rank];
+          for (std::size_t q = r - 1, rest = l; q-- > 0;) {
+            idx[q] = rest % static_cast<std::size_t>(i.dims[q]);
+            rest /= static_cast<std::size_t>(i.dims[q]);
+          }
+          C rv = static_cast<C>(mu[idx[0]]);
+          for (std::size_t q = 1; q + 1 < r; ++q)
+            rv = simd::min(rv, static_cast<C>(mu[i.cover_off[q] + idx[q]]));
+          st.rmax_.data()[i.rows_off + l] = static_cast<S>(
+              detail::sm3_k::fused_line(cu, rv, col, cm, p + at, g + at, m ? m + at : nullptr, Y));
+        }
+      }
+      if (i.chunks == 1) finish_covers(st, it.tensor);
+    };
+    b.run_tasks(st.items_.size(), st.items_.size(), run);
+    for (std::size_t k = 0; k < st.info_.size(); ++k)
+      if (st.info_[k].rank >= 2 && st.info_[k].chunks > 1) finish_covers(st, k);
+  }
+
+  /// The new covers of factored tensor k once all its items ran: the last dim's from the items'
+  /// column maxima; for rank >= 3 the others from the row maxima (a rank-2 tensor's first cover
+  /// is already written).
+  template <class St>
+  static void finish_covers(St& st, std::size_t k) {
+    using S = typename St::state_element;
+    const auto& i = st.info_[k];
+    const std::size_t r = i.rank;
+    const auto Y = static_cast<std::size_t>(i.dims[r - 1]);
+    S* mu = st.mu_.data() + i.off;
+    const S* cm = st.cmax_.data() + i.col_off;
+    S* col = mu + i.cover_off[r - 1];
+    for (std::size_t j = 0; j < Y; ++j) {
+      S v = cm[j];
+      for (std::size_t c = 1; c < i.chunks; ++c) v = detail::sm3_k::nan_max(v, cm[c * Y + j]);
+      col[j] = detail::sm3_k::canonical(v);
+    }
+    if (r < 3) return;
+    std::fill(mu, mu + i.cover_off[r - 1], -std::numeric_limits<S>::infinity());
+    const S* rm = st.rmax_.data() + i.rows_off;
+    const std::size_t lines = i.size / Y;
+    for (std::size_t l = 0; l < lines; ++l)
+      for (std::size_t q = r - 1, rest = l; q-- > 0;) {
+        const auto dq = static_cast<std::size_t>(i.dims[q]);
+        S& c = mu[i.cover_off[q] + rest % dq];
+        c = detail::sm3_k::nan_max(c, rm[l]);
+        rest /= dq;
+      }
+    for (std::size_t j = 0; j < i.cover_off[r - 1]; ++j) mu[j] = detail::sm3_k::canonical(mu[j]);
+  }
 };
 
 }  // namespace gradapt
