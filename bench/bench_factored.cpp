@@ -18,11 +18,12 @@
 // are processed one at a time so that the repeated reads of a tensor of a few MB hit the last-level cache.
 // Compiled like a consumer (plain -O2, no -march, no fast-math).
 //
-//   bench_factored [rounds=9] [threads...=1 2]
-#include <algorithm>
-#include <chrono>
+// Google Benchmark: one benchmark per step with argument = threads (1 and 2), each iteration a
+// paired round (bench/paired.hpp), 9 iterations unless --rounds=N; a table with the floors
+// follows the console output.
+//
+//   bench_factored [--rounds=9] [--benchmark_filter=/2]
 #include <cstdio>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -30,10 +31,9 @@
 #include "gradapt/backend/host.hpp"
 #include "gradapt/optim/adafactor.hpp"
 #include "gradapt/optim/sm3.hpp"
+#include "paired.hpp"
 
 namespace {
-
-using clock_type = std::chrono::steady_clock;
 
 using gradapt_bench::tensor_shape;
 inline std::vector<tensor_shape> shapes() { return gradapt_bench::gpt2_small_shapes(); }
@@ -83,64 +83,39 @@ void roof(model& m, int t) {
   for (std::size_t i = 0; i < n; ++i) p[i] += 1e-9f * g[i];
 }
 
-double seconds(clock_type::time_point a, clock_type::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
+model& the_model() {
+  static model m;
+  return m;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
-struct row {
-  std::string name;
-  int threads;
-  double ms, gbs, vs_triad, vs_roof, triad_gbs, floor;
-};
-
+/// One optimizer step per paired round; the state is created (and warmed up by one step) per
+/// benchmark run.
 template <class Opt>
-row measure(model& m, const char* name, const Opt& opt, double bytes_per_param, int threads, int rounds,
-            double floor) {
+void run_step(benchmark::State& st, const Opt& opt, double bytes_per_param) {
+  model& m = the_model();
+  const int threads = static_cast<int>(st.range(0));
   gradapt::host backend{.threads = threads};
-  auto st = opt.init(backend, m.params);
-  opt.step(backend, m.params, st);  // warm-up (first touch of the state)
-  std::vector<double> k_time, vs_triad, vs_roof, triad_bw;
-  const double n = static_cast<double>(m.n);
-  for (int r = 0; r < rounds; ++r) {
-    const auto t0 = clock_type::now();
-    triad(m, threads);
-    const auto t1 = clock_type::now();
-    roof(m, threads);
-    const auto t2 = clock_type::now();
-    opt.step(backend, m.params, st);
-    const auto t3 = clock_type::now();
-    const double tri = 12.0 * n / seconds(t0, t1);
-    const double rf = 12.0 * n / seconds(t1, t2);
-    const double k = bytes_per_param * n / seconds(t2, t3);
-    k_time.push_back(seconds(t2, t3));
-    vs_triad.push_back(k / tri);
-    vs_roof.push_back(k / rf);
-    triad_bw.push_back(tri);
-  }
-  const double t = median(k_time);
-  return {name,
-          threads,
-          t * 1e3,
-          bytes_per_param * n / t * 1e-9,
-          median(vs_triad),
-          median(vs_roof),
-          median(triad_bw) * 1e-9,
-          floor};
+  auto state = opt.init(backend, m.params);
+  opt.step(backend, m.params, state);  // warm-up (first touch of the state)
+  gradapt_bench::paired_rounds(
+      st, {static_cast<double>(m.n), bytes_per_param, 12.0}, [&] { triad(m, threads); },
+      [&] { roof(m, threads); }, [&] { opt.step(backend, m.params, state); });
 }
+
+void adafactor(benchmark::State& st) { run_step(st, gradapt::adafactor({.lr = 1e-3}), 12); }
+void adafactor_torch(benchmark::State& st) {
+  run_step(st, gradapt::adafactor(gradapt::torch_adafactor_options(1e-3)), 12);
+}
+void sm3_momentum(benchmark::State& st) { run_step(st, gradapt::sm3({.lr = 1e-3}), 20); }
+void sm3(benchmark::State& st) { run_step(st, gradapt::sm3({.lr = 1e-3, .momentum = 0.0}), 12); }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int rounds = argc > 1 ? std::atoi(argv[1]) : 9;
-  std::vector<int> threads;
-  for (int i = 2; i < argc; ++i) threads.push_back(std::atoi(argv[i]));
-  if (threads.empty()) threads = {1, 2};
-  model m;
+  const int rounds = gradapt_bench::take_rounds(argc, argv, 9);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  const model& m = the_model();
   std::printf("%zu tensors, %.1fM fp32 parameters (%.2f GB per stream); %d paired rounds, medians\n",
               m.params.size(), static_cast<double>(m.n) * 1e-6, static_cast<double>(m.n) * 4e-9, rounds);
   {
@@ -150,25 +125,21 @@ int main(int argc, char** argv) {
                 st.state_elements(), static_cast<double>(st.state_elements()) * 4e-6, m.n,
                 static_cast<double>(st.workspace_bytes()) * 1e-6);
   }
-  std::vector<row> rows;
-  for (int t : threads) {
-    rows.push_back(measure(m, "adafactor", gradapt::adafactor({.lr = 1e-3}), 12, t, rounds, 0.60));
-    rows.push_back(measure(m, "adafactor_torch", gradapt::adafactor(gradapt::torch_adafactor_options(1e-3)),
-                           12, t, rounds, 0.60));
-    rows.push_back(measure(m, "sm3_momentum", gradapt::sm3({.lr = 1e-3}), 20, t, rounds, 0.60));
-    rows.push_back(measure(m, "sm3", gradapt::sm3({.lr = 1e-3, .momentum = 0.0}), 12, t, rounds, 0.60));
-  }
-  std::printf("\n%-16s %7s %10s %10s %10s %10s %10s %8s\n", "step", "threads", "ms", "eff GB/s", "triad GB/s",
-              "vs triad", "vs roof", "floor");
-  for (const auto& r : rows)
-    std::printf("%-16s %7d %10.1f %10.1f %10.1f %10.2f %10.2f %8s\n", r.name.c_str(), r.threads, r.ms, r.gbs,
-                r.triad_gbs, r.vs_triad, r.vs_roof,
-                r.floor > 0 && r.threads == 2 ? (r.vs_triad >= r.floor ? "met" : "MISSED") : "-");
-  std::printf(
-      "\neff GB/s: fewest bytes the step must move (Adafactor and SM3 without momentum 12 B, SM3 with "
-      "momentum "
-      "20 B per parameter) / step time.\n"
-      "vs triad / vs roof: per-round ratios to the triad loop and to p += s g (the same three streams).\n"
-      "floor (issue 5, 2 threads): Adafactor and SM3 >= 0.60 of triad.\n");
+  for (auto [name, fn] : {std::pair{"adafactor", &adafactor}, std::pair{"adafactor_torch", &adafactor_torch},
+                          std::pair{"sm3_momentum", &sm3_momentum}, std::pair{"sm3", &sm3}})
+    benchmark::RegisterBenchmark(name, fn)
+        ->Arg(1)
+        ->Arg(2)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond)
+        ->Iterations(rounds);
+  gradapt_bench::table_reporter rep;
+  rep.floors = {{"adafactor", 0.60}, {"adafactor_torch", 0.60}, {"sm3_momentum", 0.60}, {"sm3", 0.60}};
+  benchmark::RunSpecifiedBenchmarks(&rep);
+  rep.print_table(
+      "eff GB/s: fewest bytes the step must move (Adafactor and SM3 without momentum 12 B, SM3 with momentum "
+      "20 B per parameter) / step time; the roof is p += s g (12 B).\n"
+      "floor (issue 5, 2 threads): Adafactor >= 0.60 of triad (SM3 held to the same).");
+  benchmark::Shutdown();
   return 0;
 }
