@@ -127,12 +127,7 @@ int main(int argc, char** argv) {
   }
   for (auto [name, fn] : {std::pair{"adafactor", &adafactor}, std::pair{"adafactor_torch", &adafactor_torch},
                           std::pair{"sm3_momentum", &sm3_momentum}, std::pair{"sm3", &sm3}})
-    benchmark::RegisterBenchmark(name, fn)
-        ->Arg(1)
-        ->Arg(2)
-        ->UseManualTime()
-        ->Unit(benchmark::kMillisecond)
-        ->Iterations(rounds);
+    gradapt_bench::register_paired(name, fn, rounds);
   gradapt_bench::table_reporter rep;
   rep.floors = {{"adafactor", 0.60}, {"adafactor_torch", 0.60}, {"sm3_momentum", 0.60}, {"sm3", 0.60}};
   benchmark::RunSpecifiedBenchmarks(&rep);

@@ -139,12 +139,7 @@ int main(int argc, char** argv) {
               m.params.size(), static_cast<double>(m.n) * 1e-6, static_cast<double>(m.n) * 4e-9, rounds);
   for (auto [name, fn] : {std::pair{"sgd_momentum", &sgd_momentum}, std::pair{"adamw", &adamw},
                           std::pair{"lamb", &lamb}, std::pair{"lars", &lars}})
-    benchmark::RegisterBenchmark(name, fn)
-        ->Arg(1)
-        ->Arg(2)
-        ->UseManualTime()
-        ->Unit(benchmark::kMillisecond)
-        ->Iterations(rounds);
+    gradapt_bench::register_paired(name, fn, rounds);
   gradapt_bench::table_reporter rep;
   rep.floors = {{"sgd_momentum", 0.85}, {"adamw", 0.85}, {"lamb", 0.65}, {"lars", 0.65}};
   benchmark::RunSpecifiedBenchmarks(&rep);

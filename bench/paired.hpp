@@ -81,6 +81,17 @@ inline int take_rounds(int& argc, char** argv, int fallback) {
   return rounds;
 }
 
+/// Registers `fn` as paired-round benchmark `name` at 1 and 2 threads (its argument), timed
+/// manually in milliseconds, `rounds` iterations.
+inline void register_paired(const char* name, void (*fn)(benchmark::State&), int rounds) {
+  benchmark::RegisterBenchmark(name, fn)
+      ->Arg(1)
+      ->Arg(2)
+      ->UseManualTime()
+      ->Unit(benchmark::kMillisecond)
+      ->Iterations(rounds);
+}
+
 /// Console output, then a table of the paired counters with floors.
 class table_reporter : public benchmark::ConsoleReporter {
  public:

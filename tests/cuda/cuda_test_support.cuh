@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -122,6 +123,32 @@ inline std::vector<std::size_t> list_sizes(std::size_t count, std::uint64_t seed
     }
   }
   return s;
+}
+
+/// Runs `step()` while `stream` is captured into a CUDA graph in global mode, so any host
+/// synchronisation, copy to the host or allocation inside it fails the capture (and the CUDA
+/// check in gradapt throws); then launches the graph once and waits for it. REQUIREs that
+/// nothing threw and the capture succeeded: the proof that a step never waits for the host.
+template <class Fn>
+void capture_and_launch(cudaStream_t stream, Fn&& step) {
+  REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) == cudaSuccess);
+  std::string thrown;
+  try {
+    step();
+  } catch (const std::exception& e) {
+    thrown = e.what();
+  }
+  cudaGraph_t graph = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+  INFO("exception during capture: " << thrown);
+  REQUIRE(thrown.empty());
+  REQUIRE(ended == cudaSuccess);
+  cudaGraphExec_t exec = nullptr;
+  REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+  REQUIRE(cudaGraphLaunch(exec, stream) == cudaSuccess);
+  REQUIRE(cudaStreamSynchronize(stream) == cudaSuccess);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
 }
 
 }  // namespace gradapt_test
