@@ -35,45 +35,11 @@
 
 namespace {
 
-using gradapt_bench::tensor_shape;
-inline std::vector<tensor_shape> shapes() { return gradapt_bench::gpt2_small_shapes(); }
-
-struct model {
-  std::size_t n = 0;
-  std::vector<float> p, g;
-  std::vector<float> ta, tb, tc;
-  gradapt::param_list<float> params;
-  model() {
-    const auto s = shapes();
-    for (const auto& t : s) {
-      std::size_t k = 1;
-      for (auto d : t.dims) k *= static_cast<std::size_t>(d);
-      n += k;
-    }
-    p.assign(n, 0.0f);
-    g.assign(n, 0.0f);
-    for (std::size_t i = 0; i < n; ++i) {
-      p[i] = 0.02f * static_cast<float>(static_cast<int>(i * 2654435761u % 2001) - 1000) / 1000.0f;
-      g[i] = 1e-3f * static_cast<float>(static_cast<int>(i * 40503u % 2001) - 1000) / 1000.0f;
-    }
-    ta.assign(n, 1.0f), tb.assign(n, 2.0f), tc.assign(n, 0.5f);
-    std::size_t off = 0;
-    for (const auto& t : s) {
-      const gradapt::tensor_view<float> pv(p.data() + off, t.dims), gv(g.data() + off, t.dims);
-      params.add(t.name, pv, gv);
-      off += pv.size();
-    }
-  }
+struct model : gradapt_bench::gpt2_bucket {
+  model() : gpt2_bucket(false) {}
 };
 
-void triad(model& m, int t) {
-  float* __restrict a = m.ta.data();
-  const float* __restrict b = m.tb.data();
-  const float* __restrict c = m.tc.data();
-  const std::size_t n = m.n;
-#pragma omp parallel for simd schedule(static) num_threads(t)
-  for (std::size_t i = 0; i < n; ++i) a[i] = b[i] + 0.5f * c[i];
-}
+void triad(model& m, int t) { m.triad(t); }
 
 void roof(model& m, int t) {
   float* __restrict p = m.p.data();
