@@ -28,6 +28,7 @@
 #include "catch.hpp"
 #include "gradapt/backend/host.hpp"
 #include "gradapt/optim/adafactor.hpp"
+#include "gradapt/optim/clip.hpp"
 #include "gradapt/optim/sm3.hpp"
 
 using Catch::Matchers::Contains;
@@ -511,6 +512,46 @@ TEST_CASE("sm3's steady-state step allocates nothing (1 and 2 threads, with and 
         if (s > 1) REQUIRE(g_allocs.load() == before);
       }
     }
+}
+
+TEST_CASE("adafactor composes with global-norm clipping applied to the gradients first",
+          "[optim][adafactor]") {
+  // Composition outside the optimizer: clip_by_global_norm on params.grads(), then step.
+  // Adafactor divides by the root of an EMA of g², so a constant gradient scale cancels (up to
+  // eps1): clipping to half the norm at every step leaves the trajectory as it was, while a
+  // clip factor that changes between steps changes it.
+  host b{.threads = 2};
+  gradapt::adafactor opt({.lr = 0.02});
+  auto a = shapes_mix(), c = shapes_mix(), d = shapes_mix();
+  auto pa = list_of(a), pc = list_of(c), pd = list_of(d);
+  auto sa = opt.init(b, pa), sc = opt.init(b, pc), sd = opt.init(b, pd);
+  for (int s = 1; s <= 5; ++s) {
+    for (std::size_t k = 0; k < a.size(); ++k) {
+      const unsigned seed = 13u * static_cast<unsigned>(s) + static_cast<unsigned>(k);
+      fill_grad(a[k], seed);
+      fill_grad(c[k], seed);
+      fill_grad(d[k], seed);
+    }
+    const double norm = gradapt::global_norm(b, pa.grads());
+    REQUIRE(gradapt::clip_by_global_norm(b, pc.grads(), 0.5 * norm) == norm);
+    REQUIRE(std::fabs(gradapt::global_norm(b, pc.grads()) - 0.5 * norm) <= 1e-6 * norm);
+    // d: a factor that differs from step to step (1/s of the norm).
+    gradapt::clip_by_global_norm(b, pd.grads(), norm / s);
+    opt.step(b, pa, sa);
+    opt.step(b, pc, sc);
+    opt.step(b, pd, sd);
+  }
+  double move = 0, same = 0, varied = 0;
+  const auto start = shapes_mix();
+  for (std::size_t k = 0; k < a.size(); ++k)
+    for (std::size_t i = 0; i < a[k].size(); ++i) {
+      move = std::max(move, std::fabs(double(a[k].p[i]) - double(start[k].p[i])));
+      same = std::max(same, std::fabs(double(a[k].p[i]) - double(c[k].p[i])));
+      varied = std::max(varied, std::fabs(double(a[k].p[i]) - double(d[k].p[i])));
+    }
+  REQUIRE(move > 0);
+  REQUIRE(same <= 1e-5 * move);
+  REQUIRE(varied > 1e-2 * move);
 }
 
 TEST_CASE("adafactor edge cases", "[optim][adafactor]") {
