@@ -146,12 +146,9 @@ struct vec_block {
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(GRADAPT_NO_AVX2_DISPATCH)
 #define GRADAPT_HOST_AVX2 1
-/// Whether this CPU runs AVX2 code (checked once). The AVX2 functions below are compiled for
-/// AVX2 whatever the consumer's flags (function target attribute) and chosen at run time.
-inline bool cpu_has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2");
-  return yes;
-}
+// The AVX2 functions below are compiled for AVX2 whatever the consumer's flags (function
+// target attribute) and chosen at run time by simd::detail::cpu_has_avx2.
+using simd::detail::cpu_has_avx2;
 
 typedef double v4d __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));

@@ -650,6 +650,15 @@ GRADAPT_INLINE void store_16bit_int(T* dst, const P& v) {
   }
 }
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+/// Whether this CPU runs AVX2 code (checked once): the run-time choice of every function
+/// compiled with `__attribute__((target("avx2")))` (the host backend's loops, SM3's fused pass).
+inline bool cpu_has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+}
+#endif
+
 #if GRADAPT_SIMD_AVX_ASM
 /// Whether this CPU has F16C (`vcvtps2ph`), read once at start-up. False before the static
 /// initialiser has run, which only means the integer path is used.

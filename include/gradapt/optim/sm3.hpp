@@ -228,11 +228,6 @@ GRADAPT_INLINE std::size_t fused_packs(const covered_update<Mom, float>& f, floa
 }
 #if defined(__x86_64__) && GRADAPT_SIMD_AVX_ASM && !defined(GRADAPT_NO_AVX2_DISPATCH)
 #define GRADAPT_SM3_AVX2_DISPATCH 1
-/// Whether this CPU runs AVX2 code (checked once).
-inline bool sm3_cpu_has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2");
-  return yes;
-}
 /// fused_packs compiled for AVX2 (one 32-byte register per 8 floats; no FMA, same bits).
 template <bool Mom>
 __attribute__((target("avx2"))) std::size_t fused_packs_avx2(const covered_update<Mom, float>& f, float r,
@@ -262,7 +257,7 @@ C fused_line(const covered_update<Mom, C> f, C r, const S* col, S* cm, V* p, con
   if constexpr (std::is_same_v<C, float> && std::is_same_v<V, float> &&
                 std::is_same_v<std::remove_cv_t<G>, float> && std::is_same_v<S, float>) {
 #if defined(GRADAPT_SM3_AVX2_DISPATCH)
-    if (sm3_cpu_has_avx2())
+    if (simd::detail::cpu_has_avx2())
       j = fused_packs_avx2<Mom>(f, r, col, cm, p, g, m, Y, &racc, &bad);
     else
 #endif
