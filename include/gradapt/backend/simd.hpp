@@ -122,6 +122,17 @@ GRADAPT_HD GRADAPT_INLINE double widen(float x) { return static_cast<double>(x);
 /// Identity for double.
 GRADAPT_HD GRADAPT_INLINE double widen(double x) { return x; }
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+namespace detail {
+/// Whether this CPU runs AVX2 code (checked once): the run-time choice of every function
+/// compiled with `__attribute__((target("avx2")))` (the host backend's loops, SM3's fused pass).
+inline bool cpu_has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+}
+}  // namespace detail
+#endif
+
 #if GRADAPT_SIMD_PACKS
 
 /// Bytes of one native vector register a pack is built from: 32 when the consumer compiles
@@ -649,15 +660,6 @@ GRADAPT_INLINE void store_16bit_int(T* dst, const P& v) {
     *reinterpret_cast<VH*>(dst + p * P::part_lanes) = __builtin_convertvector(b, VH);
   }
 }
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-/// Whether this CPU runs AVX2 code (checked once): the run-time choice of every function
-/// compiled with `__attribute__((target("avx2")))` (the host backend's loops, SM3's fused pass).
-inline bool cpu_has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2");
-  return yes;
-}
-#endif
 
 #if GRADAPT_SIMD_AVX_ASM
 /// Whether this CPU has F16C (`vcvtps2ph`), read once at start-up. False before the static
