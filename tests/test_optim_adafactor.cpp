@@ -275,14 +275,15 @@ std::vector<tensor> shapes_mix() {
 // Runs gradapt and the reference side by side for `steps` steps and returns the largest
 // |gradapt - ref| / (largest movement of the reference), so 1e-4 means "a 1e-4 fraction of
 // what the optimizer did".
-double run_compare(const gradapt::adafactor_options& o, int steps, int threads = 2,
-                   std::vector<tensor> (*shapes)() = shapes_mix) {
+// `opt` is gradapt::adafactor(o) or gradapt::adafactor_chain(o).
+template <class Opt>
+double run_compare_with(const Opt& opt, const gradapt::adafactor_options& o, int steps, int threads = 2,
+                        std::vector<tensor> (*shapes)() = shapes_mix) {
   auto mine = shapes();
   auto theirs = shapes();
   const auto start = shapes();
   host b{.threads = threads};
   auto pl = list_of(mine);
-  gradapt::adafactor opt(o);
   auto st = opt.init(b, pl);
   ref_opt ref{o, {}, 0};
   ref.init(theirs);
@@ -306,6 +307,11 @@ double run_compare(const gradapt::adafactor_options& o, int steps, int threads =
   REQUIRE(move > 0);
   // Both sides round p to float every step: a few ulps of the largest |p| are allowed on top.
   return std::max(0.0, err - 4 * std::ldexp(top, -23)) / move;
+}
+
+double run_compare(const gradapt::adafactor_options& o, int steps, int threads = 2,
+                   std::vector<tensor> (*shapes)() = shapes_mix) {
+  return run_compare_with(gradapt::adafactor(o), o, steps, threads, shapes);
 }
 
 }  // namespace
@@ -335,6 +341,13 @@ TEST_CASE("adafactor matches a long double re-computation of the paper's algorit
     const double d = run_compare(v.o, 5);
     WARN(v.name << ": largest difference " << d << " of the movement");
     REQUIRE(d <= 2e-5);
+    // The same algorithm composed from stages (adafactor_chain), on 1 and 3 threads.
+    for (const int threads : {1, 3}) {
+      const double dc = run_compare_with(gradapt::adafactor_chain(v.o), v.o, 5, threads);
+      WARN(v.name << ", adafactor_chain on " << threads << " thread(s): largest difference " << dc
+                  << " of the movement");
+      REQUIRE(dc <= 2e-5);
+    }
   }
 }
 
@@ -1019,18 +1032,22 @@ TEST_CASE("adafactor and sm3 match optax and torch.optim.Adafactor reference vec
     REQUIRE(c.steps > 1);
     REQUIRE(c.scale > 0);
     for (double d : c.sensitivity) REQUIRE(d > 10 * rtol);
-    std::map<int, std::vector<std::vector<float>>> mine;
+    std::vector<std::pair<std::string, std::map<int, std::vector<std::vector<float>>>>> runs;
     if (c.optimizer == "adafactor") {
-      mine = run_ref_case(gradapt::adafactor(adafactor_from(c.opt)), c, 2);
+      runs.emplace_back("adafactor", run_ref_case(gradapt::adafactor(adafactor_from(c.opt)), c, 2));
+      runs.emplace_back("adafactor_chain", run_ref_case(gradapt::adafactor_chain(adafactor_from(c.opt)), c, 2));
       ++adafactor_cases;
       torch_cases += c.name.find("torch") != std::string::npos;
     } else {
       REQUIRE(c.optimizer == "sm3");
-      mine = run_ref_case(
-          gradapt::sm3({.lr = c.opt.at("lr"), .momentum = c.opt.at("momentum"), .eps = c.opt.at("eps")}), c,
-          2);
+      runs.emplace_back("sm3", run_ref_case(gradapt::sm3({.lr = c.opt.at("lr"),
+                                                           .momentum = c.opt.at("momentum"),
+                                                           .eps = c.opt.at("eps")}),
+                                            c, 2));
       ++sm3_cases;
     }
+    for (const auto& [form, mine] : runs) {
+    INFO("optimizer " << form);
     double worst = 0;
     for (const auto& r : c.results) {
       std::size_t t = 0;
@@ -1059,10 +1076,298 @@ TEST_CASE("adafactor and sm3 match optax and torch.optim.Adafactor reference vec
         }
       }
     }
-    WARN("case " << c.name << ": largest difference " << worst << " of the movement scale (tolerance " << rtol
-                 << ")");
+    WARN("case " << c.name << " (" << form << "): largest difference " << worst
+                 << " of the movement scale (tolerance " << rtol << ")");
+    }
   }
   REQUIRE(adafactor_cases >= 5);
   REQUIRE(torch_cases >= 2);
   REQUIRE(sm3_cases >= 2);
+}
+
+// ---- adafactor_chain and user chains starting with transform::scale_by_factored_rms -------------
+
+TEST_CASE("adafactor_chain: n + m state elements for an n x m matrix, momentum buffer per parameter",
+          "[optim][adafactor][chain]") {
+  std::vector<tensor> ts = {make("w", {300, 129}, 1), make("b", {300}, 2), make("small", {127, 500}, 3),
+                            make("c", {4, 200, 130}, 4), make("empty", {0, 200}, 5)};
+  auto pl = list_of(ts);
+  host b{};
+  const std::size_t stats = 300 + 129 + 300 + 127 * 500 + 4 * (200 + 130);
+  {
+    auto st = gradapt::adafactor_chain().init(b, pl);
+    REQUIRE(st.factored(0));
+    REQUIRE(st.buffer(0)[0].size() == 300 + 129);
+    REQUIRE(!st.factored(1));
+    REQUIRE(st.buffer(0)[1].size() == 300);
+    REQUIRE(!st.factored(2));
+    REQUIRE(st.factored(3));
+    REQUIRE(st.buffer(0)[3].size() == 4 * (200 + 130));
+    REQUIRE(!st.factored(4));
+    REQUIRE(st.buffer(0)[4].size() == 0);
+    REQUIRE(st.state_elements() == stats);
+    REQUIRE_THROWS_WITH(st.factored(5), Contains("out of range"));
+  }
+  {
+    auto st = gradapt::adafactor_chain({.momentum = 0.9}).init(b, pl);
+    REQUIRE(st.state_elements() == stats + pl.total_elements());
+  }
+}
+
+TEST_CASE("adafactor_chain is bitwise independent of the thread count, restores exactly and allocates nothing",
+          "[optim][adafactor][chain]") {
+  const gradapt::adafactor_options o{.lr = 0.03, .momentum = 0.5, .weight_decay = 1e-3};
+  std::vector<std::vector<float>> out;
+  for (int th : {1, 2, 3}) {
+    auto ts = shapes_mix();
+    ts.push_back(make("huge", {515, 257}, 11));  // the parallel host paths
+    auto pl = list_of(ts);
+    host b{.threads = th};
+    const auto opt = gradapt::adafactor_chain(o);
+    auto st = opt.init(b, pl);
+    for (int s = 1; s <= 3; ++s) {
+      for (std::size_t k = 0; k < ts.size(); ++k)
+        fill_grad(ts[k], 31u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
+      const long before = g_allocs.load();
+      opt.step(b, pl, st);
+      if (s > 1) REQUIRE(g_allocs.load() == before);
+    }
+    std::vector<float> all;
+    for (auto& t : ts) all.insert(all.end(), t.p.begin(), t.p.end());
+    out.push_back(all);
+  }
+  for (std::size_t r = 1; r < out.size(); ++r)
+    for (std::size_t i = 0; i < out[0].size(); ++i)
+      REQUIRE(std::bit_cast<std::uint32_t>(out[r][i]) == std::bit_cast<std::uint32_t>(out[0][i]));
+
+  // Save after 3 steps, restore into a fresh state, continue: the same bits.
+  auto a = shapes_mix();
+  auto pa = list_of(a);
+  host b{.threads = 2};
+  const auto opt = gradapt::adafactor_chain(o);
+  auto sa = opt.init(b, pa);
+  for (int s = 1; s <= 3; ++s) {
+    for (std::size_t k = 0; k < a.size(); ++k) fill_grad(a[k], 5u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
+    opt.step(b, pa, sa);
+  }
+  const auto bytes = sa.save(b);
+  auto c = a;
+  auto pc = list_of(c);
+  auto sc = opt.init(b, pc);
+  sc.load(b, bytes);
+  REQUIRE(sc.steps() == 3);
+  for (int s = 4; s <= 5; ++s) {
+    for (std::size_t k = 0; k < a.size(); ++k) {
+      fill_grad(a[k], 5u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
+      fill_grad(c[k], 5u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
+    }
+    opt.step(b, pa, sa);
+    opt.step(b, pc, sc);
+  }
+  for (std::size_t k = 0; k < a.size(); ++k)
+    for (std::size_t i = 0; i < a[k].size(); ++i)
+      REQUIRE(std::bit_cast<std::uint32_t>(a[k].p[i]) == std::bit_cast<std::uint32_t>(c[k].p[i]));
+  REQUIRE(sa.save(b) == sc.save(b));
+  // A state whose tensors factor differently (min_dim 16 factors "small") rejects the bytes.
+  auto other = gradapt::adafactor_chain({.lr = 0.03, .min_dim_size_to_factor = 16, .momentum = 0.5});
+  auto so = other.init(b, pc);
+  REQUIRE_THROWS_WITH(so.load(b, bytes), Contains("buffer 0"));
+}
+
+namespace {
+// A user chain: factored second moment, heavy-ball momentum (trace), weight decay masked off
+// biases, learning rate; against a long double computation written from the formulas.
+struct user_ref {
+  std::vector<ld> r, c, v, tau;
+};
+}  // namespace
+
+TEST_CASE("a user chain (factored rms, trace, masked decay, lr) matches a long double computation",
+          "[optim][adafactor][chain]") {
+  namespace tf = gradapt::transform;
+  const double beta_rate = 0.8, mu = 0.7, wd = 0.01, lr = 0.05;
+  gradapt::chain opt{tf::scale_by_factored_rms{.min_dim_size_to_factor = 32}, tf::trace{.decay = mu},
+                     tf::add_decayed_weights{.weight_decay = wd,
+                                             .skip = [](std::string_view n) { return n == "bias"; }},
+                     tf::scale_by_learning_rate{.lr = lr}};
+  std::vector<tensor> mine = {make("wide", {40, 70}, 1), make("tall", {90, 33}, 2), make("bias", {37}, 3)};
+  auto theirs = mine;
+  const auto start = mine;
+  auto pl = list_of(mine);
+  host b{.threads = 2};
+  auto st = opt.init(b, pl);
+  REQUIRE(st.factored(0));
+  REQUIRE(st.factored(1));
+  REQUIRE(!st.factored(2));
+  std::vector<user_ref> ref(mine.size());
+  for (std::size_t k = 0; k < mine.size(); ++k) {
+    const auto& s = mine[k].shape;
+    ref[k].tau.assign(mine[k].size(), 0);
+    if (s.size() == 2) {
+      ref[k].r.assign(static_cast<std::size_t>(s[0]), 0);
+      ref[k].c.assign(static_cast<std::size_t>(s[1]), 0);
+    } else {
+      ref[k].v.assign(mine[k].size(), 0);
+    }
+  }
+  for (int t = 1; t <= 5; ++t) {
+    const ld w = std::pow(ld(t), -ld(beta_rate)), beta = 1 - w;
+    for (std::size_t k = 0; k < mine.size(); ++k) {
+      fill_grad(mine[k], 300u * static_cast<unsigned>(t) + static_cast<unsigned>(k));
+      fill_grad(theirs[k], 300u * static_cast<unsigned>(t) + static_cast<unsigned>(k));
+      auto& x = theirs[k];
+      auto& q = ref[k];
+      const std::size_t n = x.size();
+      std::vector<ld> y(n);
+      if (x.shape.size() == 2) {
+        const std::size_t R = static_cast<std::size_t>(x.shape[0]), C = static_cast<std::size_t>(x.shape[1]);
+        std::vector<ld> rs(R, 0), cs(C, 0);
+        for (std::size_t i = 0; i < R; ++i)
+          for (std::size_t j = 0; j < C; ++j) {
+            const ld s2 = ld(x.g[i * C + j]) * x.g[i * C + j] + ld(1e-30);
+            rs[i] += s2 / ld(C);
+            cs[j] += s2 / ld(R);
+          }
+        for (std::size_t i = 0; i < R; ++i) q.r[i] = beta * q.r[i] + w * rs[i];
+        for (std::size_t j = 0; j < C; ++j) q.c[j] = beta * q.c[j] + w * cs[j];
+        // The statistic that removes the larger axis is normalised by its mean (optax).
+        const bool cols_larger = C >= R;
+        ld mean = 0;
+        if (cols_larger) {
+          for (ld v : q.r) mean += v / ld(R);
+        } else {
+          for (ld v : q.c) mean += v / ld(C);
+        }
+        for (std::size_t i = 0; i < R; ++i)
+          for (std::size_t j = 0; j < C; ++j) {
+            const ld vhat = cols_larger ? q.r[i] / mean * q.c[j] : q.r[i] * (q.c[j] / mean);
+            y[i * C + j] = ld(x.g[i * C + j]) / std::sqrt(vhat);
+          }
+      } else {
+        for (std::size_t i = 0; i < n; ++i) {
+          q.v[i] = beta * q.v[i] + w * (ld(x.g[i]) * x.g[i] + ld(1e-30));
+          y[i] = ld(x.g[i]) / std::sqrt(q.v[i]);
+        }
+      }
+      const ld lam = x.name == "bias" ? 0 : ld(wd);
+      for (std::size_t i = 0; i < n; ++i) {
+        q.tau[i] = y[i] + ld(mu) * q.tau[i];
+        x.p[i] = static_cast<float>(ld(x.p[i]) - ld(lr) * (q.tau[i] + lam * x.p[i]));
+      }
+    }
+    opt.step(b, pl, st);
+  }
+  double move = 0, err = 0;
+  for (std::size_t k = 0; k < mine.size(); ++k)
+    for (std::size_t i = 0; i < mine[k].size(); ++i) {
+      move = std::max(move, std::fabs(double(theirs[k].p[i]) - double(start[k].p[i])));
+      err = std::max(err, std::fabs(double(mine[k].p[i]) - double(theirs[k].p[i])) - 4 * std::ldexp(1.0, -23));
+    }
+  REQUIRE(move > 0.1);
+  WARN("user chain: largest difference " << err / move << " of the movement");
+  REQUIRE(err / move <= 2e-5);
+}
+
+TEST_CASE("adafactor_chain edge cases: non-finite, zero and empty inputs, invalid options",
+          "[optim][adafactor][chain]") {
+  namespace tf = gradapt::transform;
+  host b{.threads = 2};
+  SECTION("inf and NaN gradients poison their tensor as in the standalone optimizer (and optax)") {
+    for (const float bad : {INFINITY, NAN}) {
+      auto a = shapes_mix();
+      auto c = shapes_mix();
+      auto pa = list_of(a);
+      auto pc = list_of(c);
+      const gradapt::adafactor_options o{.lr = 0.02};
+      gradapt::adafactor sa_opt(o);
+      const auto ca_opt = gradapt::adafactor_chain(o);
+      auto sa = sa_opt.init(b, pa);
+      auto sc = ca_opt.init(b, pc);
+      for (int s = 1; s <= 2; ++s) {
+        for (std::size_t k = 0; k < a.size(); ++k) {
+          fill_grad(a[k], 9u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
+          fill_grad(c[k], 9u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
+        }
+        if (s == 2) {
+          a[3].g[17] = bad;  // "tall": factored
+          c[3].g[17] = bad;
+          a[0].g[5] = bad;  // "bias": a full second moment
+          c[0].g[5] = bad;
+        }
+        sa_opt.step(b, pa, sa);
+        ca_opt.step(b, pc, sc);
+      }
+      for (std::size_t k = 0; k < a.size(); ++k)
+        for (std::size_t i = 0; i < a[k].size(); ++i) {
+          INFO("tensor " << a[k].name << " element " << i);
+          REQUIRE(std::isnan(a[k].p[i]) == std::isnan(c[k].p[i]));
+          REQUIRE(std::isfinite(a[k].p[i]) == std::isfinite(c[k].p[i]));
+        }
+      REQUIRE(std::isnan(c[3].p[0]));  // the whole factored tensor
+      REQUIRE(std::isfinite(c[1].p[0]));  // other tensors untouched
+    }
+  }
+  SECTION("zero gradients leave the parameters bit for bit; zero weights move by eps2") {
+    auto a = shapes_mix();
+    const auto start = a;
+    auto pa = list_of(a);
+    const auto opt = gradapt::adafactor_chain({.lr = 0.1});
+    auto st = opt.init(b, pa);
+    opt.step(b, pa, st);  // g = 0 (make() leaves it zero)
+    for (std::size_t k = 0; k < a.size(); ++k)
+      for (std::size_t i = 0; i < a[k].size(); ++i)
+        REQUIRE(std::bit_cast<std::uint32_t>(a[k].p[i]) == std::bit_cast<std::uint32_t>(start[k].p[i]));
+    std::vector<tensor> z = {make("w", {128, 130}, 1, 0.0f)};
+    fill_grad(z[0], 3);
+    auto pz = list_of(z);
+    auto sz = opt.init(b, pz);
+    opt.step(b, pz, sz);
+    double top = 0;
+    for (float v : z[0].p) top = std::max(top, std::fabs(double(v)));
+    REQUIRE(top > 0);
+    REQUIRE(top <= 0.1 * 1e-3 * 16);  // lr · eps2 · |y|, y clipped to rms 1
+  }
+  SECTION("an empty list and empty tensors") {
+    gradapt::param_list<float> none;
+    const auto opt = gradapt::adafactor_chain();
+    auto st = opt.init(b, none);
+    opt.step(b, none, st);
+    REQUIRE(st.steps() == 1);
+    std::vector<tensor> e = {make("e", {0, 300}, 1), make("s", {}, 2)};
+    fill_grad(e[1], 4);
+    auto pe = list_of(e);
+    auto se = opt.init(b, pe);
+    opt.step(b, pe, se);
+    REQUIRE(std::isfinite(e[1].p[0]));
+  }
+  SECTION("invalid options and mismatched lists throw gradapt::error naming them") {
+    REQUIRE_THROWS_WITH(gradapt::adafactor_chain({.decay_rate = -1}), Contains("decay_rate"));
+    REQUIRE_THROWS_WITH((gradapt::chain{tf::scale_by_factored_rms{.decay_rate = -0.5}}), Contains("decay_rate"));
+    REQUIRE_THROWS_WITH((gradapt::chain{tf::scale_by_factored_rms{.eps = 0, .eps_mode = gradapt::adafactor_eps1::clamp}}),
+                        Contains("eps"));
+    REQUIRE_THROWS_WITH((gradapt::chain{tf::scale_by_factored_rms{.min_dim_size_to_factor = -1}}),
+                        Contains("min_dim_size_to_factor"));
+    REQUIRE_THROWS_WITH((gradapt::chain{tf::scale_by_factored_rms{}, tf::ema{.decay = 1.0}}), Contains("ema"));
+    REQUIRE_THROWS_WITH((gradapt::chain{tf::scale_by_factored_rms{}, tf::scale_by_param_block_rms{.min_scale = -1}}),
+                        Contains("min_scale"));
+    REQUIRE_THROWS_WITH((gradapt::chain{tf::scale_by_factored_rms{}, tf::clip_by_block_rms{.threshold = 0}}),
+                        Contains("threshold"));
+    REQUIRE_THROWS_WITH((gradapt::chain{tf::scale_by_factored_rms{}, tf::clip_by_block_rms{.threshold = NAN}}),
+                        Contains("threshold"));
+    REQUIRE_THROWS_WITH((gradapt::chain{tf::scale_by_factored_rms{}, tf::add_decayed_weights{.times_lr = true, .lr = -1}}),
+                        Contains("lr"));
+    auto a = shapes_mix();
+    auto pa = list_of(a);
+    const auto opt = gradapt::adafactor_chain();
+    auto st = opt.init(b, pa);
+    auto fewer = shapes_mix();
+    fewer.pop_back();
+    auto pf = list_of(fewer);
+    REQUIRE_THROWS_WITH(opt.step(b, pf, st), Contains("tensors but the state was created for"));
+    REQUIRE_THROWS_WITH(opt.step(b, pa, st, {.lr = NAN}), Contains("learning rate"));
+    // Momentum switched on after init: the state has no buffer for it.
+    auto opt2 = opt;
+    opt2.stage<4>().decay = 0.9;
+    REQUIRE_THROWS_WITH(opt2.step(b, pa, st), Contains("create a new state"));
+  }
 }

@@ -62,6 +62,7 @@
 #include "gradapt/core/tensor_view.hpp"
 #include "gradapt/optim/factored.hpp"
 #include "gradapt/optim/stage.hpp"
+#include "gradapt/optim/transforms.hpp"
 
 namespace gradapt {
 
@@ -330,6 +331,175 @@ inline constexpr std::uint64_t version = 1;
 inline constexpr std::uint64_t kind_adafactor = 1;
 
 }  // namespace detail::adafactor_k
+
+namespace transform {
+
+/// Adafactor's factored second moment (Shazeer & Stern 2018), as optax's
+/// `scale_by_factored_rms`, with torch.optim.Adafactor's switches: the first stage of a chain
+/// (see `gradapt::adafactor_chain` for optax's whole Adafactor). With β_t = 1 − (t −
+/// decay_offset)^(−decay_rate) and s = g² + eps:
+///
+///  - factored tensor (rank >= 2, both factored dims >= min_dim_size_to_factor): row and column
+///    EMAs R ← β_t R + (1 − β_t) mean_j s, C ← β_t C + (1 − β_t) mean_i s, and
+///    u = g · (R_i / mean R)^(−1/2) · C_j^(−1/2) (the larger axis' statistic normalised, as optax);
+///  - other tensors: v ← β_t v + (1 − β_t) s, u = g · v^(−1/2).
+///
+/// eps_mode = clamp is torch's placement (no eps in s; v clamped to >= eps², mean R to >= eps,
+/// u = g · min(r c, 1/eps)). State: the row then column statistics of a factored tensor
+/// (n + m elements for n × m), v of the others. The chain runs a factored tensor through the
+/// backend's row/column operations (`advance` leaves the factors in the chain's workspace and
+/// each pass computes u = y(r, c, g) inside `apply_factored`), so it needs a `factored_backend`.
+struct scale_by_factored_rms {
+  /// Factor tensors of rank >= 2 (false: every tensor keeps a full v). Default true.
+  bool factored = true;
+  /// β_t = 1 − t^(−decay_rate); finite, >= 0. Default 0.8.
+  double decay_rate = 0.8;
+  /// t is counted from this step (β = 0 until then). Default 0.
+  std::uint64_t decay_offset = 0;
+  /// Factor when both factored dims are at least this. Default 128.
+  std::int64_t min_dim_size_to_factor = 128;
+  /// eps: added to g² (add_to_square) or the clamp bound (clamp); >= 0 (> 0 for clamp). Default 1e-30.
+  double eps = 1e-30;
+  /// Where eps enters. Default add_to_square (optax).
+  adafactor_eps1 eps_mode = adafactor_eps1::add_to_square;
+  /// Which two dims are factored. Default the two largest (optax).
+  factor_axes axes = factor_axes::largest_two;
+
+  static constexpr bool factored_state = true;         ///< row and column statistics per tensor
+  static constexpr std::size_t buffers = 1;            ///< the statistics (v, or R then C)
+  static constexpr std::size_t tensor_slots = 0;       ///< no per-tensor constants
+  static constexpr bool barrier = false;               ///< element-wise once the factors exist
+  static constexpr bool optional = false;              ///< always active
+  static constexpr bool replay_ignores_input = false;  ///< u needs g
+  static constexpr bool uses_param = false;            ///< never reads p
+
+  /// @throws gradapt::error naming the option when decay_rate is negative, eps is negative
+  ///         (or 0 with the clamp) or min_dim_size_to_factor is negative
+  void validate() const {
+    gradapt::detail::require(std::isfinite(decay_rate) && decay_rate >= 0.0, "scale_by_factored_rms: decay_rate is ",
+                             decay_rate, " (expected finite and >= 0; 0.8 in the paper)");
+    gradapt::detail::require(std::isfinite(eps) && eps >= 0.0 && (eps_mode != adafactor_eps1::clamp || eps > 0.0),
+                             "scale_by_factored_rms: eps is ", eps,
+                             " (expected finite and >= 0, and > 0 with eps_mode = clamp)");
+    gradapt::detail::require(min_dim_size_to_factor >= 0, "scale_by_factored_rms: min_dim_size_to_factor is ",
+                             min_dim_size_to_factor, " (expected >= 0)");
+  }
+  /// Writes nothing: the stage has no per-tensor constants.
+  void tensor_constants(const tensor_setup&, double*) const {}
+
+  /// How a tensor of this shape is handled: factored over its [A, X, B, Y, C] view, with the
+  /// normalised statistic's grouping in aux = {nd[0..2], groups, length, largest_is_y}.
+  factored_tensor plan_tensor(std::span<const std::int64_t> shape) const {
+    factored_tensor t;
+    const auto f = gradapt::detail::optim::factor_of(shape, factored, axes, min_dim_size_to_factor);
+    if (!f.factored) return t;
+    const auto [A, X, Bd, Y, C] = f.d;
+    t.factored = true;
+    t.d = f.d;
+    t.rows = static_cast<std::size_t>(A * X * Bd * C);
+    t.cols = static_cast<std::size_t>(A * Bd * Y * C);
+    t.state = t.rows + t.cols;
+    t.ws = t.rows + t.cols;
+    const std::int64_t groups = A * Bd * C;
+    t.ws_sums = t.rows + t.cols + static_cast<std::size_t>(groups);
+    if (f.largest_is_y)
+      t.aux = {A, X, Bd * C, groups, X, 1, 0, 0};
+    else
+      t.aux = {A * Bd, Y, C, groups, Y, 0, 0, 0};
+    return t;
+  }
+
+  /// Element math of scale_by_factored_rms in compute type C.
+  template <class C>
+  struct kernel {
+    C beta;      ///< β_t
+    C w;         ///< 1 − β_t
+    C eps_add;   ///< eps (add_to_square) or 0
+    C clamp_v;   ///< eps² (clamp) or 0
+    C inv_eps;   ///< 1/eps (clamp) or 0
+    C floor;     ///< eps (clamp) or 0: the floor of mean R
+    bool clamp;  ///< eps_mode == clamp
+    /// Unfactored tensors: v ← β v + (1 − β)(u² + eps); u ← u · max(v, eps²)^(−1/2).
+    template <class V>
+    GRADAPT_HD GRADAPT_INLINE void update(V& u, const V&, const double*, V& v) const {
+      v = V(beta) * v + V(w) * (u * u + V(eps_add));
+      u = gradapt::detail::adafactor_k::full_y(u, v, clamp_v);
+    }
+    /// u from its input and the advanced v.
+    template <class V>
+    GRADAPT_HD GRADAPT_INLINE void replay(V& u, const V&, const double*, const V& v) const {
+      u = gradapt::detail::adafactor_k::full_y(u, v, clamp_v);
+    }
+    /// Factored tensors: u = g · r · c (g · min(r c, 1/eps) with the clamp).
+    template <class V>
+    GRADAPT_HD GRADAPT_INLINE V y(const V& r, const V& c, const V& g) const {
+      return clamp ? g * simd::min(r * c, V(inv_eps)) : (g * r) * c;
+    }
+  };
+  /// The kernel of step t.
+  template <class C>
+  kernel<C> prepare(const step_context& s) const {
+    const double td = s.step > decay_offset ? static_cast<double>(s.step - decay_offset) : 1.0;
+    const double wd = std::pow(td, -decay_rate);
+    const bool cl = eps_mode == adafactor_eps1::clamp;
+    return {static_cast<C>(1.0 - wd),
+            static_cast<C>(wd),
+            cl ? C(0) : static_cast<C>(eps),
+            cl ? static_cast<C>(eps * eps) : C(0),
+            cl ? static_cast<C>(1.0 / eps) : C(0),
+            cl ? static_cast<C>(eps) : C(0),
+            cl};
+  }
+
+  /// Advances a factored tensor's statistics from g and leaves its factors in the workspace:
+  /// row factors at ws[0, rows), column factors at ws[rows, rows + cols). `sums`: ws_sums
+  /// doubles. Backend operations only (no host synchronisation on CUDA).
+  template <class C, class B, class S, class G>
+  void advance(const B& b, const kernel<C>& k, const factored_tensor& t, tensor_view<S, typename B::space> state,
+               tensor_view<const G, typename B::space> g, S* ws, double* sums) const {
+    using space = typename B::space;
+    const auto vec = [](auto* p, std::size_t n) {
+      using T = std::remove_pointer_t<decltype(p)>;
+      return tensor_view<T, space>::vector(p, static_cast<std::int64_t>(n));
+    };
+    const auto cvec = [](auto* p, std::size_t n) {
+      using T = std::remove_pointer_t<decltype(p)>;
+      return tensor_view<const T, space>::vector(p, static_cast<std::int64_t>(n));
+    };
+    const std::int64_t X = t.d[1], Y = t.d[3];
+    const std::size_t ny = t.rows, nx = t.cols;
+    const std::array<std::int64_t, 5> nd{t.aux[0], t.aux[1], t.aux[2], 1, 1};
+    const std::size_t ng = static_cast<std::size_t>(t.aux[3]);
+    const double norm_len = static_cast<double>(t.aux[4]);
+    const bool largest_is_y = t.aux[5] != 0;
+    S* v = state.data();
+    S* fy = ws;
+    S* fx = ws + ny;
+    double* sy = sums;
+    double* sx = sums + ny;
+    double* sn = sums + ny + nx;
+    // Row and column sums of s = g² + eps, then the EMAs of their means.
+    b.reduce_factored(gradapt::detail::adafactor_k::square_plus<C>{k.eps_add}, t.d, cvec(fy, 0), cvec(fx, 0), g,
+                      vec(sy, ny), vec(sx, nx));
+    b.apply(gradapt::detail::adafactor_k::ema_mean<C>{k.beta, k.w, 1.0 / static_cast<double>(Y)}, vec(v, ny),
+            vec(sy, ny));
+    b.apply(gradapt::detail::adafactor_k::ema_mean<C>{k.beta, k.w, 1.0 / static_cast<double>(X)},
+            vec(v + ny, nx), vec(sx, nx));
+    // Factors: the normalised statistic's (over its groups) and the other's.
+    S* vn = largest_is_y ? v : v + ny;
+    S* vo = largest_is_y ? v + ny : v;
+    S* fn = largest_is_y ? fy : fx;
+    S* fo = largest_is_y ? fx : fy;
+    const std::size_t nn = largest_is_y ? ny : nx, no = largest_is_y ? nx : ny;
+    b.reduce_factored(gradapt::detail::adafactor_k::identity{}, nd, cvec(fn, 0), cvec(fn, 0), cvec(vn, nn),
+                      vec(sx, 0), vec(sn, ng));
+    b.apply_factored(gradapt::detail::adafactor_k::norm_factor<C>{1.0 / norm_len, k.floor}, nd, cvec(fy, 0),
+                     cvec(sn, ng), vec(vn, nn), vec(fn, nn));
+    b.apply(gradapt::detail::adafactor_k::inv_sqrt<C>{}, vec(vo, no), vec(fo, no));
+  }
+};
+
+}  // namespace transform
 
 class adafactor;
 
@@ -793,5 +963,42 @@ class adafactor {
                         std::span<const tensor_view<const T, space>>(pl));
   }
 };
+
+/// The chain type of `adafactor_chain`: optax's adafactor as a composition of stages.
+using adafactor_chain_type =
+    chain<transform::scale_by_factored_rms, transform::clip_by_block_rms, transform::scale_by_learning_rate,
+          transform::scale_by_param_block_rms, transform::ema, transform::add_decayed_weights, transform::scale>;
+
+/// Adafactor assembled from gradient transformations, in optax's order:
+///
+///     scale_by_factored_rms → clip_by_block_rms(clipping_threshold) → scale_by_learning_rate(lr,
+///     relative_step) → scale_by_param_block_rms(eps2) → ema(momentum) →
+///     add_decayed_weights(weight_decay [× lr]) → scale(−1)
+///
+/// with the same options as `gradapt::adafactor` (stages switched off by them cost nothing:
+/// clipping_threshold = +inf, multiply_by_parameter_scale = false, momentum = 0). It gives the
+/// standalone class's results within rounding (the class folds clipping, learning rate and
+/// parameter scale into one multiplication per element; the chain applies them one by one)
+/// and is the form to extend: reach a stage through `stage<I>()`, or build your own chain
+/// starting with `transform::scale_by_factored_rms`. The standalone class is the faster of the
+/// two on the host (it measures Σp² in its first pass; the chain spends a pass per barrier).
+/// @throws gradapt::error naming an invalid option
+inline adafactor_chain_type adafactor_chain(const adafactor_options& o = {}) {
+  adafactor::validate(o);
+  return adafactor_chain_type{
+      transform::scale_by_factored_rms{.factored = o.factored,
+                                       .decay_rate = o.decay_rate,
+                                       .decay_offset = o.decay_offset,
+                                       .min_dim_size_to_factor = o.min_dim_size_to_factor,
+                                       .eps = o.eps1,
+                                       .eps_mode = o.eps1_mode,
+                                       .axes = o.axes},
+      transform::clip_by_block_rms{.threshold = o.clipping_threshold},
+      transform::scale_by_learning_rate{.lr = o.lr, .flip_sign = false, .relative_step = o.relative_step},
+      transform::scale_by_param_block_rms{.min_scale = o.eps2, .active = o.multiply_by_parameter_scale},
+      transform::ema{.decay = o.momentum, .debias = false},
+      transform::add_decayed_weights{.weight_decay = o.weight_decay, .times_lr = o.weight_decay_times_lr, .lr = o.lr},
+      transform::scale{.factor = -1.0}};
+}
 
 }  // namespace gradapt

@@ -47,6 +47,7 @@
 #include "gradapt/core/ops.hpp"
 #include "gradapt/core/param_list.hpp"
 #include "gradapt/core/tensor_view.hpp"
+#include "gradapt/optim/factoring.hpp"
 #include "gradapt/optim/stage.hpp"
 
 namespace gradapt {
@@ -63,6 +64,7 @@ struct stage_info {
   bool optional = false;
   bool ignores_input = false;
   bool uses_param = true;
+  bool factored = false;  ///< a factored second-moment stage (row and column statistics per tensor)
   std::size_t buffers = 0;
   std::size_t slots = 0;
   std::size_t terms = 0;
@@ -77,6 +79,13 @@ GRADAPT_HD constexpr stage_info info_of() {
   i.uses_param = S::uses_param;
   i.buffers = S::buffers;
   i.slots = S::tensor_slots;
+  if constexpr (requires { S::factored_state; }) {
+    i.factored = S::factored_state;
+    if constexpr (S::factored_state)
+      static_assert(!S::barrier && S::buffers == 1 && !S::optional && !S::replay_ignores_input,
+                    "gradapt::chain: a factored stage is a required element stage with one buffer whose "
+                    "replay reads its input");
+  }
   if constexpr (S::barrier) {
     static_assert(S::buffers == 0, "gradapt::chain: a barrier stage keeps no per-element state");
     i.global = S::global;
@@ -139,6 +148,29 @@ struct plan {
   }();
   static_assert(optional_count <= 6,
                 "gradapt::chain compiles one form per combination of optional stages: at most 6");
+  /// True when stage 0 is a factored stage: the chain then runs tensor by tensor (see
+  /// chain::step).
+  static constexpr bool has_factored = info_at(0).factored;
+  static constexpr bool factored_first = [] {
+    for (std::size_t k = 1; k < n; ++k)
+      if (info_at(k).factored) return false;
+    return true;
+  }();
+  static_assert(factored_first,
+                "gradapt::chain: a factored stage (scale_by_factored_rms, scale_by_sm3) must be the first stage "
+                "(it reads the gradient itself, as in optax's adafactor and sm3)");
+  static constexpr bool any_global = [] {
+    for (std::size_t k = 0; k < n; ++k)
+      if (info_at(k).barrier && info_at(k).global) return true;
+    return false;
+  }();
+  static_assert(!has_factored || !any_global,
+                "gradapt::chain: a chain with a factored stage runs tensor by tensor and cannot hold a global "
+                "barrier (clip_by_global_norm): clip the gradients before the step (gradapt::clip_by_global_norm "
+                "in optim/clip.hpp)");
+  static_assert(!has_factored || max_terms <= 1,
+                "gradapt::chain: after a factored stage a barrier may measure one term per tensor "
+                "(clip_by_block_rms, scale_by_param_block_rms), not two (trust ratios)");
 
   /// The mask with optional stage number j (in order) on exactly when bit j of `bits` is set.
   static constexpr std::uint64_t mask_of(std::size_t bits) {
@@ -283,7 +315,9 @@ GRADAPT_HD GRADAPT_INLINE T& nth(T& a, R&... r) {
 
 /// The element functor of pass `Pass` under mask E: called with the tensor index and one
 /// lvalue per backend argument (plan::arg_at), all in compute type C (or host packs of C).
-template <class Plan, std::size_t Pass, std::uint64_t E, class C, class K>
+/// `FT`: the element belongs to a factored tensor, whose factored stage (stage 0) is skipped
+/// here: its output arrives through the gradient argument (factored_pass).
+template <class Plan, std::size_t Pass, std::uint64_t E, class C, class K, bool FT = false>
 struct pass_functor {
   static constexpr bool vectorizable = true;
 
@@ -298,7 +332,9 @@ struct pass_functor {
     // Every plan query is a constant expression (nothing of the plan is read at run time, so
     // the same code compiles for the device).
     constexpr mode m = Plan::mode_of(Pass, I, E);
-    if constexpr (m == mode::replay || m == mode::update) {
+    if constexpr (FT && Plan::info_at(I).factored) {
+      (void)u;
+    } else if constexpr (m == mode::replay || m == mode::update) {
       constexpr std::size_t soff = Plan::slot_offset(I);
       constexpr std::size_t boff = Plan::buffer_arg(Pass, I, E);
       constexpr bool barrier = Plan::info_at(I).barrier;
@@ -351,6 +387,48 @@ struct pass_functor {
       constexpr std::size_t hoff = Plan::slot_offset(h);
       return kget<h>(kernels).measure(u, p, tc + hoff);
     }
+  }
+};
+
+/// A pass of the chain over one factored tensor, run by the backend's `apply_factored` as
+/// f(r, c, args...): r and c are the factored stage's row and column factors of the element,
+/// args the pass's arguments without the factored stage's buffer. The stage's output
+/// u0 = y(r, c, g) replaces the gradient argument of the pass functor (which skips stage 0),
+/// and a dummy takes the buffer's place. Returns the measured term of a non-final pass.
+template <class Plan, std::size_t Pass, std::uint64_t E, class C, class K>
+struct factored_pass {
+  static constexpr bool vectorizable = true;
+  using PF = pass_functor<Plan, Pass, E, C, K, true>;
+  PF pf;
+
+  static constexpr bool stage_on = Plan::active(Pass, 0, E);
+  static constexpr std::size_t ga = Plan::grad_arg(Pass, E);
+  static constexpr std::size_t va = Plan::buffer_arg(Pass, 0, E);
+  static constexpr std::size_t full = Plan::args(Pass, E);
+
+  template <std::size_t J, class V, class... A>
+  GRADAPT_HD GRADAPT_INLINE V& pick(V& u0, V& dummy, A&... a) const {
+    if constexpr (stage_on && J == va)
+      return dummy;
+    else if constexpr (stage_on && J == ga)
+      return u0;
+    else
+      return nth<(stage_on && J > va) ? J - 1 : J>(a...);
+  }
+  template <class V, std::size_t... J, class... A>
+  GRADAPT_HD GRADAPT_INLINE auto call(V& u0, V& dummy, std::index_sequence<J...>, A&... a) const {
+    if constexpr (Plan::is_final(Pass, E))
+      pf(tensor_index{0}, pick<J>(u0, dummy, a...)...);
+    else
+      return pf(tensor_index{0}, pick<J>(u0, dummy, a...)...)[0];
+  }
+  template <class V, class... A>
+  GRADAPT_HD GRADAPT_INLINE auto operator()(V r, V c, A&... a) const {
+    static_assert(sizeof...(A) + (stage_on ? 1 : 0) == full, "gradapt::chain: factored pass argument count");
+    V u0{};
+    V dummy{};
+    if constexpr (stage_on) u0 = kget<0>(pf.kernels).y(r, c, nth<ga>(a...));
+    return call(u0, dummy, std::make_index_sequence<full>{}, a...);
   }
 };
 
@@ -487,8 +565,23 @@ class chain_state {
   std::uint64_t active_stages() const { return enabled_; }
   /// Number of per-element state buffers over all stages (inactive stages' are empty).
   static constexpr std::size_t buffer_count() { return plan::total_buffers; }
+  /// Elements of all per-element state buffers (what a checkpoint holds besides its header).
+  std::size_t state_elements() const {
+    std::size_t n = 0;
+    for (const auto& b : bufs_) n += b.size();
+    return n;
+  }
+  /// True when tensor t's factored stage (a chain whose first stage is
+  /// scale_by_factored_rms or scale_by_sm3) keeps row and column statistics rather than a
+  /// full-size buffer; false for every tensor of other chains.
+  bool factored(std::size_t t) const {
+    detail::require(t < sizes_.size(), "chain_state::factored: tensor ", t, " out of range (", sizes_.size(),
+                    " tensors)");
+    return !ft_.empty() && ft_[t].factored;
+  }
   /// Per-tensor views of state buffer j (stage buffers in stage order: for AdamW 0 = m,
-  /// 1 = v). Empty when the owning stage is inactive.
+  /// 1 = v). Empty when the owning stage is inactive. A factored stage's buffer holds, for a
+  /// factored tensor, its row then column statistics (not one element per parameter).
   std::span<const tensor_view<S, space>> buffer(std::size_t j) const {
     detail::require(j < plan::total_buffers, "chain_state::buffer: index ", j, " out of range (",
                     plan::total_buffers, " buffer(s))");
@@ -610,6 +703,15 @@ class chain_state {
   std::vector<std::vector<tensor_view<double, space>>> factor_views_;  ///< per enabled barrier
   std::vector<double> group_lr_;
   std::vector<std::optional<double>> group_wd_;
+  // Chains with a factored stage (run tensor by tensor):
+  std::vector<factored_tensor> ft_;    ///< the stage's decision per tensor
+  std::vector<std::size_t> order_;     ///< tensors largest first (task order)
+  std::size_t total_ = 0;              ///< parameters in the list
+  std::size_t slots_ = 1;              ///< workspace slots (threads of the host's task mode)
+  std::size_t ws_ = 0, wsd_ = 0;       ///< per-slot workspace sizes (S, double)
+  detail::optim::buffer_t<B, S> wbuf_;                                  ///< factors
+  detail::optim::buffer_t<B, double> wdbl_, wsum_, wfac_;               ///< sums; barrier sums, factors
+  std::vector<tensor_view<double, space>> wfac_views_;                 ///< [slot][barrier]
 };
 
 /// An optimizer assembled from gradient transformations (see optim/transforms.hpp and the
@@ -669,21 +771,36 @@ class chain {
     st.sizes_.resize(count);
     std::size_t total = 0;
     for (std::size_t t = 0; t < count; ++t) total += (st.sizes_[t] = params.values()[t].size());
+    if constexpr (plan::has_factored) {
+      st.ft_.resize(count);
+      for (std::size_t t = 0; t < count; ++t) {
+        st.ft_[t] = std::get<0>(stages_).plan_tensor(params.values()[t].shape());
+        if (st.sizes_[t] == 0) st.ft_[t] = factored_tensor{};
+        if (!st.ft_[t].factored) st.ft_[t].state = st.sizes_[t];
+      }
+    }
+    // Elements of stage i's buffers for tensor t: one per parameter, except a factored stage's.
+    const auto buffer_elements = [&](std::size_t i, std::size_t t) {
+      return plan::info[i].factored ? st.ft_[t].state : st.sizes_[t];
+    };
     st.mut_.resize(plan::total_buffers);
     st.const_.resize(plan::total_buffers);
     for (std::size_t i = 0; i < plan::n; ++i) {
       for (std::size_t j = 0; j < plan::info[i].buffers; ++j) {
         const std::size_t k = plan::buffer_offset(i) + j;
         const bool on = plan::on(i, st.enabled_);
-        st.bufs_.push_back(b.template allocate<St>(on ? total : 0));
+        std::size_t elems = 0;
+        for (std::size_t t = 0; t < count; ++t) elems += buffer_elements(i, t);
+        st.bufs_.push_back(b.template allocate<St>(on ? elems : 0));
         if (!on) continue;
         St* base = st.bufs_.back().data();
         std::size_t off = 0;
         for (std::size_t t = 0; t < count; ++t) {
-          const auto v = tensor_view<St, space>::vector(base + off, static_cast<std::int64_t>(st.sizes_[t]));
+          const std::size_t n = buffer_elements(i, t);
+          const auto v = tensor_view<St, space>::vector(base + off, static_cast<std::int64_t>(n));
           st.mut_[k].push_back(v);
           st.const_[k].push_back(v);
-          off += st.sizes_[t];
+          off += n;
         }
       }
     }
@@ -702,6 +819,21 @@ class chain {
       const std::size_t views = plan::info[i].global ? (count > 0 ? 1 : 0) : count;
       for (std::size_t t = 0; t < views; ++t)
         st.factor_views_[bn].push_back(tensor_view<double, space>::vector(base + t, 1));
+    }
+    if constexpr (plan::has_factored) {
+      st.total_ = total;
+      st.order_ = detail::optim::largest_first(st.sizes_);
+      st.slots_ = detail::optim::task_slots(b);
+      for (const auto& f : st.ft_) {
+        st.ws_ = std::max(st.ws_, f.ws);
+        st.wsd_ = std::max(st.wsd_, f.ws_sums);
+      }
+      st.wbuf_ = b.template allocate<St>(st.ws_ * st.slots_);
+      st.wdbl_ = b.template allocate<double>(st.wsd_ * st.slots_);
+      st.wsum_ = b.template allocate<double>(st.slots_ * (plan::max_terms > 0 ? plan::max_terms : 1));
+      st.wfac_ = b.template allocate<double>(st.slots_ * nb);
+      for (std::size_t k = 0; k < st.slots_ * nb; ++k)
+        st.wfac_views_.push_back(tensor_view<double, space>::vector(st.wfac_.data() + k, 1));
     }
     refresh_constants(b, params, st, true);
     return st;
@@ -727,16 +859,20 @@ class chain {
       st.g_const_[t] = e.grad;
     }
     const std::uint64_t mask = current_mask();
-    detail::require(mask == st.enabled_, "chain::step: the options switch stages ", describe_mask(mask),
-                    " but the state was created with ", describe_mask(st.enabled_),
-                    " (a stage's state cannot appear or vanish mid-run: create a new state with init())");
+    if (mask != st.enabled_)  // (the message is built only on failure: a step allocates nothing)
+      detail::fail("chain::step: the options switch stages ", describe_mask(mask),
+                   " but the state was created with ", describe_mask(st.enabled_),
+                   " (a stage's state cannot appear or vanish mid-run: create a new state with init())");
     refresh_constants(b, params, st, false);
     const step_context ctx{st.steps_ + 1, args.lr};
     using C = compute_t<V>;
     const auto kernels = make_kernels<C>(ctx, std::index_sequence_for<Stages...>{});
     if (count > 0) {
       dispatch(mask, [&]<std::uint64_t E>() {
-        run_passes<E>(b, params, st, kernels, std::make_index_sequence<plan::passes(E)>{});
+        if constexpr (plan::has_factored)
+          run_by_tensor<E>(b, params, st, kernels);
+        else
+          run_passes<E>(b, params, st, kernels, std::make_index_sequence<plan::passes(E)>{});
       });
     }
     ++st.steps_;
@@ -886,6 +1022,97 @@ class chain {
                                                           plan::total_slots, plan::slot_offset(h)},
                      st.factor_views_[bn]);
       }
+    }
+  }
+
+  // ---- chains whose first stage is factored: tensor by tensor -------------------------------
+  //
+  // Each tensor runs all passes back to back (a tensor of a few MiB stays in the last-level
+  // cache between them), on the host as the factored optimizers schedule it (for_tensors):
+  // large tensors on all threads, the others as one-thread tasks with a workspace slot each.
+  //  - factored tensor: the stage's `advance` reads g and leaves its row and column factors in
+  //    the slot's workspace; every pass then runs through `apply_factored` (factored_pass),
+  //    a barrier's sum through `apply_factored_sum`;
+  //  - other tensors: the chain's own passes over a one-tensor list (the stage is element-wise).
+  // Barrier factors and sums live in the slot's workspace (on CUDA in device memory), so a
+  // step never waits for the host.
+
+  template <std::uint64_t E, class B, class PL, class St, class K>
+  void run_by_tensor(const B& b, const PL& params, St& st, const K& kernels) const {
+    const auto one = [&](const B& bb, std::size_t k, std::size_t slot) {
+      if (st.sizes_[k] == 0) return;
+      if (st.ft_[k].factored) {
+        using space = typename B::space;
+        using G = typename PL::grad_type;
+        std::get<0>(stages_).advance(bb, detail::optim::kget<0>(kernels), st.ft_[k], st.mut_[0][k],
+                                     tensor_view<const G, space>(st.g_const_[k]),
+                                     st.wbuf_.data() + slot * st.ws_, st.wdbl_.data() + slot * st.wsd_);
+      }
+      [&]<std::size_t... P>(std::index_sequence<P...>) {
+        (tensor_pass<P, E>(bb, params, st, kernels, k, slot), ...);
+      }(std::make_index_sequence<plan::passes(E)>{});
+    };
+    detail::optim::for_tensors(b, std::span<const std::size_t>(st.order_),
+                               std::span<const std::size_t>(st.sizes_), st.total_, st.slots_, one);
+  }
+
+  /// The view of tensor k for argument descriptor D of a pass.
+  template <detail::optim::arg_desc D, class PL, class St>
+  static auto one_view(const PL& params, St& st, std::size_t k) {
+    return list<D>(params, st)[k];
+  }
+
+  template <std::size_t Pass, std::uint64_t E, class B, class PL, class St, class K>
+  void tensor_pass(const B& b, const PL& params, St& st, const K& kernels, std::size_t k,
+                   std::size_t slot) const {
+    using C = compute_t<typename PL::value_type>;
+    using space = typename B::space;
+    constexpr std::size_t nb = plan::barriers(E);
+    constexpr std::size_t nargs = plan::args(Pass, E);
+    constexpr bool final = plan::is_final(Pass, E);
+    const double* tc = st.tconst_.data() + k * plan::total_slots;
+    double* factors = st.wfac_.data() + slot * nb;
+    double* sum = st.wsum_.data() + slot * (plan::max_terms > 0 ? plan::max_terms : 1);
+    const auto& f = st.ft_[k];
+    if (f.factored) {
+      const detail::optim::factored_pass<plan, Pass, E, C, K> fp{{kernels, tc, factors, 1}};
+      constexpr bool stage_on = decltype(fp)::stage_on;
+      constexpr std::size_t va = decltype(fp)::va;
+      const auto* w = st.wbuf_.data() + slot * st.ws_;
+      const auto fy = tensor_view<const typename St::state_element, space>::vector(
+          w, static_cast<std::int64_t>(f.rows));
+      const auto fx = tensor_view<const typename St::state_element, space>::vector(
+          w + f.rows, static_cast<std::int64_t>(f.cols));
+      // The pass's arguments without the factored stage's buffer.
+      [&]<std::size_t... A>(std::index_sequence<A...>) {
+        constexpr auto full = [](std::size_t a) { return (stage_on && a >= va) ? a + 1 : a; };
+        if constexpr (final)
+          b.apply_factored(fp, f.d, fy, fx, one_view<plan::arg_at(Pass, E, full(A))>(params, st, k)...);
+        else
+          b.apply_factored_sum(fp, f.d, fy, fx, tensor_view<double, space>::vector(sum, 1),
+                               one_view<plan::arg_at(Pass, E, full(A))>(params, st, k)...);
+      }(std::make_index_sequence<nargs - (stage_on ? 1 : 0)>{});
+    } else {
+      const detail::optim::pass_functor<plan, Pass, E, C, K> pf{kernels, tc, factors, 1};
+      [&]<std::size_t... A>(std::index_sequence<A...>) {
+        if constexpr (final)
+          b.apply_list(pf, list<plan::arg_at(Pass, E, A)>(params, st).subspan(k, 1)...);
+        else
+          b.apply_reduce_list(
+              pf,
+              detail::optim::per_tensor_arg(tensor_view<double, space>::vector(
+                  sum, static_cast<std::int64_t>(plan::info[plan::hi(Pass, E)].terms))),
+              list<plan::arg_at(Pass, E, A)>(params, st).subspan(k, 1)...);
+      }(std::make_index_sequence<nargs>{});
+    }
+    if constexpr (!final) {
+      constexpr std::size_t h = plan::hi(Pass, E);
+      constexpr std::size_t bn = plan::barrier_number(h, E);
+      const auto& kh = detail::optim::kget<h>(kernels);
+      using Kernel = std::remove_cvref_t<decltype(kh)>;
+      b.apply_list(detail::optim::finalize_each<Kernel>{kh, sum, tc, plan::info[h].terms, plan::total_slots,
+                                                        plan::slot_offset(h)},
+                   std::span<const tensor_view<double, space>>(st.wfac_views_.data() + slot * nb + bn, 1));
     }
   }
 };

@@ -23,6 +23,7 @@
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/tensor_view.hpp"
 #include "gradapt/optim/chain.hpp"
+#include "gradapt/optim/factoring.hpp"
 
 namespace gradapt {
 
@@ -53,52 +54,7 @@ concept factored_backend = optimizer_backend<B> &&
   b.apply_factored_sum(detail::optim::factored_probe{}, d, cx, cx, s, cx);
 };
 
-/// How a factored optimizer picks the two axes of a tensor of rank >= 2.
-enum class factor_axes : unsigned char {
-  largest_two,  ///< the two largest dims (optax; ties go to the later axis)
-  last_two      ///< the last two dims (torch.optim.Adafactor)
-};
-
 namespace detail::optim {
-
-/// The factoring of one tensor: its [A, X, B, Y, C] view and which axis is the "largest"
-/// (d0 in optax's `_factored_dims`, whose statistic is the normalised one).
-struct factoring {
-  bool factored = false;
-  std::array<std::int64_t, 5> d{1, 1, 1, 1, 1};
-  bool largest_is_y = true;  ///< d0 (the axis optax's v_row removes) is the Y axis
-};
-
-/// optax's `_factored_dims` (ties: np.argsort's stable order, so the later of two equal
-/// dims is the larger) or torch's last-two rule; `min_dim` applies to the smaller of the two.
-inline factoring factor_of(std::span<const std::int64_t> shape, bool enabled, factor_axes rule,
-                           std::int64_t min_dim) {
-  factoring f;
-  const std::size_t r = shape.size();
-  if (!enabled || r < 2) return f;
-  std::size_t d0 = 0, d1 = 0;  // largest, second largest
-  if (rule == factor_axes::last_two) {
-    d0 = r - 1;
-    d1 = r - 2;
-  } else {
-    std::array<std::size_t, max_rank> idx{};
-    for (std::size_t k = 0; k < r; ++k) idx[k] = k;
-    std::stable_sort(idx.begin(), idx.begin() + static_cast<std::ptrdiff_t>(r),
-                     [&](std::size_t a, std::size_t b) { return shape[a] < shape[b]; });
-    d0 = idx[r - 1];
-    d1 = idx[r - 2];
-  }
-  if (std::min(shape[d0], shape[d1]) < min_dim) return f;
-  const std::size_t p = std::min(d0, d1), q = std::max(d0, d1);
-  f.factored = true;
-  f.largest_is_y = d0 == q;
-  std::int64_t a = 1, b = 1, c = 1;
-  for (std::size_t k = 0; k < p; ++k) a *= shape[k];
-  for (std::size_t k = p + 1; k < q; ++k) b *= shape[k];
-  for (std::size_t k = q + 1; k < r; ++k) c *= shape[k];
-  f.d = {a, shape[p], b, shape[q], c};
-  return f;
-}
 
 /// First bytes of an adafactor or sm3 checkpoint (a kind field follows the version).
 inline constexpr char factored_magic[8] = {'g', 'r', 'a', 'd', 'a', 'p', 't', 'F'};

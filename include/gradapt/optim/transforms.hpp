@@ -24,14 +24,20 @@
 ///    No state; ends a pass (per-tensor norms).
 ///  - clip_by_global_norm: u ← u · c/‖u‖ when ‖u‖ > c (‖·‖ over all tensors). No state; ends a
 ///    pass (one global norm).
-///  - clip_by_block_rms: u ← u / max(1, rms(u)/c) per tensor. No state; ends a pass (per-tensor
-///    norms).
+///  - clip_by_block_rms: u ← u / max(1, rms(u)/c) per tensor (off when c = +inf). No state; ends
+///    a pass (per-tensor norms).
+///  - scale_by_param_block_rms: u ← u · max(rms(p), min_scale) per tensor. No state; ends a pass
+///    (per-tensor norms of p).
+///  - ema: m ← (1−β) u + β m; u ← m (optionally debiased). State m; element-wise.
+///  - scale_by_factored_rms (optim/adafactor.hpp) and scale_by_sm3 (optim/sm3.hpp): the factored
+///    second moments of Adafactor and SM3; the first stage of a chain (see chain.hpp).
 ///
 /// References: Adam, Kingma & Ba 2015 (arXiv:1412.6980); decoupled weight decay, Loshchilov &
 /// Hutter 2019 (arXiv:1711.05101); LARS, You, Gitman & Ginsburg 2017 (arXiv:1708.03888); LAMB,
 /// You et al. 2020 (arXiv:1904.00962); global-norm clipping, Pascanu et al. 2013
 /// (arXiv:1211.5063); Nesterov momentum in the form of Sutskever et al. 2013.
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -176,6 +182,11 @@ struct add_decayed_weights {
   /// Returns true for parameter names that get no decay (in addition to
   /// `param_flags::skip_weight_decay`). Default empty: no name is skipped.
   std::function<bool(std::string_view)> skip = {};
+  /// Multiply λ by the step's learning rate (`step_args::lr`, else `lr` below): u ← u + η λ p,
+  /// PyTorch's coupling (torch.optim.Adafactor, AdamW's p ← p (1 − η λ)). Default false (optax).
+  bool times_lr = false;
+  /// η for `times_lr` when a step passes no `step_args::lr`; finite, >= 0. Default 1.
+  double lr = 1.0;
 
   static constexpr std::size_t buffers = 0;            ///< no state
   static constexpr std::size_t tensor_slots = 1;       ///< λ of the tensor
@@ -189,6 +200,7 @@ struct add_decayed_weights {
   void validate() const {
     gradapt::detail::require(std::isfinite(weight_decay), "add_decayed_weights: weight_decay is ",
                              weight_decay, " (expected a finite value; 0 disables decay)");
+    detail::check_nonneg(lr, "add_decayed_weights", "lr", "the learning rate times_lr multiplies by");
   }
   /// out[0] = the tensor's λ: 0 when its flags or `skip` mask it, else the group's
   /// `weight_decay` when set, else `weight_decay`.
@@ -200,10 +212,12 @@ struct add_decayed_weights {
   /// Element math of add_decayed_weights in compute type C; λ arrives per tensor in tc[0].
   template <class C>
   struct kernel {
-    /// u ← u + λ p with λ = tc[0] rounded to C; u is left untouched when λ is 0.
+    double lr_factor;  ///< η with times_lr, else 1
+    /// u ← u + λ p with λ = tc[0] (times η with times_lr, in double) rounded to C; u is left
+    /// untouched when λ is 0.
     template <class V>
     GRADAPT_HD GRADAPT_INLINE void update(V& u, const V& p, const double* tc) const {
-      const C wd = static_cast<C>(tc[0]);
+      const C wd = static_cast<C>(tc[0] * lr_factor);
       if (wd != C(0)) u = u + wd * p;
     }
     /// The same as `update` (the stage has no state to replay from).
@@ -212,10 +226,15 @@ struct add_decayed_weights {
       update(u, p, tc);
     }
   };
-  /// The kernel (stateless, no per-step constants).
+  /// The kernel: η (the step's learning rate) with times_lr, else 1.
+  /// @throws gradapt::error when times_lr is set and the step's η is not finite and >= 0
   template <class C>
-  kernel<C> prepare(const step_context&) const {
-    return {};
+  kernel<C> prepare(const step_context& s) const {
+    if (!times_lr) return {1.0};
+    const double eta = s.lr.value_or(lr);
+    gradapt::detail::require(std::isfinite(eta) && eta >= 0.0, "add_decayed_weights: the step's learning rate is ",
+                             eta, " (expected finite and >= 0 with times_lr)");
+    return {eta};
   }
 };
 
@@ -281,6 +300,9 @@ struct scale_by_learning_rate {
   double lr = 1e-3;
   /// Multiply by −η (descent) when true, by +η when false. Default true.
   bool flip_sign = true;
+  /// Adafactor's relative step size (Shazeer & Stern 2018, torch.optim.Adafactor): use
+  /// η_t = min(η, 1/√t) at step t. Default false.
+  bool relative_step = false;
 
   static constexpr std::size_t buffers = 0;            ///< no state
   static constexpr std::size_t tensor_slots = 1;       ///< the group's lr_scale
@@ -317,9 +339,10 @@ struct scale_by_learning_rate {
   /// @throws gradapt::error when the step's η is not finite (a schedule gone wrong)
   template <class C>
   kernel<C> prepare(const step_context& s) const {
-    const double eta = s.lr.value_or(lr);
+    double eta = s.lr.value_or(lr);
     gradapt::detail::require(std::isfinite(eta), "scale_by_learning_rate: the step's learning rate is ", eta,
                              " (expected a finite value; check the schedule)");
+    if (relative_step) eta = std::min(eta, 1.0 / std::sqrt(static_cast<double>(s.step)));
     return {flip_sign ? -eta : eta};
   }
 };
@@ -653,8 +676,9 @@ struct clip_by_global_norm {
 
 /// Clipping by each tensor's root mean square, as optax's `clip_by_block_rms`:
 /// u ← u / max(1, rms(u) / c), rms(u) = √(Σu² / n) per tensor. A NaN rms gives NaN (optax).
+/// c = +inf switches the stage off (Adafactor's clipping_threshold = None).
 struct clip_by_block_rms {
-  /// c; finite, > 0. Default 1.
+  /// c; > 0, +inf for no clipping. Default 1.
   double threshold = 1.0;
 
   static constexpr std::size_t buffers = 0;            ///< no state
@@ -662,15 +686,17 @@ struct clip_by_block_rms {
   static constexpr bool barrier = true;                ///< needs whole-tensor sums: ends a pass
   static constexpr bool global = false;                ///< one factor per tensor
   static constexpr std::size_t terms = 1;              ///< ‖u‖²
-  static constexpr bool optional = false;              ///< always active
+  static constexpr bool optional = true;               ///< off when threshold is +inf
   static constexpr bool replay_ignores_input = false;  ///< replay recomputes from its input u
   static constexpr bool uses_param = false;            ///< never reads p
 
+  /// False when threshold is +inf: the stage then costs no pass.
+  bool enabled() const { return threshold != std::numeric_limits<double>::infinity(); }
   /// Checks the options (the chain calls it when it is built and at `init`).
-  /// @throws gradapt::error when threshold is not finite and > 0
+  /// @throws gradapt::error when threshold is not > 0 (NaN included)
   void validate() const {
-    gradapt::detail::require(std::isfinite(threshold) && threshold > 0.0, "clip_by_block_rms: threshold is ",
-                             threshold, " (expected a finite value > 0)");
+    gradapt::detail::require(threshold > 0.0, "clip_by_block_rms: threshold is ", threshold,
+                             " (expected a value > 0; +inf switches clipping off)");
   }
   /// out[0] = the tensor's element count n.
   void tensor_constants(const tensor_setup& ts, double* out) const { out[0] = static_cast<double>(ts.size); }
@@ -705,6 +731,117 @@ struct clip_by_block_rms {
   template <class C>
   kernel<C> prepare(const step_context&) const {
     return {threshold};
+  }
+};
+
+/// Scaling by each tensor's parameter root mean square, as optax's `scale_by_param_block_rms`
+/// (Adafactor's multiply_by_parameter_scale): u ← u · max(rms(p), min_scale), rms(p) = √(Σp² / n)
+/// per tensor, in double. A NaN rms gives NaN. `active = false` switches the stage off.
+struct scale_by_param_block_rms {
+  /// Lower bound of the scale (Adafactor's eps2); finite, >= 0. Default 1e-3.
+  double min_scale = 1e-3;
+  /// false switches the stage off (it then costs no pass). Default true.
+  bool active = true;
+
+  static constexpr std::size_t buffers = 0;            ///< no state
+  static constexpr std::size_t tensor_slots = 1;       ///< element count n
+  static constexpr bool barrier = true;                ///< needs whole-tensor sums of p: ends a pass
+  static constexpr bool global = false;                ///< one factor per tensor
+  static constexpr std::size_t terms = 1;              ///< ‖p‖²
+  static constexpr bool optional = true;               ///< off when `active` is false
+  static constexpr bool replay_ignores_input = false;  ///< replay recomputes from its input u
+  static constexpr bool uses_param = true;             ///< measures p
+
+  /// `active`.
+  bool enabled() const { return active; }
+  /// Checks the options (the chain calls it when it is built and at `init`).
+  /// @throws gradapt::error when min_scale is negative or not finite
+  void validate() const { detail::check_nonneg(min_scale, "scale_by_param_block_rms", "min_scale", "1e-3 is optax's"); }
+  /// out[0] = the tensor's element count n.
+  void tensor_constants(const tensor_setup& ts, double* out) const { out[0] = static_cast<double>(ts.size); }
+
+  /// Element math and factor of scale_by_param_block_rms; C is the compute type.
+  template <class C>
+  struct kernel {
+    double min_scale;  ///< the lower bound
+    /// The term summed per tensor in double: p².
+    template <class V>
+    GRADAPT_HD GRADAPT_INLINE simd::terms_t<V, 1> measure(const V&, const V& p, const double*) const {
+      simd::terms_t<V, 1> r;
+      const auto pw = simd::widen(p);
+      r[0] = pw * pw;
+      return r;
+    }
+    /// max(√(sums[0] / n), min_scale), n = tc[0]; NaN when the rms is NaN, 1 for an empty tensor.
+    GRADAPT_HD double finalize(const double* sums, const double* tc) const {
+      if (tc[0] == 0.0) return 1.0;
+      const double rms = detail::dsqrt(sums[0] / tc[0]);
+      if (rms != rms) return rms;
+      return rms > min_scale ? rms : min_scale;
+    }
+    /// u ← factor · u, with `factor` rounded to C.
+    template <class V>
+    GRADAPT_HD GRADAPT_INLINE void apply(V& u, const V&, C factor, const double*) const {
+      u = u * factor;
+    }
+  };
+  /// The kernel (no per-step constants).
+  template <class C>
+  kernel<C> prepare(const step_context&) const {
+    return {min_scale};
+  }
+};
+
+/// An exponential moving average of the update, as optax's `ema` (Adafactor's momentum):
+///
+///     m ← (1 − β) u + β m;   u ← m          (debias: u ← m / (1 − β^t))
+///
+/// β = 0 switches the stage off (no buffer). Replay rebuilds u from m alone.
+struct ema {
+  /// β, in [0, 1). Default 0.9; 0 switches the stage off.
+  double decay = 0.9;
+  /// Divide by 1 − β^t (optax's default debias=True; Adafactor uses false). Default false.
+  bool debias = false;
+
+  static constexpr std::size_t buffers = 1;           ///< m
+  static constexpr std::size_t tensor_slots = 0;      ///< no per-tensor constants
+  static constexpr bool barrier = false;              ///< element-wise: fuses into a pass
+  static constexpr bool optional = true;              ///< off when decay is 0
+  static constexpr bool replay_ignores_input = true;  ///< replay needs only m
+  static constexpr bool uses_param = false;           ///< never reads p
+
+  /// False when decay is 0.
+  bool enabled() const { return decay != 0.0; }
+  /// Checks the options (the chain calls it when it is built and at `init`).
+  /// @throws gradapt::error when decay is outside [0, 1)
+  void validate() const { detail::check_range(decay, 0.0, 1.0, false, "ema", "decay", "0.9 is typical"); }
+  /// Writes nothing: the stage has no per-tensor constants.
+  void tensor_constants(const tensor_setup&, double*) const {}
+
+  /// Element math of ema in compute type C.
+  template <class C>
+  struct kernel {
+    C decay;      ///< β, rounded to C
+    C one_minus;  ///< 1 − β, formed in double, rounded to C
+    C inv_bc;     ///< 1 / (1 − β^t) with debias, else 1
+    bool debias;  ///< divide by the bias correction
+    /// m ← (1 − β) u + β m; u ← m (times inv_bc with debias).
+    template <class V>
+    GRADAPT_HD GRADAPT_INLINE void update(V& u, const V&, const double*, V& m) const {
+      m = V(one_minus) * u + V(decay) * m;
+      u = debias ? m * V(inv_bc) : m;
+    }
+    /// u from the advanced m alone.
+    template <class V>
+    GRADAPT_HD GRADAPT_INLINE void replay(V& u, const V&, const double*, const V& m) const {
+      u = debias ? m * V(inv_bc) : m;
+    }
+  };
+  /// The kernel for step t (the bias correction is formed in double).
+  template <class C>
+  kernel<C> prepare(const step_context& s) const {
+    const double bc = debias ? 1.0 - std::pow(decay, static_cast<double>(s.step)) : 1.0;
+    return {static_cast<C>(decay), static_cast<C>(1.0 - decay), static_cast<C>(1.0 / bc), debias};
   }
 };
 
