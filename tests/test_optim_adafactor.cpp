@@ -1040,10 +1040,9 @@ TEST_CASE("adafactor and sm3 match optax and torch.optim.Adafactor reference vec
       torch_cases += c.name.find("torch") != std::string::npos;
     } else {
       REQUIRE(c.optimizer == "sm3");
-      runs.emplace_back("sm3", run_ref_case(gradapt::sm3({.lr = c.opt.at("lr"),
-                                                           .momentum = c.opt.at("momentum"),
-                                                           .eps = c.opt.at("eps")}),
-                                            c, 2));
+      const gradapt::sm3_options so{.lr = c.opt.at("lr"), .momentum = c.opt.at("momentum"), .eps = c.opt.at("eps")};
+      runs.emplace_back("sm3", run_ref_case(gradapt::sm3(so), c, 2));
+      runs.emplace_back("sm3_chain", run_ref_case(gradapt::sm3_chain(so), c, 2));
       ++sm3_cases;
     }
     for (const auto& [form, mine] : runs) {

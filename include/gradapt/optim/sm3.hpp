@@ -49,6 +49,7 @@
 #include "gradapt/core/tensor_view.hpp"
 #include "gradapt/optim/factored.hpp"
 #include "gradapt/optim/stage.hpp"
+#include "gradapt/optim/transforms.hpp"
 
 namespace gradapt {
 
@@ -778,5 +779,199 @@ class sm3 {
     for (std::size_t j = 0; j < i.cover_off[r - 1]; ++j) mu[j] = detail::sm3_k::canonical(mu[j]);
   }
 };
+
+namespace detail::sm3_k {
+/// dst = src (a copy of covers into the chain's workspace).
+struct copy_value {
+  template <class C>
+  GRADAPT_HD void operator()(C& dst, C& src) const {
+    dst = src;
+  }
+};
+}  // namespace detail::sm3_k
+
+namespace transform {
+
+/// SM3's cover accumulators (Anil et al. 2019, SM3-II with one cover per dimension), as the
+/// accumulator half of optax's `scale_by_sm3`: the first stage of a chain (see
+/// `gradapt::sm3_chain` for optax's whole SM3; its momentum is a separate `transform::ema`).
+///
+///     ν_i = min over the covers r ∋ i of μ(r);   a_i = c1 g_i² + c2 ν_i   (c1 = 1 − b2, c2 = b2;
+///                                                                      c1 = 1 when b2 = 1)
+///     μ(r) ← max over i ∈ r of a_i;              u_i = g_i / √(a_i + eps) where a_i > 0, else 0
+///
+/// A tensor of rank k >= 2 keeps d_0 + ... + d_{k−1} accumulators (n + m for an n × m matrix);
+/// 1-D and rank-0 tensors keep a full accumulator (a = c1 g² + c2 a). For rank >= 2 the chain
+/// sees the tensor as [d_0 ⋯ d_{k−2}, d_{k−1}]: `advance` writes the old covers' minimum over
+/// the leading dims and the last dim's cover into the workspace (the factors every pass reads),
+/// takes the maxima of a (backend `reduce_factored` with max) and stores the new covers; each
+/// pass computes u from the old covers and g, so passes after a barrier reproduce it exactly.
+/// Same values as `gradapt::sm3`'s device path.
+struct scale_by_sm3 {
+  /// 1: a = g² + ν (the paper); otherwise a = (1 − b2) g² + b2 ν. In (0, 1]. Default 1.
+  double b2 = 1.0;
+  /// Added to a inside the root; finite, >= 0. Default 1e-8.
+  double eps = 1e-8;
+
+  static constexpr bool factored_state = true;         ///< one accumulator per index of each dim
+  static constexpr std::size_t buffers = 1;            ///< the covers (or a full accumulator)
+  static constexpr std::size_t tensor_slots = 0;       ///< no per-tensor constants
+  static constexpr bool barrier = false;               ///< element-wise once the covers are read
+  static constexpr bool optional = false;              ///< always active
+  static constexpr bool replay_ignores_input = false;  ///< u needs g
+  static constexpr bool uses_param = false;            ///< never reads p
+
+  /// @throws gradapt::error naming the option when b2 is outside (0, 1] or eps is negative
+  void validate() const {
+    gradapt::detail::require(std::isfinite(b2) && b2 > 0 && b2 <= 1, "scale_by_sm3: b2 is ", b2,
+                             " (expected 0 < b2 <= 1; 1 is the paper's sum)");
+    gradapt::detail::require(std::isfinite(eps) && eps >= 0, "scale_by_sm3: eps is ", eps,
+                             " (expected finite and >= 0)");
+  }
+  /// Writes nothing: the stage has no per-tensor constants.
+  void tensor_constants(const tensor_setup&, double*) const {}
+
+  /// Rank >= 2: covered over [lead, last dim], aux = {rank, d_0, d_1, d_2, d_3}; otherwise a
+  /// full accumulator.
+  factored_tensor plan_tensor(std::span<const std::int64_t> shape) const {
+    factored_tensor t;
+    const std::size_t r = shape.size();
+    if (r < 2) return t;
+    std::size_t size = 1, covers = 0, widest = 0;
+    for (const std::int64_t d : shape) {
+      size *= static_cast<std::size_t>(d);
+      covers += static_cast<std::size_t>(d);
+      widest = std::max(widest, static_cast<std::size_t>(d));
+    }
+    if (size == 0) return t;
+    const auto Y = static_cast<std::size_t>(shape[r - 1]);
+    const std::size_t lead = size / Y;
+    t.factored = true;
+    t.d = {1, static_cast<std::int64_t>(lead), 1, static_cast<std::int64_t>(Y), 1};
+    t.rows = lead;
+    t.cols = Y;
+    t.state = covers;
+    t.ws = lead + Y + (r >= 3 ? 2 * lead : 0);
+    t.ws_sums = 2 * lead + widest;
+    t.aux[0] = static_cast<std::int64_t>(r);
+    for (std::size_t k = 0; k < r; ++k) t.aux[1 + k] = shape[k];
+    return t;
+  }
+
+  /// Element math of scale_by_sm3 in compute type C.
+  template <class C>
+  struct kernel {
+    C c1;   ///< weight of g²
+    C c2;   ///< weight of ν
+    C eps;  ///< added to a inside the root
+    /// Full accumulator (1-D, rank 0): a ← c1 u² + c2 a; u ← u / √(a + eps) (0 where a <= 0).
+    template <class V>
+    GRADAPT_HD GRADAPT_INLINE void update(V& u, const V&, const double*, V& a) const {
+      a = V(c1) * (u * u) + V(c2) * a;
+      u = gradapt::detail::sm3_k::update_of(u, a, eps);
+    }
+    /// u from its input and the advanced accumulator.
+    template <class V>
+    GRADAPT_HD GRADAPT_INLINE void replay(V& u, const V&, const double*, const V& a) const {
+      u = gradapt::detail::sm3_k::update_of(u, a, eps);
+    }
+    /// Covered tensors: u from the old covers' minimum over the leading dims r, the last dim's
+    /// cover c, and g.
+    template <class V>
+    GRADAPT_HD GRADAPT_INLINE V y(const V& r, const V& c, const V& g) const {
+      const V a = V(c1) * (g * g) + V(c2) * simd::min(r, c);
+      return gradapt::detail::sm3_k::update_of(g, a, eps);
+    }
+  };
+  /// The kernel (no per-step constants).
+  template <class C>
+  kernel<C> prepare(const step_context&) const {
+    return {b2 == 1.0 ? C(1) : static_cast<C>(1.0 - b2), static_cast<C>(b2), static_cast<C>(eps)};
+  }
+
+  /// Writes the old covers' factors to the workspace (rows: the minimum over the leading dims'
+  /// covers, expanded to [d_0 ⋯ d_{k−2}]; then the last dim's cover), takes the maxima of a
+  /// and stores them as the new covers. Backend operations only.
+  template <class C, class B, class S, class G>
+  void advance(const B& b, const kernel<C>& k, const factored_tensor& t, tensor_view<S, typename B::space> state,
+               tensor_view<const G, typename B::space> g, S* ws, double* sums) const {
+    using space = typename B::space;
+    const auto vec = [](auto* p, std::size_t n) {
+      using T = std::remove_pointer_t<decltype(p)>;
+      return tensor_view<T, space>::vector(p, static_cast<std::int64_t>(n));
+    };
+    const auto cvec = [](auto* p, std::size_t n) {
+      using T = std::remove_pointer_t<decltype(p)>;
+      return tensor_view<const T, space>::vector(p, static_cast<std::int64_t>(n));
+    };
+    const auto r = static_cast<std::size_t>(t.aux[0]);
+    std::array<std::size_t, max_rank> dims{}, off{};
+    std::size_t o = 0;
+    for (std::size_t q = 0; q < r; ++q) {
+      dims[q] = static_cast<std::size_t>(t.aux[1 + q]);
+      off[q] = o;
+      o += dims[q];
+    }
+    const std::size_t Y = t.cols, lead = t.rows;
+    S* mu = state.data();
+    S* rows = ws;
+    S* cols = ws + lead;
+    S* wa = ws + lead + Y;
+    S* wb = wa + lead;
+    double* da = sums;
+    double* db = sums + lead;
+    double* dx = sums + 2 * lead;
+    // The old covers as factors: the leading dims' minimum, expanded, and the last dim's.
+    tensor_view<const S, space> row = cvec(mu + off[0], dims[0]);
+    std::size_t len = dims[0];
+    S* dst = wa;
+    for (std::size_t q = 1; q + 1 < r; ++q) {
+      b.apply_factored(gradapt::detail::sm3_k::cover_min{},
+                       {1, static_cast<std::int64_t>(len), 1, static_cast<std::int64_t>(dims[q]), 1}, row,
+                       cvec(mu + off[q], dims[q]), vec(dst, len * dims[q]));
+      row = cvec(dst, len * dims[q]);
+      len *= dims[q];
+      dst = dst == wa ? wb : wa;
+    }
+    b.apply(gradapt::detail::sm3_k::copy_value{}, vec(rows, lead), row);
+    b.apply(gradapt::detail::sm3_k::copy_value{}, vec(cols, Y), cvec(mu + off[r - 1], Y));
+    // The maxima of a over the last dim (per leading index) and over the leading dims.
+    b.reduce_factored(gradapt::detail::sm3_k::accumulate<C>{k.c1, k.c2}, t.d, cvec(rows, lead), cvec(cols, Y), g,
+                      vec(da, lead), vec(dx, Y), reduce_op::max);
+    // The new covers: the last dim's directly, the others by reducing the maxima further.
+    b.apply(gradapt::detail::sm3_k::assign{}, vec(mu + off[r - 1], Y), vec(dx, Y));
+    double* cur = da;
+    double* nxt = db;
+    len = lead;
+    for (std::size_t q = r - 1; q-- > 1;) {  // cur: the maxima over dims > q, shape [d_0 .. d_q]
+      const std::size_t dq = dims[q];
+      const std::size_t before = len / dq;
+      b.reduce_factored(gradapt::detail::sm3_k::identity{},
+                        {1, static_cast<std::int64_t>(before), 1, static_cast<std::int64_t>(dq), 1}, cvec(wa, 0),
+                        cvec(wa, 0), cvec(cur, len), vec(nxt, before), vec(dx, dq), reduce_op::max);
+      b.apply(gradapt::detail::sm3_k::assign{}, vec(mu + off[q], dq), vec(dx, dq));
+      std::swap(cur, nxt);
+      len = before;
+    }
+    b.apply(gradapt::detail::sm3_k::assign{}, vec(mu + off[0], len), vec(cur, len));
+  }
+};
+
+}  // namespace transform
+
+/// The chain type of `sm3_chain`: optax's sm3 as a composition of stages.
+using sm3_chain_type = chain<transform::scale_by_sm3, transform::ema, transform::scale_by_learning_rate>;
+
+/// SM3 assembled from gradient transformations, as optax's `sm3`: scale_by_sm3(b2, eps) →
+/// ema(momentum) → scale_by_learning_rate(lr), with the options of `gradapt::sm3`. The same
+/// values as the standalone class's device path; on the host the class is faster (one fused
+/// pass per tensor), the chain is the form to extend.
+/// @throws gradapt::error naming an invalid option
+inline sm3_chain_type sm3_chain(const sm3_options& o = {}) {
+  sm3::validate(o);
+  return sm3_chain_type{transform::scale_by_sm3{.b2 = o.b2, .eps = o.eps},
+                        transform::ema{.decay = o.momentum, .debias = false},
+                        transform::scale_by_learning_rate{.lr = o.lr}};
+}
 
 }  // namespace gradapt
