@@ -24,6 +24,13 @@
 /// Stages switched off by their options (momentum 0, no gradient clipping) cost nothing: the
 /// chain keeps one compiled form per combination of optional stages and picks it at run time.
 ///
+/// Factored chains. When stage 0 is a factored stage (Adafactor's or SM3's second moment, see
+/// stage.hpp), the chain runs tensor by tensor: for a factored tensor the stage's `advance`
+/// leaves row and column factors in a workspace and each pass above runs through the
+/// backend's `apply_factored` (`factored_pass` puts the stage's output y(r, c, g) where the
+/// gradient would be); other tensors run the passes over a one-tensor list. On the host the
+/// tensors are scheduled as the factored optimizers do (`detail::optim::for_tensors`).
+///
 /// State. `init` allocates, through the backend, one buffer per state buffer of each active
 /// stage (sized to all parameters), plus small per-tensor arrays; `step` allocates nothing.
 /// `chain_state::save` / `load` round-trip the state exactly.

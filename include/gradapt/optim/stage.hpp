@@ -44,10 +44,25 @@
 ///  - `static constexpr bool uses_param` says whether the math reads p (a pass that needs no p
 ///    does not read it).
 ///
-/// Extension point (Adafactor, SM3): a factored second-moment stage needs row and column sums
-/// of u^2 rather than per-tensor sums. It fits the same pass structure as a barrier whose
-/// reduction is not a per-tensor sum; the chain currently supports per-tensor and global sums
-/// and rejects other barriers at compile time.
+/// Factored stages (Adafactor's `transform::scale_by_factored_rms`, SM3's
+/// `transform::scale_by_sm3`) keep row and column statistics instead of one value per element.
+/// They declare `static constexpr bool factored_state = true`, are required element stages
+/// with one buffer whose replay reads its input, must be the chain's first stage, and add:
+///
+///  - `factored_tensor plan_tensor(std::span<const std::int64_t> shape) const`: per tensor
+///    (at `init`), whether it is factored, its [A, X, B, Y, C] view, the buffer elements it
+///    needs (`state`; a full-size buffer when not factored) and its workspace (`ws` elements
+///    of the state type, `ws_sums` doubles);
+///  - `advance(backend, kernel, factored_tensor, state view, gradient view, ws, ws_sums)`:
+///    advances a factored tensor's statistics from g with backend operations and leaves its
+///    row factors at ws[0, rows) and column factors at ws[rows, rows + cols);
+///  - `kernel<C>::y(r, c, g)`: the stage's output for an element from its row factor r, column
+///    factor c and gradient g (recomputed in every pass); `update` / `replay` are the stage's
+///    element-wise form for tensors that are not factored.
+///
+/// A chain with a factored stage runs tensor by tensor (see chain.hpp) and needs a backend
+/// with `apply_factored` / `apply_factored_sum` (`factored_backend`); its barriers measure one
+/// term per tensor and none is global (checked at compile time).
 
 #include <cstddef>
 #include <cstdint>
