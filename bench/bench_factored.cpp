@@ -16,6 +16,13 @@
 // the covers' maxima and the update from one read of g). Adafactor moves more than that: per factored tensor
 // it reads g three times (statistics, clipping sum, update) and p twice (parameter scale, update); tensors
 // are processed one at a time so that the repeated reads of a tensor of a few MB hit the last-level cache.
+// The adafactor_chain row is the same algorithm (optax defaults, lr 1e-3, as the adafactor row) composed
+// from transforms (gradapt::adafactor_chain): tensor by tensor too, but one pass per barrier (statistics,
+// clipping sum, Σp² for the parameter scale, update), so per factored tensor it reads g four times (once
+// more than the class) and p twice; it has no floor and is read next to the adafactor row of the same run.
+// The sm3_chain row (gradapt::sm3_chain, no momentum) runs SM3's covers through the generic backend
+// operations (a max-reduction pass over g, then the update pass over p and g) instead of the class's
+// one fused host pass; compare it with the sm3 row.
 // Compiled like a consumer (plain -O2, no -march, no fast-math).
 //
 // Google Benchmark: one benchmark per step with argument = threads (1 and 2), each iteration a
@@ -69,11 +76,13 @@ void run_step(benchmark::State& st, const Opt& opt, double bytes_per_param) {
 }
 
 void adafactor(benchmark::State& st) { run_step(st, gradapt::adafactor({.lr = 1e-3}), 12); }
+void adafactor_chain(benchmark::State& st) { run_step(st, gradapt::adafactor_chain({.lr = 1e-3}), 12); }
 void adafactor_torch(benchmark::State& st) {
   run_step(st, gradapt::adafactor(gradapt::torch_adafactor_options(1e-3)), 12);
 }
 void sm3_momentum(benchmark::State& st) { run_step(st, gradapt::sm3({.lr = 1e-3}), 20); }
 void sm3(benchmark::State& st) { run_step(st, gradapt::sm3({.lr = 1e-3, .momentum = 0.0}), 12); }
+void sm3_chain(benchmark::State& st) { run_step(st, gradapt::sm3_chain({.lr = 1e-3, .momentum = 0.0}), 12); }
 
 }  // namespace
 
@@ -90,17 +99,24 @@ int main(int argc, char** argv) {
     std::printf("adafactor state: %zu elements (%.2f MB) for %zu parameters; workspace %.2f MB\n",
                 st.state_elements(), static_cast<double>(st.state_elements()) * 4e-6, m.n,
                 static_cast<double>(st.workspace_bytes()) * 1e-6);
+    const auto sc = gradapt::adafactor_chain({.lr = 1e-3}).init(b, m.params);
+    std::printf("adafactor_chain state: %zu elements (%.2f MB)\n", sc.state_elements(),
+                static_cast<double>(sc.state_elements()) * 4e-6);
   }
-  for (auto [name, fn] : {std::pair{"adafactor", &adafactor}, std::pair{"adafactor_torch", &adafactor_torch},
-                          std::pair{"sm3_momentum", &sm3_momentum}, std::pair{"sm3", &sm3}})
+  for (auto [name, fn] : {std::pair{"adafactor", &adafactor}, std::pair{"adafactor_chain", &adafactor_chain},
+                          std::pair{"adafactor_torch", &adafactor_torch},
+                          std::pair{"sm3_momentum", &sm3_momentum}, std::pair{"sm3", &sm3},
+                          std::pair{"sm3_chain", &sm3_chain}})
     gradapt_bench::register_paired(name, fn, rounds);
   gradapt_bench::table_reporter rep;
+  // adafactor_chain and sm3_chain have no floor (their floor column prints "-").
   rep.floors = {{"adafactor", 0.60}, {"adafactor_torch", 0.60}, {"sm3_momentum", 0.60}, {"sm3", 0.60}};
   benchmark::RunSpecifiedBenchmarks(&rep);
   rep.print_table(
       "eff GB/s: fewest bytes the step must move (Adafactor and SM3 without momentum 12 B, SM3 with momentum "
       "20 B per parameter) / step time; the roof is p += s g (12 B).\n"
-      "floor (issue 5, 2 threads): Adafactor >= 0.60 of triad (SM3 held to the same).");
+      "floor (issue 5, 2 threads): Adafactor >= 0.60 of triad (SM3 held to the same); adafactor_chain has "
+      "none (compare it with the adafactor row).");
   benchmark::Shutdown();
   return 0;
 }

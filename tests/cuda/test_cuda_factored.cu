@@ -11,7 +11,12 @@
 //  - apply_factored_sum leaves apply_factored's sum in device memory;
 //  - adafactor and sm3 steps capture into a CUDA graph (the capture fails on any host
 //    synchronisation, copy to the host or allocation), and the graph gives the direct step's
-//    bits.
+//    bits;
+//  - adafactor_chain (the same algorithm as a chain of transforms, run tensor by tensor) does
+//    all three on the device: it follows the chain on gradapt::host (parameters and state
+//    buffers) over the mixed list plus empty tensors, for four option sets; a device
+//    checkpoint continues bit for bit (and a fresh state would not); its step captures into a
+//    CUDA graph that gives the direct step's bits.
 //
 // Compiled wherever nvcc is found; skipped (exit 77) without a GPU.
 
@@ -22,6 +27,8 @@
 #include <limits>
 #include <span>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cuda_test_support.cuh"
@@ -78,16 +85,33 @@ std::vector<host_tensor> mixed(unsigned seed) {
   return out;
 }
 
+/// `mixed` plus two empty tensors: 0 x 200, and 130 x 0 x 140, whose shape the optax rule
+/// would factor (its two largest dims are >= 128) were it not empty.
+std::vector<host_tensor> mixed_with_empty(unsigned seed) {
+  auto out = mixed(seed);
+  out.insert(out.begin() + 3, host_tensor{"empty", {0, 200}, {}, {}});
+  out.push_back(host_tensor{"none", {130, 0, 140}, {}, {}});
+  return out;
+}
+
 void fill_grads(std::vector<host_tensor>& ts, unsigned seed) {
   unsigned s = seed;
   for (auto& t : ts) t.g = random_values<float>(t.p.size(), s++, -0.125, 0.125);
 }
 
+/// The default of host_vs_device's `check`: nothing beyond the parameters.
+struct no_state_check {
+  template <class HS, class DS>
+  void operator()(const HS&, const DS&) const {}
+};
+
 /// Runs `Opt` for `steps` steps on the host and on the device from the same start and
-/// gradients; returns the largest difference relative to the largest movement.
-template <class Opt>
-double host_vs_device(const Opt& opt, int steps) {
-  auto h = mixed(1);
+/// gradients (tensors from `shapes`); calls `check(host state, device state)` after the last
+/// step, and returns the largest parameter difference relative to the largest movement.
+template <class Opt, class Check = no_state_check>
+double host_vs_device(const Opt& opt, int steps, std::vector<host_tensor> (*shapes)(unsigned) = mixed,
+                      Check check = {}) {
+  auto h = shapes(1);
   const auto start = h;
   gradapt::param_list<float> hp;
   for (auto& t : h)
@@ -121,6 +145,7 @@ double host_vs_device(const Opt& opt, int steps) {
     opt.step(cb, dpl, ds);
   }
   cb.synchronize();
+  check(hs, ds);
   double move = 0, err = 0;
   for (std::size_t i = 0; i < h.size(); ++i) {
     const auto d = to_host(dp[i]);
@@ -267,8 +292,8 @@ namespace {
 /// fails if the step synchronises with the host, copies to the host or allocates, and the
 /// graph's launch must give the direct step's bits.
 template <class Opt>
-void step_captures(const Opt& opt) {
-  auto h = mixed(11);
+void step_captures(const Opt& opt, std::vector<host_tensor> (*shapes)(unsigned) = mixed) {
+  auto h = shapes(11);
   fill_grads(h, 5);
   std::vector<dvec<float>> pa, pb, dg;
   for (auto& t : h) {
@@ -312,4 +337,160 @@ TEST_CASE("cuda adafactor and sm3 steps never wait for the host (they capture in
   step_captures(gradapt::adafactor(gradapt::torch_adafactor_options(0.01, 1e-3, 0.1)));
   step_captures(gradapt::adafactor(gradapt::adafactor_options{.multiply_by_parameter_scale = false}));
   step_captures(gradapt::sm3(gradapt::sm3_options{.lr = 0.1}));
+}
+
+// ---- adafactor_chain: the same algorithm as a chain of transforms ------------------------------
+
+namespace {
+
+/// A chain state's buffers in host memory: [buffer j][tensor t] (inactive stages' are empty).
+template <class St>
+std::vector<std::vector<std::vector<float>>> chain_buffers(const St& st) {
+  std::vector<std::vector<std::vector<float>>> out(St::buffer_count());
+  for (std::size_t j = 0; j < St::buffer_count(); ++j)
+    for (const auto& v : st.buffer(j)) {
+      std::vector<float> h(static_cast<std::size_t>(v.size()));
+      if constexpr (std::is_same_v<typename St::space, device_space>) {
+        if (!h.empty())
+          REQUIRE(cudaMemcpy(h.data(), v.data(), v.bytes(), cudaMemcpyDeviceToHost) == cudaSuccess);
+      } else {
+        std::copy(v.data(), v.data() + v.size(), h.begin());
+      }
+      out[j].push_back(std::move(h));
+    }
+  return out;
+}
+
+/// host_vs_device's check for chains: the host and device states have the same layout (step
+/// count, active stages, which tensors are factored, buffer sizes) and every buffer of every
+/// tensor agrees within `tol` of that tensor's largest host magnitude; the worst ratio seen
+/// goes to `*worst`.
+struct chain_states_agree {
+  double tol;
+  double* worst;
+  template <class HS, class DS>
+  void operator()(const HS& hs, const DS& ds) const {
+    REQUIRE(hs.steps() == ds.steps());
+    REQUIRE(hs.active_stages() == ds.active_stages());
+    REQUIRE(hs.tensors() == ds.tensors());
+    REQUIRE(hs.state_elements() == ds.state_elements());
+    for (std::size_t t = 0; t < hs.tensors(); ++t) REQUIRE(hs.factored(t) == ds.factored(t));
+    const auto h = chain_buffers(hs), d = chain_buffers(ds);
+    for (std::size_t j = 0; j < h.size(); ++j) {
+      REQUIRE(h[j].size() == d[j].size());
+      for (std::size_t t = 0; t < h[j].size(); ++t) {
+        INFO("state buffer " << j << ", tensor " << t);
+        REQUIRE(h[j][t].size() == d[j][t].size());
+        double top = 0, err = 0;
+        for (std::size_t k = 0; k < h[j][t].size(); ++k) {
+          REQUIRE(std::isfinite(d[j][t][k]));
+          top = std::max(top, std::fabs(double(h[j][t][k])));
+          err = std::max(err, std::fabs(double(h[j][t][k]) - double(d[j][t][k])));
+        }
+        REQUIRE(err <= tol * top);
+        if (top > 0) *worst = std::max(*worst, err / top);
+      }
+    }
+  }
+};
+
+struct named_options {
+  const char* name;
+  gradapt::adafactor_options o;
+};
+
+/// Option sets that switch the chain's stages differently: optax's defaults (clipping, the
+/// parameter scale), momentum with weight decay, torch's form (relative step, last-two
+/// factoring of every matrix, the eps clamp, lr-coupled decay), and strong clipping without
+/// the parameter scale over more factored tensors.
+std::vector<named_options> chain_option_sets() {
+  return {{"optax defaults", {}},
+          {"lr 0.05, momentum 0.9, weight decay 1e-3", {.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3}},
+          {"torch form", gradapt::torch_adafactor_options(0.01, 1e-3, 0.1)},
+          {"clipping 0.3, min dim 16, no parameter scale",
+           {.lr = 0.02,
+            .min_dim_size_to_factor = 16,
+            .clipping_threshold = 0.3,
+            .multiply_by_parameter_scale = false}}};
+}
+
+}  // namespace
+
+TEST_CASE("cuda adafactor_chain follows the host backend", "[cuda][factored][optim][chain]") {
+  for (const auto& [name, o] : chain_option_sets()) {
+    INFO(name);
+    double state = 0;
+    const double d =
+        host_vs_device(gradapt::adafactor_chain(o), 4, mixed_with_empty, chain_states_agree{1e-4, &state});
+    WARN("adafactor_chain, " << name << ": device vs host " << d << " of the movement, state buffers "
+                             << state << " of their largest element");
+    REQUIRE(d <= 1e-4);
+  }
+}
+
+TEST_CASE("cuda adafactor_chain checkpoints continue bit for bit", "[cuda][factored][optim][chain]") {
+  auto h = mixed_with_empty(7);
+  std::vector<dvec<float>> dp, dg, dp2, dp3;
+  for (auto& t : h) {
+    dp.push_back(to_device(t.p));
+    dp2.push_back(to_device(t.p));
+    dp3.push_back(to_device(t.p));
+    dg.push_back(to_device(t.g));
+  }
+  // a: trained throughout; b: restored from a's checkpoint; c: a fresh state from a's
+  // parameters (what a lost checkpoint gives: it must differ, or the comparison proves nothing).
+  gradapt::param_list<float, float, device_space> a, b, c;
+  for (std::size_t i = 0; i < h.size(); ++i) {
+    const auto shp = std::span<const std::int64_t>(h[i].shape);
+    const auto gv = tensor_view<float, device_space>(thrust::raw_pointer_cast(dg[i].data()), shp);
+    a.add(h[i].name, tensor_view<float, device_space>(thrust::raw_pointer_cast(dp[i].data()), shp), gv);
+    b.add(h[i].name, tensor_view<float, device_space>(thrust::raw_pointer_cast(dp2[i].data()), shp), gv);
+    c.add(h[i].name, tensor_view<float, device_space>(thrust::raw_pointer_cast(dp3[i].data()), shp), gv);
+  }
+  gradapt::cuda cb{};
+  const auto opt = gradapt::adafactor_chain({.lr = 0.02, .momentum = 0.5, .weight_decay = 1e-3});
+  auto sa = opt.init(cb, a);
+  for (int s = 1; s <= 2; ++s) {
+    fill_grads(h, 9u * static_cast<unsigned>(s));
+    for (std::size_t i = 0; i < h.size(); ++i) thrust::copy(h[i].g.begin(), h[i].g.end(), dg[i].begin());
+    opt.step(cb, a, sa);
+  }
+  for (std::size_t i = 0; i < h.size(); ++i) {
+    dp2[i] = dp[i];
+    dp3[i] = dp[i];
+  }
+  auto sb = opt.init(cb, b);
+  sb.load(cb, sa.save(cb));
+  REQUIRE(sb.steps() == 2);
+  auto sc = opt.init(cb, c);
+  for (int s = 3; s <= 4; ++s) {
+    fill_grads(h, 9u * static_cast<unsigned>(s));
+    for (std::size_t i = 0; i < h.size(); ++i) thrust::copy(h[i].g.begin(), h[i].g.end(), dg[i].begin());
+    opt.step(cb, a, sa);
+    opt.step(cb, b, sb);
+    opt.step(cb, c, sc);
+  }
+  std::size_t fresh_differs = 0;
+  for (std::size_t i = 0; i < h.size(); ++i) {
+    const auto x = to_host(dp[i]), y = to_host(dp2[i]), z = to_host(dp3[i]);
+    for (std::size_t k = 0; k < x.size(); ++k) {
+      REQUIRE(bits(x[k]) == bits(y[k]));
+      fresh_differs += bits(x[k]) != bits(z[k]) ? 1 : 0;
+    }
+  }
+  REQUIRE(fresh_differs > 0);
+  REQUIRE(sa.save(cb) == sb.save(cb));
+}
+
+TEST_CASE("cuda adafactor_chain steps never wait for the host (they capture into a CUDA graph)",
+          "[cuda][factored][optim][chain]") {
+  for (const auto& [name, o] : chain_option_sets()) {
+    INFO(name);
+    step_captures(gradapt::adafactor_chain(o), mixed_with_empty);
+  }
+  // No barrier at all (clipping and the parameter scale off): one pass per tensor.
+  INFO("no clipping, no parameter scale");
+  step_captures(gradapt::adafactor_chain({.clipping_threshold = std::numeric_limits<double>::infinity(),
+                                          .multiply_by_parameter_scale = false}),
+                mixed_with_empty);
 }
