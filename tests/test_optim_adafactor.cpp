@@ -1370,3 +1370,18 @@ TEST_CASE("adafactor_chain edge cases: non-finite, zero and empty inputs, invali
     REQUIRE_THROWS_WITH(opt2.step(b, pa, st), Contains("create a new state"));
   }
 }
+
+// The parameter-scale pass of adafactor_chain reads p only (its measure ignores u and the stage
+// before it, the learning rate, keeps no state); after a stateful stage it would rebuild u.
+namespace plan_checks {
+namespace tf = gradapt::transform;
+using P = gradapt::adafactor_chain_type::plan;
+constexpr std::uint64_t all_on = P::mask_of((std::size_t{1} << P::optional_count) - 1);
+static_assert(P::passes(all_on) == 3);
+static_assert(!P::measure_only(0, all_on) && P::needs_grad(0, all_on));
+static_assert(P::measure_only(1, all_on) && !P::needs_grad(1, all_on) && P::args(1, all_on) == 1);
+static_assert(!P::measure_only(2, all_on) && P::needs_grad(2, all_on));
+using Q = gradapt::chain<tf::scale_by_factored_rms, tf::ema, tf::scale_by_param_block_rms, tf::scale>::plan;
+constexpr std::uint64_t q_on = Q::mask_of(3);
+static_assert(!Q::measure_only(0, q_on) && Q::needs_grad(0, q_on));
+}  // namespace plan_checks

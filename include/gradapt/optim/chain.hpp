@@ -72,6 +72,7 @@ struct stage_info {
   bool ignores_input = false;
   bool uses_param = true;
   bool factored = false;  ///< a factored second-moment stage (row and column statistics per tensor)
+  bool measure_reads_input = true;  ///< a barrier whose measure reads u (false: p only)
   std::size_t buffers = 0;
   std::size_t slots = 0;
   std::size_t terms = 0;
@@ -95,6 +96,7 @@ GRADAPT_HD constexpr stage_info info_of() {
   }
   if constexpr (S::barrier) {
     static_assert(S::buffers == 0, "gradapt::chain: a barrier stage keeps no per-element state");
+    if constexpr (requires { S::measure_reads_input; }) i.measure_reads_input = S::measure_reads_input;
     i.global = S::global;
     i.terms = S::terms;
   }
@@ -231,8 +233,18 @@ struct plan {
       if (on(k, e) && !info_at(k).barrier && info_at(k).ignores_input) s = k;
     return s;
   }
+  /// True when pass `pass` only measures its barrier from p: the barrier's measure does not
+  /// read u and the stages it would advance keep no state (they are replayed in the next pass
+  /// anyway), so the pass reads p alone (Adafactor's parameter scale).
+  GRADAPT_HD static constexpr bool measure_only(std::size_t pass, std::uint64_t e) {
+    if (is_final(pass, e) || info_at(hi(pass, e)).measure_reads_input) return false;
+    for (std::size_t k = lo(pass, e); k < hi(pass, e); ++k)
+      if (on(k, e) && !info_at(k).barrier && info_at(k).buffers > 0) return false;
+    return true;
+  }
   GRADAPT_HD static constexpr mode mode_of(std::size_t pass, std::size_t i, std::uint64_t e) {
     if (!on(i, e)) return mode::skip;
+    if (measure_only(pass, e)) return i == hi(pass, e) ? mode::measure : mode::skip;
     if (starts_fresh(pass, e) && i < live_from(pass, e)) return mode::skip;
     if (i < lo(pass, e)) return mode::replay;
     if (i < hi(pass, e)) return mode::update;
@@ -244,7 +256,7 @@ struct plan {
     return m == mode::replay || m == mode::update;
   }
   GRADAPT_HD static constexpr bool needs_grad(std::size_t pass, std::uint64_t e) {
-    return !starts_fresh(pass, e);
+    return !starts_fresh(pass, e) && !measure_only(pass, e);
   }
   GRADAPT_HD static constexpr bool needs_param(std::size_t pass, std::uint64_t e) {
     if (is_final(pass, e)) return true;

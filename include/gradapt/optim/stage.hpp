@@ -43,6 +43,9 @@
 ///    and `apply(V& u, const V& p, C factor, const double* tc)`.
 ///  - `static constexpr bool uses_param` says whether the math reads p (a pass that needs no p
 ///    does not read it).
+///  - a barrier may declare `static constexpr bool measure_reads_input = false` when its
+///    measure reads p only (scale_by_param_block_rms): if the stages between it and the
+///    previous barrier keep no state, its pass then reads p alone instead of rebuilding u.
 ///
 /// Factored stages (Adafactor's `transform::scale_by_factored_rms`, SM3's
 /// `transform::scale_by_sm3`) keep row and column statistics instead of one value per element.

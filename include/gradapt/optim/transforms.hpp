@@ -751,6 +751,7 @@ struct scale_by_param_block_rms {
   static constexpr bool optional = true;               ///< off when `active` is false
   static constexpr bool replay_ignores_input = false;  ///< replay recomputes from its input u
   static constexpr bool uses_param = true;             ///< measures p
+  static constexpr bool measure_reads_input = false;   ///< the measure reads p only: its pass skips u
 
   /// `active`.
   bool enabled() const { return active; }
