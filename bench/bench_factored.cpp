@@ -103,10 +103,10 @@ int main(int argc, char** argv) {
     std::printf("adafactor_chain state: %zu elements (%.2f MB)\n", sc.state_elements(),
                 static_cast<double>(sc.state_elements()) * 4e-6);
   }
-  for (auto [name, fn] : {std::pair{"adafactor", &adafactor}, std::pair{"adafactor_chain", &adafactor_chain},
-                          std::pair{"adafactor_torch", &adafactor_torch},
-                          std::pair{"sm3_momentum", &sm3_momentum}, std::pair{"sm3", &sm3},
-                          std::pair{"sm3_chain", &sm3_chain}})
+  for (auto [name, fn] :
+       {std::pair{"adafactor", &adafactor}, std::pair{"adafactor_chain", &adafactor_chain},
+        std::pair{"adafactor_torch", &adafactor_torch}, std::pair{"sm3_momentum", &sm3_momentum},
+        std::pair{"sm3", &sm3}, std::pair{"sm3_chain", &sm3_chain}})
     gradapt_bench::register_paired(name, fn, rounds);
   gradapt_bench::table_reporter rep;
   // adafactor_chain and sm3_chain have no floor (their floor column prints "-").

@@ -1035,48 +1035,50 @@ TEST_CASE("adafactor and sm3 match optax and torch.optim.Adafactor reference vec
     std::vector<std::pair<std::string, std::map<int, std::vector<std::vector<float>>>>> runs;
     if (c.optimizer == "adafactor") {
       runs.emplace_back("adafactor", run_ref_case(gradapt::adafactor(adafactor_from(c.opt)), c, 2));
-      runs.emplace_back("adafactor_chain", run_ref_case(gradapt::adafactor_chain(adafactor_from(c.opt)), c, 2));
+      runs.emplace_back("adafactor_chain",
+                        run_ref_case(gradapt::adafactor_chain(adafactor_from(c.opt)), c, 2));
       ++adafactor_cases;
       torch_cases += c.name.find("torch") != std::string::npos;
     } else {
       REQUIRE(c.optimizer == "sm3");
-      const gradapt::sm3_options so{.lr = c.opt.at("lr"), .momentum = c.opt.at("momentum"), .eps = c.opt.at("eps")};
+      const gradapt::sm3_options so{
+          .lr = c.opt.at("lr"), .momentum = c.opt.at("momentum"), .eps = c.opt.at("eps")};
       runs.emplace_back("sm3", run_ref_case(gradapt::sm3(so), c, 2));
       runs.emplace_back("sm3_chain", run_ref_case(gradapt::sm3_chain(so), c, 2));
       ++sm3_cases;
     }
     for (const auto& [form, mine] : runs) {
-    INFO("optimizer " << form);
-    double worst = 0;
-    for (const auto& r : c.results) {
-      std::size_t t = 0;
-      while (c.tensors[t].name != r.tensor) ++t;
-      const auto& got = mine.at(r.step)[t];
-      const auto p0 = c.tensors[t].param0();
-      double own = 0;  // the tensor's own movement, from the sample
-      for (std::size_t k = 0; k < r.sample.size(); ++k)
-        if (std::isfinite(r.sample[k]))
-          own = std::max(own, std::fabs(r.sample[k] - double(p0[k * r.stride])));
-      REQUIRE((got.size() + r.stride - 1) / r.stride == r.sample.size());
-      for (std::size_t k = 0; k < r.sample.size(); ++k) {
-        const double want = r.sample[k];
-        const double v = got[k * r.stride];
-        INFO("tensor " << r.tensor << " step " << r.step << " element " << k * r.stride << ": " << v << " vs "
-                       << want);
-        if (std::isnan(want)) {
-          REQUIRE(std::isnan(v));
-        } else if (std::isinf(want)) {
-          REQUIRE(v == want);
-        } else {
-          const double err = std::fabs(v - want);
-          REQUIRE(err <= rtol * c.scale);
-          REQUIRE(err <= 1e-3 * own + 4 * std::ldexp(std::fabs(want), -23) + 1e-30);
-          worst = std::max(worst, err / c.scale);
+      INFO("optimizer " << form);
+      double worst = 0;
+      for (const auto& r : c.results) {
+        std::size_t t = 0;
+        while (c.tensors[t].name != r.tensor) ++t;
+        const auto& got = mine.at(r.step)[t];
+        const auto p0 = c.tensors[t].param0();
+        double own = 0;  // the tensor's own movement, from the sample
+        for (std::size_t k = 0; k < r.sample.size(); ++k)
+          if (std::isfinite(r.sample[k]))
+            own = std::max(own, std::fabs(r.sample[k] - double(p0[k * r.stride])));
+        REQUIRE((got.size() + r.stride - 1) / r.stride == r.sample.size());
+        for (std::size_t k = 0; k < r.sample.size(); ++k) {
+          const double want = r.sample[k];
+          const double v = got[k * r.stride];
+          INFO("tensor " << r.tensor << " step " << r.step << " element " << k * r.stride << ": " << v
+                         << " vs " << want);
+          if (std::isnan(want)) {
+            REQUIRE(std::isnan(v));
+          } else if (std::isinf(want)) {
+            REQUIRE(v == want);
+          } else {
+            const double err = std::fabs(v - want);
+            REQUIRE(err <= rtol * c.scale);
+            REQUIRE(err <= 1e-3 * own + 4 * std::ldexp(std::fabs(want), -23) + 1e-30);
+            worst = std::max(worst, err / c.scale);
+          }
         }
       }
-    }
-    WARN("case " << c.name << " (" << form << "): largest difference " << worst
-                 << " of the movement scale (tolerance " << rtol << ")");
+      WARN("case " << c.name << " (" << form << "): largest difference " << worst
+                   << " of the movement scale (tolerance " << rtol << ")");
     }
   }
   REQUIRE(adafactor_cases >= 5);
@@ -1113,8 +1115,9 @@ TEST_CASE("adafactor_chain: n + m state elements for an n x m matrix, momentum b
   }
 }
 
-TEST_CASE("adafactor_chain is bitwise independent of the thread count, restores exactly and allocates nothing",
-          "[optim][adafactor][chain]") {
+TEST_CASE(
+    "adafactor_chain is bitwise independent of the thread count, restores exactly and allocates nothing",
+    "[optim][adafactor][chain]") {
   const gradapt::adafactor_options o{.lr = 0.03, .momentum = 0.5, .weight_decay = 1e-3};
   std::vector<std::vector<float>> out;
   for (int th : {1, 2, 3}) {
@@ -1146,7 +1149,8 @@ TEST_CASE("adafactor_chain is bitwise independent of the thread count, restores 
   const auto opt = gradapt::adafactor_chain(o);
   auto sa = opt.init(b, pa);
   for (int s = 1; s <= 3; ++s) {
-    for (std::size_t k = 0; k < a.size(); ++k) fill_grad(a[k], 5u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
+    for (std::size_t k = 0; k < a.size(); ++k)
+      fill_grad(a[k], 5u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
     opt.step(b, pa, sa);
   }
   const auto bytes = sa.save(b);
@@ -1185,10 +1189,10 @@ TEST_CASE("a user chain (factored rms, trace, masked decay, lr) matches a long d
           "[optim][adafactor][chain]") {
   namespace tf = gradapt::transform;
   const double beta_rate = 0.8, mu = 0.7, wd = 0.01, lr = 0.05;
-  gradapt::chain opt{tf::scale_by_factored_rms{.min_dim_size_to_factor = 32}, tf::trace{.decay = mu},
-                     tf::add_decayed_weights{.weight_decay = wd,
-                                             .skip = [](std::string_view n) { return n == "bias"; }},
-                     tf::scale_by_learning_rate{.lr = lr}};
+  gradapt::chain opt{
+      tf::scale_by_factored_rms{.min_dim_size_to_factor = 32}, tf::trace{.decay = mu},
+      tf::add_decayed_weights{.weight_decay = wd, .skip = [](std::string_view n) { return n == "bias"; }},
+      tf::scale_by_learning_rate{.lr = lr}};
   std::vector<tensor> mine = {make("wide", {40, 70}, 1), make("tall", {90, 33}, 2), make("bias", {37}, 3)};
   auto theirs = mine;
   const auto start = mine;
@@ -1260,7 +1264,8 @@ TEST_CASE("a user chain (factored rms, trace, masked decay, lr) matches a long d
   for (std::size_t k = 0; k < mine.size(); ++k)
     for (std::size_t i = 0; i < mine[k].size(); ++i) {
       move = std::max(move, std::fabs(double(theirs[k].p[i]) - double(start[k].p[i])));
-      err = std::max(err, std::fabs(double(mine[k].p[i]) - double(theirs[k].p[i])) - 4 * std::ldexp(1.0, -23));
+      err =
+          std::max(err, std::fabs(double(mine[k].p[i]) - double(theirs[k].p[i])) - 4 * std::ldexp(1.0, -23));
     }
   REQUIRE(move > 0.1);
   WARN("user chain: largest difference " << err / move << " of the movement");
@@ -1302,7 +1307,7 @@ TEST_CASE("adafactor_chain edge cases: non-finite, zero and empty inputs, invali
           REQUIRE(std::isnan(a[k].p[i]) == std::isnan(c[k].p[i]));
           REQUIRE(std::isfinite(a[k].p[i]) == std::isfinite(c[k].p[i]));
         }
-      REQUIRE(std::isnan(c[3].p[0]));  // the whole factored tensor
+      REQUIRE(std::isnan(c[3].p[0]));     // the whole factored tensor
       REQUIRE(std::isfinite(c[1].p[0]));  // other tensors untouched
     }
   }
@@ -1341,20 +1346,26 @@ TEST_CASE("adafactor_chain edge cases: non-finite, zero and empty inputs, invali
   }
   SECTION("invalid options and mismatched lists throw gradapt::error naming them") {
     REQUIRE_THROWS_WITH(gradapt::adafactor_chain({.decay_rate = -1}), Contains("decay_rate"));
-    REQUIRE_THROWS_WITH((gradapt::chain{tf::scale_by_factored_rms{.decay_rate = -0.5}}), Contains("decay_rate"));
-    REQUIRE_THROWS_WITH((gradapt::chain{tf::scale_by_factored_rms{.eps = 0, .eps_mode = gradapt::adafactor_eps1::clamp}}),
-                        Contains("eps"));
+    REQUIRE_THROWS_WITH((gradapt::chain{tf::scale_by_factored_rms{.decay_rate = -0.5}}),
+                        Contains("decay_rate"));
+    REQUIRE_THROWS_WITH(
+        (gradapt::chain{tf::scale_by_factored_rms{.eps = 0, .eps_mode = gradapt::adafactor_eps1::clamp}}),
+        Contains("eps"));
     REQUIRE_THROWS_WITH((gradapt::chain{tf::scale_by_factored_rms{.min_dim_size_to_factor = -1}}),
                         Contains("min_dim_size_to_factor"));
-    REQUIRE_THROWS_WITH((gradapt::chain{tf::scale_by_factored_rms{}, tf::ema{.decay = 1.0}}), Contains("ema"));
-    REQUIRE_THROWS_WITH((gradapt::chain{tf::scale_by_factored_rms{}, tf::scale_by_param_block_rms{.min_scale = -1}}),
-                        Contains("min_scale"));
+    REQUIRE_THROWS_WITH((gradapt::chain{tf::scale_by_factored_rms{}, tf::ema{.decay = 1.0}}),
+                        Contains("ema"));
+    REQUIRE_THROWS_WITH(
+        (gradapt::chain{tf::scale_by_factored_rms{}, tf::scale_by_param_block_rms{.min_scale = -1}}),
+        Contains("min_scale"));
     REQUIRE_THROWS_WITH((gradapt::chain{tf::scale_by_factored_rms{}, tf::clip_by_block_rms{.threshold = 0}}),
                         Contains("threshold"));
-    REQUIRE_THROWS_WITH((gradapt::chain{tf::scale_by_factored_rms{}, tf::clip_by_block_rms{.threshold = NAN}}),
-                        Contains("threshold"));
-    REQUIRE_THROWS_WITH((gradapt::chain{tf::scale_by_factored_rms{}, tf::add_decayed_weights{.times_lr = true, .lr = -1}}),
-                        Contains("lr"));
+    REQUIRE_THROWS_WITH(
+        (gradapt::chain{tf::scale_by_factored_rms{}, tf::clip_by_block_rms{.threshold = NAN}}),
+        Contains("threshold"));
+    REQUIRE_THROWS_WITH(
+        (gradapt::chain{tf::scale_by_factored_rms{}, tf::add_decayed_weights{.times_lr = true, .lr = -1}}),
+        Contains("lr"));
     auto a = shapes_mix();
     auto pa = list_of(a);
     const auto opt = gradapt::adafactor_chain();

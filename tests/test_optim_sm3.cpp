@@ -429,7 +429,8 @@ TEST_CASE("sm3_chain gives the standalone sm3's bits, keeps the sum of the dims,
   REQUIRE(sa.buffer(0)[2].size() == 130 + 70);
   REQUIRE(sa.buffer(0)[5].size() == 5 + 2 + 7 + 3);
   for (int s = 1; s <= 2; ++s) {
-    for (std::size_t k = 0; k < a.size(); ++k) fill_grad(a[k], 7u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
+    for (std::size_t k = 0; k < a.size(); ++k)
+      fill_grad(a[k], 7u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
     opt.step(b, pa, sa);
   }
   const auto bytes = sa.save(b);

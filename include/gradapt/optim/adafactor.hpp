@@ -376,11 +376,12 @@ struct scale_by_factored_rms {
   /// @throws gradapt::error naming the option when decay_rate is negative, eps is negative
   ///         (or 0 with the clamp) or min_dim_size_to_factor is negative
   void validate() const {
-    gradapt::detail::require(std::isfinite(decay_rate) && decay_rate >= 0.0, "scale_by_factored_rms: decay_rate is ",
-                             decay_rate, " (expected finite and >= 0; 0.8 in the paper)");
-    gradapt::detail::require(std::isfinite(eps) && eps >= 0.0 && (eps_mode != adafactor_eps1::clamp || eps > 0.0),
-                             "scale_by_factored_rms: eps is ", eps,
-                             " (expected finite and >= 0, and > 0 with eps_mode = clamp)");
+    gradapt::detail::require(std::isfinite(decay_rate) && decay_rate >= 0.0,
+                             "scale_by_factored_rms: decay_rate is ", decay_rate,
+                             " (expected finite and >= 0; 0.8 in the paper)");
+    gradapt::detail::require(
+        std::isfinite(eps) && eps >= 0.0 && (eps_mode != adafactor_eps1::clamp || eps > 0.0),
+        "scale_by_factored_rms: eps is ", eps, " (expected finite and >= 0, and > 0 with eps_mode = clamp)");
     gradapt::detail::require(min_dim_size_to_factor >= 0, "scale_by_factored_rms: min_dim_size_to_factor is ",
                              min_dim_size_to_factor, " (expected >= 0)");
   }
@@ -455,8 +456,9 @@ struct scale_by_factored_rms {
   /// row factors at ws[0, rows), column factors at ws[rows, rows + cols). `sums`: ws_sums
   /// doubles. Backend operations only (no host synchronisation on CUDA).
   template <class C, class B, class S, class G>
-  void advance(const B& b, const kernel<C>& k, const factored_tensor& t, tensor_view<S, typename B::space> state,
-               tensor_view<const G, typename B::space> g, S* ws, double* sums) const {
+  void advance(const B& b, const kernel<C>& k, const factored_tensor& t,
+               tensor_view<S, typename B::space> state, tensor_view<const G, typename B::space> g, S* ws,
+               double* sums) const {
     using space = typename B::space;
     const auto vec = [](auto* p, std::size_t n) {
       using T = std::remove_pointer_t<decltype(p)>;
@@ -479,8 +481,8 @@ struct scale_by_factored_rms {
     double* sx = sums + ny;
     double* sn = sums + ny + nx;
     // Row and column sums of s = g² + eps, then the EMAs of their means.
-    b.reduce_factored(gradapt::detail::adafactor_k::square_plus<C>{k.eps_add}, t.d, cvec(fy, 0), cvec(fx, 0), g,
-                      vec(sy, ny), vec(sx, nx));
+    b.reduce_factored(gradapt::detail::adafactor_k::square_plus<C>{k.eps_add}, t.d, cvec(fy, 0), cvec(fx, 0),
+                      g, vec(sy, ny), vec(sx, nx));
     b.apply(gradapt::detail::adafactor_k::ema_mean<C>{k.beta, k.w, 1.0 / static_cast<double>(Y)}, vec(v, ny),
             vec(sy, ny));
     b.apply(gradapt::detail::adafactor_k::ema_mean<C>{k.beta, k.w, 1.0 / static_cast<double>(X)},
@@ -965,9 +967,9 @@ class adafactor {
 };
 
 /// The chain type of `adafactor_chain`: optax's adafactor as a composition of stages.
-using adafactor_chain_type =
-    chain<transform::scale_by_factored_rms, transform::clip_by_block_rms, transform::scale_by_learning_rate,
-          transform::scale_by_param_block_rms, transform::ema, transform::add_decayed_weights, transform::scale>;
+using adafactor_chain_type = chain<transform::scale_by_factored_rms, transform::clip_by_block_rms,
+                                   transform::scale_by_learning_rate, transform::scale_by_param_block_rms,
+                                   transform::ema, transform::add_decayed_weights, transform::scale>;
 
 /// Adafactor assembled from gradient transformations, in optax's order:
 ///
@@ -997,7 +999,8 @@ inline adafactor_chain_type adafactor_chain(const adafactor_options& o = {}) {
       transform::scale_by_learning_rate{.lr = o.lr, .flip_sign = false, .relative_step = o.relative_step},
       transform::scale_by_param_block_rms{.min_scale = o.eps2, .active = o.multiply_by_parameter_scale},
       transform::ema{.decay = o.momentum, .debias = false},
-      transform::add_decayed_weights{.weight_decay = o.weight_decay, .times_lr = o.weight_decay_times_lr, .lr = o.lr},
+      transform::add_decayed_weights{
+          .weight_decay = o.weight_decay, .times_lr = o.weight_decay_times_lr, .lr = o.lr},
       transform::scale{.factor = -1.0}};
 }
 

@@ -71,7 +71,7 @@ struct stage_info {
   bool optional = false;
   bool ignores_input = false;
   bool uses_param = true;
-  bool factored = false;  ///< a factored second-moment stage (row and column statistics per tensor)
+  bool factored = false;            ///< a factored second-moment stage (row and column statistics per tensor)
   bool measure_reads_input = true;  ///< a barrier whose measure reads u (false: p only)
   std::size_t buffers = 0;
   std::size_t slots = 0;
@@ -165,18 +165,20 @@ struct plan {
       if (info_at(k).factored) return false;
     return true;
   }();
-  static_assert(factored_first,
-                "gradapt::chain: a factored stage (scale_by_factored_rms, scale_by_sm3) must be the first stage "
-                "(it reads the gradient itself, as in optax's adafactor and sm3)");
+  static_assert(
+      factored_first,
+      "gradapt::chain: a factored stage (scale_by_factored_rms, scale_by_sm3) must be the first stage "
+      "(it reads the gradient itself, as in optax's adafactor and sm3)");
   static constexpr bool any_global = [] {
     for (std::size_t k = 0; k < n; ++k)
       if (info_at(k).barrier && info_at(k).global) return true;
     return false;
   }();
-  static_assert(!has_factored || !any_global,
-                "gradapt::chain: a chain with a factored stage runs tensor by tensor and cannot hold a global "
-                "barrier (clip_by_global_norm): clip the gradients before the step (gradapt::clip_by_global_norm "
-                "in optim/clip.hpp)");
+  static_assert(
+      !has_factored || !any_global,
+      "gradapt::chain: a chain with a factored stage runs tensor by tensor and cannot hold a global "
+      "barrier (clip_by_global_norm): clip the gradients before the step (gradapt::clip_by_global_norm "
+      "in optim/clip.hpp)");
   static_assert(!has_factored || max_terms <= 1,
                 "gradapt::chain: after a factored stage a barrier may measure one term per tensor "
                 "(clip_by_block_rms, scale_by_param_block_rms), not two (trust ratios)");
@@ -432,7 +434,7 @@ struct factored_pass {
     else if constexpr (stage_on && J == ga)
       return u0;
     else
-      return nth<(stage_on && J > va) ? J - 1 : J>(a...);
+      return nth < (stage_on && J > va) ? J - 1 : J > (a...);
   }
   template <class V, std::size_t... J, class... A>
   GRADAPT_HD GRADAPT_INLINE auto call(V& u0, V& dummy, std::index_sequence<J...>, A&... a) const {
@@ -723,14 +725,14 @@ class chain_state {
   std::vector<double> group_lr_;
   std::vector<std::optional<double>> group_wd_;
   // Chains with a factored stage (run tensor by tensor):
-  std::vector<factored_tensor> ft_;    ///< the stage's decision per tensor
-  std::vector<std::size_t> order_;     ///< tensors largest first (task order)
-  std::size_t total_ = 0;              ///< parameters in the list
-  std::size_t slots_ = 1;              ///< workspace slots (threads of the host's task mode)
-  std::size_t ws_ = 0, wsd_ = 0;       ///< per-slot workspace sizes (S, double)
-  detail::optim::buffer_t<B, S> wbuf_;                                  ///< factors
-  detail::optim::buffer_t<B, double> wdbl_, wsum_, wfac_;               ///< sums; barrier sums, factors
-  std::vector<tensor_view<double, space>> wfac_views_;                 ///< [slot][barrier]
+  std::vector<factored_tensor> ft_;     ///< the stage's decision per tensor
+  std::vector<std::size_t> order_;      ///< tensors largest first (task order)
+  std::size_t total_ = 0;               ///< parameters in the list
+  std::size_t slots_ = 1;               ///< workspace slots (threads of the host's task mode)
+  std::size_t ws_ = 0, wsd_ = 0;        ///< per-slot workspace sizes (S, double)
+  detail::optim::buffer_t<B, S> wbuf_;  ///< factors
+  detail::optim::buffer_t<B, double> wdbl_, wsum_, wfac_;  ///< sums; barrier sums, factors
+  std::vector<tensor_view<double, space>> wfac_views_;     ///< [slot][barrier]
 };
 
 /// An optimizer assembled from gradient transformations (see optim/transforms.hpp and the
@@ -1069,7 +1071,8 @@ class chain {
       }
       [&]<std::size_t... P>(std::index_sequence<P...>) {
         (tensor_pass<P, E>(bb, params, st, kernels, k, slot), ...);
-      }(std::make_index_sequence<plan::passes(E)>{});
+      }
+      (std::make_index_sequence<plan::passes(E)>{});
     };
     detail::optim::for_tensors(b, std::span<const std::size_t>(st.order_),
                                std::span<const std::size_t>(st.sizes_), st.total_, st.slots_, one);
@@ -1098,8 +1101,8 @@ class chain {
       constexpr bool stage_on = decltype(fp)::stage_on;
       constexpr std::size_t va = decltype(fp)::va;
       const auto* w = st.wbuf_.data() + slot * st.ws_;
-      const auto fy = tensor_view<const typename St::state_element, space>::vector(
-          w, static_cast<std::int64_t>(f.rows));
+      const auto fy =
+          tensor_view<const typename St::state_element, space>::vector(w, static_cast<std::int64_t>(f.rows));
       const auto fx = tensor_view<const typename St::state_element, space>::vector(
           w + f.rows, static_cast<std::int64_t>(f.cols));
       // The pass's arguments without the factored stage's buffer.
@@ -1110,19 +1113,20 @@ class chain {
         else
           b.apply_factored_sum(fp, f.d, fy, fx, tensor_view<double, space>::vector(sum, 1),
                                one_view<plan::arg_at(Pass, E, full(A))>(params, st, k)...);
-      }(std::make_index_sequence<nargs - (stage_on ? 1 : 0)>{});
+      }
+      (std::make_index_sequence<nargs - (stage_on ? 1 : 0)>{});
     } else {
       const detail::optim::pass_functor<plan, Pass, E, C, K> pf{kernels, tc, factors, 1};
       [&]<std::size_t... A>(std::index_sequence<A...>) {
         if constexpr (final)
           b.apply_list(pf, list<plan::arg_at(Pass, E, A)>(params, st).subspan(k, 1)...);
         else
-          b.apply_reduce_list(
-              pf,
-              detail::optim::per_tensor_arg(tensor_view<double, space>::vector(
-                  sum, static_cast<std::int64_t>(plan::info[plan::hi(Pass, E)].terms))),
-              list<plan::arg_at(Pass, E, A)>(params, st).subspan(k, 1)...);
-      }(std::make_index_sequence<nargs>{});
+          b.apply_reduce_list(pf,
+                              detail::optim::per_tensor_arg(tensor_view<double, space>::vector(
+                                  sum, static_cast<std::int64_t>(plan::info[plan::hi(Pass, E)].terms))),
+                              list<plan::arg_at(Pass, E, A)>(params, st).subspan(k, 1)...);
+      }
+      (std::make_index_sequence<nargs>{});
     }
     if constexpr (!final) {
       constexpr std::size_t h = plan::hi(Pass, E);

@@ -74,11 +74,11 @@ struct factored_tensor {
   /// is element-wise for this tensor, with a full-size buffer.
   bool factored = false;
   std::array<std::int64_t, 5> d{1, 1, 1, 1, 1};  ///< the [A, X, B, Y, C] view (factored tensors)
-  std::size_t state = 0;     ///< elements of the stage's buffer for this tensor
-  std::size_t ws = 0;        ///< workspace elements (state type): row factors A·X·B·C, then column factors
-  std::size_t ws_sums = 0;   ///< workspace doubles (the stage's row and column sums)
-  std::size_t rows = 0;      ///< A·X·B·C: the row factors' length
-  std::size_t cols = 0;      ///< A·B·Y·C: the column factors' length
+  std::size_t state = 0;                         ///< elements of the stage's buffer for this tensor
+  std::size_t ws = 0;       ///< workspace elements (state type): row factors A·X·B·C, then column factors
+  std::size_t ws_sums = 0;  ///< workspace doubles (the stage's row and column sums)
+  std::size_t rows = 0;     ///< A·X·B·C: the row factors' length
+  std::size_t cols = 0;     ///< A·B·Y·C: the column factors' length
   std::array<std::int64_t, 8> aux{};  ///< numbers private to the stage
 };
 
@@ -137,7 +137,8 @@ void for_tensors(const B& b, std::span<const std::size_t> order, std::span<const
 inline std::vector<std::size_t> largest_first(std::span<const std::size_t> sizes) {
   std::vector<std::size_t> order(sizes.size());
   for (std::size_t k = 0; k < order.size(); ++k) order[k] = k;
-  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t c) { return sizes[a] > sizes[c]; });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t a, std::size_t c) { return sizes[a] > sizes[c]; });
   return order;
 }
 

@@ -893,8 +893,9 @@ struct scale_by_sm3 {
   /// covers, expanded to [d_0 ⋯ d_{k−2}]; then the last dim's cover), takes the maxima of a
   /// and stores them as the new covers. Backend operations only.
   template <class C, class B, class S, class G>
-  void advance(const B& b, const kernel<C>& k, const factored_tensor& t, tensor_view<S, typename B::space> state,
-               tensor_view<const G, typename B::space> g, S* ws, double* sums) const {
+  void advance(const B& b, const kernel<C>& k, const factored_tensor& t,
+               tensor_view<S, typename B::space> state, tensor_view<const G, typename B::space> g, S* ws,
+               double* sums) const {
     using space = typename B::space;
     const auto vec = [](auto* p, std::size_t n) {
       using T = std::remove_pointer_t<decltype(p)>;
@@ -936,8 +937,8 @@ struct scale_by_sm3 {
     b.apply(gradapt::detail::sm3_k::copy_value{}, vec(rows, lead), row);
     b.apply(gradapt::detail::sm3_k::copy_value{}, vec(cols, Y), cvec(mu + off[r - 1], Y));
     // The maxima of a over the last dim (per leading index) and over the leading dims.
-    b.reduce_factored(gradapt::detail::sm3_k::accumulate<C>{k.c1, k.c2}, t.d, cvec(rows, lead), cvec(cols, Y), g,
-                      vec(da, lead), vec(dx, Y), reduce_op::max);
+    b.reduce_factored(gradapt::detail::sm3_k::accumulate<C>{k.c1, k.c2}, t.d, cvec(rows, lead), cvec(cols, Y),
+                      g, vec(da, lead), vec(dx, Y), reduce_op::max);
     // The new covers: the last dim's directly, the others by reducing the maxima further.
     b.apply(gradapt::detail::sm3_k::assign{}, vec(mu + off[r - 1], Y), vec(dx, Y));
     double* cur = da;
@@ -947,8 +948,9 @@ struct scale_by_sm3 {
       const std::size_t dq = dims[q];
       const std::size_t before = len / dq;
       b.reduce_factored(gradapt::detail::sm3_k::identity{},
-                        {1, static_cast<std::int64_t>(before), 1, static_cast<std::int64_t>(dq), 1}, cvec(wa, 0),
-                        cvec(wa, 0), cvec(cur, len), vec(nxt, before), vec(dx, dq), reduce_op::max);
+                        {1, static_cast<std::int64_t>(before), 1, static_cast<std::int64_t>(dq), 1},
+                        cvec(wa, 0), cvec(wa, 0), cvec(cur, len), vec(nxt, before), vec(dx, dq),
+                        reduce_op::max);
       b.apply(gradapt::detail::sm3_k::assign{}, vec(mu + off[q], dq), vec(dx, dq));
       std::swap(cur, nxt);
       len = before;

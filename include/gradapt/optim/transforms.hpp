@@ -232,8 +232,9 @@ struct add_decayed_weights {
   kernel<C> prepare(const step_context& s) const {
     if (!times_lr) return {1.0};
     const double eta = s.lr.value_or(lr);
-    gradapt::detail::require(std::isfinite(eta) && eta >= 0.0, "add_decayed_weights: the step's learning rate is ",
-                             eta, " (expected finite and >= 0 with times_lr)");
+    gradapt::detail::require(std::isfinite(eta) && eta >= 0.0,
+                             "add_decayed_weights: the step's learning rate is ", eta,
+                             " (expected finite and >= 0 with times_lr)");
     return {eta};
   }
 };
@@ -757,7 +758,9 @@ struct scale_by_param_block_rms {
   bool enabled() const { return active; }
   /// Checks the options (the chain calls it when it is built and at `init`).
   /// @throws gradapt::error when min_scale is negative or not finite
-  void validate() const { detail::check_nonneg(min_scale, "scale_by_param_block_rms", "min_scale", "1e-3 is optax's"); }
+  void validate() const {
+    detail::check_nonneg(min_scale, "scale_by_param_block_rms", "min_scale", "1e-3 is optax's");
+  }
   /// out[0] = the tensor's element count n.
   void tensor_constants(const tensor_setup& ts, double* out) const { out[0] = static_cast<double>(ts.size); }
 
