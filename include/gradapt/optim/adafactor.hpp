@@ -648,6 +648,7 @@ class adafactor_state {
   std::size_t slots_ = 1;                 ///< workspace slots
   std::size_t total_ = 0;                 ///< parameters in the list
   std::vector<std::size_t> order_;        ///< tensors by size, largest first (task order)
+  std::vector<std::size_t> sizes_;        ///< elements of each tensor
   std::vector<tensor_info> info_;
   detail::optim::buffer_t<B, S> v_, m_, fy_, fx_;
   detail::optim::buffer_t<B, double> sy_, sx_, sn_, red_, sl_;  ///< sl_: per-line Σp² (host)
@@ -730,21 +731,16 @@ class adafactor {
       if (st.has_m_) m_total += i.size;
       st.info_.push_back(i);
     }
-    std::size_t slots = 1;
-    if constexpr (requires(B c) {
-                    c.threads = 1;
-                    b.run_tasks(std::size_t{}, std::size_t{}, one_task_probe{});
-                  })
-      slots = static_cast<std::size_t>(std::max(1, b.thread_count()));
+    const std::size_t slots = detail::optim::task_slots(b);
     st.slots_ = slots;
     st.my_ = my;
     st.mx_ = mx;
     st.mg_ = mg;
-    for (const auto& i : st.info_) st.total_ += i.size;
-    st.order_.resize(st.info_.size());
-    for (std::size_t k = 0; k < st.order_.size(); ++k) st.order_[k] = k;
-    std::stable_sort(st.order_.begin(), st.order_.end(),
-                     [&](std::size_t a, std::size_t c) { return st.info_[a].size > st.info_[c].size; });
+    for (const auto& i : st.info_) {
+      st.total_ += i.size;
+      st.sizes_.push_back(i.size);
+    }
+    st.order_ = detail::optim::largest_first(st.sizes_);
     st.v_ = b.template allocate<St>(v_total);
     st.m_ = b.template allocate<St>(m_total);
     st.sy_ = b.template allocate<double>(my * slots);
@@ -914,38 +910,14 @@ class adafactor {
  private:
   adafactor_options o_;
 
-  /// Calls one(backend, k, slot) for every tensor k. On a backend with `run_tasks` (the host)
-  /// and more than one thread: tensors larger than 1/T of the list first, each on all threads,
-  /// then the others as independent one-thread tasks, largest first, each with its own
-  /// workspace slot: one parallel region per step instead of several per tensor, and no
-  /// barrier inside a tensor. Each tensor's arithmetic is the same in both modes (the backend's
-  /// results do not depend on its thread count), so the bits are too.
+  /// Calls one(backend, k, slot) for every tensor k (detail::optim::for_tensors: on the host
+  /// with more than one thread, large tensors on all threads, the others as one-thread tasks
+  /// with a workspace slot each; the bits do not depend on the mode).
   template <class B, class St, class F>
   static void for_tensors(const B& b, const St& st, const F& one) {
-    const std::size_t n = st.info_.size();
-    if constexpr (requires(B c) {
-                    c.threads = 1;
-                    b.run_tasks(n, n, one_task_probe{});
-                  }) {
-      const std::size_t T = std::min(static_cast<std::size_t>(b.thread_count()), st.slots_);
-      if (T > 1) {
-        for (const std::size_t k : st.order_)
-          if (st.info_[k].size * T > st.total_) one(b, k, 0);
-        B b1 = b;
-        b1.threads = 1;
-        b.run_tasks(st.order_.size(), T, [&](std::size_t q, std::size_t slot) {
-          const std::size_t k = st.order_[q];
-          if (st.info_[k].size * T <= st.total_) one(b1, k, slot);
-        });
-        return;
-      }
-    }
-    for (std::size_t k = 0; k < n; ++k) one(b, k, 0);
+    detail::optim::for_tensors(b, std::span<const std::size_t>(st.order_), std::span<const std::size_t>(st.sizes_),
+                               st.total_, st.slots_, one);
   }
-  /// Only for the `run_tasks` probe.
-  struct one_task_probe {
-    void operator()(std::size_t, std::size_t) const {}
-  };
 
   template <class F>
   static double dispatch_norm(bool norm_y, bool clamp, F&& f) {

@@ -433,8 +433,10 @@ struct factored_pass {
       return dummy;
     else if constexpr (stage_on && J == ga)
       return u0;
-    else
-      return nth < (stage_on && J > va) ? J - 1 : J > (a...);
+    else {
+      constexpr std::size_t j = (stage_on && J > va) ? J - 1 : J;  // the position without the buffer
+      return nth<j>(a...);
+    }
   }
   template <class V, std::size_t... J, class... A>
   GRADAPT_HD GRADAPT_INLINE auto call(V& u0, V& dummy, std::index_sequence<J...>, A&... a) const {
