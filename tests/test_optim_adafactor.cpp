@@ -1174,7 +1174,22 @@ TEST_CASE(
   // A state whose tensors factor differently (min_dim 16 factors "small") rejects the bytes.
   auto other = gradapt::adafactor_chain({.lr = 0.03, .min_dim_size_to_factor = 16, .momentum = 0.5});
   auto so = other.init(b, pc);
-  REQUIRE_THROWS_WITH(so.load(b, bytes), Contains("buffer 0"));
+  REQUIRE_THROWS_WITH(so.load(b, bytes), Contains("factored layout"));
+  // The same element counts in another layout: [128, 256] and [256, 128] keep 384 statistics each.
+  std::vector<tensor> wide = {make("w", {128, 256}, 1)}, tall = {make("w", {256, 128}, 1)};
+  auto pw = list_of(wide);
+  auto pt = list_of(tall);
+  auto sw = opt.init(b, pw);
+  auto st2 = opt.init(b, pt);
+  REQUIRE(sw.state_elements() == st2.state_elements());
+  REQUIRE_THROWS_WITH(st2.load(b, sw.save(b)), Contains("factored layout"));
+  // Options that decide the factoring cannot change under a state.
+  auto changed = opt;
+  changed.stage<0>().min_dim_size_to_factor = 16;
+  REQUIRE_THROWS_WITH(changed.step(b, pc, sc), Contains("another layout than at init"));
+  changed.stage<0>().min_dim_size_to_factor = 128;
+  changed.stage<0>().axes = gradapt::factor_axes::last_two;  // "apart" [150, 2, 130] factors other dims
+  REQUIRE_THROWS_WITH(changed.step(b, pc, sc), Contains("another layout than at init"));
 }
 
 namespace {
@@ -1460,3 +1475,41 @@ using Q = gradapt::chain<tf::scale_by_factored_rms, tf::ema, tf::scale_by_param_
 constexpr std::uint64_t q_on = Q::mask_of(3);
 static_assert(!Q::measure_only(0, q_on) && Q::needs_grad(0, q_on));
 }  // namespace plan_checks
+
+TEST_CASE("adafactor_chain gives the class's bits when clipping and the parameter scale are off",
+          "[optim][adafactor][chain]") {
+  // Without the two per-tensor factors both forms compute y in optax's order (normalised factor
+  // first), scale it by the learning rate, apply momentum and decay in the same expressions.
+  const double inf = std::numeric_limits<double>::infinity();
+  for (const auto& o : {gradapt::adafactor_options{
+                            .lr = 0.05, .clipping_threshold = inf, .multiply_by_parameter_scale = false},
+                        gradapt::adafactor_options{.lr = 0.5,
+                        .relative_step = true,
+                        .clipping_threshold = inf,
+                        .multiply_by_parameter_scale = false,
+                        .momentum = 0.9,
+                        .weight_decay = 1e-3}}) {
+    auto a = shapes_mix();
+    auto c = shapes_mix();
+    auto pa = list_of(a);
+    auto pc = list_of(c);
+    host b{.threads = 2};
+    gradapt::adafactor plain(o);
+    const auto chained = gradapt::adafactor_chain(o);
+    auto sa = plain.init(b, pa);
+    auto sc = chained.init(b, pc);
+    for (int s = 1; s <= 4; ++s) {
+      for (std::size_t k = 0; k < a.size(); ++k) {
+        fill_grad(a[k], 17u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
+        fill_grad(c[k], 17u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
+      }
+      plain.step(b, pa, sa);
+      chained.step(b, pc, sc);
+    }
+    for (std::size_t k = 0; k < a.size(); ++k)
+      for (std::size_t i = 0; i < a[k].size(); ++i) {
+        INFO("tensor " << a[k].name << " element " << i);
+        REQUIRE(std::bit_cast<std::uint32_t>(a[k].p[i]) == std::bit_cast<std::uint32_t>(c[k].p[i]));
+      }
+  }
+}

@@ -407,6 +407,7 @@ struct scale_by_factored_rms {
       t.aux = {A, X, Bd * C, groups, X, 1, 0, 0};
     else
       t.aux = {A * Bd, Y, C, groups, Y, 0, 0, 0};
+    t.variant = !f.largest_is_y;  // the normalised (column) factor multiplies first, as optax
     return t;
   }
 
@@ -431,10 +432,15 @@ struct scale_by_factored_rms {
     GRADAPT_HD GRADAPT_INLINE void replay(V& u, const V&, const double*, const V& v) const {
       u = gradapt::detail::adafactor_k::full_y(u, v, clamp_v);
     }
-    /// Factored tensors: u = g · r · c (g · min(r c, 1/eps) with the clamp).
-    template <class V>
+    /// Factored tensors: u = g · r · c, the normalised factor first (optax's order: `ColumnFirst`
+    /// when it is the column factor); g · min(r c, 1/eps) with the clamp.
+    template <bool ColumnFirst, class V>
     GRADAPT_HD GRADAPT_INLINE V y(const V& r, const V& c, const V& g) const {
-      return clamp ? g * simd::min(r * c, V(inv_eps)) : (g * r) * c;
+      if (clamp) return g * simd::min(r * c, V(inv_eps));
+      if constexpr (ColumnFirst)
+        return (g * c) * r;
+      else
+        return (g * r) * c;
     }
   };
   /// The kernel of step t.
@@ -915,8 +921,8 @@ class adafactor {
   /// with a workspace slot each; the bits do not depend on the mode).
   template <class B, class St, class F>
   static void for_tensors(const B& b, const St& st, const F& one) {
-    detail::optim::for_tensors(b, std::span<const std::size_t>(st.order_), std::span<const std::size_t>(st.sizes_),
-                               st.total_, st.slots_, one);
+    detail::optim::for_tensors(b, std::span<const std::size_t>(st.order_),
+                               std::span<const std::size_t>(st.sizes_), st.total_, st.slots_, one);
   }
 
   template <class F>
@@ -954,7 +960,9 @@ using adafactor_chain_type = chain<transform::scale_by_factored_rms, transform::
 /// standalone class's results within rounding (the class folds clipping, learning rate and
 /// parameter scale into one multiplication per element; the chain applies them one by one)
 /// and is the form to extend: reach a stage through `stage<I>()`, or build your own chain
-/// starting with `transform::scale_by_factored_rms`. The standalone class is the faster of the
+/// starting with `transform::scale_by_factored_rms`. The learning rate sits in two stages
+/// (stage 2, and stage 5 with weight_decay_times_lr): pass it per step (`step_args::lr`, which
+/// both read) or change both. The standalone class is the faster of the
 /// two on the host (it measures Σp² in its first pass; the chain spends a pass per barrier).
 /// @throws gradapt::error naming an invalid option
 inline adafactor_chain_type adafactor_chain(const adafactor_options& o = {}) {

@@ -32,7 +32,9 @@
 /// tensors are scheduled as the factored optimizers do (`detail::optim::for_tensors`).
 ///
 /// State. `init` allocates, through the backend, one buffer per state buffer of each active
-/// stage (sized to all parameters), plus small per-tensor arrays; `step` allocates nothing.
+/// stage (sized to all parameters; a factored stage's to what it keeps per tensor), plus
+/// small per-tensor arrays and, for factored chains, a per-thread workspace; `step` allocates
+/// nothing.
 /// `chain_state::save` / `load` round-trip the state exactly.
 
 #include <cstddef>
@@ -416,7 +418,8 @@ struct pass_functor {
 /// args the pass's arguments without the factored stage's buffer. The stage's output
 /// u0 = y(r, c, g) replaces the gradient argument of the pass functor (which skips stage 0),
 /// and a dummy takes the buffer's place. Returns the measured term of a non-final pass.
-template <class Plan, std::size_t Pass, std::uint64_t E, class C, class K>
+/// `Variant` is the tensor's `factored_tensor::variant`, passed on to the stage's `y`.
+template <class Plan, std::size_t Pass, std::uint64_t E, class C, class K, bool Variant>
 struct factored_pass {
   static constexpr bool vectorizable = true;
   using PF = pass_functor<Plan, Pass, E, C, K, true>;
@@ -450,7 +453,7 @@ struct factored_pass {
     static_assert(sizeof...(A) + (stage_on ? 1 : 0) == full, "gradapt::chain: factored pass argument count");
     V u0{};
     V dummy{};
-    if constexpr (stage_on) u0 = kget<0>(pf.kernels).y(r, c, nth<ga>(a...));
+    if constexpr (stage_on) u0 = kget<0>(pf.kernels).template y<Variant>(r, c, nth<ga>(a...));
     return call(u0, dummy, std::make_index_sequence<full>{}, a...);
   }
 };
@@ -604,7 +607,8 @@ class chain_state {
   }
   /// Per-tensor views of state buffer j (stage buffers in stage order: for AdamW 0 = m,
   /// 1 = v). Empty when the owning stage is inactive. A factored stage's buffer holds, for a
-  /// factored tensor, its row then column statistics (not one element per parameter).
+  /// factored tensor, what the stage keeps instead of one element per parameter (Adafactor:
+  /// the row then column statistics; SM3: one cover per dimension, in dimension order).
   std::span<const tensor_view<S, space>> buffer(std::size_t j) const {
     detail::require(j < plan::total_buffers, "chain_state::buffer: index ", j, " out of range (",
                     plan::total_buffers, " buffer(s))");
@@ -623,6 +627,11 @@ class chain_state {
     put_u64(out, steps_);
     put_u64(out, sizes_.size());
     for (std::size_t s : sizes_) put_u64(out, s);
+    for (const auto& f : ft_) {  // a factored stage's layout per tensor (factored chains only)
+      put_u64(out, f.factored ? 1 : 0);
+      for (const std::int64_t d : f.d) put_u64(out, static_cast<std::uint64_t>(d));
+      put_u64(out, f.state);
+    }
     std::vector<S> host;
     for (std::size_t j = 0; j < plan::total_buffers; ++j) {
       const std::size_t n = bufs_[j].size();
@@ -677,6 +686,20 @@ class chain_state {
       const std::uint64_t got = u64("a tensor size");
       detail::require(got == sizes_[t], "chain_state::load: tensor ", t, " has ", got,
                       " elements in the checkpoint but ", sizes_[t], " here");
+    }
+    for (std::size_t t = 0; t < ft_.size(); ++t) {
+      const auto& f = ft_[t];
+      std::uint64_t got[7];
+      for (auto& g : got) g = u64("a factored layout");
+      bool same = got[0] == (f.factored ? 1u : 0u) && got[6] == f.state;
+      for (std::size_t k = 0; k < 5; ++k) same = same && got[1 + k] == static_cast<std::uint64_t>(f.d[k]);
+      detail::require(same, "chain_state::load: tensor ", t,
+                      "'s factored layout differs: the checkpoint has ",
+                      got[0] ? "a factored [" : "an unfactored [", got[1], ", ", got[2], ", ", got[3], ", ",
+                      got[4], ", ", got[5], "] view with ", got[6], " state elements, this state ",
+                      f.factored ? "a factored [" : "an unfactored [", f.d[0], ", ", f.d[1], ", ", f.d[2],
+                      ", ", f.d[3], ", ", f.d[4], "] view with ", f.state,
+                      " (same shapes and factoring options: factored, min_dim_size_to_factor, axes)");
     }
     // Validate every buffer length before changing anything.
     std::size_t scan = at;
@@ -786,6 +809,9 @@ class chain {
     static_assert(std::is_same_v<compute_t<V>, compute_t<G>> && std::is_same_v<compute_t<V>, compute_t<St>>,
                   "gradapt::chain: parameters, gradients and state must share one compute type (float for "
                   "float/half/bfloat16, double for double)");
+    static_assert(!plan::has_factored || std::is_same_v<St, compute_t<V>>,
+                  "gradapt::chain: a chain with a factored stage keeps its state (and the factors of its "
+                  "workspace) in the parameters' compute type: leave S at its default");
     validate();
     using space = typename B::space;
     chain_state<chain, B, V, G, St> st;
@@ -881,6 +907,19 @@ class chain {
       st.p_const_[t] = e.value;
       st.g_const_[t] = e.grad;
     }
+    if constexpr (plan::has_factored)
+      for (std::size_t t = 0; t < count; ++t) {
+        if (st.sizes_[t] == 0) continue;
+        const factored_tensor now = std::get<0>(stages_).plan_tensor(params[t].value.shape());
+        const factored_tensor& was = st.ft_[t];
+        if (now.factored != was.factored || now.d != was.d || (now.factored && now.state != was.state))
+          detail::fail("chain::step: parameter '", params[t].name, "' (tensor ", t,
+                       "): the factored stage's options now give it another layout than at init (",
+                       was.factored ? "factored" : "not factored", " then, ",
+                       now.factored ? "factored" : "not factored",
+                       " now; factored, min_dim_size_to_factor and axes fix the state's layout: create a new "
+                       "state with init())");
+      }
     const std::uint64_t mask = current_mask();
     if (mask != st.enabled_)  // (the message is built only on failure: a step allocates nothing)
       detail::fail("chain::step: the options switch stages ", describe_mask(mask),
@@ -1086,6 +1125,40 @@ class chain {
     return list<D>(params, st)[k];
   }
 
+  /// One pass over factored tensor k through `apply_factored` (`Variant`: its
+  /// factored_tensor::variant); a non-final pass leaves its barrier's sum in `sum[0]`.
+  template <std::size_t Pass, std::uint64_t E, bool Variant, class B, class PL, class St, class K>
+  void factored_tensor_pass(const B& b, const PL& params, St& st, const K& kernels, std::size_t k,
+                            std::size_t slot, double* sum) const {
+    using C = compute_t<typename PL::value_type>;
+    using space = typename B::space;
+    constexpr std::size_t nb = plan::barriers(E);
+    constexpr std::size_t nargs = plan::args(Pass, E);
+    constexpr bool final = plan::is_final(Pass, E);
+    const double* tc = st.tconst_.data() + k * plan::total_slots;
+    double* factors = st.wfac_.data() + slot * nb;
+    const auto& f = st.ft_[k];
+    using FP = detail::optim::factored_pass<plan, Pass, E, C, K, Variant>;
+    const FP fp{{kernels, tc, factors, 1}};
+    constexpr bool stage_on = FP::stage_on;
+    constexpr std::size_t va = FP::va;
+    const auto* w = st.wbuf_.data() + slot * st.ws_;
+    const auto fy =
+        tensor_view<const typename St::state_element, space>::vector(w, static_cast<std::int64_t>(f.rows));
+    const auto fx = tensor_view<const typename St::state_element, space>::vector(
+        w + f.rows, static_cast<std::int64_t>(f.cols));
+    // The pass's arguments without the factored stage's buffer.
+    [&]<std::size_t... A>(std::index_sequence<A...>) {
+      constexpr auto full = [](std::size_t a) { return (stage_on && a >= va) ? a + 1 : a; };
+      if constexpr (final)
+        b.apply_factored(fp, f.d, fy, fx, one_view<plan::arg_at(Pass, E, full(A))>(params, st, k)...);
+      else
+        b.apply_factored_sum(fp, f.d, fy, fx, tensor_view<double, space>::vector(sum, 1),
+                             one_view<plan::arg_at(Pass, E, full(A))>(params, st, k)...);
+    }
+    (std::make_index_sequence<nargs - (stage_on ? 1 : 0)>{});
+  }
+
   template <std::size_t Pass, std::uint64_t E, class B, class PL, class St, class K>
   void tensor_pass(const B& b, const PL& params, St& st, const K& kernels, std::size_t k,
                    std::size_t slot) const {
@@ -1099,24 +1172,10 @@ class chain {
     double* sum = st.wsum_.data() + slot * (plan::max_terms > 0 ? plan::max_terms : 1);
     const auto& f = st.ft_[k];
     if (f.factored) {
-      const detail::optim::factored_pass<plan, Pass, E, C, K> fp{{kernels, tc, factors, 1}};
-      constexpr bool stage_on = decltype(fp)::stage_on;
-      constexpr std::size_t va = decltype(fp)::va;
-      const auto* w = st.wbuf_.data() + slot * st.ws_;
-      const auto fy =
-          tensor_view<const typename St::state_element, space>::vector(w, static_cast<std::int64_t>(f.rows));
-      const auto fx = tensor_view<const typename St::state_element, space>::vector(
-          w + f.rows, static_cast<std::int64_t>(f.cols));
-      // The pass's arguments without the factored stage's buffer.
-      [&]<std::size_t... A>(std::index_sequence<A...>) {
-        constexpr auto full = [](std::size_t a) { return (stage_on && a >= va) ? a + 1 : a; };
-        if constexpr (final)
-          b.apply_factored(fp, f.d, fy, fx, one_view<plan::arg_at(Pass, E, full(A))>(params, st, k)...);
-        else
-          b.apply_factored_sum(fp, f.d, fy, fx, tensor_view<double, space>::vector(sum, 1),
-                               one_view<plan::arg_at(Pass, E, full(A))>(params, st, k)...);
-      }
-      (std::make_index_sequence<nargs - (stage_on ? 1 : 0)>{});
+      if (f.variant)
+        factored_tensor_pass<Pass, E, true>(b, params, st, kernels, k, slot, sum);
+      else
+        factored_tensor_pass<Pass, E, false>(b, params, st, kernels, k, slot, sum);
     } else {
       const detail::optim::pass_functor<plan, Pass, E, C, K> pf{kernels, tc, factors, 1};
       [&]<std::size_t... A>(std::index_sequence<A...>) {

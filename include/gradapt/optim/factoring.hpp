@@ -47,8 +47,10 @@ inline factoring factor_of(std::span<const std::int64_t> shape, bool enabled, fa
   } else {
     std::array<std::size_t, max_rank> idx{};
     for (std::size_t k = 0; k < r; ++k) idx[k] = k;
-    std::stable_sort(idx.begin(), idx.begin() + static_cast<std::ptrdiff_t>(r),
-                     [&](std::size_t a, std::size_t b) { return shape[a] < shape[b]; });
+    // A stable insertion sort by size (at most max_rank entries; no allocation, unlike
+    // std::stable_sort, so a step may call this).
+    for (std::size_t k = 1; k < r; ++k)
+      for (std::size_t m = k; m > 0 && shape[idx[m]] < shape[idx[m - 1]]; --m) std::swap(idx[m], idx[m - 1]);
     d0 = idx[r - 1];
     d1 = idx[r - 2];
   }
@@ -79,6 +81,8 @@ struct factored_tensor {
   std::size_t ws_sums = 0;  ///< workspace doubles (the stage's row and column sums)
   std::size_t rows = 0;     ///< A·X·B·C: the row factors' length
   std::size_t cols = 0;     ///< A·B·Y·C: the column factors' length
+  bool variant =
+      false;  ///< passed to the stage's `y<Variant>` (Adafactor: the column factor multiplies first)
   std::array<std::int64_t, 8> aux{};  ///< numbers private to the stage
 };
 

@@ -876,8 +876,8 @@ struct scale_by_sm3 {
       u = gradapt::detail::sm3_k::update_of(u, a, eps);
     }
     /// Covered tensors: u from the old covers' minimum over the leading dims r, the last dim's
-    /// cover c, and g.
-    template <class V>
+    /// cover c, and g (one form: `factored_tensor::variant` is never set).
+    template <bool, class V>
     GRADAPT_HD GRADAPT_INLINE V y(const V& r, const V& c, const V& g) const {
       const V a = V(c1) * (g * g) + V(c2) * simd::min(r, c);
       return gradapt::detail::sm3_k::update_of(g, a, eps);
@@ -917,8 +917,8 @@ struct scale_by_sm3 {
     S* mu = state.data();
     S* rows = ws;
     S* cols = ws + lead;
-    S* wa = ws + lead + Y;
-    S* wb = wa + lead;
+    S* wa = r >= 3 ? ws + lead + Y : ws;  // ping-pong buffers of the expansions (rank >= 3 only)
+    S* wb = r >= 3 ? wa + lead : ws;
     double* da = sums;
     double* db = sums + lead;
     double* dx = sums + 2 * lead;

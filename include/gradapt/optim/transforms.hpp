@@ -203,10 +203,11 @@ struct add_decayed_weights {
     detail::check_nonneg(lr, "add_decayed_weights", "lr", "the learning rate times_lr multiplies by");
   }
   /// out[0] = the tensor's λ: 0 when its flags or `skip` mask it, else the group's
-  /// `weight_decay` when set, else `weight_decay`.
+  /// `weight_decay` when set, else `weight_decay`; with times_lr also times the group's
+  /// `lr_scale` (so the decay follows the group's learning rate, as PyTorch's per-group lr).
   void tensor_constants(const tensor_setup& ts, double* out) const {
     const bool off = ts.flags.skip_weight_decay || detail::predicate_says(skip, ts.name);
-    out[0] = off ? 0.0 : ts.weight_decay.value_or(weight_decay);
+    out[0] = off ? 0.0 : ts.weight_decay.value_or(weight_decay) * (times_lr ? ts.lr_scale : 1.0);
   }
 
   /// Element math of add_decayed_weights in compute type C; λ arrives per tensor in tc[0].
