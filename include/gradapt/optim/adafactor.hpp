@@ -958,7 +958,8 @@ using adafactor_chain_type = chain<transform::scale_by_factored_rms, transform::
 /// with the same options as `gradapt::adafactor` (stages switched off by them cost nothing:
 /// clipping_threshold = +inf, multiply_by_parameter_scale = false, momentum = 0). It gives the
 /// standalone class's results within rounding (the class folds clipping, learning rate and
-/// parameter scale into one multiplication per element; the chain applies them one by one)
+/// parameter scale into one multiplication per element; the chain applies them one by one),
+/// bit for bit when clipping and the parameter scale are off
 /// and is the form to extend: reach a stage through `stage<I>()`, or build your own chain
 /// starting with `transform::scale_by_factored_rms`. The learning rate sits in two stages
 /// (stage 2, and stage 5 with weight_decay_times_lr): pass it per step (`step_args::lr`, which
