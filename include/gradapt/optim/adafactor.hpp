@@ -466,13 +466,9 @@ struct scale_by_factored_rms {
                tensor_view<S, typename B::space> state, tensor_view<const G, typename B::space> g, S* ws,
                double* sums) const {
     using space = typename B::space;
-    const auto vec = [](auto* p, std::size_t n) {
-      using T = std::remove_pointer_t<decltype(p)>;
-      return tensor_view<T, space>::vector(p, static_cast<std::int64_t>(n));
-    };
+    const auto vec = [](auto* p, std::size_t n) { return gradapt::detail::optim::vector_view<space>(p, n); };
     const auto cvec = [](auto* p, std::size_t n) {
-      using T = std::remove_pointer_t<decltype(p)>;
-      return tensor_view<const T, space>::vector(p, static_cast<std::int64_t>(n));
+      return gradapt::detail::optim::const_vector_view<space>(p, n);
     };
     const std::int64_t X = t.d[1], Y = t.d[3];
     const std::size_t ny = t.rows, nx = t.cols;
@@ -790,13 +786,9 @@ class adafactor {
     const C clamp_v = clamp ? static_cast<C>(o_.eps1 * o_.eps1) : C(0);
     const C inv_eps = clamp ? static_cast<C>(1.0 / o_.eps1) : C(0);
     const C floor = clamp ? static_cast<C>(o_.eps1) : C(0);
-    const auto vec = [](auto* p, std::size_t n) {
-      using T = std::remove_pointer_t<decltype(p)>;
-      return tensor_view<T, space>::vector(p, static_cast<std::int64_t>(n));
-    };
+    const auto vec = [](auto* p, std::size_t n) { return gradapt::detail::optim::vector_view<space>(p, n); };
     const auto cvec = [](auto* p, std::size_t n) {
-      using T = std::remove_pointer_t<decltype(p)>;
-      return tensor_view<const T, space>::vector(p, static_cast<std::int64_t>(n));
+      return gradapt::detail::optim::const_vector_view<space>(p, n);
     };
     constexpr bool on_host = std::is_same_v<space, host_space>;
     const bool clip_on = std::isfinite(o_.clipping_threshold);

@@ -137,6 +137,17 @@ void for_tensors(const B& b, std::span<const std::size_t> order, std::span<const
   for (std::size_t k = 0; k < n; ++k) one(b, k, 0);
 }
 
+/// A one-dimensional view of n elements at p in memory space Space.
+template <class Space, class T>
+tensor_view<T, Space> vector_view(T* p, std::size_t n) {
+  return tensor_view<T, Space>::vector(p, static_cast<std::int64_t>(n));
+}
+/// The same, read-only.
+template <class Space, class T>
+tensor_view<const T, Space> const_vector_view(T* p, std::size_t n) {
+  return tensor_view<const T, Space>::vector(p, static_cast<std::int64_t>(n));
+}
+
 /// The tensor indices sorted by size, largest first (ties in index order).
 inline std::vector<std::size_t> largest_first(std::span<const std::size_t> sizes) {
   std::vector<std::size_t> order(sizes.size());

@@ -546,13 +546,9 @@ class sm3 {
       ++st.steps_;
       return;
     }
-    const auto vec = [](auto* p, std::size_t n) {
-      using T = std::remove_pointer_t<decltype(p)>;
-      return tensor_view<T, space>::vector(p, static_cast<std::int64_t>(n));
-    };
+    const auto vec = [](auto* p, std::size_t n) { return gradapt::detail::optim::vector_view<space>(p, n); };
     const auto cvec = [](auto* p, std::size_t n) {
-      using T = std::remove_pointer_t<decltype(p)>;
-      return tensor_view<const T, space>::vector(p, static_cast<std::int64_t>(n));
+      return gradapt::detail::optim::const_vector_view<space>(p, n);
     };
     for (std::size_t k = 0; k < params.size(); ++k) {
       const auto& i = st.info_[k];
@@ -897,13 +893,9 @@ struct scale_by_sm3 {
                tensor_view<S, typename B::space> state, tensor_view<const G, typename B::space> g, S* ws,
                double* sums) const {
     using space = typename B::space;
-    const auto vec = [](auto* p, std::size_t n) {
-      using T = std::remove_pointer_t<decltype(p)>;
-      return tensor_view<T, space>::vector(p, static_cast<std::int64_t>(n));
-    };
+    const auto vec = [](auto* p, std::size_t n) { return gradapt::detail::optim::vector_view<space>(p, n); };
     const auto cvec = [](auto* p, std::size_t n) {
-      using T = std::remove_pointer_t<decltype(p)>;
-      return tensor_view<const T, space>::vector(p, static_cast<std::int64_t>(n));
+      return gradapt::detail::optim::const_vector_view<space>(p, n);
     };
     const auto r = static_cast<std::size_t>(t.aux[0]);
     std::array<std::size_t, max_rank> dims{}, off{};
