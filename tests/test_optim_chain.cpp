@@ -810,6 +810,50 @@ TEST_CASE("a custom chain with block-RMS clipping matches its formula", "[optim]
   REQUIRE(close(p2[0], 1 - 0.01, 1e-6));  // rms 0.01 < 0.5: untouched
 }
 
+TEST_CASE("ema with debias, parameter block RMS, relative step and lr-coupled decay follow their formulas",
+          "[optim][chain]") {
+  namespace tf = gradapt::transform;
+  // u = EMA(g) / (1 − β^t); u ← u · max(rms(p), min_scale); u ← η_t s u with η_t = min(η, 1/√t);
+  // u ← u + λ η s p (times_lr: the step's η, not η_t; s the group's lr_scale); p ← p − u.
+  std::vector<float> pa{1, 2, 3, 4}, ga{1, -2, 0.5f, 4}, pb{2, -2}, gb{0.25f, -1};
+  gradapt::param_list<float> params;
+  params.add("a", gradapt::host_view(pa), gradapt::host_view(ga));
+  const std::size_t slow = params.add_group("slow", {.lr_scale = 0.5, .weight_decay = std::nullopt});
+  params.add("b", gradapt::host_view(pb), gradapt::host_view(gb), {}, slow);
+  const double beta = 0.5, lam = 0.1, eta = 0.9;
+  gradapt::chain c{tf::ema{.decay = beta, .debias = true}, tf::scale_by_param_block_rms{.min_scale = 1e-3},
+                   tf::scale_by_learning_rate{.flip_sign = false, .relative_step = true},
+                   tf::add_decayed_weights{.weight_decay = lam, .times_lr = true}, tf::scale{.factor = -1}};
+  host b{};
+  auto st = c.init(b, params);
+  std::vector<std::vector<double>> p = {{1, 2, 3, 4}, {2, -2}}, m = {{0, 0, 0, 0}, {0, 0}};
+  const std::vector<std::vector<double>> g = {{1, -2, 0.5, 4}, {0.25, -1}};
+  const double s[2] = {1.0, 0.5};
+  for (int t = 1; t <= 3; ++t) {
+    c.step(b, params, st, {.lr = eta});
+    const double eta_t = std::min(eta, 1 / std::sqrt(double(t)));
+    for (std::size_t k = 0; k < 2; ++k) {
+      double ss = 0;
+      for (double v : p[k]) ss += v * v;
+      const double scale = std::max(std::sqrt(ss / double(p[k].size())), 1e-3);
+      for (std::size_t i = 0; i < p[k].size(); ++i) {
+        m[k][i] = (1 - beta) * g[k][i] + beta * m[k][i];
+        const double u =
+            m[k][i] / (1 - std::pow(beta, t)) * scale * eta_t * s[k] + lam * eta * s[k] * p[k][i];
+        p[k][i] -= u;
+      }
+    }
+    for (std::size_t i = 0; i < pa.size(); ++i) REQUIRE(close(pa[i], p[0][i], 1e-5));
+    for (std::size_t i = 0; i < pb.size(); ++i) REQUIRE(close(pb[i], p[1][i], 1e-5));
+  }
+  // The parameter scale's measure reads p only, but ema before it keeps state: its pass still
+  // advances ema (it is not a p-only pass).
+  using P = decltype(c)::plan;
+  static_assert(!P::measure_only(0, P::mask_of(3)));
+  REQUIRE_THROWS_WITH((gradapt::chain{tf::ema{.decay = -0.1}}), Contains("decay"));
+  REQUIRE_THROWS_WITH(c.step(b, params, st, {.lr = -1.0}), Contains("learning rate"));
+}
+
 // ---- save / restore ----------------------------------------------------------------------------
 
 namespace {
