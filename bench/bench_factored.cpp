@@ -22,7 +22,9 @@
 // more than the class) and p twice; it has no floor and is read next to the adafactor row of the same run.
 // The sm3_chain row (gradapt::sm3_chain, no momentum) runs SM3's covers through the generic backend
 // operations (a max-reduction pass over g, then the update pass over p and g) instead of the class's
-// one fused host pass; compare it with the sm3 row.
+// one fused host pass; compare it with the sm3 row. The stats_pass row times Adafactor's statistics pass
+// alone (host::reduce_factored_sumsq) on the largest tensor with all threads on it, against a plain read
+// of the same g and p (its roof): the path a tensor larger than 1/T of a list takes.
 // Compiled like a consumer (plain -O2, no -march, no fast-math).
 //
 // Google Benchmark: one benchmark per step with argument = threads (1 and 2), each iteration a
@@ -30,6 +32,7 @@
 // follows the console output.
 //
 //   bench_factored [--rounds=9] [--benchmark_filter=/2]
+#include <array>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -84,6 +87,54 @@ void sm3_momentum(benchmark::State& st) { run_step(st, gradapt::sm3({.lr = 1e-3}
 void sm3(benchmark::State& st) { run_step(st, gradapt::sm3({.lr = 1e-3, .momentum = 0.0}), 12); }
 void sm3_chain(benchmark::State& st) { run_step(st, gradapt::sm3_chain({.lr = 1e-3, .momentum = 0.0}), 12); }
 
+/// Adafactor's statistics pass alone on the list's largest tensor (the [20000, 768] token
+/// embedding) with every thread on it, the way the optimizers run a tensor larger than 1/T of
+/// the list: host::reduce_factored_sumsq (row and column sums of g² + eps1, and Σp² of the
+/// same lines). Its roof is a plain loop over the same two arrays (Σ g² + p² in one OpenMP
+/// simd reduction: 8 B per element, the pass's own streams); the triad runs over that tensor's
+/// element count.
+void stats_pass(benchmark::State& st) {
+  model& m = the_model();
+  const int threads = static_cast<int>(st.range(0));
+  gradapt::host b{.threads = threads};
+  std::size_t k = 0;
+  for (std::size_t t = 1; t < m.params.size(); ++t)
+    if (m.params[t].value.size() > m.params[k].value.size()) k = t;
+  const auto g = gradapt::tensor_view<const float>(m.params[k].grad.flat());
+  const auto p = gradapt::tensor_view<const float>(m.params[k].value.flat());
+  const auto shape = m.params[k].value.shape();
+  const std::int64_t rows = shape[0], cols = shape[1];
+  const std::size_t e = g.size();
+  std::vector<double> sy(static_cast<std::size_t>(rows)), sx(static_cast<std::size_t>(cols)), sl(sy.size());
+  const std::array<std::int64_t, 5> d{1, rows, 1, cols, 1};
+  const gradapt::detail::adafactor_k::square_plus<float> stats{1e-30f};
+  double sink = 0.0;
+  gradapt_bench::paired_rounds(
+      st, {static_cast<double>(e), 8.0, 8.0},
+      [&] {
+        float* __restrict a = m.ta.data();
+        const float* __restrict x = m.tb.data();
+        const float* __restrict y = m.tc.data();
+#pragma omp parallel for simd schedule(static) num_threads(threads)
+        for (std::size_t i = 0; i < e; ++i) a[i] = x[i] + 0.5f * y[i];
+      },
+      [&] {
+        const float* __restrict x = g.data();
+        const float* __restrict y = p.data();
+        double acc = 0.0;
+#pragma omp parallel for simd reduction(+ : acc) schedule(static) num_threads(threads)
+        for (std::size_t i = 0; i < e; ++i)
+          acc += static_cast<double>(x[i]) * x[i] + static_cast<double>(y[i]) * y[i];
+        sink += acc;
+      },
+      [&] {
+        sink += b.reduce_factored_sumsq(stats, d, gradapt::tensor_view<const float>(),
+                                        gradapt::tensor_view<const float>(), g, gradapt::host_view(sy),
+                                        gradapt::host_view(sx), p, gradapt::host_view(sl));
+      });
+  benchmark::DoNotOptimize(sink);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -106,7 +157,7 @@ int main(int argc, char** argv) {
   for (auto [name, fn] :
        {std::pair{"adafactor", &adafactor}, std::pair{"adafactor_chain", &adafactor_chain},
         std::pair{"adafactor_torch", &adafactor_torch}, std::pair{"sm3_momentum", &sm3_momentum},
-        std::pair{"sm3", &sm3}, std::pair{"sm3_chain", &sm3_chain}})
+        std::pair{"sm3", &sm3}, std::pair{"sm3_chain", &sm3_chain}, std::pair{"stats_pass", &stats_pass}})
     gradapt_bench::register_paired(name, fn, rounds);
   gradapt_bench::table_reporter rep;
   // adafactor_chain and sm3_chain have no floor (their floor column prints "-").
@@ -116,7 +167,10 @@ int main(int argc, char** argv) {
       "eff GB/s: fewest bytes the step must move (Adafactor and SM3 without momentum 12 B, SM3 with momentum "
       "20 B per parameter) / step time; the roof is p += s g (12 B).\n"
       "floor (issue 5, 2 threads): Adafactor >= 0.60 of triad (SM3 held to the same); adafactor_chain has "
-      "none (compare it with the adafactor row).");
+      "none (compare it with the adafactor row).\n"
+      "stats_pass: Adafactor's statistics pass alone on the largest tensor, all threads on it (8 B per "
+      "element: "
+      "g and p read); its roof is a plain read of the same two arrays.");
   benchmark::Shutdown();
   return 0;
 }

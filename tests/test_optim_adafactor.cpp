@@ -822,6 +822,76 @@ TEST_CASE("host reduce_factored and apply_factored against plain loops", "[optim
       Contains("hold 9 elements but the tensor has 10"));
 }
 
+TEST_CASE("host reduce_factored reads each line once on any thread count: same bits for 1 to 3 threads",
+          "[optim][adafactor][backend]") {
+  // Matrix-like views (C == 1) with lines of at most host's group limit take the grouped path
+  // (a per-thread partial per group of lines, added in group order); longer lines and C > 1
+  // take the row/column loops. Both must match plain loops and give the same bits on 1, 2 and
+  // 3 threads, for sums (with Σ y² of a second view) and maxima; shapes large enough for the
+  // parallel paths, with several groups per slice, A, B > 1 and tails that are not a multiple of 8.
+  const auto run = [](auto tag, std::array<std::int64_t, 5> d) {
+    using T = decltype(tag);
+    const std::size_t A = std::size_t(d[0]), X = std::size_t(d[1]), B = std::size_t(d[2]),
+                      Y = std::size_t(d[3]), C = std::size_t(d[4]);
+    const std::size_t n = A * X * B * Y * C, ny = A * X * B * C, nx = A * B * Y * C;
+    std::vector<T> x(n), y(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      x[i] = T(float((i * 37) % 101) * 0.01f - 0.3f);
+      y[i] = T(float((i * 11) % 23) * 0.5f - 2.0f);
+    }
+    const auto sq = [](float, float, float v) { return double(v) * double(v); };
+    std::vector<ld> ry(ny, 0), rx(nx, 0);
+    std::vector<double> my(ny, -1), mx(nx, -1);
+    ld rp = 0;
+    for (std::size_t e = 0; e < n; ++e) {
+      const std::size_t c = e % C, j = (e / C) % Y, line = e / (Y * C);  // line = (a X + i) B + b
+      const std::size_t bb = line % B, a = line / (X * B);
+      const double t = sq(0, 0, float(x[e]));
+      ry[line * C + c] += t;
+      rx[((a * B + bb) * Y + j) * C + c] += t;
+      my[line * C + c] = std::max(my[line * C + c], t);
+      mx[((a * B + bb) * Y + j) * C + c] = std::max(mx[((a * B + bb) * Y + j) * C + c], t);
+      rp += ld(float(y[e])) * ld(float(y[e]));
+    }
+    std::vector<std::vector<double>> first;
+    for (int threads : {1, 2, 3}) {
+      CAPTURE(sizeof(T), d, threads);
+      host b{.threads = threads};
+      std::vector<double> oy(ny, -7), ox(nx, -7), qy(ny, -7), qx(nx, -7), sy(ny, -7), sx(nx, -7),
+          ls(A * X * B, -7);
+      const tensor_view<const float> none;
+      b.reduce_factored(sq, d, none, none, gradapt::host_view(std::as_const(x)), gradapt::host_view(oy),
+                        gradapt::host_view(ox));
+      b.reduce_factored(sq, d, none, none, gradapt::host_view(std::as_const(x)), gradapt::host_view(qy),
+                        gradapt::host_view(qx), gradapt::reduce_op::max);
+      const double psq = b.reduce_factored_sumsq(
+          sq, d, none, none, gradapt::host_view(std::as_const(x)), gradapt::host_view(sy),
+          gradapt::host_view(sx), gradapt::host_view(std::as_const(y)), gradapt::host_view(ls));
+      for (std::size_t k = 0; k < ny; ++k) {
+        REQUIRE(std::fabs(oy[k] - double(ry[k])) <= 1e-12 * double(ry[k]) + 1e-300);
+        REQUIRE(qy[k] == my[k]);
+      }
+      for (std::size_t k = 0; k < nx; ++k) {
+        REQUIRE(std::fabs(ox[k] - double(rx[k])) <= 1e-12 * double(rx[k]) + 1e-300);
+        REQUIRE(qx[k] == mx[k]);
+      }
+      REQUIRE((sy == oy && sx == ox));  // the same terms in the same order
+      REQUIRE(std::fabs(psq - double(rp)) <= 1e-12 * double(rp));
+      if (first.empty())
+        first = {oy, ox, qy, qx, std::vector<double>{psq}};
+      else
+        REQUIRE((first[0] == oy && first[1] == ox && first[2] == qy && first[3] == qx && first[4][0] == psq));
+    }
+  };
+  for (auto d :
+       {std::array<std::int64_t, 5>{1, 700, 1, 129, 1}, std::array<std::int64_t, 5>{2, 400, 2, 200, 1},
+        std::array<std::int64_t, 5>{1, 40, 1, 4096, 1}, std::array<std::int64_t, 5>{1, 17, 1, 5003, 1},
+        std::array<std::int64_t, 5>{2, 50, 2, 91, 4}})
+    run(float{}, d);
+  run(gradapt::half{}, std::array<std::int64_t, 5>{1, 700, 1, 129, 1});
+  run(double{}, std::array<std::int64_t, 5>{2, 400, 2, 200, 1});
+}
+
 // ---- reference vectors from optax and torch.optim.Adafactor (tests/data/optim_factored) -------
 // Written by tests/data/make_factored_refs.py (not run here) with make_optim_refs.py's
 // conventions: inputs from a counter-based generator reproduced below, samples of every tensor
