@@ -28,6 +28,7 @@
 #include "catch.hpp"
 #include "gradapt/backend/host.hpp"
 #include "gradapt/optim/adafactor.hpp"
+#include "gradapt/optim/adamw.hpp"
 #include "gradapt/optim/clip.hpp"
 #include "gradapt/optim/sm3.hpp"
 
@@ -427,6 +428,27 @@ TEST_CASE("adafactor state of an n x m matrix takes n + m elements", "[optim][ad
     REQUIRE(st.second_moment_elements(0) == 300 + 129);
     REQUIRE(st.momentum_elements(0) == 300 * 129);
     REQUIRE(st.state_elements() == 300 + 129 + 300 + 127 * 500 + 4 * 330 + pl.total_elements());
+    // momentum(t) views tensor t's buffer: without decay p moves by exactly m (p ← p − m).
+    REQUIRE(gradapt::adafactor().init(b, pl).momentum(0).empty());
+    std::vector<std::vector<float>> before;
+    for (std::size_t t = 0; t < ts.size(); ++t) {
+      fill_grad(ts[t], 40 + unsigned(t));
+      before.push_back(ts[t].p);
+    }
+    gradapt::adafactor({.momentum = 0.9}).step(b, pl, st);
+    for (std::size_t t = 0; t < ts.size(); ++t) {
+      const auto m = st.momentum(t);
+      REQUIRE(m.size() == ts[t].size());
+      std::size_t moved = 0;
+      for (std::size_t k = 0; k < m.size(); ++k) {
+        const float d = before[t][k] - ts[t].p[k];
+        const float mag = std::max(std::fabs(before[t][k]), std::fabs(ts[t].p[k]));
+        REQUIRE(std::fabs(m.data()[k] - d) <= 2 * std::numeric_limits<float>::epsilon() * mag);
+        moved += m.data()[k] != 0.0f ? 1 : 0;
+      }
+      REQUIRE(moved > m.size() / 2);
+    }
+    REQUIRE_THROWS_WITH(st.momentum(4), Contains("tensor 4 out of range"));
   }
 }
 
@@ -1182,6 +1204,22 @@ TEST_CASE("adafactor_chain: n + m state elements for an n x m matrix, momentum b
   {
     auto st = gradapt::adafactor_chain({.momentum = 0.9}).init(b, pl);
     REQUIRE(st.state_elements() == stats + pl.total_elements());
+  }
+  {
+    // The workspace: one slot per thread of the task mode, each O(n + m) of the largest
+    // factored tensor (not O(parameters)), plus a few doubles per tensor.
+    const std::size_t one = gradapt::adafactor_chain().init(host{.threads = 1}, pl).workspace_bytes();
+    const std::size_t two = gradapt::adafactor_chain().init(host{.threads = 2}, pl).workspace_bytes();
+    const std::size_t slot = two - one;
+    REQUIRE(two > one);
+    REQUIRE(slot >= (4 * 330) * sizeof(float));       // the factors of tensor c
+    REQUIRE(slot <= 8 * (4 * 330) * sizeof(double));  // a few vectors of n + m
+    REQUIRE(one - slot <= 64 * ts.size() * sizeof(double));
+    // A chain without a factored stage has no slots.
+    const auto adamw = gradapt::adamw();
+    REQUIRE(adamw.init(host{.threads = 1}, pl).workspace_bytes() ==
+            adamw.init(host{.threads = 2}, pl).workspace_bytes());
+    REQUIRE(adamw.init(host{}, pl).workspace_bytes() <= 64 * ts.size() * sizeof(double));
   }
 }
 

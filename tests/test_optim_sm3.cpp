@@ -252,8 +252,29 @@ TEST_CASE("sm3 state takes the sum of the dims", "[optim][sm3]") {
   REQUIRE(st.accumulator_elements(2) == 4 + 20 + 13);
   REQUIRE(st.accumulator_elements(3) == 1);
   REQUIRE(st.state_elements() == 429 + 300 + 37 + 1);
-  auto sm = gradapt::sm3{}.init(b, pl);
+  auto sm = gradapt::sm3({.lr = 0.5}).init(b, pl);
   REQUIRE(sm.state_elements() == 429 + 300 + 37 + 1 + pl.total_elements());
+  // momentum(t) views tensor t's buffer: p ← p − lr m with lr = 0.5.
+  REQUIRE(st.momentum(0).empty());
+  std::vector<std::vector<float>> before;
+  for (std::size_t t = 0; t < ts.size(); ++t) {
+    fill_grad(ts[t], 50 + unsigned(t));
+    before.push_back(ts[t].p);
+  }
+  gradapt::sm3({.lr = 0.5}).step(b, pl, sm);
+  for (std::size_t t = 0; t < ts.size(); ++t) {
+    const auto m = sm.momentum(t);
+    REQUIRE(m.size() == ts[t].size());
+    std::size_t moved = 0;
+    for (std::size_t k = 0; k < m.size(); ++k) {
+      const float d = before[t][k] - ts[t].p[k];
+      const float mag = std::max(std::fabs(before[t][k]), std::fabs(ts[t].p[k]));
+      REQUIRE(std::fabs(0.5f * m.data()[k] - d) <= 2 * std::numeric_limits<float>::epsilon() * mag);
+      moved += m.data()[k] != 0.0f ? 1 : 0;
+    }
+    REQUIRE(moved > m.size() / 2);
+  }
+  REQUIRE_THROWS_WITH(sm.momentum(4), Contains("tensor 4 out of range"));
 }
 
 TEST_CASE("sm3 is deterministic across threads and restores exactly", "[optim][sm3]") {

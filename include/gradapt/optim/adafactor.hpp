@@ -554,6 +554,14 @@ class adafactor_state {
     return tensor_view<const S, space>::vector(v_.data() + i.v_off, static_cast<std::int64_t>(i.ny + i.nx));
   }
 
+  /// Tensor t's momentum buffer (its size, in the parameters' layout); empty when the state
+  /// keeps no momentum (momentum = 0 at init).
+  tensor_view<const S, space> momentum(std::size_t t) const {
+    const auto& i = at(t);
+    if (!has_m_) return {};
+    return tensor_view<const S, space>::vector(m_.data() + i.m_off, static_cast<std::int64_t>(i.size));
+  }
+
   /// The state as bytes: a header (kind, element type, step count, tensor sizes and
   /// factorings) then the second moments and the momentum buffer.
   std::vector<std::byte> save(const B& b) const {

@@ -37,6 +37,7 @@
 /// nothing.
 /// `chain_state::save` / `load` round-trip the state exactly.
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -550,6 +551,33 @@ concept optimizer_backend = backend<B> &&
   b.apply_reduce_list(detail::optim::reduce_probe{}, detail::optim::per_tensor_arg(s), xs);
 };
 
+namespace detail::optim {
+/// Element functor used only to probe `factored_backend`: r · c · v² as a double.
+struct factored_probe {
+  GRADAPT_HD double operator()(float r, float c, float v) const { return static_cast<double>(r * c * v * v); }
+};
+/// Element functor used only to probe `factored_backend`: y *= r * c.
+struct factored_apply_probe {
+  GRADAPT_HD void operator()(float r, float c, float& y) const { y *= r * c; }
+};
+}  // namespace detail::optim
+
+/// A backend the factored optimizers run on: `optimizer_backend` plus the row/column
+/// reduction `reduce_factored` and the row/column-indexed `apply_factored` and
+/// `apply_factored_sum` (the sum left in the backend's memory) (gradapt::host in
+/// backend/host.hpp and gradapt::cuda in backend/cuda/backend.cuh, kernels in
+/// backend/cuda/factored.cuh, provide them).
+template <class B>
+concept factored_backend = optimizer_backend<B> &&
+    requires(const B& b, tensor_view<const float, typename B::space> cx,
+             tensor_view<float, typename B::space> x, tensor_view<double, typename B::space> s,
+             std::array<std::int64_t, 5> d) {
+  b.reduce_factored(detail::optim::factored_probe{}, d, cx, cx, cx, s, s);
+  b.reduce_factored(detail::optim::factored_probe{}, d, cx, cx, cx, s, s, reduce_op::max);
+  { b.apply_factored(detail::optim::factored_apply_probe{}, d, cx, cx, x) } -> std::convertible_to<double>;
+  b.apply_factored_sum(detail::optim::factored_probe{}, d, cx, cx, s, cx);
+};
+
 /// The state of a `chain<Stages...>` for one backend and element types: per-element buffers
 /// (Adam's m and v, a momentum trace) in the backend's memory, the step count, and the small
 /// per-tensor arrays the passes use. Created by `chain::init`, advanced by `chain::step`.
@@ -596,6 +624,15 @@ class chain_state {
     std::size_t n = 0;
     for (const auto& b : bufs_) n += b.size();
     return n;
+  }
+  /// Bytes of the step's workspace in the backend's memory (per-tensor constants, barrier
+  /// factors and sums; for a factored chain the per-slot factors and sums, one slot per
+  /// thread of the host's task mode), allocated at init and reused by every step. Not part
+  /// of a checkpoint.
+  std::size_t workspace_bytes() const {
+    return (tconst_.size() + factors_.size() + sums_.size() + wdbl_.size() + wsum_.size() + wfac_.size()) *
+               sizeof(double) +
+           wbuf_.size() * sizeof(S);
   }
   /// True when tensor t's factored stage (a chain whose first stage is
   /// scale_by_factored_rms or scale_by_sm3) keeps row and column statistics rather than a
@@ -812,6 +849,10 @@ class chain {
     static_assert(!plan::has_factored || std::is_same_v<St, compute_t<V>>,
                   "gradapt::chain: a chain with a factored stage keeps its state (and the factors of its "
                   "workspace) in the parameters' compute type: leave S at its default");
+    static_assert(!plan::has_factored || factored_backend<B>,
+                  "gradapt::chain: a chain with a factored stage (scale_by_factored_rms, scale_by_sm3) needs "
+                  "a backend with row/column operations (gradapt::factored_backend: reduce_factored, "
+                  "apply_factored, apply_factored_sum), such as gradapt::host or gradapt::cuda");
     validate();
     using space = typename B::space;
     chain_state<chain, B, V, G, St> st;

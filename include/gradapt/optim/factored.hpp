@@ -27,32 +27,8 @@
 
 namespace gradapt {
 
-namespace detail::optim {
-/// Element functor used only to probe `factored_backend`: r · c · v² as a double.
-struct factored_probe {
-  GRADAPT_HD double operator()(float r, float c, float v) const { return static_cast<double>(r * c * v * v); }
-};
-/// Element functor used only to probe `factored_backend`: y *= r * c.
-struct factored_apply_probe {
-  GRADAPT_HD void operator()(float r, float c, float& y) const { y *= r * c; }
-};
-}  // namespace detail::optim
-
-/// A backend the factored optimizers run on: `optimizer_backend` plus the row/column
-/// reduction `reduce_factored` and the row/column-indexed `apply_factored` and
-/// `apply_factored_sum` (the sum left in the backend's memory) (gradapt::host in
-/// backend/host.hpp and gradapt::cuda in backend/cuda/backend.cuh, kernels in
-/// backend/cuda/factored.cuh, provide them).
-template <class B>
-concept factored_backend = optimizer_backend<B> &&
-    requires(const B& b, tensor_view<const float, typename B::space> cx,
-             tensor_view<float, typename B::space> x, tensor_view<double, typename B::space> s,
-             std::array<std::int64_t, 5> d) {
-  b.reduce_factored(detail::optim::factored_probe{}, d, cx, cx, cx, s, s);
-  b.reduce_factored(detail::optim::factored_probe{}, d, cx, cx, cx, s, s, reduce_op::max);
-  { b.apply_factored(detail::optim::factored_apply_probe{}, d, cx, cx, x) } -> std::convertible_to<double>;
-  b.apply_factored_sum(detail::optim::factored_probe{}, d, cx, cx, s, cx);
-};
+// `factored_backend` (the backend concept these optimizers need) is defined in
+// optim/chain.hpp, next to `optimizer_backend`, so that a chain with a factored stage checks it.
 
 namespace detail::optim {
 

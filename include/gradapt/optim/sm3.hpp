@@ -336,6 +336,14 @@ class sm3_state {
     return tensor_view<const S, space>::vector(mu_.data() + i.off + i.cover_off[k], i.dims[k]);
   }
 
+  /// Tensor t's momentum buffer (its size, in the parameters' layout); empty when the state
+  /// keeps no momentum (momentum = 0 at init).
+  tensor_view<const S, space> momentum(std::size_t t) const {
+    const auto& i = at(t);
+    if (!has_m_) return {};
+    return tensor_view<const S, space>::vector(m_.data() + i.m_off, static_cast<std::int64_t>(i.size));
+  }
+
   /// The state as bytes (header, accumulators, momentum).
   std::vector<std::byte> save(const B& b) const {
     using namespace detail::optim;
