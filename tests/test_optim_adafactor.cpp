@@ -1533,6 +1533,17 @@ TEST_CASE("adafactor_chain edge cases: non-finite, zero and empty inputs, invali
   }
   SECTION("invalid options and mismatched lists throw gradapt::error naming them") {
     REQUIRE_THROWS_WITH(gradapt::adafactor_chain({.decay_rate = -1}), Contains("decay_rate"));
+    {  // a negative step learning rate, as the class: rejected before anything moves
+      auto n = shapes_mix();
+      auto pn = list_of(n);
+      for (std::size_t k = 0; k < n.size(); ++k) fill_grad(n[k], 60 + unsigned(k));
+      const auto before = n;
+      const auto opt = gradapt::adafactor_chain();
+      auto sn = opt.init(b, pn);
+      REQUIRE_THROWS_WITH(opt.step(b, pn, sn, {.lr = -0.01}), Contains("expected >= 0"));
+      for (std::size_t k = 0; k < n.size(); ++k) REQUIRE(n[k].p == before[k].p);
+      REQUIRE(sn.steps() == 0);
+    }
     REQUIRE_THROWS_WITH((gradapt::chain{tf::scale_by_factored_rms{.decay_rate = -0.5}}),
                         Contains("decay_rate"));
     REQUIRE_THROWS_WITH(

@@ -854,6 +854,39 @@ TEST_CASE("ema with debias, parameter block RMS, relative step and lr-coupled de
   REQUIRE_THROWS_WITH(c.step(b, params, st, {.lr = -1.0}), Contains("learning rate"));
 }
 
+TEST_CASE("presets reject a negative learning rate; a chain of one's own may ascend", "[optim][chain]") {
+  namespace tf = gradapt::transform;
+  std::vector<float> p = {1, -2, 3, 0.5f}, g = {0.5f, 0.25f, -1, 2};
+  const std::vector<float> p0 = p;
+  gradapt::param_list<float> params;
+  params.add("w", gradapt::host_view(p), gradapt::host_view(g));
+  host b{};
+  const auto check = [&](const auto& opt, const char* name) {
+    CAPTURE(name);
+    auto st = opt.init(b, params);
+    REQUIRE_THROWS_WITH(opt.step(b, params, st, {.lr = -0.1}),
+                        Contains("learning rate is -0.1") && Contains("expected >= 0"));
+    REQUIRE(p == p0);  // rejected before any element moved
+    REQUIRE(st.steps() == 0);
+    opt.step(b, params, st, {.lr = 0.0});  // zero is allowed
+    p = p0;
+  };
+  check(gradapt::sgd({.lr = 0.1, .momentum = 0.9}), "sgd");
+  check(gradapt::adamw(), "adamw");
+  check(gradapt::lamb(), "lamb");
+  check(gradapt::lars(), "lars");
+  REQUIRE_THROWS_WITH(gradapt::sgd({.lr = -0.1}), Contains("lr is -0.1") && Contains("expected >= 0"));
+  REQUIRE_THROWS_WITH(gradapt::adamw({.lr = -1e-3}), Contains("expected >= 0"));
+  // A chain of one's own: allow_negative defaults to true, so η = -0.5 with the sign flip ascends:
+  // p ← p + 0.5 g.
+  gradapt::chain up{tf::scale_by_learning_rate{.lr = 1.0}};
+  auto st = up.init(b, params);
+  up.step(b, params, st, {.lr = -0.5});
+  for (std::size_t i = 0; i < p.size(); ++i) REQUIRE(p[i] == p0[i] + 0.5f * g[i]);
+  REQUIRE_THROWS_WITH((gradapt::chain{tf::scale_by_learning_rate{.lr = -1.0, .allow_negative = false}}),
+                      Contains("lr is -1"));
+}
+
 // ---- save / restore ----------------------------------------------------------------------------
 
 namespace {

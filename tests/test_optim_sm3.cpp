@@ -472,6 +472,11 @@ TEST_CASE("sm3_chain gives the standalone sm3's bits, keeps the sum of the dims,
       REQUIRE(std::bit_cast<std::uint32_t>(a[k].p[i]) == std::bit_cast<std::uint32_t>(c[k].p[i]));
   // Invalid options name themselves; a user chain may put clipping after the covers.
   REQUIRE_THROWS_WITH(gradapt::sm3_chain({.b2 = 0}), Contains("b2"));
+  {  // a negative step learning rate, as the class: rejected before anything moves
+    const auto before = a;
+    REQUIRE_THROWS_WITH(opt.step(b, pa, sa, {.lr = -0.05}), Contains("expected >= 0"));
+    for (std::size_t k = 0; k < a.size(); ++k) REQUIRE(a[k].p == before[k].p);
+  }
   REQUIRE_THROWS_WITH((gradapt::chain{tf::scale_by_sm3{.eps = -1}}), Contains("eps"));
   gradapt::chain clipped{tf::scale_by_sm3{}, tf::clip_by_block_rms{.threshold = 0.5},
                          tf::scale_by_learning_rate{.lr = 0.1}};

@@ -977,7 +977,8 @@ inline adafactor_chain_type adafactor_chain(const adafactor_options& o = {}) {
                                        .eps_mode = o.eps1_mode,
                                        .axes = o.axes},
       transform::clip_by_block_rms{.threshold = o.clipping_threshold},
-      transform::scale_by_learning_rate{.lr = o.lr, .flip_sign = false, .relative_step = o.relative_step},
+      transform::scale_by_learning_rate{
+          .lr = o.lr, .flip_sign = false, .relative_step = o.relative_step, .allow_negative = false},
       transform::scale_by_param_block_rms{.min_scale = o.eps2, .active = o.multiply_by_parameter_scale},
       transform::ema{.decay = o.momentum, .debias = false},
       transform::add_decayed_weights{

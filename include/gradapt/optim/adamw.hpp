@@ -56,7 +56,7 @@ class adamw : public adamw_chain {
                                      .eps_root = o.eps_root,
                                      .bias_correction = o.bias_correction},
             transform::add_decayed_weights{.weight_decay = o.weight_decay, .skip = o.skip_weight_decay},
-            transform::scale_by_learning_rate{.lr = o.lr}) {}
+            transform::scale_by_learning_rate{.lr = o.lr, .allow_negative = false}) {}
 };
 
 }  // namespace gradapt

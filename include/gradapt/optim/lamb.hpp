@@ -81,7 +81,7 @@ class lamb : public lamb_chain {
             transform::add_decayed_weights{.weight_decay = o.weight_decay, .skip = o.skip_weight_decay},
             transform::scale_by_trust_ratio{
                 .min_ratio = o.min_trust_ratio, .max_ratio = o.max_trust_ratio, .skip = o.skip_trust_ratio},
-            transform::scale_by_learning_rate{.lr = o.lr}) {}
+            transform::scale_by_learning_rate{.lr = o.lr, .allow_negative = false}) {}
 };
 
 }  // namespace gradapt

@@ -65,7 +65,7 @@ class lars : public lars_chain {
                                             .denominator = o.denominator,
                                             .skip_weight_decay = o.skip_weight_decay,
                                             .skip_trust_ratio = o.skip_trust_ratio},
-                   transform::scale_by_learning_rate{.lr = o.lr},
+                   transform::scale_by_learning_rate{.lr = o.lr, .allow_negative = false},
                    transform::trace{.decay = o.momentum, .nesterov = o.nesterov}) {}
 };
 

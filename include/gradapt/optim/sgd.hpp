@@ -50,7 +50,7 @@ class sgd : public sgd_chain {
   explicit sgd(const sgd_options& o = {})
       : sgd_chain(transform::add_decayed_weights{.weight_decay = o.weight_decay, .skip = o.skip_weight_decay},
                   transform::trace{.decay = o.momentum, .nesterov = o.nesterov},
-                  transform::scale_by_learning_rate{.lr = o.lr}) {
+                  transform::scale_by_learning_rate{.lr = o.lr, .allow_negative = false}) {
     detail::require(!o.nesterov || o.momentum > 0.0, "sgd: nesterov is set but momentum is ", o.momentum,
                     " (Nesterov momentum needs momentum > 0)");
   }

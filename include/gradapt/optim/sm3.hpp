@@ -973,7 +973,7 @@ inline sm3_chain_type sm3_chain(const sm3_options& o = {}) {
   sm3::validate(o);
   return sm3_chain_type{transform::scale_by_sm3{.b2 = o.b2, .eps = o.eps},
                         transform::ema{.decay = o.momentum, .debias = false},
-                        transform::scale_by_learning_rate{.lr = o.lr}};
+                        transform::scale_by_learning_rate{.lr = o.lr, .allow_negative = false}};
 }
 
 }  // namespace gradapt

@@ -305,6 +305,11 @@ struct scale_by_learning_rate {
   /// Adafactor's relative step size (Shazeer & Stern 2018, torch.optim.Adafactor): use
   /// η_t = min(η, 1/√t) at step t. Default false.
   bool relative_step = false;
+  /// Accept a negative η (in `lr` or a step's `step_args::lr`), e.g. for gradient ascent in a
+  /// chain of your own. Default true; the presets (sgd, adamw, lamb, lars, adafactor_chain,
+  /// sm3_chain) set false, so a schedule that goes negative raises gradapt::error as the
+  /// standalone optimizers and torch.optim do.
+  bool allow_negative = true;
 
   static constexpr std::size_t buffers = 0;            ///< no state
   static constexpr std::size_t tensor_slots = 1;       ///< the group's lr_scale
@@ -314,10 +319,12 @@ struct scale_by_learning_rate {
   static constexpr bool uses_param = false;            ///< never reads p
 
   /// Checks the options (the chain calls it when it is built and at `init`).
-  /// @throws gradapt::error when lr is not finite
+  /// @throws gradapt::error when lr is not finite, or negative without allow_negative
   void validate() const {
     gradapt::detail::require(std::isfinite(lr), "scale_by_learning_rate: lr is ", lr,
                              " (expected a finite value)");
+    gradapt::detail::require(allow_negative || lr >= 0, "scale_by_learning_rate: lr is ", lr,
+                             " (expected >= 0 for this optimizer)");
   }
   /// out[0] = the tensor's group `lr_scale` (1 for a tensor outside any group).
   void tensor_constants(const tensor_setup& ts, double* out) const { out[0] = ts.lr_scale; }
@@ -338,12 +345,17 @@ struct scale_by_learning_rate {
     }
   };
   /// The kernel for this step: η = `s.lr` when set, else `lr`; negated when flip_sign.
-  /// @throws gradapt::error when the step's η is not finite (a schedule gone wrong)
+  /// @throws gradapt::error when the step's η is not finite (a schedule gone wrong), or
+  ///         negative without allow_negative
   template <class C>
   kernel<C> prepare(const step_context& s) const {
     double eta = s.lr.value_or(lr);
     gradapt::detail::require(std::isfinite(eta), "scale_by_learning_rate: the step's learning rate is ", eta,
                              " (expected a finite value; check the schedule)");
+    gradapt::detail::require(allow_negative || eta >= 0,
+                             "scale_by_learning_rate: the step's learning rate is ", eta,
+                             " (expected >= 0 for this optimizer; check the schedule, or build a chain with "
+                             "scale_by_learning_rate{.allow_negative = true} to ascend)");
     if (relative_step) eta = std::min(eta, 1.0 / std::sqrt(static_cast<double>(s.step)));
     return {flip_sign ? -eta : eta};
   }
