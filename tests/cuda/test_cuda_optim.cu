@@ -264,3 +264,106 @@ TEST_CASE("cuda allocate and copy", "[cuda][memory]") {
   REQUIRE(moved.size() == 1000);
   REQUIRE(b.allocate<double>(0).data() == nullptr);
 }
+
+TEST_CASE("cuda allocate on a non-blocking stream: the memory reads as zero from that stream at once",
+          "[cuda][memory]") {
+  // The zero-fill runs on the backend's stream before allocate returns; a fill on the legacy
+  // default stream would not be ordered before work on a non-blocking stream.
+  cudaStream_t stream = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
+  const gradapt::cuda b{.stream = stream};
+  for (int round = 0; round < 4; ++round) {
+    auto buf = b.allocate<double>(std::size_t{1} << 25);  // 256 MiB
+    const auto v = tensor_view<const double, device_space>::vector(buf.data(), std::int64_t{1} << 25);
+    REQUIRE(b.reduce(gradapt::reduction::sum_squares, v) == 0.0);
+    REQUIRE(b.reduce(gradapt::reduction::count_nonfinite, v) == 0.0);
+  }
+  cudaStreamDestroy(stream);
+}
+
+namespace {
+/// x · (x · 1.1) in double: not exact, so a sum that fused the add with this multiply would
+/// differ from the chunked tree of separately rounded adds.
+struct inexact_square {
+  GRADAPT_HD double operator()(double& x) const { return x * (x * 1.1); }
+};
+}  // namespace
+
+TEST_CASE("cuda apply_reduce_list with inexact double terms: the chunked-tree order, bit for bit",
+          "[cuda][apply_reduce]") {
+  const auto sizes = list_sizes(37, 29);
+  std::vector<std::vector<double>> hx;
+  std::vector<dvec<double>> dx;
+  std::vector<tensor_view<double, device_space>> xs;
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    hx.push_back(random_values<double>(sizes[t], 700 + t, -3, 3));
+    dx.push_back(to_device(hx.back()));
+  }
+  for (auto& d : dx) xs.push_back(view(d));
+  dvec<double> per(sizes.size());
+  const gradapt::cuda b{};
+  b.apply_reduce_list(inexact_square{}, view(per), xs);
+  const auto got = to_host(per);
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    const double want = gradapt::chunking::chunked_tree_reduce(
+        sizes[t], 0.0,
+        [&](double a, std::size_t i) {
+          volatile double term = hx[t][i] * (hx[t][i] * 1.1);  // rounded before the add
+          return a + term;
+        },
+        [](double a, double c) { return a + c; });
+    INFO("tensor " << t << " of size " << sizes[t]);
+    REQUIRE(bits(got[t]) == bits(want));
+  }
+}
+
+TEST_CASE(
+    "cuda workspace: it cannot grow during graph capture (an error naming reserve); reserve_for "
+    "sizes a K-term apply_reduce_list so that it captures",
+    "[cuda][workspace]") {
+  const auto sizes = list_sizes(97, 31);
+  std::vector<std::vector<float>> hy, hx;
+  std::vector<dvec<float>> dy, dx;
+  std::vector<tensor_view<float, device_space>> ys;
+  std::vector<tensor_view<const float, device_space>> xs;
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    hy.push_back(eighths<float>(sizes[t], 2 * t));
+    hx.push_back(eighths<float>(sizes[t], 2 * t + 1));
+    dy.push_back(to_device(hy.back()));
+    dx.push_back(to_device(hx.back()));
+  }
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    ys.push_back(view(dy[t]));
+    xs.push_back(cview(dx[t]));
+  }
+  dvec<double> per(2 * sizes.size());
+  cudaStream_t stream = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
+  {
+    const gradapt::cuda fresh{.stream = stream};  // its own, empty workspace
+    REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) == cudaSuccess);
+    const std::string e = error_of([&] { fresh.apply_reduce_list(add_and_measure{}, view(per), ys, xs); });
+    cudaGraph_t graph = nullptr;
+    (void)cudaStreamEndCapture(stream, &graph);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    (void)cudaGetLastError();
+    INFO(e);
+    REQUIRE(e.find("being captured into a CUDA graph") != std::string::npos);
+    REQUIRE(e.find("reserve") != std::string::npos);
+  }
+  const gradapt::cuda b{.stream = stream};
+  std::size_t chunks = 0;
+  for (const std::size_t n : sizes)
+    chunks += gradapt::chunking::chunk_count(n, gradapt::chunking::chunk_elements);
+  REQUIRE(gradapt::cuda::workspace_bytes(xs, 2) ==
+          std::max(2 * chunks, chunks + sizes.size()) * sizeof(double));
+  b.reserve_for(xs, 2);
+  capture_and_launch(stream, [&] { b.apply_reduce_list(add_and_measure{}, view(per), ys, xs); });
+  const auto got = to_host(per);
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    REQUIRE(got[2 * t + 1] == double(sizes[t]));
+    const auto y = to_host(dy[t]);
+    for (std::size_t i = 0; i < sizes[t]; ++i) REQUIRE(bits(y[i]) == bits(hy[t][i] + hx[t][i]));
+  }
+  cudaStreamDestroy(stream);
+}

@@ -399,7 +399,8 @@ class nccl {
       detail_nccl::device_guard guard(state_->device);
       const std::size_t bytes = sizeof(std::int64_t) * (static_cast<std::size_t>(size_) + 8);
       cuda_check(cudaMalloc(&state_->scratch, bytes), "setup", "cudaMalloc (scratch)");
-      cuda_check(cudaMemset(state_->scratch, 0, bytes), "setup", "cudaMemset (scratch)");
+      // On the communicator's stream, so it is ordered before the copies that use it.
+      cuda_check(cudaMemsetAsync(state_->scratch, 0, bytes, stream_), "setup", "cudaMemsetAsync (scratch)");
     }
     return state_->scratch;
   }

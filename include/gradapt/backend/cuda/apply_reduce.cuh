@@ -77,7 +77,8 @@ __global__ void __launch_bounds__(reduce_threads)
           return g(slot<I>(v)...);
       }();
 #pragma unroll
-      for (std::size_t k = 0; k < K; ++k) acc[k] += term_of(r, k);
+      for (std::size_t k = 0; k < K; ++k)  // a separate rounded add: never fused with f's last multiply
+        acc[k] = __dadd_rn(acc[k], term_of(r, k));
       (store_if_mutable(static_cast<Ts*>(b.ptr[I][loc.tensor]) + i, slot<I>(v)), ...);
     }
   }

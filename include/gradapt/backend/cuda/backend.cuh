@@ -6,6 +6,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -280,7 +281,7 @@ struct cuda {
     if (count == 0) return;
     const auto* l0 = [](const auto& first, const auto&...) { return std::ranges::data(first); }(lists...);
     const std::size_t nchunks = detail::cuda_impl::total_chunks(count, l0);
-    auto* partials = static_cast<double*>(ws().device(K * nchunks * sizeof(double)));
+    auto* partials = static_cast<double*>(ws().device(K * nchunks * sizeof(double), stream));
     detail::cuda_impl::apply_reduce_lists<K>(f, stream, partials, per_tensor.data(), count,
                                              std::ranges::data(lists)...);
   }
@@ -366,10 +367,11 @@ struct cuda {
   }
 
   /// Owning, zero-initialised device memory for `n` elements of T (an algorithm's state
-  /// between steps). Allocates (cudaMalloc): call it at set-up, never in a step.
+  /// between steps), zeroed on `stream` before it returns. Allocates (cudaMalloc) and waits for
+  /// the stream: call it at set-up, never in a step or during graph capture.
   template <element T>
   cuda_buffer<T> allocate(std::size_t n) const {
-    return cuda_buffer<T>(n);
+    return cuda_buffer<T>(n, stream);
   }
 
   /// Copies device memory to host memory (equal sizes) and waits for it.
@@ -400,25 +402,30 @@ struct cuda {
   /// Grows the workspace to at least `device_bytes` of device memory and `pinned_bytes` of
   /// pinned host memory now, so later calls allocate nothing. Call it before the step loop.
   void reserve(std::size_t device_bytes, std::size_t pinned_bytes = 0) const {
-    ws().device(device_bytes);
+    ws().device(device_bytes, stream);
     ws().pinned(pinned_bytes);
   }
 
   /// Reserves what any reduction or dot over a list shaped like `xs` (same tensor count and
-  /// sizes) needs: `workspace_bytes(xs)` device bytes and `8 * xs.size()` pinned bytes.
+  /// sizes), and any `apply_reduce_list` over it whose functor returns up to `terms` values,
+  /// needs: `workspace_bytes(xs, terms)` device bytes and `8 * xs.size()` pinned bytes. Call
+  /// it (or run the work once) before capturing that work into a CUDA graph: the workspace
+  /// cannot grow during capture.
   template <class L>
   requires view_list<L, device_space>
-  void reserve_for(const L& xs) const {
-    reserve(workspace_bytes(xs), std::ranges::size(xs) * sizeof(double));
+  void reserve_for(const L& xs, std::size_t terms = 1) const {
+    reserve(workspace_bytes(xs, terms), std::ranges::size(xs) * sizeof(double));
   }
 
-  /// Device workspace bytes a reduction or dot over `xs` needs: 8 bytes per chunk of
-  /// `chunking::chunk_elements` elements plus 8 bytes per tensor.
+  /// Device workspace bytes a reduction or dot over `xs` needs (8 bytes per chunk of
+  /// `chunking::chunk_elements` elements plus 8 bytes per tensor), or an `apply_reduce_list`
+  /// whose functor returns `terms` values (8 bytes per chunk and value), whichever is more.
   template <class L>
   requires view_list<L, device_space>
-  static std::size_t workspace_bytes(const L& xs) {
+  static std::size_t workspace_bytes(const L& xs, std::size_t terms = 1) {
     const std::size_t count = std::ranges::size(xs);
-    return (detail::cuda_impl::total_chunks(count, std::ranges::data(xs)) + count) * sizeof(double);
+    const std::size_t chunks = detail::cuda_impl::total_chunks(count, std::ranges::data(xs));
+    return std::max(chunks + count, terms * chunks) * sizeof(double);
   }
 
  private:
@@ -454,7 +461,7 @@ struct cuda {
       return nullptr;
     } else {
       const std::size_t lines = fd.A * fd.X * fd.B;
-      auto* scratch = static_cast<double*>(ws().device((lines + 1) * sizeof(double)));
+      auto* scratch = static_cast<double*>(ws().device((lines + 1) * sizeof(double), stream));
       double* dst = out != nullptr ? out : scratch + lines;
       detail::cuda_impl::factored_apply_sum_kernel<<<factored_grid(lines, 1), factored_threads, 0, stream>>>(
           f, fd, v, scratch, views.data()...);
@@ -541,7 +548,7 @@ struct cuda {
   double host_result(std::size_t count, std::span<double> per_tensor, const tensor_view<T0, device_space>* l0,
                      const tensor_view<Ts, device_space>*... ls) const {
     const std::size_t nchunks = detail::cuda_impl::total_chunks(count, l0);
-    auto* scratch = static_cast<double*>(ws().device((nchunks + count) * sizeof(double)));
+    auto* scratch = static_cast<double*>(ws().device((nchunks + count) * sizeof(double), stream));
     auto* host = static_cast<double*>(ws().pinned(count * sizeof(double)));
     if (count > 0) {
       double* dev_per_tensor = scratch + nchunks;
@@ -561,7 +568,7 @@ struct cuda {
                      const tensor_view<Ts, device_space>*... ls) const {
     const std::size_t nchunks = detail::cuda_impl::total_chunks(count, l0);
     const std::size_t own_slots = per_tensor.empty() ? count : 0;
-    auto* scratch = static_cast<double*>(ws().device((nchunks + own_slots) * sizeof(double)));
+    auto* scratch = static_cast<double*>(ws().device((nchunks + own_slots) * sizeof(double), stream));
     double* dev_per_tensor = per_tensor.empty() ? scratch + nchunks : per_tensor.data();
     double* dev_total = total.empty() ? nullptr : total.data();
     detail::cuda_impl::reduce_lists<Op, Cap>(stream, scratch, dev_per_tensor, dev_total, count, l0, ls...);

@@ -20,13 +20,16 @@ template <class T>
 class cuda_buffer {
  public:
   cuda_buffer() = default;
-  /// Allocates n elements with cudaMalloc and zeroes them (synchronously: set-up only).
-  explicit cuda_buffer(std::size_t n) : n_(n) {
+  /// Allocates n elements with cudaMalloc and zeroes them on `stream`, then waits for that
+  /// stream (set-up only: a plain cudaMemset would run on the legacy default stream and may
+  /// still be running when work on a non-blocking stream reads the memory).
+  explicit cuda_buffer(std::size_t n, cudaStream_t stream = nullptr) : n_(n) {
     if (n == 0) return;
     detail::require(n <= static_cast<std::size_t>(-1) / sizeof(T), "cuda_buffer: ", n,
                     " elements overflow size_t");
     GRADAPT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&p_), n * sizeof(T)));
-    const cudaError_t e = cudaMemset(p_, 0, n * sizeof(T));
+    cudaError_t e = cudaMemsetAsync(p_, 0, n * sizeof(T), stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
     if (e != cudaSuccess) {
       cudaFree(p_);
       p_ = nullptr;

@@ -40,7 +40,7 @@ __device__ __forceinline__ double ffold(double a, double t) {
   if constexpr (Max)
     return (a != a || t != t) ? __longlong_as_double(0x7ff8000000000000ll) : (a < t ? t : a);
   else
-    return a + t;
+    return __dadd_rn(a, t);  // a separate rounded add: never fused with the functor's last multiply
 }
 
 /// Fixed tree over the block's 256 lanes in shared memory; returns the result in lane 0.
@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(factored_threads)
       compute_t<RY> r;
       compute_t<RX> c;
       fentries(d, v, l * L + k, r, c);
-      acc += fcall(f, r, c, l * L + k, p...);
+      acc = __dadd_rn(acc, fcall(f, r, c, l * L + k, p...));  // never fused with f's last multiply
     }
     const double s = ftree<false>(acc, sh);
     if (threadIdx.x == 0) line_sums[l] = s;
@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(factored_threads)
     factored_sum_kernel(const double* in, std::size_t n, double* out) {
   __shared__ double sh[factored_threads];
   double acc = 0.0;
-  for (std::size_t i = threadIdx.x; i < n; i += factored_threads) acc += in[i];
+  for (std::size_t i = threadIdx.x; i < n; i += factored_threads) acc = __dadd_rn(acc, in[i]);
   const double s = ftree<false>(acc, sh);
   if (threadIdx.x == 0) *out = s;
 }

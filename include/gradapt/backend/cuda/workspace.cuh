@@ -23,7 +23,10 @@ namespace gradapt::detail {
 /// Not thread-safe, and one buffer serves one stream at a time: backends that run
 /// concurrently on different streams need their own workspaces. The device buffer belongs to
 /// the device that was current when it was first allocated; using it from another device is
-/// an error.
+/// an error. A CUDA graph captured from work on a backend holds this buffer's address: keep
+/// that backend object (or a copy, which shares the workspace) alive while the graph is
+/// replayed, and do not let the workspace grow (a larger operation on the same backend)
+/// after capture, since growing frees the old buffer.
 class cuda_workspace {
  public:
   cuda_workspace() = default;
@@ -32,14 +35,24 @@ class cuda_workspace {
   ~cuda_workspace() { release(); }
 
   /// Device memory of at least `bytes` bytes (256-byte aligned), valid until the next call
-  /// that grows it. `bytes == 0` returns the current buffer (possibly null).
-  void* device(std::size_t bytes) {
+  /// that grows it. `bytes == 0` returns the current buffer (possibly null). `stream` is the
+  /// stream the caller enqueues on: while it is being captured into a CUDA graph the buffer
+  /// cannot grow (allocation and device synchronisation are not allowed then), so a request
+  /// beyond the capacity throws gradapt::error naming `reserve`.
+  void* device(std::size_t bytes, cudaStream_t stream = nullptr) {
     int current = 0;
     GRADAPT_CUDA_CHECK(cudaGetDevice(&current));
     if (device_buffer_ != nullptr && current != device_id_)
       fail("cuda backend: the workspace was allocated on device ", device_id_, " but the current device is ",
            current, " (use one gradapt::cuda object, with its own workspace, per device)");
     if (bytes <= device_bytes_) return device_buffer_;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    GRADAPT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    if (capture != cudaStreamCaptureStatusNone)
+      fail("cuda backend: an operation needs ", bytes, " bytes of workspace but ", device_bytes_,
+           " are held, and its stream is being captured into a CUDA graph, where the workspace cannot grow; "
+           "reserve it before capture (gradapt::cuda::reserve or reserve_for, or run the captured work once "
+           "uncaptured)");
     const std::size_t want = grow_to(device_bytes_, bytes);
     if (device_buffer_ != nullptr) {
       GRADAPT_CUDA_CHECK(cudaDeviceSynchronize());
