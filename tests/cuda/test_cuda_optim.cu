@@ -112,25 +112,37 @@ double device_vs_host(const Opt& opt, int steps) {
   return worst / scale;
 }
 
+/// Two lists y and x of k/8 values (exactly summable) with these sizes, on the host and on the
+/// device, with device views.
+struct eighth_lists {
+  std::vector<std::vector<float>> hy, hx;
+  std::vector<dvec<float>> dy, dx;
+  std::vector<tensor_view<float, device_space>> ys;
+  std::vector<tensor_view<const float, device_space>> xs;
+  explicit eighth_lists(const std::vector<std::size_t>& sizes) {
+    for (std::size_t t = 0; t < sizes.size(); ++t) {
+      hy.push_back(eighths<float>(sizes[t], 2 * t));
+      hx.push_back(eighths<float>(sizes[t], 2 * t + 1));
+      dy.push_back(to_device(hy.back()));
+      dx.push_back(to_device(hx.back()));
+    }
+    for (std::size_t t = 0; t < sizes.size(); ++t) {
+      ys.push_back(view(dy[t]));
+      xs.push_back(cview(dx[t]));
+    }
+  }
+};
+
 }  // namespace
 
 TEST_CASE("cuda apply_reduce_list: per-tensor sums in the chunked-tree order, updates as on the host",
           "[cuda][apply_reduce]") {
   const auto sizes = list_sizes(403, 17);
-  std::vector<std::vector<float>> hy, hx;
-  std::vector<dvec<float>> dy, dx;
-  std::vector<tensor_view<float, device_space>> ys;
-  std::vector<tensor_view<const float, device_space>> xs;
-  for (std::size_t t = 0; t < sizes.size(); ++t) {
-    hy.push_back(eighths<float>(sizes[t], 2 * t));
-    hx.push_back(eighths<float>(sizes[t], 2 * t + 1));
-    dy.push_back(to_device(hy.back()));
-    dx.push_back(to_device(hx.back()));
-  }
-  for (std::size_t t = 0; t < sizes.size(); ++t) {
-    ys.push_back(view(dy[t]));
-    xs.push_back(cview(dx[t]));
-  }
+  eighth_lists l(sizes);
+  auto &hy = l.hy, &hx = l.hx;
+  auto& dy = l.dy;
+  auto& ys = l.ys;
+  auto& xs = l.xs;
   dvec<double> per(2 * sizes.size());
   const gradapt::cuda b{};
   b.apply_reduce_list(add_and_measure{}, view(per), ys, xs);
@@ -167,8 +179,10 @@ namespace {
 /// Steps `opt` on list a directly and on twin list b through a CUDA graph captured from the
 /// backend's stream (after one warm-up step each). The capture fails if the step synchronises
 /// with the host, copies to the host or allocates; the graph must give the direct step's bits.
+/// With `warm_up = false` the captured step is the very first on its backend after init
+/// (which sizes the workspace), and it runs before the direct step.
 template <class Opt>
-void step_captures(const Opt& opt) {
+void step_captures(const Opt& opt, bool warm_up = true) {
   const auto sizes = list_sizes(61, 9);
   std::vector<std::vector<float>> p0, g;
   for (std::size_t t = 0; t < sizes.size(); ++t) {
@@ -183,11 +197,13 @@ void step_captures(const Opt& opt) {
   const gradapt::cuda cb{.stream = stream};
   auto sa = opt.init(cb, a.list);
   auto sb = opt.init(cb, b.list);
-  opt.step(cb, a.list, sa, {.lr = 0.01});
-  opt.step(cb, b.list, sb, {.lr = 0.01});
-  cb.synchronize();
-  opt.step(cb, a.list, sa, {.lr = 0.02});
+  if (warm_up) {
+    opt.step(cb, a.list, sa, {.lr = 0.01});
+    opt.step(cb, b.list, sb, {.lr = 0.01});
+    cb.synchronize();
+  }
   capture_and_launch(stream, [&] { opt.step(cb, b.list, sb, {.lr = 0.02}); });
+  opt.step(cb, a.list, sa, {.lr = 0.02});
   for (std::size_t t = 0; t < sizes.size(); ++t) {
     const auto x = to_host(a.p[t]), y = to_host(b.p[t]);
     for (std::size_t i = 0; i < x.size(); ++i) REQUIRE(bits(x[i]) == bits(y[i]));
@@ -322,20 +338,11 @@ TEST_CASE(
     "sizes a K-term apply_reduce_list so that it captures",
     "[cuda][workspace]") {
   const auto sizes = list_sizes(97, 31);
-  std::vector<std::vector<float>> hy, hx;
-  std::vector<dvec<float>> dy, dx;
-  std::vector<tensor_view<float, device_space>> ys;
-  std::vector<tensor_view<const float, device_space>> xs;
-  for (std::size_t t = 0; t < sizes.size(); ++t) {
-    hy.push_back(eighths<float>(sizes[t], 2 * t));
-    hx.push_back(eighths<float>(sizes[t], 2 * t + 1));
-    dy.push_back(to_device(hy.back()));
-    dx.push_back(to_device(hx.back()));
-  }
-  for (std::size_t t = 0; t < sizes.size(); ++t) {
-    ys.push_back(view(dy[t]));
-    xs.push_back(cview(dx[t]));
-  }
+  eighth_lists l(sizes);
+  auto &hy = l.hy, &hx = l.hx;
+  auto& dy = l.dy;
+  auto& ys = l.ys;
+  auto& xs = l.xs;
   dvec<double> per(2 * sizes.size());
   cudaStream_t stream = nullptr;
   REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
@@ -366,4 +373,12 @@ TEST_CASE(
     for (std::size_t i = 0; i < sizes[t]; ++i) REQUIRE(bits(y[i]) == bits(hy[t][i] + hx[t][i]));
   }
   cudaStreamDestroy(stream);
+}
+
+TEST_CASE("cuda optimizer init sizes the workspace: the first step captures into a CUDA graph",
+          "[cuda][optim]") {
+  step_captures(gradapt::adamw({.weight_decay = 0.01}), false);
+  step_captures(gradapt::lamb({.weight_decay = 0.01, .max_grad_norm = 1.0}), false);
+  step_captures(gradapt::lars({.weight_decay = 0.01}), false);
+  step_captures(gradapt::sgd({.lr = 0.1, .momentum = 0.9, .nesterov = true}), false);
 }

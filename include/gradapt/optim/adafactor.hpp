@@ -760,6 +760,17 @@ class adafactor {
     st.fx_ = b.template allocate<St>(mx * slots);
     st.red_ = b.template allocate<double>(3 * slots);
     st.sl_ = b.template allocate<double>(my * slots);
+    {  // a grow-only device workspace is sized now (the first step may be captured into a graph)
+      std::vector<tensor_view<const V, typename B::space>> values(params.size());
+      std::size_t lines = 0;
+      for (std::size_t t = 0; t < params.size(); ++t) {
+        values[t] = params[t].value;
+        const auto& i = st.info_[t];
+        if (i.f.factored)
+          lines = std::max(lines, static_cast<std::size_t>(i.f.d[0] * i.f.d[1] * i.f.d[2]) + 1);
+      }
+      detail::optim::reserve_workspace(b, values, 1, lines);
+    }
     return st;
   }
 

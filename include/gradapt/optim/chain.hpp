@@ -925,6 +925,15 @@ class chain {
       for (std::size_t k = 0; k < st.slots_ * nb; ++k)
         st.wfac_views_.push_back(tensor_view<double, space>::vector(st.wfac_.data() + k, 1));
     }
+    {  // a grow-only device workspace is sized now (the first step may be captured into a graph)
+      std::vector<tensor_view<const V, space>> values(count);
+      std::size_t lines = 0;
+      for (std::size_t t = 0; t < count; ++t) values[t] = params[t].value;
+      if constexpr (plan::has_factored)
+        for (const auto& f : st.ft_)
+          if (f.factored) lines = std::max(lines, static_cast<std::size_t>(f.d[0] * f.d[1] * f.d[2]) + 1);
+      detail::optim::reserve_workspace(b, values, plan::max_terms, lines);
+    }
     refresh_constants(b, params, st, true);
     return st;
   }

@@ -157,5 +157,22 @@ inline std::vector<std::size_t> largest_first(std::span<const std::size_t> sizes
   return order;
 }
 
+/// Sizes a grow-only backend workspace (gradapt::cuda's) at init for the steps that follow, so
+/// that even the first step can be captured into a CUDA graph: a fused pass over the whole
+/// list `values` (the parameters' views) with up to `terms` values per element, and
+/// `line_sums` doubles (a factored sum's per-line partials plus its result). Backends without
+/// `reserve_for` (the host) need nothing.
+template <class B, class View>
+void reserve_workspace(const B& b, const std::vector<View>& values, std::size_t terms,
+                       std::size_t line_sums) {
+  if constexpr (requires {
+                  b.reserve_for(values, terms);
+                  b.reserve(line_sums);
+                }) {
+    b.reserve_for(values, terms < 1 ? 1 : terms);
+    if (line_sums > 0) b.reserve(line_sums * sizeof(double));
+  }
+}
+
 }  // namespace detail::optim
 }  // namespace gradapt
