@@ -1041,8 +1041,8 @@ struct host {
   /// fixed tree, with C > 1 adds j in ascending order. over_x: when both outputs are wanted,
   /// C == 1 and Y <= `group_line_max` (4096), the lines of a slice form groups of
   /// G = max(16, 65536 / Y) consecutive i; a group's terms are added in ascending i and the
-  /// group results in group order (each line is read once, by one thread: about 1.8x faster on
-  /// two threads for a [50257, 768] tensor, `bench_factored`'s reduce_factored rows); otherwise
+  /// group results in group order (each line is read once, by one thread; `bench_factored`'s
+  /// stats_pass row times it against a plain read of the same bytes); otherwise
   /// i is added in ascending order, and on several threads lines are processed in blocks of
   /// about 256 KiB so that the column reduction re-reads them from cache. A sum through a
   /// functor with `vectorizable = true` over float data (C == 1) is computed on `simd::pack`s

@@ -628,7 +628,8 @@ class chain_state {
   /// Bytes of the step's workspace in the backend's memory (per-tensor constants, barrier
   /// factors and sums; for a factored chain the per-slot factors and sums, one slot per
   /// thread of the host's task mode), allocated at init and reused by every step. Not part
-  /// of a checkpoint.
+  /// of a checkpoint. The backend object's own scratch (gradapt::cuda's grow-only workspace,
+  /// which init sizes too) is not counted.
   std::size_t workspace_bytes() const {
     return (tconst_.size() + factors_.size() + sums_.size() + wdbl_.size() + wsum_.size() + wfac_.size()) *
                sizeof(double) +
