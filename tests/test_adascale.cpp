@@ -143,10 +143,10 @@ TEST_CASE("adascale: save/restore is exact", "[adascale]") {
   adascale full({.scale = 4.0}), first({.scale = 4.0}), resumed({.scale = 1.0});
   for (int k = 0; k < 60; ++k) feed(full, k);
   for (int k = 0; k < 20; ++k) feed(first, k);
-  const adascale_state checkpoint = first.save();
-  resumed.load(checkpoint);
+  const adascale_state checkpoint = first.state();
+  resumed.restore(checkpoint);
   for (int k = 20; k < 60; ++k) feed(resumed, k);
-  REQUIRE(same_state(full.save(), resumed.save()));
+  REQUIRE(same_state(full.state(), resumed.state()));
   REQUIRE(full.skipped() > 0);
 }
 
@@ -162,5 +162,5 @@ TEST_CASE("adascale: invalid input throws actionable errors", "[adascale]") {
   REQUIRE(ada.steps() == 0);  // the failed step did not advance
   adascale_state bad;
   bad.last_gain = 0.5;
-  REQUIRE_THROWS_WITH(ada.load(bad), Contains("inconsistent state"));
+  REQUIRE_THROWS_WITH(ada.restore(bad), Contains("inconsistent state"));
 }

@@ -206,9 +206,9 @@ TEST_CASE("gns: data-parallel form equals the serial two-batch form", "[gns][thr
         const bool accepted = gns.update(comm, local_sq, global_sq, batch);
         RANK_REQUIRE(accepted);
       }
-      states[static_cast<std::size_t>(comm.rank())] = gns.save();
+      states[static_cast<std::size_t>(comm.rank())] = gns.state();
     });
-    for (const auto& s : states) REQUIRE(same_state(s, serial.save()));
+    for (const auto& s : states) REQUIRE(same_state(s, serial.state()));
   }
   // One rank has no second batch size: an actionable error.
   REQUIRE_THROWS_WITH(gradapt::comm::run_threads(1,
@@ -239,14 +239,14 @@ TEST_CASE("gns: non-finite norms are skipped and counted and never averaged", "[
   const double nan = std::numeric_limits<double>::quiet_NaN();
   gradient_noise_scale gns({.smoothing = 0.9});
   REQUIRE(gns.update(2.0, 4, 1.0, 16));
-  const auto before = gns.save();
+  const auto before = gns.state();
   REQUIRE_FALSE(gns.update(inf, 4, 1.0, 16));
   REQUIRE_FALSE(gns.update(2.0, 4, nan, 16));
   REQUIRE_FALSE(gns.update_reduced(nan, 1.0, 4, {.micro_batch = 4}));
   REQUIRE_FALSE(gns.update_single_replica(1.0, 1.0, nan, 4));
   REQUIRE_FALSE(gns.update(1e308, 4, 0.0, 16));  // finite norms, overflowing estimate
   REQUIRE(gns.skipped() == 5);
-  auto after = gns.save();
+  auto after = gns.state();
   after.skipped = before.skipped;
   REQUIRE(same_state(after, before));
   // NaN on one rank: the allreduce spreads it, every rank skips the same sample.
@@ -271,11 +271,11 @@ TEST_CASE("gns: loss scale divides squared norms by scale^2", "[gns]") {
     plain.update(a, 8, b, 32);
     scaled.update(a * s * s, 8, b * s * s, 32, s);
   }
-  REQUIRE(same_state(plain.save(), scaled.save()));
+  REQUIRE(same_state(plain.state(), scaled.state()));
   gradient_noise_scale p2, s2;
   p2.update_reduced(1.5, 0.75, 4, {.micro_batch = 8});
   s2.update_reduced(1.5 * s * s, 0.75 * s * s, 4, {.micro_batch = 8, .loss_scale = s});
-  REQUIRE(same_state(p2.save(), s2.save()));
+  REQUIRE(same_state(p2.state(), s2.state()));
 }
 
 TEST_CASE("gns: single-replica form", "[gns]") {
@@ -320,17 +320,17 @@ TEST_CASE("gns: single-replica form", "[gns]") {
     REQUIRE(ref.update_single_replica(sq_t, sq_p, dot, 4));
     REQUIRE(same_state(
         [&] {
-          auto st = gns.save();
+          auto st = gns.state();
           st.has_previous = false;
           return st;
         }(),
-        ref.save()));
+        ref.state()));
     REQUIRE(p1 == std::vector<float>{-3 / 64.f, 5 / 64.f});
     // A non-finite gradient is skipped and leaves the previous buffer stale, not poisoned.
     g1[0] = std::numeric_limits<float>::infinity();
     REQUIRE_FALSE(gns.update_single_replica(backend, grads, prev, batch));
     REQUIRE(gns.skipped() == 1);
-    REQUIRE_FALSE(gns.save().has_previous);
+    REQUIRE_FALSE(gns.state().has_previous);
     REQUIRE(std::isfinite(p1[0]));
   }
 }
@@ -371,7 +371,7 @@ TEST_CASE("gns: per-group and global estimates from a param_list with 16-bit gra
     }
     const bool accepted = gns.update(comm, backend, params, batch);
     RANK_REQUIRE(accepted);
-    got[static_cast<std::size_t>(comm.rank())] = gns.save();
+    for (std::size_t k = 0; k < gns.slots(); ++k) got[static_cast<std::size_t>(comm.rank())].push_back(gns.slot(k).state());
   });
   // Serial reference: squared norms of the stored bfloat16 values in long double.
   long double local[2][3] = {}, global[3] = {};
@@ -393,8 +393,8 @@ TEST_CASE("gns: per-group and global estimates from a param_list with 16-bit gra
     for (int r = 0; r < 2; ++r) {
       const auto& s = got[static_cast<std::size_t>(r)][slot];
       REQUIRE(s.samples == 1);
-      REQUIRE(s.ema_grad_sq == Approx(ref.save().ema_grad_sq).epsilon(1e-12));
-      REQUIRE(s.ema_trace == Approx(ref.save().ema_trace).epsilon(1e-12));
+      REQUIRE(s.ema_grad_sq == Approx(ref.state().ema_grad_sq).epsilon(1e-12));
+      REQUIRE(s.ema_trace == Approx(ref.state().ema_trace).epsilon(1e-12));
     }
   }
 }
@@ -414,11 +414,11 @@ TEST_CASE("gns: save/restore is exact", "[gns]") {
   for (int k = 0; k < 100; ++k) feed(full, k);
   gradient_noise_scale first({.smoothing = 0.97});
   for (int k = 0; k < 40; ++k) feed(first, k);
-  const gradient_noise_scale_state checkpoint = first.save();
+  const gradient_noise_scale_state checkpoint = first.state();
   gradient_noise_scale resumed({.smoothing = 0.97});
-  resumed.load(checkpoint);
+  resumed.restore(checkpoint);
   for (int k = 40; k < 100; ++k) feed(resumed, k);
-  REQUIRE(same_state(full.save(), resumed.save()));
+  REQUIRE(same_state(full.state(), resumed.state()));
   REQUIRE(full.b_simple().has_value());
   REQUIRE(resumed.b_simple().has_value());
   REQUIRE(same_bits(*full.b_simple(), *resumed.b_simple()));
@@ -445,6 +445,6 @@ TEST_CASE("gns: invalid input throws actionable errors", "[gns]") {
   REQUIRE_THROWS_WITH(gns.update_single_replica(1, 1, 0, 0), Contains("batch_size is 0"));
   gradient_noise_scale_state bad;
   bad.beta_power = 0.5;  // no samples but a decayed β^t
-  REQUIRE_THROWS_WITH(gns.load(bad), Contains("inconsistent state"));
+  REQUIRE_THROWS_WITH(gns.restore(bad), Contains("inconsistent state"));
   REQUIRE(gns.samples() == 0);  // nothing was half-applied
 }

@@ -500,13 +500,13 @@ TEST_CASE("adaptive_period: EMA, reference, skipped samples on a hand-computed s
   REQUIRE(s.period() == 5);
   REQUIRE(c == 23);
   // Invalid observations throw and change nothing.
-  const auto before = s.save();
+  const auto before = s.state();
   REQUIRE_THROWS_WITH(s.advance(c, 0, {.loss = -1.0, .lr = 0.1}), Contains("loss is -1"));
   REQUIRE_THROWS_WITH(s.advance(c, 0, {.loss = 1.0, .lr = 0.0}), Contains("learning rate is 0"));
   REQUIRE_THROWS_WITH(s.advance(c, 0, {.loss = 1.0, .lr = std::numeric_limits<double>::infinity()}),
                       Contains("learning rate is inf"));
-  REQUIRE(s.save().samples == before.samples);
-  REQUIRE(s.save().next_due == before.next_due);
+  REQUIRE(s.state().samples == before.samples);
+  REQUIRE(s.state().next_due == before.next_due);
 }
 
 namespace {
@@ -684,7 +684,7 @@ void restore_continues_identically(int n, S schedule, std::uint64_t start, std::
     // Interrupted run: save at `split`, restore into a fresh object and fresh buffers.
     sim b;
     std::vector<bool> rounds_b;
-    typename local_sgd<threads_comm, S>::checkpoint_type ck;
+    std::vector<std::byte> ck;  // one state archive
     sim saved;
     {
       local_sgd lb(comm, {.start_step = start}, schedule);
@@ -700,7 +700,8 @@ void restore_continues_identically(int n, S schedule, std::uint64_t start, std::
     RANK_REQUIRE(rounds_a == rounds_b);
     RANK_REQUIRE(same_bits(a.x, c.x));
     RANK_REQUIRE(same_bits(a.m, c.m));
-    const auto sa = la.save(), sc = lc.save();
+    const auto sa = la.state(), sc = lc.state();
+    RANK_REQUIRE(la.save() == lc.save());  // the archives agree byte for byte
     RANK_REQUIRE(sa.driver.steps == sc.driver.steps);
     RANK_REQUIRE(sa.driver.rounds == sc.driver.rounds);
     RANK_REQUIRE(sa.driver.level_rounds == sc.driver.level_rounds);
@@ -757,35 +758,35 @@ TEST_CASE("local_sgd: load rejects inconsistent checkpoints", "[local_sgd][check
   std::vector<float> x(2);
   const std::vector<tensor_view<float>> xs = {gradapt::host_view(x)};
   for (int t = 0; t < 7; ++t) lsgd.step(comm, gradapt::host{}, xs);  // one round at c = 4
-  const auto good = lsgd.save();
+  const auto good = lsgd.state();
   REQUIRE(good.driver.rounds == 1);
   REQUIRE(good.schedule.next_due == 8);
   auto bad = good;
   bad.driver.rounds = 9;
-  REQUIRE_THROWS_WITH(lsgd.load(bad), Contains("rounds"));
+  REQUIRE_THROWS_WITH(lsgd.restore(bad), Contains("rounds"));
   bad = good;
   bad.driver.level_rounds[3] = 1;
   bad.driver.rounds = 2;
-  REQUIRE_THROWS_WITH(lsgd.load(bad), Contains("level 3"));
+  REQUIRE_THROWS_WITH(lsgd.restore(bad), Contains("level 3"));
   bad = good;
   bad.schedule.next_due = 5;  // not ahead of the 5 local steps
-  REQUIRE_THROWS_WITH(lsgd.load(bad), Contains("next round"));
+  REQUIRE_THROWS_WITH(lsgd.restore(bad), Contains("next round"));
   bad = good;
   bad.schedule.next_due = 20;  // further than one period ahead
-  REQUIRE_THROWS_WITH(lsgd.load(bad), Contains("next round"));
-  REQUIRE(lsgd.save().schedule.next_due == 8);  // a rejected load changes nothing
-  lsgd.load(good);
+  REQUIRE_THROWS_WITH(lsgd.restore(bad), Contains("next round"));
+  REQUIRE(lsgd.state().schedule.next_due == 8);  // a rejected load changes nothing
+  lsgd.restore(good);
 
   adaptive_period a({.initial_period = 2, .max_period = 4});
-  auto as = a.save();
+  auto as = a.state();
   as.period = 5;
-  REQUIRE_THROWS_WITH(a.load(as, 0), Contains("period is 5"));
-  as = a.save();
+  REQUIRE_THROWS_WITH(a.restore(as, 0), Contains("period is 5"));
+  as = a.state();
   as.beta_power = 0.5;  // no samples but a decayed beta power
-  REQUIRE_THROWS_WITH(a.load(as, 0), Contains("inconsistent"));
-  as = a.save();
+  REQUIRE_THROWS_WITH(a.restore(as, 0), Contains("inconsistent"));
+  as = a.state();
   as.has_reference = true;
-  REQUIRE_THROWS_WITH(a.load(as, 0), Contains("reference"));
+  REQUIRE_THROWS_WITH(a.restore(as, 0), Contains("reference"));
 }
 
 // ---- bytes -----------------------------------------------------------------------------------

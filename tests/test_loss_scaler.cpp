@@ -270,7 +270,7 @@ TEST_CASE("loss_scaler: scale sequence equals torch.amp.GradScaler over scripted
       REQUIRE(step == (stepped == 1));
       REQUIRE(std::bit_cast<std::uint64_t>(scaler.scale()) ==
               std::bit_cast<std::uint64_t>(hex_double(scale_after)));
-      REQUIRE(scaler.save().growth_tracker == tracker);
+      REQUIRE(scaler.state().growth_tracker == tracker);
       if (step) REQUIRE(std::fabs(g[0] - 0.25f) <= 1e-7f);  // unscaled: 0.25 S / S (exact for powers of two)
     }
     ++configs;
@@ -304,19 +304,19 @@ TEST_CASE("loss_scaler: hysteresis equals DeepSpeed's DynamicLossScaler", "[loss
       REQUIRE(st == "step");
       INFO(name << " step " << i << " overflow " << bad);
       if (raise) {
-        const auto before = scaler.save();
+        const auto before = scaler.state();
         REQUIRE_THROWS_WITH(static_cast<void>(scaler.update(bad == 1)),
                             Contains("minimum loss scale") && Contains("min_scale"));
-        REQUIRE(same_state(scaler.save(), before));  // a throw changes nothing
+        REQUIRE(same_state(scaler.state(), before));  // a throw changes nothing
         ++raised;
         continue;
       }
       REQUIRE(scaler.update(bad == 1) == (bad == 0));
       if (cmp) {
         INFO("scale " << scaler.scale() << " vs " << hex_double(scale_after) << ", hysteresis "
-                      << scaler.save().hysteresis_left << " vs " << hyst);
+                      << scaler.state().hysteresis_left << " vs " << hyst);
         REQUIRE(scaler.scale() == hex_double(scale_after));
-        REQUIRE(scaler.save().hysteresis_left == hyst);
+        REQUIRE(scaler.state().hysteresis_left == hyst);
         ++compared;
       }
     }
@@ -336,7 +336,7 @@ TEST_CASE("loss_scaler: hysteresis H tolerates H-1 overflows, then backs off on 
       const int backoffs = std::max(0, k - (h - 1));
       INFO("H " << h << ", overflow " << k);
       REQUIRE(s.scale() == std::ldexp(1024.0, -backoffs));
-      REQUIRE(s.save().hysteresis_left == std::max(1, h - k));
+      REQUIRE(s.state().hysteresis_left == std::max(1, h - k));
       REQUIRE(s.skipped() == static_cast<std::uint64_t>(k));
       REQUIRE(s.backoffs() == static_cast<std::uint64_t>(backoffs));
     }
@@ -384,11 +384,11 @@ TEST_CASE("loss_scaler: an overflow at min_scale throws and changes nothing", "[
   REQUIRE_FALSE(s.update(true));
   REQUIRE_FALSE(s.update(true));
   REQUIRE(s.scale() == 1024);
-  const auto before = s.save();
+  const auto before = s.state();
   REQUIRE_THROWS_WITH(static_cast<void>(s.update(true)), Contains("minimum loss scale 1024") &&
                                                              Contains("lower min_scale") &&
                                                              Contains("step 3"));
-  REQUIRE(same_state(s.save(), before));
+  REQUIRE(same_state(s.state(), before));
   // A clean step afterwards proceeds normally.
   REQUIRE(s.update(false));
   // Back-off is clamped at min_scale when it would jump below it, then the next overflow throws.
@@ -453,28 +453,28 @@ TEST_CASE("loss_scaler: save/load round trip continues bit-identically", "[loss_
   const auto pattern = [](int k) { return (k * 7919 % 13) < 3; };  // about 23% overflows
   loss_scaler ref(o);
   for (int k = 0; k < 97; ++k) static_cast<void>(ref.update(pattern(k)));
-  const auto saved = ref.save();
+  const auto saved = ref.state();
   REQUIRE(saved.skipped > 0);
   loss_scaler resumed(o);
-  resumed.load(saved);
-  REQUIRE(same_state(resumed.save(), saved));
+  resumed.restore(saved);
+  REQUIRE(same_state(resumed.state(), saved));
   for (int k = 97; k < 300; ++k) {
     REQUIRE(ref.update(pattern(k)) == resumed.update(pattern(k)));
-    REQUIRE(same_state(ref.save(), resumed.save()));
+    REQUIRE(same_state(ref.state(), resumed.state()));
   }
   // States that do not fit the options are refused.
   auto bad = saved;
   bad.growth_tracker = 5;
-  REQUIRE_THROWS_WITH(resumed.load(bad), Contains("growth_tracker 5"));
+  REQUIRE_THROWS_WITH(resumed.restore(bad), Contains("growth_tracker 5"));
   bad = saved;
   bad.hysteresis_left = 4;
-  REQUIRE_THROWS_WITH(resumed.load(bad), Contains("hysteresis_left 4"));
+  REQUIRE_THROWS_WITH(resumed.restore(bad), Contains("hysteresis_left 4"));
   bad = saved;
   bad.scale = 0.1;  // not a float value
-  REQUIRE_THROWS_WITH(resumed.load(bad), Contains("not a float value"));
+  REQUIRE_THROWS_WITH(resumed.restore(bad), Contains("not a float value"));
   bad = saved;
   bad.skipped = bad.steps + 1;
-  REQUIRE_THROWS_WITH(resumed.load(bad), Contains("inconsistent counters"));
+  REQUIRE_THROWS_WITH(resumed.restore(bad), Contains("inconsistent counters"));
 }
 
 // ---- the fused pass against PyTorch's kernel -----------------------------------------------------
@@ -704,7 +704,7 @@ TEST_CASE("unscale: the param_list, master and workspace forms agree; the step a
   REQUIRE(ws[0] == 0.0f);
   REQUIRE(std::memcmp(g1.data(), g1b.data(), g1.size() * sizeof(half)) == 0);
   REQUIRE(std::memcmp(g2.data(), g2b.data(), g2.size() * sizeof(half)) == 0);
-  REQUIRE(same_state(a.save(), b.save()));
+  REQUIRE(same_state(a.state(), b.state()));
   g1b[3] = half(INFINITY);
   REQUIRE_FALSE(b.unscale(backend, comm, copies, tensor_view<float>::vector(ws, 2)));
   REQUIRE(ws[0] == 1.0f);
@@ -771,14 +771,14 @@ TEST_CASE("unscale: invalid input on one rank makes every rank throw (threads, 3
     std::vector<float> m(comm.rank() == 1 ? 9 : 10);
     const std::vector<tensor_view<half>> grads{gradapt::host_view(g)};
     const std::vector<tensor_view<float>> master{gradapt::host_view(m)};
-    const auto before = s.save();
+    const auto before = s.state();
     if (comm.rank() == 1)
       RANK_REQUIRE_THROWS_WITH(s.unscale(backend, comm, grads, master),
                                Contains("has 10 elements but master tensor 0 has 9"));
     else
       RANK_REQUIRE_THROWS_WITH(s.unscale(backend, comm, grads, master),
                                Contains("1 other rank(s) passed invalid input"));
-    RANK_REQUIRE(same_state(s.save(), before));
+    RANK_REQUIRE(same_state(s.state(), before));
     // The world is still usable afterwards.
     m.resize(10);
     const std::vector<tensor_view<float>> master_ok{gradapt::host_view(m)};

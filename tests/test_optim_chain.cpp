@@ -32,6 +32,7 @@
 #include "gradapt/optim/lamb.hpp"
 #include "gradapt/optim/lars.hpp"
 #include "gradapt/optim/sgd.hpp"
+#include "gradapt/precision/loss_scaler.hpp"
 
 using Catch::Matchers::Contains;
 using gradapt::host;
@@ -962,15 +963,58 @@ TEST_CASE("bad checkpoints are rejected with the reason", "[optim][checkpoint][e
   opt.step(b, a.params, st);
   const auto bytes = st.save(b);
   auto st2 = opt.init(b, a.params);
-  // Truncated, trailing bytes, not a checkpoint.
-  REQUIRE_THROWS_WITH(st2.load(b, std::span(bytes).first(bytes.size() - 5)), Contains("ends inside buffer"));
+  // Truncated, trailing bytes, not a checkpoint, another kind of state.
+  REQUIRE_THROWS_WITH(st2.load(b, std::span(bytes).first(bytes.size() - 5)), Contains("checksum mismatch"));
   auto longer = bytes;
   longer.push_back(std::byte{0});
-  REQUIRE_THROWS_WITH(st2.load(b, longer), Contains("1 unexpected trailing bytes"));
+  REQUIRE_THROWS_WITH(st2.load(b, longer), Contains("checksum mismatch"));
   auto garbled = bytes;
   garbled[0] = std::byte{'x'};
-  REQUIRE_THROWS_WITH(st2.load(b, garbled), Contains("not an optimizer checkpoint"));
-  REQUIRE_THROWS_WITH(st2.load(b, std::span(bytes).first(3)), Contains("ends inside the header"));
+  REQUIRE_THROWS_WITH(st2.load(b, garbled), Contains("not a gradapt state archive"));
+  REQUIRE_THROWS_WITH(st2.load(b, std::span(bytes).first(3)), Contains("too few"));
+  REQUIRE_THROWS_WITH(st2.load(b, gradapt::loss_scaler{}.save()),
+                      Contains("'gradapt.loss_scaler' archive, expected 'gradapt.optimizer'"));
+  // A well-formed archive whose values do not fit: a non-finite moment, a step count that
+  // cannot grow.
+  const auto rewrite = [&](auto&& edit) {
+    gradapt::archive_reader r{bytes, "gradapt.optimizer", 1};
+    gradapt::archive_writer w{"gradapt.optimizer", 1};
+    for (const auto& n : r.names()) {
+      switch (r.type(n)) {
+        case gradapt::archive_field::u64: {
+          auto v = r.get<std::uint64_t>(n);
+          edit(n, v);
+          w.put(n, v);
+          break;
+        }
+        case gradapt::archive_field::string: w.put(n, r.get<std::string>(n)); break;
+        case gradapt::archive_field::tensor: {
+          const auto info = r.tensor_info(n);
+          if (info.element == gradapt::archive_element::i64) {
+            w.put_tensor<std::int64_t>(n, r.get_tensor<std::int64_t>(n), info.shape);
+          } else {
+            auto v = r.get_tensor<float>(n);
+            edit(n, v);
+            w.put_tensor<float>(n, v, info.shape);
+          }
+          break;
+        }
+        default: FAIL("unexpected field type");
+      }
+    }
+    return w.finish();
+  };
+  const auto nan_moment = rewrite([](const std::string& n, auto& v) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(v)>, std::vector<float>>)
+      if (n.rfind("buffer1/", 0) == 0 && !v.empty()) v.back() = std::numeric_limits<float>::quiet_NaN();
+  });
+  REQUIRE_THROWS_WITH(st2.load(b, nan_moment), Contains("holds a non-finite value"));
+  const auto huge_steps = rewrite([](const std::string& n, auto& v) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(v)>, std::uint64_t>)
+      if (n == "steps") v = std::numeric_limits<std::uint64_t>::max();
+  });
+  REQUIRE_THROWS_WITH(st2.load(b, huge_steps), Contains("cannot grow"));
+  REQUIRE(st2.steps() == 0);
   // Other element type, other sizes, other active stages, other optimizer.
   problem<double, double> d(standard_specs(), 47);
   auto sd = opt.init(b, d.params);
@@ -979,7 +1023,7 @@ TEST_CASE("bad checkpoints are rejected with the reason", "[optim][checkpoint][e
   specs[0].shape = {38};
   problem<float, float> other(specs, 47);
   auto so = opt.init(b, other.params);
-  REQUIRE_THROWS_WITH(so.load(b, bytes), Contains("tensor 0 has 37 elements in the checkpoint but 38 here"));
+  REQUIRE_THROWS_WITH(so.load(b, bytes), Contains("has another shape in the checkpoint"));
   gradapt::sgd plain, heavy({.momentum = 0.9});
   auto sp = plain.init(b, a.params);
   auto sh = heavy.init(b, a.params);

@@ -76,6 +76,6 @@ TEST_CASE("mpi: data-parallel noise scale equals the serial two-batch form", "[m
     REQUIRE(global_sq == serial_global);
     REQUIRE(dp.update(comm, local_sq, global_sq, batch));
   }
-  REQUIRE(same_state(dp.save(), serial.save()));
+  REQUIRE(same_state(dp.state(), serial.state()));
   REQUIRE(dp.b_simple().has_value());
 }

@@ -452,14 +452,24 @@ class archive_reader {
     return out;
   }
 
-  /// Checks that every field was read and every section closed.
+  /// Checks that every field of the open section (of the whole archive when none is open)
+  /// was read. A state's `load` calls it after reading its fields and before changing
+  /// anything, so an archive written by a state with more parts is rejected whole.
   /// @throws gradapt::error naming the first field nobody read
+  void finish_section() const {
+    const std::string lead = prefix_.empty() ? std::string() : prefix_.back() + "/";
+    for (std::size_t i = 0; i < fields_.size(); ++i)
+      detail::require(read_[i] || fields_[i].name.compare(0, lead.size(), lead) != 0, "archive(", kind_,
+                      "): field '", fields_[i].name,
+                      "' was not read (written by a state with parts this one does not have?)");
+  }
+
+  /// Checks that every section was closed and every field read.
+  /// @throws gradapt::error naming the open section or the first field nobody read
   void finish() const {
     detail::require(prefix_.empty(), "archive(", kind_, "): finish() with section '", prefix_.back(),
                     "' still open");
-    for (std::size_t i = 0; i < fields_.size(); ++i)
-      detail::require(read_[i], "archive(", kind_, "): field '", fields_[i].name,
-                      "' was not read (written by a state with parts this one does not have?)");
+    finish_section();
   }
 
  private:
@@ -597,5 +607,24 @@ class archive_reader {
   std::vector<bool> read_;
   std::vector<std::string> prefix_;
 };
+
+/// One archive holding `state`: `archive_writer{S::archive_kind, S::archive_version}`, then
+/// `state.save(writer)`. The `save()` of every gradapt state that lives in host memory.
+template <class S>
+std::vector<std::byte> save_archive(const S& state) {
+  archive_writer w{S::archive_kind, S::archive_version};
+  state.save(w);
+  return w.finish();
+}
+
+/// Loads `state` from one archive written by `save_archive`: the archive's kind must be
+/// `S::archive_kind` at a version up to `S::archive_version`, and `state.load(reader)` reads
+/// it whole (all or nothing).
+template <class S>
+void load_archive(S& state, std::span<const std::byte> bytes) {
+  archive_reader r{bytes, S::archive_kind, S::archive_version};
+  state.load(r);
+  r.finish();
+}
 
 }  // namespace gradapt

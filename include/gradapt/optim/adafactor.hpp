@@ -327,9 +327,6 @@ struct full_update {
   }
 };
 
-inline constexpr std::uint64_t version = 1;
-inline constexpr std::uint64_t kind_adafactor = 1;
-
 }  // namespace detail::adafactor_k
 
 namespace transform {
@@ -562,75 +559,63 @@ class adafactor_state {
     return tensor_view<const S, space>::vector(m_.data() + i.m_off, static_cast<std::int64_t>(i.size));
   }
 
-  /// The state as bytes: a header (kind, element type, step count, tensor sizes and
-  /// factorings) then the second moments and the momentum buffer.
-  std::vector<std::byte> save(const B& b) const {
-    using namespace detail::optim;
-    std::vector<std::byte> out;
-    put_bytes(out, detail::optim::factored_magic, sizeof detail::optim::factored_magic);
-    put_u64(out, detail::adafactor_k::version);
-    put_u64(out, detail::adafactor_k::kind_adafactor);
-    put_u64(out, static_cast<std::uint64_t>(dtype_of_v<S>));
-    put_u64(out, steps_);
-    put_u64(out, info_.size());
-    for (const auto& i : info_) {
-      put_u64(out, i.size);
-      put_u64(out, i.f.factored ? 1 : 0);
-      put_u64(out, i.ny);
-      put_u64(out, i.nx);
-    }
-    put_u64(out, v_.size());
-    put_u64(out, m_.size());
-    std::vector<S> host(v_.size());
-    b.copy(tensor_view<const S, space>::vector(v_.data(), static_cast<std::int64_t>(v_.size())),
-           host_view(host));
-    put_bytes(out, host.data(), host.size() * sizeof(S));
-    host.resize(m_.size());
-    b.copy(tensor_view<const S, space>::vector(m_.data(), static_cast<std::int64_t>(m_.size())),
-           host_view(host));
-    put_bytes(out, host.data(), host.size() * sizeof(S));
-    return out;
-  }
+  /// Kind and format version of the archive `save()` writes.
+  static constexpr std::string_view archive_kind = "gradapt.adafactor";
+  static constexpr std::uint32_t archive_version = 1;  ///< see archive_kind
 
-  /// Restores a state written by `save` for the same parameters and options.
+  /// Writes the state into the open section of `w`: element type, step count, a layout row
+  /// per tensor (size, factored flag, row and column statistic sizes), the second moments
+  /// ("statistics") and the momentum buffer ("momentum", empty without momentum).
+  void save(const B& b, archive_writer& w) const {
+    w.put("element_type", name(dtype_of_v<S>));
+    w.put("steps", steps_);
+    detail::optim::put_layout(w, layout(), 4);
+    detail::optim::put_state_buffer(b, w, "statistics", v_.data(), v_.size());
+    detail::optim::put_state_buffer(b, w, "momentum", m_.data(), m_.size());
+  }
+  /// Reads what `save(b, w)` wrote, for the same parameters and options. All or nothing.
   /// @throws gradapt::error naming the first field that does not match (nothing is changed)
-  void load(const B& b, std::span<const std::byte> bytes) {
-    detail::optim::byte_reader r{bytes, "adafactor_state::load"};
-    char mg[8];
-    r.take(mg, sizeof mg, "the header");
-    detail::require(std::memcmp(mg, detail::optim::factored_magic, sizeof mg) == 0,
-                    "adafactor_state::load: not a checkpoint written by adafactor_state::save");
-    r.expect("format version", detail::adafactor_k::version);
-    r.expect("optimizer kind (1 = adafactor)", detail::adafactor_k::kind_adafactor);
-    r.expect("element type", static_cast<std::uint64_t>(dtype_of_v<S>));
-    const std::uint64_t steps = r.u64("the step count");
-    r.expect("tensor count", info_.size());
-    for (const auto& i : info_) {
-      r.expect("tensor size", i.size);
-      r.expect("factored flag", i.f.factored ? 1 : 0);
-      r.expect("row statistic size", i.ny);
-      r.expect("column statistic size", i.nx);
-    }
-    r.expect("second-moment length", v_.size());
-    r.expect("momentum length (0 without momentum)", m_.size());
-    detail::require(r.at + (v_.size() + m_.size()) * sizeof(S) == bytes.size(),
-                    "adafactor_state::load: the checkpoint has ", bytes.size(), " bytes but ",
-                    r.at + (v_.size() + m_.size()) * sizeof(S),
-                    " were expected (truncated or trailing bytes)");
-    std::vector<S> host(v_.size());
-    r.take(host.data(), host.size() * sizeof(S), "the second moments");
-    b.copy(tensor_view<const S, host_space>(host_view(host)),
+  void load(const B& b, archive_reader& r) {
+    constexpr const char* who = "adafactor_state::load";
+    const auto et = r.get<std::string>("element_type");
+    detail::require(et == name(dtype_of_v<S>), who, ": the checkpoint holds ", et, " state but this state is ",
+                    name(dtype_of_v<S>));
+    const auto steps = r.get<std::uint64_t>("steps");
+    detail::require(steps < std::numeric_limits<std::uint64_t>::max(), who, ": step count ", steps,
+                    " cannot grow");
+    detail::optim::expect_layout(r, layout(), 4, who, "size, factored, row statistics, column statistics");
+    const auto v = detail::optim::get_state_buffer<S>(r, "statistics", v_.size(), who);
+    const auto m = detail::optim::get_state_buffer<S>(r, "momentum", m_.size(), who);
+    r.finish_section();
+    b.copy(tensor_view<const S, host_space>(host_view(v)),
            tensor_view<S, space>::vector(v_.data(), static_cast<std::int64_t>(v_.size())));
-    host.resize(m_.size());
-    r.take(host.data(), host.size() * sizeof(S), "the momentum");
-    b.copy(tensor_view<const S, host_space>(host_view(host)),
+    b.copy(tensor_view<const S, host_space>(host_view(m)),
            tensor_view<S, space>::vector(m_.data(), static_cast<std::int64_t>(m_.size())));
     b.synchronize();
     steps_ = steps;
   }
+  /// The state as one archive of kind "gradapt.adafactor" (core/archive.hpp).
+  std::vector<std::byte> save(const B& b) const {
+    archive_writer w{archive_kind, archive_version};
+    save(b, w);
+    return w.finish();
+  }
+  /// Restores a state written by `save(b)`; all or nothing.
+  void load(const B& b, std::span<const std::byte> bytes) {
+    archive_reader r{bytes, archive_kind, archive_version};
+    load(b, r);
+    r.finish();
+  }
 
  private:
   friend class adafactor;
+  std::vector<std::int64_t> layout() const {
+    std::vector<std::int64_t> out;
+    for (const auto& i : info_)
+      out.insert(out.end(), {static_cast<std::int64_t>(i.size), i.f.factored ? 1 : 0,
+                             static_cast<std::int64_t>(i.ny), static_cast<std::int64_t>(i.nx)});
+    return out;
+  }
   struct tensor_info {
     std::size_t size = 0;
     detail::optim::factoring f;

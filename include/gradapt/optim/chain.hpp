@@ -37,19 +37,24 @@
 /// nothing.
 /// `chain_state::save` / `load` round-trip the state exactly.
 
+#include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "gradapt/backend/simd.hpp"
+#include "gradapt/core/archive.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
 #include "gradapt/core/dtype.hpp"
@@ -531,9 +536,6 @@ struct reduce_probe {
   }
 };
 
-inline constexpr char checkpoint_magic[8] = {'g', 'r', 'a', 'd', 'a', 'p', 't', 'O'};
-inline constexpr std::uint32_t checkpoint_version = 1;
-
 }  // namespace detail::optim
 
 /// A backend an optimizer chain can run on: the `backend` concept plus owning allocation,
@@ -653,130 +655,160 @@ class chain_state {
     return mut_[j];
   }
 
-  /// The state as bytes: header, then every active buffer (all tensors, in parameter order).
-  std::vector<std::byte> save(const B& b) const {
-    std::vector<std::byte> out;
-    put(out, detail::optim::checkpoint_magic, sizeof detail::optim::checkpoint_magic);
-    put_u64(out, detail::optim::checkpoint_version);
-    put_u64(out, static_cast<std::uint64_t>(dtype_of_v<S>));
-    put_u64(out, plan::n);
-    put_u64(out, plan::total_buffers);
-    put_u64(out, enabled_);
-    put_u64(out, steps_);
-    put_u64(out, sizes_.size());
-    for (std::size_t s : sizes_) put_u64(out, s);
-    for (const auto& f : ft_) {  // a factored stage's layout per tensor (factored chains only)
-      put_u64(out, f.factored ? 1 : 0);
-      for (const std::int64_t d : f.d) put_u64(out, static_cast<std::uint64_t>(d));
-      put_u64(out, f.state);
+  /// Kind and format version of the archive `save()` writes.
+  static constexpr std::string_view archive_kind = "gradapt.optimizer";
+  static constexpr std::uint32_t archive_version = 1;  ///< see archive_kind
+
+  /// Writes the state into the open section of `w`: the element type, stage count, buffer
+  /// count, active-stage mask, step count and tensor count; per tensor its name, shape and
+  /// (factored chains) factored layout under "tensor/<name>"; and every active buffer j as
+  /// one tensor field per parameter, "buffer<j>/<name>", shaped like the parameter (a
+  /// factored tensor's statistics as a vector). Each tensor is copied to host memory through
+  /// one reused buffer.
+  void save(const B& b, archive_writer& w) const {
+    w.put("element_type", name(dtype_of_v<S>));
+    w.put("stages", static_cast<std::uint64_t>(plan::n));
+    w.put("buffers", static_cast<std::uint64_t>(plan::total_buffers));
+    w.put("active_stages", enabled_);
+    w.put("steps", steps_);
+    w.put("tensors", static_cast<std::uint64_t>(sizes_.size()));
+    for (std::size_t t = 0; t < sizes_.size(); ++t) {
+      w.begin("tensor/" + names_[t]);
+      w.put("index", static_cast<std::uint64_t>(t));
+      w.put_tensor<std::int64_t>("shape", shapes_[t]);
+      if (!ft_.empty()) w.put_tensor<std::int64_t>("factored_layout", layout_of(t));
+      w.end();
     }
     std::vector<S> host;
     for (std::size_t j = 0; j < plan::total_buffers; ++j) {
-      const std::size_t n = bufs_[j].size();
-      put_u64(out, n);
-      host.resize(n);
-      b.copy(tensor_view<const S, space>(detail::optim::view_of<space>(bufs_[j])), host_view(host));
-      put(out, host.data(), n * sizeof(S));
+      if (mut_[j].empty()) continue;
+      w.begin("buffer" + std::to_string(j));
+      for (std::size_t t = 0; t < sizes_.size(); ++t) {
+        const auto& v = mut_[j][t];
+        host.resize(v.size());
+        b.copy(tensor_view<const S, space>(v), host_view(host));
+        w.put_tensor<S>(names_[t], host, buffer_shape(j, t));
+      }
+      w.end();
     }
-    return out;
   }
 
-  /// Restores a state written by `save` for the same chain, element type, active stages and
-  /// parameter sizes.
+  /// Reads what `save(b, w)` wrote into this state, created by the same optimizer type and
+  /// options for parameters with the same names, shapes and factoring. All or nothing: every
+  /// field is checked (names, shapes, element type, layout, finite values, a step count that
+  /// can still grow) before the first buffer is written.
   /// @throws gradapt::error naming the first field that does not match
-  void load(const B& b, std::span<const std::byte> bytes) {
-    std::size_t at = 0;
-    const auto take = [&](void* dst, std::size_t n, const char* what) {
-      detail::require(at + n <= bytes.size(), "chain_state::load: the checkpoint ends inside ", what, " (",
-                      bytes.size(), " bytes; truncated?)");
-      if (n) std::memcpy(dst, bytes.data() + at, n);
-      at += n;
-    };
-    const auto u64 = [&](const char* what) {
-      std::uint64_t v = 0;
-      take(&v, sizeof v, what);
-      return v;
-    };
-    char magic[sizeof detail::optim::checkpoint_magic];
-    take(magic, sizeof magic, "the header");
-    detail::require(std::memcmp(magic, detail::optim::checkpoint_magic, sizeof magic) == 0,
-                    "chain_state::load: not an optimizer checkpoint written by chain_state::save");
-    const std::uint64_t version = u64("the header");
-    detail::require(version == detail::optim::checkpoint_version, "chain_state::load: checkpoint version ",
-                    version, " (expected ", detail::optim::checkpoint_version, ")");
-    const auto expect = [&](const char* what, std::uint64_t want) {
-      const std::uint64_t got = u64(what);
-      detail::require(got == want, "chain_state::load: the checkpoint's ", what, " is ", got,
+  void load(const B& b, archive_reader& r) {
+    const auto expect = [&](const char* field, std::uint64_t want, const char* what) {
+      const auto got = r.get<std::uint64_t>(field);
+      detail::require(got == want, "optimizer state load: the checkpoint's ", what, " is ", got,
                       " but this state's is ", want,
-                      " (restore into a state created by the same optimizer type and options for the "
-                      "same parameters)");
+                      " (restore into a state created by the same optimizer and options for the same parameters)");
     };
-    const std::uint64_t dt = u64("the element type");
-    detail::require(dt == static_cast<std::uint64_t>(dtype_of_v<S>),
-                    "chain_state::load: the checkpoint holds ", name(static_cast<dtype>(dt)),
+    const auto et = r.get<std::string>("element_type");
+    detail::require(et == name(dtype_of_v<S>), "optimizer state load: the checkpoint holds ", et,
                     " state but this state is ", name(dtype_of_v<S>));
-    expect("stage count", plan::n);
-    expect("buffer count", plan::total_buffers);
-    expect("active-stage mask", enabled_);
-    const std::uint64_t steps = u64("the step count");
-    expect("tensor count", sizes_.size());
+    expect("stages", plan::n, "stage count");
+    expect("buffers", plan::total_buffers, "buffer count");
+    expect("active_stages", enabled_, "active-stage mask");
+    const auto steps = r.get<std::uint64_t>("steps");
+    detail::require(steps < std::numeric_limits<std::uint64_t>::max(), "optimizer state load: step count ",
+                    steps, " cannot grow");
+    expect("tensors", sizes_.size(), "tensor count");
     for (std::size_t t = 0; t < sizes_.size(); ++t) {
-      const std::uint64_t got = u64("a tensor size");
-      detail::require(got == sizes_[t], "chain_state::load: tensor ", t, " has ", got,
-                      " elements in the checkpoint but ", sizes_[t], " here");
+      const std::string sec = "tensor/" + names_[t];
+      detail::require(r.has(sec + "/index"), "optimizer state load: the checkpoint has no parameter '", names_[t],
+                      "' (restore for the same parameter names)");
+      r.begin(sec);
+      const auto index = r.get<std::uint64_t>("index");
+      detail::require(index == t, "optimizer state load: parameter '", names_[t], "' is tensor ", index,
+                      " in the checkpoint but ", t, " here (restore for the same parameter order)");
+      const auto shape = r.get_tensor<std::int64_t>("shape");
+      detail::require(std::ranges::equal(shape, shapes_[t]), "optimizer state load: parameter '", names_[t],
+                      "' has another shape in the checkpoint (", shape.size(), "-d, ", product(shape),
+                      " elements) than here (", shapes_[t].size(), "-d, ", sizes_[t], " elements)");
+      if (!ft_.empty()) {
+        const auto got = r.get_tensor<std::int64_t>("factored_layout");
+        const auto want = layout_of(t);
+        detail::require(std::ranges::equal(got, want), "optimizer state load: parameter '", names_[t],
+                        "'s factored layout differs (same shapes and factoring options: factored, "
+                        "min_dim_size_to_factor, axes)");
+      }
+      r.end();
     }
-    for (std::size_t t = 0; t < ft_.size(); ++t) {
-      const auto& f = ft_[t];
-      std::uint64_t got[7];
-      for (auto& g : got) g = u64("a factored layout");
-      bool same = got[0] == (f.factored ? 1u : 0u) && got[6] == f.state;
-      for (std::size_t k = 0; k < 5; ++k) same = same && got[1 + k] == static_cast<std::uint64_t>(f.d[k]);
-      detail::require(same, "chain_state::load: tensor ", t,
-                      "'s factored layout differs: the checkpoint has ",
-                      got[0] ? "a factored [" : "an unfactored [", got[1], ", ", got[2], ", ", got[3], ", ",
-                      got[4], ", ", got[5], "] view with ", got[6], " state elements, this state ",
-                      f.factored ? "a factored [" : "an unfactored [", f.d[0], ", ", f.d[1], ", ", f.d[2],
-                      ", ", f.d[3], ", ", f.d[4], "] view with ", f.state,
-                      " (same shapes and factoring options: factored, min_dim_size_to_factor, axes)");
-    }
-    // Validate every buffer length before changing anything.
-    std::size_t scan = at;
-    for (std::size_t j = 0; j < plan::total_buffers; ++j) {
-      std::uint64_t n = 0;
-      detail::require(scan + sizeof n <= bytes.size(),
-                      "chain_state::load: the checkpoint ends inside buffer ", j);
-      std::memcpy(&n, bytes.data() + scan, sizeof n);
-      detail::require(n == bufs_[j].size(), "chain_state::load: buffer ", j, " has ", n,
-                      " elements in the checkpoint but ", bufs_[j].size(), " here");
-      scan += sizeof n + n * sizeof(S);
-      detail::require(scan <= bytes.size(), "chain_state::load: the checkpoint ends inside buffer ", j);
-    }
-    detail::require(scan == bytes.size(), "chain_state::load: ", bytes.size() - scan,
-                    " unexpected trailing bytes in the checkpoint");
+    // Pass 1: check every buffer tensor (type, shape, finite values) without changing anything.
     std::vector<S> host;
-    for (std::size_t j = 0; j < plan::total_buffers; ++j) {
-      const std::uint64_t n = u64("a buffer length");
-      host.resize(n);
-      take(host.data(), n * sizeof(S), "a buffer");
-      b.copy(tensor_view<const S, host_space>(host_view(host)), detail::optim::view_of<space>(bufs_[j]));
-    }
+    for_each_buffer(r, host, [&](std::size_t j, std::size_t t) {
+      for (const S& x : host)
+        detail::require(std::isfinite(static_cast<double>(static_cast<compute_t<S>>(x))),
+                        "optimizer state load: buffer ", j, " of '", names_[t], "' holds a non-finite value (",
+                        static_cast<double>(static_cast<compute_t<S>>(x)),
+                        "); a checkpoint of a diverged run cannot be resumed");
+    });
+    r.finish_section();
+    // Pass 2: copy into the backend's memory.
+    for_each_buffer(r, host, [&](std::size_t j, std::size_t t) {
+      b.copy(tensor_view<const S, host_space>(host_view(host)), mut_[j][t]);
+    });
     b.synchronize();
     steps_ = steps;
+  }
+
+  /// The state as one archive of kind "gradapt.optimizer" (core/archive.hpp).
+  std::vector<std::byte> save(const B& b) const {
+    archive_writer w{archive_kind, archive_version};
+    save(b, w);
+    return w.finish();
+  }
+  /// Restores a state written by `save(b)` (all or nothing; see `load(b, reader)`).
+  /// @throws gradapt::error for a damaged archive or one that does not fit this state
+  void load(const B& b, std::span<const std::byte> bytes) {
+    archive_reader r{bytes, archive_kind, archive_version};
+    load(b, r);
+    r.finish();
   }
 
  private:
   template <class...>
   friend class chain;
 
-  static void put(std::vector<std::byte>& out, const void* p, std::size_t n) {
-    const auto* c = static_cast<const std::byte*>(p);
-    out.insert(out.end(), c, c + n);
+  static std::uint64_t product(const std::vector<std::int64_t>& s) {
+    std::uint64_t n = 1;
+    for (const auto e : s) n *= static_cast<std::uint64_t>(e);
+    return n;
   }
-  static void put_u64(std::vector<std::byte>& out, std::uint64_t v) { put(out, &v, sizeof v); }
+  /// A factored tensor's layout as stored: factored flag, the [A, X, B, Y, C] view, state size.
+  std::vector<std::int64_t> layout_of(std::size_t t) const {
+    const auto& f = ft_[t];
+    return {f.factored ? 1 : 0, f.d[0], f.d[1], f.d[2], f.d[3], f.d[4], static_cast<std::int64_t>(f.state)};
+  }
+  /// The stored shape of buffer j's tensor t: the parameter's, or a vector for a factored stage.
+  std::vector<std::int64_t> buffer_shape(std::size_t j, std::size_t t) const {
+    if (mut_[j][t].size() == sizes_[t]) return shapes_[t];
+    return {static_cast<std::int64_t>(mut_[j][t].size())};
+  }
+  // Reads every active buffer tensor into `host` in turn and calls f(j, t).
+  template <class F>
+  void for_each_buffer(archive_reader& r, std::vector<S>& host, F&& f) {
+    for (std::size_t j = 0; j < plan::total_buffers; ++j) {
+      if (mut_[j].empty()) continue;
+      r.begin("buffer" + std::to_string(j));
+      for (std::size_t t = 0; t < sizes_.size(); ++t) {
+        detail::require(r.has(names_[t]), "optimizer state load: the checkpoint has no buffer ", j, " for '",
+                        names_[t], "'");
+        host.resize(mut_[j][t].size());
+        r.get_tensor<S>(names_[t], std::span<S>(host), buffer_shape(j, t));
+        f(j, t);
+      }
+      r.end();
+    }
+  }
 
   std::uint64_t steps_ = 0;
   std::uint64_t enabled_ = 0;
   std::vector<std::size_t> sizes_;
+  std::vector<std::string> names_;                  ///< parameter names (checkpoint keys)
+  std::vector<std::vector<std::int64_t>> shapes_;   ///< parameter shapes
   std::vector<detail::optim::buffer_t<B, S>> bufs_;
   std::vector<std::vector<tensor_view<S, space>>> mut_;
   std::vector<std::vector<tensor_view<const S, space>>> const_;
@@ -860,6 +892,11 @@ class chain {
     const std::size_t count = params.size();
     st.enabled_ = current_mask();
     st.sizes_.resize(count);
+    for (std::size_t t = 0; t < count; ++t) {
+      st.names_.push_back(params.entries()[t].name);
+      const auto sh = params.values()[t].shape();
+      st.shapes_.emplace_back(sh.begin(), sh.end());
+    }
     std::size_t total = 0;
     for (std::size_t t = 0; t < count; ++t) total += (st.sizes_[t] = params.values()[t].size());
     if constexpr (plan::has_factored) {

@@ -14,11 +14,13 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "gradapt/core/archive.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/tensor_view.hpp"
@@ -32,39 +34,53 @@ namespace gradapt {
 
 namespace detail::optim {
 
-/// First bytes of an adafactor or sm3 checkpoint (a kind field follows the version).
-inline constexpr char factored_magic[8] = {'g', 'r', 'a', 'd', 'a', 'p', 't', 'F'};
-
-/// Appends raw bytes to a checkpoint.
-inline void put_bytes(std::vector<std::byte>& out, const void* p, std::size_t n) {
-  const auto* c = static_cast<const std::byte*>(p);
-  out.insert(out.end(), c, c + n);
+/// Writes n elements of state at `data` (in the backend's memory) as a 1-d tensor field.
+template <class S, class B>
+void put_state_buffer(const B& b, archive_writer& w, std::string_view name, const S* data, std::size_t n) {
+  std::vector<S> host(n);
+  b.copy(tensor_view<const S, typename B::space>::vector(data, static_cast<std::int64_t>(n)), host_view(host));
+  w.put_tensor<S>(name, host);
 }
-inline void put_u64(std::vector<std::byte>& out, std::uint64_t v) { put_bytes(out, &v, sizeof v); }
 
-/// Reads a checkpoint written with put_u64/put_bytes, naming `who` in its errors.
-struct byte_reader {
-  std::span<const std::byte> bytes;
-  const char* who;
-  std::size_t at = 0;
-  void take(void* dst, std::size_t n, const char* what) {
-    detail::require(at + n <= bytes.size(), who, ": the checkpoint ends inside ", what, " (", bytes.size(),
-                    " bytes; truncated?)");
-    if (n) std::memcpy(dst, bytes.data() + at, n);
-    at += n;
-  }
-  std::uint64_t u64(const char* what) {
-    std::uint64_t v = 0;
-    take(&v, sizeof v, what);
-    return v;
-  }
-  void expect(const char* what, std::uint64_t want) {
-    const std::uint64_t got = u64(what);
-    detail::require(
-        got == want, who, ": the checkpoint's ", what, " is ", got, " but this state's is ", want,
-        " (restore into a state created by the same optimizer and options for the same parameters)");
-  }
-};
+/// Reads a 1-d tensor field of n state elements written by put_state_buffer into host memory
+/// and checks that every element is finite; `who` names the state in errors.
+template <class S>
+std::vector<S> get_state_buffer(archive_reader& r, std::string_view name, std::size_t n, const char* who) {
+  detail::require(r.has(name), who, ": the checkpoint has no '", name, "'");
+  std::vector<S> host(n);
+  r.get_tensor<S>(name, std::span<S>(host));
+  for (const S& x : host)
+    detail::require(std::isfinite(static_cast<double>(static_cast<compute_t<S>>(x))), who, ": '", name,
+                    "' holds a non-finite value; a checkpoint of a diverged run cannot be resumed");
+  return host;
+}
+
+/// Writes a per-tensor layout table (one row of `cols` integers per tensor) as a 2-d field.
+inline void put_layout(archive_writer& w, const std::vector<std::int64_t>& rows, std::size_t cols) {
+  const std::int64_t shape[] = {static_cast<std::int64_t>(cols ? rows.size() / cols : 0),
+                                static_cast<std::int64_t>(cols)};
+  w.put_tensor<std::int64_t>("layout", rows, shape);
+}
+
+/// Reads the layout table and requires it equal to `want` (the state's own), naming `who`
+/// and the first tensor that differs.
+inline void expect_layout(archive_reader& r, const std::vector<std::int64_t>& want, std::size_t cols,
+                          const char* who, const char* columns) {
+  const std::int64_t shape[] = {static_cast<std::int64_t>(cols ? want.size() / cols : 0),
+                                static_cast<std::int64_t>(cols)};
+  detail::require(r.has("layout"), who, ": the checkpoint has no tensor layout");
+  const auto info = r.tensor_info("layout");
+  detail::require(info.shape.size() == 2 && info.shape[0] == shape[0] && info.shape[1] == shape[1], who,
+                  ": the checkpoint describes ", info.shape.empty() ? 0 : info.shape[0],
+                  " tensors but this state has ", shape[0],
+                  " (restore into a state created by the same optimizer and options for the same parameters)");
+  std::vector<std::int64_t> got(want.size());
+  r.get_tensor<std::int64_t>("layout", std::span<std::int64_t>(got), shape);
+  for (std::size_t k = 0; k < got.size(); ++k)
+    detail::require(got[k] == want[k], who, ": tensor ", k / cols, "'s layout (", columns,
+                    ") differs from this state's in column ", k % cols, ": ", got[k], " vs ", want[k],
+                    " (same shapes and factoring options)");
+}
 
 }  // namespace detail::optim
 }  // namespace gradapt

@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <span>
 #include <type_traits>
 #include <vector>
@@ -152,8 +153,6 @@ struct full_update {
     finish<true>(update_of(g, acc, eps), p, lr, b1, one_minus_b1, &m);
   }
 };
-
-inline constexpr std::uint64_t kind_sm3 = 2;
 
 /// max(acc, t) that keeps a NaN from either side: t where acc < t or t is NaN, else acc. The
 /// maxima of SM3's covers are order-independent with it (a NaN is stored canonical, see
@@ -344,70 +343,68 @@ class sm3_state {
     return tensor_view<const S, space>::vector(m_.data() + i.m_off, static_cast<std::int64_t>(i.size));
   }
 
-  /// The state as bytes (header, accumulators, momentum).
-  std::vector<std::byte> save(const B& b) const {
-    using namespace detail::optim;
-    std::vector<std::byte> out;
-    put_bytes(out, detail::optim::factored_magic, 8);
-    put_u64(out, 1);
-    put_u64(out, detail::sm3_k::kind_sm3);
-    put_u64(out, static_cast<std::uint64_t>(dtype_of_v<S>));
-    put_u64(out, steps_);
-    put_u64(out, info_.size());
-    for (const auto& i : info_) {
-      put_u64(out, i.size);
-      put_u64(out, i.acc_len);
-    }
-    put_u64(out, mu_.size());
-    put_u64(out, m_.size());
-    std::vector<S> host(mu_.size());
-    b.copy(tensor_view<const S, space>::vector(mu_.data(), static_cast<std::int64_t>(mu_.size())),
-           host_view(host));
-    put_bytes(out, host.data(), host.size() * sizeof(S));
-    host.resize(m_.size());
-    b.copy(tensor_view<const S, space>::vector(m_.data(), static_cast<std::int64_t>(m_.size())),
-           host_view(host));
-    put_bytes(out, host.data(), host.size() * sizeof(S));
-    return out;
-  }
+  /// Kind and format version of the archive `save()` writes.
+  static constexpr std::string_view archive_kind = "gradapt.sm3";
+  static constexpr std::uint32_t archive_version = 1;  ///< see archive_kind
 
-  /// Restores a state written by `save` for the same parameters and options.
+  /// Writes the state into the open section of `w`: element type, step count, a layout row
+  /// per tensor (size, rank, the dims padded to the largest rank, accumulator size), the
+  /// accumulators ("statistics") and the momentum buffer ("momentum", empty without momentum).
+  void save(const B& b, archive_writer& w) const {
+    w.put("element_type", name(dtype_of_v<S>));
+    w.put("steps", steps_);
+    detail::optim::put_layout(w, layout(), layout_cols);
+    detail::optim::put_state_buffer(b, w, "statistics", mu_.data(), mu_.size());
+    detail::optim::put_state_buffer(b, w, "momentum", m_.data(), m_.size());
+  }
+  /// Reads what `save(b, w)` wrote, for the same parameters (shapes included) and options.
+  /// All or nothing.
   /// @throws gradapt::error naming the first field that does not match (nothing is changed)
-  void load(const B& b, std::span<const std::byte> bytes) {
-    detail::optim::byte_reader r{bytes, "sm3_state::load"};
-    char mg[8];
-    r.take(mg, sizeof mg, "the header");
-    detail::require(std::memcmp(mg, detail::optim::factored_magic, sizeof mg) == 0,
-                    "sm3_state::load: not a checkpoint written by sm3_state::save");
-    r.expect("format version", 1);
-    r.expect("optimizer kind (2 = sm3)", detail::sm3_k::kind_sm3);
-    r.expect("element type", static_cast<std::uint64_t>(dtype_of_v<S>));
-    const std::uint64_t steps = r.u64("the step count");
-    r.expect("tensor count", info_.size());
-    for (const auto& i : info_) {
-      r.expect("tensor size", i.size);
-      r.expect("accumulator size", i.acc_len);
-    }
-    r.expect("accumulator length", mu_.size());
-    r.expect("momentum length (0 without momentum)", m_.size());
-    detail::require(r.at + (mu_.size() + m_.size()) * sizeof(S) == bytes.size(),
-                    "sm3_state::load: the checkpoint has ", bytes.size(), " bytes but ",
-                    r.at + (mu_.size() + m_.size()) * sizeof(S),
-                    " were expected (truncated or trailing bytes)");
-    std::vector<S> host(mu_.size());
-    r.take(host.data(), host.size() * sizeof(S), "the accumulators");
-    b.copy(tensor_view<const S, host_space>(host_view(host)),
+  void load(const B& b, archive_reader& r) {
+    constexpr const char* who = "sm3_state::load";
+    const auto et = r.get<std::string>("element_type");
+    detail::require(et == name(dtype_of_v<S>), who, ": the checkpoint holds ", et, " state but this state is ",
+                    name(dtype_of_v<S>));
+    const auto steps = r.get<std::uint64_t>("steps");
+    detail::require(steps < std::numeric_limits<std::uint64_t>::max(), who, ": step count ", steps,
+                    " cannot grow");
+    detail::optim::expect_layout(r, layout(), layout_cols, who, "size, rank, dims, accumulator size");
+    const auto mu = detail::optim::get_state_buffer<S>(r, "statistics", mu_.size(), who);
+    const auto m = detail::optim::get_state_buffer<S>(r, "momentum", m_.size(), who);
+    r.finish_section();
+    b.copy(tensor_view<const S, host_space>(host_view(mu)),
            tensor_view<S, space>::vector(mu_.data(), static_cast<std::int64_t>(mu_.size())));
-    host.resize(m_.size());
-    r.take(host.data(), host.size() * sizeof(S), "the momentum");
-    b.copy(tensor_view<const S, host_space>(host_view(host)),
+    b.copy(tensor_view<const S, host_space>(host_view(m)),
            tensor_view<S, space>::vector(m_.data(), static_cast<std::int64_t>(m_.size())));
     b.synchronize();
     steps_ = steps;
   }
+  /// The state as one archive of kind "gradapt.sm3" (core/archive.hpp).
+  std::vector<std::byte> save(const B& b) const {
+    archive_writer w{archive_kind, archive_version};
+    save(b, w);
+    return w.finish();
+  }
+  /// Restores a state written by `save(b)`; all or nothing.
+  void load(const B& b, std::span<const std::byte> bytes) {
+    archive_reader r{bytes, archive_kind, archive_version};
+    load(b, r);
+    r.finish();
+  }
 
  private:
   friend class sm3;
+  static constexpr std::size_t layout_cols = 3 + max_rank;
+  std::vector<std::int64_t> layout() const {
+    std::vector<std::int64_t> out;
+    for (const auto& i : info_) {
+      out.push_back(static_cast<std::int64_t>(i.size));
+      out.push_back(static_cast<std::int64_t>(i.rank));
+      for (std::size_t k = 0; k < max_rank; ++k) out.push_back(k < i.rank ? i.dims[k] : 0);
+      out.push_back(static_cast<std::int64_t>(i.acc_len));
+    }
+    return out;
+  }
   struct tensor_info {
     std::size_t size = 0;
     std::size_t rank = 0;

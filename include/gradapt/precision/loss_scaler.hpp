@@ -29,9 +29,12 @@
 #include <limits>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
+#include <vector>
 
 #include "gradapt/backend/simd.hpp"
+#include "gradapt/core/archive.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
 #include "gradapt/core/dtype.hpp"
@@ -73,7 +76,8 @@ struct loss_scaler_options {
   double max_scale = 16777216.0;        ///< <= the largest finite float
 };
 
-/// The complete state of a loss_scaler: plain data, copied bit for bit by save/load.
+/// The complete state of a loss_scaler: plain data (`state()`, `restore()`); `save()` and
+/// `load()` carry it in a state archive (core/archive.hpp).
 struct loss_scaler_state {
   double scale = 65536.0;           ///< current S (a float value), the factor for the next loss
   std::int64_t growth_tracker = 0;  ///< clean steps since the last overflow or growth, < growth_interval
@@ -423,7 +427,7 @@ void unscale_flag_nonfinite(const B& b, const L& grads, const LM& master, float 
 class loss_scaler {
  public:
   using options_type = loss_scaler_options;  ///< the hyperparameters (loss_scaler_options)
-  using state_type = loss_scaler_state;      ///< what save() returns and load() takes (plain data)
+  using state_type = loss_scaler_state;      ///< what state() returns and restore() takes (plain data)
 
   /// @throws gradapt::error when an option is out of range (the message names it).
   explicit loss_scaler(loss_scaler_options options = {}) : opt_(validated(options)) {
@@ -536,12 +540,16 @@ class loss_scaler {
     return !found_inf;
   }
 
-  /// The complete state (plain data: copy it into a checkpoint).
-  const loss_scaler_state& save() const { return st_; }
-  /// Restores a state from save(); later steps are bit-identical to an uninterrupted run.
-  /// @throws gradapt::error when the state does not fit these options
-  void load(const loss_scaler_state& s) {
-    detail::require(s.scale >= opt_.min_scale && s.scale <= opt_.max_scale &&
+  /// Kind and format version of the archive `save()` writes.
+  static constexpr std::string_view archive_kind = "gradapt.loss_scaler";
+  static constexpr std::uint32_t archive_version = 1;  ///< see archive_kind
+
+  /// The complete state (plain data).
+  const loss_scaler_state& state() const { return st_; }
+  /// Sets the state; later steps are bit-identical to the run it was taken from.
+  /// @throws gradapt::error when the state does not fit these options (state unchanged)
+  void restore(const loss_scaler_state& s) {
+    detail::require(std::isfinite(s.scale) && s.scale >= opt_.min_scale && s.scale <= opt_.max_scale &&
                         detail::loss_scale::to_float(s.scale) == s.scale,
                     "loss_scaler::load: scale ", s.scale, " is outside [min_scale ", opt_.min_scale,
                     ", max_scale ", opt_.max_scale,
@@ -552,11 +560,43 @@ class loss_scaler {
     detail::require(s.hysteresis_left >= 1 && s.hysteresis_left <= opt_.hysteresis,
                     "loss_scaler::load: hysteresis_left ", s.hysteresis_left, " is outside [1, hysteresis ",
                     opt_.hysteresis, "]");
-    detail::require(s.skipped <= s.steps && s.backoffs <= s.skipped,
+    detail::require(s.skipped <= s.steps && s.backoffs <= s.skipped && s.growths <= s.steps &&
+                        s.steps < std::numeric_limits<std::uint64_t>::max(),
                     "loss_scaler::load: inconsistent counters (", s.steps, " steps, ", s.skipped,
-                    " skipped, ", s.backoffs, " back-offs; expected backoffs <= skipped <= steps)");
+                    " skipped, ", s.backoffs, " back-offs, ", s.growths,
+                    " growths; expected backoffs <= skipped <= steps, growths <= steps, steps < 2^64 - 1)");
     st_ = s;
   }
+  /// Writes the state's fields (scale, growth_tracker, hysteresis_left, steps, skipped,
+  /// backoffs, growths) into the open section of `w`.
+  void save(archive_writer& w) const {
+    w.put("scale", st_.scale);
+    w.put("growth_tracker", st_.growth_tracker);
+    w.put("hysteresis_left", static_cast<std::int64_t>(st_.hysteresis_left));
+    w.put("steps", st_.steps);
+    w.put("skipped", st_.skipped);
+    w.put("backoffs", st_.backoffs);
+    w.put("growths", st_.growths);
+  }
+  /// Reads what `save(archive_writer&)` wrote and restores it (all or nothing).
+  /// @throws gradapt::error for a missing, mistyped, extra or out-of-range field
+  void load(archive_reader& r) {
+    loss_scaler_state s;
+    s.scale = r.get<double>("scale");
+    s.growth_tracker = r.get<std::int64_t>("growth_tracker");
+    s.hysteresis_left = r.get<int>("hysteresis_left");
+    s.steps = r.get<std::uint64_t>("steps");
+    s.skipped = r.get<std::uint64_t>("skipped");
+    s.backoffs = r.get<std::uint64_t>("backoffs");
+    s.growths = r.get<std::uint64_t>("growths");
+    r.finish_section();
+    restore(s);
+  }
+  /// The state as one archive of kind "gradapt.loss_scaler" (core/archive.hpp).
+  std::vector<std::byte> save() const { return save_archive(*this); }
+  /// Restores a state from `save()`; all or nothing.
+  /// @throws gradapt::error for a damaged archive, another kind, or a state that does not fit
+  void load(std::span<const std::byte> bytes) { load_archive(*this, bytes); }
 
  private:
   static loss_scaler_options validated(const loss_scaler_options& in) {

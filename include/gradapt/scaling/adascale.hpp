@@ -25,10 +25,15 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
+#include <span>
+#include <string_view>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
+#include "gradapt/core/archive.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/stats/gradient_noise_scale.hpp"
 
@@ -77,7 +82,7 @@ struct adascale_step {
 class adascale {
  public:
   using options_type = adascale_options;  ///< the hyperparameters (adascale_options)
-  using state_type = adascale_state;      ///< what save() returns and load() takes (plain data)
+  using state_type = adascale_state;      ///< what state() returns and restore() takes (plain data)
 
   /// @throws gradapt::error when scale is not finite or < 1.
   explicit adascale(adascale_options options = {}) : sqrt_gain_(options.sqrt_gain) {
@@ -186,17 +191,47 @@ class adascale {
   /// True when the learning-rate factor is r^0.5 (adascale_options::sqrt_gain), false for r.
   bool sqrt_gain() const { return sqrt_gain_; }
 
-  /// The complete state (plain data: copy it into a checkpoint).
-  const adascale_state& save() const { return st_; }
-  /// Restores a state from save(); later results are bit-identical to an uninterrupted run.
-  void load(const adascale_state& s) {
+  /// Kind and format version of the archive `save()` writes.
+  static constexpr std::string_view archive_kind = "gradapt.adascale";
+  static constexpr std::uint32_t archive_version = 1;  ///< see archive_kind
+
+  /// The complete state (plain data).
+  const adascale_state& state() const { return st_; }
+  /// Sets the state; later results are bit-identical to the run it was taken from.
+  /// @throws gradapt::error when the state is inconsistent (state unchanged)
+  void restore(const adascale_state& s) {
     check_scale(s.scale, "adascale::load");
     detail::require(std::isfinite(s.progress) && s.progress >= 0.0 && std::isfinite(s.last_gain) &&
-                        s.last_gain >= 1.0 && s.skipped <= s.steps,
+                        s.last_gain >= 1.0 && s.skipped <= s.steps &&
+                        s.steps < std::numeric_limits<std::uint64_t>::max(),
                     "adascale::load: inconsistent state (progress ", s.progress, ", last gain ", s.last_gain,
-                    "; expected finite progress >= 0 and gain >= 1)");
+                    ", ", s.steps, " steps, ", s.skipped,
+                    " skipped; expected finite progress >= 0, gain >= 1, skipped <= steps)");
     st_ = s;
   }
+  /// Writes the state's fields into the open section of `w`.
+  void save(archive_writer& w) const {
+    w.put("scale", st_.scale);
+    w.put("progress", st_.progress);
+    w.put("last_gain", st_.last_gain);
+    w.put("steps", st_.steps);
+    w.put("skipped", st_.skipped);
+  }
+  /// Reads what `save(archive_writer&)` wrote and restores it (all or nothing).
+  void load(archive_reader& r) {
+    adascale_state s;
+    s.scale = r.get<double>("scale");
+    s.progress = r.get<double>("progress");
+    s.last_gain = r.get<double>("last_gain");
+    s.steps = r.get<std::uint64_t>("steps");
+    s.skipped = r.get<std::uint64_t>("skipped");
+    r.finish_section();
+    restore(s);
+  }
+  /// The state as one archive of kind "gradapt.adascale" (core/archive.hpp).
+  std::vector<std::byte> save() const { return save_archive(*this); }
+  /// Restores a state from `save()`; all or nothing.
+  void load(std::span<const std::byte> bytes) { load_archive(*this, bytes); }
 
  private:
   static void check_scale(double scale, const char* fn) {

@@ -25,11 +25,14 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "gradapt/core/archive.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
 #include "gradapt/core/error.hpp"
@@ -164,11 +167,12 @@ inline noise_scale_estimate two_batch_estimate(double small_sq, double b_small, 
 /// arguments (non-positive batches, B_big <= B_small, negative squared norms, bad loss scale)
 /// throw gradapt::error.
 ///
-/// The state is a plain struct; `load(save())` restores the estimator exactly.
+/// The state is a plain struct (`state()`, `restore()`); `save()` / `load()` carry it in a
+/// state archive and restore the estimator exactly.
 class gradient_noise_scale {
  public:
   using options_type = gradient_noise_scale_options;  ///< the hyperparameters (gradient_noise_scale_options)
-  using state_type = gradient_noise_scale_state;      ///< what save() returns and load() takes (plain data)
+  using state_type = gradient_noise_scale_state;      ///< what state() returns and restore() takes (plain data)
 
   /// @throws gradapt::error when smoothing is outside [0, 1).
   explicit gradient_noise_scale(gradient_noise_scale_options options = {}) : opt_(options) {
@@ -363,18 +367,57 @@ class gradient_noise_scale {
   /// True when any accepted sample came from the biased single-replica form.
   bool biased() const { return st_.biased > 0; }
 
-  /// The complete state (plain data: copy it into a checkpoint).
-  const gradient_noise_scale_state& save() const { return st_; }
-  /// Restores a state from save(); later results are bit-identical to an uninterrupted run.
-  /// @throws gradapt::error when the state is inconsistent (β^t outside [0, 1], non-finite).
-  void load(const gradient_noise_scale_state& s) {
+  /// Kind and format version of the archive `save()` writes.
+  static constexpr std::string_view archive_kind = "gradapt.gradient_noise_scale";
+  static constexpr std::uint32_t archive_version = 1;  ///< see archive_kind
+
+  /// The complete state (plain data).
+  const gradient_noise_scale_state& state() const { return st_; }
+  /// Sets the state; later results are bit-identical to the run it was taken from.
+  /// @throws gradapt::error when the state is inconsistent (non-finite averages or estimates,
+  ///         β^t outside [0, 1], counters that disagree or would overflow); state unchanged
+  void restore(const gradient_noise_scale_state& s) {
+    constexpr auto top = std::numeric_limits<std::uint64_t>::max();
     detail::require(
-        std::isfinite(s.ema_grad_sq) && std::isfinite(s.ema_trace) && s.beta_power >= 0.0 &&
-            s.beta_power <= 1.0 && ((s.samples == 0) == (s.beta_power == 1.0)) && s.biased <= s.samples,
+        std::isfinite(s.ema_grad_sq) && std::isfinite(s.ema_trace) && std::isfinite(s.last_grad_sq) &&
+            std::isfinite(s.last_trace) && s.beta_power >= 0.0 && s.beta_power <= 1.0 &&
+            ((s.samples == 0) == (s.beta_power == 1.0)) && s.biased <= s.samples && s.samples < top &&
+            s.skipped < top,
         "gradient_noise_scale::load: inconsistent state (", s.samples, " samples, beta_power ", s.beta_power,
         "; expected finite averages, beta_power = 1 with no samples and in [0, 1) otherwise)");
     st_ = s;
   }
+  /// Writes the state's fields into the open section of `w`.
+  void save(archive_writer& w) const {
+    w.put("ema_grad_sq", st_.ema_grad_sq);
+    w.put("ema_trace", st_.ema_trace);
+    w.put("beta_power", st_.beta_power);
+    w.put("last_grad_sq", st_.last_grad_sq);
+    w.put("last_trace", st_.last_trace);
+    w.put("samples", st_.samples);
+    w.put("skipped", st_.skipped);
+    w.put("biased", st_.biased);
+    w.put("has_previous", st_.has_previous);
+  }
+  /// Reads what `save(archive_writer&)` wrote and restores it (all or nothing).
+  void load(archive_reader& r) {
+    gradient_noise_scale_state s;
+    s.ema_grad_sq = r.get<double>("ema_grad_sq");
+    s.ema_trace = r.get<double>("ema_trace");
+    s.beta_power = r.get<double>("beta_power");
+    s.last_grad_sq = r.get<double>("last_grad_sq");
+    s.last_trace = r.get<double>("last_trace");
+    s.samples = r.get<std::uint64_t>("samples");
+    s.skipped = r.get<std::uint64_t>("skipped");
+    s.biased = r.get<std::uint64_t>("biased");
+    s.has_previous = r.get<bool>("has_previous");
+    r.finish_section();
+    restore(s);
+  }
+  /// The state as one archive of kind "gradapt.gradient_noise_scale" (core/archive.hpp).
+  std::vector<std::byte> save() const { return save_archive(*this); }
+  /// Restores a state from `save()`; all or nothing.
+  void load(std::span<const std::byte> bytes) { load_archive(*this, bytes); }
 
   /// Forgets all samples (options kept).
   void reset() { st_ = {}; }
@@ -479,19 +522,43 @@ class grouped_noise_scale {
     return update_slots(mean_local, global, ranks, batch);
   }
 
-  /// States of all slots, slot 0 (global) first.
-  std::vector<gradient_noise_scale_state> save() const {
-    std::vector<gradient_noise_scale_state> out;
-    out.reserve(est_.size());
-    for (const auto& e : est_) out.push_back(e.save());
-    return out;
+  /// Kind and format version of the archive `save()` writes.
+  static constexpr std::string_view archive_kind = "gradapt.grouped_noise_scale";
+  static constexpr std::uint32_t archive_version = 1;  ///< see archive_kind
+
+  /// The estimator of slot k (0 is the whole model, 1 + g group g).
+  const gradient_noise_scale& slot(std::size_t k) const {
+    detail::require(k < est_.size(), "grouped_noise_scale::slot: index ", k, " out of range (", est_.size(),
+                    " slots)");
+    return est_[k];
   }
-  /// Restores states from save().
-  void load(std::span<const gradient_noise_scale_state> states) {
-    detail::require(states.size() == est_.size(), "grouped_noise_scale::load: ", states.size(),
-                    " states for ", est_.size(), " slots (expected groups + 1)");
-    for (std::size_t k = 0; k < est_.size(); ++k) est_[k].load(states[k]);
+  /// Writes the slot count and every slot's state (sections "slot<k>") into `w`.
+  void save(archive_writer& w) const {
+    w.put("slots", static_cast<std::uint64_t>(est_.size()));
+    for (std::size_t k = 0; k < est_.size(); ++k) {
+      w.begin("slot" + std::to_string(k));
+      est_[k].save(w);
+      w.end();
+    }
   }
+  /// Reads what `save(archive_writer&)` wrote; all or nothing.
+  void load(archive_reader& r) {
+    const auto n = r.get<std::uint64_t>("slots");
+    detail::require(n == est_.size(), "grouped_noise_scale::load: ", n, " slots in the checkpoint for ",
+                    est_.size(), " here (expected groups + 1)");
+    std::vector<gradient_noise_scale> next = est_;
+    for (std::size_t k = 0; k < est_.size(); ++k) {
+      r.begin("slot" + std::to_string(k));
+      next[k].load(r);
+      r.end();
+    }
+    r.finish_section();
+    est_ = std::move(next);
+  }
+  /// Every slot's state as one archive of kind "gradapt.grouped_noise_scale".
+  std::vector<std::byte> save() const { return save_archive(*this); }
+  /// Restores the slots from `save()`; all or nothing.
+  void load(std::span<const std::byte> bytes) { load_archive(*this, bytes); }
 
  private:
   template <class PL>

@@ -33,6 +33,7 @@
 #include <limits>
 #include <optional>
 
+#include "gradapt/core/archive.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/sync/averaging_schedule.hpp"
 
@@ -82,7 +83,7 @@ struct adaptive_period_state {
 class adaptive_period {
  public:
   using options_type = adaptive_period_options;  ///< the hyperparameters (adaptive_period_options)
-  using state_type = adaptive_period_state;      ///< what save() returns and load() takes (plain data)
+  using state_type = adaptive_period_state;      ///< what state() returns and restore() takes (plain data)
   /// This schedule reads the rank-mean loss and learning rate at every round.
   static constexpr bool uses_loss = true;
 
@@ -191,10 +192,39 @@ class adaptive_period {
   void commit(const adaptive_period_state& s) { st_ = s; }
 
   /// The complete state (plain data).
-  const adaptive_period_state& save() const { return st_; }
-  /// Restores a state from save(); `local_steps` is the local-step count of the run it belongs
+  const adaptive_period_state& state() const { return st_; }
+  /// Writes the state's fields into the open section of `w`.
+  void save(archive_writer& w) const {
+    w.put("period", st_.period);
+    w.put("next_due", st_.next_due);
+    w.put("ema", st_.ema);
+    w.put("beta_power", st_.beta_power);
+    w.put("samples", st_.samples);
+    w.put("skipped", st_.skipped);
+    w.put("loss", st_.loss);
+    w.put("reference_loss", st_.reference_loss);
+    w.put("reference_lr", st_.reference_lr);
+    w.put("has_reference", st_.has_reference);
+  }
+  /// Reads what `save` wrote and restores it for a run at `local_steps` (all or nothing).
+  void load(archive_reader& r, std::uint64_t local_steps) {
+    adaptive_period_state s;
+    s.period = r.get<std::uint64_t>("period");
+    s.next_due = r.get<std::uint64_t>("next_due");
+    s.ema = r.get<double>("ema");
+    s.beta_power = r.get<double>("beta_power");
+    s.samples = r.get<std::uint64_t>("samples");
+    s.skipped = r.get<std::uint64_t>("skipped");
+    s.loss = r.get<double>("loss");
+    s.reference_loss = r.get<double>("reference_loss");
+    s.reference_lr = r.get<double>("reference_lr");
+    s.has_reference = r.get<bool>("has_reference");
+    r.finish_section();
+    restore(s, local_steps);
+  }
+  /// Sets a state from state(); `local_steps` is the local-step count of the run it belongs
   /// to. @throws gradapt::error when the state is inconsistent with the options or the count.
-  void load(const adaptive_period_state& s, std::uint64_t local_steps) {
+  void restore(const adaptive_period_state& s, std::uint64_t local_steps) {
     const auto k_max = static_cast<std::uint64_t>(opt_.max_period);
     detail::require(s.period >= 1 && s.period <= k_max, "adaptive_period::load: period is ", s.period,
                     " (expected 1 to K_max = ", k_max, "; was the state saved with other options?)");

@@ -8,6 +8,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "gradapt/core/archive.hpp"
+
 namespace gradapt {
 
 /// What a schedule learns at an averaging round: the rank means (over the whole world) of the
@@ -25,8 +27,10 @@ struct round_observation {
 /// `l` averages in consecutive groups of `group_size(l, world)` ranks (the last level of every
 /// schedule is the whole world). At a round, local_sgd computes `advance(c, level, obs)`, a
 /// new state with no side effect, averages the model, and only then installs the state with
-/// `commit`: a round that throws leaves the schedule unchanged. `save`/`load` copy the
-/// complete state; `load` checks it against the local-step count it belongs to.
+/// `commit`: a round that throws leaves the schedule unchanged. `state`/`restore` copy the
+/// complete state as plain data, and `save`/`load` carry it in a state archive
+/// (core/archive.hpp); `restore` and `load` check it against the local-step count it belongs
+/// to, and `load` is all or nothing.
 template <class S>
 concept averaging_schedule = requires(S& s, const S& cs, std::uint64_t c, std::size_t level, int world,
                                       const round_observation& obs, const typename S::state_type& st) {
@@ -37,8 +41,12 @@ concept averaging_schedule = requires(S& s, const S& cs, std::uint64_t c, std::s
   { cs.due(c) } -> std::convertible_to<int>;
   { cs.advance(c, level, obs) } -> std::same_as<typename S::state_type>;
   s.commit(st);
-  { cs.save() } -> std::convertible_to<typename S::state_type>;
-  s.load(st, c);
+  { cs.state() } -> std::convertible_to<typename S::state_type>;
+  s.restore(st, c);
+}
+&&requires(S& s, const S& cs, archive_writer& w, archive_reader& r, std::uint64_t c) {
+  cs.save(w);
+  s.load(r, c);
 };
 
 }  // namespace gradapt

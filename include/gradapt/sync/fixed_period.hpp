@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "gradapt/core/archive.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/sync/averaging_schedule.hpp"
 
@@ -51,7 +52,7 @@ struct fixed_period_state {
 class fixed_period {
  public:
   using options_type = fixed_period_options;  ///< the hyperparameters (fixed_period_options)
-  using state_type = fixed_period_state;      ///< what save() returns and load() takes (plain data)
+  using state_type = fixed_period_state;      ///< what state() returns and restore() takes (plain data)
   /// This schedule does not read the training loss.
   static constexpr bool uses_loss = false;
 
@@ -100,10 +101,23 @@ class fixed_period {
   void commit(const fixed_period_state& s) { st_ = s; }
 
   /// The complete state (plain data).
-  const fixed_period_state& save() const { return st_; }
-  /// Restores a state from save(); `local_steps` is the local-step count of the run it belongs
+  const fixed_period_state& state() const { return st_; }
+  /// Writes the state's fields (rounds, next_due) into the open section of `w`.
+  void save(archive_writer& w) const {
+    w.put("rounds", st_.rounds);
+    w.put("next_due", st_.next_due);
+  }
+  /// Reads what `save` wrote and restores it for a run at `local_steps` (all or nothing).
+  void load(archive_reader& r, std::uint64_t local_steps) {
+    fixed_period_state s;
+    s.rounds = r.get<std::uint64_t>("rounds");
+    s.next_due = r.get<std::uint64_t>("next_due");
+    r.finish_section();
+    restore(s, local_steps);
+  }
+  /// Sets a state from state(); `local_steps` is the local-step count of the run it belongs
   /// to. @throws gradapt::error when the next round is not within the current period ahead.
-  void load(const fixed_period_state& s, std::uint64_t local_steps) {
+  void restore(const fixed_period_state& s, std::uint64_t local_steps) {
     const std::uint64_t p = period_of_round(s.rounds);
     detail::require(s.next_due > local_steps && s.next_due - local_steps <= p,
                     "fixed_period::load: next round at local step ", s.next_due, " after ", local_steps,

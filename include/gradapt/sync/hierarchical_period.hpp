@@ -31,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "gradapt/core/archive.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/sync/averaging_schedule.hpp"
 
@@ -69,7 +70,7 @@ inline constexpr std::size_t max_average_levels = 8;
 class hierarchical_period {
  public:
   using options_type = hierarchical_period_options;  ///< the hyperparameters (hierarchical_period_options)
-  using state_type = hierarchical_period_state;      ///< what save() returns and load() takes (empty)
+  using state_type = hierarchical_period_state;      ///< what state() returns and restore() takes (empty)
   /// This schedule does not read the training loss.
   static constexpr bool uses_loss = false;
 
@@ -120,9 +121,13 @@ class hierarchical_period {
   /// Nothing to install.
   void commit(const hierarchical_period_state&) {}
   /// The (empty) state.
-  hierarchical_period_state save() const { return {}; }
+  hierarchical_period_state state() const { return {}; }
   /// Nothing to restore.
-  void load(const hierarchical_period_state&, std::uint64_t) {}
+  void restore(const hierarchical_period_state&, std::uint64_t) {}
+  /// Writes nothing: the schedule keeps no state.
+  void save(archive_writer&) const {}
+  /// Reads nothing; rejects a section that holds fields (another schedule's state).
+  void load(archive_reader& r, std::uint64_t) { r.finish_section(); }
 
  private:
   hierarchical_period_options opt_;

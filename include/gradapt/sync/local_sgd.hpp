@@ -29,10 +29,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
+#include "gradapt/core/archive.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/ops.hpp"
@@ -112,7 +115,7 @@ struct local_sgd_state {
 template <class ScheduleState>
 struct local_sgd_checkpoint {
   local_sgd_state driver;  ///< step, round and byte counters
-  ScheduleState schedule;  ///< the schedule's save()
+  ScheduleState schedule;  ///< the schedule's state()
 };
 
 /// Local SGD driver over communicator type C with schedule S.
@@ -133,12 +136,12 @@ struct local_sgd_checkpoint {
 ///
 /// Construction is collective when a schedule level has groups smaller than the world
 /// (comm.split is called once per such level, in level order). The steady-state step
-/// allocates nothing. save()/load() round-trip the complete state exactly.
+/// allocates nothing. state()/restore() and save()/load() round-trip the complete state exactly.
 template <communicator C, averaging_schedule S>
 class local_sgd {
  public:
   using schedule_type = S;  ///< the averaging schedule (fixed_period, adaptive_period, ...)
-  /// What save() returns and load() takes: the driver's counters and the schedule's state.
+  /// What state() returns and restore() takes: the driver's counters and the schedule's state.
   using checkpoint_type = local_sgd_checkpoint<typename S::state_type>;
 
   /// Builds the averaging groups of every schedule level on `comm`.
@@ -248,32 +251,84 @@ class local_sgd {
   /// What averaging over the whole world after every local step would have sent (ring model).
   std::uint64_t every_step_ring_bytes() const { return st_.every_step_ring_bytes; }
 
-  /// The complete state: the driver's counters and the schedule's state (plain data).
-  checkpoint_type save() const { return {st_, sched_.save()}; }
+  /// Kind and format version of the archive `save()` writes.
+  static constexpr std::string_view archive_kind = "gradapt.local_sgd";
+  static constexpr std::uint32_t archive_version = 1;  ///< see archive_kind
 
-  /// Restores a checkpoint from save() of a local_sgd with the same options, schedule and
+  /// The complete state: the driver's counters and the schedule's state (plain data).
+  checkpoint_type state() const { return {st_, sched_.state()}; }
+
+  /// Sets a state from state() of a local_sgd with the same options, schedule and
   /// communicator size; the run then continues exactly as the saved one would have. Call it
   /// on every rank (the list agreement of check_lists runs again at the next round).
-  /// @throws gradapt::error when the checkpoint is inconsistent (counters, schedule state).
-  void load(const checkpoint_type& ck) {
-    const local_sgd_state& d = ck.driver;
+  /// @throws gradapt::error when the state is inconsistent (counters, schedule state); the
+  ///         local_sgd is then unchanged
+  void restore(const checkpoint_type& ck) {
+    S next = sched_;
+    next.restore(ck.schedule, check_driver(ck.driver));
+    sched_ = std::move(next);
+    st_ = ck.driver;
+    verified_ = false;
+  }
+  /// Writes the driver's counters and, in section "schedule", the schedule's state.
+  void save(archive_writer& w) const {
+    w.put("steps", st_.steps);
+    w.put("rounds", st_.rounds);
+    w.put_tensor<std::uint64_t>("level_rounds", st_.level_rounds);
+    w.put("payload_bytes", st_.payload_bytes);
+    w.put("ring_bytes", st_.ring_bytes);
+    w.put("every_step_payload_bytes", st_.every_step_payload_bytes);
+    w.put("every_step_ring_bytes", st_.every_step_ring_bytes);
+    w.begin("schedule");
+    sched_.save(w);
+    w.end();
+  }
+  /// Reads what `save(archive_writer&)` wrote and restores it (all or nothing).
+  void load(archive_reader& r) {
+    local_sgd_state d;
+    d.steps = r.get<std::uint64_t>("steps");
+    d.rounds = r.get<std::uint64_t>("rounds");
+    r.get_tensor<std::uint64_t>("level_rounds", std::span<std::uint64_t>(d.level_rounds));
+    d.payload_bytes = r.get<std::uint64_t>("payload_bytes");
+    d.ring_bytes = r.get<std::uint64_t>("ring_bytes");
+    d.every_step_payload_bytes = r.get<std::uint64_t>("every_step_payload_bytes");
+    d.every_step_ring_bytes = r.get<std::uint64_t>("every_step_ring_bytes");
+    const std::uint64_t local = check_driver(d);
+    S next = sched_;
+    r.begin("schedule");
+    next.load(r, local);
+    r.end();
+    r.finish_section();
+    sched_ = std::move(next);
+    st_ = d;
+    verified_ = false;
+  }
+  /// The state as one archive of kind "gradapt.local_sgd" (core/archive.hpp).
+  std::vector<std::byte> save() const { return save_archive(*this); }
+  /// Restores a state from `save()`; all or nothing.
+  void load(std::span<const std::byte> bytes) { load_archive(*this, bytes); }
+
+ private:
+  // Validates the driver's counters; returns the local-step count they belong to.
+  std::uint64_t check_driver(const local_sgd_state& d) const {
     const std::uint64_t local = d.steps < opt_.start_step ? 0 : d.steps - opt_.start_step;
     std::uint64_t sum = 0;
     for (std::size_t l = 0; l < max_average_levels; ++l) {
       detail::require(l < levels_ || d.level_rounds[l] == 0, "local_sgd::load: ", d.level_rounds[l],
                       " rounds at level ", l, " but the schedule has ", levels_, " levels");
+      detail::require(d.level_rounds[l] <= d.rounds, "local_sgd::load: ", d.level_rounds[l], " rounds at level ",
+                      l, " but ", d.rounds, " in all");
       sum += d.level_rounds[l];
     }
     detail::require(
         sum == d.rounds && d.rounds <= local, "local_sgd::load: ", d.rounds, " rounds (", sum,
         " by level) after ", local,
         " local steps (expected the level counts to add up and at most one round per local step)");
-    sched_.load(ck.schedule, local);
-    st_ = d;
-    verified_ = false;
+    detail::require(d.steps < std::numeric_limits<std::uint64_t>::max(), "local_sgd::load: step count ", d.steps,
+                    " would overflow at the next step");
+    return local;
   }
 
- private:
   static constexpr int world_group = -1;
   static constexpr int self_group = -2;
 

@@ -53,6 +53,7 @@
 #include <vector>
 
 #include "gradapt/combine/adasum.hpp"
+#include "gradapt/core/archive.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
 #include "gradapt/core/error.hpp"
@@ -139,135 +140,6 @@ double fingerprint(const L& list) {
   return static_cast<double>(h);
 }
 
-/// Byte writer/reader of the checkpoint.
-struct writer {
-  std::vector<std::byte>& out;
-  template <class T>
-  void put(const T& v) {
-    static_assert(std::is_trivially_copyable_v<T>, "checkpoint fields are plain data");
-    const auto* p = reinterpret_cast<const std::byte*>(&v);
-    out.insert(out.end(), p, p + sizeof(T));
-  }
-  void bytes(const std::vector<std::byte>& b) {
-    put(static_cast<std::uint64_t>(b.size()));
-    out.insert(out.end(), b.begin(), b.end());
-  }
-};
-
-struct reader {
-  std::span<const std::byte> in;
-  std::size_t at = 0;
-  void take(void* dst, std::size_t n, const char* what) {
-    gradapt::detail::require(at + n <= in.size(),
-                             "train::data_parallel_step::load: the checkpoint ends inside ", what, " (",
-                             in.size(), " bytes; truncated?)");
-    if (n) std::memcpy(dst, in.data() + at, n);
-    at += n;
-  }
-  template <class T>
-  T get(const char* what) {
-    T v;
-    take(&v, sizeof(T), what);
-    return v;
-  }
-  std::span<const std::byte> bytes(const char* what) {
-    const auto n = get<std::uint64_t>(what);
-    gradapt::detail::require(n <= in.size() - at,
-                             "train::data_parallel_step::load: the checkpoint ends inside ", what, " (", n,
-                             " bytes announced, ", in.size() - at, " left; truncated?)");
-    const auto s = in.subspan(at, static_cast<std::size_t>(n));
-    at += static_cast<std::size_t>(n);
-    return s;
-  }
-};
-
-// Field by field for the states that have padding, so that a checkpoint's bytes are a
-// function of the state alone (save after load reproduces them).
-inline void put_state(writer& w, const loss_scaler_state& s) {
-  w.put(s.scale);
-  w.put(s.growth_tracker);
-  w.put(static_cast<std::int64_t>(s.hysteresis_left));
-  w.put(s.steps);
-  w.put(s.skipped);
-  w.put(s.backoffs);
-  w.put(s.growths);
-}
-inline void get_state(reader& r, loss_scaler_state& s) {
-  constexpr const char* what = "the loss scaler state";
-  s.scale = r.get<double>(what);
-  s.growth_tracker = r.get<std::int64_t>(what);
-  s.hysteresis_left = static_cast<int>(r.get<std::int64_t>(what));
-  s.steps = r.get<std::uint64_t>(what);
-  s.skipped = r.get<std::uint64_t>(what);
-  s.backoffs = r.get<std::uint64_t>(what);
-  s.growths = r.get<std::uint64_t>(what);
-}
-inline void put_state(writer& w, const gradient_noise_scale_state& s) {
-  w.put(s.ema_grad_sq);
-  w.put(s.ema_trace);
-  w.put(s.beta_power);
-  w.put(s.last_grad_sq);
-  w.put(s.last_trace);
-  w.put(s.samples);
-  w.put(s.skipped);
-  w.put(s.biased);
-  w.put(static_cast<std::uint64_t>(s.has_previous ? 1 : 0));
-}
-inline void get_state(reader& r, gradient_noise_scale_state& s) {
-  constexpr const char* what = "the noise scale state";
-  s.ema_grad_sq = r.get<double>(what);
-  s.ema_trace = r.get<double>(what);
-  s.beta_power = r.get<double>(what);
-  s.last_grad_sq = r.get<double>(what);
-  s.last_trace = r.get<double>(what);
-  s.samples = r.get<std::uint64_t>(what);
-  s.skipped = r.get<std::uint64_t>(what);
-  s.biased = r.get<std::uint64_t>(what);
-  s.has_previous = r.get<std::uint64_t>(what) != 0;
-}
-inline void put_state(writer& w, const adascale_state& s) {
-  w.put(s.scale);
-  w.put(s.progress);
-  w.put(s.last_gain);
-  w.put(s.steps);
-  w.put(s.skipped);
-}
-inline void get_state(reader& r, adascale_state& s) {
-  constexpr const char* what = "the AdaScale state";
-  s.scale = r.get<double>(what);
-  s.progress = r.get<double>(what);
-  s.last_gain = r.get<double>(what);
-  s.steps = r.get<std::uint64_t>(what);
-  s.skipped = r.get<std::uint64_t>(what);
-}
-/// LocalSGD: the driver's counters field by field, the schedule's state as plain bytes
-/// (fixed_period's has no padding; other schedules' padding bytes are copied as they are).
-template <class SS>
-void put_state(writer& w, const local_sgd_checkpoint<SS>& s) {
-  w.put(s.driver.steps);
-  w.put(s.driver.rounds);
-  for (auto v : s.driver.level_rounds) w.put(v);
-  w.put(s.driver.payload_bytes);
-  w.put(s.driver.ring_bytes);
-  w.put(s.driver.every_step_payload_bytes);
-  w.put(s.driver.every_step_ring_bytes);
-  w.put(s.schedule);
-}
-template <class SS>
-void get_state(reader& r, local_sgd_checkpoint<SS>& s) {
-  constexpr const char* what = "the LocalSGD state";
-  s.driver.steps = r.get<std::uint64_t>(what);
-  s.driver.rounds = r.get<std::uint64_t>(what);
-  for (auto& v : s.driver.level_rounds) v = r.get<std::uint64_t>(what);
-  s.driver.payload_bytes = r.get<std::uint64_t>(what);
-  s.driver.ring_bytes = r.get<std::uint64_t>(what);
-  s.driver.every_step_payload_bytes = r.get<std::uint64_t>(what);
-  s.driver.every_step_ring_bytes = r.get<std::uint64_t>(what);
-  s.schedule = r.get<SS>(what);
-}
-
-inline constexpr char checkpoint_magic[8] = {'g', 'r', 'a', 'd', 'a', 'p', 't', 'T'};
-inline constexpr std::uint64_t checkpoint_version = 1;
 
 template <class H>
 decltype(auto) unwrap(H& h) {
@@ -549,31 +421,34 @@ class data_parallel_step {
   /// are the framework's buffers; save them with the framework). With LocalSGD the replicas and
   /// their optimizer states differ between rounds: every rank saves its own.
   std::vector<std::byte> save() const {
-    std::vector<std::byte> out;
-    detail::writer w{out};
-    out.insert(
-        out.end(), reinterpret_cast<const std::byte*>(detail::checkpoint_magic),
-        reinterpret_cast<const std::byte*>(detail::checkpoint_magic) + sizeof detail::checkpoint_magic);
-    w.put(detail::checkpoint_version);
-    w.put(static_cast<std::uint64_t>(comm_->size()));
-    w.put(slot_mask());
-    w.put(static_cast<std::uint64_t>(tensors_));
-    w.put(static_cast<std::uint64_t>(total_));
-    w.put(settings_.lr);
-    w.put(settings_.local_batch);
-    w.put(static_cast<std::int64_t>(settings_.accumulation_steps));
-    w.put(settings_.period);
-    w.put(calls_);
+    archive_writer w{archive_kind, archive_version};
+    w.put("ranks", static_cast<std::uint64_t>(comm_->size()));
+    w.put("slots", slot_mask());
+    w.put("tensors", static_cast<std::uint64_t>(tensors_));
+    w.put("elements", static_cast<std::uint64_t>(total_));
+    w.begin("settings");
+    w.put("lr", settings_.lr);
+    w.put("local_batch", settings_.local_batch);
+    w.put("accumulation_steps", static_cast<std::int64_t>(settings_.accumulation_steps));
+    w.put("period", settings_.period);
+    w.end();
+    w.put("calls", calls_);
     put_metrics(w, last_);
-    w.bytes(state_.save(backend_));
-    if constexpr (has_loss_scaling) detail::put_state(w, scaler_.save());
+    w.begin("optimizer");
+    state_.save(backend_, w);
+    w.end();
+    if constexpr (has_loss_scaling) put_section(w, "loss_scaler", scaler_);
     if constexpr (has_adascale) {
-      detail::put_state(w, adapt_.gns.save());
-      detail::put_state(w, adapt_.ada.save());
+      put_section(w, "noise_scale", adapt_.gns);
+      put_section(w, "adascale", adapt_.ada);
     }
-    if constexpr (has_local_sgd) detail::put_state(w, sync_.driver->save());
-    return out;
+    if constexpr (has_local_sgd) put_section(w, "local_sgd", *sync_.driver);
+    return w.finish();
   }
+
+  /// Kind and format version of the archive `save()` writes.
+  static constexpr std::string_view archive_kind = "gradapt.train_step";
+  static constexpr std::uint32_t archive_version = 1;  ///< see archive_kind
 
   /// Restores a state written by `save()` of a step with the same slots, optimizer, rank
   /// count and parameter layout; the following steps are then bit for bit those of the run
@@ -660,7 +535,7 @@ class data_parallel_step {
   /// Replaces the LocalSGD driver by one whose fixed period is k, carrying its state: the next
   /// round is k local steps after the last one (or at the next step if that is already past).
   void change_period(std::int64_t k) requires has_settable_period {
-    auto ck = sync_.driver->save();
+    auto ck = sync_.driver->state();
     const std::uint64_t done = sync_.driver->local_steps();
     const fixed_period next = with_period(k);
     const std::uint64_t last = ck.schedule.next_due - sync_.schedule.period_of_round(ck.schedule.rounds);
@@ -669,7 +544,7 @@ class data_parallel_step {
     ck.schedule.next_due = due;
     sync_.schedule = next;
     sync_.driver.emplace(*comm_, sync_.options, sync_.schedule);
-    sync_.driver->load(ck);
+    sync_.driver->restore(ck);
   }
 
   /// Validates the settings after the before_step hooks and applies batch and period changes.
@@ -741,101 +616,117 @@ class data_parallel_step {
     }
   }
 
-  static void put_metrics(detail::writer& w, const step_metrics& m) {
-    w.put(m.step);
-    w.put(m.optimizer_steps);
-    w.put(m.loss);
-    w.put(m.loss_scale);
-    w.put(m.noise_scale);
-    w.put(m.gain);
-    w.put(m.lr);
-    w.put(m.progress);
-    w.put(m.scale);
-    const std::uint64_t flags =
-        (m.found_inf ? 1u : 0u) | (m.stepped ? 2u : 0u) | (m.synchronous ? 4u : 0u) | (m.averaged ? 8u : 0u);
-    w.put(flags);
+  template <class State>
+  static void put_section(archive_writer& w, const char* section, const State& st) {
+    w.begin(section);
+    st.save(w);
+    w.end();
   }
-  static step_metrics get_metrics(detail::reader& r) {
+
+  static void put_metrics(archive_writer& w, const step_metrics& m) {
+    w.begin("metrics");
+    w.put("step", m.step);
+    w.put("optimizer_steps", m.optimizer_steps);
+    w.put("loss", m.loss);
+    w.put("loss_scale", m.loss_scale);
+    w.put("noise_scale", m.noise_scale);
+    w.put("gain", m.gain);
+    w.put("lr", m.lr);
+    w.put("progress", m.progress);
+    w.put("scale", m.scale);
+    w.put("found_inf", m.found_inf);
+    w.put("stepped", m.stepped);
+    w.put("synchronous", m.synchronous);
+    w.put("averaged", m.averaged);
+    w.end();
+  }
+  static step_metrics get_metrics(archive_reader& r) {
     step_metrics m;
-    m.step = r.get<std::uint64_t>("the metrics");
-    m.optimizer_steps = r.get<std::uint64_t>("the metrics");
-    m.loss = r.get<double>("the metrics");
-    m.loss_scale = r.get<double>("the metrics");
-    m.noise_scale = r.get<double>("the metrics");
-    m.gain = r.get<double>("the metrics");
-    m.lr = r.get<double>("the metrics");
-    m.progress = r.get<double>("the metrics");
-    m.scale = r.get<double>("the metrics");
-    const auto flags = r.get<std::uint64_t>("the metrics");
-    m.found_inf = flags & 1u;
-    m.stepped = flags & 2u;
-    m.synchronous = flags & 4u;
-    m.averaged = flags & 8u;
+    r.begin("metrics");
+    m.step = r.get<std::uint64_t>("step");
+    m.optimizer_steps = r.get<std::uint64_t>("optimizer_steps");
+    m.loss = r.get<double>("loss");
+    m.loss_scale = r.get<double>("loss_scale");
+    m.noise_scale = r.get<double>("noise_scale");
+    m.gain = r.get<double>("gain");
+    m.lr = r.get<double>("lr");
+    m.progress = r.get<double>("progress");
+    m.scale = r.get<double>("scale");
+    m.found_inf = r.get<bool>("found_inf");
+    m.stepped = r.get<bool>("stepped");
+    m.synchronous = r.get<bool>("synchronous");
+    m.averaged = r.get<bool>("averaged");
+    r.end();
     return m;
   }
 
+  // Reads the archive into this step. Component loads validate their own sections and
+  // commit one by one, so `load` restores a backup when anything throws.
   void load_impl(std::span<const std::byte> bytes) {
     constexpr const char* fn = "train::data_parallel_step::load";
-    detail::reader r{bytes};
-    char magic[sizeof detail::checkpoint_magic];
-    r.take(magic, sizeof magic, "the header");
-    detail::require(std::memcmp(magic, detail::checkpoint_magic, sizeof magic) == 0, fn,
-                    ": not a checkpoint written by train::data_parallel_step::save");
-    const auto expect = [&](const char* what, std::uint64_t want, const char* hint) {
-      const auto got = r.get<std::uint64_t>(what);
+    archive_reader r{bytes, archive_kind, archive_version};
+    const auto expect = [&](const char* field, const char* what, std::uint64_t want, const char* hint) {
+      const auto got = r.get<std::uint64_t>(field);
       detail::require(got == want, fn, ": the checkpoint's ", what, " is ", got, " but this step's is ", want,
                       " (", hint, ")");
     };
-    expect("format version", detail::checkpoint_version, "written by another gradapt version");
-    expect("rank count", static_cast<std::uint64_t>(comm_->size()), "restore on as many ranks as saved");
-    expect("slot mask (1 loss scaling, 2 Adasum, 4 AdaScale, 8 LocalSGD)", slot_mask(),
+    expect("ranks", "rank count", static_cast<std::uint64_t>(comm_->size()), "restore on as many ranks as saved");
+    expect("slots", "slot mask (1 loss scaling, 2 Adasum, 4 AdaScale, 8 LocalSGD)", slot_mask(),
            "restore into a step built with the same policies");
-    expect("tensor count", static_cast<std::uint64_t>(tensors_), "restore for the same parameters");
-    expect("element count", static_cast<std::uint64_t>(total_), "restore for the same parameters");
+    expect("tensors", "tensor count", static_cast<std::uint64_t>(tensors_), "restore for the same parameters");
+    expect("elements", "element count", static_cast<std::uint64_t>(total_), "restore for the same parameters");
     step_settings s;
-    s.lr = r.get<double>("the settings");
-    s.local_batch = r.get<double>("the settings");
-    s.accumulation_steps = static_cast<int>(r.get<std::int64_t>("the settings"));
-    s.period = r.get<std::int64_t>("the settings");
-    const auto calls = r.get<std::uint64_t>("the step counter");
+    r.begin("settings");
+    s.lr = r.get<double>("lr");
+    s.local_batch = r.get<double>("local_batch");
+    s.accumulation_steps = r.get<int>("accumulation_steps");
+    s.period = r.get<std::int64_t>("period");
+    r.end();
+    detail::require(std::isfinite(s.lr) && s.lr >= 0.0, fn, ": the checkpoint's learning rate is ", s.lr,
+                    " (expected finite and >= 0)");
+    detail::require(std::isfinite(s.local_batch) && s.local_batch > 0.0 && s.accumulation_steps >= 1, fn,
+                    ": the checkpoint's batch settings are local_batch ", s.local_batch, ", accumulation_steps ",
+                    s.accumulation_steps, " (expected finite > 0 and >= 1)");
+    const auto calls = r.get<std::uint64_t>("calls");
+    detail::require(calls < std::numeric_limits<std::uint64_t>::max(), fn, ": step counter ", calls,
+                    " cannot grow");
     const step_metrics m = get_metrics(r);
-    const auto opt_bytes = r.bytes("the optimizer state");
-    loss_scaler_state scaler_state{};
-    gradient_noise_scale_state gns_state{};
-    adascale_state ada_state{};
-    if constexpr (has_loss_scaling) detail::get_state(r, scaler_state);
-    if constexpr (has_adascale) {
-      detail::get_state(r, gns_state);
-      detail::get_state(r, ada_state);
-    }
-    local_sgd_checkpoint<typename schedule_type::state_type> sync_state{};
-    if constexpr (has_local_sgd) detail::get_state(r, sync_state);
-    detail::require(r.at == bytes.size(), fn, ": ", bytes.size() - r.at,
-                    " unexpected trailing bytes in the checkpoint (written by a step with other policies?)");
     if constexpr (!has_settable_period)
       detail::require(s.period == 0, fn, ": the checkpoint's period is ", s.period,
-                      " but this step has no fixed "
-                      "LocalSGD period");
-    // Apply (component loads validate their own states).
-    state_.load(backend_, opt_bytes);
-    if constexpr (has_loss_scaling) scaler_.load(scaler_state);
+                      " but this step has no fixed LocalSGD period");
+    if constexpr (has_local_sgd && has_settable_period)
+      detail::require(s.period >= 1, fn, ": the checkpoint's period is ", s.period, " (expected >= 1)");
+    // Apply (component loads validate their own sections).
+    r.begin("optimizer");
+    state_.load(backend_, r);
+    r.end();
+    if constexpr (has_loss_scaling) load_section(r, "loss_scaler", scaler_);
     if constexpr (has_adascale) {
-      adapt_.gns.load(gns_state);
-      adapt_.ada.load(ada_state);
+      load_section(r, "noise_scale", adapt_.gns);
+      load_section(r, "adascale", adapt_.ada);
     }
     if constexpr (has_local_sgd) {
       if constexpr (has_settable_period) {
-        detail::require(s.period >= 1, fn, ": the checkpoint's period is ", s.period, " (expected >= 1)");
         if (s.period != sync_.schedule.options().period) {
           sync_.schedule = with_period(s.period);
           sync_.driver.emplace(*comm_, sync_.options, sync_.schedule);
         }
       }
-      sync_.driver->load(sync_state);
+      load_section(r, "local_sgd", *sync_.driver);
     }
+    r.finish();
     settings_ = s;
     calls_ = calls;
     last_ = m;
+  }
+
+  template <class State>
+  static void load_section(archive_reader& r, const char* section, State& st) {
+    detail::require(!r.names(section).empty(), "train::data_parallel_step::load: the checkpoint has no ",
+                    section, " state (written by a step with other policies?)");
+    r.begin(section);
+    st.load(r);
+    r.end();
   }
 
   Comm* comm_;

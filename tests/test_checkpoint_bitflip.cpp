@@ -1,0 +1,154 @@
+// Every kind of state saved through the state archive rejects every single-bit flip of its
+// checkpoint with a gradapt::error and is left unchanged (its next save gives the same bytes).
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "catch.hpp"
+#include "gradapt/backend/host.hpp"
+#include "gradapt/comm/single.hpp"
+#include "gradapt/comm/threads.hpp"
+#include "gradapt/core/param_list.hpp"
+#include "gradapt/optim/adafactor.hpp"
+#include "gradapt/optim/adamw.hpp"
+#include "gradapt/optim/lamb.hpp"
+#include "gradapt/optim/sm3.hpp"
+#include "gradapt/precision/loss_scaler.hpp"
+#include "gradapt/scaling/adascale.hpp"
+#include "gradapt/stats/gradient_noise_scale.hpp"
+#include "gradapt/sync/local_sgd.hpp"
+#include "gradapt/train/data_parallel_step.hpp"
+
+namespace {
+
+/// A small parameter list: a matrix (factored by Adafactor and SM3), a vector and a 3-d tensor.
+struct model {
+  std::vector<float> w1 = std::vector<float>(6 * 4), g1 = std::vector<float>(6 * 4);
+  std::vector<float> w2 = std::vector<float>(5), g2 = std::vector<float>(5);
+  std::vector<float> w3 = std::vector<float>(2 * 3 * 2), g3 = std::vector<float>(2 * 3 * 2);
+  gradapt::param_list<float> params;
+  model() {
+    params.add("dense.weight", gradapt::host_view(w1, {6, 4}), gradapt::host_view(g1, {6, 4}));
+    params.add("dense.bias", gradapt::host_view(w2, {5}), gradapt::host_view(g2, {5}));
+    params.add("conv.weight", gradapt::host_view(w3, {2, 3, 2}), gradapt::host_view(g3, {2, 3, 2}));
+    for (std::size_t i = 0; i < w1.size(); ++i) w1[i] = 0.1f * float(i % 7) - 0.3f;
+    for (std::size_t i = 0; i < w2.size(); ++i) w2[i] = 0.05f * float(i);
+    for (std::size_t i = 0; i < w3.size(); ++i) w3[i] = -0.2f + 0.03f * float(i);
+  }
+  void grads(int t) {
+    for (std::size_t i = 0; i < g1.size(); ++i) g1[i] = 0.01f * float((i * 3 + t) % 11) - 0.05f;
+    for (std::size_t i = 0; i < g2.size(); ++i) g2[i] = 0.02f * float((i + t) % 5) - 0.04f;
+    for (std::size_t i = 0; i < g3.size(); ++i) g3[i] = 0.015f * float((i * 5 + t) % 9) - 0.06f;
+  }
+};
+
+/// Flips every bit of `good` in turn; `load` must throw gradapt::error each time and `save`
+/// must still give `good`. Returns the number of flips tried.
+template <class Load, class Save>
+std::size_t flip_every_bit(const std::vector<std::byte>& good, Load&& load, Save&& save) {
+  std::size_t rejected = 0;
+  auto bad = good;
+  for (std::size_t i = 0; i < good.size() * 8; ++i) {
+    const auto mask = static_cast<std::byte>(1u << (i % 8));
+    bad[i / 8] ^= mask;
+    bool threw = false;
+    try {
+      load(std::span<const std::byte>(bad));
+    } catch (const gradapt::error&) {
+      threw = true;
+    }
+    bad[i / 8] ^= mask;
+    if (!threw) FAIL("bit " << i << " of " << good.size() * 8 << " flipped and the load was accepted");
+    ++rejected;
+  }
+  REQUIRE(save() == good);
+  return rejected;
+}
+
+template <class Opt>
+void optimizer_case(const Opt& opt, const char* label) {
+  INFO(label);
+  model m;
+  gradapt::host b{};
+  auto st = opt.init(b, m.params);
+  for (int t = 1; t <= 3; ++t) {
+    m.grads(t);
+    opt.step(b, m.params, st, {.lr = 1e-2});
+  }
+  const auto good = st.save(b);
+  const std::size_t n =
+      flip_every_bit(good, [&](std::span<const std::byte> bad) { st.load(b, bad); }, [&] { return st.save(b); });
+  REQUIRE(n == good.size() * 8);
+  REQUIRE(st.steps() == 3);
+}
+
+}  // namespace
+
+TEST_CASE("bit flips: optimizer states (AdamW, LAMB, Adafactor, SM3, chains and classes)", "[archive][checkpoint]") {
+  optimizer_case(gradapt::adamw({.weight_decay = 0.01}), "adamw");
+  optimizer_case(gradapt::lamb({.weight_decay = 0.01}), "lamb");
+  optimizer_case(gradapt::adafactor_chain({.min_dim_size_to_factor = 2}), "adafactor_chain");
+  optimizer_case(gradapt::sm3_chain({}), "sm3_chain");
+  optimizer_case(gradapt::adafactor({.min_dim_size_to_factor = 2, .momentum = 0.9}), "adafactor");
+  optimizer_case(gradapt::sm3({.momentum = 0.9}), "sm3");
+}
+
+TEST_CASE("bit flips: loss scaler, noise scale, AdaScale", "[archive][checkpoint]") {
+  gradapt::loss_scaler scaler({.init_scale = 1024.0, .growth_interval = 3});
+  for (int t = 0; t < 5; ++t) (void)scaler.update(t == 2);
+  auto good = scaler.save();
+  flip_every_bit(good, [&](std::span<const std::byte> bad) { scaler.load(bad); }, [&] { return scaler.save(); });
+
+  gradapt::gradient_noise_scale gns({.smoothing = 0.9});
+  for (int t = 1; t <= 4; ++t) gns.update(0.5 + 0.1 * t, 8.0, 0.2 + 0.01 * t, 32.0);
+  good = gns.save();
+  flip_every_bit(good, [&](std::span<const std::byte> bad) { gns.load(bad); }, [&] { return gns.save(); });
+
+  gradapt::adascale ada({.scale = 4.0});
+  for (int t = 0; t < 3; ++t) ada.advance(gns, 8.0);
+  good = ada.save();
+  flip_every_bit(good, [&](std::span<const std::byte> bad) { ada.load(bad); }, [&] { return ada.save(); });
+}
+
+TEST_CASE("bit flips: LocalSGD with each schedule", "[archive][checkpoint]") {
+  gradapt::comm::single comm;
+  gradapt::host b{};
+  std::vector<float> x(7, 1.0f);
+  const std::vector<gradapt::tensor_view<float>> xs{gradapt::host_view(x)};
+  const auto run = [&](auto schedule, const char* label) {
+    INFO(label);
+    gradapt::local_sgd lsgd(comm, {.start_step = 2}, schedule);
+    for (int t = 0; t < 9; ++t) {
+      if constexpr (decltype(schedule)::uses_loss)
+        lsgd.step(comm, b, {.loss = 1.0 / (1 + t), .lr = 0.1}, std::span(xs));
+      else
+        lsgd.step(comm, b, std::span(xs));
+    }
+    const auto good = lsgd.save();
+    flip_every_bit(good, [&](std::span<const std::byte> bad) { lsgd.load(bad); }, [&] { return lsgd.save(); });
+  };
+  run(gradapt::fixed_period({.period = 3}), "fixed_period");
+  run(gradapt::adaptive_period({.initial_period = 2, .max_period = 8}), "adaptive_period");
+  run(gradapt::hierarchical_period({.levels = {{.period = 2, .group_size = 1}, {.period = 4, .group_size = gradapt::hierarchical_level::world}}}),
+      "hierarchical_period");
+}
+
+TEST_CASE("bit flips: the data-parallel train step", "[archive][checkpoint][train]") {
+  gradapt::comm::run_threads(2, [&](gradapt::comm::threads& comm) {
+    model m;
+    gradapt::host b{};
+    auto step = gradapt::train::make_data_parallel_step(
+        comm, b, m.params, gradapt::lamb({.weight_decay = 0.01}), {.lr = 0.01, .local_batch = 8},
+        gradapt::loss_scaler({.init_scale = 256.0}), gradapt::train::adascale_policy{.base_batch = 8});
+    for (int t = 1; t <= 3; ++t) {
+      m.grads(t + comm.rank());
+      step.step({.loss = 1.0});
+    }
+    const auto good = step.save();
+    // Rank 0 flips every bit; the load is not collective.
+    if (comm.rank() == 0)
+      flip_every_bit(good, [&](std::span<const std::byte> bad) { step.load(bad); }, [&] { return step.save(); });
+  });
+}
