@@ -69,6 +69,7 @@
 
 #include <gradapt/gradapt.hpp>
 
+#include "common/check.hpp"
 #include "common/digits_mlp.hpp"
 #include "common/svg_plot.hpp"
 
@@ -314,12 +315,12 @@ void check_args(int argc, char** argv) {
   for (int i = 1; i < argc; i += 2) {
     const bool known = std::any_of(std::begin(options), std::end(options),
                                    [&](const char* o) { return std::strcmp(argv[i], o) == 0; });
-    gradapt::detail::require(
+    examples::require(
         known, "comm_strategies: unknown argument '", argv[i],
         "' (options: --data --out --ranks --steps --batch --lr --lr-warmup --decay1 --decay2 "
         "--weight-decay --sync-steps --period --warmup-rounds --k0 --kmax --smoothing --evals "
         "--seed, each followed by a value)");
-    gradapt::detail::require(i + 1 < argc, "comm_strategies: option ", argv[i], " needs a value");
+    examples::require(i + 1 < argc, "comm_strategies: option ", argv[i], " needs a value");
   }
 }
 
@@ -342,7 +343,7 @@ T parse(const std::string& text, const char* name) {
   } catch (const std::exception&) {
     used = 0;
   }
-  gradapt::detail::require(used == text.size() && used > 0, "comm_strategies: ", name, " is '", text,
+  examples::require(used == text.size() && used > 0, "comm_strategies: ", name, " is '", text,
                            "' (expected a number)");
   return v;
 }
@@ -363,7 +364,7 @@ int main(int argc, char** argv) {
     const auto count = [&](const char* name, long def, long min) {
       const std::string v = arg(argc, argv, name, "");
       const long x = v.empty() ? def : parse<long>(v, name);
-      gradapt::detail::require(x >= min, "comm_strategies: ", name, " is ", x, " (expected >= ", min, ")");
+      examples::require(x >= min, "comm_strategies: ", name, " is ", x, " (expected >= ", min, ")");
       return x;
     };
     c.ranks = static_cast<int>(count("--ranks", c.ranks, 2));
@@ -375,11 +376,11 @@ int main(int argc, char** argv) {
     c.weight_decay = num("--weight-decay", c.weight_decay);
     c.decay1 = num("--decay1", c.decay1);
     c.decay2 = num("--decay2", c.decay2);
-    gradapt::detail::require(std::isfinite(c.lr) && c.lr > 0, "comm_strategies: --lr is ", c.lr,
+    examples::require(std::isfinite(c.lr) && c.lr > 0, "comm_strategies: --lr is ", c.lr,
                              " (expected a positive learning rate)");
-    gradapt::detail::require(std::isfinite(c.weight_decay) && c.weight_decay >= 0,
+    examples::require(std::isfinite(c.weight_decay) && c.weight_decay >= 0,
                              "comm_strategies: --weight-decay is ", c.weight_decay, " (expected >= 0)");
-    gradapt::detail::require(c.decay1 >= 0 && c.decay1 <= c.decay2, "comm_strategies: --decay1 ", c.decay1,
+    examples::require(c.decay1 >= 0 && c.decay1 <= c.decay2, "comm_strategies: --decay1 ", c.decay1,
                              " and --decay2 ", c.decay2, " (expected 0 <= decay1 <= decay2)");
     c.fixed.period = count("--period", c.fixed.period, 1);
     c.fixed.warmup_rounds = count("--warmup-rounds", c.fixed.warmup_rounds, 0);
@@ -472,7 +473,7 @@ int main(int argc, char** argv) {
       for (const auto& p : r.points)
         csv << '"' << r.name << "\"," << p.step << ',' << p.payload << ',' << p.ring << ',' << p.loss << ','
             << p.period << '\n';
-    if (!csv) gradapt::detail::fail("comm_strategies: cannot write ", out_dir, "/comm_strategies.csv");
+    if (!csv) examples::fail("comm_strategies: cannot write ", out_dir, "/comm_strategies.csv");
     std::vector<examples::series> by_step, by_bytes;
     for (const auto& r : runs) {
       examples::series a{r.name, {}}, b{r.name, {}};

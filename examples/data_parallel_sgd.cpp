@@ -18,6 +18,8 @@
 
 #include <gradapt/gradapt.hpp>
 
+#include "common/check.hpp"
+
 namespace {
 
 struct dataset {
@@ -115,7 +117,7 @@ int main(int argc, char** argv) {
         }
         comm.allreduce(gradapt::host_view(stats), gradapt::reduce_op::sum);
         const double gnorm = std::sqrt(backend.reduce(gradapt::reduction::sum_squares, params.grads(), {}));
-        if (stats[2] != 0.0) gradapt::detail::fail("ranks disagree on the weights after epoch ", epoch);
+        if (stats[2] != 0.0) examples::fail("ranks disagree on the weights after epoch ", epoch);
         if (r == 0)
           std::printf("epoch %2d  loss %.4f  accuracy %.3f  |grad| %.4f  ranks in sync: yes\n", epoch,
                       stats[0] / ds.n, stats[1] / ds.n, gnorm / p);

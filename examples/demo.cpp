@@ -34,6 +34,7 @@
 #include <gradapt/optim/lamb.hpp>
 #include <gradapt/train/data_parallel_step.hpp>
 
+#include "common/check.hpp"
 #include "common/digits_mlp.hpp"
 #include "common/svg_plot.hpp"
 
@@ -159,7 +160,7 @@ std::vector<epoch_row> train(Comm& comm, const dataset& d, const std::vector<int
           "  (skipped %llu)\n",
           row.epoch, row.loss, row.accuracy, row.noise_scale, row.gain, row.lr, row.loss_scale,
           static_cast<unsigned long long>(row.skipped));
-    if (!row.in_sync) gradapt::detail::fail("demo: the ranks disagree on the weights after epoch ", epoch);
+    if (!row.in_sync) examples::fail("demo: the ranks disagree on the weights after epoch ", epoch);
   }
   return rows;
 }
@@ -245,10 +246,10 @@ int main(int argc, char** argv) {
     o.data = arg(argc, argv, "--data", o.data);
     o.mpi = flag(argc, argv, "--mpi") || std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE");
     if (dtype != "fp16" && dtype != "bf16")
-      gradapt::detail::fail("demo: --dtype is '", dtype, "' (expected fp16 or bf16)");
+      examples::fail("demo: --dtype is '", dtype, "' (expected fp16 or bf16)");
     o.bf16 = dtype == "bf16";
     if (o.ranks < 1 || o.epochs < 1 || o.batch < 1 || !(o.lr > 0))
-      gradapt::detail::fail("demo: expected --ranks N >= 1, --epochs E >= 1, --batch B >= 1, --lr > 0");
+      examples::fail("demo: expected --ranks N >= 1, --epochs E >= 1, --batch B >= 1, --lr > 0");
   } catch (const std::exception& e) {
     std::fprintf(stderr,
                  "%s\nusage: demo [--ranks N] [--epochs E] [--batch B] [--lr LR] [--dtype fp16|bf16] "
@@ -272,7 +273,7 @@ int main(int argc, char** argv) {
       MPI_Finalize();
       return rc;
 #else
-      gradapt::detail::fail(
+      examples::fail(
           "demo: MPI was requested (--mpi or an mpirun environment) but this build has no MPI; "
           "configure gradapt with an MPI library found (GRADAPT_WITH_MPI=ON)");
 #endif

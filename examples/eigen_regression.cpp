@@ -24,6 +24,8 @@
 #include <gradapt/gradapt.hpp>
 #include <gradapt/optim/sgd.hpp>
 
+#include "common/check.hpp"
+
 namespace {
 
 constexpr int d = 8, k = 3, rows_per_rank = 200;
@@ -62,7 +64,7 @@ int main(int argc, char** argv) {
     }
   }
   try {
-    if (ranks < 1 || steps < 1) gradapt::detail::fail("eigen_regression: --ranks and --steps must be >= 1");
+    if (ranks < 1 || steps < 1) examples::fail("eigen_regression: --ranks and --steps must be >= 1");
     const problem data = make_problem(ranks);
     // Independent reference: the least-squares solution of all rows, solved directly.
     const Eigen::MatrixXd w_ls = data.x.colPivHouseholderQr().solve(data.y);

@@ -56,6 +56,7 @@
 #include <gradapt/scaling/goodput.hpp>
 #include <gradapt/scaling/goodput_fit.hpp>
 
+#include "common/check.hpp"
 #include "common/digits_mlp.hpp"
 #include "common/svg_plot.hpp"
 
@@ -341,7 +342,7 @@ run_result train(const dataset& d, const std::vector<int>& order, const settings
 
 std::ofstream open_out(const std::string& path) {
   std::ofstream f(path);
-  if (!f) gradapt::detail::fail("goodput_adapt: cannot write '", path, "' (does the --out directory exist?)");
+  if (!f) examples::fail("goodput_adapt: cannot write '", path, "' (does the --out directory exist?)");
   return f;
 }
 
@@ -360,7 +361,7 @@ T number(const std::string& option, const std::string& v) {
     used = 0;
   }
   if (used != v.size() || v.empty())
-    gradapt::detail::fail("goodput_adapt: ", option, " '", v, "' is not a number");
+    examples::fail("goodput_adapt: ", option, " '", v, "' is not a number");
   return x;
 }
 
@@ -368,7 +369,7 @@ settings parse(int argc, char** argv) {
   settings o;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (i + 1 >= argc) gradapt::detail::fail("goodput_adapt: option ", a, " needs a value");
+    if (i + 1 >= argc) examples::fail("goodput_adapt: option ", a, " needs a value");
     const std::string v = argv[++i];
     if (a == "--data")
       o.data = v;
@@ -397,21 +398,21 @@ settings parse(int argc, char** argv) {
         p = q + 1;
       }
     } else
-      gradapt::detail::fail("goodput_adapt: unknown option ", a,
+      examples::fail("goodput_adapt: unknown option ", a,
                             " (see the comment at the top of goodput_adapt.cpp)");
   }
-  gradapt::detail::require(o.ranks >= 2 && o.ranks <= base_batch, "goodput_adapt: --ranks ", o.ranks,
+  examples::require(o.ranks >= 2 && o.ranks <= base_batch, "goodput_adapt: --ranks ", o.ranks,
                            " (expected 2..", base_batch, ": the data-parallel noise scale needs two ranks)");
-  gradapt::detail::require(o.iters > 0 && o.every >= 1 && o.lr > 0 && o.tolerance > 0 && o.hysteresis >= 0,
+  examples::require(o.iters > 0 && o.every >= 1 && o.lr > 0 && o.tolerance > 0 && o.hysteresis >= 0,
                            "goodput_adapt: --iters ", o.iters, ", --every ", o.every, ", --lr ", o.lr,
                            ", --tolerance ", o.tolerance, ", --hysteresis ", o.hysteresis,
                            " (expected positive values; hysteresis >= 0)");
-  gradapt::detail::require(o.max_m >= 8 && o.max_s >= 3, "goodput_adapt: --max-atomic-batch ", o.max_m,
+  examples::require(o.max_m >= 8 && o.max_s >= 3, "goodput_adapt: --max-atomic-batch ", o.max_m,
                            " and --max-accum-steps ", o.max_s,
                            " (expected >= 8 and >= 3: the profile needs distinct m and s values)");
   if (o.profile_worlds.empty()) o.profile_worlds.push_back(o.ranks);
   for (int w : o.profile_worlds)
-    gradapt::detail::require(w >= 1 && w <= 64, "goodput_adapt: --profile-worlds has ", w,
+    examples::require(w >= 1 && w <= 64, "goodput_adapt: --profile-worlds has ", w,
                              " (expected world sizes 1..64, comma-separated)");
   return o;
 }

@@ -30,6 +30,7 @@
 #include <gradapt/gradapt.hpp>
 #include <gradapt/precision/loss_scaler.hpp>
 
+#include "common/check.hpp"
 #include "common/svg_plot.hpp"
 
 namespace {
@@ -89,7 +90,7 @@ int main(int argc, char** argv) {
   try {
     const std::string out = arg(argc, argv, "--out", ".");
     const int steps = std::stoi(arg(argc, argv, "--steps", "6000"));
-    if (steps < 600) gradapt::detail::fail("loss_scale_trace: --steps is ", steps, " (expected >= 600)");
+    if (steps < 600) examples::fail("loss_scale_trace: --steps is ", steps, " (expected >= 600)");
     // Unit-magnitude pattern: the largest element is exactly 1 (so max |g| = m).
     std::mt19937 rng(7);
     std::uniform_real_distribution<float> u(-1.0f, 1.0f);
@@ -145,7 +146,7 @@ int main(int argc, char** argv) {
       }
       lines[0].points.emplace_back(t, ceiling[k]);
     }
-    if (!csv) gradapt::detail::fail("loss_scale_trace: cannot write ", out, "/loss_scale_trace.csv");
+    if (!csv) examples::fail("loss_scale_trace: cannot write ", out, "/loss_scale_trace.csv");
     examples::write_svg(
         out + "/loss_scale_trace.svg", lines,
         {.title = "Loss scale on a scripted fp16 run (growth_interval 200, max_scale 2^24, NaN at 4200)",

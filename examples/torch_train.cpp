@@ -48,6 +48,8 @@
 #include <gradapt/stats/allreduce_with_norms.hpp>
 #include <gradapt/stats/gradient_noise_scale.hpp>
 
+#include "common/check.hpp"
+
 #ifndef GRADAPT_EXAMPLES_DATA_DIR
 #define GRADAPT_EXAMPLES_DATA_DIR "examples/data"
 #endif
@@ -65,7 +67,7 @@ struct split {
 /// Reads the CSV, shuffles it with a fixed seed and splits it 80/20 into train and test.
 std::pair<split, split> load(const std::string& path) {
   std::ifstream f(path);
-  if (!f) gradapt::detail::fail("torch_train: cannot open '", path, "' (pass --data PATH)");
+  if (!f) examples::fail("torch_train: cannot open '", path, "' (pass --data PATH)");
   std::vector<float> px;
   std::vector<std::int64_t> labels;
   std::string line;
@@ -76,13 +78,13 @@ std::pair<split, split> load(const std::string& path) {
     labels.push_back(std::stoll(cell));
     for (int j = 0; j < features; ++j) {
       if (!std::getline(ss, cell, ','))
-        gradapt::detail::fail("torch_train: row ", labels.size(), " of '", path,
+        examples::fail("torch_train: row ", labels.size(), " of '", path,
                               "' has fewer than 65 fields");
       px.push_back(std::stof(cell) / 16.0f);
     }
   }
   const auto n = static_cast<std::int64_t>(labels.size());
-  if (n < 10) gradapt::detail::fail("torch_train: '", path, "' holds only ", n, " rows");
+  if (n < 10) examples::fail("torch_train: '", path, "' holds only ", n, " rows");
   std::vector<std::int64_t> order(static_cast<std::size_t>(n));
   std::iota(order.begin(), order.end(), 0);
   std::shuffle(order.begin(), order.end(), std::mt19937(2024));
@@ -151,7 +153,7 @@ void train(gradapt::comm::threads& comm, mlp_impl& model, const split& train_set
       }});
   const auto bucket_view = gradapt::view_of<float>(bucket);
   if (params.grads().front().data() != bucket_view.data())
-    gradapt::detail::fail("torch_train: the gradient views do not start at the bucket");
+    examples::fail("torch_train: the gradient views do not start at the bucket");
 
   // Rank 0's initial weights everywhere (the views are the parameters' own memory).
   for (const auto& v : params.values()) comm.broadcast(v, 0);
@@ -263,7 +265,7 @@ int main(int argc, char** argv) {
     }
   }
   try {
-    if (opt.ranks < 2) gradapt::detail::fail("torch_train: --ranks is ", opt.ranks, " (expected >= 2)");
+    if (opt.ranks < 2) examples::fail("torch_train: --ranks is ", opt.ranks, " (expected >= 2)");
     at::set_num_threads(1);  // one LibTorch thread per rank
     const auto [train_set, test_set] = load(opt.data);
     // One replica per rank, built here in order: LibTorch's global generator is shared by all

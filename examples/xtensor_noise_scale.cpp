@@ -30,6 +30,8 @@
 #include <gradapt/stats/allreduce_with_norms.hpp>
 #include <gradapt/stats/gradient_noise_scale.hpp>
 
+#include "common/check.hpp"
+
 namespace {
 
 constexpr std::size_t d = 16, batch = 8;
@@ -52,7 +54,7 @@ int main(int argc, char** argv) {
   }
   try {
     if (ranks < 2 || steps < 1)
-      gradapt::detail::fail(
+      examples::fail(
           "xtensor_noise_scale: --ranks must be >= 2 (the data-parallel estimator needs two "
           "batch sizes) and --steps >= 1");
     // e = w − w*, fixed for the whole run.

@@ -42,7 +42,7 @@ done
 targets=(adascale_digits comm_strategies loss_scale_trace demo optimizer_memory)
 [ "$skip_timed" = 1 ] || targets+=(goodput_adapt)
 
-# The same compiler flags as the default preset (RelWithDebInfo), without tests, benches, docs.
+# Plain -O2 with debug info (the flags a consumer typically uses), without tests, benches, docs.
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGRADAPT_WITH_CUDA=OFF \
   -DGRADAPT_BUILD_TESTS=OFF -DGRADAPT_BUILD_BENCH=OFF -DGRADAPT_BUILD_DOCS=OFF -DGRADAPT_INSTALL=OFF \
   -DGRADAPT_BUILD_EXAMPLES=ON -DCMAKE_DISABLE_FIND_PACKAGE_Torch=ON >/dev/null

@@ -30,41 +30,7 @@
 #include "gradapt/core/param_list.hpp"
 #include "rank_check.hpp"
 
-// ---- allocation counter: counts operator new on threads that switch it on -------------------
-namespace {
-thread_local bool g_count_allocations = false;
-thread_local std::size_t g_allocations = 0;
-}  // namespace
-
-// The whole unaligned family is replaced (new, new[], their nothrow forms, every delete), so
-// allocation and deallocation always pair. Out of line, so that GCC does not inline free()
-// into callers and warn about new/free pairs.
-namespace {
-void* counted_malloc(std::size_t n) noexcept {
-  if (g_count_allocations) ++g_allocations;
-  return std::malloc(n == 0 ? 1 : n);
-}
-}  // namespace
-[[gnu::noinline]] void* operator new(std::size_t n) {
-  if (void* p = counted_malloc(n)) return p;
-  throw std::bad_alloc();
-}
-[[gnu::noinline]] void* operator new[](std::size_t n) {
-  if (void* p = counted_malloc(n)) return p;
-  throw std::bad_alloc();
-}
-[[gnu::noinline]] void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
-  return counted_malloc(n);
-}
-[[gnu::noinline]] void* operator new[](std::size_t n, const std::nothrow_t&) noexcept {
-  return counted_malloc(n);
-}
-[[gnu::noinline]] void operator delete(void* p) noexcept { std::free(p); }
-[[gnu::noinline]] void operator delete[](void* p) noexcept { std::free(p); }
-[[gnu::noinline]] void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-[[gnu::noinline]] void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-[[gnu::noinline]] void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
-[[gnu::noinline]] void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
+#include "alloc_counter.hpp"  // this executable's operator new counts allocations
 
 namespace {
 
@@ -795,11 +761,9 @@ TEST_CASE("adasum: repeated calls give the same bits and the steady state alloca
         first[r] = mine.values();
         rank_tensors<float> again(inputs[r], one_buffer);
         // Same layout, new buffers: the workspace serves any list of this layout.
-        g_allocations = 0;
-        g_count_allocations = true;
+        const std::size_t before = alloc_counter::on_this_thread();
         ada.allreduce(b, again.views, ws);
-        g_count_allocations = false;
-        allocations[r] = g_allocations;
+        allocations[r] = alloc_counter::on_this_thread() - before;
         second[r] = again.values();
       });
     for (int r = 0; r < n; ++r) {

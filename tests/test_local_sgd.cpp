@@ -28,38 +28,7 @@
 #include "gradapt/sync/local_sgd.hpp"
 #include "rank_check.hpp"
 
-// ---- allocation counter: the steady-state step must not allocate ----------------------------
-
-// The whole non-aligned family is replaced (plain, array, nothrow), so that every pointer is
-// allocated and freed by the same pair (ASan checks alloc/dealloc pairs). Out of line, so that
-// GCC does not pair an inlined free() with `new` (-Wmismatched-new-delete).
-namespace {
-thread_local std::size_t g_allocations = 0;
-void* counted_malloc(std::size_t n) noexcept {
-  ++g_allocations;
-  return std::malloc(n ? n : 1);
-}
-}  // namespace
-[[gnu::noinline]] void* operator new(std::size_t n) {
-  if (void* p = counted_malloc(n)) return p;
-  throw std::bad_alloc();
-}
-[[gnu::noinline]] void* operator new[](std::size_t n) {
-  if (void* p = counted_malloc(n)) return p;
-  throw std::bad_alloc();
-}
-[[gnu::noinline]] void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
-  return counted_malloc(n);
-}
-[[gnu::noinline]] void* operator new[](std::size_t n, const std::nothrow_t&) noexcept {
-  return counted_malloc(n);
-}
-[[gnu::noinline]] void operator delete(void* p) noexcept { std::free(p); }
-[[gnu::noinline]] void operator delete[](void* p) noexcept { std::free(p); }
-[[gnu::noinline]] void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-[[gnu::noinline]] void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-[[gnu::noinline]] void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
-[[gnu::noinline]] void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
+#include "alloc_counter.hpp"  // this executable's operator new counts allocations
 
 using Catch::Matchers::Contains;
 using gradapt::adaptive_period;
@@ -863,9 +832,9 @@ TEST_CASE("local_sgd: the steady-state step allocates nothing", "[local_sgd][all
         lsgd.step(comm, backend, xs, ms);
     };
     for (int t = 0; t < 20; ++t) one(t);  // warm-up: the communicator's scratch, list agreement
-    const std::size_t before = g_allocations;
+    const std::size_t before = alloc_counter::on_this_thread();
     for (int t = 20; t < 60; ++t) one(t);
-    const std::size_t after = g_allocations;
+    const std::size_t after = alloc_counter::on_this_thread();
     RANK_REQUIRE(after == before);
     RANK_REQUIRE(lsgd.rounds() > 10);
   };

@@ -39,39 +39,7 @@ using gradapt::loss_scaler;
 using gradapt::loss_scaler_options;
 using gradapt::tensor_view;
 
-// ---- allocation counter (the steady-state unscale must not allocate) --------------------------
-// Replaces the global operator new. Not under AddressSanitizer, whose own operator new would
-// still serve some allocations and then report our free() as a mismatch; the assertion runs
-// in the ordinary build.
-#if defined(__SANITIZE_ADDRESS__)
-#define GRADAPT_TEST_COUNT_ALLOCATIONS 0
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define GRADAPT_TEST_COUNT_ALLOCATIONS 0
-#endif
-#endif
-#ifndef GRADAPT_TEST_COUNT_ALLOCATIONS
-#define GRADAPT_TEST_COUNT_ALLOCATIONS 1
-#endif
-namespace {
-std::atomic<long> g_allocations{0};
-thread_local bool g_counting = false;
-}  // namespace
-
-#if GRADAPT_TEST_COUNT_ALLOCATIONS
-// GCC pairs the malloc in operator new with the free in operator delete across inlining and
-// warns although both replacements belong together.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-#endif
-void* operator new(std::size_t n) {
-  if (g_counting) g_allocations.fetch_add(1, std::memory_order_relaxed);
-  if (void* p = std::malloc(n ? n : 1)) return p;
-  throw std::bad_alloc();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-#endif
+#include "alloc_counter.hpp"  // this executable's operator new counts allocations
 
 namespace {
 
@@ -711,16 +679,15 @@ TEST_CASE("unscale: the param_list, master and workspace forms agree; the step a
   REQUIRE_THROWS_WITH(static_cast<void>(b.unscale(backend, comm, copies, tensor_view<float>::vector(ws, 1))),
                       Contains("workspace has 1 floats"));
   // Steady state: no allocation in the fused in-place, master and workspace forms.
-  g_allocations = 0;
-  g_counting = true;
+  const std::size_t allocs_before = alloc_counter::on_this_thread();
   const bool s1 = a.unscale(backend, comm, params);
   const bool s2 = into.unscale(backend, comm, params.grads(), master);
   const bool s3 = b.unscale(backend, comm, copies, tensor_view<float>::vector(ws, 2));
-  g_counting = false;
+  const std::size_t allocs = alloc_counter::on_this_thread() - allocs_before;
   REQUIRE(s1);
   REQUIRE(s2);
   REQUIRE_FALSE(s3);
-  if (GRADAPT_TEST_COUNT_ALLOCATIONS) REQUIRE(g_allocations.load() == 0);
+  if (alloc_counter::enabled) REQUIRE(allocs == 0);
   // Mismatched master lists are refused with the sizes named.
   const std::vector<tensor_view<float>> short_master{gradapt::host_view(m1)};
   REQUIRE_THROWS_WITH(static_cast<void>(into.unscale(backend, comm, params.grads(), short_master)),

@@ -39,36 +39,7 @@ using ld = long double;
 
 static_assert(gradapt::factored_backend<gradapt::host>);
 
-// ---- allocation counter (this executable only; every thread, OpenMP workers included) -------
-// The whole unaligned family is replaced so that allocation and deallocation always pair; out
-// of line so that GCC does not see new/free pairs.
-namespace {
-std::atomic<long> g_allocs{0};
-void* counted_malloc(std::size_t n) noexcept {
-  g_allocs.fetch_add(1, std::memory_order_relaxed);
-  return std::malloc(n == 0 ? 1 : n);
-}
-}  // namespace
-[[gnu::noinline]] void* operator new(std::size_t n) {
-  if (void* p = counted_malloc(n)) return p;
-  throw std::bad_alloc();
-}
-[[gnu::noinline]] void* operator new[](std::size_t n) {
-  if (void* p = counted_malloc(n)) return p;
-  throw std::bad_alloc();
-}
-[[gnu::noinline]] void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
-  return counted_malloc(n);
-}
-[[gnu::noinline]] void* operator new[](std::size_t n, const std::nothrow_t&) noexcept {
-  return counted_malloc(n);
-}
-[[gnu::noinline]] void operator delete(void* p) noexcept { std::free(p); }
-[[gnu::noinline]] void operator delete[](void* p) noexcept { std::free(p); }
-[[gnu::noinline]] void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-[[gnu::noinline]] void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-[[gnu::noinline]] void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
-[[gnu::noinline]] void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
+#include "alloc_counter.hpp"  // this executable's operator new counts allocations
 
 namespace {
 
@@ -500,9 +471,9 @@ TEST_CASE("adafactor save/restore continues bit-identically; the step allocates 
         fill_grad(a[k], 5u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
         fill_grad(c[k], 5u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
       }
-      const long before = g_allocs.load();
+      const long before = alloc_counter::in_process();
       opt.step(b, pa, sa);
-      REQUIRE(g_allocs.load() == before);
+      REQUIRE(alloc_counter::in_process() == before);
       opt.step(b, pc, sc);
     }
     for (std::size_t k = 0; k < a.size(); ++k)
@@ -542,9 +513,9 @@ TEST_CASE("sm3's steady-state step allocates nothing (1 and 2 threads, with and 
       for (int s = 1; s <= 4; ++s) {
         for (std::size_t k = 0; k < a.size(); ++k)
           fill_grad(a[k], 11u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
-        const long before = g_allocs.load();
+        const long before = alloc_counter::in_process();
         opt.step(b, pa, sa);
-        if (s > 1) REQUIRE(g_allocs.load() == before);
+        if (s > 1) REQUIRE(alloc_counter::in_process() == before);
       }
     }
 }
@@ -1238,9 +1209,9 @@ TEST_CASE(
     for (int s = 1; s <= 3; ++s) {
       for (std::size_t k = 0; k < ts.size(); ++k)
         fill_grad(ts[k], 31u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
-      const long before = g_allocs.load();
+      const long before = alloc_counter::in_process();
       opt.step(b, pl, st);
-      if (s > 1) REQUIRE(g_allocs.load() == before);
+      if (s > 1) REQUIRE(alloc_counter::in_process() == before);
     }
     std::vector<float> all;
     for (auto& t : ts) all.insert(all.end(), t.p.begin(), t.p.end());
@@ -1485,7 +1456,8 @@ TEST_CASE("adafactor_chain edge cases: non-finite, zero and empty inputs, invali
     gradapt::param_list<float, gradapt::bfloat16> lb;
     gradapt::param_list<gradapt::half> lh;
     for (std::size_t k = 0; k < shapes.size(); ++k) {
-      const std::string n = "t" + std::to_string(k);
+      std::string n = "t";
+      n += std::to_string(k);
       const std::span<const std::int64_t> sh(shapes[k]);
       lf.add(n, tensor_view<float>(pf[k].data(), sh), tensor_view<float>(gf[k].data(), sh));
       lb.add(n, tensor_view<float>(pb[k].data(), sh), tensor_view<gradapt::bfloat16>(gb[k].data(), sh));

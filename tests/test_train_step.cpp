@@ -38,37 +38,7 @@
 #include "gradapt/train/data_parallel_step.hpp"
 #include "rank_check.hpp"
 
-// ---- allocation counter (per thread) ------------------------------------------------------------
-// Clang's ThreadSanitizer runtime is linked statically and defines operator new/delete itself,
-// so the counter (and the test that reads it) is compiled out there.
-#if defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define GRADAPT_TEST_NO_ALLOC_COUNT 1
-#endif
-#endif
-#ifndef GRADAPT_TEST_NO_ALLOC_COUNT
-namespace {
-thread_local std::size_t t_allocs = 0;
-void* counted(std::size_t n) noexcept {
-  ++t_allocs;
-  return std::malloc(n ? n : 1);
-}
-}  // namespace
-[[gnu::noinline]] void* operator new(std::size_t n) {
-  if (void* p = counted(n)) return p;
-  throw std::bad_alloc();
-}
-[[gnu::noinline]] void* operator new[](std::size_t n) {
-  if (void* p = counted(n)) return p;
-  throw std::bad_alloc();
-}
-[[gnu::noinline]] void* operator new(std::size_t n, const std::nothrow_t&) noexcept { return counted(n); }
-[[gnu::noinline]] void* operator new[](std::size_t n, const std::nothrow_t&) noexcept { return counted(n); }
-[[gnu::noinline]] void operator delete(void* p) noexcept { std::free(p); }
-[[gnu::noinline]] void operator delete[](void* p) noexcept { std::free(p); }
-[[gnu::noinline]] void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-[[gnu::noinline]] void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-#endif
+#include "alloc_counter.hpp"  // this executable's operator new counts allocations
 
 using Catch::Matchers::Contains;
 using gradapt::half;
@@ -711,7 +681,7 @@ TEST_CASE("invalid input throws actionable errors, on every rank together", "[tr
   }
 }
 
-#ifndef GRADAPT_TEST_NO_ALLOC_COUNT
+#if GRADAPT_TEST_ALLOC_COUNTER
 TEST_CASE("the steady-state step allocates nothing", "[train]") {
   gradapt::comm::run_threads(3, [&](threads& comm) {
     replica<half> rep;
@@ -727,9 +697,9 @@ TEST_CASE("the steady-state step allocates nothing", "[train]") {
     std::size_t allocs = 0;
     for (int t = 5; t <= 12; ++t) {
       rep.fill(comm.rank(), static_cast<std::uint64_t>(t), step.loss_scale(), t == 7);
-      const std::size_t before = t_allocs;
+      const std::size_t before = alloc_counter::on_this_thread();
       step.step();
-      allocs += t_allocs - before;
+      allocs += alloc_counter::on_this_thread() - before;
     }
     RANK_REQUIRE(allocs == 0);
   });

@@ -17,6 +17,8 @@
 
 #include <gradapt/gradapt.hpp>
 
+#include "check.hpp"
+
 namespace examples::digits {
 
 constexpr int features = 64, classes = 10, hidden = 32;
@@ -31,7 +33,7 @@ struct dataset {
 /// Reads `path` (CSV: label, 64 pixels); `who` names the program in error messages.
 inline dataset load(const std::string& path, const char* who) {
   std::ifstream f(path);
-  if (!f) gradapt::detail::fail(who, ": cannot open '", path, "' (pass --data PATH)");
+  if (!f) examples::fail(who, ": cannot open '", path, "' (pass --data PATH)");
   dataset d;
   std::string line;
   while (std::getline(f, line)) {
@@ -41,12 +43,12 @@ inline dataset load(const std::string& path, const char* who) {
     d.y.push_back(std::stoi(cell));
     for (int j = 0; j < features; ++j) {
       if (!std::getline(ss, cell, ','))
-        gradapt::detail::fail(who, ": row ", d.n + 1, " of '", path, "' has fewer than 65 fields");
+        examples::fail(who, ": row ", d.n + 1, " of '", path, "' has fewer than 65 fields");
       d.x.push_back(std::stof(cell) / 16.0f);
     }
     ++d.n;
   }
-  if (d.n == 0) gradapt::detail::fail(who, ": '", path, "' holds no rows");
+  if (d.n == 0) examples::fail(who, ": '", path, "' holds no rows");
   return d;
 }
 

@@ -138,6 +138,15 @@ U get_le(const std::byte* p) {
   return v;
 }
 
+/// a + sep + b, built by appending (operator+ on a literal and a temporary raises GCC 12's
+/// false -Wrestrict at -O3).
+inline std::string join(std::string_view a, std::string_view sep, std::string_view b) {
+  std::string out;
+  out.reserve(a.size() + sep.size() + b.size());
+  out.append(a).append(sep).append(b);
+  return out;
+}
+
 /// The unsigned integer with T's bytes.
 template <class T>
 using bits_t = std::conditional_t<sizeof(T) == 2, std::uint16_t,
@@ -166,7 +175,7 @@ class archive_writer {
   /// Opens section `name`: later names are prefixed with "name/" until the matching `end`.
   void begin(std::string_view name) {
     check_name(name, "begin");
-    prefix_.push_back(prefix_.empty() ? std::string(name) : prefix_.back() + "/" + std::string(name));
+    prefix_.push_back(prefix_.empty() ? std::string(name) : detail::archive_impl::join(prefix_.back(), "/", name));
   }
   /// Closes the innermost section.
   void end() {
@@ -270,7 +279,7 @@ class archive_writer {
   void header(std::string_view name, archive_field type) {
     namespace ai = detail::archive_impl;
     check_name(name, "a field");
-    std::string full = prefix_.empty() ? std::string(name) : prefix_.back() + "/" + std::string(name);
+    std::string full = prefix_.empty() ? std::string(name) : detail::archive_impl::join(prefix_.back(), "/", name);
     detail::require(full.size() <= 65535, "archive_writer(", kind_, "): field name '", full.substr(0, 64),
                     "...' is longer than 65535 bytes");
     detail::require(names_.insert(full).second, "archive_writer(", kind_, "): field '", full,
@@ -457,7 +466,7 @@ class archive_reader {
   /// anything, so an archive written by a state with more parts is rejected whole.
   /// @throws gradapt::error naming the first field nobody read
   void finish_section() const {
-    const std::string lead = prefix_.empty() ? std::string() : prefix_.back() + "/";
+    const std::string lead = prefix_.empty() ? std::string() : detail::archive_impl::join(prefix_.back(), "/", "");
     for (std::size_t i = 0; i < fields_.size(); ++i)
       detail::require(read_[i] || fields_[i].name.compare(0, lead.size(), lead) != 0, "archive(", kind_,
                       "): field '", fields_[i].name,
@@ -489,7 +498,7 @@ class archive_reader {
 
   std::string full(std::string_view name) const {
     detail::require(!name.empty(), "archive(", kind_, "): a field name is empty");
-    return prefix_.empty() ? std::string(name) : prefix_.back() + "/" + std::string(name);
+    return prefix_.empty() ? std::string(name) : detail::archive_impl::join(prefix_.back(), "/", name);
   }
 
   const field& at(std::string_view name) const {
@@ -624,6 +633,22 @@ template <class S>
 void load_archive(S& state, std::span<const std::byte> bytes) {
   archive_reader r{bytes, S::archive_kind, S::archive_version};
   state.load(r);
+  r.finish();
+}
+
+/// `save_archive` for a state whose buffers live in `backend`'s memory (`state.save(backend, w)`).
+template <class S, class B>
+std::vector<std::byte> save_archive(const S& state, const B& backend) {
+  archive_writer w{S::archive_kind, S::archive_version};
+  state.save(backend, w);
+  return w.finish();
+}
+
+/// `load_archive` for a state whose buffers live in `backend`'s memory (`state.load(backend, r)`).
+template <class S, class B>
+void load_archive(S& state, const B& backend, std::span<const std::byte> bytes) {
+  archive_reader r{bytes, S::archive_kind, S::archive_version};
+  state.load(backend, r);
   r.finish();
 }
 

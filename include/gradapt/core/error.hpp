@@ -2,6 +2,7 @@
 /// @file
 /// The one exception type gradapt throws, and helpers that build actionable messages.
 
+#include <initializer_list>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -42,6 +43,32 @@ template <class... Args>
 template <class... Args>
 void require(bool cond, Args&&... args) {
   if (!cond) fail(std::forward<Args>(args)...);
+}
+
+/// Rethrows `e` as raised by `who`: "gradapt: <who>: <message>", where the message is e's
+/// without its "gradapt: " prefix, and a leading "<stage>: <name>" found in `renames` is
+/// replaced by the public option name it stands for. The presets use it so that an option an
+/// inner stage rejects is reported under the algorithm's and the option's public names
+/// (`lamb({.max_grad_norm = -1})` → "gradapt: lamb: max_grad_norm is -1 ...").
+[[noreturn]] inline void rethrow_in(std::string_view who, const error& e,
+                                    std::initializer_list<std::pair<std::string_view, std::string_view>> renames = {}) {
+  std::string_view m = e.what();
+  constexpr std::string_view prefix = "gradapt: ";
+  if (m.substr(0, prefix.size()) == prefix) m.remove_prefix(prefix.size());
+  if (m.substr(0, who.size()) == who && m.substr(who.size(), 2) == ": ") throw error(message(m));
+  for (const auto& [inner, outer] : renames)
+    if (m.substr(0, inner.size()) == inner) throw error(message(who, ": ", outer, m.substr(inner.size())));
+  throw error(message(who, ": ", m));
+}
+
+/// The options held by `{}` or `{options}`: lets `T({})` pick T's options constructor. An
+/// options constructor `explicit T(const O& = {})` alone makes `T({})` ambiguous with T's move
+/// constructor; a `T(std::initializer_list<O>)` constructor that forwards here is an exact
+/// match for the empty braces.
+template <class O>
+O options_from(std::initializer_list<O> list, std::string_view who) {
+  if (list.size() > 1) fail(who, ": ", list.size(), " option sets given (expected one)");
+  return list.size() ? *list.begin() : O{};
 }
 
 }  // namespace detail

@@ -48,6 +48,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <optional>
 #include <span>
@@ -595,17 +596,9 @@ class adafactor_state {
     steps_ = steps;
   }
   /// The state as one archive of kind "gradapt.adafactor" (core/archive.hpp).
-  std::vector<std::byte> save(const B& b) const {
-    archive_writer w{archive_kind, archive_version};
-    save(b, w);
-    return w.finish();
-  }
+  std::vector<std::byte> save(const B& b) const { return save_archive(*this, b); }
   /// Restores a state written by `save(b)`; all or nothing.
-  void load(const B& b, std::span<const std::byte> bytes) {
-    archive_reader r{bytes, archive_kind, archive_version};
-    load(b, r);
-    r.finish();
-  }
+  void load(const B& b, std::span<const std::byte> bytes) { load_archive(*this, b, bytes); }
 
  private:
   friend class adafactor;
@@ -656,6 +649,9 @@ class adafactor_state {
 ///     opt.step(backend, params, st, {.lr = schedule(t)});
 class adafactor {
  public:
+  /// `adafactor({})`: the default options (an exact match for the empty braces, which the
+  /// options constructor alone would leave ambiguous with the move constructor).
+  adafactor(std::initializer_list<adafactor_options> o) : adafactor(detail::options_from(o, "adafactor")) {}
   /// @throws gradapt::error on an invalid option, naming it
   explicit adafactor(const adafactor_options& o = {}) : o_(o) { validate(o_); }
 

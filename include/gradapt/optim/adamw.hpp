@@ -11,6 +11,7 @@
 /// (p ← p(1 − ηλ) first, then the Adam update), so the two agree to rounding.
 
 #include <functional>
+#include <initializer_list>
 #include <string_view>
 
 #include "gradapt/optim/chain.hpp"
@@ -48,7 +49,7 @@ using adamw_chain =
 class adamw : public adamw_chain {
  public:
   /// @throws gradapt::error on an invalid option, naming it
-  explicit adamw(const adamw_options& o = {})
+  explicit adamw(const adamw_options& o = {}) try
       : adamw_chain(
             transform::scale_by_adam{.b1 = o.b1,
                                      .b2 = o.b2,
@@ -56,7 +57,13 @@ class adamw : public adamw_chain {
                                      .eps_root = o.eps_root,
                                      .bias_correction = o.bias_correction},
             transform::add_decayed_weights{.weight_decay = o.weight_decay, .skip = o.skip_weight_decay},
-            transform::scale_by_learning_rate{.lr = o.lr, .allow_negative = false}) {}
+            transform::scale_by_learning_rate{.lr = o.lr, .allow_negative = false}) {
+  } catch (const error& e) {
+    detail::rethrow_in("adamw", e,
+                       {{"scale_by_adam: ", ""}, {"add_decayed_weights: weight_decay", "weight_decay"}, {"scale_by_learning_rate: lr", "lr"}});
+  }
+  /// `adamw({})`: the default options.
+  adamw(std::initializer_list<adamw_options> o) : adamw(detail::options_from(o, "adamw")) {}
 };
 
 }  // namespace gradapt

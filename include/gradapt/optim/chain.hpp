@@ -673,7 +673,7 @@ class chain_state {
     w.put("steps", steps_);
     w.put("tensors", static_cast<std::uint64_t>(sizes_.size()));
     for (std::size_t t = 0; t < sizes_.size(); ++t) {
-      w.begin("tensor/" + names_[t]);
+      w.begin(detail::archive_impl::join("tensor", "/", names_[t]));
       w.put("index", static_cast<std::uint64_t>(t));
       w.put_tensor<std::int64_t>("shape", shapes_[t]);
       if (!ft_.empty()) w.put_tensor<std::int64_t>("factored_layout", layout_of(t));
@@ -682,7 +682,7 @@ class chain_state {
     std::vector<S> host;
     for (std::size_t j = 0; j < plan::total_buffers; ++j) {
       if (mut_[j].empty()) continue;
-      w.begin("buffer" + std::to_string(j));
+      w.begin(detail::archive_impl::join("buffer", "", std::to_string(j)));
       for (std::size_t t = 0; t < sizes_.size(); ++t) {
         const auto& v = mut_[j][t];
         host.resize(v.size());
@@ -716,8 +716,8 @@ class chain_state {
                     steps, " cannot grow");
     expect("tensors", sizes_.size(), "tensor count");
     for (std::size_t t = 0; t < sizes_.size(); ++t) {
-      const std::string sec = "tensor/" + names_[t];
-      detail::require(r.has(sec + "/index"), "optimizer state load: the checkpoint has no parameter '", names_[t],
+      const std::string sec = detail::archive_impl::join("tensor", "/", names_[t]);
+      detail::require(r.has(detail::archive_impl::join(sec, "/", "index")), "optimizer state load: the checkpoint has no parameter '", names_[t],
                       "' (restore for the same parameter names)");
       r.begin(sec);
       const auto index = r.get<std::uint64_t>("index");
@@ -755,18 +755,10 @@ class chain_state {
   }
 
   /// The state as one archive of kind "gradapt.optimizer" (core/archive.hpp).
-  std::vector<std::byte> save(const B& b) const {
-    archive_writer w{archive_kind, archive_version};
-    save(b, w);
-    return w.finish();
-  }
+  std::vector<std::byte> save(const B& b) const { return save_archive(*this, b); }
   /// Restores a state written by `save(b)` (all or nothing; see `load(b, reader)`).
   /// @throws gradapt::error for a damaged archive or one that does not fit this state
-  void load(const B& b, std::span<const std::byte> bytes) {
-    archive_reader r{bytes, archive_kind, archive_version};
-    load(b, r);
-    r.finish();
-  }
+  void load(const B& b, std::span<const std::byte> bytes) { load_archive(*this, b, bytes); }
 
  private:
   template <class...>
@@ -792,7 +784,7 @@ class chain_state {
   void for_each_buffer(archive_reader& r, std::vector<S>& host, F&& f) {
     for (std::size_t j = 0; j < plan::total_buffers; ++j) {
       if (mut_[j].empty()) continue;
-      r.begin("buffer" + std::to_string(j));
+      r.begin(detail::archive_impl::join("buffer", "", std::to_string(j)));
       for (std::size_t t = 0; t < sizes_.size(); ++t) {
         detail::require(r.has(names_[t]), "optimizer state load: the checkpoint has no buffer ", j, " for '",
                         names_[t], "'");

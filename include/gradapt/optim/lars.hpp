@@ -18,6 +18,7 @@
 /// p, b. With momentum 0 the buffer is dropped.
 
 #include <functional>
+#include <initializer_list>
 #include <string_view>
 
 #include "gradapt/optim/chain.hpp"
@@ -58,7 +59,7 @@ using lars_chain = chain<transform::scale_by_lars, transform::scale_by_learning_
 class lars : public lars_chain {
  public:
   /// @throws gradapt::error on an invalid option, naming it
-  explicit lars(const lars_options& o = {})
+  explicit lars(const lars_options& o = {}) try
       : lars_chain(transform::scale_by_lars{.weight_decay = o.weight_decay,
                                             .trust_coefficient = o.trust_coefficient,
                                             .eps = o.eps,
@@ -66,7 +67,13 @@ class lars : public lars_chain {
                                             .skip_weight_decay = o.skip_weight_decay,
                                             .skip_trust_ratio = o.skip_trust_ratio},
                    transform::scale_by_learning_rate{.lr = o.lr, .allow_negative = false},
-                   transform::trace{.decay = o.momentum, .nesterov = o.nesterov}) {}
+                   transform::trace{.decay = o.momentum, .nesterov = o.nesterov}) {
+  } catch (const error& e) {
+    detail::rethrow_in("lars", e,
+                       {{"scale_by_lars: ", ""}, {"trace: decay (momentum)", "momentum"}, {"scale_by_learning_rate: lr", "lr"}});
+  }
+  /// `lars({})`: the default options.
+  lars(std::initializer_list<lars_options> o) : lars(detail::options_from(o, "lars")) {}
 };
 
 }  // namespace gradapt

@@ -35,6 +35,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -380,17 +381,9 @@ class sm3_state {
     steps_ = steps;
   }
   /// The state as one archive of kind "gradapt.sm3" (core/archive.hpp).
-  std::vector<std::byte> save(const B& b) const {
-    archive_writer w{archive_kind, archive_version};
-    save(b, w);
-    return w.finish();
-  }
+  std::vector<std::byte> save(const B& b) const { return save_archive(*this, b); }
   /// Restores a state written by `save(b)`; all or nothing.
-  void load(const B& b, std::span<const std::byte> bytes) {
-    archive_reader r{bytes, archive_kind, archive_version};
-    load(b, r);
-    r.finish();
-  }
+  void load(const B& b, std::span<const std::byte> bytes) { load_archive(*this, b, bytes); }
 
  private:
   friend class sm3;
@@ -439,6 +432,9 @@ class sm3_state {
 ///     opt.step(backend, params, st, {.lr = schedule(t)});
 class sm3 {
  public:
+  /// `sm3({})`: the default options (an exact match for the empty braces, which the
+  /// options constructor alone would leave ambiguous with the move constructor).
+  sm3(std::initializer_list<sm3_options> o) : sm3(detail::options_from(o, "sm3")) {}
   /// @throws gradapt::error on an invalid option, naming it
   explicit sm3(const sm3_options& o = {}) : o_(o) { validate(o_); }
 

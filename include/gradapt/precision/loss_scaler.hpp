@@ -26,6 +26,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <span>
 #include <string>
@@ -429,6 +430,9 @@ class loss_scaler {
   using options_type = loss_scaler_options;  ///< the hyperparameters (loss_scaler_options)
   using state_type = loss_scaler_state;      ///< what state() returns and restore() takes (plain data)
 
+  /// `loss_scaler({})`: the default options (an exact match for the empty braces, which the
+  /// options constructor alone would leave ambiguous with the move constructor).
+  loss_scaler(std::initializer_list<loss_scaler_options> o) : loss_scaler(detail::options_from(o, "loss_scaler")) {}
   /// @throws gradapt::error when an option is out of range (the message names it).
   explicit loss_scaler(loss_scaler_options options = {}) : opt_(validated(options)) {
     st_.scale = opt_.init_scale;

@@ -25,6 +25,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <optional>
 #include <span>
@@ -84,6 +85,9 @@ class adascale {
   using options_type = adascale_options;  ///< the hyperparameters (adascale_options)
   using state_type = adascale_state;      ///< what state() returns and restore() takes (plain data)
 
+  /// `adascale({})`: the default options (an exact match for the empty braces, which the
+  /// options constructor alone would leave ambiguous with the move constructor).
+  adascale(std::initializer_list<adascale_options> o) : adascale(detail::options_from(o, "adascale")) {}
   /// @throws gradapt::error when scale is not finite or < 1.
   explicit adascale(adascale_options options = {}) : sqrt_gain_(options.sqrt_gain) {
     set_scale(options.scale);

@@ -25,6 +25,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <optional>
 #include <span>
@@ -174,6 +175,9 @@ class gradient_noise_scale {
   using options_type = gradient_noise_scale_options;  ///< the hyperparameters (gradient_noise_scale_options)
   using state_type = gradient_noise_scale_state;      ///< what state() returns and restore() takes (plain data)
 
+  /// `gradient_noise_scale({})`: the default options (an exact match for the empty braces, which the
+  /// options constructor alone would leave ambiguous with the move constructor).
+  gradient_noise_scale(std::initializer_list<gradient_noise_scale_options> o) : gradient_noise_scale(detail::options_from(o, "gradient_noise_scale")) {}
   /// @throws gradapt::error when smoothing is outside [0, 1).
   explicit gradient_noise_scale(gradient_noise_scale_options options = {}) : opt_(options) {
     detail::require(std::isfinite(opt_.smoothing) && opt_.smoothing >= 0.0 && opt_.smoothing < 1.0,
@@ -536,7 +540,7 @@ class grouped_noise_scale {
   void save(archive_writer& w) const {
     w.put("slots", static_cast<std::uint64_t>(est_.size()));
     for (std::size_t k = 0; k < est_.size(); ++k) {
-      w.begin("slot" + std::to_string(k));
+      w.begin(detail::archive_impl::join("slot", "", std::to_string(k)));
       est_[k].save(w);
       w.end();
     }
@@ -548,7 +552,7 @@ class grouped_noise_scale {
                     est_.size(), " here (expected groups + 1)");
     std::vector<gradient_noise_scale> next = est_;
     for (std::size_t k = 0; k < est_.size(); ++k) {
-      r.begin("slot" + std::to_string(k));
+      r.begin(detail::archive_impl::join("slot", "", std::to_string(k)));
       next[k].load(r);
       r.end();
     }

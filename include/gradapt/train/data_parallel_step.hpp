@@ -765,6 +765,10 @@ auto make_data_parallel_step(Comm& comm, const B& backend, const PL& params, Opt
   using detail::count_slot;
   using detail::slot;
   using detail::slot_v;
+  static_assert(step_optimizer<Opt, B, PL>,
+                "train::make_data_parallel_step: the fourth argument must be an optimizer with the chain "
+                "interface (gradapt::sgd, adamw, lamb, lars, adafactor_chain, sm3_chain or a gradapt::chain), "
+                "e.g. gradapt::lamb({.lr = 1e-3}) rather than a gradapt::lamb_options");
   static_assert(count_slot<slot::scaler, Args...> <= 1,
                 "train::make_data_parallel_step: more than one scaler policy");
   static_assert(count_slot<slot::combine, Args...> <= 1,
