@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "gradapt/backend/simd.hpp"
+#include "gradapt/backend/concepts.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/dtype.hpp"
 #include "gradapt/core/error.hpp"
@@ -844,6 +845,13 @@ struct host {
 #else
     return 1;
 #endif
+  }
+  /// A copy of this backend that runs every operation on one thread (for work inside a task
+  /// of `run_tasks`).
+  host single_thread() const {
+    host h = *this;
+    h.threads = 1;
+    return h;
   }
 
   /// Element-wise `f` over views of equal size: for each i, loads element i of every view into
@@ -1761,6 +1769,9 @@ struct host {
                     " tensors (expected equal, or empty for the global result only)");
   }
 };
+
+static_assert(factored_sumsq_backend<host> && task_backend<host>,
+              "gradapt::host models optimizer_backend, factored_backend, factored_sumsq_backend and task_backend");
 
 static_assert(backend<host>);
 

@@ -49,6 +49,7 @@
 #include <vector>
 
 #include "gradapt/combine/detail/adasum_impl.hpp"
+#include "gradapt/backend/concepts.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/dtype.hpp"
 #include "gradapt/core/error.hpp"

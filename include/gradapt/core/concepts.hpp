@@ -1,7 +1,8 @@
 #pragma once
 /// @file
-/// The two concepts every algorithm is written against: `backend` (where element math runs)
-/// and `communicator` (who talks to whom). Algorithms never name a concrete implementation.
+/// The communicator concept (who talks to whom). Where element math runs, the `backend`
+/// concept and its refinements, is in backend/concepts.hpp. Algorithms never name a concrete
+/// implementation.
 
 #include <concepts>
 #include <span>
@@ -11,35 +12,6 @@
 #include "gradapt/core/tensor_view.hpp"
 
 namespace gradapt {
-
-namespace detail {
-/// Element functor used only to probe the backend concept: y += x.
-struct concept_probe {
-  GRADAPT_HD void operator()(float& y, float x) const { y += x; }
-};
-}  // namespace detail
-
-/// A place where element math runs, over views in memory space `B::space`.
-///
-/// Required: element-wise `apply` of a GRADAPT_HD functor over one tensor or over lists of
-/// tensors (`apply_list`), single-tensor and multi-tensor reductions accumulated in double
-/// with a fixed order (bitwise reproducible), `dot`, and `synchronize()`.
-template <class B>
-concept backend = requires {
-  typename B::space;
-}
-&&memory_space<typename B::space>&& requires(const B& b, tensor_view<float, typename B::space> x,
-                                             tensor_view<const float, typename B::space> cx,
-                                             std::span<const tensor_view<float, typename B::space>> xs,
-                                             std::span<double> out) {
-  { b.reduce(reduction::sum_squares, cx) } -> std::same_as<double>;
-  { b.dot(cx, cx) } -> std::same_as<double>;
-  { b.reduce(reduction::sum_squares, xs, out) } -> std::same_as<double>;
-  { b.dot(xs, xs, out) } -> std::same_as<double>;
-  b.apply(detail::concept_probe{}, x, cx);
-  b.apply_list(detail::concept_probe{}, xs, xs);
-  b.synchronize();
-};
 
 /// Ranks that talk over buffers in memory space `C::space`.
 ///

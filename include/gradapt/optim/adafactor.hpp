@@ -55,6 +55,7 @@
 #include <string>
 #include <vector>
 
+#include "gradapt/backend/concepts.hpp"
 #include "gradapt/backend/simd.hpp"
 #include "gradapt/core/config.hpp"
 #include "gradapt/core/dtype.hpp"
@@ -828,11 +829,7 @@ class adafactor {
         // pass), EMAs of their means.
         bool have_p_sq = false;
         const auto stats = detail::adafactor_k::square_plus<C>{eps_add};
-        if constexpr (requires {
-                        bb.reduce_factored_sumsq(stats, i.f.d, cvec(ws.fy, 0), cvec(ws.fx, 0), g,
-                                                 vec(ws.sy, i.ny), vec(ws.sx, i.nx),
-                                                 tensor_view<const V, space>(p), vec(ws.sl, i.ny));
-                      }) {
+        if constexpr (factored_sumsq_backend<std::remove_cvref_t<decltype(bb)>>) {
           if (o_.multiply_by_parameter_scale) {
             ws.red[1] =
                 bb.reduce_factored_sumsq(stats, i.f.d, cvec(ws.fy, 0), cvec(ws.fx, 0), g, vec(ws.sy, i.ny),

@@ -55,6 +55,7 @@
 
 #include "gradapt/backend/simd.hpp"
 #include "gradapt/core/archive.hpp"
+#include "gradapt/backend/concepts.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
 #include "gradapt/core/dtype.hpp"
@@ -493,16 +494,6 @@ struct finalize_all {
   }
 };
 
-/// The per-tensor output argument of apply_reduce_list: a std::span for host memory, the
-/// device view itself for device memory (the CUDA form keeps the sums on the device).
-template <class Space>
-auto per_tensor_arg(tensor_view<double, Space> v) {
-  if constexpr (std::is_same_v<Space, host_space>)
-    return std::span<double>(v.data(), v.size());
-  else
-    return v;
-}
-
 template <class O>
 double group_lr_scale(const O& o) {
   if constexpr (requires { o.lr_scale; })
@@ -528,57 +519,7 @@ auto view_of(Buf& buf) {
   return tensor_view<T, Space>::vector(buf.data(), static_cast<std::int64_t>(buf.size()));
 }
 
-/// Element functor used only to probe the optimizer_backend concept: y += 1, returns y.
-struct reduce_probe {
-  GRADAPT_HD double operator()(float& y) const {
-    y += 1.0f;
-    return static_cast<double>(y);
-  }
-};
-
 }  // namespace detail::optim
-
-/// A backend an optimizer chain can run on: the `backend` concept plus owning allocation,
-/// copies to and from host memory, and the fused apply + per-tensor reduction
-/// (`apply_reduce_list`). gradapt::host and gradapt::cuda provide them.
-template <class B>
-concept optimizer_backend = backend<B> &&
-    requires(const B& b, std::size_t n, tensor_view<const double, typename B::space> cs,
-             tensor_view<double, typename B::space> s, tensor_view<const double, host_space> ch,
-             tensor_view<double, host_space> h, std::span<const tensor_view<float, typename B::space>> xs) {
-  b.template allocate<double>(n).data();
-  b.template allocate<double>(n).size();
-  b.copy(cs, h);
-  b.copy(ch, s);
-  b.apply_reduce_list(detail::optim::reduce_probe{}, detail::optim::per_tensor_arg(s), xs);
-};
-
-namespace detail::optim {
-/// Element functor used only to probe `factored_backend`: r · c · v² as a double.
-struct factored_probe {
-  GRADAPT_HD double operator()(float r, float c, float v) const { return static_cast<double>(r * c * v * v); }
-};
-/// Element functor used only to probe `factored_backend`: y *= r * c.
-struct factored_apply_probe {
-  GRADAPT_HD void operator()(float r, float c, float& y) const { y *= r * c; }
-};
-}  // namespace detail::optim
-
-/// A backend the factored optimizers run on: `optimizer_backend` plus the row/column
-/// reduction `reduce_factored` and the row/column-indexed `apply_factored` and
-/// `apply_factored_sum` (the sum left in the backend's memory) (gradapt::host in
-/// backend/host.hpp and gradapt::cuda in backend/cuda/backend.cuh, kernels in
-/// backend/cuda/factored.cuh, provide them).
-template <class B>
-concept factored_backend = optimizer_backend<B> &&
-    requires(const B& b, tensor_view<const float, typename B::space> cx,
-             tensor_view<float, typename B::space> x, tensor_view<double, typename B::space> s,
-             std::array<std::int64_t, 5> d) {
-  b.reduce_factored(detail::optim::factored_probe{}, d, cx, cx, cx, s, s);
-  b.reduce_factored(detail::optim::factored_probe{}, d, cx, cx, cx, s, s, reduce_op::max);
-  { b.apply_factored(detail::optim::factored_apply_probe{}, d, cx, cx, x) } -> std::convertible_to<double>;
-  b.apply_factored_sum(detail::optim::factored_probe{}, d, cx, cx, s, cx);
-};
 
 /// The state of a `chain<Stages...>` for one backend and element types: per-element buffers
 /// (Adam's m and v, a momentum trace) in the backend's memory, the step count, and the small

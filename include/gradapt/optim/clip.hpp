@@ -42,6 +42,7 @@
 #include <string>
 #include <vector>
 
+#include "gradapt/backend/concepts.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
 #include "gradapt/core/dtype.hpp"

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "gradapt/core/archive.hpp"
+#include "gradapt/backend/concepts.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/tensor_view.hpp"

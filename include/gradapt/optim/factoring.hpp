@@ -13,6 +13,7 @@
 #include <span>
 #include <vector>
 
+#include "gradapt/backend/concepts.hpp"
 #include "gradapt/core/tensor_view.hpp"
 
 namespace gradapt {
@@ -88,19 +89,11 @@ struct factored_tensor {
 
 namespace detail::optim {
 
-/// Element functor only for probing `run_tasks`.
-struct one_task_probe {
-  void operator()(std::size_t, std::size_t) const {}
-};
-
 /// Per-thread workspace slots a per-tensor step needs on backend b: its thread count on a
-/// backend with `run_tasks` (the host), else 1.
+/// `task_backend` (the host), else 1.
 template <class B>
 std::size_t task_slots(const B& b) {
-  if constexpr (requires(B c) {
-                  c.threads = 1;
-                  b.run_tasks(std::size_t{}, std::size_t{}, one_task_probe{});
-                })
+  if constexpr (task_backend<B>)
     return static_cast<std::size_t>(std::max(1, b.thread_count()));
   else
     return 1;
@@ -108,7 +101,7 @@ std::size_t task_slots(const B& b) {
 
 /// Calls one(backend, k, slot) for every tensor k of a list whose sizes are `sizes` (`order`:
 /// the tensors largest first, `total`: their sum). On a backend with `run_tasks` (the host)
-/// and more than one thread: tensors larger than 1/T of the list first, each on all threads,
+/// (a `task_backend`) and more than one thread: tensors larger than 1/T of the list first, each on all threads,
 /// then the others as independent one-thread tasks, largest first, each with its own
 /// workspace slot: one parallel region per step instead of several per tensor, and no barrier
 /// inside a tensor. A backend's results do not depend on its thread count, so the bits are
@@ -117,16 +110,12 @@ template <class B, class F>
 void for_tensors(const B& b, std::span<const std::size_t> order, std::span<const std::size_t> sizes,
                  std::size_t total, std::size_t slots, const F& one) {
   const std::size_t n = sizes.size();
-  if constexpr (requires(B c) {
-                  c.threads = 1;
-                  b.run_tasks(n, n, one_task_probe{});
-                }) {
+  if constexpr (task_backend<B>) {
     const std::size_t T = std::min(static_cast<std::size_t>(b.thread_count()), slots);
     if (T > 1) {
       for (const std::size_t k : order)
         if (sizes[k] * T > total) one(b, k, 0);
-      B b1 = b;
-      b1.threads = 1;
+      const B b1 = b.single_thread();
       b.run_tasks(order.size(), T, [&](std::size_t q, std::size_t slot) {
         const std::size_t k = order[q];
         if (sizes[k] * T <= total) one(b1, k, slot);
@@ -160,15 +149,12 @@ inline std::vector<std::size_t> largest_first(std::span<const std::size_t> sizes
 /// Sizes a grow-only backend workspace (gradapt::cuda's) at init for the steps that follow, so
 /// that even the first step can be captured into a CUDA graph: a fused pass over the whole
 /// list `values` (the parameters' views) with up to `terms` values per element, and
-/// `line_sums` doubles (a factored sum's per-line partials plus its result). Backends without
-/// `reserve_for` (the host) need nothing.
+/// `line_sums` doubles (a factored sum's per-line partials plus its result). Backends that are
+/// not a `workspace_backend` (the host) need nothing.
 template <class B, class View>
 void reserve_workspace(const B& b, const std::vector<View>& values, std::size_t terms,
                        std::size_t line_sums) {
-  if constexpr (requires {
-                  b.reserve_for(values, terms);
-                  b.reserve(line_sums);
-                }) {
+  if constexpr (workspace_backend<B>) {
     b.reserve_for(values, terms < 1 ? 1 : terms);
     if (line_sums > 0) b.reserve(line_sums * sizeof(double));
   }

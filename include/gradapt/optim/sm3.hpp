@@ -43,6 +43,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "gradapt/backend/concepts.hpp"
 #include "gradapt/backend/simd.hpp"
 #include "gradapt/core/config.hpp"
 #include "gradapt/core/dtype.hpp"
@@ -622,19 +623,10 @@ class sm3 {
  private:
   sm3_options o_;
 
-  /// Only for the `run_tasks` probe.
-  struct one_task_probe {
-    void operator()(std::size_t, std::size_t) const {}
-  };
-  /// A host-memory backend with `run_tasks` and a `threads` field (gradapt::host): the step
-  /// runs as one fused pass per tensor, in tasks (see `host_step`).
+  /// A host-memory `task_backend` (gradapt::host): the step runs as one fused pass per tensor,
+  /// in tasks (see `host_step`).
   template <class B>
-  static constexpr bool host_tasks = std::is_same_v<typename B::space, host_space>&& requires(B c,
-                                                                                              const B& b) {
-    c.threads = 1;
-    b.run_tasks(std::size_t{}, std::size_t{}, one_task_probe{});
-    { b.thread_count() } -> std::convertible_to<int>;
-  };
+  static constexpr bool host_tasks = std::is_same_v<typename B::space, host_space> && task_backend<B>;
 
   /// Splits the tensors into work items for `host_step`: with T = b.thread_count() > 1, a
   /// tensor of more than 1/(2T) of all elements is cut into pieces of whole lines (elements for
@@ -691,8 +683,7 @@ class sm3 {
   static void host_step(const B& b, const param_list<V, G, typename B::space, Options>& params,
                         sm3_state<B, V, G, S>& st, const detail::sm3_k::covered_update<Mom, C>& cu,
                         const detail::sm3_k::full_update<Mom, C>& fu) {
-    B b1 = b;
-    b1.threads = 1;
+    const B b1 = b.single_thread();
     const auto run = [&](std::size_t q, std::size_t) {
       const auto& it = st.items_[q];
       const auto& i = st.info_[it.tensor];

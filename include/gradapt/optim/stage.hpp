@@ -72,6 +72,7 @@
 #include <optional>
 #include <string_view>
 
+#include "gradapt/backend/concepts.hpp"
 #include "gradapt/core/param_list.hpp"
 
 namespace gradapt {

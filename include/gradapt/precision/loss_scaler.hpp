@@ -36,6 +36,7 @@
 
 #include "gradapt/backend/simd.hpp"
 #include "gradapt/core/archive.hpp"
+#include "gradapt/backend/concepts.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
 #include "gradapt/core/dtype.hpp"

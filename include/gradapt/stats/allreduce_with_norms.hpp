@@ -6,6 +6,7 @@
 #include <concepts>
 #include <type_traits>
 
+#include "gradapt/backend/concepts.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/ops.hpp"

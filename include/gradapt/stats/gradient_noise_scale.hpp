@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "gradapt/core/archive.hpp"
+#include "gradapt/backend/concepts.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
 #include "gradapt/core/error.hpp"

@@ -16,6 +16,7 @@
 #include <ranges>
 #include <type_traits>
 
+#include "gradapt/backend/concepts.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
 #include "gradapt/core/error.hpp"

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "gradapt/core/archive.hpp"
+#include "gradapt/backend/concepts.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/ops.hpp"

@@ -54,6 +54,7 @@
 
 #include "gradapt/combine/adasum.hpp"
 #include "gradapt/core/archive.hpp"
+#include "gradapt/backend/concepts.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
 #include "gradapt/core/error.hpp"

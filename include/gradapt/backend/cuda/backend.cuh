@@ -25,6 +25,7 @@
 #include "gradapt/backend/cuda/multi_tensor.cuh"
 #include "gradapt/backend/cuda/reduction_ops.cuh"
 #include "gradapt/backend/cuda/workspace.cuh"
+#include "gradapt/backend/concepts.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/dtype.hpp"
 #include "gradapt/core/error.hpp"
@@ -574,6 +575,9 @@ struct cuda {
     detail::cuda_impl::reduce_lists<Op, Cap>(stream, scratch, dev_per_tensor, dev_total, count, l0, ls...);
   }
 };
+
+static_assert(factored_backend<cuda> && workspace_backend<cuda> && deferred_dot_backend<cuda>,
+              "gradapt::cuda models optimizer_backend, factored_backend, workspace_backend and deferred_dot_backend");
 
 static_assert(backend<cuda>);
 static_assert(std::is_aggregate_v<cuda>);

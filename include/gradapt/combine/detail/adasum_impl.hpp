@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "gradapt/backend/concepts.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
 #include "gradapt/core/dtype.hpp"
@@ -324,7 +325,7 @@ void partial_dots(const B& b, buffers<T, Space>& ws, const L& as, const L& bs, s
     b.dot(as, bs, std::span<double>(ws.ab() + first, m));
     b.dot(as, as, std::span<double>(ws.alpha() + first, m));
     b.dot(bs, bs, std::span<double>(ws.beta() + first, m));
-  } else if constexpr (requires(tensor_view<double, Space> out) { b.dot_to(as, bs, out); }) {
+  } else if constexpr (deferred_dot_backend<B>) {
     const auto plane = [&](double* p) {
       return tensor_view<double, Space>::vector(p + first, static_cast<std::int64_t>(m));
     };
