@@ -315,11 +315,10 @@ void check_args(int argc, char** argv) {
   for (int i = 1; i < argc; i += 2) {
     const bool known = std::any_of(std::begin(options), std::end(options),
                                    [&](const char* o) { return std::strcmp(argv[i], o) == 0; });
-    examples::require(
-        known, "comm_strategies: unknown argument '", argv[i],
-        "' (options: --data --out --ranks --steps --batch --lr --lr-warmup --decay1 --decay2 "
-        "--weight-decay --sync-steps --period --warmup-rounds --k0 --kmax --smoothing --evals "
-        "--seed, each followed by a value)");
+    examples::require(known, "comm_strategies: unknown argument '", argv[i],
+                      "' (options: --data --out --ranks --steps --batch --lr --lr-warmup --decay1 --decay2 "
+                      "--weight-decay --sync-steps --period --warmup-rounds --k0 --kmax --smoothing --evals "
+                      "--seed, each followed by a value)");
     examples::require(i + 1 < argc, "comm_strategies: option ", argv[i], " needs a value");
   }
 }
@@ -344,7 +343,7 @@ T parse(const std::string& text, const char* name) {
     used = 0;
   }
   examples::require(used == text.size() && used > 0, "comm_strategies: ", name, " is '", text,
-                           "' (expected a number)");
+                    "' (expected a number)");
   return v;
 }
 
@@ -377,11 +376,11 @@ int main(int argc, char** argv) {
     c.decay1 = num("--decay1", c.decay1);
     c.decay2 = num("--decay2", c.decay2);
     examples::require(std::isfinite(c.lr) && c.lr > 0, "comm_strategies: --lr is ", c.lr,
-                             " (expected a positive learning rate)");
+                      " (expected a positive learning rate)");
     examples::require(std::isfinite(c.weight_decay) && c.weight_decay >= 0,
-                             "comm_strategies: --weight-decay is ", c.weight_decay, " (expected >= 0)");
+                      "comm_strategies: --weight-decay is ", c.weight_decay, " (expected >= 0)");
     examples::require(c.decay1 >= 0 && c.decay1 <= c.decay2, "comm_strategies: --decay1 ", c.decay1,
-                             " and --decay2 ", c.decay2, " (expected 0 <= decay1 <= decay2)");
+                      " and --decay2 ", c.decay2, " (expected 0 <= decay1 <= decay2)");
     c.fixed.period = count("--period", c.fixed.period, 1);
     c.fixed.warmup_rounds = count("--warmup-rounds", c.fixed.warmup_rounds, 0);
     c.adaptive.initial_period = count("--k0", c.adaptive.initial_period, 1);

@@ -360,8 +360,7 @@ T number(const std::string& option, const std::string& v) {
   } catch (const std::exception&) {
     used = 0;
   }
-  if (used != v.size() || v.empty())
-    examples::fail("goodput_adapt: ", option, " '", v, "' is not a number");
+  if (used != v.size() || v.empty()) examples::fail("goodput_adapt: ", option, " '", v, "' is not a number");
   return x;
 }
 
@@ -399,21 +398,21 @@ settings parse(int argc, char** argv) {
       }
     } else
       examples::fail("goodput_adapt: unknown option ", a,
-                            " (see the comment at the top of goodput_adapt.cpp)");
+                     " (see the comment at the top of goodput_adapt.cpp)");
   }
   examples::require(o.ranks >= 2 && o.ranks <= base_batch, "goodput_adapt: --ranks ", o.ranks,
-                           " (expected 2..", base_batch, ": the data-parallel noise scale needs two ranks)");
+                    " (expected 2..", base_batch, ": the data-parallel noise scale needs two ranks)");
   examples::require(o.iters > 0 && o.every >= 1 && o.lr > 0 && o.tolerance > 0 && o.hysteresis >= 0,
-                           "goodput_adapt: --iters ", o.iters, ", --every ", o.every, ", --lr ", o.lr,
-                           ", --tolerance ", o.tolerance, ", --hysteresis ", o.hysteresis,
-                           " (expected positive values; hysteresis >= 0)");
+                    "goodput_adapt: --iters ", o.iters, ", --every ", o.every, ", --lr ", o.lr,
+                    ", --tolerance ", o.tolerance, ", --hysteresis ", o.hysteresis,
+                    " (expected positive values; hysteresis >= 0)");
   examples::require(o.max_m >= 8 && o.max_s >= 3, "goodput_adapt: --max-atomic-batch ", o.max_m,
-                           " and --max-accum-steps ", o.max_s,
-                           " (expected >= 8 and >= 3: the profile needs distinct m and s values)");
+                    " and --max-accum-steps ", o.max_s,
+                    " (expected >= 8 and >= 3: the profile needs distinct m and s values)");
   if (o.profile_worlds.empty()) o.profile_worlds.push_back(o.ranks);
   for (int w : o.profile_worlds)
     examples::require(w >= 1 && w <= 64, "goodput_adapt: --profile-worlds has ", w,
-                             " (expected world sizes 1..64, comma-separated)");
+                      " (expected world sizes 1..64, comma-separated)");
   return o;
 }
 

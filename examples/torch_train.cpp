@@ -78,8 +78,7 @@ std::pair<split, split> load(const std::string& path) {
     labels.push_back(std::stoll(cell));
     for (int j = 0; j < features; ++j) {
       if (!std::getline(ss, cell, ','))
-        examples::fail("torch_train: row ", labels.size(), " of '", path,
-                              "' has fewer than 65 fields");
+        examples::fail("torch_train: row ", labels.size(), " of '", path, "' has fewer than 65 fields");
       px.push_back(std::stof(cell) / 16.0f);
     }
   }

@@ -165,7 +165,8 @@ TEST_CASE("archive: a consistent archive with a lying length is rejected, not re
     auto bad = bytes;
     bad[at] = static_cast<std::byte>(0xFF);
     const std::uint32_t crc = gradapt::crc32c(std::span<const std::byte>(bad).first(body));
-    for (int k = 0; k < 4; ++k) bad[body + static_cast<std::size_t>(k)] = static_cast<std::byte>((crc >> (8 * k)) & 0xFFu);
+    for (int k = 0; k < 4; ++k)
+      bad[body + static_cast<std::size_t>(k)] = static_cast<std::byte>((crc >> (8 * k)) & 0xFFu);
     try {
       archive_reader r{bad, "gradapt.test", 2};
       // Parsed: every tensor it announces lies inside the archive.

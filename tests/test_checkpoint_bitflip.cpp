@@ -78,15 +78,16 @@ void optimizer_case(const Opt& opt, const char* label) {
     opt.step(b, m.params, st, {.lr = 1e-2});
   }
   const auto good = st.save(b);
-  const std::size_t n =
-      flip_every_bit(good, [&](std::span<const std::byte> bad) { st.load(b, bad); }, [&] { return st.save(b); });
+  const std::size_t n = flip_every_bit(
+      good, [&](std::span<const std::byte> bad) { st.load(b, bad); }, [&] { return st.save(b); });
   REQUIRE(n == good.size() * 8);
   REQUIRE(st.steps() == 3);
 }
 
 }  // namespace
 
-TEST_CASE("bit flips: optimizer states (AdamW, LAMB, Adafactor, SM3, chains and classes)", "[archive][checkpoint]") {
+TEST_CASE("bit flips: optimizer states (AdamW, LAMB, Adafactor, SM3, chains and classes)",
+          "[archive][checkpoint]") {
   optimizer_case(gradapt::adamw({.weight_decay = 0.01}), "adamw");
   optimizer_case(gradapt::lamb({.weight_decay = 0.01}), "lamb");
   optimizer_case(gradapt::adafactor_chain({.min_dim_size_to_factor = 2}), "adafactor_chain");
@@ -99,17 +100,20 @@ TEST_CASE("bit flips: loss scaler, noise scale, AdaScale", "[archive][checkpoint
   gradapt::loss_scaler scaler({.init_scale = 1024.0, .growth_interval = 3});
   for (int t = 0; t < 5; ++t) (void)scaler.update(t == 2);
   auto good = scaler.save();
-  flip_every_bit(good, [&](std::span<const std::byte> bad) { scaler.load(bad); }, [&] { return scaler.save(); });
+  flip_every_bit(
+      good, [&](std::span<const std::byte> bad) { scaler.load(bad); }, [&] { return scaler.save(); });
 
   gradapt::gradient_noise_scale gns({.smoothing = 0.9});
   for (int t = 1; t <= 4; ++t) gns.update(0.5 + 0.1 * t, 8.0, 0.2 + 0.01 * t, 32.0);
   good = gns.save();
-  flip_every_bit(good, [&](std::span<const std::byte> bad) { gns.load(bad); }, [&] { return gns.save(); });
+  flip_every_bit(
+      good, [&](std::span<const std::byte> bad) { gns.load(bad); }, [&] { return gns.save(); });
 
   gradapt::adascale ada({.scale = 4.0});
   for (int t = 0; t < 3; ++t) ada.advance(gns, 8.0);
   good = ada.save();
-  flip_every_bit(good, [&](std::span<const std::byte> bad) { ada.load(bad); }, [&] { return ada.save(); });
+  flip_every_bit(
+      good, [&](std::span<const std::byte> bad) { ada.load(bad); }, [&] { return ada.save(); });
 }
 
 TEST_CASE("bit flips: LocalSGD with each schedule", "[archive][checkpoint]") {
@@ -127,11 +131,14 @@ TEST_CASE("bit flips: LocalSGD with each schedule", "[archive][checkpoint]") {
         lsgd.step(comm, b, std::span(xs));
     }
     const auto good = lsgd.save();
-    flip_every_bit(good, [&](std::span<const std::byte> bad) { lsgd.load(bad); }, [&] { return lsgd.save(); });
+    flip_every_bit(
+        good, [&](std::span<const std::byte> bad) { lsgd.load(bad); }, [&] { return lsgd.save(); });
   };
   run(gradapt::fixed_period({.period = 3}), "fixed_period");
   run(gradapt::adaptive_period({.initial_period = 2, .max_period = 8}), "adaptive_period");
-  run(gradapt::hierarchical_period({.levels = {{.period = 2, .group_size = 1}, {.period = 4, .group_size = gradapt::hierarchical_level::world}}}),
+  run(gradapt::hierarchical_period(
+          {.levels = {{.period = 2, .group_size = 1},
+                      {.period = 4, .group_size = gradapt::hierarchical_level::world}}}),
       "hierarchical_period");
 }
 
@@ -149,6 +156,7 @@ TEST_CASE("bit flips: the data-parallel train step", "[archive][checkpoint][trai
     const auto good = step.save();
     // Rank 0 flips every bit; the load is not collective.
     if (comm.rank() == 0)
-      flip_every_bit(good, [&](std::span<const std::byte> bad) { step.load(bad); }, [&] { return step.save(); });
+      flip_every_bit(
+          good, [&](std::span<const std::byte> bad) { step.load(bad); }, [&] { return step.save(); });
   });
 }

@@ -371,7 +371,8 @@ TEST_CASE("gns: per-group and global estimates from a param_list with 16-bit gra
     }
     const bool accepted = gns.update(comm, backend, params, batch);
     RANK_REQUIRE(accepted);
-    for (std::size_t k = 0; k < gns.slots(); ++k) got[static_cast<std::size_t>(comm.rank())].push_back(gns.slot(k).state());
+    for (std::size_t k = 0; k < gns.slots(); ++k)
+      got[static_cast<std::size_t>(comm.rank())].push_back(gns.slot(k).state());
   });
   // Serial reference: squared norms of the stored bfloat16 values in long double.
   long double local[2][3] = {}, global[3] = {};

@@ -988,7 +988,9 @@ TEST_CASE("bad checkpoints are rejected with the reason", "[optim][checkpoint][e
           w.put(n, v);
           break;
         }
-        case gradapt::archive_field::string: w.put(n, r.get<std::string>(n)); break;
+        case gradapt::archive_field::string:
+          w.put(n, r.get<std::string>(n));
+          break;
         case gradapt::archive_field::tensor: {
           const auto info = r.tensor_info(n);
           if (info.element == gradapt::archive_element::i64) {
@@ -1000,7 +1002,8 @@ TEST_CASE("bad checkpoints are rejected with the reason", "[optim][checkpoint][e
           }
           break;
         }
-        default: FAIL("unexpected field type");
+        default:
+          FAIL("unexpected field type");
       }
     }
     return w.finish();
@@ -1041,20 +1044,24 @@ TEST_CASE("bad checkpoints are rejected with the reason", "[optim][checkpoint][e
 // ---- errors ------------------------------------------------------------------------------------
 
 TEST_CASE("invalid options name the public algorithm and option", "[optim][errors]") {
-  REQUIRE_THROWS_WITH(gradapt::adamw({.b1 = 1.0}), StartsWith("gradapt: adamw: b1 is 1 (expected 0 <= b1 < 1"));
+  REQUIRE_THROWS_WITH(gradapt::adamw({.b1 = 1.0}),
+                      StartsWith("gradapt: adamw: b1 is 1 (expected 0 <= b1 < 1"));
   REQUIRE_THROWS_WITH(gradapt::adamw({.b2 = -0.1}), StartsWith("gradapt: adamw: b2 is -0.1"));
   REQUIRE_THROWS_WITH(gradapt::lamb({.b1 = 1}), StartsWith("gradapt: lamb: b1 is 1"));
   REQUIRE_THROWS_WITH(gradapt::lamb({.eps = -1e-6}), StartsWith("gradapt: lamb: eps is -1e-06"));
   REQUIRE_THROWS_WITH(gradapt::lamb({.lr = std::nan("")}), StartsWith("gradapt: lamb: lr is nan"));
-  REQUIRE_THROWS_WITH(gradapt::lamb({.min_trust_ratio = 10, .max_trust_ratio = 0.01}),
-                      StartsWith("gradapt: lamb: the clamp [min_trust_ratio, max_trust_ratio] is [10, 0.01]"));
+  REQUIRE_THROWS_WITH(
+      gradapt::lamb({.min_trust_ratio = 10, .max_trust_ratio = 0.01}),
+      StartsWith("gradapt: lamb: the clamp [min_trust_ratio, max_trust_ratio] is [10, 0.01]"));
   REQUIRE_THROWS_WITH(gradapt::lamb({.max_grad_norm = -1}), StartsWith("gradapt: lamb: max_grad_norm is -1"));
-  REQUIRE_THROWS_WITH(gradapt::lars({.trust_coefficient = 0}), StartsWith("gradapt: lars: trust_coefficient is 0"));
+  REQUIRE_THROWS_WITH(gradapt::lars({.trust_coefficient = 0}),
+                      StartsWith("gradapt: lars: trust_coefficient is 0"));
   REQUIRE_THROWS_WITH(gradapt::lars({.momentum = 1.5}), StartsWith("gradapt: lars: momentum is 1.5"));
   REQUIRE_THROWS_WITH(gradapt::sgd({.momentum = -0.5}), StartsWith("gradapt: sgd: momentum is -0.5"));
   REQUIRE_THROWS_WITH(gradapt::sgd({.nesterov = true}),
                       StartsWith("gradapt: sgd: nesterov is set but momentum is 0"));
-  REQUIRE_THROWS_WITH(gradapt::sgd({.weight_decay = INFINITY}), StartsWith("gradapt: sgd: weight_decay is inf"));
+  REQUIRE_THROWS_WITH(gradapt::sgd({.weight_decay = INFINITY}),
+                      StartsWith("gradapt: sgd: weight_decay is inf"));
 }
 
 TEST_CASE("the ({}) forms give the default options", "[optim][usability]") {

@@ -11,12 +11,13 @@
 /// | concept                  | adds                                            | needed by |
 /// |--------------------------|-------------------------------------------------|-----------|
 /// | `backend`                | apply, apply_list, reduce, dot, synchronize     | every algorithm |
-/// | `optimizer_backend`      | allocate, copy, apply_reduce_list               | every optimizer, the train step |
-/// | `factored_backend`       | reduce_factored, apply_factored, apply_factored_sum | Adafactor, SM3 |
-/// | `factored_sumsq_backend` | reduce_factored_sumsq                           | (optional) Adafactor's parameter scale in its statistics pass |
-/// | `task_backend`           | thread_count, single_thread, run_tasks          | (optional) per-tensor tasks of the factored optimizers |
-/// | `workspace_backend`      | reserve_for, reserve                            | (optional) graph-capturable first step |
-/// | `deferred_dot_backend`   | dot_to (results left in the backend's memory)   | Adasum on a device |
+/// | `optimizer_backend`      | allocate, copy, apply_reduce_list               | every optimizer, the train
+/// step | | `factored_backend`       | reduce_factored, apply_factored, apply_factored_sum | Adafactor, SM3 |
+/// | `factored_sumsq_backend` | reduce_factored_sumsq                           | (optional) Adafactor's
+/// parameter scale in its statistics pass | | `task_backend`           | thread_count, single_thread,
+/// run_tasks          | (optional) per-tensor tasks of the factored optimizers | | `workspace_backend`      |
+/// reserve_for, reserve                            | (optional) graph-capturable first step | |
+/// `deferred_dot_backend`   | dot_to (results left in the backend's memory)   | Adasum on a device |
 ///
 /// The optional capabilities change how a step is scheduled, never its bits: an algorithm runs
 /// on any backend with the required ones.
@@ -132,9 +133,11 @@ concept factored_backend = optimizer_backend<B> &&
 /// parameter scale then costs no extra read of the parameters.
 template <class B>
 concept factored_sumsq_backend = factored_backend<B> &&
-    requires(const B& b, tensor_view<const float, typename B::space> cx, tensor_view<double, typename B::space> s,
-             std::array<std::int64_t, 5> d) {
-  { b.reduce_factored_sumsq(detail::optim::factored_probe{}, d, cx, cx, cx, s, s, cx, s) } -> std::convertible_to<double>;
+    requires(const B& b, tensor_view<const float, typename B::space> cx,
+             tensor_view<double, typename B::space> s, std::array<std::int64_t, 5> d) {
+  {
+    b.reduce_factored_sumsq(detail::optim::factored_probe{}, d, cx, cx, cx, s, s, cx, s)
+    } -> std::convertible_to<double>;
 };
 
 /// A backend that schedules independent tasks on its own threads (gradapt::host): its

@@ -18,8 +18,8 @@
 #include <utility>
 #include <vector>
 
-#include "gradapt/backend/simd.hpp"
 #include "gradapt/backend/concepts.hpp"
+#include "gradapt/backend/simd.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/dtype.hpp"
 #include "gradapt/core/error.hpp"
@@ -1770,8 +1770,9 @@ struct host {
   }
 };
 
-static_assert(factored_sumsq_backend<host> && task_backend<host>,
-              "gradapt::host models optimizer_backend, factored_backend, factored_sumsq_backend and task_backend");
+static_assert(
+    factored_sumsq_backend<host> && task_backend<host>,
+    "gradapt::host models optimizer_backend, factored_backend, factored_sumsq_backend and task_backend");
 
 static_assert(backend<host>);
 

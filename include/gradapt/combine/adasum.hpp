@@ -48,8 +48,8 @@
 #include <utility>
 #include <vector>
 
-#include "gradapt/combine/detail/adasum_impl.hpp"
 #include "gradapt/backend/concepts.hpp"
+#include "gradapt/combine/detail/adasum_impl.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/dtype.hpp"
 #include "gradapt/core/error.hpp"

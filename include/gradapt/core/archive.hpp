@@ -60,17 +60,30 @@ namespace gradapt {
 enum class archive_field : std::uint8_t { u64 = 1, i64 = 2, f64 = 3, boolean = 4, string = 5, tensor = 6 };
 
 /// The element type of an archive tensor field.
-enum class archive_element : std::uint8_t { float32 = 1, float64 = 2, float16 = 3, bfloat16 = 4, u64 = 5, i64 = 6 };
+enum class archive_element : std::uint8_t {
+  float32 = 1,
+  float64 = 2,
+  float16 = 3,
+  bfloat16 = 4,
+  u64 = 5,
+  i64 = 6
+};
 
 /// The name of a field type, for messages.
 constexpr std::string_view name(archive_field f) {
   switch (f) {
-    case archive_field::u64: return "u64";
-    case archive_field::i64: return "i64";
-    case archive_field::f64: return "f64";
-    case archive_field::boolean: return "bool";
-    case archive_field::string: return "string";
-    case archive_field::tensor: return "tensor";
+    case archive_field::u64:
+      return "u64";
+    case archive_field::i64:
+      return "i64";
+    case archive_field::f64:
+      return "f64";
+    case archive_field::boolean:
+      return "bool";
+    case archive_field::string:
+      return "string";
+    case archive_field::tensor:
+      return "tensor";
   }
   return "unknown";
 }
@@ -78,12 +91,18 @@ constexpr std::string_view name(archive_field f) {
 /// The name of an element type, for messages.
 constexpr std::string_view name(archive_element e) {
   switch (e) {
-    case archive_element::float32: return "float32";
-    case archive_element::float64: return "float64";
-    case archive_element::float16: return "float16";
-    case archive_element::bfloat16: return "bfloat16";
-    case archive_element::u64: return "u64";
-    case archive_element::i64: return "i64";
+    case archive_element::float32:
+      return "float32";
+    case archive_element::float64:
+      return "float64";
+    case archive_element::float16:
+      return "float16";
+    case archive_element::bfloat16:
+      return "bfloat16";
+    case archive_element::u64:
+      return "u64";
+    case archive_element::i64:
+      return "i64";
   }
   return "unknown";
 }
@@ -175,7 +194,8 @@ class archive_writer {
   /// Opens section `name`: later names are prefixed with "name/" until the matching `end`.
   void begin(std::string_view name) {
     check_name(name, "begin");
-    prefix_.push_back(prefix_.empty() ? std::string(name) : detail::archive_impl::join(prefix_.back(), "/", name));
+    prefix_.push_back(prefix_.empty() ? std::string(name)
+                                      : detail::archive_impl::join(prefix_.back(), "/", name));
   }
   /// Closes the innermost section.
   void end() {
@@ -218,8 +238,8 @@ class archive_writer {
     namespace ai = detail::archive_impl;
     static_assert(is_archive_element_v<T>,
                   "archive_writer::put_tensor: elements are float, double, half, bfloat16, uint64 or int64");
-    detail::require(shape.size() <= ai::max_rank, "archive_writer(", kind_, "): tensor '", name, "' has rank ",
-                    shape.size(), " (at most ", ai::max_rank, ")");
+    detail::require(shape.size() <= ai::max_rank, "archive_writer(", kind_, "): tensor '", name,
+                    "' has rank ", shape.size(), " (at most ", ai::max_rank, ")");
     std::uint64_t n = 1;
     for (const std::int64_t e : shape) {
       detail::require(e >= 0, "archive_writer(", kind_, "): tensor '", name, "' has a negative extent ", e);
@@ -279,7 +299,8 @@ class archive_writer {
   void header(std::string_view name, archive_field type) {
     namespace ai = detail::archive_impl;
     check_name(name, "a field");
-    std::string full = prefix_.empty() ? std::string(name) : detail::archive_impl::join(prefix_.back(), "/", name);
+    std::string full =
+        prefix_.empty() ? std::string(name) : detail::archive_impl::join(prefix_.back(), "/", name);
     detail::require(full.size() <= 65535, "archive_writer(", kind_, "): field name '", full.substr(0, 64),
                     "...' is longer than 65535 bytes");
     detail::require(names_.insert(full).second, "archive_writer(", kind_, "): field '", full,
@@ -335,12 +356,12 @@ class archive_reader {
     detail::require(kind_ == kind, "archive: this is a '", kind_, "' archive, expected '", kind, "'");
     version_ = ai::get_le<std::uint32_t>(bytes.data() + at);
     at += 4;
-    detail::require(version_ >= 1 && version_ <= max_version, "archive(", kind, "): format version ", version_,
-                    " (this gradapt reads 1 to ", max_version, ")");
+    detail::require(version_ >= 1 && version_ <= max_version, "archive(", kind, "): format version ",
+                    version_, " (this gradapt reads 1 to ", max_version, ")");
     const std::uint64_t count = ai::get_le<std::uint64_t>(bytes.data() + at);
     at += 8;
-    detail::require(count <= (body_end - at) / 6, "archive(", kind_, "): ", count,
-                    " fields announced in ", body_end - at, " bytes");
+    detail::require(count <= (body_end - at) / 6, "archive(", kind_, "): ", count, " fields announced in ",
+                    body_end - at, " bytes");
     fields_.reserve(static_cast<std::size_t>(count));
     for (std::uint64_t i = 0; i < count; ++i) at = index_field(at, body_end);
     detail::require(at == body_end, "archive(", kind_, "): ", body_end - at, " bytes after the last field");
@@ -366,7 +387,8 @@ class archive_reader {
   /// The names (relative to the open section) of every field under section `section`
   /// ("" for the open section itself), in the order they were written.
   std::vector<std::string> names(std::string_view section = {}) const {
-    const std::string base = section.empty() ? (prefix_.empty() ? std::string() : prefix_.back()) : full(section);
+    const std::string base =
+        section.empty() ? (prefix_.empty() ? std::string() : prefix_.back()) : full(section);
     const std::string lead = base.empty() ? std::string() : base + "/";
     const std::size_t strip = prefix_.empty() ? 0 : prefix_.back().size() + 1;
     std::vector<std::string> out;
@@ -414,11 +436,13 @@ class archive_reader {
       mark(f);
       return static_cast<T>(v);
     } else {
-      static_assert(std::is_same_v<T, std::string>, "archive_reader::get: read integers, floats, bool or std::string");
+      static_assert(std::is_same_v<T, std::string>,
+                    "archive_reader::get: read integers, floats, bool or std::string");
       expect(f, archive_field::string);
       const std::uint64_t n = ai::get_le<std::uint64_t>(bytes_.data() + f.offset);
       mark(f);
-      return std::string(reinterpret_cast<const char*>(bytes_.data() + f.offset + 8), static_cast<std::size_t>(n));
+      return std::string(reinterpret_cast<const char*>(bytes_.data() + f.offset + 8),
+                         static_cast<std::size_t>(n));
     }
   }
 
@@ -466,7 +490,8 @@ class archive_reader {
   /// anything, so an archive written by a state with more parts is rejected whole.
   /// @throws gradapt::error naming the first field nobody read
   void finish_section() const {
-    const std::string lead = prefix_.empty() ? std::string() : detail::archive_impl::join(prefix_.back(), "/", "");
+    const std::string lead =
+        prefix_.empty() ? std::string() : detail::archive_impl::join(prefix_.back(), "/", "");
     for (std::size_t i = 0; i < fields_.size(); ++i)
       detail::require(read_[i] || fields_[i].name.compare(0, lead.size(), lead) != 0, "archive(", kind_,
                       "): field '", fields_[i].name,
@@ -534,8 +559,8 @@ class archive_reader {
   std::size_t index_field(std::size_t at, std::size_t end) {
     namespace ai = detail::archive_impl;
     const auto need = [&](std::uint64_t n, const char* what) {
-      detail::require(n <= end - at, "archive(", kind_, "): field ", fields_.size(), " ends inside its ", what,
-                      " (", end - at, " bytes left)");
+      detail::require(n <= end - at, "archive(", kind_, "): field ", fields_.size(), " ends inside its ",
+                      what, " (", end - at, " bytes left)");
     };
     need(4, "name length");
     const std::uint32_t nlen = ai::get_le<std::uint32_t>(bytes_.data() + at);
@@ -578,8 +603,8 @@ class archive_reader {
         const auto e = static_cast<std::uint8_t>(bytes_[at]);
         const auto rank = static_cast<std::uint8_t>(bytes_[at + 1]);
         at += 2;
-        detail::require(e >= 1 && e <= 6, "archive(", kind_, "): tensor '", f.name, "' has unknown element type ",
-                        unsigned{e});
+        detail::require(e >= 1 && e <= 6, "archive(", kind_, "): tensor '", f.name,
+                        "' has unknown element type ", unsigned{e});
         detail::require(rank <= ai::max_rank, "archive(", kind_, "): tensor '", f.name, "' has rank ",
                         unsigned{rank});
         f.tensor.element = static_cast<archive_element>(e);
@@ -591,7 +616,9 @@ class archive_reader {
           at += 8;
           detail::require(d >= 0, "archive(", kind_, "): tensor '", f.name, "' has a negative extent ", d);
           f.tensor.shape.push_back(d);
-          n = (d == 0 || n == 0) ? 0 : (static_cast<std::uint64_t>(d) > cap / n ? cap + 1 : n * static_cast<std::uint64_t>(d));
+          n = (d == 0 || n == 0)
+                  ? 0
+                  : (static_cast<std::uint64_t>(d) > cap / n ? cap + 1 : n * static_cast<std::uint64_t>(d));
         }
         f.tensor.elements = n;
         need(n * size_of(f.tensor.element), "elements");

@@ -44,8 +44,9 @@ inline std::uint32_t crc32c_update(std::uint32_t crc, std::span<const std::byte>
   const std::byte* p = bytes.data();
   std::size_t n = bytes.size();
   while (n >= 8) {
-    const std::uint32_t lo = c ^ (static_cast<std::uint32_t>(p[0]) | static_cast<std::uint32_t>(p[1]) << 8 |
-                                  static_cast<std::uint32_t>(p[2]) << 16 | static_cast<std::uint32_t>(p[3]) << 24);
+    const std::uint32_t lo =
+        c ^ (static_cast<std::uint32_t>(p[0]) | static_cast<std::uint32_t>(p[1]) << 8 |
+             static_cast<std::uint32_t>(p[2]) << 16 | static_cast<std::uint32_t>(p[3]) << 24);
     c = t[7][lo & 0xFFu] ^ t[6][(lo >> 8) & 0xFFu] ^ t[5][(lo >> 16) & 0xFFu] ^ t[4][lo >> 24] ^
         t[3][static_cast<std::uint32_t>(p[4])] ^ t[2][static_cast<std::uint32_t>(p[5])] ^
         t[1][static_cast<std::uint32_t>(p[6])] ^ t[0][static_cast<std::uint32_t>(p[7])];

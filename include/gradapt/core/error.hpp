@@ -50,8 +50,9 @@ void require(bool cond, Args&&... args) {
 /// replaced by the public option name it stands for. The presets use it so that an option an
 /// inner stage rejects is reported under the algorithm's and the option's public names
 /// (`lamb({.max_grad_norm = -1})` → "gradapt: lamb: max_grad_norm is -1 ...").
-[[noreturn]] inline void rethrow_in(std::string_view who, const error& e,
-                                    std::initializer_list<std::pair<std::string_view, std::string_view>> renames = {}) {
+[[noreturn]] inline void rethrow_in(
+    std::string_view who, const error& e,
+    std::initializer_list<std::pair<std::string_view, std::string_view>> renames = {}) {
   std::string_view m = e.what();
   constexpr std::string_view prefix = "gradapt: ";
   if (m.substr(0, prefix.size()) == prefix) m.remove_prefix(prefix.size());

@@ -580,8 +580,8 @@ class adafactor_state {
   void load(const B& b, archive_reader& r) {
     constexpr const char* who = "adafactor_state::load";
     const auto et = r.get<std::string>("element_type");
-    detail::require(et == name(dtype_of_v<S>), who, ": the checkpoint holds ", et, " state but this state is ",
-                    name(dtype_of_v<S>));
+    detail::require(et == name(dtype_of_v<S>), who, ": the checkpoint holds ", et,
+                    " state but this state is ", name(dtype_of_v<S>));
     const auto steps = r.get<std::uint64_t>("steps");
     detail::require(steps < std::numeric_limits<std::uint64_t>::max(), who, ": step count ", steps,
                     " cannot grow");

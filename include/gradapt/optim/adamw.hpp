@@ -60,7 +60,9 @@ class adamw : public adamw_chain {
             transform::scale_by_learning_rate{.lr = o.lr, .allow_negative = false}) {
   } catch (const error& e) {
     detail::rethrow_in("adamw", e,
-                       {{"scale_by_adam: ", ""}, {"add_decayed_weights: weight_decay", "weight_decay"}, {"scale_by_learning_rate: lr", "lr"}});
+                       {{"scale_by_adam: ", ""},
+                        {"add_decayed_weights: weight_decay", "weight_decay"},
+                        {"scale_by_learning_rate: lr", "lr"}});
   }
   /// `adamw({})`: the default options.
   adamw(std::initializer_list<adamw_options> o) : adamw(detail::options_from(o, "adamw")) {}

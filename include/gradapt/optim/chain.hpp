@@ -53,9 +53,9 @@
 #include <utility>
 #include <vector>
 
+#include "gradapt/backend/concepts.hpp"
 #include "gradapt/backend/simd.hpp"
 #include "gradapt/core/archive.hpp"
-#include "gradapt/backend/concepts.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
 #include "gradapt/core/dtype.hpp"
@@ -642,9 +642,9 @@ class chain_state {
   void load(const B& b, archive_reader& r) {
     const auto expect = [&](const char* field, std::uint64_t want, const char* what) {
       const auto got = r.get<std::uint64_t>(field);
-      detail::require(got == want, "optimizer state load: the checkpoint's ", what, " is ", got,
-                      " but this state's is ", want,
-                      " (restore into a state created by the same optimizer and options for the same parameters)");
+      detail::require(
+          got == want, "optimizer state load: the checkpoint's ", what, " is ", got, " but this state's is ",
+          want, " (restore into a state created by the same optimizer and options for the same parameters)");
     };
     const auto et = r.get<std::string>("element_type");
     detail::require(et == name(dtype_of_v<S>), "optimizer state load: the checkpoint holds ", et,
@@ -658,7 +658,8 @@ class chain_state {
     expect("tensors", sizes_.size(), "tensor count");
     for (std::size_t t = 0; t < sizes_.size(); ++t) {
       const std::string sec = detail::archive_impl::join("tensor", "/", names_[t]);
-      detail::require(r.has(detail::archive_impl::join(sec, "/", "index")), "optimizer state load: the checkpoint has no parameter '", names_[t],
+      detail::require(r.has(detail::archive_impl::join(sec, "/", "index")),
+                      "optimizer state load: the checkpoint has no parameter '", names_[t],
                       "' (restore for the same parameter names)");
       r.begin(sec);
       const auto index = r.get<std::uint64_t>("index");
@@ -682,8 +683,8 @@ class chain_state {
     for_each_buffer(r, host, [&](std::size_t j, std::size_t t) {
       for (const S& x : host)
         detail::require(std::isfinite(static_cast<double>(static_cast<compute_t<S>>(x))),
-                        "optimizer state load: buffer ", j, " of '", names_[t], "' holds a non-finite value (",
-                        static_cast<double>(static_cast<compute_t<S>>(x)),
+                        "optimizer state load: buffer ", j, " of '", names_[t],
+                        "' holds a non-finite value (", static_cast<double>(static_cast<compute_t<S>>(x)),
                         "); a checkpoint of a diverged run cannot be resumed");
     });
     r.finish_section();
@@ -740,8 +741,8 @@ class chain_state {
   std::uint64_t steps_ = 0;
   std::uint64_t enabled_ = 0;
   std::vector<std::size_t> sizes_;
-  std::vector<std::string> names_;                  ///< parameter names (checkpoint keys)
-  std::vector<std::vector<std::int64_t>> shapes_;   ///< parameter shapes
+  std::vector<std::string> names_;                 ///< parameter names (checkpoint keys)
+  std::vector<std::vector<std::int64_t>> shapes_;  ///< parameter shapes
   std::vector<detail::optim::buffer_t<B, S>> bufs_;
   std::vector<std::vector<tensor_view<S, space>>> mut_;
   std::vector<std::vector<tensor_view<const S, space>>> const_;

@@ -12,16 +12,16 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <cmath>
 #include <cstring>
 #include <span>
 #include <string>
 #include <vector>
 
-#include "gradapt/core/archive.hpp"
 #include "gradapt/backend/concepts.hpp"
+#include "gradapt/core/archive.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/tensor_view.hpp"
@@ -39,7 +39,8 @@ namespace detail::optim {
 template <class S, class B>
 void put_state_buffer(const B& b, archive_writer& w, std::string_view name, const S* data, std::size_t n) {
   std::vector<S> host(n);
-  b.copy(tensor_view<const S, typename B::space>::vector(data, static_cast<std::int64_t>(n)), host_view(host));
+  b.copy(tensor_view<const S, typename B::space>::vector(data, static_cast<std::int64_t>(n)),
+         host_view(host));
   w.put_tensor<S>(name, host);
 }
 
@@ -71,10 +72,10 @@ inline void expect_layout(archive_reader& r, const std::vector<std::int64_t>& wa
                                 static_cast<std::int64_t>(cols)};
   detail::require(r.has("layout"), who, ": the checkpoint has no tensor layout");
   const auto info = r.tensor_info("layout");
-  detail::require(info.shape.size() == 2 && info.shape[0] == shape[0] && info.shape[1] == shape[1], who,
-                  ": the checkpoint describes ", info.shape.empty() ? 0 : info.shape[0],
-                  " tensors but this state has ", shape[0],
-                  " (restore into a state created by the same optimizer and options for the same parameters)");
+  detail::require(
+      info.shape.size() == 2 && info.shape[0] == shape[0] && info.shape[1] == shape[1], who,
+      ": the checkpoint describes ", info.shape.empty() ? 0 : info.shape[0], " tensors but this state has ",
+      shape[0], " (restore into a state created by the same optimizer and options for the same parameters)");
   std::vector<std::int64_t> got(want.size());
   r.get_tensor<std::int64_t>("layout", std::span<std::int64_t>(got), shape);
   for (std::size_t k = 0; k < got.size(); ++k)

@@ -101,11 +101,11 @@ std::size_t task_slots(const B& b) {
 
 /// Calls one(backend, k, slot) for every tensor k of a list whose sizes are `sizes` (`order`:
 /// the tensors largest first, `total`: their sum). On a backend with `run_tasks` (the host)
-/// (a `task_backend`) and more than one thread: tensors larger than 1/T of the list first, each on all threads,
-/// then the others as independent one-thread tasks, largest first, each with its own
-/// workspace slot: one parallel region per step instead of several per tensor, and no barrier
-/// inside a tensor. A backend's results do not depend on its thread count, so the bits are
-/// the same in both modes. Elsewhere: in order, slot 0.
+/// (a `task_backend`) and more than one thread: tensors larger than 1/T of the list first, each on all
+/// threads, then the others as independent one-thread tasks, largest first, each with its own workspace slot:
+/// one parallel region per step instead of several per tensor, and no barrier inside a tensor. A backend's
+/// results do not depend on its thread count, so the bits are the same in both modes. Elsewhere: in order,
+/// slot 0.
 template <class B, class F>
 void for_tensors(const B& b, std::span<const std::size_t> order, std::span<const std::size_t> sizes,
                  std::size_t total, std::size_t slots, const F& one) {

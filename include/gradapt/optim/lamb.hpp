@@ -85,8 +85,14 @@ class lamb : public lamb_chain {
             transform::scale_by_learning_rate{.lr = o.lr, .allow_negative = false}) {
   } catch (const error& e) {
     detail::rethrow_in("lamb", e,
-                       {{"clip_by_global_norm: max_norm", "max_grad_norm"}, {"scale_by_adam: ", ""}, {"add_decayed_weights: weight_decay", "weight_decay"}, {"scale_by_trust_ratio: min_ratio", "min_trust_ratio"}, {"scale_by_trust_ratio: max_ratio", "max_trust_ratio"},
-                        {"scale_by_trust_ratio: the clamp [min_ratio, max_ratio]", "the clamp [min_trust_ratio, max_trust_ratio]"}, {"scale_by_learning_rate: lr", "lr"}});
+                       {{"clip_by_global_norm: max_norm", "max_grad_norm"},
+                        {"scale_by_adam: ", ""},
+                        {"add_decayed_weights: weight_decay", "weight_decay"},
+                        {"scale_by_trust_ratio: min_ratio", "min_trust_ratio"},
+                        {"scale_by_trust_ratio: max_ratio", "max_trust_ratio"},
+                        {"scale_by_trust_ratio: the clamp [min_ratio, max_ratio]",
+                         "the clamp [min_trust_ratio, max_trust_ratio]"},
+                        {"scale_by_learning_rate: lr", "lr"}});
   }
   /// `lamb({})`: the default options.
   lamb(std::initializer_list<lamb_options> o) : lamb(detail::options_from(o, "lamb")) {}

@@ -70,7 +70,9 @@ class lars : public lars_chain {
                    transform::trace{.decay = o.momentum, .nesterov = o.nesterov}) {
   } catch (const error& e) {
     detail::rethrow_in("lars", e,
-                       {{"scale_by_lars: ", ""}, {"trace: decay (momentum)", "momentum"}, {"scale_by_learning_rate: lr", "lr"}});
+                       {{"scale_by_lars: ", ""},
+                        {"trace: decay (momentum)", "momentum"},
+                        {"scale_by_learning_rate: lr", "lr"}});
   }
   /// `lars({})`: the default options.
   lars(std::initializer_list<lars_options> o) : lars(detail::options_from(o, "lars")) {}

@@ -56,7 +56,9 @@ class sgd : public sgd_chain {
                     " (Nesterov momentum needs momentum > 0)");
   } catch (const error& e) {
     detail::rethrow_in("sgd", e,
-                       {{"add_decayed_weights: weight_decay", "weight_decay"}, {"trace: decay (momentum)", "momentum"}, {"scale_by_learning_rate: lr", "lr"}});
+                       {{"add_decayed_weights: weight_decay", "weight_decay"},
+                        {"trace: decay (momentum)", "momentum"},
+                        {"scale_by_learning_rate: lr", "lr"}});
   }
   /// `sgd({})`: the default options.
   sgd(std::initializer_list<sgd_options> o) : sgd(detail::options_from(o, "sgd")) {}

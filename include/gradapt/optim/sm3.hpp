@@ -35,11 +35,11 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <initializer_list>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
-#include <string>
 #include <span>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -365,8 +365,8 @@ class sm3_state {
   void load(const B& b, archive_reader& r) {
     constexpr const char* who = "sm3_state::load";
     const auto et = r.get<std::string>("element_type");
-    detail::require(et == name(dtype_of_v<S>), who, ": the checkpoint holds ", et, " state but this state is ",
-                    name(dtype_of_v<S>));
+    detail::require(et == name(dtype_of_v<S>), who, ": the checkpoint holds ", et,
+                    " state but this state is ", name(dtype_of_v<S>));
     const auto steps = r.get<std::uint64_t>("steps");
     detail::require(steps < std::numeric_limits<std::uint64_t>::max(), who, ": step count ", steps,
                     " cannot grow");
@@ -626,7 +626,7 @@ class sm3 {
   /// A host-memory `task_backend` (gradapt::host): the step runs as one fused pass per tensor,
   /// in tasks (see `host_step`).
   template <class B>
-  static constexpr bool host_tasks = std::is_same_v<typename B::space, host_space> && task_backend<B>;
+  static constexpr bool host_tasks = std::is_same_v<typename B::space, host_space>&& task_backend<B>;
 
   /// Splits the tensors into work items for `host_step`: with T = b.thread_count() > 1, a
   /// tensor of more than 1/(2T) of all elements is cut into pieces of whole lines (elements for

@@ -34,9 +34,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "gradapt/backend/concepts.hpp"
 #include "gradapt/backend/simd.hpp"
 #include "gradapt/core/archive.hpp"
-#include "gradapt/backend/concepts.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
 #include "gradapt/core/dtype.hpp"
@@ -433,7 +433,8 @@ class loss_scaler {
 
   /// `loss_scaler({})`: the default options (an exact match for the empty braces, which the
   /// options constructor alone would leave ambiguous with the move constructor).
-  loss_scaler(std::initializer_list<loss_scaler_options> o) : loss_scaler(detail::options_from(o, "loss_scaler")) {}
+  loss_scaler(std::initializer_list<loss_scaler_options> o)
+      : loss_scaler(detail::options_from(o, "loss_scaler")) {}
   /// @throws gradapt::error when an option is out of range (the message names it).
   explicit loss_scaler(loss_scaler_options options = {}) : opt_(validated(options)) {
     st_.scale = opt_.init_scale;

@@ -33,8 +33,8 @@
 #include <string_view>
 #include <vector>
 
-#include "gradapt/core/archive.hpp"
 #include "gradapt/backend/concepts.hpp"
+#include "gradapt/core/archive.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
 #include "gradapt/core/error.hpp"
@@ -174,11 +174,12 @@ inline noise_scale_estimate two_batch_estimate(double small_sq, double b_small, 
 class gradient_noise_scale {
  public:
   using options_type = gradient_noise_scale_options;  ///< the hyperparameters (gradient_noise_scale_options)
-  using state_type = gradient_noise_scale_state;      ///< what state() returns and restore() takes (plain data)
+  using state_type = gradient_noise_scale_state;  ///< what state() returns and restore() takes (plain data)
 
   /// `gradient_noise_scale({})`: the default options (an exact match for the empty braces, which the
   /// options constructor alone would leave ambiguous with the move constructor).
-  gradient_noise_scale(std::initializer_list<gradient_noise_scale_options> o) : gradient_noise_scale(detail::options_from(o, "gradient_noise_scale")) {}
+  gradient_noise_scale(std::initializer_list<gradient_noise_scale_options> o)
+      : gradient_noise_scale(detail::options_from(o, "gradient_noise_scale")) {}
   /// @throws gradapt::error when smoothing is outside [0, 1).
   explicit gradient_noise_scale(gradient_noise_scale_options options = {}) : opt_(options) {
     detail::require(std::isfinite(opt_.smoothing) && opt_.smoothing >= 0.0 && opt_.smoothing < 1.0,
@@ -383,13 +384,13 @@ class gradient_noise_scale {
   ///         β^t outside [0, 1], counters that disagree or would overflow); state unchanged
   void restore(const gradient_noise_scale_state& s) {
     constexpr auto top = std::numeric_limits<std::uint64_t>::max();
-    detail::require(
-        std::isfinite(s.ema_grad_sq) && std::isfinite(s.ema_trace) && std::isfinite(s.last_grad_sq) &&
-            std::isfinite(s.last_trace) && s.beta_power >= 0.0 && s.beta_power <= 1.0 &&
-            ((s.samples == 0) == (s.beta_power == 1.0)) && s.biased <= s.samples && s.samples < top &&
-            s.skipped < top,
-        "gradient_noise_scale::load: inconsistent state (", s.samples, " samples, beta_power ", s.beta_power,
-        "; expected finite averages, beta_power = 1 with no samples and in [0, 1) otherwise)");
+    detail::require(std::isfinite(s.ema_grad_sq) && std::isfinite(s.ema_trace) &&
+                        std::isfinite(s.last_grad_sq) && std::isfinite(s.last_trace) && s.beta_power >= 0.0 &&
+                        s.beta_power <= 1.0 && ((s.samples == 0) == (s.beta_power == 1.0)) &&
+                        s.biased <= s.samples && s.samples < top && s.skipped < top,
+                    "gradient_noise_scale::load: inconsistent state (", s.samples, " samples, beta_power ",
+                    s.beta_power,
+                    "; expected finite averages, beta_power = 1 with no samples and in [0, 1) otherwise)");
     st_ = s;
   }
   /// Writes the state's fields into the open section of `w`.

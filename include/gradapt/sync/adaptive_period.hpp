@@ -90,7 +90,8 @@ class adaptive_period {
 
   /// `adaptive_period({})`: the default options (an exact match for the empty braces, which the
   /// options constructor alone would leave ambiguous with the move constructor).
-  adaptive_period(std::initializer_list<adaptive_period_options> o) : adaptive_period(detail::options_from(o, "adaptive_period")) {}
+  adaptive_period(std::initializer_list<adaptive_period_options> o)
+      : adaptive_period(detail::options_from(o, "adaptive_period")) {}
   /// @throws gradapt::error when K_0 < 1, K_max < K_0 or smoothing is outside [0, 1).
   explicit adaptive_period(adaptive_period_options options = {}) : opt_(options) {
     detail::require(opt_.initial_period >= 1, "adaptive_period: initial_period is ", opt_.initial_period,

@@ -59,7 +59,8 @@ class fixed_period {
 
   /// `fixed_period({})`: the default options (an exact match for the empty braces, which the
   /// options constructor alone would leave ambiguous with the move constructor).
-  fixed_period(std::initializer_list<fixed_period_options> o) : fixed_period(detail::options_from(o, "fixed_period")) {}
+  fixed_period(std::initializer_list<fixed_period_options> o)
+      : fixed_period(detail::options_from(o, "fixed_period")) {}
   /// @throws gradapt::error when period < 1 or warmup_rounds < 0.
   explicit fixed_period(fixed_period_options options = {}) : opt_(options) {
     detail::require(opt_.period >= 1, "fixed_period: period is ", opt_.period,

@@ -35,8 +35,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "gradapt/core/archive.hpp"
 #include "gradapt/backend/concepts.hpp"
+#include "gradapt/core/archive.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/ops.hpp"
@@ -317,16 +317,16 @@ class local_sgd {
     for (std::size_t l = 0; l < max_average_levels; ++l) {
       detail::require(l < levels_ || d.level_rounds[l] == 0, "local_sgd::load: ", d.level_rounds[l],
                       " rounds at level ", l, " but the schedule has ", levels_, " levels");
-      detail::require(d.level_rounds[l] <= d.rounds, "local_sgd::load: ", d.level_rounds[l], " rounds at level ",
-                      l, " but ", d.rounds, " in all");
+      detail::require(d.level_rounds[l] <= d.rounds, "local_sgd::load: ", d.level_rounds[l],
+                      " rounds at level ", l, " but ", d.rounds, " in all");
       sum += d.level_rounds[l];
     }
     detail::require(
         sum == d.rounds && d.rounds <= local, "local_sgd::load: ", d.rounds, " rounds (", sum,
         " by level) after ", local,
         " local steps (expected the level counts to add up and at most one round per local step)");
-    detail::require(d.steps < std::numeric_limits<std::uint64_t>::max(), "local_sgd::load: step count ", d.steps,
-                    " would overflow at the next step");
+    detail::require(d.steps < std::numeric_limits<std::uint64_t>::max(), "local_sgd::load: step count ",
+                    d.steps, " would overflow at the next step");
     return local;
   }
 

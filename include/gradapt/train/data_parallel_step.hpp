@@ -52,9 +52,9 @@
 #include <utility>
 #include <vector>
 
+#include "gradapt/backend/concepts.hpp"
 #include "gradapt/combine/adasum.hpp"
 #include "gradapt/core/archive.hpp"
-#include "gradapt/backend/concepts.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
 #include "gradapt/core/error.hpp"
@@ -140,7 +140,6 @@ double fingerprint(const L& list) {
   }
   return static_cast<double>(h);
 }
-
 
 template <class H>
 decltype(auto) unwrap(H& h) {
@@ -671,11 +670,14 @@ class data_parallel_step {
       detail::require(got == want, fn, ": the checkpoint's ", what, " is ", got, " but this step's is ", want,
                       " (", hint, ")");
     };
-    expect("ranks", "rank count", static_cast<std::uint64_t>(comm_->size()), "restore on as many ranks as saved");
+    expect("ranks", "rank count", static_cast<std::uint64_t>(comm_->size()),
+           "restore on as many ranks as saved");
     expect("slots", "slot mask (1 loss scaling, 2 Adasum, 4 AdaScale, 8 LocalSGD)", slot_mask(),
            "restore into a step built with the same policies");
-    expect("tensors", "tensor count", static_cast<std::uint64_t>(tensors_), "restore for the same parameters");
-    expect("elements", "element count", static_cast<std::uint64_t>(total_), "restore for the same parameters");
+    expect("tensors", "tensor count", static_cast<std::uint64_t>(tensors_),
+           "restore for the same parameters");
+    expect("elements", "element count", static_cast<std::uint64_t>(total_),
+           "restore for the same parameters");
     step_settings s;
     r.begin("settings");
     s.lr = r.get<double>("lr");
@@ -686,8 +688,8 @@ class data_parallel_step {
     detail::require(std::isfinite(s.lr) && s.lr >= 0.0, fn, ": the checkpoint's learning rate is ", s.lr,
                     " (expected finite and >= 0)");
     detail::require(std::isfinite(s.local_batch) && s.local_batch > 0.0 && s.accumulation_steps >= 1, fn,
-                    ": the checkpoint's batch settings are local_batch ", s.local_batch, ", accumulation_steps ",
-                    s.accumulation_steps, " (expected finite > 0 and >= 1)");
+                    ": the checkpoint's batch settings are local_batch ", s.local_batch,
+                    ", accumulation_steps ", s.accumulation_steps, " (expected finite > 0 and >= 1)");
     const auto calls = r.get<std::uint64_t>("calls");
     detail::require(calls < std::numeric_limits<std::uint64_t>::max(), fn, ": step counter ", calls,
                     " cannot grow");
@@ -766,10 +768,11 @@ auto make_data_parallel_step(Comm& comm, const B& backend, const PL& params, Opt
   using detail::count_slot;
   using detail::slot;
   using detail::slot_v;
-  static_assert(step_optimizer<Opt, B, PL>,
-                "train::make_data_parallel_step: the fourth argument must be an optimizer with the chain "
-                "interface (gradapt::sgd, adamw, lamb, lars, adafactor_chain, sm3_chain or a gradapt::chain), "
-                "e.g. gradapt::lamb({.lr = 1e-3}) rather than a gradapt::lamb_options");
+  static_assert(
+      step_optimizer<Opt, B, PL>,
+      "train::make_data_parallel_step: the fourth argument must be an optimizer with the chain "
+      "interface (gradapt::sgd, adamw, lamb, lars, adafactor_chain, sm3_chain or a gradapt::chain), "
+      "e.g. gradapt::lamb({.lr = 1e-3}) rather than a gradapt::lamb_options");
   static_assert(count_slot<slot::scaler, Args...> <= 1,
                 "train::make_data_parallel_step: more than one scaler policy");
   static_assert(count_slot<slot::combine, Args...> <= 1,

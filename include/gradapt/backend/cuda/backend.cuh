@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "gradapt/backend/chunking.hpp"
+#include "gradapt/backend/concepts.hpp"
 #include "gradapt/backend/cuda/apply_reduce.cuh"
 #include "gradapt/backend/cuda/check.cuh"
 #include "gradapt/backend/cuda/device_buffer.cuh"
@@ -25,7 +26,6 @@
 #include "gradapt/backend/cuda/multi_tensor.cuh"
 #include "gradapt/backend/cuda/reduction_ops.cuh"
 #include "gradapt/backend/cuda/workspace.cuh"
-#include "gradapt/backend/concepts.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/dtype.hpp"
 #include "gradapt/core/error.hpp"
@@ -576,8 +576,9 @@ struct cuda {
   }
 };
 
-static_assert(factored_backend<cuda> && workspace_backend<cuda> && deferred_dot_backend<cuda>,
-              "gradapt::cuda models optimizer_backend, factored_backend, workspace_backend and deferred_dot_backend");
+static_assert(
+    factored_backend<cuda> && workspace_backend<cuda> && deferred_dot_backend<cuda>,
+    "gradapt::cuda models optimizer_backend, factored_backend, workspace_backend and deferred_dot_backend");
 
 static_assert(backend<cuda>);
 static_assert(std::is_aggregate_v<cuda>);
