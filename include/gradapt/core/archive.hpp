@@ -273,8 +273,8 @@ class archive_writer {
   /// @throws gradapt::error when a section is still open
   std::vector<std::byte> finish() {
     namespace ai = detail::archive_impl;
-    detail::require(prefix_.empty(), "archive_writer(", kind_, "): finish() with section '", prefix_.back(),
-                    "' still open");
+    if (!prefix_.empty())
+      detail::fail("archive_writer(", kind_, "): finish() with section '", prefix_.back(), "' still open");
     std::vector<std::byte> out;
     out.reserve(body_.size() + kind_.size() + 32);
     const auto* m = reinterpret_cast<const std::byte*>(ai::magic);
@@ -501,8 +501,8 @@ class archive_reader {
   /// Checks that every section was closed and every field read.
   /// @throws gradapt::error naming the open section or the first field nobody read
   void finish() const {
-    detail::require(prefix_.empty(), "archive(", kind_, "): finish() with section '", prefix_.back(),
-                    "' still open");
+    if (!prefix_.empty())
+      detail::fail("archive(", kind_, "): finish() with section '", prefix_.back(), "' still open");
     finish_section();
   }
 
