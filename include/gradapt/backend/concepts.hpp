@@ -8,16 +8,18 @@
 /// algorithm detects a backend by probing its members. docs/writing-a-backend.md lists, per
 /// concept, what to implement and the determinism promise each operation must keep.
 ///
-/// | concept                  | adds                                            | needed by |
-/// |--------------------------|-------------------------------------------------|-----------|
-/// | `backend`                | apply, apply_list, reduce, dot, synchronize     | every algorithm |
-/// | `optimizer_backend`      | allocate, copy, apply_reduce_list               | every optimizer, the train
-/// step | | `factored_backend`       | reduce_factored, apply_factored, apply_factored_sum | Adafactor, SM3 |
-/// | `factored_sumsq_backend` | reduce_factored_sumsq                           | (optional) Adafactor's
-/// parameter scale in its statistics pass | | `task_backend`           | thread_count, single_thread,
-/// run_tasks          | (optional) per-tensor tasks of the factored optimizers | | `workspace_backend`      |
-/// reserve_for, reserve                            | (optional) graph-capturable first step | |
-/// `deferred_dot_backend`   | dot_to (results left in the backend's memory)   | Adasum on a device |
+/// The concepts, what each adds, and what needs it:
+///
+///  - `backend`: apply, apply_list, reduce, dot, synchronize. Every algorithm.
+///  - `optimizer_backend`: allocate, copy, apply_reduce_list. Every optimizer, the train step.
+///  - `factored_backend`: reduce_factored, apply_factored, apply_factored_sum. Adafactor, SM3.
+///  - `factored_sumsq_backend` (optional): reduce_factored_sumsq. Adafactor's parameter scale
+///    in its statistics pass.
+///  - `task_backend` (optional): thread_count, single_thread, run_tasks. Per-tensor tasks of
+///    the factored optimizers.
+///  - `workspace_backend` (optional): reserve_for, reserve. A graph-capturable first step.
+///  - `deferred_dot_backend`: dot_to (results left in the backend's memory). Adasum on a
+///    device.
 ///
 /// The optional capabilities change how a step is scheduled, never its bits: an algorithm runs
 /// on any backend with the required ones.
