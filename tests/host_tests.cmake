@@ -119,6 +119,9 @@ target_link_libraries(test_train_step PRIVATE Threads::Threads)
 # A backend defined in the test from the documented concepts only, against gradapt::host.
 gradapt_add_test(test_backend_third_party SOURCES test_backend_third_party.cpp)
 target_link_libraries(test_backend_third_party PRIVATE Threads::Threads)
+# A combine policy and a stateful hook defined in the test, through the documented contract.
+gradapt_add_test(test_train_policy SOURCES test_train_policy.cpp)
+target_link_libraries(test_train_policy PRIVATE Threads::Threads)
 gradapt_add_test(test_optim_adafactor SOURCES test_optim_adafactor.cpp)
 target_compile_definitions(test_optim_adafactor PRIVATE GRADAPT_FACTORED_DATA="${PROJECT_SOURCE_DIR}/tests/data/optim_factored")
 gradapt_add_test(test_optim_sm3 SOURCES test_optim_sm3.cpp)

@@ -69,6 +69,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string_view>
 
@@ -83,7 +84,7 @@ struct step_context {
   std::uint64_t step = 1;
   /// Learning rate passed to this step (`step_args::lr`), if any; stages that scale by a
   /// learning rate use it instead of their option.
-  std::optional<double> lr;
+  std::optional<double> lr{};
 };
 
 /// What a stage sees when it sets up its per-tensor constants (at init, and again whenever a
@@ -97,10 +98,17 @@ struct tensor_setup {
   std::optional<double> weight_decay;  ///< the group's weight-decay override, if any
 };
 
-/// Per-step arguments of `chain::step`, e.g. `opt.step(b, params, state, {.lr = schedule(t)})`.
+/// The per-step input, one type for every step call: an optimizer's
+/// (`opt.step(b, params, state, {.lr = schedule(t)})`) and the composed train step's
+/// (`step.step({.loss = loss})`).
 struct step_args {
-  /// Learning rate for this step; when unset, the optimizer's `lr` option is used.
-  std::optional<double> lr;
+  /// Learning rate for this step. Optimizers: when unset, their `lr` option. The train step:
+  /// the base learning rate η of this call (before AdaScale's gain); when unset,
+  /// `step_settings::lr`.
+  std::optional<double> lr{};
+  /// This rank's training loss (the train step reports it in its metrics; LocalSGD's
+  /// adaptive_period averages it over the ranks). NaN when not given; optimizers ignore it.
+  double loss = std::numeric_limits<double>::quiet_NaN();
 };
 
 }  // namespace gradapt

@@ -28,13 +28,14 @@
 ///         my_schedule_hook{});
 ///     for (...) {
 ///       backward(loss * step.loss_scale());     // the framework's own backward pass
-///       const auto& m = step.step({.loss = loss});
+///       const auto& m = step.step({.loss = loss});  // gradapt::step_args
 ///     }
 ///
 /// The step owns the optimizer state and the policies; it references (never copies) the
 /// communicator and the parameter list, which must outlive it. Checkpoints: `save()` writes the
 /// whole step's state (settings, counters, optimizer state, scaler, noise scale, AdaScale,
-/// LocalSGD) into one byte vector and `load()` restores it exactly; the parameters themselves
+/// LocalSGD, and a combiner's or hook's own state) into one byte vector and `load()` restores it
+/// exactly; the parameters themselves
 /// are the framework's and are saved by it.
 
 #include <cmath>
@@ -96,15 +97,6 @@ namespace detail {
 
 /// An empty member for a slot that is off.
 struct nothing {};
-
-/// Element functor of the mean: g ← g / n in the compute type, one rounding.
-struct divide_by_ranks {
-  int n;
-  template <class T>
-  GRADAPT_HD void operator()(T& g) const {
-    g = g / static_cast<T>(n);
-  }
-};
 
 template <class T>
 struct schedule_of {
@@ -183,7 +175,7 @@ auto hook_tuple(A&& a) {
 /// @tparam PL     the parameter list type (gradapt::param_list<V, G>)
 /// @tparam Opt    optimizer with the chain interface (`step_optimizer`)
 /// @tparam Scaler no_loss_scaling | gradapt::loss_scaler
-/// @tparam Combine allreduce_mean | adasum_combine
+/// @tparam Combine allreduce_mean | adasum_combine | a user's `combine_policy`
 /// @tparam Adapt  no_adascale | adascale_policy
 /// @tparam Sync   no_local_sgd | local_sgd_policy<Schedule>
 /// @tparam Hooks  std::tuple of hook objects, called in the order they were passed
@@ -211,8 +203,10 @@ class data_parallel_step {
 
   /// The scaler slot holds a loss_scaler.
   static constexpr bool has_loss_scaling = std::is_same_v<Scaler, loss_scaler>;
-  /// The combine slot holds adasum_combine.
-  static constexpr bool has_adasum = std::is_same_v<Combine, adasum_combine>;
+  /// The combine slot holds a combiner other than allreduce_mean (adasum_combine, a user's).
+  static constexpr bool has_custom_combine = !std::is_same_v<Combine, allreduce_mean>;
+  /// The combine slot's policy bound to the communicator (`bind_combiner`).
+  using combiner_type = bound_combiner_t<Combine, Comm, B, PL>;
   /// The adapt slot holds adascale_policy.
   static constexpr bool has_adascale = std::is_same_v<Adapt, adascale_policy>;
   /// The sync slot holds a local_sgd_policy.
@@ -231,9 +225,13 @@ class data_parallel_step {
   static_assert(step_optimizer<Opt, B, PL>,
                 "train::data_parallel_step: the optimizer needs the chain interface (init, step with "
                 "step_args, a state with save/load/steps), e.g. gradapt::lamb, adamw, sgd, lars");
-  static_assert(!(has_adasum && has_adascale),
-                "train::data_parallel_step: adascale_policy needs the rank MEAN of the gradients for the "
-                "noise scale, which adasum_combine does not form; use allreduce_mean with AdaScale");
+  static_assert(combine_policy<Combine, Comm, B, PL>,
+                "train::data_parallel_step: the combine slot's policy must model train::combine_policy "
+                "(a bound combiner with combine(comm, backend, grads))");
+  static_assert(!has_adascale || mean_combiner<combiner_type, Comm, B, PL>,
+                "train::data_parallel_step: adascale_policy needs the rank MEAN of the gradients and its "
+                "norms for the noise scale (combine_mean_with_norms), which this combiner (adasum_combine "
+                "or a user's) does not form; use allreduce_mean with AdaScale");
 
   /// Builds the step (collective; see the class comment). Prefer `make_data_parallel_step`.
   /// @throws gradapt::error when the parameter lists differ across ranks or are empty, a
@@ -251,12 +249,7 @@ class data_parallel_step {
     tensors_ = params.size();
     total_ = params.total_elements();
     state_ = opt_.init(backend_, params);
-    if constexpr (has_adasum) {
-      adasum_.emplace(comm, combine.options);
-      ws_.emplace(params.grads());
-    } else {
-      (void)combine;
-    }
+    combiner_.emplace(bind_combiner(combine, comm, backend_, params));
     if constexpr (has_adascale) {
       detail::require(std::isfinite(adapt.base_batch) && adapt.base_batch > 0.0,
                       "train::adascale_policy: base_batch is ", adapt.base_batch,
@@ -306,7 +299,7 @@ class data_parallel_step {
   /// @throws gradapt::error on invalid settings (naming the setting), a parameter list that
   ///         changed since construction, or an error of a stage (overflow at the minimum loss
   ///         scale, a list mismatch across ranks found by a collective)
-  const step_metrics& step(const step_input& in = {}) {
+  const step_metrics& step(const step_args& in = {}) {
     constexpr const char* fn = "train::data_parallel_step::step";
     detail::require(params_->size() == tensors_ && params_->total_elements() == total_, fn, " on rank ",
                     comm_->rank(), ": the parameter list now holds ", params_->size(), " tensors (",
@@ -317,6 +310,9 @@ class data_parallel_step {
       if constexpr (before_step_hook<std::remove_reference_t<decltype(h)>>) h.before_step(settings_, last_);
     });
     apply_settings(call);
+    const double eta = in.lr.value_or(settings_.lr);
+    detail::require(std::isfinite(eta) && eta >= 0.0, fn, ": step_args::lr is ", eta,
+                    " (expected a finite learning rate >= 0)");
 
     step_metrics m;
     m.step = call;
@@ -348,11 +344,11 @@ class data_parallel_step {
     m.synchronous = sync;
     if (sync) combine();
 
-    double lr = settings_.lr;
+    double lr = eta;
     double gain = 1.0;
     if constexpr (has_adascale) {
       gain = sync ? adapt_.ada.advance(adapt_.gns, adapt_.policy.base_batch) : adapt_.ada.advance(0.0, 0.0);
-      if (adapt_.policy.scale_lr) lr = settings_.lr * adapt_.ada.lr_factor(gain);
+      if (adapt_.policy.scale_lr) lr = eta * adapt_.ada.lr_factor(gain);
     }
     opt_.step(backend_, *params_, state_, step_args{.lr = lr});
 
@@ -409,6 +405,8 @@ class data_parallel_step {
   const adascale& ada_scale() const requires has_adascale { return adapt_.ada; }
   /// The LocalSGD driver (sync slot on).
   const local_sgd<Comm, schedule_type>& local() const requires has_local_sgd { return *sync_.driver; }
+  /// The combine slot's bound combiner (its state, e.g. an error-feedback residual).
+  const combiner_type& combiner() const { return *combiner_; }
   /// The hooks, in the order they were passed.
   Hooks& hooks() { return hooks_; }
   /// The hooks (read only).
@@ -443,6 +441,13 @@ class data_parallel_step {
       put_section(w, "adascale", adapt_.ada);
     }
     if constexpr (has_local_sgd) put_section(w, "local_sgd", *sync_.driver);
+    if constexpr (saves_state<combiner_type>) put_section(w, "combine", *combiner_);
+    std::size_t h = 0;
+    for_each_hook([&](const auto& hook) {
+      if constexpr (saves_state<std::remove_cvref_t<decltype(hook)>>)
+        put_section(w, hook_section(h).c_str(), hook);
+      ++h;
+    });
     return w.finish();
   }
 
@@ -467,7 +472,7 @@ class data_parallel_step {
 
  private:
   static std::uint64_t slot_mask() {
-    return (has_loss_scaling ? 1u : 0u) | (has_adasum ? 2u : 0u) | (has_adascale ? 4u : 0u) |
+    return (has_loss_scaling ? 1u : 0u) | (has_custom_combine ? 2u : 0u) | (has_adascale ? 4u : 0u) |
            (has_local_sgd ? 8u : 0u);
   }
 
@@ -475,6 +480,11 @@ class data_parallel_step {
   void for_each_hook(F&& f) {
     std::apply([&](auto&... h) { (f(detail::unwrap(h)), ...); }, hooks_);
   }
+  template <class F>
+  void for_each_hook(F&& f) const {
+    std::apply([&](const auto&... h) { (f(detail::unwrap(h)), ...); }, hooks_);
+  }
+  static std::string hook_section(std::size_t i) { return "hook" + std::to_string(i); }
 
   double progress() const {
     if constexpr (has_adascale)
@@ -590,29 +600,19 @@ class data_parallel_step {
                     ": the parameter list is empty (add the model's parameters before building the step)");
   }
 
-  /// Stage 2 (and the statistics of stage 3): combine the gradients across the ranks.
+  /// Stage 2 (and the statistics of stage 3): combine the gradients across the ranks through
+  /// the combine slot's combiner.
   void combine() {
-    if constexpr (has_adasum) {
-      adasum_->allreduce(backend_, params_->grads(), *ws_);
-    } else {
+    if constexpr (has_adascale) {
       const int n = comm_->size();
-      if (n == 1) return;
-      if constexpr (has_adascale) {
-        allreduce_norms norms{0.0, 0.0};
-        for (const auto& g : params_->grads()) {
-          const allreduce_norms t = allreduce_with_norms(*comm_, backend_, g);
-          norms.sum_local_sq += t.sum_local_sq;
-          norms.result_sq += t.result_sq;
-        }
-        backend_.apply_list(detail::divide_by_ranks{n}, params_->grads());
-        adapt_.gns.update(norms, n,
-                          noise_batch{.micro_batch = settings_.local_batch,
-                                      .accumulation_steps = settings_.accumulation_steps,
-                                      .loss_scale = 1.0});
-      } else {
-        for (const auto& g : params_->grads()) comm_->allreduce(g, reduce_op::sum);
-        backend_.apply_list(detail::divide_by_ranks{n}, params_->grads());
-      }
+      if (n == 1) return;  // the mean of one rank is its gradient; no noise-scale sample
+      const allreduce_norms norms = combiner_->combine_mean_with_norms(*comm_, backend_, params_->grads());
+      adapt_.gns.update(norms, n,
+                        noise_batch{.micro_batch = settings_.local_batch,
+                                    .accumulation_steps = settings_.accumulation_steps,
+                                    .loss_scale = 1.0});
+    } else {
+      combiner_->combine(*comm_, backend_, params_->grads());
     }
   }
 
@@ -672,8 +672,9 @@ class data_parallel_step {
     };
     expect("ranks", "rank count", static_cast<std::uint64_t>(comm_->size()),
            "restore on as many ranks as saved");
-    expect("slots", "slot mask (1 loss scaling, 2 Adasum, 4 AdaScale, 8 LocalSGD)", slot_mask(),
-           "restore into a step built with the same policies");
+    expect("slots",
+           "slot mask (1 loss scaling, 2 a combiner other than allreduce_mean, 4 AdaScale, 8 LocalSGD)",
+           slot_mask(), "restore into a step built with the same policies");
     expect("tensors", "tensor count", static_cast<std::uint64_t>(tensors_),
            "restore for the same parameters");
     expect("elements", "element count", static_cast<std::uint64_t>(total_),
@@ -717,6 +718,13 @@ class data_parallel_step {
       }
       load_section(r, "local_sgd", *sync_.driver);
     }
+    if constexpr (saves_state<combiner_type>) load_section(r, "combine", *combiner_);
+    std::size_t h = 0;
+    for_each_hook([&](auto& hook) {
+      if constexpr (saves_state<std::remove_cvref_t<decltype(hook)>>)
+        load_section(r, hook_section(h).c_str(), hook);
+      ++h;
+    });
     r.finish();
     settings_ = s;
     calls_ = calls;
@@ -738,10 +746,7 @@ class data_parallel_step {
   Opt opt_;
   optimizer_state_type state_;
   [[no_unique_address]] Scaler scaler_;
-  [[no_unique_address]] std::conditional_t<has_adasum, std::optional<adasum<Comm>>, detail::nothing> adasum_;
-  [[no_unique_address]] std::conditional_t<has_adasum, std::optional<adasum_workspace<grad_type>>,
-                                           detail::nothing>
-      ws_;
+  std::optional<combiner_type> combiner_;  ///< bound after the ranks agree on the list
   [[no_unique_address]] std::conditional_t<has_adascale, detail::adapt_runtime, detail::nothing> adapt_;
   [[no_unique_address]] std::conditional_t<has_local_sgd, detail::sync_runtime<Comm, schedule_type>,
                                            detail::nothing>
@@ -784,8 +789,9 @@ auto make_data_parallel_step(Comm& comm, const B& backend, const PL& params, Opt
   static_assert(
       count_slot<slot::none, Args...> == 0,
       "train::make_data_parallel_step: an argument is neither a policy (no_loss_scaling, loss_scaler, "
-      "allreduce_mean, adasum_combine, no_adascale, adascale_policy, no_local_sgd, local_sgd_policy) "
-      "nor a hook (an object with before_step, after_step, on_overflow or on_rescale)");
+      "allreduce_mean, adasum_combine, no_adascale, adascale_policy, no_local_sgd, local_sgd_policy, or "
+      "a type declaring `static constexpr train::policy_slot slot`) nor a hook (an object with "
+      "before_step, after_step, on_overflow or on_rescale)");
   auto scaler = detail::pick<slot::scaler, no_loss_scaling>(args...);
   auto combine = detail::pick<slot::combine, allreduce_mean>(args...);
   auto adapt = detail::pick<slot::adapt, no_adascale>(args...);

@@ -15,26 +15,39 @@
 /// | slot    | off (default)     | on                                                        |
 /// |---------|-------------------|-----------------------------------------------------------|
 /// | scaler  | `no_loss_scaling` | `gradapt::loss_scaler` (Micikevicius et al. 2018)         |
-/// | combine | `allreduce_mean`  | `adasum_combine` (Maleki et al. 2021)                     |
+/// | combine | `allreduce_mean`  | `adasum_combine` (Maleki et al. 2021), or a user's policy |
 /// | adapt   | `no_adascale`     | `adascale_policy` (McCandlish et al. 2018; Johnson 2020)  |
 /// | sync    | `no_local_sgd`    | `local_sgd_policy<Schedule>` (post-local SGD, Lin 2018)   |
+///
+/// A policy names its slot (`static constexpr policy_slot slot = ...`, or a specialisation of
+/// `policy_traits` for a type that cannot be edited). The combine slot is open: any type that
+/// models `combine_policy` fills it, so a user's combiner (gradient compression, a
+/// sparsifier with error feedback, PowerSGD) plugs in without editing the library; see
+/// `combine_policy` for the contract and tests/test_train_policy.cpp for one written outside
+/// include/.
 ///
 /// Any other value passed to the factory is a *hook*: an object with one or more of the member
 /// functions `before_step`, `after_step`, `on_overflow`, `on_rescale` (detected at compile
 /// time, as ensmallen detects callbacks). Hooks see `step_metrics` and may change
 /// `step_settings` (learning rate, batch size, LocalSGD period), the way KungFu's adaptation
-/// policies act on a running job.
+/// policies act on a running job. A combiner or hook with `save(archive_writer&) const` and
+/// `load(archive_reader&)` (`saves_state`) has its state in the step's checkpoint.
 
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <limits>
 #include <optional>
 #include <type_traits>
+#include <utility>
 
 #include "gradapt/combine/adasum.hpp"
+#include "gradapt/core/archive.hpp"
+#include "gradapt/core/ops.hpp"
 #include "gradapt/precision/loss_scaler.hpp"
 #include "gradapt/scaling/adascale.hpp"
+#include "gradapt/stats/allreduce_with_norms.hpp"
 #include "gradapt/stats/gradient_noise_scale.hpp"
 #include "gradapt/sync/local_sgd.hpp"
 
@@ -42,26 +55,167 @@ namespace gradapt::train {
 
 // ---- the slots ------------------------------------------------------------------------------
 
+/// The slot a policy fills in `make_data_parallel_step`.
+enum class policy_slot : unsigned char { scaler, combine, adapt, sync };
+
+/// Which slot a policy type fills: `T::slot` when T declares it. Specialise it (with a
+/// `static constexpr policy_slot slot`) for a type that cannot declare it.
+template <class T>
+struct policy_traits {};
+/// A type that declares `static constexpr policy_slot slot`.
+template <class T>
+requires requires {
+  { T::slot } -> std::convertible_to<policy_slot>;
+}
+struct policy_traits<T> {
+  static constexpr policy_slot slot = T::slot;  ///< the slot it fills
+};
+/// `gradapt::loss_scaler` (precision/) fills the scaler slot.
+template <>
+struct policy_traits<loss_scaler> {
+  static constexpr policy_slot slot = policy_slot::scaler;  ///< the slot it fills
+};
+
+/// A type with a slot (`policy_traits<T>::slot` exists).
+template <class T>
+concept policy = requires {
+  { policy_traits<std::remove_cvref_t<T>>::slot } -> std::convertible_to<policy_slot>;
+};
+
+/// State a step keeps in its checkpoint: `save(archive_writer&) const` writes it into the
+/// open section, `load(archive_reader&)` reads it back (all or nothing; throw gradapt::error
+/// naming the field that does not fit).
+template <class T>
+concept saves_state = requires(const T& c, T& m, archive_writer& w, archive_reader& r) {
+  c.save(w);
+  m.load(r);
+};
+
 /// Scaler slot, off: the gradients carry no loss scale and are used as they are.
-struct no_loss_scaling {};
+struct no_loss_scaling {
+  static constexpr policy_slot slot = policy_slot::scaler;  ///< fills the scaler slot
+};
+
+namespace detail {
+/// Element functor of the mean: g ← g / n in the compute type, one rounding.
+struct divide_by_ranks {
+  int n;
+  template <class T>
+  GRADAPT_HD void operator()(T& g) const {
+    g = g / static_cast<T>(n);
+  }
+};
+}  // namespace detail
+
+/// The bound form of combine policy P: `p.bind(comm, backend, params)` when P has it (a
+/// combiner that keeps buffers or a communicator of its own), else a copy of p.
+template <class P, class Comm, class B, class PL>
+auto bind_combiner(const P& p, Comm& comm, const B& backend, const PL& params) {
+  if constexpr (requires { p.bind(comm, backend, params); })
+    return p.bind(comm, backend, params);
+  else
+    return p;
+}
+/// The type `bind_combiner` returns.
+template <class P, class Comm, class B, class PL>
+using bound_combiner_t = decltype(bind_combiner(std::declval<const P&>(), std::declval<Comm&>(),
+                                                std::declval<const B&>(), std::declval<const PL&>()));
+
+/// The combine slot's contract. A combine policy P declares `static constexpr policy_slot slot
+/// = policy_slot::combine`; the step binds it once, when it is built (collectively, after the
+/// ranks agreed on the parameter list), with `bind_combiner(p, comm, backend, params)`, and
+/// calls the bound combiner c on every synchronous step, on every rank:
+///
+///     c.combine(comm, backend, params.grads());   // grads ← the combined gradient, in place
+///
+/// Optional members of c:
+///  - `allreduce_norms combine_mean_with_norms(comm, backend, grads)`: forms the rank mean
+///    (1/N) Σ_r g_r in place and returns Σ_r |g_r|² and |Σ_r g_r|² (what the data-parallel
+///    noise scale needs); required with `adascale_policy`, called only with N > 1 ranks;
+///  - `save(archive_writer&) const` / `load(archive_reader&)` (`saves_state`): its state (an
+///    error-feedback residual, say) in the step's checkpoint, section "combine".
+///
+/// Every rank must bind the same policy with the same options: the step cannot see inside a
+/// user's combiner, so a combiner whose ranks may disagree checks that itself.
+template <class P, class Comm, class B, class PL>
+concept combine_policy = policy<P> && policy_traits<std::remove_cvref_t<P>>::slot ==
+                         policy_slot::combine&& requires(bound_combiner_t<P, Comm, B, PL>& c, Comm& comm,
+                                                         const B& b, const PL& params) {
+  c.combine(comm, b, params.grads());
+};
+
+/// A bound combiner that forms the rank mean and its two squared norms (`adascale_policy`
+/// needs them).
+template <class C, class Comm, class B, class PL>
+concept mean_combiner = requires(C& c, Comm& comm, const B& b, const PL& params) {
+  { c.combine_mean_with_norms(comm, b, params.grads()) } -> std::same_as<allreduce_norms>;
+};
 
 /// Combine slot (default): gradients are summed over the ranks with one allreduce per tensor
 /// and divided by the rank count, g ← (1/N) Σ_r g_r. With `adascale_policy` on, the summing
 /// allreduce is `gradapt::allreduce_with_norms`, which also yields the two squared norms of the
 /// data-parallel noise scale (no extra pass on comm::threads).
-struct allreduce_mean {};
+struct allreduce_mean {
+  static constexpr policy_slot slot = policy_slot::combine;  ///< fills the combine slot
+
+  /// g ← (1/N) Σ_r g_r for every tensor (nothing with one rank).
+  template <class Comm, class B, class L>
+  void combine(Comm& comm, const B& backend, const L& grads) const {
+    const int n = comm.size();
+    if (n == 1) return;
+    for (const auto& g : grads) comm.allreduce(g, reduce_op::sum);
+    backend.apply_list(detail::divide_by_ranks{n}, grads);
+  }
+  /// `combine`, returning Σ_r |g_r|² and |Σ_r g_r|² summed over the tensors.
+  template <class Comm, class B, class L>
+  allreduce_norms combine_mean_with_norms(Comm& comm, const B& backend, const L& grads) const {
+    allreduce_norms norms{0.0, 0.0};
+    for (const auto& g : grads) {
+      const allreduce_norms t = allreduce_with_norms(comm, backend, g);
+      norms.sum_local_sq += t.sum_local_sq;
+      norms.result_sq += t.result_sq;
+    }
+    backend.apply_list(detail::divide_by_ranks{comm.size()}, grads);
+    return norms;
+  }
+};
+
+namespace detail {
+/// `adasum_combine` bound to a communicator: the Adasum operator and its workspace.
+template <class Comm, class G>
+struct adasum_runtime {
+  adasum<Comm> op;
+  adasum_workspace<G> ws;
+  template <class L>
+  adasum_runtime(Comm& comm, const adasum_options& o, const L& grads) : op(comm, o), ws(grads) {}
+  template <class B, class L>
+  void combine(Comm&, const B& backend, const L& grads) {
+    op.allreduce(backend, grads, ws);
+  }
+};
+}  // namespace detail
 
 /// Combine slot: Adasum (Maleki et al., MLSys 2021), g ← g_0 ⊕ g_1 ⊕ … ⊕ g_{N−1} with the
 /// pairwise operator a ⊕ b = (1 − a·b/2|a|²) a + (1 − a·b/2|b|²) b per tensor (see
-/// combine/adasum.hpp). The step builds the `gradapt::adasum` combiner and its workspace
+/// combine/adasum.hpp). Binding builds the `gradapt::adasum` combiner and its workspace
 /// once. The data-parallel noise scale needs the rank MEAN of the gradients, which Adasum does
 /// not form, so this slot cannot be combined with `adascale_policy` (a compile-time error).
 struct adasum_combine {
+  static constexpr policy_slot slot = policy_slot::combine;  ///< fills the combine slot
   adasum_options options{};  ///< flat or hierarchical, zero threshold, layout check
+
+  /// The Adasum operator over `comm` (a hierarchical one splits it: collective) and its
+  /// workspace for the list's gradients.
+  template <class Comm, class B, class PL>
+  auto bind(Comm& comm, const B&, const PL& params) const {
+    return detail::adasum_runtime<Comm, typename PL::grad_type>(comm, options, params.grads());
+  }
 };
 
 /// Adapt slot, off: no noise-scale statistics; gain 1; the learning rate is `step_settings::lr`.
-struct no_adascale {};
+struct no_adascale {
+  static constexpr policy_slot slot = policy_slot::adapt;  ///< fills the adapt slot
+};
 
 /// Adapt slot: the data-parallel gradient noise scale (McCandlish et al. 2018, appendix A.1)
 /// measured from every synchronous step's gradient allreduce, and the AdaScale gain
@@ -82,14 +236,17 @@ struct no_adascale {};
 /// | sqrt_gain  | bool                         | false    | lr factor √r (AdaptDL AdamScale) |
 /// | scale_lr   | bool                         | true     | false: report r and τ, step at η |
 struct adascale_policy {
-  double base_batch = 0.0;                  ///< B_0 (> 0, required)
-  gradient_noise_scale_options noise = {};  ///< smoothing of the noise-scale EMAs
-  bool sqrt_gain = false;                   ///< lr factor √r instead of r
-  bool scale_lr = true;                     ///< multiply the learning rate by the gain factor
+  static constexpr policy_slot slot = policy_slot::adapt;  ///< fills the adapt slot
+  double base_batch = 0.0;                                 ///< B_0 (> 0, required)
+  gradient_noise_scale_options noise = {};                 ///< smoothing of the noise-scale EMAs
+  bool sqrt_gain = false;                                  ///< lr factor √r instead of r
+  bool scale_lr = true;                                    ///< multiply the learning rate by the gain factor
 };
 
 /// Sync slot, off: every step combines gradients.
-struct no_local_sgd {};
+struct no_local_sgd {
+  static constexpr policy_slot slot = policy_slot::sync;  ///< fills the sync slot
+};
 
 /// Sync slot: local SGD with a synchronous start (`gradapt::local_sgd`). Steps before
 /// `options.start_step` combine gradients; later steps are local and the parameters are
@@ -99,8 +256,9 @@ struct no_local_sgd {};
 /// gain is 1 (a local step is one base step).
 template <averaging_schedule S>
 struct local_sgd_policy {
-  local_sgd_options options{};  ///< start_step, list check
-  S schedule{};                 ///< when to average
+  static constexpr policy_slot slot = policy_slot::sync;  ///< fills the sync slot
+  local_sgd_options options{};                            ///< start_step, list check
+  S schedule{};                                           ///< when to average
 };
 /// Deduces the schedule type: `local_sgd_policy{{.start_step = 100}, gradapt::fixed_period({.period = 8})}`.
 template <averaging_schedule S>
@@ -133,7 +291,7 @@ struct step_settings {
 struct step_metrics {
   std::uint64_t step = 0;             ///< calls of step() so far, this one included (taken + skipped)
   std::uint64_t optimizer_steps = 0;  ///< steps the optimizer has taken (skipped steps excluded)
-  double loss = std::numeric_limits<double>::quiet_NaN();  ///< the caller's loss (step_input::loss)
+  double loss = std::numeric_limits<double>::quiet_NaN();  ///< the caller's loss (step_args::loss)
   double loss_scale = 1.0;  ///< loss scale for the NEXT backward pass (after this step's update)
   double noise_scale = std::numeric_limits<double>::quiet_NaN();  ///< B_simple; NaN while undefined
   double gain = 1.0;         ///< AdaScale gain r of this step (1 when off, skipped or local)
@@ -152,13 +310,6 @@ struct rescale_event {
   double old_scale = 1.0;  ///< S before the change
   double new_scale = 1.0;  ///< S from this step on
   std::uint64_t step = 0;  ///< the step (1-based) that runs at new_scale
-};
-
-/// Per-call input of `data_parallel_step::step`.
-struct step_input {
-  /// This rank's training loss of the step (reported in the metrics; required by LocalSGD's
-  /// adaptive_period, which averages it over ranks). NaN when not given.
-  double loss = std::numeric_limits<double>::quiet_NaN();
 };
 
 // ---- hook detection ---------------------------------------------------------------------------
@@ -201,44 +352,26 @@ using gradapt::detail::require;
 enum class slot : unsigned char { scaler, combine, adapt, sync, hook, none };
 
 template <class T>
-struct slot_of {
-  static constexpr slot value = step_hook<T> ? slot::hook : slot::none;
-};
-template <>
-struct slot_of<no_loss_scaling> {
-  static constexpr slot value = slot::scaler;
-};
-template <>
-struct slot_of<loss_scaler> {
-  static constexpr slot value = slot::scaler;
-};
-template <>
-struct slot_of<allreduce_mean> {
-  static constexpr slot value = slot::combine;
-};
-template <>
-struct slot_of<adasum_combine> {
-  static constexpr slot value = slot::combine;
-};
-template <>
-struct slot_of<no_adascale> {
-  static constexpr slot value = slot::adapt;
-};
-template <>
-struct slot_of<adascale_policy> {
-  static constexpr slot value = slot::adapt;
-};
-template <>
-struct slot_of<no_local_sgd> {
-  static constexpr slot value = slot::sync;
-};
-template <class S>
-struct slot_of<local_sgd_policy<S>> {
-  static constexpr slot value = slot::sync;
-};
+constexpr slot slot_of() {
+  if constexpr (policy<T>) {
+    switch (policy_traits<T>::slot) {
+      case policy_slot::scaler:
+        return slot::scaler;
+      case policy_slot::combine:
+        return slot::combine;
+      case policy_slot::adapt:
+        return slot::adapt;
+      case policy_slot::sync:
+        return slot::sync;
+    }
+    return slot::none;
+  } else {
+    return step_hook<T> ? slot::hook : slot::none;
+  }
+}
 
 template <class T>
-inline constexpr slot slot_v = slot_of<std::remove_cvref_t<T>>::value;
+inline constexpr slot slot_v = slot_of<std::remove_cvref_t<T>>();
 
 }  // namespace detail
 }  // namespace gradapt::train

@@ -1,0 +1,20 @@
+# cmake -DDOC=page.md -DFILE=source -DNAME=shown/name -P doc_shows_file.cmake
+# Fails unless the page holds the file verbatim in a fenced block between
+# "<!-- begin NAME -->" and "<!-- end NAME -->".
+file(READ ${DOC} doc)
+file(READ ${FILE} src)
+set(begin "<!-- begin ${NAME} -->\n```cpp\n")
+set(end "```\n<!-- end ${NAME} -->")
+string(FIND "${doc}" "${begin}" b)
+string(FIND "${doc}" "${end}" e)
+if(b EQUAL -1 OR e EQUAL -1)
+  message(FATAL_ERROR "${DOC} has no block marked <!-- begin ${NAME} --> ... <!-- end ${NAME} -->")
+endif()
+string(LENGTH "${begin}" bl)
+math(EXPR start "${b} + ${bl}")
+math(EXPR len "${e} - ${start}")
+string(SUBSTRING "${doc}" ${start} ${len} shown)
+if(NOT shown STREQUAL src)
+  message(FATAL_ERROR "${DOC} shows another version of ${NAME}: copy the file into the block")
+endif()
+message(STATUS "${DOC} shows ${NAME} as it is")
