@@ -1,5 +1,5 @@
-// Adafactor and SM3 steps on a 100M-parameter, transformer-shaped list (issue 5's floor for
-// Adafactor and SM3: effective bandwidth >= 0.60 of the same-run triad at 2 threads).
+// Adafactor and SM3 steps on a 100M-parameter, transformer-shaped list (floor for Adafactor
+// and SM3: effective bandwidth >= 0.60 of the same-run triad at 2 threads).
 //
 // The list is bench_optim's GPT-2-small shape (d = 768, 12 layers, a 20000-token embedding
 // and 1024 positions: 148 tensors, 101.2M fp32 parameters) in one flat bucket. Each round
@@ -12,19 +12,15 @@
 // and reports medians over rounds of the effective bandwidth: the fewest bytes the step must
 // move over the step's time. Adafactor without momentum and SM3 without momentum must read p
 // and g and write p (12 B per parameter; their statistics are a few MB); SM3 with momentum
-// also reads and writes m (20 B). SM3's host step moves just that (one fused pass per tensor:
-// the covers' maxima and the update from one read of g). Adafactor moves more than that: per factored tensor
-// it reads g three times (statistics, clipping sum, update) and p twice (parameter scale, update); tensors
-// are processed one at a time so that the repeated reads of a tensor of a few MB hit the last-level cache.
-// The adafactor_chain row is the same algorithm (optax defaults, lr 1e-3, as the adafactor row) composed
-// from transforms (gradapt::adafactor_chain): tensor by tensor too, but one pass per barrier (statistics,
-// clipping sum, Σp² for the parameter scale, update), so per factored tensor it reads g four times (once
-// more than the class) and p twice; it has no floor and is read next to the adafactor row of the same run.
-// The sm3_chain row (gradapt::sm3_chain, no momentum) runs SM3's covers through the generic backend
-// operations (a max-reduction pass over g, then the update pass over p and g) instead of the class's
-// one fused host pass; compare it with the sm3 row. The stats_pass row times Adafactor's statistics pass
-// alone (host::reduce_factored_sumsq) on the largest tensor with all threads on it, against a plain read
-// of the same g and p (its roof): the path a tensor larger than 1/T of a list takes.
+// also reads and writes m (20 B). Both are gradapt::chain presets run tensor by tensor.
+// SM3's host step moves just that: a tensor run as a one-thread task takes one pass
+// (host::apply_factored_max: the covers' maxima and the update from one read of g).
+// Adafactor moves more: per factored tensor it reads g three times (statistics, clipping sum,
+// update) and p twice (Σp² in the statistics pass, update); the passes of a tensor run back to
+// back so that a tensor of a few MB is re-read from the last-level cache. The stats_pass row
+// times Adafactor's statistics pass alone (host::reduce_factored_sumsq) on the largest tensor
+// with all threads on it, against a plain read of the same g and p (its roof): the path a
+// tensor larger than 1/T of a list takes.
 // Compiled like a consumer (plain -O2, no -march, no fast-math).
 //
 // Google Benchmark: one benchmark per step with argument = threads (1 and 2), each iteration a
@@ -79,13 +75,11 @@ void run_step(benchmark::State& st, const Opt& opt, double bytes_per_param) {
 }
 
 void adafactor(benchmark::State& st) { run_step(st, gradapt::adafactor({.lr = 1e-3}), 12); }
-void adafactor_chain(benchmark::State& st) { run_step(st, gradapt::adafactor_chain({.lr = 1e-3}), 12); }
 void adafactor_torch(benchmark::State& st) {
   run_step(st, gradapt::adafactor(gradapt::torch_adafactor_options(1e-3)), 12);
 }
 void sm3_momentum(benchmark::State& st) { run_step(st, gradapt::sm3({.lr = 1e-3}), 20); }
 void sm3(benchmark::State& st) { run_step(st, gradapt::sm3({.lr = 1e-3, .momentum = 0.0}), 12); }
-void sm3_chain(benchmark::State& st) { run_step(st, gradapt::sm3_chain({.lr = 1e-3, .momentum = 0.0}), 12); }
 
 /// Adafactor's statistics pass alone on the list's largest tensor (the [20000, 768] token
 /// embedding) with every thread on it, the way the optimizers run a tensor larger than 1/T of
@@ -150,24 +144,18 @@ int main(int argc, char** argv) {
     std::printf("adafactor state: %zu elements (%.2f MB) for %zu parameters; workspace %.2f MB\n",
                 st.state_elements(), static_cast<double>(st.state_elements()) * 4e-6, m.n,
                 static_cast<double>(st.workspace_bytes()) * 1e-6);
-    const auto sc = gradapt::adafactor_chain({.lr = 1e-3}).init(b, m.params);
-    std::printf("adafactor_chain state: %zu elements (%.2f MB)\n", sc.state_elements(),
-                static_cast<double>(sc.state_elements()) * 4e-6);
   }
-  for (auto [name, fn] :
-       {std::pair{"adafactor", &adafactor}, std::pair{"adafactor_chain", &adafactor_chain},
-        std::pair{"adafactor_torch", &adafactor_torch}, std::pair{"sm3_momentum", &sm3_momentum},
-        std::pair{"sm3", &sm3}, std::pair{"sm3_chain", &sm3_chain}, std::pair{"stats_pass", &stats_pass}})
+  for (auto [name, fn] : {std::pair{"adafactor", &adafactor}, std::pair{"adafactor_torch", &adafactor_torch},
+                          std::pair{"sm3_momentum", &sm3_momentum}, std::pair{"sm3", &sm3},
+                          std::pair{"stats_pass", &stats_pass}})
     gradapt_bench::register_paired(name, fn, rounds);
   gradapt_bench::table_reporter rep;
-  // adafactor_chain and sm3_chain have no floor (their floor column prints "-").
   rep.floors = {{"adafactor", 0.60}, {"adafactor_torch", 0.60}, {"sm3_momentum", 0.60}, {"sm3", 0.60}};
   benchmark::RunSpecifiedBenchmarks(&rep);
   rep.print_table(
       "eff GB/s: fewest bytes the step must move (Adafactor and SM3 without momentum 12 B, SM3 with momentum "
       "20 B per parameter) / step time; the roof is p += s g (12 B).\n"
-      "floor (issue 5, 2 threads): Adafactor >= 0.60 of triad (SM3 held to the same); adafactor_chain has "
-      "none (compare it with the adafactor row).\n"
+      "floor (2 threads): Adafactor >= 0.60 of triad (SM3 held to the same).\n"
       "stats_pass: Adafactor's statistics pass alone on the largest tensor, all threads on it (8 B per "
       "element: "
       "g and p read); its roof is a plain read of the same two arrays.");

@@ -1,7 +1,7 @@
 // Optimizer-state memory of AdamW, Adafactor and SM3 on a BERT-base-shaped parameter list
 // (12 layers, d = 768, 30522-token vocabulary, 512 positions: 199 tensors, 109.5M parameters),
-// read from the states gradapt actually creates (chain_state buffers, adafactor_state and
-// sm3_state element counts), not from formulas.
+// read from the states gradapt actually creates (their chain_state element counts), not from
+// formulas.
 //
 // Writes optimizer_memory.csv and optimizer_memory.svg (a bar chart, MB of fp32 state) into
 // the output directory and prints the table. Adafactor's state for an n x m matrix is n + m

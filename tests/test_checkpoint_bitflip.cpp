@@ -86,14 +86,14 @@ void optimizer_case(const Opt& opt, const char* label) {
 
 }  // namespace
 
-TEST_CASE("bit flips: optimizer states (AdamW, LAMB, Adafactor, SM3, chains and classes)",
-          "[archive][checkpoint]") {
+TEST_CASE("bit flips: optimizer states (AdamW, LAMB, Adafactor, SM3)", "[archive][checkpoint]") {
   optimizer_case(gradapt::adamw({.weight_decay = 0.01}), "adamw");
   optimizer_case(gradapt::lamb({.weight_decay = 0.01}), "lamb");
-  optimizer_case(gradapt::adafactor_chain({.min_dim_size_to_factor = 2}), "adafactor_chain");
-  optimizer_case(gradapt::sm3_chain({}), "sm3_chain");
-  optimizer_case(gradapt::adafactor({.min_dim_size_to_factor = 2, .momentum = 0.9}), "adafactor");
-  optimizer_case(gradapt::sm3({.momentum = 0.9}), "sm3");
+  optimizer_case(gradapt::adafactor({.min_dim_size_to_factor = 2}), "adafactor");
+  optimizer_case(gradapt::adafactor({.min_dim_size_to_factor = 2, .momentum = 0.9}),
+                 "adafactor with momentum");
+  optimizer_case(gradapt::sm3({.momentum = 0.0}), "sm3");
+  optimizer_case(gradapt::sm3({.momentum = 0.9}), "sm3 with momentum");
 }
 
 TEST_CASE("bit flips: loss scaler, noise scale, AdaScale", "[archive][checkpoint]") {

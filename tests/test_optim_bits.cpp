@@ -21,6 +21,13 @@
 
 namespace {
 
+/// "t<index>", built by appending (GCC 12 at -O3 warns a false -Wrestrict in "t" + std::string).
+std::string tensor_name(std::size_t t) {
+  std::string s = "t";
+  s += std::to_string(t);
+  return s;
+}
+
 std::uint64_t state = 0x243f6a8885a308d3ull;
 double next() {  // splitmix64 -> [-1, 1) with a spread of magnitudes
   std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
@@ -55,7 +62,7 @@ void run(const char* name, const Opt& opt) {
     p[t].resize(sizes[t]);
     g[t].resize(sizes[t]);
     for (auto& x : p[t]) gradapt::store(x, static_cast<gradapt::compute_t<V>>(next()));
-    params.add("t" + std::to_string(t), gradapt::host_view(p[t]), gradapt::host_view(g[t]),
+    params.add(tensor_name(t), gradapt::host_view(p[t]), gradapt::host_view(g[t]),
                {.skip_weight_decay = t == 2, .skip_trust_ratio = t == 3});
   }
   gradapt::host backend{.threads = 2};
@@ -92,7 +99,7 @@ std::uint64_t run_factored(const char* name, const Opt& opt, int threads) {
     p[t].resize(n);
     g[t].resize(n);
     for (auto& x : p[t]) x = static_cast<float>(next());
-    params.add("t" + std::to_string(t), gradapt::tensor_view<float>(p[t].data(), shapes[t]),
+    params.add(tensor_name(t), gradapt::tensor_view<float>(p[t].data(), shapes[t]),
                gradapt::tensor_view<float>(g[t].data(), shapes[t]));
   }
   gradapt::host backend{.threads = threads};

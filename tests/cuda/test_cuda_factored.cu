@@ -12,17 +12,10 @@
 //  - adafactor and sm3 steps capture into a CUDA graph (the capture fails on any host
 //    synchronisation, copy to the host or allocation), and the graph gives the direct step's
 //    bits;
-//  - adafactor_chain (the same algorithm as a chain of transforms, run tensor by tensor) does
-//    all three on the device: it follows the chain on gradapt::host (parameters and state
-//    buffers) over the mixed list plus empty tensors, for four option sets; a device
-//    checkpoint continues bit for bit (and a fresh state would not); its step captures into a
-//    CUDA graph that gives the direct step's bits;
-//  - sm3_chain (SM3 as scale_by_sm3 → ema → scale_by_learning_rate) on the device follows the
-//    standalone sm3 on the device (the same cover bits; parameters, momentum and full
-//    accumulators within a few roundings, since nvcc may contract the two update kernels
-//    differently; NaN where sm3 has NaN), and the chain on gradapt::host (parameters and state
-//    buffers) for three option sets; a device checkpoint continues bit for bit (and a fresh
-//    state would not); its step captures into a CUDA graph that gives the direct step's bits.
+//  - adafactor and sm3 (chains run tensor by tensor) follow gradapt::host in their state
+//    buffers too, over the mixed list plus empty tensors, for four (three) option sets; a
+//    device checkpoint continues bit for bit (and a fresh state would not); a step captures
+//    into a CUDA graph that gives the direct step's bits.
 //
 // Compiled wherever nvcc is found; skipped (exit 77) without a GPU.
 
@@ -350,11 +343,11 @@ TEST_CASE("cuda adafactor and sm3 steps never wait for the host (they capture in
   step_captures(gradapt::sm3(gradapt::sm3_options{.lr = 0.1}));
   // The first step after init captures too: init sizes the workspace.
   step_captures(gradapt::adafactor(gradapt::adafactor_options{}), mixed, false);
-  step_captures(gradapt::adafactor_chain(), mixed, false);
+  step_captures(gradapt::adafactor(), mixed, false);
   step_captures(gradapt::sm3(gradapt::sm3_options{.lr = 0.1}), mixed, false);
 }
 
-// ---- adafactor_chain: the same algorithm as a chain of transforms ------------------------------
+// ---- adafactor's state buffers, checkpoints and graphs over more option sets --------------------
 
 namespace {
 
@@ -431,14 +424,14 @@ std::vector<named_options> chain_option_sets() {
 
 }  // namespace
 
-TEST_CASE("cuda adafactor_chain follows the host backend", "[cuda][factored][optim][chain]") {
+TEST_CASE("cuda adafactor (chain state) follows the host backend", "[cuda][factored][optim][chain]") {
   for (const auto& [name, o] : chain_option_sets()) {
     INFO(name);
     double state = 0;
     const double d =
-        host_vs_device(gradapt::adafactor_chain(o), 4, mixed_with_empty, chain_states_agree{1e-4, &state});
-    WARN("adafactor_chain, " << name << ": device vs host " << d << " of the movement, state buffers "
-                             << state << " of their largest element");
+        host_vs_device(gradapt::adafactor(o), 4, mixed_with_empty, chain_states_agree{1e-4, &state});
+    WARN("adafactor, " << name << ": device vs host " << d << " of the movement, state buffers " << state
+                       << " of their largest element");
     REQUIRE(d <= 1e-4);
   }
 }
@@ -504,24 +497,24 @@ void chain_checkpoint_continues(const Opt& opt) {
 
 }  // namespace
 
-TEST_CASE("cuda adafactor_chain checkpoints continue bit for bit", "[cuda][factored][optim][chain]") {
-  chain_checkpoint_continues(gradapt::adafactor_chain({.lr = 0.02, .momentum = 0.5, .weight_decay = 1e-3}));
+TEST_CASE("cuda adafactor (chain state) checkpoints continue bit for bit", "[cuda][factored][optim][chain]") {
+  chain_checkpoint_continues(gradapt::adafactor({.lr = 0.02, .momentum = 0.5, .weight_decay = 1e-3}));
 }
 
-TEST_CASE("cuda adafactor_chain steps never wait for the host (they capture into a CUDA graph)",
+TEST_CASE("cuda adafactor (chain state) steps never wait for the host (they capture into a CUDA graph)",
           "[cuda][factored][optim][chain]") {
   for (const auto& [name, o] : chain_option_sets()) {
     INFO(name);
-    step_captures(gradapt::adafactor_chain(o), mixed_with_empty);
+    step_captures(gradapt::adafactor(o), mixed_with_empty);
   }
   // No barrier at all (clipping and the parameter scale off): one pass per tensor.
   INFO("no clipping, no parameter scale");
-  step_captures(gradapt::adafactor_chain({.clipping_threshold = std::numeric_limits<double>::infinity(),
-                                          .multiply_by_parameter_scale = false}),
+  step_captures(gradapt::adafactor({.clipping_threshold = std::numeric_limits<double>::infinity(),
+                                    .multiply_by_parameter_scale = false}),
                 mixed_with_empty);
 }
 
-// ---- sm3_chain: scale_by_sm3 → ema → scale_by_learning_rate ---------------------------------------
+// ---- sm3: scale_by_sm3 → ema → scale_by_learning_rate ---------------------------------------------
 
 namespace {
 
@@ -530,7 +523,7 @@ struct named_sm3_options {
   gradapt::sm3_options o;
 };
 
-/// The option sets of the host's sm3_chain test: defaults (momentum 0.9, b2 = 1), no momentum
+/// The option sets of the host's sm3 test: defaults (momentum 0.9, b2 = 1), no momentum
 /// (the ema stage off), and b2 = 0.9 with a large eps (the weighted accumulator).
 std::vector<named_sm3_options> sm3_option_sets() {
   return {{"defaults (momentum 0.9)", {}},
@@ -538,262 +531,30 @@ std::vector<named_sm3_options> sm3_option_sets() {
           {"lr 0.05, momentum 0.5, b2 0.9, eps 1e-4", {.lr = 0.05, .momentum = 0.5, .b2 = 0.9, .eps = 1e-4}}};
 }
 
-std::size_t index_of(const std::vector<host_tensor>& ts, const std::string& name) {
-  for (std::size_t i = 0; i < ts.size(); ++i)
-    if (ts[i].name == name) return i;
-  FAIL("no tensor named " << name);
-  return 0;
-}
-
-/// A device view's elements in host memory.
-std::vector<float> view_to_host(const tensor_view<const float, device_space>& v) {
-  std::vector<float> h(static_cast<std::size_t>(v.size()));
-  if (!h.empty()) REQUIRE(cudaMemcpy(h.data(), v.data(), v.bytes(), cudaMemcpyDeviceToHost) == cudaSuccess);
-  return h;
-}
-
-/// The spacing of floats at magnitude |x|.
-double float_ulp(double x) {
-  const float f = static_cast<float>(std::fabs(x));
-  return double(std::nextafter(f, std::numeric_limits<float>::infinity())) - double(f);
-}
-
-/// Counts the elements where x and y differ beyond `tol(k)` or in being NaN, and names the first.
-struct mismatches {
-  std::size_t count = 0;
-  std::string first;
-  template <class Tol>
-  void check(const std::string& what, const std::vector<float>& x, const std::vector<float>& y, Tol tol) {
-    if (x.size() != y.size()) {
-      if (count++ == 0)
-        first = what + ": " + std::to_string(x.size()) + " vs " + std::to_string(y.size()) + " elements";
-      return;
-    }
-    for (std::size_t k = 0; k < x.size(); ++k) {
-      const bool nan = std::isnan(x[k]) || std::isnan(y[k]);
-      const double e = std::fabs(double(x[k]) - double(y[k]));
-      if (nan ? std::isnan(x[k]) != std::isnan(y[k]) : !(e <= tol(k))) {
-        if (count++ == 0)
-          first =
-              what + "[" + std::to_string(k) + "]: " + std::to_string(x[k]) + " vs " + std::to_string(y[k]);
-      }
-    }
-  }
-};
-
-/// The largest |x| over the non-NaN elements.
-double top_of(const std::vector<float>& x) {
-  double t = 0;
-  for (const float v : x)
-    if (!std::isnan(v)) t = std::max(t, std::fabs(double(v)));
-  return t;
-}
-
-struct sm3_pair_report {
-  double rel = 0;               ///< largest parameter difference / largest movement
-  std::size_t bits_differ = 0;  ///< non-NaN parameters whose bits differ
-  std::size_t compared = 0;     ///< non-NaN parameters compared
-};
-
-/// gradapt::sm3(o) and gradapt::sm3_chain(o), both on gradapt::cuda, side by side for `steps`
-/// steps from the same start and gradients over mixed_with_empty (step 3 puts an inf into a
-/// matrix and NaNs into a 3-D tensor and a vector).
-///
-/// The covers are the same bits: both advance them with the same backend calls on the same
-/// values (cover_min expansions through apply_factored, reduce_factored with the same
-/// `accumulate` functor and reduce_op::max, whose result does not depend on the order, then
-/// `assign`); the chain only copies the factors into its workspace first, which is exact.
-/// The rest is not provably the same bits on the device: the class updates in one kernel
-/// (covered_update / full_update: p − lr·m), the chain in another (kernel::y or kernel::update,
-/// ema, u·(−lr), then p + u). The source expressions are the same up to that last step, but
-/// nvcc contracts a·b + c to fma per kernel after inlining, so the two kernels may fuse
-/// different products (p − lr·u in one rounding or two; which of c1·g² and c2·ν or of
-/// (1 − b1)·u and b1·m is fused). On the host (no contraction) they are the same bits (the
-/// host test checks that). So: parameters within `steps` roundings of p (one per step, at up
-/// to twice the magnitude p ends with) plus 1e-5 of the largest movement for the rest (the
-/// differences of u, a few float roundings of it); the momentum and the full
-/// accumulators of 1-D and rank-0 tensors within 1e-5 of the tensor's largest element; NaN
-/// where the other has NaN. Returns the parameter report (bit differences are counted for the
-/// WARN: a run on a GPU shows whether they happen).
-sm3_pair_report sm3_chain_vs_class_on_device(const gradapt::sm3_options& o, int steps) {
-  auto h = mixed_with_empty(3);
-  const auto start = h;
-  std::vector<dvec<float>> pa, pc, dg;
-  for (auto& t : h) {
-    pa.push_back(to_device(t.p));
-    pc.push_back(to_device(t.p));
-    dg.push_back(to_device(t.g));
-  }
-  gradapt::param_list<float, float, device_space> a, c;
-  for (std::size_t i = 0; i < h.size(); ++i) {
-    const auto shp = std::span<const std::int64_t>(h[i].shape);
-    const auto gv = tensor_view<float, device_space>(thrust::raw_pointer_cast(dg[i].data()), shp);
-    a.add(h[i].name, tensor_view<float, device_space>(thrust::raw_pointer_cast(pa[i].data()), shp), gv);
-    c.add(h[i].name, tensor_view<float, device_space>(thrust::raw_pointer_cast(pc[i].data()), shp), gv);
-  }
-  gradapt::cuda cb{};
-  const gradapt::sm3 plain(o);
-  const auto chained = gradapt::sm3_chain(o);
-  auto sa = plain.init(cb, a);
-  auto sc = chained.init(cb, c);
-  const std::size_t bias = index_of(h, "bias"), big = index_of(h, "big"), cube = index_of(h, "cube");
-  for (int s = 1; s <= steps; ++s) {
-    fill_grads(h, 31u * static_cast<unsigned>(s));
-    if (s == 3) {
-      h[big].g[5] = std::numeric_limits<float>::infinity();       // inf covers: row 0 and column 5
-      h[cube].g[1000] = std::numeric_limits<float>::quiet_NaN();  // NaN covers in all three dims
-      h[bias].g[1] = std::numeric_limits<float>::quiet_NaN();     // a NaN full accumulator
-    }
-    for (std::size_t i = 0; i < h.size(); ++i) thrust::copy(h[i].g.begin(), h[i].g.end(), dg[i].begin());
-    plain.step(cb, a, sa);
-    chained.step(cb, c, sc);
-  }
-  cb.synchronize();
-  REQUIRE(sa.steps() == static_cast<std::uint64_t>(steps));
-  REQUIRE(sc.steps() == sa.steps());
-
-  // Parameters.
-  std::vector<std::vector<float>> xs, ys;
-  for (std::size_t i = 0; i < h.size(); ++i) {
-    xs.push_back(to_host(pa[i]));
-    ys.push_back(to_host(pc[i]));
-  }
-  double move = 0;
-  std::size_t nans = 0;
-  for (std::size_t i = 0; i < h.size(); ++i)
-    for (std::size_t k = 0; k < xs[i].size(); ++k) {
-      if (std::isnan(xs[i][k])) {
-        ++nans;
-        continue;
-      }
-      REQUIRE(std::isfinite(xs[i][k]));
-      move = std::max(move, std::fabs(double(xs[i][k]) - double(start[i].p[k])));
-    }
-  REQUIRE(move > 0);
-  REQUIRE(nans > 0);  // the NaN gradients reached the parameters: the NaN checks below are live
-  sm3_pair_report rep;
-  mismatches bad;
-  for (std::size_t i = 0; i < h.size(); ++i) {
-    const auto& x = xs[i];
-    const auto& y = ys[i];
-    bad.check("parameter " + h[i].name, x, y, [&](std::size_t k) {
-      // One rounding of p per step, at up to twice the magnitude p ends with, plus the rest.
-      return steps * float_ulp(2 * (std::fabs(double(x[k])) + move)) + 1e-5 * move;
-    });
-    for (std::size_t k = 0; k < std::min(x.size(), y.size()); ++k) {
-      if (std::isnan(x[k]) || std::isnan(y[k])) continue;
-      rep.rel = std::max(rep.rel, std::fabs(double(x[k]) - double(y[k])) / move);
-      rep.bits_differ += bits(x[k]) != bits(y[k]) ? 1 : 0;
-      ++rep.compared;
-    }
-  }
-
-  // The covers (a full accumulator for 1-D and rank-0 tensors), in the class's order: dim 0's
-  // accumulators, then dim 1's, ...; the chain's buffer 0 holds them in the same order.
-  const auto cs = chain_buffers(sc);
-  REQUIRE(cs.size() == 2);
-  REQUIRE(cs[0].size() == h.size());
-  std::size_t factored = 0, nan_covers = 0;
-  for (std::size_t t = 0; t < h.size(); ++t) {
-    const std::size_t rank = h[t].shape.size();
-    std::vector<float> mine;
-    for (std::size_t k = 0; k < (rank < 2 ? 1 : rank); ++k) {
-      const auto v = view_to_host(sa.accumulator(t, k));
-      mine.insert(mine.end(), v.begin(), v.end());
-    }
-    const auto& theirs = cs[0][t];
-    if (h[t].p.empty()) {
-      // Nothing to update: the class keeps its covers (the sum of the dims, never touched), the
-      // chain no accumulator at all; whatever is kept stays zero.
-      REQUIRE(std::all_of(mine.begin(), mine.end(), [](float v) { return v == 0.0f; }));
-      REQUIRE(std::all_of(theirs.begin(), theirs.end(), [](float v) { return v == 0.0f; }));
-      REQUIRE(!sc.factored(t));
-      continue;
-    }
-    REQUIRE(sc.factored(t) == (rank >= 2));
-    REQUIRE(sa.accumulator_elements(t) == mine.size());
-    for (const float v : mine) nan_covers += std::isnan(v) ? 1 : 0;
-    if (rank >= 2) {
-      ++factored;
-      if (mine.size() != theirs.size() && bad.count++ == 0)
-        bad.first = "covers of " + h[t].name + ": " + std::to_string(mine.size()) + " vs " +
-                    std::to_string(theirs.size()) + " elements";
-      for (std::size_t k = 0; k < std::min(mine.size(), theirs.size()); ++k)
-        if (bits(mine[k]) != bits(theirs[k]) && bad.count++ == 0)
-          bad.first = "covers of " + h[t].name + "[" + std::to_string(k) + "]: " + std::to_string(mine[k]) +
-                      " vs " + std::to_string(theirs[k]) + " (bits differ)";
-    } else {
-      const double top = top_of(mine);
-      bad.check("accumulator of " + h[t].name, mine, theirs, [&](std::size_t) { return 1e-5 * top; });
-    }
-  }
-  REQUIRE(factored > 0);
-  REQUIRE(nan_covers > 0);
-
-  // The momentum: the class's is the tail of its checkpoint ("header, accumulators, momentum").
-  if (o.momentum > 0) {
-    REQUIRE(cs[1].size() == h.size());
-    std::size_t total = 0;
-    for (std::size_t t = 0; t < h.size(); ++t) {
-      REQUIRE(sa.momentum_elements(t) == h[t].p.size());
-      total += h[t].p.size();
-    }
-    const auto bytes = sa.save(cb);
-    REQUIRE(bytes.size() >= total * sizeof(float));
-    std::vector<float> m(total);
-    std::memcpy(m.data(), bytes.data() + (bytes.size() - total * sizeof(float)), total * sizeof(float));
-    std::size_t at = 0;
-    for (std::size_t t = 0; t < h.size(); ++t) {
-      const std::vector<float> mine(m.begin() + static_cast<std::ptrdiff_t>(at),
-                                    m.begin() + static_cast<std::ptrdiff_t>(at + h[t].p.size()));
-      at += h[t].p.size();
-      const double top = top_of(mine);
-      REQUIRE((mine.empty() || top > 0));
-      bad.check("momentum of " + h[t].name, mine, cs[1][t], [&](std::size_t) { return 1e-5 * top; });
-    }
-  } else {
-    for (std::size_t t = 0; t < h.size(); ++t) REQUIRE(sa.momentum_elements(t) == 0);
-    for (const auto& v : cs[1]) REQUIRE(v.empty());
-  }
-  INFO("first mismatch: " << bad.first);
-  REQUIRE(bad.count == 0);
-  return rep;
-}
-
 }  // namespace
 
-TEST_CASE("cuda sm3_chain follows the standalone sm3 on the device", "[cuda][factored][optim][chain]") {
-  for (const auto& [name, o] : sm3_option_sets()) {
-    INFO(name);
-    const auto r = sm3_chain_vs_class_on_device(o, 5);
-    WARN("sm3_chain vs sm3 on the device, " << name << ": parameters within " << r.rel << " of the movement, "
-                                            << r.bits_differ << " of " << r.compared << " differ in bits");
-  }
-}
-
-TEST_CASE("cuda sm3_chain follows the host backend", "[cuda][factored][optim][chain]") {
+TEST_CASE("cuda sm3 (chain state) follows the host backend", "[cuda][factored][optim][chain]") {
   for (const auto& [name, o] : sm3_option_sets()) {
     INFO(name);
     double state = 0;
-    const double d =
-        host_vs_device(gradapt::sm3_chain(o), 4, mixed_with_empty, chain_states_agree{1e-4, &state});
-    WARN("sm3_chain, " << name << ": device vs host " << d << " of the movement, state buffers " << state
-                       << " of their largest element");
+    const double d = host_vs_device(gradapt::sm3(o), 4, mixed_with_empty, chain_states_agree{1e-4, &state});
+    WARN("sm3, " << name << ": device vs host " << d << " of the movement, state buffers " << state
+                 << " of their largest element");
     REQUIRE(d <= 1e-4);
   }
 }
 
-TEST_CASE("cuda sm3_chain checkpoints continue bit for bit", "[cuda][factored][optim][chain]") {
+TEST_CASE("cuda sm3 (chain state) checkpoints continue bit for bit", "[cuda][factored][optim][chain]") {
   for (const auto& [name, o] : sm3_option_sets()) {
     INFO(name);
-    chain_checkpoint_continues(gradapt::sm3_chain(o));
+    chain_checkpoint_continues(gradapt::sm3(o));
   }
 }
 
-TEST_CASE("cuda sm3_chain steps never wait for the host (they capture into a CUDA graph)",
+TEST_CASE("cuda sm3 (chain state) steps never wait for the host (they capture into a CUDA graph)",
           "[cuda][factored][optim][chain]") {
   for (const auto& [name, o] : sm3_option_sets()) {
     INFO(name);
-    step_captures(gradapt::sm3_chain(o), mixed_with_empty);
+    step_captures(gradapt::sm3(o), mixed_with_empty);
   }
 }

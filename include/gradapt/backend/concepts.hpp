@@ -15,6 +15,8 @@
 ///  - `factored_backend`: reduce_factored, apply_factored, apply_factored_sum. Adafactor, SM3.
 ///  - `factored_sumsq_backend` (optional): reduce_factored_sumsq. Adafactor's parameter scale
 ///    in its statistics pass.
+///  - `factored_max_backend` (optional): apply_factored_max. SM3's covers and update in one
+///    pass.
 ///  - `task_backend` (optional): thread_count, single_thread, run_tasks. Per-tensor tasks of
 ///    the factored optimizers.
 ///  - `workspace_backend` (optional): reserve_for, reserve. A graph-capturable first step.
@@ -140,6 +142,29 @@ concept factored_sumsq_backend = factored_backend<B> &&
   {
     b.reduce_factored_sumsq(detail::optim::factored_probe{}, d, cx, cx, cx, s, s, cx, s)
     } -> std::convertible_to<double>;
+};
+
+/// Element functor used only to probe `factored_max_backend`: y *= r · c, returns y.
+namespace detail::optim {
+struct factored_max_probe {
+  GRADAPT_HD float operator()(float r, float c, float& y) const {
+    y *= r * c;
+    return y;
+  }
+  GRADAPT_HD float term(float r, float c, const float& y) const { return y * r * c; }
+};
+}  // namespace detail::optim
+
+/// A backend that applies an element functor over a factored tensor and keeps the per-row
+/// and per-column maxima of the values it returns in the same pass (`apply_factored_max`; the
+/// functor's `term` member recomputes a value without writing;
+/// gradapt::host, on the calling thread): SM3's covers and update in one read of the
+/// gradient. The maxima equal `reduce_factored`'s with `reduce_op::max` over the same terms.
+template <class B>
+concept factored_max_backend = factored_backend<B> &&
+    requires(const B& b, tensor_view<const float, typename B::space> cx,
+             tensor_view<float, typename B::space> x, std::array<std::int64_t, 5> d) {
+  b.apply_factored_max(detail::optim::factored_max_probe{}, d, cx, cx, x, x, x);
 };
 
 /// A backend that schedules independent tasks on its own threads (gradapt::host): its

@@ -1206,6 +1206,51 @@ struct host {
     sum.data()[0] = apply_factored(f, d, row, col, views...);
   }
 
+  /// Element-wise `f(r, c, v0, v1, ...)` as in `apply_factored`, where f also returns a term
+  /// t (a value of a compute type) whose per-row and per-column maxima are kept in the same
+  /// pass. `f.term(r, c, v0, v1, ...)` must return the same t without writing anything and
+  /// from only the views f does not write (it is called again on a line that holds a NaN
+  /// term, after f ran): over_y[((a·X + i)·B + b)·C + c'] = max_j t and over_x[((a·B + b)·Y + j)·C + c'] =
+  /// max_i t (the indexing of `reduce_factored`), NaN when any of the terms is NaN, -inf for
+  /// none. The maxima do not depend on the order the terms are taken in, so this gives
+  /// `reduce_factored(term, ..., reduce_op::max)` followed by `apply_factored(f, ...)` in one
+  /// read of the views (SM3's covers and update). Runs on the calling thread (the per-column
+  /// maxima would need a copy per thread): a per-tensor task's operation. A functor with
+  /// `vectorizable = true` over float data (C == 1) runs on `simd::pack`s of 8 (AVX2 when the
+  /// CPU has it), with the same results as the scalar calls. Nothing is allocated.
+  /// @throws gradapt::error on a size mismatch
+  template <class F, class RY, class RX, class M, class... Ts>
+  void apply_factored_max(F f, std::array<std::int64_t, 5> d, tensor_view<RY, host_space> row,
+                          tensor_view<RX, host_space> col, tensor_view<M, host_space> over_y,
+                          tensor_view<M, host_space> over_x, tensor_view<Ts, host_space>... views) const {
+    static_assert(sizeof...(Ts) > 0, "gradapt::host::apply_factored_max needs at least one view");
+    static_assert(std::is_floating_point_v<M>,
+                  "gradapt::host::apply_factored_max: maxima are float or double");
+    const std::size_t n = check_sizes(views...);
+    const auto dd = check_factored(d, n, "apply_factored_max");
+    const std::size_t A = dd[0], X = dd[1], B = dd[2], Y = dd[3], C = dd[4];
+    const std::size_t ny = A * X * B * C, nx = A * B * Y * C;
+    detail::require(row.empty() || row.size() == ny, "host backend apply_factored_max: row vector has ",
+                    row.size(), " elements (expected A*X*B*C = ", ny, ", or 0)");
+    detail::require(col.empty() || col.size() == nx, "host backend apply_factored_max: column vector has ",
+                    col.size(), " elements (expected A*B*Y*C = ", nx, ", or 0)");
+    detail::require(over_y.size() == ny && over_x.size() == nx,
+                    "host backend apply_factored_max: over_y has ", over_y.size(), " and over_x ",
+                    over_x.size(), " elements (expected A*X*B*C = ", ny, " and A*B*Y*C = ", nx, ")");
+    M* oy = over_y.data();
+    M* ox = over_x.data();
+    std::fill(oy, oy + ny, -std::numeric_limits<M>::infinity());
+    std::fill(ox, ox + nx, -std::numeric_limits<M>::infinity());
+    const std::size_t L = Y * C, lines = A * X * B;
+    const auto* rp = row.empty() ? nullptr : row.data();
+    const auto* cp = col.empty() ? nullptr : col.data();
+    for (std::size_t l = 0; l < lines; ++l) {
+      const std::size_t a = l / (X * B), b = l % B;
+      const std::size_t cbase = (a * B + b) * L;
+      max_line(f, l * L, L, C, rp, l * C, cp, cbase, oy + l * C, ox + cbase, views.data()...);
+    }
+  }
+
   /// Runs `fn(task, slot)` for every task in [0, n) on min(max_threads, thread_count())
   /// threads, handing tasks out one at a time in ascending order (OpenMP dynamic schedule); slot
   /// is the running thread's number (below that count), for per-thread workspace. The tasks
@@ -1729,6 +1774,123 @@ struct host {
     }
   }
 
+  /// max(acc, t) that keeps a NaN from either side (t where acc < t or t is NaN, else acc).
+  template <class V>
+  static GRADAPT_INLINE V nan_max(const V& acc, const V& t) {
+    return simd::select((acc < t) | (t != t), t, acc);
+  }
+  /// `t > m ? t : m` lane-wise (x86's maxps): m when either is NaN, so a NaN m stays.
+  template <class V>
+  static GRADAPT_INLINE V gt_max(const V& t, const V& m) {
+#if GRADAPT_SIMD_PACKS
+    if constexpr (simd::is_pack_v<V>) {
+      V r;
+      for (std::size_t q = 0; q < V::parts; ++q) r.part[q] = t.part[q] > m.part[q] ? t.part[q] : m.part[q];
+      return r;
+    } else
+#endif
+    {
+      return t > m ? t : m;
+    }
+  }
+#if GRADAPT_SIMD_PACKS
+  /// apply_factored_max's pack loop over one line (C == 1, float data): packs P of 8 floats;
+  /// the row maximum is folded into *ry, the column maxima into cx, with `t > m ? t : m` (one
+  /// `maxps`, which keeps a NaN maximum m but drops a NaN term t); *bad is set when a term was
+  /// NaN (max_line then puts the NaN in). Returns the elements done.
+  template <class P, class F, class... Ts, std::size_t... I>
+  static GRADAPT_INLINE std::size_t max_packs(const F& fr, float rv, const float* cp, std::size_t L,
+                                              float* ry, float* cx, bool* bad, std::index_sequence<I...>,
+                                              Ts*... ptrs) {
+    const F f = fr;  // a local copy: the stores through float pointers cannot change its members
+    const P r(rv), zero(0.0f);
+    P ra(-std::numeric_limits<float>::infinity());
+    auto nan = zero != zero;
+    std::size_t k = 0;
+    for (; k + 8 <= L; k += 8) {
+      P v[sizeof...(Ts)] = {P::load(ptrs + k)...};
+      const P t = f(r, P::load(cp + k), v[I]...);
+      nan = nan | (t != t);
+      ra = gt_max(t, ra);
+      gt_max(t, P::load(cx + k)).store(cx + k);
+      (store_pack(v[I], ptrs + k), ...);
+    }
+    float lanes[8];
+    ra.store(lanes);
+    for (const float x : lanes) *ry = gt_max(x, *ry);
+    *bad = nan.any();
+    return k;
+  }
+#if defined(GRADAPT_HOST_PACKS_AVX2)
+  /// max_packs compiled for AVX2 (one 32-byte register per 8 floats; no FMA, same results).
+  template <class F, class... Ts>
+  __attribute__((target("avx2"))) static std::size_t max_packs_avx2(const F& f, float rv, const float* cp,
+                                                                    std::size_t L, float* ry, float* cx,
+                                                                    bool* bad, Ts*... ptrs) {
+    return max_packs<simd::pack<float, 8, 32>>(f, rv, cp, L, ry, cx, bad, std::index_sequence_for<Ts...>{},
+                                               ptrs...);
+  }
+#endif
+#endif
+
+  /// One line of apply_factored_max: elements [base, base + L), row entries and row maxima at
+  /// rbase + (k mod C) (maxima at ry[k mod C]), column entries at cbase + k (maxima at cx[k]).
+  /// A line whose pack loop met a NaN term is looked at again through `f.term` (which reads
+  /// only what f does not write): its row maximum and the maxima of the NaN terms' columns
+  /// become NaN.
+  template <class F, class RY, class RX, class M, class... Ts>
+  static void max_line(const F& f, std::size_t base, std::size_t L, std::size_t C, const RY* rp,
+                       std::size_t rbase, const RX* cp, std::size_t cbase, M* ry, M* cx, Ts*... ptrs) {
+    std::size_t k = 0;
+    [[maybe_unused]] bool bad = false;
+#if GRADAPT_SIMD_PACKS
+    constexpr bool all_float = std::is_same_v<std::remove_cv_t<RY>, float> &&
+                               std::is_same_v<std::remove_cv_t<RX>, float> && std::is_same_v<M, float> &&
+                               (std::is_same_v<std::remove_cv_t<Ts>, float> && ...);
+    if constexpr (all_float && simd::vectorizable_v<F>) {
+      using P = simd::pack<float, 8>;
+      if constexpr (std::is_invocable_v<const F&, P, P, std::conditional_t<true, P, Ts>&...>) {
+        if (C == 1 && cp != nullptr) {
+          const float r = rp ? rp[rbase] : 1.0f;
+#if defined(GRADAPT_HOST_PACKS_AVX2)
+          if (detail::host_impl::cpu_has_avx2())
+            k = max_packs_avx2(f, r, cp + cbase, L, ry, cx, &bad, ptrs + base...);
+          else
+#endif
+            k = max_packs<P>(f, r, cp + cbase, L, ry, cx, &bad, std::index_sequence_for<Ts...>{},
+                             ptrs + base...);
+          if (bad) {
+            ry[0] = std::numeric_limits<M>::quiet_NaN();
+            for (std::size_t j = 0; j < k; ++j) {
+              auto v = std::make_tuple(load(ptrs[base + j])...);
+              const M t = std::apply(
+                  [&](auto&... e) { return static_cast<M>(f.term(r, load(cp[cbase + j]), e...)); }, v);
+              if (t != t) cx[j] = t;
+            }
+          }
+        }
+      }
+    }
+#endif
+    for (; k < L; ++k) {
+      const auto r = rp ? load(rp[rbase + k % C]) : compute_t<RY>(1);
+      const auto c = cp ? load(cp[cbase + k]) : compute_t<RX>(1);
+      auto v = std::make_tuple(load(ptrs[base + k])...);
+      std::apply(
+          [&](auto&... e) {
+            const M t = static_cast<M>(f(r, c, e...));
+            (
+                [&] {
+                  if constexpr (!std::is_const_v<Ts>) store(ptrs[base + k], e);
+                }(),
+                ...);
+            ry[k % C] = nan_max(ry[k % C], t);
+            cx[k] = nan_max(cx[k], t);
+          },
+          v);
+    }
+  }
+
   template <class V0, class... Vs>
   static std::size_t check_sizes(const V0& v0, const Vs&... vs) {
     const std::size_t n = v0.size();
@@ -1770,9 +1932,9 @@ struct host {
   }
 };
 
-static_assert(
-    factored_sumsq_backend<host> && task_backend<host>,
-    "gradapt::host models optimizer_backend, factored_backend, factored_sumsq_backend and task_backend");
+static_assert(factored_sumsq_backend<host> && factored_max_backend<host> && task_backend<host>,
+              "gradapt::host models optimizer_backend, factored_backend, factored_sumsq_backend, "
+              "factored_max_backend and task_backend");
 
 static_assert(backend<host>);
 

@@ -204,7 +204,7 @@ struct pack {
   typedef T native __attribute__((vector_size(part_bytes), aligned(part_align)));
   /// The same vector with the element's alignment and `may_alias` (as `__m128_u`), for
   /// unaligned loads and stores of T arrays.
-  typedef T native_unaligned __attribute__((vector_size(part_bytes), aligned(alignof(T)), may_alias));
+  typedef T native_unaligned __attribute__((vector_size(part_bytes), aligned(alignof(T))));
   typedef typename detail::int_of<sizeof(T)>::type lane_int;
   typedef lane_int native_int __attribute__((vector_size(part_bytes), aligned(part_align)));
 
@@ -360,6 +360,16 @@ struct mask {
   /// True when lane i is set (for tests).
   GRADAPT_INLINE bool operator[](std::size_t i) const {
     return part[i / pack_type::part_lanes][i % pack_type::part_lanes] != 0;
+  }
+  /// True when any lane is set.
+  GRADAPT_INLINE bool any() const {
+    auto acc = part[0];
+    for (std::size_t p = 1; p < pack_type::parts; ++p) acc |= part[p];
+    std::uint64_t w[sizeof(acc) / 8];
+    std::memcpy(w, &acc, sizeof acc);
+    std::uint64_t o = 0;
+    for (const std::uint64_t x : w) o |= x;
+    return o != 0;
   }
 };
 

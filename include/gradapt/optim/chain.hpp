@@ -82,6 +82,8 @@ struct stage_info {
   bool uses_param = true;
   bool factored = false;            ///< a factored second-moment stage (row and column statistics per tensor)
   bool measure_reads_input = true;  ///< a barrier whose measure reads u (false: p only)
+  bool measures_param_squares = false;  ///< a barrier whose measure is Σp² (widened to double)
+  bool max_statistics = false;          ///< a factored stage whose statistics are maxima of a term (SM3)
   std::size_t buffers = 0;
   std::size_t slots = 0;
   std::size_t terms = 0;
@@ -102,10 +104,13 @@ GRADAPT_HD constexpr stage_info info_of() {
       static_assert(!S::barrier && S::buffers == 1 && !S::optional && !S::replay_ignores_input,
                     "gradapt::chain: a factored stage is a required element stage with one buffer whose "
                     "replay reads its input");
+    if constexpr (requires { S::max_statistics; }) i.max_statistics = S::max_statistics;
   }
   if constexpr (S::barrier) {
     static_assert(S::buffers == 0, "gradapt::chain: a barrier stage keeps no per-element state");
     if constexpr (requires { S::measure_reads_input; }) i.measure_reads_input = S::measure_reads_input;
+    if constexpr (requires { S::measures_param_squares; })
+      i.measures_param_squares = S::measures_param_squares;
     i.global = S::global;
     i.terms = S::terms;
   }
@@ -252,6 +257,14 @@ struct plan {
     for (std::size_t k = lo(pass, e); k < hi(pass, e); ++k)
       if (on(k, e) && !info_at(k).barrier && info_at(k).buffers > 0) return false;
     return true;
+  }
+  /// The first measure-only pass whose barrier sums p² (scale_by_param_block_rms), which a
+  /// factored stage's statistics pass can take over on a backend that reads p there
+  /// (`factored_sumsq_backend`); passes(e) when there is none.
+  GRADAPT_HD static constexpr std::size_t param_squares_pass(std::uint64_t e) {
+    for (std::size_t p = 0; p + 1 < passes(e); ++p)
+      if (measure_only(p, e) && info_at(hi(p, e)).measures_param_squares) return p;
+    return passes(e);
   }
   GRADAPT_HD static constexpr mode mode_of(std::size_t pass, std::size_t i, std::uint64_t e) {
     if (!on(i, e)) return mode::skip;
@@ -462,6 +475,26 @@ struct factored_pass {
     V dummy{};
     if constexpr (stage_on) u0 = kget<0>(pf.kernels).template y<Variant>(r, c, nth<ga>(a...));
     return call(u0, dummy, std::make_index_sequence<full>{}, a...);
+  }
+};
+
+/// The single pass of a chain whose factored stage keeps maxima (SM3), for the backend's
+/// `apply_factored_max`: returns the stage's term (whose row and column maxima become the new
+/// statistics) and runs the chain's final pass (`FP`, a factored_pass) on the element.
+template <class FP>
+struct max_pass {
+  static constexpr bool vectorizable = true;
+  FP fp;
+  template <class V, class... A>
+  GRADAPT_HD GRADAPT_INLINE V operator()(V r, V c, A&... a) const {
+    const V t = term(r, c, a...);
+    fp(r, c, a...);
+    return t;
+  }
+  /// The stage's term alone (it reads the gradient, which no pass writes).
+  template <class V, class... A>
+  GRADAPT_HD GRADAPT_INLINE V term(V r, V c, A&... a) const {
+    return kget<0>(fp.pf.kernels).term(r, c, nth<FP::ga>(a...));
   }
 };
 
@@ -892,7 +925,7 @@ class chain {
       }
       st.wbuf_ = b.template allocate<St>(st.ws_ * st.slots_);
       st.wdbl_ = b.template allocate<double>(st.wsd_ * st.slots_);
-      st.wsum_ = b.template allocate<double>(st.slots_ * (plan::max_terms > 0 ? plan::max_terms : 1));
+      st.wsum_ = b.template allocate<double>(st.slots_ * sum_stride);
       st.wfac_ = b.template allocate<double>(st.slots_ * nb);
       for (std::size_t k = 0; k < st.slots_ * nb; ++k)
         st.wfac_views_.push_back(tensor_view<double, space>::vector(st.wfac_.data() + k, 1));
@@ -964,6 +997,10 @@ class chain {
 
  private:
   std::tuple<Stages...> stages_;
+
+  /// Doubles per workspace slot for barrier sums: one barrier's terms, then Σp² measured in
+  /// a factored stage's statistics pass.
+  static constexpr std::size_t sum_stride = (plan::max_terms > 0 ? plan::max_terms : 1) + 1;
 
   void validate() const {
     std::apply([](const auto&... s) { (s.validate(), ...); }, stages_);
@@ -1123,14 +1160,41 @@ class chain {
 
   template <std::uint64_t E, class B, class PL, class St, class K>
   void run_by_tensor(const B& b, const PL& params, St& st, const K& kernels) const {
+    using space = typename B::space;
+    using G = typename PL::grad_type;
+    using V = typename PL::value_type;
+    // Σp² for the parameter scale rides in the statistics pass (see param_squares_pass).
+    constexpr bool fused_param_squares =
+        plan::param_squares_pass(E) < plan::passes(E) && factored_sumsq_backend<B>;
+    // A stage with maxima for statistics, and nothing after it that needs a second pass: its
+    // statistics are gathered during the update itself (apply_factored_max, one-thread tasks).
+    constexpr bool fused_maxima =
+        plan::info_at(0).max_statistics && plan::passes(E) == 1 && factored_max_backend<B>;
     const auto one = [&](const B& bb, std::size_t k, std::size_t slot) {
       if (st.sizes_[k] == 0) return;
-      if (st.ft_[k].factored) {
-        using space = typename B::space;
-        using G = typename PL::grad_type;
-        std::get<0>(stages_).advance(bb, detail::optim::kget<0>(kernels), st.ft_[k], st.mut_[0][k],
-                                     tensor_view<const G, space>(st.g_const_[k]),
-                                     st.wbuf_.data() + slot * st.ws_, st.wdbl_.data() + slot * st.wsd_);
+      const auto& f = st.ft_[k];
+      auto* ws = st.wbuf_.data() + slot * st.ws_;
+      double* sums = st.wdbl_.data() + slot * st.wsd_;
+      const auto& stage = std::get<0>(stages_);
+      const auto& k0 = detail::optim::kget<0>(kernels);
+      const auto g = tensor_view<const G, space>(st.g_const_[k]);
+      if constexpr (fused_maxima) {
+        if (f.factored && bb.thread_count() == 1) {
+          stage.factors(bb, f, st.mut_[0][k], ws);
+          if (f.variant)
+            max_tensor_pass<E, true>(bb, params, st, kernels, k, slot);
+          else
+            max_tensor_pass<E, false>(bb, params, st, kernels, k, slot);
+          stage.commit(bb, f, st.mut_[0][k], ws, sums, stage.row_maxima(f, ws), stage.column_maxima(f, ws));
+          return;
+        }
+      }
+      if (f.factored) {
+        if constexpr (fused_param_squares)
+          stage.advance(bb, k0, f, st.mut_[0][k], g, ws, sums, tensor_view<const V, space>(st.p_const_[k]),
+                        st.wsum_.data() + slot * sum_stride + sum_stride - 1);
+        else
+          stage.advance(bb, k0, f, st.mut_[0][k], g, ws, sums);
       }
       [&]<std::size_t... P>(std::index_sequence<P...>) {
         (tensor_pass<P, E>(bb, params, st, kernels, k, slot), ...);
@@ -1181,6 +1245,34 @@ class chain {
     (std::make_index_sequence<nargs - (stage_on ? 1 : 0)>{});
   }
 
+  /// The one pass of factored tensor k through `apply_factored_max`: the chain's update and
+  /// the stage's maxima (into the stage's `row_maxima` / `column_maxima` workspace) together.
+  template <std::uint64_t E, bool Variant, class B, class PL, class St, class K>
+  void max_tensor_pass(const B& b, const PL& params, St& st, const K& kernels, std::size_t k,
+                       std::size_t slot) const {
+    using C = compute_t<typename PL::value_type>;
+    using space = typename B::space;
+    using S = typename St::state_element;
+    constexpr std::size_t nargs = plan::args(0, E);
+    const double* tc = st.tconst_.data() + k * plan::total_slots;
+    const auto& f = st.ft_[k];
+    using FP = detail::optim::factored_pass<plan, 0, E, C, K, Variant>;
+    const detail::optim::max_pass<FP> mp{FP{{kernels, tc, nullptr, 1}}};
+    constexpr std::size_t va = FP::va;
+    auto* w = st.wbuf_.data() + slot * st.ws_;
+    const auto& stage = std::get<0>(stages_);
+    const auto fy = tensor_view<const S, space>::vector(w, static_cast<std::int64_t>(f.rows));
+    const auto fx = tensor_view<const S, space>::vector(w + f.rows, static_cast<std::int64_t>(f.cols));
+    const auto my = tensor_view<S, space>::vector(stage.row_maxima(f, w), static_cast<std::int64_t>(f.rows));
+    const auto mx =
+        tensor_view<S, space>::vector(stage.column_maxima(f, w), static_cast<std::int64_t>(f.cols));
+    [&]<std::size_t... A>(std::index_sequence<A...>) {
+      constexpr auto full = [](std::size_t a) { return a >= va ? a + 1 : a; };
+      b.apply_factored_max(mp, f.d, fy, fx, my, mx, one_view<plan::arg_at(0, E, full(A))>(params, st, k)...);
+    }
+    (std::make_index_sequence<nargs - 1>{});
+  }
+
   template <std::size_t Pass, std::uint64_t E, class B, class PL, class St, class K>
   void tensor_pass(const B& b, const PL& params, St& st, const K& kernels, std::size_t k,
                    std::size_t slot) const {
@@ -1191,9 +1283,12 @@ class chain {
     constexpr bool final = plan::is_final(Pass, E);
     const double* tc = st.tconst_.data() + k * plan::total_slots;
     double* factors = st.wfac_.data() + slot * nb;
-    double* sum = st.wsum_.data() + slot * (plan::max_terms > 0 ? plan::max_terms : 1);
+    double* sum = st.wsum_.data() + slot * sum_stride;
     const auto& f = st.ft_[k];
-    if (f.factored) {
+    constexpr bool premeasured = Pass == plan::param_squares_pass(E) && factored_sumsq_backend<B>;
+    if (premeasured && f.factored) {
+      sum += sum_stride - 1;  // Σp², measured in the statistics pass
+    } else if (f.factored) {
       if (f.variant)
         factored_tensor_pass<Pass, E, true>(b, params, st, kernels, k, slot, sum);
       else

@@ -306,8 +306,8 @@ struct scale_by_learning_rate {
   /// η_t = min(η, 1/√t) at step t. Default false.
   bool relative_step = false;
   /// Accept a negative η (in `lr` or a step's `step_args::lr`), e.g. for gradient ascent in a
-  /// chain of your own. Default true; the presets (sgd, adamw, lamb, lars, adafactor_chain,
-  /// sm3_chain) set false, so a schedule that goes negative raises gradapt::error as the
+  /// chain of your own. Default true; the presets (sgd, adamw, lamb, lars, adafactor,
+  /// sm3) set false, so a schedule that goes negative raises gradapt::error as the
   /// standalone optimizers and torch.optim do.
   bool allow_negative = true;
 
@@ -766,6 +766,8 @@ struct scale_by_param_block_rms {
   static constexpr bool replay_ignores_input = false;  ///< replay recomputes from its input u
   static constexpr bool uses_param = true;             ///< measures p
   static constexpr bool measure_reads_input = false;   ///< the measure reads p only: its pass skips u
+  static constexpr bool measures_param_squares =
+      true;  ///< Σp²: a factored stage's statistics pass may take it
 
   /// `active`.
   bool enabled() const { return active; }

@@ -484,7 +484,11 @@ class data_parallel_step {
   void for_each_hook(F&& f) const {
     std::apply([&](const auto&... h) { (f(detail::unwrap(h)), ...); }, hooks_);
   }
-  static std::string hook_section(std::size_t i) { return "hook" + std::to_string(i); }
+  static std::string hook_section(std::size_t i) {
+    std::string s = "hook";
+    s += std::to_string(i);
+    return s;
+  }
 
   double progress() const {
     if constexpr (has_adascale)
@@ -773,11 +777,10 @@ auto make_data_parallel_step(Comm& comm, const B& backend, const PL& params, Opt
   using detail::count_slot;
   using detail::slot;
   using detail::slot_v;
-  static_assert(
-      step_optimizer<Opt, B, PL>,
-      "train::make_data_parallel_step: the fourth argument must be an optimizer with the chain "
-      "interface (gradapt::sgd, adamw, lamb, lars, adafactor_chain, sm3_chain or a gradapt::chain), "
-      "e.g. gradapt::lamb({.lr = 1e-3}) rather than a gradapt::lamb_options");
+  static_assert(step_optimizer<Opt, B, PL>,
+                "train::make_data_parallel_step: the fourth argument must be an optimizer with the chain "
+                "interface (gradapt::sgd, adamw, lamb, lars, adafactor, sm3 or a gradapt::chain), "
+                "e.g. gradapt::lamb({.lr = 1e-3}) rather than a gradapt::lamb_options");
   static_assert(count_slot<slot::scaler, Args...> <= 1,
                 "train::make_data_parallel_step: more than one scaler policy");
   static_assert(count_slot<slot::combine, Args...> <= 1,
