@@ -1,0 +1,522 @@
+#pragma once
+/// @file
+/// The compile-time pass plan of a `gradapt::chain` and the element functors its passes run
+/// (part of optim/chain.hpp): which stages a pass replays, advances or measures, the backend
+/// argument lists, the kernels' aggregate that travels into device code, and the wrappers
+/// that run a pass over a factored tensor (`factored_pass`, `max_pass`).
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "gradapt/backend/concepts.hpp"
+#include "gradapt/backend/simd.hpp"
+#include "gradapt/core/archive.hpp"
+#include "gradapt/core/concepts.hpp"
+#include "gradapt/core/config.hpp"
+#include "gradapt/core/dtype.hpp"
+#include "gradapt/core/error.hpp"
+#include "gradapt/core/ops.hpp"
+#include "gradapt/core/param_list.hpp"
+#include "gradapt/core/tensor_view.hpp"
+#include "gradapt/optim/factoring.hpp"
+#include "gradapt/optim/stage.hpp"
+
+namespace gradapt {
+
+namespace detail::optim {
+
+/// Compile-time description of one stage.
+struct stage_info {
+  bool barrier = false;
+  bool global = false;
+  bool optional = false;
+  bool ignores_input = false;
+  bool uses_param = true;
+  bool factored = false;            ///< a factored second-moment stage (row and column statistics per tensor)
+  bool measure_reads_input = true;  ///< a barrier whose measure reads u (false: p only)
+  bool measures_param_squares = false;  ///< a barrier whose measure is Σp² (widened to double)
+  bool max_statistics = false;          ///< a factored stage whose statistics are maxima of a term (SM3)
+  std::size_t buffers = 0;
+  std::size_t slots = 0;
+  std::size_t terms = 0;
+};
+
+template <class S>
+GRADAPT_HD constexpr stage_info info_of() {
+  stage_info i;
+  i.barrier = S::barrier;
+  i.optional = S::optional;
+  i.ignores_input = S::replay_ignores_input;
+  i.uses_param = S::uses_param;
+  i.buffers = S::buffers;
+  i.slots = S::tensor_slots;
+  if constexpr (requires { S::factored_state; }) {
+    i.factored = S::factored_state;
+    if constexpr (S::factored_state)
+      static_assert(!S::barrier && S::buffers == 1 && !S::optional && !S::replay_ignores_input,
+                    "gradapt::chain: a factored stage is a required element stage with one buffer whose "
+                    "replay reads its input");
+    if constexpr (requires { S::max_statistics; }) i.max_statistics = S::max_statistics;
+  }
+  if constexpr (S::barrier) {
+    static_assert(S::buffers == 0, "gradapt::chain: a barrier stage keeps no per-element state");
+    if constexpr (requires { S::measure_reads_input; }) i.measure_reads_input = S::measure_reads_input;
+    if constexpr (requires { S::measures_param_squares; })
+      i.measures_param_squares = S::measures_param_squares;
+    i.global = S::global;
+    i.terms = S::terms;
+  }
+  return i;
+}
+
+/// What a stage does in a pass.
+enum class mode : unsigned char { skip, replay, update, measure };
+
+/// Which list a backend argument of a pass is.
+enum class arg_kind : unsigned char { param_mut, param_const, grad, buffer_mut, buffer_const };
+
+struct arg_desc {
+  arg_kind kind = arg_kind::param_const;
+  std::size_t index = 0;  ///< buffer index for buffer kinds
+};
+
+/// The pass structure of a chain for the enabled-stage mask E (bit i: stage i is on).
+template <class... S>
+struct plan {
+  static constexpr std::size_t n = sizeof...(S);
+  static_assert(n >= 1 && n <= 64, "gradapt::chain holds 1 to 64 stages");
+  static constexpr stage_info info[n] = {info_of<S>()...};
+  /// info_at(k) without touching the static array, so the queries below also compile as device
+  /// functions (nvcc has no device copy of a static constexpr member array).
+  GRADAPT_HD static constexpr stage_info info_at(std::size_t k) {
+    const stage_info a[n] = {info_of<S>()...};
+    return a[k];
+  }
+
+  GRADAPT_HD static constexpr std::size_t buffer_offset(std::size_t i) {
+    std::size_t o = 0;
+    for (std::size_t k = 0; k < i; ++k) o += info_at(k).buffers;
+    return o;
+  }
+  GRADAPT_HD static constexpr std::size_t slot_offset(std::size_t i) {
+    std::size_t o = 0;
+    for (std::size_t k = 0; k < i; ++k) o += info_at(k).slots;
+    return o;
+  }
+  static constexpr std::size_t total_buffers = buffer_offset(n);
+  static constexpr std::size_t total_slots = slot_offset(n);
+  static constexpr std::size_t max_terms = [] {
+    std::size_t m = 0;
+    for (std::size_t k = 0; k < n; ++k) m = info_at(k).terms > m ? info_at(k).terms : m;
+    return m;
+  }();
+  static constexpr std::uint64_t required_mask = [] {
+    std::uint64_t m = 0;
+    for (std::size_t k = 0; k < n; ++k)
+      if (!info_at(k).optional) m |= std::uint64_t{1} << k;
+    return m;
+  }();
+  static constexpr std::size_t optional_count = [] {
+    std::size_t c = 0;
+    for (std::size_t k = 0; k < n; ++k) c += info_at(k).optional ? 1 : 0;
+    return c;
+  }();
+  static_assert(optional_count <= 6,
+                "gradapt::chain compiles one form per combination of optional stages: at most 6");
+  /// True when stage 0 is a factored stage: the chain then runs tensor by tensor (see
+  /// chain::step).
+  static constexpr bool has_factored = info_at(0).factored;
+  static constexpr bool factored_first = [] {
+    for (std::size_t k = 1; k < n; ++k)
+      if (info_at(k).factored) return false;
+    return true;
+  }();
+  static_assert(
+      factored_first,
+      "gradapt::chain: a factored stage (scale_by_factored_rms, scale_by_sm3) must be the first stage "
+      "(it reads the gradient itself, as in optax's adafactor and sm3)");
+  static constexpr bool any_global = [] {
+    for (std::size_t k = 0; k < n; ++k)
+      if (info_at(k).barrier && info_at(k).global) return true;
+    return false;
+  }();
+  static_assert(
+      !has_factored || !any_global,
+      "gradapt::chain: a chain with a factored stage runs tensor by tensor and cannot hold a global "
+      "barrier (clip_by_global_norm): clip the gradients before the step (gradapt::clip_by_global_norm "
+      "in optim/clip.hpp)");
+  static_assert(!has_factored || max_terms <= 1,
+                "gradapt::chain: after a factored stage a barrier may measure one term per tensor "
+                "(clip_by_block_rms, scale_by_param_block_rms), not two (trust ratios)");
+
+  /// The mask with optional stage number j (in order) on exactly when bit j of `bits` is set.
+  static constexpr std::uint64_t mask_of(std::size_t bits) {
+    std::uint64_t m = required_mask;
+    std::size_t j = 0;
+    for (std::size_t k = 0; k < n; ++k)
+      if (info_at(k).optional) {
+        if ((bits >> j) & 1u) m |= std::uint64_t{1} << k;
+        ++j;
+      }
+    return m;
+  }
+
+  GRADAPT_HD static constexpr bool on(std::size_t i, std::uint64_t e) { return ((e >> i) & 1u) != 0; }
+  GRADAPT_HD static constexpr std::size_t barriers(std::uint64_t e) {
+    std::size_t c = 0;
+    for (std::size_t k = 0; k < n; ++k) c += (on(k, e) && info_at(k).barrier) ? 1 : 0;
+    return c;
+  }
+  GRADAPT_HD static constexpr std::size_t barrier_pos(std::size_t j, std::uint64_t e) {
+    for (std::size_t k = 0; k < n; ++k)
+      if (on(k, e) && info_at(k).barrier && j-- == 0) return k;
+    return n;
+  }
+  /// Number of enabled barriers before stage i (the slot of its factors).
+  GRADAPT_HD static constexpr std::size_t barrier_number(std::size_t i, std::uint64_t e) {
+    std::size_t c = 0;
+    for (std::size_t k = 0; k < i; ++k) c += (on(k, e) && info_at(k).barrier) ? 1 : 0;
+    return c;
+  }
+  GRADAPT_HD static constexpr std::size_t passes(std::uint64_t e) { return barriers(e) + 1; }
+  GRADAPT_HD static constexpr bool is_final(std::size_t pass, std::uint64_t e) {
+    return pass + 1 == passes(e);
+  }
+  GRADAPT_HD static constexpr std::size_t lo(std::size_t pass, std::uint64_t e) {
+    return pass == 0 ? 0 : barrier_pos(pass - 1, e) + 1;
+  }
+  GRADAPT_HD static constexpr std::size_t hi(std::size_t pass, std::uint64_t e) {
+    return is_final(pass, e) ? n : barrier_pos(pass, e);
+  }
+  /// True when a replayed stage rebuilds u from its state alone, so the stages before it and
+  /// the gradient are not needed in this pass.
+  GRADAPT_HD static constexpr bool starts_fresh(std::size_t pass, std::uint64_t e) {
+    for (std::size_t k = 0; k < lo(pass, e); ++k)
+      if (on(k, e) && !info_at(k).barrier && info_at(k).ignores_input) return true;
+    return false;
+  }
+  GRADAPT_HD static constexpr std::size_t live_from(std::size_t pass, std::uint64_t e) {
+    std::size_t s = 0;
+    for (std::size_t k = 0; k < lo(pass, e); ++k)
+      if (on(k, e) && !info_at(k).barrier && info_at(k).ignores_input) s = k;
+    return s;
+  }
+  /// True when pass `pass` only measures its barrier from p: the barrier's measure does not
+  /// read u and the stages it would advance keep no state (they are replayed in the next pass
+  /// anyway), so the pass reads p alone (Adafactor's parameter scale).
+  GRADAPT_HD static constexpr bool measure_only(std::size_t pass, std::uint64_t e) {
+    if (is_final(pass, e) || info_at(hi(pass, e)).measure_reads_input) return false;
+    for (std::size_t k = lo(pass, e); k < hi(pass, e); ++k)
+      if (on(k, e) && !info_at(k).barrier && info_at(k).buffers > 0) return false;
+    return true;
+  }
+  /// The first measure-only pass whose barrier sums p² (scale_by_param_block_rms), which a
+  /// factored stage's statistics pass can take over on a backend that reads p there
+  /// (`factored_sumsq_backend`); passes(e) when there is none.
+  GRADAPT_HD static constexpr std::size_t param_squares_pass(std::uint64_t e) {
+    for (std::size_t p = 0; p + 1 < passes(e); ++p)
+      if (measure_only(p, e) && info_at(hi(p, e)).measures_param_squares) return p;
+    return passes(e);
+  }
+  GRADAPT_HD static constexpr mode mode_of(std::size_t pass, std::size_t i, std::uint64_t e) {
+    if (!on(i, e)) return mode::skip;
+    if (measure_only(pass, e)) return i == hi(pass, e) ? mode::measure : mode::skip;
+    if (starts_fresh(pass, e) && i < live_from(pass, e)) return mode::skip;
+    if (i < lo(pass, e)) return mode::replay;
+    if (i < hi(pass, e)) return mode::update;
+    if (i == hi(pass, e) && !is_final(pass, e)) return mode::measure;
+    return mode::skip;
+  }
+  GRADAPT_HD static constexpr bool active(std::size_t pass, std::size_t i, std::uint64_t e) {
+    const mode m = mode_of(pass, i, e);
+    return m == mode::replay || m == mode::update;
+  }
+  GRADAPT_HD static constexpr bool needs_grad(std::size_t pass, std::uint64_t e) {
+    return !starts_fresh(pass, e) && !measure_only(pass, e);
+  }
+  GRADAPT_HD static constexpr bool needs_param(std::size_t pass, std::uint64_t e) {
+    if (is_final(pass, e)) return true;
+    for (std::size_t k = 0; k < n; ++k)
+      if (mode_of(pass, k, e) != mode::skip && info_at(k).uses_param) return true;
+    return false;
+  }
+  /// Argument position (after the tensor index) of the gradient.
+  GRADAPT_HD static constexpr std::size_t grad_arg(std::size_t pass, std::uint64_t e) {
+    return needs_param(pass, e) ? 1 : 0;
+  }
+  /// Argument position of stage i's first buffer.
+  GRADAPT_HD static constexpr std::size_t buffer_arg(std::size_t pass, std::size_t i, std::uint64_t e) {
+    std::size_t a = (needs_param(pass, e) ? 1 : 0) + (needs_grad(pass, e) ? 1 : 0);
+    for (std::size_t k = 0; k < i; ++k)
+      if (active(pass, k, e) && !info_at(k).barrier) a += info_at(k).buffers;
+    return a;
+  }
+  GRADAPT_HD static constexpr std::size_t args(std::size_t pass, std::uint64_t e) {
+    return buffer_arg(pass, n, e);
+  }
+  /// What backend argument a of the pass is.
+  static constexpr arg_desc arg_at(std::size_t pass, std::uint64_t e, std::size_t a) {
+    if (needs_param(pass, e)) {
+      if (a == 0) return {is_final(pass, e) ? arg_kind::param_mut : arg_kind::param_const, 0};
+      --a;
+    }
+    if (needs_grad(pass, e)) {
+      if (a == 0) return {arg_kind::grad, 0};
+      --a;
+    }
+    for (std::size_t k = 0; k < n; ++k) {
+      if (!active(pass, k, e) || info_at(k).barrier) continue;
+      if (a < info_at(k).buffers)
+        return {mode_of(pass, k, e) == mode::update ? arg_kind::buffer_mut : arg_kind::buffer_const,
+                buffer_offset(k) + a};
+      a -= info_at(k).buffers;
+    }
+    return {};
+  }
+};
+
+// ---- a device-friendly aggregate of the stages' kernels ------------------------------------
+
+template <std::size_t I, class T>
+struct kslot {
+  T value;
+};
+template <class Seq, class... T>
+struct kpack_base;
+template <std::size_t... I, class... T>
+struct kpack_base<std::index_sequence<I...>, T...> : kslot<I, T>... {};
+/// One value of each type, trivially copyable when they are (it travels into CUDA kernels).
+template <class... T>
+struct kpack : kpack_base<std::index_sequence_for<T...>, T...> {};
+
+template <std::size_t I, class T>
+GRADAPT_HD GRADAPT_INLINE constexpr const T& kget(const kslot<I, T>& s) {
+  return s.value;
+}
+template <std::size_t I, class T>
+GRADAPT_HD GRADAPT_INLINE constexpr T& kget(kslot<I, T>& s) {
+  return s.value;
+}
+
+/// Argument I of a pack of lvalues of one type (resolved at compile time: no addresses are
+/// stored, so the compiler keeps the values in registers).
+template <std::size_t I, class T, class... R>
+GRADAPT_HD GRADAPT_INLINE T& nth(T& a, R&... r) {
+  if constexpr (I == 0)
+    return a;
+  else
+    return nth<I - 1>(r...);
+}
+
+/// The element functor of pass `Pass` under mask E: called with the tensor index and one
+/// lvalue per backend argument (plan::arg_at), all in compute type C (or host packs of C).
+/// `FT`: the element belongs to a factored tensor, whose factored stage (stage 0) is skipped
+/// here: its output arrives through the gradient argument (factored_pass).
+template <class Plan, std::size_t Pass, std::uint64_t E, class C, class K, bool FT = false>
+struct pass_functor {
+  static constexpr bool vectorizable = true;
+
+  K kernels;
+  const double* tconst;   ///< per-tensor constants, plan::total_slots per tensor
+  const double* factors;  ///< barrier factors: [barrier number][tensor]
+  std::size_t count;      ///< tensors
+
+  template <std::size_t I, class V, class... A, std::size_t... J>
+  GRADAPT_HD GRADAPT_INLINE void stage_step(V& u, const V& p, const double* tc, std::size_t t,
+                                            std::index_sequence<J...>, A&... args) const {
+    // Every plan query is a constant expression (nothing of the plan is read at run time, so
+    // the same code compiles for the device).
+    constexpr mode m = Plan::mode_of(Pass, I, E);
+    if constexpr (FT && Plan::info_at(I).factored) {
+      (void)u;
+    } else if constexpr (m == mode::replay || m == mode::update) {
+      constexpr std::size_t soff = Plan::slot_offset(I);
+      constexpr std::size_t boff = Plan::buffer_arg(Pass, I, E);
+      constexpr bool barrier = Plan::info_at(I).barrier;
+      constexpr bool global = Plan::info_at(I).global;
+      const auto& k = kget<I>(kernels);
+      const double* stc = tc + soff;
+      if constexpr (barrier) {
+        constexpr std::size_t b = Plan::barrier_number(I, E);
+        const double f = factors[b * count + (global ? 0 : t)];
+        k.apply(u, p, static_cast<C>(f), stc);
+      } else if constexpr (m == mode::update) {
+        k.update(u, p, stc, nth<boff + J>(args...)...);
+      } else {
+        k.replay(u, p, stc, nth<boff + J>(args...)...);
+      }
+    }
+  }
+
+  template <class V, class... A, std::size_t... I>
+  GRADAPT_HD GRADAPT_INLINE void run_stages(V& u, const V& p, const double* tc, std::size_t t,
+                                            std::index_sequence<I...>, A&... args) const {
+    (stage_step<I>(u, p, tc, t, std::make_index_sequence<Plan::info_at(I).buffers>{}, args...), ...);
+  }
+
+  template <class V, class... A>
+  GRADAPT_HD GRADAPT_INLINE V& param(V& unused, A&... args) const {
+    if constexpr (Plan::needs_param(Pass, E))
+      return nth<0>(args...);
+    else
+      return unused;
+  }
+
+  template <class V, class... A>
+  GRADAPT_HD GRADAPT_INLINE auto operator()(tensor_index t, V& a0, A&... rest) const {
+    static_assert(1 + sizeof...(A) == Plan::args(Pass, E), "gradapt::chain: pass argument count mismatch");
+    V unused{};
+    V& p = param(unused, a0, rest...);
+    V u;
+    if constexpr (Plan::needs_grad(Pass, E))
+      u = nth<Plan::grad_arg(Pass, E)>(a0, rest...);
+    else
+      u = V(C(0));
+    constexpr std::size_t slots = Plan::total_slots;
+    const double* tc = tconst + t.value * slots;
+    run_stages(u, p, tc, t.value, std::make_index_sequence<Plan::n>{}, a0, rest...);
+    if constexpr (Plan::is_final(Pass, E)) {
+      p = p + u;
+    } else {
+      constexpr std::size_t h = Plan::hi(Pass, E);
+      constexpr std::size_t hoff = Plan::slot_offset(h);
+      return kget<h>(kernels).measure(u, p, tc + hoff);
+    }
+  }
+};
+
+/// A pass of the chain over one factored tensor, run by the backend's `apply_factored` as
+/// f(r, c, args...): r and c are the factored stage's row and column factors of the element,
+/// args the pass's arguments without the factored stage's buffer. The stage's output
+/// u0 = y(r, c, g) replaces the gradient argument of the pass functor (which skips stage 0),
+/// and a dummy takes the buffer's place. Returns the measured term of a non-final pass.
+/// `Variant` is the tensor's `factored_tensor::variant`, passed on to the stage's `y`.
+template <class Plan, std::size_t Pass, std::uint64_t E, class C, class K, bool Variant>
+struct factored_pass {
+  static constexpr bool vectorizable = true;
+  using PF = pass_functor<Plan, Pass, E, C, K, true>;
+  PF pf;
+
+  static constexpr bool stage_on = Plan::active(Pass, 0, E);
+  static constexpr std::size_t ga = Plan::grad_arg(Pass, E);
+  static constexpr std::size_t va = Plan::buffer_arg(Pass, 0, E);
+  static constexpr std::size_t full = Plan::args(Pass, E);
+
+  template <std::size_t J, class V, class... A>
+  GRADAPT_HD GRADAPT_INLINE V& pick(V& u0, V& dummy, A&... a) const {
+    if constexpr (stage_on && J == va)
+      return dummy;
+    else if constexpr (stage_on && J == ga)
+      return u0;
+    else {
+      constexpr std::size_t j = (stage_on && J > va) ? J - 1 : J;  // the position without the buffer
+      return nth<j>(a...);
+    }
+  }
+  template <class V, std::size_t... J, class... A>
+  GRADAPT_HD GRADAPT_INLINE auto call(V& u0, V& dummy, std::index_sequence<J...>, A&... a) const {
+    if constexpr (Plan::is_final(Pass, E))
+      pf(tensor_index{0}, pick<J>(u0, dummy, a...)...);
+    else
+      return pf(tensor_index{0}, pick<J>(u0, dummy, a...)...)[0];
+  }
+  template <class V, class... A>
+  GRADAPT_HD GRADAPT_INLINE auto operator()(V r, V c, A&... a) const {
+    static_assert(sizeof...(A) + (stage_on ? 1 : 0) == full, "gradapt::chain: factored pass argument count");
+    V u0{};
+    V dummy{};
+    if constexpr (stage_on) u0 = kget<0>(pf.kernels).template y<Variant>(r, c, nth<ga>(a...));
+    return call(u0, dummy, std::make_index_sequence<full>{}, a...);
+  }
+};
+
+/// The single pass of a chain whose factored stage keeps maxima (SM3), for the backend's
+/// `apply_factored_max`: returns the stage's term (whose row and column maxima become the new
+/// statistics) and runs the chain's final pass (`FP`, a factored_pass) on the element.
+template <class FP>
+struct max_pass {
+  static constexpr bool vectorizable = true;
+  FP fp;
+  template <class V, class... A>
+  GRADAPT_HD GRADAPT_INLINE V operator()(V r, V c, A&... a) const {
+    const V t = term(r, c, a...);
+    fp(r, c, a...);
+    return t;
+  }
+  /// The stage's term alone (it reads the gradient, which no pass writes).
+  template <class V, class... A>
+  GRADAPT_HD GRADAPT_INLINE V term(V r, V c, A&... a) const {
+    return kget<0>(fp.pf.kernels).term(r, c, nth<FP::ga>(a...));
+  }
+};
+
+/// factor[t] = finalize(sums of tensor t), over one-element views of the factor array.
+template <class Kernel>
+struct finalize_each {
+  Kernel k;
+  const double* sums;
+  const double* tconst;
+  std::size_t terms;
+  std::size_t slots;
+  std::size_t offset;
+  GRADAPT_HD void operator()(tensor_index t, double& f) const {
+    f = k.finalize(sums + t.value * terms, tconst + t.value * slots + offset);
+  }
+};
+
+/// factor = finalize(sums over all tensors, added in tensor order from +0).
+template <class Kernel, std::size_t K>
+struct finalize_all {
+  Kernel k;
+  const double* sums;
+  std::size_t count;
+  GRADAPT_HD void operator()(double& f) const {
+    double s[K];
+    for (std::size_t j = 0; j < K; ++j) s[j] = 0.0;
+    for (std::size_t t = 0; t < count; ++t)
+      for (std::size_t j = 0; j < K; ++j) s[j] += sums[t * K + j];
+    f = k.finalize(s, nullptr);
+  }
+};
+
+template <class O>
+double group_lr_scale(const O& o) {
+  if constexpr (requires { o.lr_scale; })
+    return static_cast<double>(o.lr_scale);
+  else
+    return 1.0;
+}
+template <class O>
+std::optional<double> group_weight_decay(const O& o) {
+  if constexpr (requires { o.weight_decay; })
+    return std::optional<double>(o.weight_decay);
+  else
+    return std::nullopt;
+}
+
+template <class B, class T>
+using buffer_t = std::remove_cvref_t<decltype(std::declval<const B&>().template allocate<T>(std::size_t{}))>;
+
+/// A view of a whole backend buffer (const when the buffer is).
+template <class Space, class Buf>
+auto view_of(Buf& buf) {
+  using T = std::remove_pointer_t<decltype(buf.data())>;
+  return tensor_view<T, Space>::vector(buf.data(), static_cast<std::int64_t>(buf.size()));
+}
+
+}  // namespace detail::optim
+
+}  // namespace gradapt
