@@ -1,5 +1,5 @@
 // Per-step cost of the gradient noise scale + AdaScale against the allreduce + optimizer step
-// they ride on (issue 3's bench).
+// they ride on.
 //
 // P in-process ranks (comm::threads, one host thread each), each holding a replica of a
 // 25.2M-parameter, transformer-shaped list (8 layers of d = 512: qkv, proj, fc1, fc2 weights,

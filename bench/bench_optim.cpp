@@ -1,4 +1,4 @@
-// Optimizer steps on a 100M-parameter, transformer-shaped list (issue 5's floors).
+// Optimizer steps on a 100M-parameter, transformer-shaped list (floors: SGD-momentum and AdamW >= 0.85 of triad, LAMB and LARS >= 0.65).
 //
 // The list is GPT-2-small shaped (d = 768, 12 layers, a 20000-token embedding and 1024
 // positions: 148 tensors, 101.2M fp32 parameters) laid out in one flat bucket, as frameworks
@@ -112,7 +112,7 @@ int main(int argc, char** argv) {
   rep.print_table(
       "eff GB/s: fewest bytes the step must move (SGD/LARS 20 B, AdamW/LAMB 28 B per parameter) / step "
       "time.\n"
-      "floor (issue 5, 2 threads): SGD-momentum and AdamW >= 0.85 of triad, LAMB and LARS >= 0.65.");
+      "floor (2 threads): SGD-momentum and AdamW >= 0.85 of triad, LAMB and LARS >= 0.65.");
   benchmark::Shutdown();
   return 0;
 }

@@ -8,7 +8,7 @@ preceded by the same triad loop as bench_optim (a = b + 0.5 c over three arrays 
 element count, through torch) so the two programs see the same cache state, and the triad's
 bandwidth is printed as a sanity check of the machine's state during the run.
 
-Run it in the same session as bench_optim and compare the AdamW rows (issue 5: gradapt's AdamW
+Run it in the same session as bench_optim and compare the AdamW rows (gradapt's AdamW
 step <= 1.0x PyTorch's, foreach or fused):
 
     python3 bench/bench_optim_torch.py [rounds=15] [threads=2]

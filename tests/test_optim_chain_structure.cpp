@@ -451,3 +451,47 @@ TEST_CASE("mismatched parameters, states and learning rates are rejected", "[opt
   REQUIRE(st.steps() == 0);  // failed steps do not count
   REQUIRE_THROWS_WITH(st.buffer(2), Contains("index 2 out of range (2 buffer(s))"));
 }
+
+namespace {
+/// A stage that declares only what is particular to it: no traits, no validate, no
+/// per-tensor constants (every trait takes its default: element-wise, stateless, required).
+struct halve {
+  template <class C>
+  struct kernel {
+    template <class V>
+    GRADAPT_HD void update(V& u, const V&, const double*) const {
+      u = u * V(C(0.5));
+    }
+    template <class V>
+    GRADAPT_HD void replay(V& u, const V&, const double*) const {
+      u = u * V(C(0.5));
+    }
+  };
+  template <class C>
+  kernel<C> prepare(const gradapt::step_context&) const {
+    return {};
+  }
+};
+}  // namespace
+
+TEST_CASE("a stage declaring only its kernel takes the trait defaults", "[optim][chain]") {
+  using traits = gradapt::detail::optim::stage_traits<halve>;
+  static_assert(traits::buffers == 0 && traits::tensor_slots == 0 && !traits::barrier && !traits::optional &&
+                !traits::replay_ignores_input && traits::uses_param && !traits::factored_state);
+  // halve → lr 0.1 is SGD at lr 0.05 (halving is exact, and float(0.05) is float(0.1) / 2).
+  problem<float, float> a({{"w", {33, 7}}, {"b", {7}}}, 5), b({{"w", {33, 7}}, {"b", {7}}}, 5);  // group 0
+  host be{.threads = 2};
+  const gradapt::chain mine{halve{}, gradapt::transform::scale_by_learning_rate{.lr = 0.1}};
+  const auto sgd = gradapt::sgd({.lr = 0.05});
+  auto sa = mine.init(be, a.params);
+  auto sb = sgd.init(be, b.params);
+  REQUIRE(sa.buffer_count() == 0);
+  for (int s = 1; s <= 3; ++s) {
+    a.make_grads(s);
+    b.make_grads(s);
+    mine.step(be, a.params, sa);
+    sgd.step(be, b.params, sb);
+  }
+  for (std::size_t t = 0; t < a.p.size(); ++t)
+    REQUIRE(std::memcmp(a.p[t].data(), b.p[t].data(), a.p[t].size() * sizeof(float)) == 0);
+}

@@ -202,13 +202,9 @@ struct scale_by_factored_rms {
   /// Which two dims are factored. Default the two largest (optax).
   factor_axes axes = factor_axes::largest_two;
 
-  static constexpr bool factored_state = true;         ///< row and column statistics per tensor
-  static constexpr std::size_t buffers = 1;            ///< the statistics (v, or R then C)
-  static constexpr std::size_t tensor_slots = 0;       ///< no per-tensor constants
-  static constexpr bool barrier = false;               ///< element-wise once the factors exist
-  static constexpr bool optional = false;              ///< always active
-  static constexpr bool replay_ignores_input = false;  ///< u needs g
-  static constexpr bool uses_param = false;            ///< never reads p
+  static constexpr bool factored_state = true;  ///< row and column statistics per tensor
+  static constexpr std::size_t buffers = 1;     ///< the statistics (v, or R then C)
+  static constexpr bool uses_param = false;     ///< never reads p
 
   /// @throws gradapt::error naming the option when decay_rate is negative, eps is negative
   ///         (or 0 with the clamp) or min_dim_size_to_factor is negative
@@ -222,11 +218,9 @@ struct scale_by_factored_rms {
     gradapt::detail::require(min_dim_size_to_factor >= 0, "scale_by_factored_rms: min_dim_size_to_factor is ",
                              min_dim_size_to_factor, " (expected >= 0)");
   }
-  /// Writes nothing: the stage has no per-tensor constants.
-  void tensor_constants(const tensor_setup&, double*) const {}
 
   /// How a tensor of this shape is handled: factored over its [A, X, B, Y, C] view, with the
-  /// normalised statistic's grouping in aux = {nd[0..2], groups, length, largest_is_y}.
+  /// normalised statistic's grouping in `norm`.
   factored_tensor plan_tensor(std::span<const std::int64_t> shape) const {
     factored_tensor t;
     const auto f = gradapt::detail::optim::factor_of(shape, factored, axes, min_dim_size_to_factor);
@@ -243,9 +237,9 @@ struct scale_by_factored_rms {
     // statistics pass's Σp², see `advance`)
     t.ws_sums = t.rows + t.cols + static_cast<std::size_t>(groups) + t.rows;
     if (f.largest_is_y)
-      t.aux = {A, X, Bd * C, groups, X, 1, 0, 0};
+      t.norm = {{A, X, Bd * C}, groups, X, true};
     else
-      t.aux = {A * Bd, Y, C, groups, Y, 0, 0, 0};
+      t.norm = {{A * Bd, Y, C}, groups, Y, false};
     t.variant = !f.largest_is_y;  // the normalised (column) factor multiplies first, as optax
     return t;
   }
@@ -314,10 +308,10 @@ struct scale_by_factored_rms {
     };
     const std::int64_t X = t.d[1], Y = t.d[3];
     const std::size_t ny = t.rows, nx = t.cols;
-    const std::array<std::int64_t, 5> nd{t.aux[0], t.aux[1], t.aux[2], 1, 1};
-    const std::size_t ng = static_cast<std::size_t>(t.aux[3]);
-    const double norm_len = static_cast<double>(t.aux[4]);
-    const bool largest_is_y = t.aux[5] != 0;
+    const std::array<std::int64_t, 5> nd{t.norm.d[0], t.norm.d[1], t.norm.d[2], 1, 1};
+    const std::size_t ng = static_cast<std::size_t>(t.norm.groups);
+    const double norm_len = static_cast<double>(t.norm.length);
+    const bool largest_is_y = t.norm.largest_is_y;
     S* v = state.data();
     S* fy = ws;
     S* fx = ws + ny;

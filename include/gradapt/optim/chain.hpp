@@ -279,7 +279,7 @@ class chain {
   static constexpr std::size_t sum_stride = (plan::max_terms > 0 ? plan::max_terms : 1) + 1;
 
   void validate() const {
-    std::apply([](const auto&... s) { (s.validate(), ...); }, stages_);
+    std::apply([](const auto&... s) { (detail::optim::validate_stage(s), ...); }, stages_);
   }
 
   std::uint64_t current_mask() const {
@@ -289,7 +289,7 @@ class chain {
           [&] {
             using S = std::tuple_element_t<I, std::tuple<Stages...>>;
             bool on = true;
-            if constexpr (S::optional) on = std::get<I>(stages_).enabled();
+            if constexpr (detail::optim::stage_traits<S>::optional) on = std::get<I>(stages_).enabled();
             if (on) m |= std::uint64_t{1} << I;
           }(),
           ...);
@@ -351,8 +351,8 @@ class chain {
       const auto& e = params[t];
       const tensor_setup ts{e.name, t, e.value.size(), e.flags, st.group_lr_[e.group], st.group_wd_[e.group]};
       [&]<std::size_t... I>(std::index_sequence<I...>) {
-        (std::get<I>(stages_).tensor_constants(
-             ts, st.tconst_host_.data() + t * plan::total_slots + plan::slot_offset(I)),
+        (detail::optim::stage_tensor_constants(
+             std::get<I>(stages_), ts, st.tconst_host_.data() + t * plan::total_slots + plan::slot_offset(I)),
          ...);
       }
       (std::index_sequence_for<Stages...>{});

@@ -54,25 +54,78 @@ struct stage_info {
   std::size_t terms = 0;
 };
 
+/// The traits of a stage with their defaults (optim/stage.hpp): a stage declares only what
+/// differs from an element-wise, always-active stage with no state, no per-tensor constants,
+/// whose replay reads its input and whose math may read p.
+template <class S>
+struct stage_traits {
+  /// Per-element state buffers (default 0).
+  static constexpr std::size_t buffers = [] {
+    if constexpr (requires { S::buffers; }) return static_cast<std::size_t>(S::buffers);
+    return std::size_t{0};
+  }();
+  /// Per-tensor constants (default 0).
+  static constexpr std::size_t tensor_slots = [] {
+    if constexpr (requires { S::tensor_slots; }) return static_cast<std::size_t>(S::tensor_slots);
+    return std::size_t{0};
+  }();
+  /// Needs a reduction of its input before it acts (default false).
+  static constexpr bool barrier = [] {
+    if constexpr (requires { S::barrier; }) return static_cast<bool>(S::barrier);
+    return false;
+  }();
+  /// May be switched off by its options, through `enabled()` (default false).
+  static constexpr bool optional = [] {
+    if constexpr (requires { S::optional; }) return static_cast<bool>(S::optional);
+    return false;
+  }();
+  /// Its replay computes u from its state alone (default false).
+  static constexpr bool replay_ignores_input = [] {
+    if constexpr (requires { S::replay_ignores_input; }) return static_cast<bool>(S::replay_ignores_input);
+    return false;
+  }();
+  /// Its math reads the parameter p (default true; false lets a pass skip reading p).
+  static constexpr bool uses_param = [] {
+    if constexpr (requires { S::uses_param; }) return static_cast<bool>(S::uses_param);
+    return true;
+  }();
+  /// A factored second-moment stage (default false).
+  static constexpr bool factored_state = [] {
+    if constexpr (requires { S::factored_state; }) return static_cast<bool>(S::factored_state);
+    return false;
+  }();
+};
+
+/// `s.validate()` when the stage has one (options to check), else nothing.
+template <class S>
+void validate_stage(const S& s) {
+  if constexpr (requires { s.validate(); }) s.validate();
+}
+/// `s.tensor_constants(ts, out)` when the stage has per-tensor constants.
+template <class S>
+void stage_tensor_constants(const S& s, const tensor_setup& ts, double* out) {
+  if constexpr (requires { s.tensor_constants(ts, out); }) s.tensor_constants(ts, out);
+}
+
 template <class S>
 GRADAPT_HD constexpr stage_info info_of() {
+  using T = stage_traits<S>;
   stage_info i;
-  i.barrier = S::barrier;
-  i.optional = S::optional;
-  i.ignores_input = S::replay_ignores_input;
-  i.uses_param = S::uses_param;
-  i.buffers = S::buffers;
-  i.slots = S::tensor_slots;
-  if constexpr (requires { S::factored_state; }) {
-    i.factored = S::factored_state;
-    if constexpr (S::factored_state)
-      static_assert(!S::barrier && S::buffers == 1 && !S::optional && !S::replay_ignores_input,
-                    "gradapt::chain: a factored stage is a required element stage with one buffer whose "
-                    "replay reads its input");
+  i.barrier = T::barrier;
+  i.optional = T::optional;
+  i.ignores_input = T::replay_ignores_input;
+  i.uses_param = T::uses_param;
+  i.buffers = T::buffers;
+  i.slots = T::tensor_slots;
+  i.factored = T::factored_state;
+  if constexpr (T::factored_state) {
+    static_assert(!T::barrier && T::buffers == 1 && !T::optional && !T::replay_ignores_input,
+                  "gradapt::chain: a factored stage is a required element stage with one buffer whose "
+                  "replay reads its input");
     if constexpr (requires { S::max_statistics; }) i.max_statistics = S::max_statistics;
   }
-  if constexpr (S::barrier) {
-    static_assert(S::buffers == 0, "gradapt::chain: a barrier stage keeps no per-element state");
+  if constexpr (T::barrier) {
+    static_assert(T::buffers == 0, "gradapt::chain: a barrier stage keeps no per-element state");
     if constexpr (requires { S::measure_reads_input; }) i.measure_reads_input = S::measure_reads_input;
     if constexpr (requires { S::measures_param_squares; })
       i.measures_param_squares = S::measures_param_squares;

@@ -84,7 +84,22 @@ struct factored_tensor {
   std::size_t cols = 0;     ///< A·B·Y·C: the column factors' length
   bool variant =
       false;  ///< passed to the stage's `y<Variant>` (Adafactor: the column factor multiplies first)
-  std::array<std::int64_t, 8> aux{};  ///< numbers private to the stage
+  /// Adafactor's normalisation (scale_by_factored_rms): the normalised statistic seen as the
+  /// [d0, d1, d2] view whose middle dim is reduced, its `groups` sums of `length` values, and
+  /// whether it is the row statistic (the larger dim is Y).
+  struct normalisation {
+    std::array<std::int64_t, 3> d{1, 1, 1};  ///< the view of the normalised statistic
+    std::int64_t groups = 0;                 ///< sums taken (d0 · d2)
+    std::int64_t length = 0;                 ///< values per sum (d1)
+    bool largest_is_y = false;               ///< the normalised statistic is the row one
+  } norm;
+  /// SM3's covers (scale_by_sm3): the tensor's rank and dims (one cover per dim) and its
+  /// widest dim.
+  struct cover_dims {
+    std::size_t rank = 0;                       ///< covers
+    std::array<std::int64_t, max_rank> dims{};  ///< their lengths, in dim order
+    std::size_t widest = 0;                     ///< the longest cover
+  } covers;
 };
 
 namespace detail::optim {

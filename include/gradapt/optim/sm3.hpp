@@ -149,13 +149,9 @@ struct scale_by_sm3 {
   /// Added to a inside the root; finite, >= 0. Default 1e-8.
   double eps = 1e-8;
 
-  static constexpr bool factored_state = true;         ///< one accumulator per index of each dim
-  static constexpr std::size_t buffers = 1;            ///< the covers (or a full accumulator)
-  static constexpr std::size_t tensor_slots = 0;       ///< no per-tensor constants
-  static constexpr bool barrier = false;               ///< element-wise once the covers are read
-  static constexpr bool optional = false;              ///< always active
-  static constexpr bool replay_ignores_input = false;  ///< u needs g
-  static constexpr bool uses_param = false;            ///< never reads p
+  static constexpr bool factored_state = true;  ///< one accumulator per index of each dim
+  static constexpr std::size_t buffers = 1;     ///< the covers (or a full accumulator)
+  static constexpr bool uses_param = false;     ///< never reads p
   /// The statistics are maxima of a per-element term (`kernel::term`), which do not depend on
   /// the order they are taken in: on a `factored_max_backend` a chain with no barrier gathers
   /// them during its update pass (one read of g; see chain.hpp).
@@ -168,10 +164,8 @@ struct scale_by_sm3 {
     gradapt::detail::require(std::isfinite(eps) && eps >= 0, "scale_by_sm3: eps is ", eps,
                              " (expected finite and >= 0)");
   }
-  /// Writes nothing: the stage has no per-tensor constants.
-  void tensor_constants(const tensor_setup&, double*) const {}
 
-  /// Rank >= 2: covered over [lead, last dim], aux = {rank, d_0, d_1, d_2, d_3}; otherwise a
+  /// Rank >= 2: covered over [lead, last dim], its dims in `covers`; otherwise a
   /// full accumulator.
   factored_tensor plan_tensor(std::span<const std::int64_t> shape) const {
     factored_tensor t;
@@ -195,9 +189,9 @@ struct scale_by_sm3 {
     // maxima of a fused pass (lead, then Y)
     t.ws = lead + Y + (r >= 3 ? 2 * lead : 0) + lead + Y;
     t.ws_sums = 2 * lead + widest + lead + Y;  // commit's scratch, then advance's maxima
-    t.aux[6] = static_cast<std::int64_t>(widest);
-    t.aux[0] = static_cast<std::int64_t>(r);
-    for (std::size_t k = 0; k < r; ++k) t.aux[1 + k] = shape[k];
+    t.covers.rank = r;
+    t.covers.widest = widest;
+    for (std::size_t k = 0; k < r; ++k) t.covers.dims[k] = shape[k];
     return t;
   }
 
@@ -335,7 +329,7 @@ struct scale_by_sm3 {
     };
     factors(b, t, state, ws);
     const std::size_t Y = t.cols, lead = t.rows;
-    double* row_max = sums + 2 * lead + static_cast<std::size_t>(t.aux[6]);  // after commit's scratch
+    double* row_max = sums + 2 * lead + t.covers.widest;  // after commit's scratch
     double* col_max = row_max + lead;
     b.reduce_factored(gradapt::detail::sm3_k::accumulate<C>{k.c1, k.c2}, t.d, cvec(ws, lead),
                       cvec(ws + lead, Y), g, vec(row_max, lead), vec(col_max, Y), reduce_op::max);
@@ -349,10 +343,10 @@ struct scale_by_sm3 {
   };
   static cover_layout layout(const factored_tensor& t) {
     cover_layout l;
-    l.rank = static_cast<std::size_t>(t.aux[0]);
+    l.rank = t.covers.rank;
     std::size_t o = 0;
     for (std::size_t q = 0; q < l.rank; ++q) {
-      l.dims[q] = static_cast<std::size_t>(t.aux[1 + q]);
+      l.dims[q] = static_cast<std::size_t>(t.covers.dims[q]);
       l.off[q] = o;
       o += l.dims[q];
     }

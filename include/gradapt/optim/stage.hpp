@@ -12,17 +12,22 @@
 ///
 /// A stage type S is an aggregate of options with these members:
 ///
-/// | member                                   | meaning                                                  |
+/// A stage declares only what is particular to it: every trait has a default (read through
+/// `detail::optim::stage_traits`), so an element-wise stage without state needs only its
+/// options, `prepare` and `kernel`.
+///
+/// | member                                   | meaning (default when absent)                           |
 /// |------------------------------------------|----------------------------------------------------------|
-/// | `static constexpr std::size_t buffers`   | per-element state buffers (Adam: 2, momentum: 1)         |
-/// | `static constexpr std::size_t tensor_slots` | per-tensor constants (masked weight decay, lr scale)  |
-/// | `static constexpr bool barrier`          | needs a reduction over its input before it acts          |
-/// | `static constexpr bool optional`         | may be switched off by its options (`enabled()`)         |
-/// | `static constexpr bool replay_ignores_input` | its replay computes u from its state alone (Adam)    |
-/// | `static constexpr bool uses_param`       | its math reads the parameter p                          |
-/// | `void validate() const`                  | throws gradapt::error naming a bad option                |
-/// | `void tensor_constants(const tensor_setup&, double* out) const` | fills tensor_slots values |
-/// | `template <class C> kernel<C> prepare(const step_context&) const` | per-step constants    |
+/// | `static constexpr std::size_t buffers`   | per-element state buffers (Adam: 2, momentum: 1; default 0) |
+/// | `static constexpr std::size_t tensor_slots` | per-tensor constants (masked weight decay, lr scale; 0) |
+/// | `static constexpr bool barrier`          | needs a reduction over its input before it acts (false)  |
+/// | `static constexpr bool optional`         | may be switched off by its options, `enabled()` (false)  |
+/// | `static constexpr bool replay_ignores_input` | its replay computes u from its state alone (Adam; false)
+/// | | `static constexpr bool uses_param`       | its math reads the parameter p (true; false lets a pass
+/// skip p) | | `void validate() const`                  | throws gradapt::error naming a bad option (nothing
+/// to check) | | `void tensor_constants(const tensor_setup&, double* out) const` | fills tensor_slots values
+/// (none) | | `template <class C> kernel<C> prepare(const step_context&) const` | per-step constants
+/// (required) |
 ///
 /// `kernel<C>` is trivially copyable (it travels into CUDA kernels) and holds the element math
 /// as GRADAPT_HD templates on the value type V (C = float or double, or a host `simd::pack`);
@@ -41,8 +46,6 @@
 ///    order), `double finalize(const double* sums, const double* tc)` (the factor from the
 ///    sums; for a global barrier the sums over all tensors in tensor order and tc == nullptr),
 ///    and `apply(V& u, const V& p, C factor, const double* tc)`.
-///  - `static constexpr bool uses_param` says whether the math reads p (a pass that needs no p
-///    does not read it).
 ///  - a barrier may declare `static constexpr bool measure_reads_input = false` when its
 ///    measure reads p only (scale_by_param_block_rms): if the stages between it and the
 ///    previous barrier keep no state, its pass then reads p alone instead of rebuilding u.

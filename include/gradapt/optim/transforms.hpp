@@ -100,9 +100,6 @@ struct scale_by_adam {
   bool bias_correction = true;
 
   static constexpr std::size_t buffers = 2;           ///< m, v
-  static constexpr std::size_t tensor_slots = 0;      ///< no per-tensor constants
-  static constexpr bool barrier = false;              ///< element-wise: fuses into a pass
-  static constexpr bool optional = false;             ///< always active
   static constexpr bool replay_ignores_input = true;  ///< replay needs only m and v
   static constexpr bool uses_param = false;           ///< never reads p
 
@@ -115,8 +112,6 @@ struct scale_by_adam {
     detail::check_nonneg(eps, "scale_by_adam", "eps", "1e-8 for Adam, 1e-6 for LAMB");
     detail::check_nonneg(eps_root, "scale_by_adam", "eps_root", "usually 0");
   }
-  /// Writes nothing: the stage has no per-tensor constants.
-  void tensor_constants(const tensor_setup&, double*) const {}
 
   /// Element math of scale_by_adam in compute type C.
   template <class C>
@@ -188,12 +183,7 @@ struct add_decayed_weights {
   /// η for `times_lr` when a step passes no `step_args::lr`; finite, >= 0. Default 1.
   double lr = 1.0;
 
-  static constexpr std::size_t buffers = 0;            ///< no state
-  static constexpr std::size_t tensor_slots = 1;       ///< λ of the tensor
-  static constexpr bool barrier = false;               ///< element-wise: fuses into a pass
-  static constexpr bool optional = false;              ///< always active
-  static constexpr bool replay_ignores_input = false;  ///< replay recomputes from its input u
-  static constexpr bool uses_param = true;             ///< reads p
+  static constexpr std::size_t tensor_slots = 1;  ///< λ of the tensor
 
   /// Checks the options (the chain calls it when it is built and at `init`).
   /// @throws gradapt::error when weight_decay is not finite
@@ -254,12 +244,9 @@ struct trace {
   /// Nesterov's look-ahead form u ← u + μ τ instead of u ← τ. Default false.
   bool nesterov = false;
 
-  static constexpr std::size_t buffers = 1;            ///< τ
-  static constexpr std::size_t tensor_slots = 0;       ///< no per-tensor constants
-  static constexpr bool barrier = false;               ///< element-wise: fuses into a pass
-  static constexpr bool optional = true;               ///< off when decay is 0
-  static constexpr bool replay_ignores_input = false;  ///< replay needs its input u
-  static constexpr bool uses_param = false;            ///< never reads p
+  static constexpr std::size_t buffers = 1;  ///< τ
+  static constexpr bool optional = true;     ///< off when decay is 0
+  static constexpr bool uses_param = false;  ///< never reads p
 
   /// False when decay is 0: the stage then keeps no buffer and is not run.
   bool enabled() const { return decay != 0.0; }
@@ -268,8 +255,6 @@ struct trace {
   void validate() const {
     detail::check_range(decay, 0.0, 1.0, true, "trace", "decay (momentum)", "0.9 is typical");
   }
-  /// Writes nothing: the stage has no per-tensor constants.
-  void tensor_constants(const tensor_setup&, double*) const {}
 
   /// Element math of trace in compute type C.
   template <class C>
@@ -311,12 +296,8 @@ struct scale_by_learning_rate {
   /// standalone optimizers and torch.optim do.
   bool allow_negative = true;
 
-  static constexpr std::size_t buffers = 0;            ///< no state
-  static constexpr std::size_t tensor_slots = 1;       ///< the group's lr_scale
-  static constexpr bool barrier = false;               ///< element-wise: fuses into a pass
-  static constexpr bool optional = false;              ///< always active
-  static constexpr bool replay_ignores_input = false;  ///< replay recomputes from its input u
-  static constexpr bool uses_param = false;            ///< never reads p
+  static constexpr std::size_t tensor_slots = 1;  ///< the group's lr_scale
+  static constexpr bool uses_param = false;       ///< never reads p
 
   /// Checks the options (the chain calls it when it is built and at `init`).
   /// @throws gradapt::error when lr is not finite, or negative without allow_negative
@@ -366,12 +347,7 @@ struct scale {
   /// c; finite. Default 1.
   double factor = 1.0;
 
-  static constexpr std::size_t buffers = 0;            ///< no state
-  static constexpr std::size_t tensor_slots = 0;       ///< no per-tensor constants
-  static constexpr bool barrier = false;               ///< element-wise: fuses into a pass
-  static constexpr bool optional = false;              ///< always active
-  static constexpr bool replay_ignores_input = false;  ///< replay recomputes from its input u
-  static constexpr bool uses_param = false;            ///< never reads p
+  static constexpr bool uses_param = false;  ///< never reads p
 
   /// Checks the options (the chain calls it when it is built and at `init`).
   /// @throws gradapt::error when factor is not finite
@@ -379,8 +355,6 @@ struct scale {
     gradapt::detail::require(std::isfinite(factor), "scale: factor is ", factor,
                              " (expected a finite value)");
   }
-  /// Writes nothing: the stage has no per-tensor constants.
-  void tensor_constants(const tensor_setup&, double*) const {}
 
   /// Element math of scale in compute type C.
   template <class C>
@@ -430,14 +404,10 @@ struct scale_by_trust_ratio {
   /// `param_flags::skip_trust_ratio`). Default empty: no name is skipped.
   std::function<bool(std::string_view)> skip = {};
 
-  static constexpr std::size_t buffers = 0;            ///< no state
-  static constexpr std::size_t tensor_slots = 1;       ///< 1 when the ratio applies, 0 when masked
-  static constexpr bool barrier = true;                ///< needs whole-tensor norms: ends a pass
-  static constexpr bool global = false;                ///< one ratio per tensor
-  static constexpr std::size_t terms = 2;              ///< ‖p‖², ‖u‖²
-  static constexpr bool optional = false;              ///< always active
-  static constexpr bool replay_ignores_input = false;  ///< replay recomputes from its input u
-  static constexpr bool uses_param = true;             ///< reads p (its norm)
+  static constexpr std::size_t tensor_slots = 1;  ///< 1 when the ratio applies, 0 when masked
+  static constexpr bool barrier = true;           ///< needs whole-tensor norms: ends a pass
+  static constexpr bool global = false;           ///< one ratio per tensor
+  static constexpr std::size_t terms = 2;         ///< ‖p‖², ‖u‖²
 
   /// Checks the options (the chain calls it when it is built and at `init`).
   /// @throws gradapt::error naming the option when trust_coefficient is not finite and > 0, eps
@@ -544,16 +514,12 @@ struct scale_by_lars {
   /// `param_flags::skip_trust_ratio`). Default empty: no name is skipped.
   std::function<bool(std::string_view)> skip_trust_ratio = {};
 
-  static constexpr std::size_t buffers = 0;  ///< no state
   /// λ of the tensor, and trust ratio on (1) / off (0)
   static constexpr std::size_t tensor_slots = 2;
   static constexpr bool barrier = true;  ///< needs whole-tensor norms: ends a pass
   static constexpr bool global = false;  ///< one ratio per tensor
   /// ‖p‖², and ‖u + λp‖² (norm_of_sum) or ‖u‖² (sum_of_norms)
   static constexpr std::size_t terms = 2;
-  static constexpr bool optional = false;              ///< always active
-  static constexpr bool replay_ignores_input = false;  ///< replay recomputes from its input u
-  static constexpr bool uses_param = true;             ///< reads p (decay and its norm)
 
   /// Checks the options (the chain calls it when it is built and at `init`).
   /// @throws gradapt::error naming the option when weight_decay is not finite, trust_coefficient
@@ -637,14 +603,11 @@ struct clip_by_global_norm {
   /// c, >= 0. Default +inf, which switches the stage off (apex's FusedLAMB uses 1).
   double max_norm = std::numeric_limits<double>::infinity();
 
-  static constexpr std::size_t buffers = 0;            ///< no state
-  static constexpr std::size_t tensor_slots = 0;       ///< no per-tensor constants
-  static constexpr bool barrier = true;                ///< needs the global norm: ends a pass
-  static constexpr bool global = true;                 ///< one factor for all tensors
-  static constexpr std::size_t terms = 1;              ///< ‖u‖²
-  static constexpr bool optional = true;               ///< off while max_norm is +inf
-  static constexpr bool replay_ignores_input = false;  ///< replay recomputes from its input u
-  static constexpr bool uses_param = false;            ///< never reads p
+  static constexpr bool barrier = true;      ///< needs the global norm: ends a pass
+  static constexpr bool global = true;       ///< one factor for all tensors
+  static constexpr std::size_t terms = 1;    ///< ‖u‖²
+  static constexpr bool optional = true;     ///< off while max_norm is +inf
+  static constexpr bool uses_param = false;  ///< never reads p
 
   /// False while max_norm is +inf: the stage then costs no pass.
   bool enabled() const { return std::isfinite(max_norm); }
@@ -654,8 +617,6 @@ struct clip_by_global_norm {
     gradapt::detail::require(max_norm >= 0.0, "clip_by_global_norm: max_norm is ", max_norm,
                              " (expected >= 0; +inf switches clipping off; apex's LAMB uses 1)");
   }
-  /// Writes nothing: the stage has no per-tensor constants.
-  void tensor_constants(const tensor_setup&, double*) const {}
 
   /// Element math and factor of clip_by_global_norm; C is the compute type of the elements.
   template <class C>
@@ -695,14 +656,12 @@ struct clip_by_block_rms {
   /// c; > 0, +inf for no clipping. Default 1.
   double threshold = 1.0;
 
-  static constexpr std::size_t buffers = 0;            ///< no state
-  static constexpr std::size_t tensor_slots = 1;       ///< element count n
-  static constexpr bool barrier = true;                ///< needs whole-tensor sums: ends a pass
-  static constexpr bool global = false;                ///< one factor per tensor
-  static constexpr std::size_t terms = 1;              ///< ‖u‖²
-  static constexpr bool optional = true;               ///< off when threshold is +inf
-  static constexpr bool replay_ignores_input = false;  ///< replay recomputes from its input u
-  static constexpr bool uses_param = false;            ///< never reads p
+  static constexpr std::size_t tensor_slots = 1;  ///< element count n
+  static constexpr bool barrier = true;           ///< needs whole-tensor sums: ends a pass
+  static constexpr bool global = false;           ///< one factor per tensor
+  static constexpr std::size_t terms = 1;         ///< ‖u‖²
+  static constexpr bool optional = true;          ///< off when threshold is +inf
+  static constexpr bool uses_param = false;       ///< never reads p
 
   /// False when threshold is +inf: the stage then costs no pass.
   bool enabled() const { return threshold != std::numeric_limits<double>::infinity(); }
@@ -757,15 +716,12 @@ struct scale_by_param_block_rms {
   /// false switches the stage off (it then costs no pass). Default true.
   bool active = true;
 
-  static constexpr std::size_t buffers = 0;            ///< no state
-  static constexpr std::size_t tensor_slots = 1;       ///< element count n
-  static constexpr bool barrier = true;                ///< needs whole-tensor sums of p: ends a pass
-  static constexpr bool global = false;                ///< one factor per tensor
-  static constexpr std::size_t terms = 1;              ///< ‖p‖²
-  static constexpr bool optional = true;               ///< off when `active` is false
-  static constexpr bool replay_ignores_input = false;  ///< replay recomputes from its input u
-  static constexpr bool uses_param = true;             ///< measures p
-  static constexpr bool measure_reads_input = false;   ///< the measure reads p only: its pass skips u
+  static constexpr std::size_t tensor_slots = 1;      ///< element count n
+  static constexpr bool barrier = true;               ///< needs whole-tensor sums of p: ends a pass
+  static constexpr bool global = false;               ///< one factor per tensor
+  static constexpr std::size_t terms = 1;             ///< ‖p‖²
+  static constexpr bool optional = true;              ///< off when `active` is false
+  static constexpr bool measure_reads_input = false;  ///< the measure reads p only: its pass skips u
   static constexpr bool measures_param_squares =
       true;  ///< Σp²: a factored stage's statistics pass may take it
 
@@ -823,8 +779,6 @@ struct ema {
   bool debias = false;
 
   static constexpr std::size_t buffers = 1;           ///< m
-  static constexpr std::size_t tensor_slots = 0;      ///< no per-tensor constants
-  static constexpr bool barrier = false;              ///< element-wise: fuses into a pass
   static constexpr bool optional = true;              ///< off when decay is 0
   static constexpr bool replay_ignores_input = true;  ///< replay needs only m
   static constexpr bool uses_param = false;           ///< never reads p
@@ -834,8 +788,6 @@ struct ema {
   /// Checks the options (the chain calls it when it is built and at `init`).
   /// @throws gradapt::error when decay is outside [0, 1)
   void validate() const { detail::check_range(decay, 0.0, 1.0, false, "ema", "decay", "0.9 is typical"); }
-  /// Writes nothing: the stage has no per-tensor constants.
-  void tensor_constants(const tensor_setup&, double*) const {}
 
   /// Element math of ema in compute type C.
   template <class C>
