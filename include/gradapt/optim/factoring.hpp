@@ -92,14 +92,16 @@ struct factored_tensor {
     std::int64_t groups = 0;                 ///< sums taken (d0 · d2)
     std::int64_t length = 0;                 ///< values per sum (d1)
     bool largest_is_y = false;               ///< the normalised statistic is the row one
-  } norm;
+  };
   /// SM3's covers (scale_by_sm3): the tensor's rank and dims (one cover per dim) and its
   /// widest dim.
   struct cover_dims {
     std::size_t rank = 0;                       ///< covers
     std::array<std::int64_t, max_rank> dims{};  ///< their lengths, in dim order
     std::size_t widest = 0;                     ///< the longest cover
-  } covers;
+  };
+  normalisation norm;  ///< scale_by_factored_rms's data for this tensor
+  cover_dims covers;   ///< scale_by_sm3's data for this tensor
 };
 
 namespace detail::optim {
