@@ -1,4 +1,5 @@
-// Optimizer steps on a 100M-parameter, transformer-shaped list (floors: SGD-momentum and AdamW >= 0.85 of triad, LAMB and LARS >= 0.65).
+// Optimizer steps on a 100M-parameter, transformer-shaped list (floors: SGD-momentum and AdamW >= 0.85 of
+// triad, LAMB and LARS >= 0.65).
 //
 // The list is GPT-2-small shaped (d = 768, 12 layers, a 20000-token embedding and 1024
 // positions: 148 tensors, 101.2M fp32 parameters) laid out in one flat bucket, as frameworks
