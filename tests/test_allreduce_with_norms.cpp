@@ -190,8 +190,9 @@ TEST_CASE("the fused fp32 sum-with-squares kernel: dispatched (AVX2 when present
       for (int k = 0; k < p; ++k) src.push_back(rank_data<float>(k, n));
       for (auto& v : src) ptr.push_back(v.data());
       std::vector<float> o1(n), o2(n);
-      const auto a = gradapt::comm::detail::sum_with_squares(ptr.data(), p, o1.data(), n);
-      const auto b = gradapt::comm::detail::sum_with_squares_body(ptr.data(), p, o2.data(), n);
+      const auto a = gradapt::detail::host_impl::sum_with_squares(ptr.data(), p, o1.data(), n);
+      const auto b = gradapt::detail::host_impl::sum_with_squares_lanes<gradapt::simd::native_bytes>(
+          ptr.data(), p, o2.data(), n);
       REQUIRE(std::memcmp(&a, &b, sizeof a) == 0);
       REQUIRE((n == 0 || std::memcmp(o1.data(), o2.data(), n * sizeof(float)) == 0));
       long double l = 0, r = 0;

@@ -229,6 +229,29 @@ struct host {
         xs, [yp](std::size_t t) { return yp[t].data(); }, per_tensor, thread_count());
   }
 
+  /// Element-wise combination of `count` arrays of `n` elements into `out`, in source order:
+  /// `out[i] = x_0[i] op x_1[i] op ...` in compute_t<T>, rounded once; max propagates NaN.
+  /// `source(k)` returns source k's first element (`const T*`); `out` must not overlap a
+  /// source. Runs on the calling thread (a communicator calls it from every rank on its own
+  /// slice). The kernel of comm::threads' reductions.
+  template <element T, class Src>
+  requires std::is_invocable_r_v<const T*, const Src&, int>
+  static void combine_sources(int count, const Src& source, T* out, std::size_t n, reduce_op op) {
+    detail::require(count >= 1, "host backend combine_sources: count is ", count, " (expected >= 1)");
+    detail::host_impl::combine_sources<false>(count, source, out, n, op);
+  }
+
+  /// combine_sources with `reduce_op::sum` that also returns, in double, the sum over sources
+  /// of |x_k|^2 and |out|^2 as stored, accumulated block by block (4096 elements, 8 lanes, the
+  /// fixed tree) while each block is in cache, so the bits depend only on n and `count`.
+  template <element T, class Src>
+  requires std::is_invocable_r_v<const T*, const Src&, int>
+  static allreduce_norms combine_sources_with_norms(int count, const Src& source, T* out, std::size_t n) {
+    detail::require(count >= 1, "host backend combine_sources_with_norms: count is ", count,
+                    " (expected >= 1)");
+    return detail::host_impl::combine_sources<true>(count, source, out, n, reduce_op::sum);
+  }
+
   /// Host work is synchronous: nothing to wait for.
   void synchronize() const {}
 

@@ -489,6 +489,16 @@ GRADAPT_INLINE pack<T, N, B> max(const pack<T, N, B>& a, const pack<T, N, B>& b)
   return select(a < b, b, a);
 }
 
+/// Lane-wise `a > b ? a : b`: one x86 `maxps`/`maxpd` per register. Unlike `max`, it returns
+/// b when either lane is NaN (a NaN b stays, a NaN a is dropped), for loops that track NaN apart.
+template <class T, std::size_t N, std::size_t B>
+GRADAPT_INLINE pack<T, N, B> gt_max(const pack<T, N, B>& a, const pack<T, N, B>& b) {
+  pack<T, N, B> r;
+  for (std::size_t q = 0; q < pack<T, N, B>::parts; ++q)
+    r.part[q] = a.part[q] > b.part[q] ? a.part[q] : b.part[q];
+  return r;
+}
+
 /// The lanes converted to double (exact): cvtps2pd per half register on x86-64, register to
 /// register.
 template <std::size_t N, std::size_t B>

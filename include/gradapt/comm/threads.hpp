@@ -70,81 +70,6 @@ constexpr const char* coll_name(coll c) {
   return "collective";
 }
 
-#if defined(GRADAPT_HOST_VECTOR)
-/// Source ranks the fused fp32 sum-with-squares loop takes (more ranks use the block path).
-inline constexpr int max_fused_ranks = 64;
-
-typedef float v4f __attribute__((vector_size(16)));
-typedef double v4d __attribute__((vector_size(32)));
-
-/// out[i] = x_0[i] + ... + x_{p-1}[i] (fp32, rank order) for i < n, and in double: the sum of
-/// all x_k[i]^2 and the sum of out[i]^2. Eight elements per step in two 4-wide halves, so
-/// element i feeds lane i mod 8 of both sums; lanes are combined in a fixed tree. Written
-/// once with 4-wide vector types: compiled for AVX2 in the dispatching wrapper below and as
-/// pairs of SSE2 operations otherwise, with the same bits either way (no FMA contraction:
-/// products and sums are separate operations on both paths).
-GRADAPT_INLINE std::pair<double, double> sum_with_squares_body(const float* const* xs, int p, float* out,
-                                                               std::size_t n) {
-  v4d l0 = {0, 0, 0, 0}, l1 = l0, r0 = l0, r1 = l0;
-  std::size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    v4f a0, a1;
-    std::memcpy(&a0, xs[0] + i, sizeof a0);
-    std::memcpy(&a1, xs[0] + i + 4, sizeof a1);
-    v4d d0 = __builtin_convertvector(a0, v4d), d1 = __builtin_convertvector(a1, v4d);
-    l0 += d0 * d0;
-    l1 += d1 * d1;
-    for (int k = 1; k < p; ++k) {
-      v4f b0, b1;
-      std::memcpy(&b0, xs[k] + i, sizeof b0);
-      std::memcpy(&b1, xs[k] + i + 4, sizeof b1);
-      a0 += b0;
-      a1 += b1;
-      d0 = __builtin_convertvector(b0, v4d);
-      d1 = __builtin_convertvector(b1, v4d);
-      l0 += d0 * d0;
-      l1 += d1 * d1;
-    }
-    std::memcpy(out + i, &a0, sizeof a0);
-    std::memcpy(out + i + 4, &a1, sizeof a1);
-    d0 = __builtin_convertvector(a0, v4d);
-    d1 = __builtin_convertvector(a1, v4d);
-    r0 += d0 * d0;
-    r1 += d1 * d1;
-  }
-  double lo[8] = {l0[0], l0[1], l0[2], l0[3], l1[0], l1[1], l1[2], l1[3]};
-  double ro[8] = {r0[0], r0[1], r0[2], r0[3], r1[0], r1[1], r1[2], r1[3]};
-  for (std::size_t l = 0; i < n; ++i, ++l) {
-    float a = xs[0][i];
-    lo[l] += static_cast<double>(a) * static_cast<double>(a);
-    for (int k = 1; k < p; ++k) {
-      const float b = xs[k][i];
-      a += b;
-      lo[l] += static_cast<double>(b) * static_cast<double>(b);
-    }
-    out[i] = a;
-    ro[l] += static_cast<double>(a) * static_cast<double>(a);
-  }
-  return {gradapt::detail::host_impl::combine_lanes<gradapt::detail::host_impl::rk::sum>(lo),
-          gradapt::detail::host_impl::combine_lanes<gradapt::detail::host_impl::rk::sum>(ro)};
-}
-
-#if defined(GRADAPT_HOST_AVX2)
-__attribute__((target("avx2"))) inline std::pair<double, double> sum_with_squares_avx2(const float* const* xs,
-                                                                                       int p, float* out,
-                                                                                       std::size_t n) {
-  return sum_with_squares_body(xs, p, out, n);
-}
-#endif
-
-inline std::pair<double, double> sum_with_squares(const float* const* xs, int p, float* out, std::size_t n) {
-#if defined(GRADAPT_HOST_AVX2)
-  if (gradapt::detail::host_impl::cpu_has_avx2()) return sum_with_squares_avx2(xs, p, out, n);
-#endif
-  return sum_with_squares_body(xs, p, out, n);
-}
-#endif
-
 /// Shared state of one in-process world. Internal: use comm::threads.
 class threads_world {
  public:
@@ -348,12 +273,8 @@ class threads {
           0);
     const std::size_t n = recv.size();
     const std::size_t off = static_cast<std::size_t>(rank_) * n;
-    for (std::size_t i = 0; i < n; ++i) {
-      compute_t<T> acc = load(static_cast<const T*>(w_->posted(0).send)[off + i]);
-      for (int k = 1; k < size(); ++k)
-        acc = combine(acc, load(static_cast<const T*>(w_->posted(k).send)[off + i]), op);
-      store(recv.data()[i], acc);
-    }
+    gradapt::host::combine_sources(
+        size(), [&](int k) { return static_cast<const T*>(w_->posted(k).send) + off; }, recv.data(), n, op);
     w_->barrier();
   }
 
@@ -463,40 +384,17 @@ class threads {
           data_bytes + (Norms ? 2 * static_cast<std::size_t>(p) * sizeof(double) : 0));
     auto* out = reinterpret_cast<T*>(w_->scratch());
     const auto [lo, hi] = slice(n);
-    const auto src = [&](int k) { return static_cast<const T*>(w_->posted(k).recv); };
-    double local = 0.0, result = 0.0;
-    if constexpr (Norms) {
-      namespace hi_ = gradapt::detail::host_impl;
-      constexpr std::size_t blk = hi_::block;
-      for (std::size_t b = lo; b < hi; b += blk) {
-        const std::size_t e = std::min(hi, b + blk);
-#if defined(GRADAPT_HOST_VECTOR)
-        if constexpr (std::is_same_v<T, float>) {
-          if (p <= detail::max_fused_ranks) {
-            // fp32: the squares are taken inside the reduction loop, on the values in
-            // registers, so their arithmetic overlaps the loop's memory traffic.
-            const float* xs[detail::max_fused_ranks];
-            for (int k = 0; k < p; ++k) xs[k] = src(k) + b;
-            const auto [l, r] = detail::sum_with_squares(xs, p, out + b, e - b);
-            local += l;
-            result += r;
-            continue;
-          }
-        }
-#endif
-        reduce_range(op, b, e, out, src);
-        for (int k = 0; k < p; ++k)
-          local += hi_::reduce_block<hi_::rk::sum_squares>(src(k) + b, static_cast<const T*>(nullptr), e - b);
-        result += hi_::reduce_block<hi_::rk::sum_squares>(out + b, static_cast<const T*>(nullptr), e - b);
-      }
-    } else {
-      reduce_range(op, lo, hi, out, src);
-    }
+    const auto src = [&](int k) { return static_cast<const T*>(w_->posted(k).recv) + lo; };
+    allreduce_norms mine;
+    if constexpr (Norms)
+      mine = gradapt::host::combine_sources_with_norms(p, src, out + lo, hi - lo);
+    else
+      gradapt::host::combine_sources(p, src, out + lo, hi - lo, op);
     allreduce_norms norms;
     auto* posted = reinterpret_cast<double*>(w_->scratch() + data_bytes);
     if constexpr (Norms) {
-      posted[2 * rank_] = local;
-      posted[2 * rank_ + 1] = result;
+      posted[2 * rank_] = mine.sum_local_sq;
+      posted[2 * rank_ + 1] = mine.result_sq;
     }
     w_->barrier();
     std::copy_n(out, n, buf.data());
@@ -506,45 +404,10 @@ class threads {
     return norms;
   }
 
-  /// out[i] = combination over ranks (in rank order) of element i, for i in [b, e).
-  template <class T, class Src>
-  void reduce_range(reduce_op op, std::size_t b, std::size_t e, T* out, const Src& src) const {
-    using C = compute_t<T>;
-    constexpr std::size_t g = 8;
-    const int p = size();
-    std::size_t i = b;
-    if (op == reduce_op::sum) {
-      for (; i + g <= e; i += g) {
-        C acc[g];
-        const T* x0 = src(0) + i;
-        for (std::size_t l = 0; l < g; ++l) acc[l] = load(x0[l]);
-        for (int k = 1; k < p; ++k) {
-          const T* xk = src(k) + i;
-          C v[g];
-          for (std::size_t l = 0; l < g; ++l) v[l] = load(xk[l]);
-          for (std::size_t l = 0; l < g; ++l) acc[l] += v[l];
-        }
-        for (std::size_t l = 0; l < g; ++l) store(out[i + l], acc[l]);
-      }
-    }
-    for (; i < e; ++i) {
-      C acc = load(src(0)[i]);
-      for (int k = 1; k < p; ++k) acc = combine(acc, load(src(k)[i]), op);
-      store(out[i], acc);
-    }
-  }
-
   std::pair<std::size_t, std::size_t> slice(std::size_t n) const {
     const auto p = static_cast<std::size_t>(size());
     const auto r = static_cast<std::size_t>(rank_);
     return {n * r / p, n * (r + 1) / p};
-  }
-
-  template <class C>
-  static C combine(C a, C b, reduce_op op) {
-    if (op == reduce_op::sum) return a + b;
-    if (a != a || b != b) return a != a ? a : b;
-    return b > a ? b : a;
   }
 
   void check_rank(int r, const char* op, const char* what) const {

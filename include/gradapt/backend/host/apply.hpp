@@ -174,8 +174,7 @@ GRADAPT_INLINE std::size_t apply_reduce_pack_groups(F& f, tensor_index t, std::s
   return i;
 }
 
-#if defined(GRADAPT_HOST_AVX2) && GRADAPT_SIMD_AVX_ASM
-#define GRADAPT_HOST_PACKS_AVX2 1
+#if defined(GRADAPT_HOST_PACKS_AVX2)
 /// The pack loops compiled for AVX2 (chosen at run time, like the reductions): 32-byte packs,
 /// so one instruction handles 8 floats or 4 doubles. No FMA: every lane runs the same IEEE
 /// operations as the SSE2 and scalar paths, so the bits are the same.

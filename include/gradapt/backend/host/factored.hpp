@@ -542,15 +542,11 @@ struct factored {
   template <class V>
   static GRADAPT_INLINE V gt_max(const V& t, const V& m) {
 #if GRADAPT_SIMD_PACKS
-    if constexpr (simd::is_pack_v<V>) {
-      V r;
-      for (std::size_t q = 0; q < V::parts; ++q) r.part[q] = t.part[q] > m.part[q] ? t.part[q] : m.part[q];
-      return r;
-    } else
+    if constexpr (simd::is_pack_v<V>)
+      return simd::gt_max(t, m);
+    else
 #endif
-    {
       return t > m ? t : m;
-    }
   }
 #if GRADAPT_SIMD_PACKS
   /// apply_factored_max's pack loop over one line (C == 1, float data): packs P of 8 floats;

@@ -31,9 +31,6 @@
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 
 namespace gradapt::detail::host_impl {
 
@@ -76,150 +73,86 @@ GRADAPT_INLINE double combine_lanes(double (&acc)[lanes]) {
   return t[0];
 }
 
-#if defined(__GNUC__) && !defined(GRADAPT_NO_VECTOR_EXTENSIONS)
+#if GRADAPT_SIMD_PACKS
 #define GRADAPT_HOST_VECTOR 1
-// Explicit 128-bit vectors (GCC/Clang vector extensions): fast under the consumer's plain -O2
-// with no -march. Lane assignment equals the scalar path's (lane l takes elements l mod 8), so
-// both paths produce the same bits; only one of them is compiled into a given build.
-typedef double v2d __attribute__((vector_size(16)));
-
-GRADAPT_INLINE v2d load2(const double* p) {
-  v2d v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-/// Two floats widened to two doubles (movq + cvtps2pd on x86-64, where SSE2 is baseline).
-GRADAPT_INLINE v2d widen2(const float* p) {
-#if defined(__SSE2__)
-  return _mm_cvtps_pd(_mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-#else
-  typedef float v2f __attribute__((vector_size(8)));
-  v2f v;
-  std::memcpy(&v, p, sizeof v);
-  return __builtin_convertvector(v, v2d);
-#endif
-}
-
-/// Accumulators of one block on the vector path: lanes (0,1) (2,3) (4,5) (6,7) in four double
-/// pairs. `feed` takes the next 8 elements; `finish` adds a tail of fewer than 8 elements to
-/// lanes 0.. and combines the lanes exactly as the scalar loop does.
-template <rk K, class T>
-struct vec_block {
-  static_assert(lanes == 8, "the vector path holds 8 lanes in 4 double pairs");
-  v2d a0 = {0, 0}, a1 = {0, 0}, a2 = {0, 0}, a3 = {0, 0};
-
-  static GRADAPT_INLINE void step(v2d& acc, v2d v, v2d w) {
-    if constexpr (K == rk::sum)
-      acc += v;
-    else if constexpr (K == rk::sum_squares)
-      acc += v * v;
-    else
-      acc += v * w;
-  }
-  static GRADAPT_INLINE v2d get(const T* p) {
-    if constexpr (std::is_same_v<T, float>)
-      return widen2(p);
-    else
-      return load2(p);
-  }
-  GRADAPT_INLINE void feed(const T* x, const T* y) {
-    const v2d f0 = get(x), f1 = get(x + 2), f2 = get(x + 4), f3 = get(x + 6);
-    if constexpr (K == rk::dot) {
-      step(a0, f0, get(y)), step(a1, f1, get(y + 2)), step(a2, f2, get(y + 4)), step(a3, f3, get(y + 6));
-    } else {
-      step(a0, f0, f0), step(a1, f1, f1), step(a2, f2, f2), step(a3, f3, f3);
-    }
-  }
-  double finish(const T* x, const T* y, std::size_t rem) const {
-    double acc[lanes] = {a0[0], a0[1], a1[0], a1[1], a2[0], a2[1], a3[0], a3[1]};
-    for (std::size_t l = 0; l < rem; ++l) {
-      const double v = static_cast<double>(x[l]);
-      if constexpr (K == rk::sum)
-        acc[l] += v;
-      else if constexpr (K == rk::sum_squares)
-        acc[l] += v * v;
-      else
-        acc[l] += v * static_cast<double>(y[l]);
-    }
-    return combine_lanes<rk::sum>(acc);
-  }
-};
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(GRADAPT_NO_AVX2_DISPATCH)
+#if defined(__x86_64__) && GRADAPT_SIMD_AVX_ASM && !defined(GRADAPT_NO_AVX2_DISPATCH)
+// The functions marked target("avx2") are compiled for AVX2 whatever the consumer's flags and
+// chosen at run time by simd::detail::cpu_has_avx2. They run 32-byte packs; no FMA, so every
+// lane sees the same IEEE operations as on the 16-byte and scalar paths and the bits agree.
 #define GRADAPT_HOST_AVX2 1
-// The AVX2 functions below are compiled for AVX2 whatever the consumer's flags (function
-// target attribute) and chosen at run time by simd::detail::cpu_has_avx2.
+#define GRADAPT_HOST_PACKS_AVX2 1
+#endif
 using simd::detail::cpu_has_avx2;
 
-typedef double v4d __attribute__((vector_size(32)));
-typedef float v4f __attribute__((vector_size(16)));
+/// The accumulators of one block on the vector path: one double pack of `lanes` lanes in
+/// registers of B bytes (lane l takes elements l mod 8, as on the scalar loop). `feed` takes
+/// the next 8 elements; `finish` adds a tail of fewer than 8 elements to lanes 0.. and
+/// combines the lanes exactly as the scalar loop does.
+template <rk K, class T, std::size_t B = simd::native_bytes>
+struct lane_block {
+  using acc_pack = simd::pack<double, lanes, B>;
+  using in_pack = simd::pack<T, lanes, B>;
+  acc_pack acc;
 
-/// vec_block with 256-bit registers: lanes 0-3 in `lo`, 4-7 in `hi`. Each lane sees the same
-/// operations in the same order as on the SSE2 path and the scalar loop (no FMA), so the bits
-/// are the same; only the instruction count halves.
-template <rk K, class T>
-struct avx_block {
-  v4d lo = {0, 0, 0, 0}, hi = {0, 0, 0, 0};
-  __attribute__((target("avx2"), always_inline)) static v4d get(const T* p) {
-    if constexpr (std::is_same_v<T, float>) {
-      v4f f;
-      std::memcpy(&f, p, sizeof f);
-      return __builtin_convertvector(f, v4d);
-    } else {
-      v4d d;
-      std::memcpy(&d, p, sizeof d);
-      return d;
-    }
-  }
-  __attribute__((target("avx2"), always_inline)) static void step(v4d& acc, v4d v, v4d w) {
+  GRADAPT_INLINE void start() { acc = acc_pack(0.0); }
+  static GRADAPT_INLINE acc_pack get(const T* p) { return simd::widen(in_pack::load(p)); }
+  GRADAPT_INLINE void feed(const T* x, const T* y) {
+    const acc_pack v = get(x);
     if constexpr (K == rk::sum)
       acc += v;
     else if constexpr (K == rk::sum_squares)
       acc += v * v;
     else
-      acc += v * w;
+      acc += v * get(y);
   }
-  __attribute__((target("avx2"), always_inline)) void feed(const T* x, const T* y) {
-    const v4d f0 = get(x), f1 = get(x + 4);
-    if constexpr (K == rk::dot) {
-      step(lo, f0, get(y)), step(hi, f1, get(y + 4));
-    } else {
-      step(lo, f0, f0), step(hi, f1, f1);
-    }
-  }
-  __attribute__((target("avx2"))) double finish(const T* x, const T* y, std::size_t rem) const {
-    double acc[lanes] = {lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]};
+  GRADAPT_INLINE double finish(const T* x, const T* y, std::size_t rem) const {
+    double a[lanes];
+    acc.store(a);
     for (std::size_t l = 0; l < rem; ++l) {
       const double v = static_cast<double>(x[l]);
       if constexpr (K == rk::sum)
-        acc[l] += v;
+        a[l] += v;
       else if constexpr (K == rk::sum_squares)
-        acc[l] += v * v;
+        a[l] += v * v;
       else
-        acc[l] += v * static_cast<double>(y[l]);
+        a[l] += v * static_cast<double>(y[l]);
     }
-    return combine_lanes<rk::sum>(acc);
+    return combine_lanes<rk::sum>(a);
   }
 };
 
-template <rk K, class T>
-__attribute__((target("avx2"))) double reduce_block_avx2(const T* x, const T* y, std::size_t n) {
-  avx_block<K, T> s;
+template <rk K, class T, std::size_t B>
+GRADAPT_INLINE double reduce_block_lanes(const T* x, const T* y, std::size_t n) {
+  lane_block<K, T, B> s;
+  s.start();
   std::size_t i = 0;
   for (; i + lanes <= n; i += lanes) s.feed(x + i, K == rk::dot ? y + i : nullptr);
   return s.finish(x + i, K == rk::dot ? y + i : nullptr, n - i);
 }
 
+template <rk K, class T, std::size_t B>
+GRADAPT_INLINE void reduce_block_pair_lanes(const T* xa, const T* ya, const T* xb, const T* yb, double& ra,
+                                            double& rb) {
+  lane_block<K, T, B> A, C;
+  A.start();
+  C.start();
+  for (std::size_t i = 0; i < block; i += lanes) {
+    A.feed(xa + i, K == rk::dot ? ya + i : nullptr);
+    C.feed(xb + i, K == rk::dot ? yb + i : nullptr);
+  }
+  ra = A.finish(xa, ya, 0);
+  rb = C.finish(xb, yb, 0);
+}
+
+#if defined(GRADAPT_HOST_AVX2)
+template <rk K, class T>
+__attribute__((target("avx2"))) double reduce_block_avx2(const T* x, const T* y, std::size_t n) {
+  return reduce_block_lanes<K, T, 32>(x, y, n);
+}
 template <rk K, class T>
 __attribute__((target("avx2"))) void reduce_block_pair_avx2(const T* xa, const T* ya, const T* xb,
                                                             const T* yb, double& ra, double& rb) {
-  avx_block<K, T> A, B;
-  for (std::size_t i = 0; i < block; i += lanes) {
-    A.feed(xa + i, K == rk::dot ? ya + i : nullptr);
-    B.feed(xb + i, K == rk::dot ? yb + i : nullptr);
-  }
-  ra = A.finish(xa, ya, 0);
-  rb = B.finish(xb, yb, 0);
+  reduce_block_pair_lanes<K, T, 32>(xa, ya, xb, yb, ra, rb);
 }
 #endif
 
@@ -230,10 +163,7 @@ double reduce_block_vec(const T* x, const T* y, std::size_t n) {
 #if defined(GRADAPT_HOST_AVX2)
   if (cpu_has_avx2()) return reduce_block_avx2<K, T>(x, y, n);
 #endif
-  vec_block<K, T> s;
-  std::size_t i = 0;
-  for (; i + lanes <= n; i += lanes) s.feed(x + i, K == rk::dot ? y + i : nullptr);
-  return s.finish(x + i, K == rk::dot ? y + i : nullptr, n - i);
+  return reduce_block_lanes<K, T, simd::native_bytes>(x, y, n);
 }
 
 /// Two full blocks reduced in lockstep: two independent read streams keep more memory
@@ -244,49 +174,95 @@ void reduce_block_pair_vec(const T* xa, const T* ya, const T* xb, const T* yb, d
 #if defined(GRADAPT_HOST_AVX2)
   if (cpu_has_avx2()) return reduce_block_pair_avx2<K, T>(xa, ya, xb, yb, ra, rb);
 #endif
-  vec_block<K, T> A, B;
-  for (std::size_t i = 0; i < block; i += lanes) {
-    A.feed(xa + i, K == rk::dot ? ya + i : nullptr);
-    B.feed(xb + i, K == rk::dot ? yb + i : nullptr);
-  }
-  ra = A.finish(xa, ya, 0);
-  rb = B.finish(xb, yb, 0);
+  reduce_block_pair_lanes<K, T, simd::native_bytes>(xa, ya, xb, yb, ra, rb);
 }
 
 /// max |x| over float: exact in float, NaN tracked apart; returns what the scalar path does.
+/// Four independent 4-lane chains of max on |x| plus an unordered-compare mask for NaN.
 inline double max_abs_block_vec(const float* x, std::size_t n) {
-  bool any_nan = false;
-  double r = 0.0;
+  using P = simd::pack<float, 4>;
+  using M = simd::mask<float, 4, simd::native_bytes>;
+  P m[4] = {P(0.0f), P(0.0f), P(0.0f), P(0.0f)};
+  M nan[4] = {m[0] != m[0], m[0] != m[0], m[0] != m[0], m[0] != m[0]};
   std::size_t i = 0;
-#if defined(__SSE2__)
-  // maxps on |x| plus an unordered-compare mask for NaN: 5 instructions per 4 floats, in four
-  // independent chains.
-  const __m128 absmask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
-  __m128 m[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
-  __m128 nan[4] = {m[0], m[0], m[0], m[0]};
-  const auto body = [&]<std::size_t... Q>(std::index_sequence<Q...>) {
-    for (; i + 16 <= n; i += 16)
-      (
-          [&] {
-            const __m128 a = _mm_and_ps(_mm_loadu_ps(x + i + 4 * Q), absmask);
-            nan[Q] = _mm_or_ps(nan[Q], _mm_cmpunord_ps(a, a));
-            m[Q] = _mm_max_ps(m[Q], a);
-          }(),
-          ...);
-  };
-  body(std::make_index_sequence<4>{});
-  const __m128 mm = _mm_max_ps(_mm_max_ps(m[0], m[1]), _mm_max_ps(m[2], m[3]));
-  any_nan = _mm_movemask_ps(_mm_or_ps(_mm_or_ps(nan[0], nan[1]), _mm_or_ps(nan[2], nan[3]))) != 0;
-  float lanes4[4];
-  _mm_storeu_ps(lanes4, mm);
-  for (float v : lanes4) r = std::max(r, static_cast<double>(v));
-#endif
+  for (; i + 16 <= n; i += 16)
+    for (std::size_t q = 0; q < 4; ++q) {
+      const P a = simd::abs(P::load(x + i + 4 * q));
+      nan[q] = nan[q] | (a != a);
+      m[q] = simd::gt_max(a, m[q]);
+    }
+  const P mm = simd::gt_max(simd::gt_max(m[0], m[1]), simd::gt_max(m[2], m[3]));
+  bool any_nan = ((nan[0] | nan[1]) | (nan[2] | nan[3])).any();
+  double r = 0.0;
+  for (std::size_t l = 0; l < 4; ++l) r = std::max(r, static_cast<double>(mm[l]));
   for (; i < n; ++i) {
     const double v = static_cast<double>(x[i]);
     any_nan |= v != v;
     r = std::fabs(v) > r ? std::fabs(v) : r;
   }
   return any_nan ? std::numeric_limits<double>::quiet_NaN() : r;
+}
+#endif
+
+#if defined(GRADAPT_HOST_VECTOR)
+/// Sources the fused fp32 sum-with-squares loop takes (more sources use the block path).
+inline constexpr int max_fused_sources = 64;
+
+/// out[i] = x_0[i] + ... + x_{p-1}[i] (fp32, source order) for i < n, and in double: the sum
+/// of all x_k[i]^2 and the sum of out[i]^2, element i feeding lane i mod 8 of both sums; the
+/// lanes are combined in the fixed tree. One 8-lane pack per step; the bits do not depend on
+/// the register width B (no FMA contraction: products and sums are separate operations).
+template <std::size_t B>
+GRADAPT_INLINE std::pair<double, double> sum_with_squares_lanes(const float* const* xs, int p, float* out,
+                                                                std::size_t n) {
+  using F = simd::pack<float, lanes, B>;
+  using D = simd::pack<double, lanes, B>;
+  D local(0.0), result(0.0);
+  std::size_t i = 0;
+  for (; i + lanes <= n; i += lanes) {
+    F a = F::load(xs[0] + i);
+    D d = simd::widen(a);
+    local += d * d;
+    for (int k = 1; k < p; ++k) {
+      const F b = F::load(xs[k] + i);
+      a += b;
+      d = simd::widen(b);
+      local += d * d;
+    }
+    a.store(out + i);
+    d = simd::widen(a);
+    result += d * d;
+  }
+  double lo[lanes], ro[lanes];
+  local.store(lo);
+  result.store(ro);
+  for (std::size_t l = 0; i < n; ++i, ++l) {
+    float a = xs[0][i];
+    lo[l] += static_cast<double>(a) * static_cast<double>(a);
+    for (int k = 1; k < p; ++k) {
+      const float b = xs[k][i];
+      a += b;
+      lo[l] += static_cast<double>(b) * static_cast<double>(b);
+    }
+    out[i] = a;
+    ro[l] += static_cast<double>(a) * static_cast<double>(a);
+  }
+  return {combine_lanes<rk::sum>(lo), combine_lanes<rk::sum>(ro)};
+}
+
+#if defined(GRADAPT_HOST_AVX2)
+__attribute__((target("avx2"))) inline std::pair<double, double> sum_with_squares_avx2(const float* const* xs,
+                                                                                       int p, float* out,
+                                                                                       std::size_t n) {
+  return sum_with_squares_lanes<32>(xs, p, out, n);
+}
+#endif
+
+inline std::pair<double, double> sum_with_squares(const float* const* xs, int p, float* out, std::size_t n) {
+#if defined(GRADAPT_HOST_AVX2)
+  if (cpu_has_avx2()) return sum_with_squares_avx2(xs, p, out, n);
+#endif
+  return sum_with_squares_lanes<simd::native_bytes>(xs, p, out, n);
 }
 #endif
 
@@ -443,6 +419,75 @@ double reduce_list(const XS& xs, YGet ydata, std::span<double> out, int threads)
     for (std::size_t j = 0; j < tn; ++j) total = combine<K>(total, res[j]);
   }
   return total;
+}
+
+/// Element-wise combination of `p` arrays of n elements, in source order: out[i] = x_0[i] op
+/// x_1[i] op ... in compute_t<T>, rounded once (max propagates NaN). With `Norms`, also the sum
+/// over sources of |x_k|^2 and |out|^2 (as stored), in double, block by block (`block`
+/// elements, each block's values taken while it is in cache, blocks added in order).
+/// `src(k)` is source k's first element; `out` may not overlap a source.
+template <bool Norms, class T, class Src>
+allreduce_norms combine_sources(int p, const Src& src, T* out, std::size_t n, reduce_op op) {
+  using C = compute_t<T>;
+  const auto combine_range = [&](std::size_t b, std::size_t e) {
+    constexpr std::size_t g = 8;
+    std::size_t i = b;
+    if (op == reduce_op::sum) {
+      for (; i + g <= e; i += g) {
+        C acc[g];
+        const T* x0 = src(0) + i;
+        for (std::size_t l = 0; l < g; ++l) acc[l] = load(x0[l]);
+        for (int k = 1; k < p; ++k) {
+          const T* xk = src(k) + i;
+          C v[g];
+          for (std::size_t l = 0; l < g; ++l) v[l] = load(xk[l]);
+          for (std::size_t l = 0; l < g; ++l) acc[l] += v[l];
+        }
+        for (std::size_t l = 0; l < g; ++l) store(out[i + l], acc[l]);
+      }
+    }
+    for (; i < e; ++i) {
+      C acc = load(src(0)[i]);
+      for (int k = 1; k < p; ++k) {
+        const C v = load(src(k)[i]);
+        if (op == reduce_op::sum)
+          acc += v;
+        else if (acc != acc || v != v)
+          acc = acc != acc ? acc : v;
+        else
+          acc = v > acc ? v : acc;
+      }
+      store(out[i], acc);
+    }
+  };
+  allreduce_norms norms;
+  if constexpr (!Norms) {
+    combine_range(0, n);
+  } else {
+    for (std::size_t b = 0; b < n; b += block) {
+      const std::size_t e = std::min(n, b + block);
+#if defined(GRADAPT_HOST_VECTOR)
+      if constexpr (std::is_same_v<T, float>) {
+        if (p <= max_fused_sources && op == reduce_op::sum) {
+          // fp32: the squares are taken inside the reduction loop, on the values in registers,
+          // so their arithmetic overlaps the loop's memory traffic.
+          const float* xs[max_fused_sources];
+          for (int k = 0; k < p; ++k) xs[k] = src(k) + b;
+          const auto [l, r] = sum_with_squares(xs, p, out + b, e - b);
+          norms.sum_local_sq += l;
+          norms.result_sq += r;
+          continue;
+        }
+      }
+#endif
+      combine_range(b, e);
+      for (int k = 0; k < p; ++k)
+        norms.sum_local_sq +=
+            reduce_block<rk::sum_squares>(src(k) + b, static_cast<const T*>(nullptr), e - b);
+      norms.result_sq += reduce_block<rk::sum_squares>(out + b, static_cast<const T*>(nullptr), e - b);
+    }
+  }
+  return norms;
 }
 
 }  // namespace gradapt::detail::host_impl
