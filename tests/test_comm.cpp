@@ -136,12 +136,14 @@ TEST_CASE("threads: errors name the operation, the ranks and both sizes", "[comm
                                          c.allreduce(host_view(v), reduce_op::sum);
                                        }),
                            Catch::Matchers::Contains("allreduce") &&
-                               Catch::Matchers::Contains("rank 2 buffer has 12 elements but rank 0 has 10"));
+                               Catch::Matchers::Contains("passes 12 elements") &&
+                               Catch::Matchers::Contains("passes 10 elements") &&
+                               Catch::Matchers::Contains("every rank must pass the same size"));
   // Every rank sees the same verdict and the world stays usable afterwards.
   run_threads(4, [](threads_comm& c) {
     std::vector<float> v(4 + std::size_t(c.rank() % 2));
     RANK_REQUIRE_THROWS_WITH(c.allreduce(host_view(v), reduce_op::sum),
-                             Catch::Matchers::Contains("buffer has"));
+                             Catch::Matchers::Contains("must pass the same size"));
     std::vector<double> ok(3, 1.0);
     c.allreduce(host_view(ok), reduce_op::sum);
     RANK_REQUIRE(ok[0] == 4.0);
@@ -153,7 +155,7 @@ TEST_CASE("threads: errors name the operation, the ranks and both sizes", "[comm
       RANK_REQUIRE_THROWS_WITH(c.broadcast(host_view(v), 0), Catch::Matchers::Contains("called"));
     else
       RANK_REQUIRE_THROWS_WITH(c.allreduce(host_view(v), reduce_op::sum),
-                               Catch::Matchers::Contains("collectives must match"));
+                               Catch::Matchers::Contains("must call the same collective"));
     if (c.rank() == 0)
       RANK_REQUIRE_THROWS_WITH(c.allreduce(host_view(v), reduce_op::sum),
                                Catch::Matchers::Contains("float32"));
@@ -172,6 +174,66 @@ TEST_CASE("threads: errors name the operation, the ranks and both sizes", "[comm
                              Catch::Matchers::Contains("overlap"));
     RANK_REQUIRE_THROWS_WITH(c.split(-1, 0), Catch::Matchers::Contains("color -1"));
   });
+}
+
+TEST_CASE("threads: ranks that disagree all throw, naming what differs", "[comm][threads][errors]") {
+  // Every rank must end in gradapt::error (not a crash, not a hang) and the world stays usable.
+  const auto every_rank_throws = [](int n, auto&& first, auto&& others, const std::string& needle,
+                                    const std::string& others_needle = {}) {
+    std::vector<int> threw(static_cast<std::size_t>(n), 0);
+    run_threads(n, [&](threads_comm& c) {
+      try {
+        if (c.rank() == 0)
+          first(c);
+        else
+          others(c);
+      } catch (const gradapt::error& e) {
+        const std::string& want = c.rank() == 0 || others_needle.empty() ? needle : others_needle;
+        threw[static_cast<std::size_t>(c.rank())] = std::string(e.what()).find(want) != std::string::npos;
+      }
+      std::vector<double> ok(2, 1.0);
+      c.allreduce(host_view(ok), reduce_op::sum);
+      RANK_REQUIRE(ok[1] == n);
+    });
+    REQUIRE(threw == std::vector<int>(static_cast<std::size_t>(n), 1));
+  };
+  std::vector<float> f(4, 1.0f);
+  const auto split = [](threads_comm& c) { (void)c.split(0, 0); };
+  const auto allreduce = [](threads_comm& c) {
+    std::vector<float> v(4, 1.0f);
+    c.allreduce(host_view(v), reduce_op::sum);
+  };
+  const auto allreduce_max = [](threads_comm& c) {
+    std::vector<float> v(4, 1.0f);
+    c.allreduce(host_view(v), reduce_op::max);
+  };
+  const auto allreduce_double = [](threads_comm& c) {
+    std::vector<double> v(4, 1.0);
+    c.allreduce(host_view(v), reduce_op::sum);
+  };
+  const auto barrier = [](threads_comm& c) { c.barrier(); };
+  for (int n : {2, 3, 5}) {
+    every_rank_throws(n, split, allreduce, "must call the same collective");
+    every_rank_throws(n, allreduce, split, "must call the same collective");
+    every_rank_throws(n, barrier, allreduce, "must call the same collective");
+    every_rank_throws(n, allreduce_max, allreduce, "uses reduce_op::max");
+    every_rank_throws(n, allreduce, allreduce_double, "passes float64");
+    // One rank's invalid arguments: that rank throws its reason, the others name it.
+    every_rank_throws(
+        n, [](threads_comm& c) { (void)c.split(-1, 0); }, split, "color -1",
+        "rank 0 passed invalid arguments");
+    every_rank_throws(
+        n,
+        [](threads_comm& c) {
+          std::vector<float> v(3);
+          c.broadcast(host_view(v), 7);
+        },
+        [](threads_comm& c) {
+          std::vector<float> v(3);
+          c.broadcast(host_view(v), 0);
+        },
+        "root 7 is out of range", "rank 0 passed invalid arguments");
+  }
 }
 
 TEST_CASE("threads: exchange size mismatch is reported on the receiving side", "[comm][threads][errors]") {

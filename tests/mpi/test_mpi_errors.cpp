@@ -59,24 +59,28 @@ TEMPLATE_TEST_CASE(
 
   std::vector<T> x(n, make<T>(1));
   CHECK(error_of([&] { c.allreduce(view(x), reduce_op::sum); }) ==
-        prefix("allreduce", r) + "buffer has " + std::to_string(10 + r) + " elements but rank " +
-            std::to_string(o) + " has " + std::to_string(10 + o) + " (every rank must pass the same size)");
+        prefix("allreduce", r) + "this rank passes " + std::to_string(10 + r) + " elements but rank " +
+            std::to_string(o) + " passes " + std::to_string(10 + o) +
+            " elements (every rank must pass the same size)");
   CHECK(values(x) == std::vector<double>(n, 1.0));  // untouched
 
   CHECK(error_of([&] { c.broadcast(view(x), 0); }) ==
-        prefix("broadcast", r) + "buffer has " + std::to_string(10 + r) + " elements but rank " +
-            std::to_string(o) + " has " + std::to_string(10 + o) + " (every rank must pass the same size)");
+        prefix("broadcast", r) + "this rank passes " + std::to_string(10 + r) + " elements but rank " +
+            std::to_string(o) + " passes " + std::to_string(10 + o) +
+            " elements (every rank must pass the same size)");
 
   const auto p = static_cast<std::size_t>(c.size());
   std::vector<T> gathered(p * n);
   CHECK(error_of([&] { c.allgather(cview(x), view(gathered)); }) ==
-        prefix("allgather", r) + "send buffer has " + std::to_string(10 + r) + " elements but rank " +
-            std::to_string(o) + " has " + std::to_string(10 + o) + " (every rank must pass the same size)");
+        prefix("allgather", r) + "this rank passes " + std::to_string(10 + r) + " elements but rank " +
+            std::to_string(o) + " passes " + std::to_string(10 + o) +
+            " elements (every rank must pass the same size)");
 
   std::vector<T> big(p * n, make<T>(1));
   CHECK(error_of([&] { c.reduce_scatter(cview(big), view(x), reduce_op::sum); }) ==
-        prefix("reduce_scatter", r) + "recv buffer has " + std::to_string(10 + r) + " elements but rank " +
-            std::to_string(o) + " has " + std::to_string(10 + o) + " (every rank must pass the same size)");
+        prefix("reduce_scatter", r) + "this rank passes " + std::to_string(10 + r) + " elements but rank " +
+            std::to_string(o) + " passes " + std::to_string(10 + o) +
+            " elements (every rank must pass the same size)");
   still_works(c);
 }
 
@@ -107,8 +111,46 @@ TEST_CASE("mpi broadcast with different roots on different ranks throws on every
   const int root = r % 2;
   const int other = r == 0 ? 1 : (root == 0 ? 1 : 0);  // first rank with a different root
   CHECK(error_of([&] { c.broadcast(view(x), root); }) ==
-        prefix("broadcast", r) + "root is " + std::to_string(root) + " but rank " + std::to_string(other) +
-            " passes root " + std::to_string(1 - root) + " (every rank must pass the same root)");
+        prefix("broadcast", r) + "this rank passes root " + std::to_string(root) + " but rank " +
+            std::to_string(other) + " passes root " + std::to_string(1 - root) +
+            " (every rank must pass the same root)");
+  still_works(c);
+}
+
+TEST_CASE("mpi ranks that call different collectives, types or ops throw on every rank", "[mpi][errors]") {
+  mpi c;
+  const int r = c.rank();
+  if (c.size() < 2) return;
+  const int o = other_of(r);
+  std::vector<float> f(4, 1.0f);
+  std::vector<double> d(4, 1.0);
+  // float on rank 0, double elsewhere: MPI itself would truncate or mix the bytes.
+  CHECK(error_of([&] {
+          if (r == 0)
+            c.allreduce(view(f), reduce_op::sum);
+          else
+            c.allreduce(view(d), reduce_op::sum);
+        }) == prefix("allreduce", r) + "this rank passes " + (r == 0 ? "float32" : "float64") + " but rank " +
+                  std::to_string(o) + " passes " + (r == 0 ? "float64" : "float32") +
+                  " (every rank must pass the same element type)");
+  // sum on rank 0, max elsewhere: MPI would return different results per rank.
+  CHECK(error_of([&] { c.allreduce(view(f), r == 0 ? reduce_op::sum : reduce_op::max); }) ==
+        prefix("allreduce", r) + "this rank uses reduce_op::" + (r == 0 ? "sum" : "max") + " but rank " +
+            std::to_string(o) + " uses reduce_op::" + (r == 0 ? "max" : "sum") +
+            " (every rank must pass the same reduction op)");
+  // split on rank 0 while the others reduce or wait at a barrier.
+  const std::string e = error_of([&] {
+    if (r == 0)
+      (void)c.split(0, 0);
+    else if (r % 2 == 1)
+      c.allreduce(view(f), reduce_op::sum);
+    else
+      c.barrier();
+  });
+  CHECK(e.find("must call the same collective in the same order") != std::string::npos);
+  CHECK(e.find(r == 0 ? "this rank called split but rank 1 called allreduce" : "but rank 0 called split") !=
+        std::string::npos);
+  CHECK(values(f) == std::vector<double>(4, 1.0));  // nothing moved
   still_works(c);
 }
 

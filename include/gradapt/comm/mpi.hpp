@@ -43,6 +43,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "gradapt/comm/detail/fingerprint.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/dtype.hpp"
 #include "gradapt/core/error.hpp"
@@ -252,7 +253,7 @@ class mpi {
   requires(!std::is_const_v<T>) void allreduce(tensor_view<T, host_space> buf, reduce_op op) {
     constexpr std::string_view name = "allreduce";
     const auto n = static_cast<std::int64_t>(buf.size());
-    agree(name, n, "buffer", {});
+    agree({detail::coll::allreduce, dtype_of_v<T>, op, 0, n}, {});
     const MPI_Datatype type = detail_mpi::datatype<T>();
     const MPI_Op mop = detail_mpi::reduction<T>(op);
     pieces(buf.size(), [&](std::size_t off, int count) {
@@ -268,7 +269,9 @@ class mpi {
     std::string bad;
     if (root < 0 || root >= size_)
       bad = text(name, "root ", root, " is out of range (expected 0 to ", size_ - 1, ")");
-    agree(name, static_cast<std::int64_t>(buf.size()), "buffer", bad, true, root);
+    agree(
+        {detail::coll::broadcast, dtype_of_v<T>, reduce_op::sum, root, static_cast<std::int64_t>(buf.size())},
+        bad);
     const MPI_Datatype type = detail_mpi::datatype<T>();
     pieces(buf.size(), [&](std::size_t off, int count) {
       check(MPI_Bcast(buf.data() + off, count, type, root, comm_), name, "MPI_Bcast");
@@ -295,7 +298,7 @@ class mpi {
       bad =
           text(name, "send overlaps recv; it may only be recv's own block at offset rank() * send.size() = ",
                static_cast<std::size_t>(rank_) * n);
-    agree(name, static_cast<std::int64_t>(n), "send buffer", bad);
+    agree({detail::coll::allgather, dtype_of_v<T>, reduce_op::sum, 0, static_cast<std::int64_t>(n)}, bad);
     if (n == 0) return;
     const MPI_Datatype type = detail_mpi::datatype<T>();
     if (total <= static_cast<std::size_t>(opts_.max_count)) {
@@ -331,7 +334,7 @@ class mpi {
                  " * ", m, " = ", total);
     else if (detail_mpi::overlap(send.data(), send.bytes(), recv.data(), recv.bytes()))
       bad = text(name, "send and recv overlap; pass separate buffers");
-    agree(name, static_cast<std::int64_t>(m), "recv buffer", bad);
+    agree({detail::coll::reduce_scatter, dtype_of_v<T>, op, 0, static_cast<std::int64_t>(m)}, bad);
     if (m == 0) return;
     const MPI_Datatype type = detail_mpi::datatype<T>();
     const MPI_Op mop = detail_mpi::reduction<T>(op);
@@ -410,7 +413,7 @@ class mpi {
     constexpr std::string_view name = "split";
     std::string bad;
     if (color < 0) bad = text(name, "color ", color, " is negative (expected a color >= 0)");
-    agree(name, 0, "color", bad);
+    agree({detail::coll::split, dtype::float32, reduce_op::sum, 0, 0}, bad);
     MPI_Comm made = MPI_COMM_NULL;
     check(MPI_Comm_split(comm_, color, key, &made), name, "MPI_Comm_split");
     std::shared_ptr<MPI_Comm> owner(new MPI_Comm(made), [](MPI_Comm* c) {
@@ -423,7 +426,10 @@ class mpi {
   }
 
   /// Returns once every rank of the communicator has entered `barrier`.
-  void barrier() { check(MPI_Barrier(comm_), "barrier", "MPI_Barrier"); }
+  void barrier() {
+    agree({detail::coll::barrier, dtype::float32, reduce_op::sum, 0, 0}, {});
+    check(MPI_Barrier(comm_), "barrier", "MPI_Barrier");
+  }
 
  private:
   mpi(std::shared_ptr<MPI_Comm> owner, mpi_options options)
@@ -485,39 +491,28 @@ class mpi {
     for (std::size_t off = 0; off < n; off += step) f(off, static_cast<int>(std::min(step, n - off)));
   }
 
-  /// Agreement before a collective. `bad` is this rank's complete error message when its own
-  /// arguments are invalid (empty otherwise); `root` is agreed on too when `with_root`. With
-  /// check_sizes, every rank learns through one MPI_Allreduce(MAX) whether sizes and roots
-  /// match and whether anyone's arguments are bad, and all ranks throw together.
-  void agree(std::string_view op, std::int64_t n, std::string_view what, const std::string& bad,
-             bool with_root = false, int root = 0) const {
+  /// Agreement before a collective (with check_sizes): every rank's fingerprint of the call
+  /// (collective, element type, op, root, count) and argument validity meet in one
+  /// MPI_Allreduce(MAX) of detail::fingerprint_words integers; on a difference, every rank
+  /// throws the same kind of gradapt::error naming what differs and a rank that differs. `bad`
+  /// is this rank's complete error message when its own arguments are invalid (empty otherwise).
+  void agree(const detail::call& c, const std::string& bad) const {
     if (!opts_.check_sizes) {
       if (!bad.empty()) throw error(bad);
       return;
     }
-    std::int64_t v[5] = {n, -n, bad.empty() ? INT64_MIN : -static_cast<std::int64_t>(rank_), root, -root};
-    check(MPI_Allreduce(MPI_IN_PLACE, v, with_root ? 5 : 3, MPI_INT64_T, MPI_MAX, comm_), op,
-          "MPI_Allreduce (argument check)");
-    if (!bad.empty()) throw error(bad);
-    if (v[2] != INT64_MIN)
-      fail(op, "rank ", -v[2], " passed invalid arguments (that rank's error says which); nothing was sent");
-    const bool sizes_differ = v[0] != -v[1];
-    const bool roots_differ = with_root && v[3] != -v[4];
-    if (!sizes_differ && !roots_differ) return;
-    // Error path only: learn every rank's value to name one that differs from ours.
-    std::vector<std::int64_t> all(static_cast<std::size_t>(size_));
-    const std::int64_t mine = sizes_differ ? n : root;
-    check(MPI_Allgather(&mine, 1, MPI_INT64_T, all.data(), 1, MPI_INT64_T, comm_), op,
-          "MPI_Allgather (argument check)");
-    int other = 0;
-    while (other < size_ && all[static_cast<std::size_t>(other)] == mine) ++other;
-    if (other == size_) other = rank_ == 0 ? 1 : 0;  // unreachable when values differ
-    const std::int64_t theirs = all[static_cast<std::size_t>(other)];
-    if (sizes_differ)
-      fail(op, what, " has ", n, " elements but rank ", other, " has ", theirs,
-           " (every rank must pass the same size)");
-    fail(op, "root is ", root, " but rank ", other, " passes root ", theirs,
-         " (every rank must pass the same root)");
+    const std::string_view op = detail::coll_name(c.kind);
+    detail::agree(
+        "comm::mpi", op, rank_, size_, c, bad,
+        [&](std::int64_t* w, std::size_t n) {
+          check(MPI_Allreduce(MPI_IN_PLACE, w, static_cast<int>(n), MPI_INT64_T, MPI_MAX, comm_), op,
+                "MPI_Allreduce (argument check)");
+        },
+        [&](const std::int64_t* mine, std::size_t n, std::int64_t* all) {
+          check(MPI_Allgather(mine, static_cast<int>(n), MPI_INT64_T, all, static_cast<int>(n), MPI_INT64_T,
+                              comm_),
+                op, "MPI_Allgather (argument check)");
+        });
   }
 
   std::shared_ptr<MPI_Comm> owner_;  ///< set only for communicators made by split

@@ -41,6 +41,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "gradapt/comm/detail/fingerprint.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/dtype.hpp"
 #include "gradapt/core/error.hpp"
@@ -172,7 +173,7 @@ class nccl {
   template <element T>
   requires(!std::is_const_v<T>) void allreduce(tensor_view<T, device_space> buf, reduce_op op) {
     constexpr std::string_view name = "allreduce";
-    agree(name, static_cast<std::int64_t>(buf.size()), "buffer", {});
+    agree({detail::coll::allreduce, dtype_of_v<T>, op, 0, static_cast<std::int64_t>(buf.size())}, {});
     if (buf.empty()) return;
     check(ncclAllReduce(buf.data(), buf.data(), buf.size(), detail_nccl::datatype<T>(),
                         detail_nccl::reduction(op), comm_, stream_),
@@ -187,7 +188,9 @@ class nccl {
     std::string bad;
     if (root < 0 || root >= size_)
       bad = text(name, "root ", root, " is out of range (expected 0 to ", size_ - 1, ")");
-    agree(name, static_cast<std::int64_t>(buf.size()), "buffer", bad, true, root);
+    agree(
+        {detail::coll::broadcast, dtype_of_v<T>, reduce_op::sum, root, static_cast<std::int64_t>(buf.size())},
+        bad);
     if (buf.empty()) return;
     check(ncclBroadcast(buf.data(), buf.data(), buf.size(), detail_nccl::datatype<T>(), root, comm_, stream_),
           name, "ncclBroadcast");
@@ -212,7 +215,7 @@ class nccl {
       bad =
           text(name, "send overlaps recv; it may only be recv's own block at offset rank() * send.size() = ",
                static_cast<std::size_t>(rank_) * n);
-    agree(name, static_cast<std::int64_t>(n), "send buffer", bad);
+    agree({detail::coll::allgather, dtype_of_v<T>, reduce_op::sum, 0, static_cast<std::int64_t>(n)}, bad);
     if (n == 0) return;
     check(ncclAllGather(send.data(), recv.data(), n, detail_nccl::datatype<T>(), comm_, stream_), name,
           "ncclAllGather");
@@ -238,7 +241,7 @@ class nccl {
       bad = text(name,
                  "send overlaps recv; recv may only be send's own block at offset rank() * recv.size() = ",
                  static_cast<std::size_t>(rank_) * m);
-    agree(name, static_cast<std::int64_t>(m), "recv buffer", bad);
+    agree({detail::coll::reduce_scatter, dtype_of_v<T>, op, 0, static_cast<std::int64_t>(m)}, bad);
     if (m == 0) return;
     check(ncclReduceScatter(send.data(), recv.data(), m, detail_nccl::datatype<T>(),
                             detail_nccl::reduction(op), comm_, stream_),
@@ -305,7 +308,7 @@ class nccl {
     constexpr std::string_view name = "split";
     std::string bad;
     if (color < 0) bad = text(name, "color ", color, " is negative (expected a color >= 0)");
-    agree(name, 0, "color", bad);
+    agree({detail::coll::split, dtype::float32, reduce_op::sum, 0, 0}, bad);
     auto state = std::make_shared<detail_nccl::shared_state>();
     ncclComm_t made = nullptr;
     ncclResult_t r = ncclCommSplit(comm_, color, key, &made, nullptr);
@@ -393,11 +396,14 @@ class nccl {
     cuda_check(cudaStreamSynchronize(stream_), op, "cudaStreamSynchronize");
   }
 
-  /// Device scratch of max(8, size() + 1) 64-bit integers, allocated on first use.
+  /// Device scratch for the argument check: one fingerprint, or this rank's fields followed by
+  /// every rank's (64-bit integers), allocated on first use.
   void* scratch() const {
     if (state_->scratch == nullptr) {
       detail_nccl::device_guard guard(state_->device);
-      const std::size_t bytes = sizeof(std::int64_t) * (static_cast<std::size_t>(size_) + 8);
+      const std::size_t words =
+          std::max(detail::fingerprint_words, detail::call_fields * (static_cast<std::size_t>(size_) + 1));
+      const std::size_t bytes = sizeof(std::int64_t) * words;
       cuda_check(cudaMalloc(&state_->scratch, bytes), "setup", "cudaMalloc (scratch)");
       // On the communicator's stream, so it is ordered before the copies that use it.
       cuda_check(cudaMemsetAsync(state_->scratch, 0, bytes, stream_), "setup", "cudaMemsetAsync (scratch)");
@@ -431,48 +437,37 @@ class nccl {
     return v[1];
   }
 
-  /// Agreement before a collective, as in comm::mpi: with check_sizes, one ncclAllReduce(MAX)
-  /// over {n, -n, bad, root, -root} tells every rank whether sizes and roots match and
-  /// whether anyone's arguments are bad, and all ranks throw together. `bad` is this rank's
-  /// complete error message when its own arguments are invalid (empty otherwise).
-  void agree(std::string_view op, std::int64_t n, std::string_view what, const std::string& bad,
-             bool with_root = false, int root = 0) const {
+  /// Agreement before a collective, as in comm::mpi (with check_sizes): one ncclAllReduce(MAX)
+  /// of the call's fingerprint (detail::fingerprint_words integers) through the device scratch
+  /// and a stream synchronisation; on a difference every rank throws, naming what differs.
+  /// `bad` is this rank's complete error message when its own arguments are invalid.
+  void agree(const detail::call& c, const std::string& bad) const {
     if (!opts_.check_sizes) {
       if (!bad.empty()) throw error(bad);
       return;
     }
-    const std::size_t count = with_root ? 5 : 3;
-    std::int64_t v[5] = {n, -n, bad.empty() ? INT64_MIN : -static_cast<std::int64_t>(rank_), root, -root};
-    round_trip(op, v, count, count, [&](std::int64_t* s) {
-      check(ncclAllReduce(s, s, count, ncclInt64, ncclMax, comm_, stream_), op,
-            "ncclAllReduce (argument check)");
-    });
-    if (!bad.empty()) throw error(bad);
-    if (v[2] != INT64_MIN)
-      fail(op, "rank ", -v[2], " passed invalid arguments (that rank's error says which); nothing was sent");
-    const bool sizes_differ = v[0] != -v[1];
-    const bool roots_differ = with_root && v[3] != -v[4];
-    if (!sizes_differ && !roots_differ) return;
-    // Error path only: gather every rank's value to name one that differs from ours.
-    std::vector<std::int64_t> all(static_cast<std::size_t>(size_) + 1);
-    all[0] = sizes_differ ? n : root;
-    const std::int64_t mine = all[0];
-    const auto ranks = static_cast<std::size_t>(size_);
-    round_trip(op, all.data(), 1, 0, [&](std::int64_t* s) {
-      check(ncclAllGather(s, s + 1, 1, ncclInt64, comm_, stream_), op, "ncclAllGather (argument check)");
-      cuda_check(cudaMemcpyAsync(all.data() + 1, s + 1, ranks * sizeof(std::int64_t), cudaMemcpyDeviceToHost,
-                                 stream_),
-                 op, "cudaMemcpyAsync (argument check)");
-    });
-    int other = 0;
-    while (other < size_ && all[static_cast<std::size_t>(other) + 1] == mine) ++other;
-    if (other == size_) other = rank_ == 0 ? 1 : 0;
-    const std::int64_t theirs = all[static_cast<std::size_t>(other) + 1];
-    if (sizes_differ)
-      fail(op, what, " has ", n, " elements but rank ", other, " has ", theirs,
-           " (every rank must pass the same size)");
-    fail(op, "root is ", root, " but rank ", other, " passes root ", theirs,
-         " (every rank must pass the same root)");
+    const std::string_view op = detail::coll_name(c.kind);
+    detail::agree(
+        "comm::nccl", op, rank_, size_, c, bad,
+        [&](std::int64_t* w, std::size_t n) {
+          round_trip(op, w, n, n, [&](std::int64_t* s) {
+            check(ncclAllReduce(s, s, n, ncclInt64, ncclMax, comm_, stream_), op,
+                  "ncclAllReduce (argument check)");
+          });
+        },
+        [&](const std::int64_t* mine, std::size_t n, std::int64_t* all) {
+          // Error path only: the scratch holds this rank's n words, then every rank's.
+          const std::size_t total = n * (static_cast<std::size_t>(size_) + 1);
+          std::vector<std::int64_t> buf(total, 0);
+          std::copy_n(mine, n, buf.data());
+          round_trip(op, buf.data(), n, 0, [&](std::int64_t* s) {
+            check(ncclAllGather(s, s + n, n, ncclInt64, comm_, stream_), op,
+                  "ncclAllGather (argument check)");
+            cuda_check(cudaMemcpyAsync(all, s + n, (total - n) * sizeof(std::int64_t), cudaMemcpyDeviceToHost,
+                                       stream_),
+                       op, "cudaMemcpyAsync (argument check)");
+          });
+        });
   }
 
   std::shared_ptr<detail_nccl::shared_state> state_;

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "gradapt/backend/host.hpp"
+#include "gradapt/comm/detail/fingerprint.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/dtype.hpp"
 #include "gradapt/core/error.hpp"
@@ -40,48 +41,18 @@ class peer_failure : public gradapt::error {
 
 namespace detail {
 
-enum class coll : std::uint8_t {
-  allreduce,
-  allreduce_with_norms,
-  broadcast,
-  allgather,
-  reduce_scatter,
-  split,
-  barrier
-};
-
-constexpr const char* coll_name(coll c) {
-  switch (c) {
-    case coll::allreduce:
-      return "allreduce";
-    case coll::allreduce_with_norms:
-      return "allreduce_with_norms";
-    case coll::broadcast:
-      return "broadcast";
-    case coll::allgather:
-      return "allgather";
-    case coll::reduce_scatter:
-      return "reduce_scatter";
-    case coll::split:
-      return "split";
-    case coll::barrier:
-      return "barrier";
-  }
-  return "collective";
-}
-
 /// Shared state of one in-process world. Internal: use comm::threads.
 class threads_world {
  public:
+  /// One rank's arguments of the collective in flight: the fingerprint every rank must agree
+  /// on, and the buffers (and, for split, the color and key) the others read.
   struct post {
-    coll kind = coll::barrier;
-    dtype type = dtype::float32;
-    reduce_op op = reduce_op::sum;
-    int root = 0;
+    call c;
     const void* send = nullptr;
     void* recv = nullptr;
-    std::size_t send_count = 0;
-    std::size_t recv_count = 0;
+    int color = 0;
+    int key = 0;
+    bool valid = true;  ///< false when this rank's own arguments are invalid
   };
   struct channel {
     const void* data = nullptr;
@@ -238,10 +209,10 @@ class threads {
   /// Copies rank `root`'s buffer into every rank's buffer.
   template <element T>
   requires(!std::is_const_v<T>) void broadcast(tensor_view<T, space> buf, int root) {
-    check_rank(root, "broadcast", "root");
-    begin({detail::coll::broadcast, dtype_of_v<T>, reduce_op::sum, root, nullptr, buf.data(), buf.size(),
-           buf.size()},
-          0);
+    begin({{detail::coll::broadcast, dtype_of_v<T>, reduce_op::sum, root, count(buf.size())},
+           nullptr,
+           buf.data()},
+          0, rank_problem(root, "broadcast", "root"));
     if (rank_ != root) std::copy_n(static_cast<const T*>(w_->posted(root).recv), buf.size(), buf.data());
     w_->barrier();
   }
@@ -250,11 +221,12 @@ class threads {
   template <element T>
   requires(!std::is_const_v<T>) void allgather(std::type_identity_t<tensor_view<const T, space>> send,
                                                tensor_view<T, space> recv) {
-    check_multiple(recv.size(), send.size(), "allgather", "receive", "send");
-    check_disjoint(send.data(), send.size(), recv.data(), recv.size(), "allgather");
-    begin({detail::coll::allgather, dtype_of_v<T>, reduce_op::sum, 0, send.data(), recv.data(), send.size(),
-           recv.size()},
-          0);
+    begin({{detail::coll::allgather, dtype_of_v<T>, reduce_op::sum, 0, count(send.size())},
+           send.data(),
+           recv.data()},
+          0,
+          first_of(multiple_problem(recv.size(), send.size(), "allgather", "receive", "send"),
+                   overlap_problem(send.data(), send.size(), recv.data(), recv.size(), "allgather")));
     const std::size_t n = send.size();
     for (int k = 0; k < size(); ++k)
       std::copy_n(static_cast<const T*>(w_->posted(k).send), n,
@@ -266,11 +238,11 @@ class threads {
   template <element T>
   requires(!std::is_const_v<T>) void reduce_scatter(std::type_identity_t<tensor_view<const T, space>> send,
                                                     tensor_view<T, space> recv, reduce_op op) {
-    check_multiple(send.size(), recv.size(), "reduce_scatter", "send", "receive");
-    check_disjoint(send.data(), send.size(), recv.data(), recv.size(), "reduce_scatter");
-    begin({detail::coll::reduce_scatter, dtype_of_v<T>, op, 0, send.data(), recv.data(), send.size(),
-           recv.size()},
-          0);
+    begin(
+        {{detail::coll::reduce_scatter, dtype_of_v<T>, op, 0, count(recv.size())}, send.data(), recv.data()},
+        0,
+        first_of(multiple_problem(send.size(), recv.size(), "reduce_scatter", "send", "receive"),
+                 overlap_problem(send.data(), send.size(), recv.data(), recv.size(), "reduce_scatter")));
     const std::size_t n = recv.size();
     const std::size_t off = static_cast<std::size_t>(rank_) * n;
     gradapt::host::combine_sources(
@@ -284,8 +256,10 @@ class threads {
   requires(!std::is_const_v<T>) void exchange(int peer,
                                               std::type_identity_t<tensor_view<const T, space>> send,
                                               tensor_view<T, space> recv) {
-    check_rank(peer, "exchange", "peer");
-    check_disjoint(send.data(), send.size(), recv.data(), recv.size(), "exchange");
+    if (auto bad = first_of(rank_problem(peer, "exchange", "peer"),
+                            overlap_problem(send.data(), send.size(), recv.data(), recv.size(), "exchange"));
+        !bad.empty())
+      throw gradapt::error(bad);
     if (peer == rank_) {
       gradapt::detail::require(send.size() == recv.size(), "comm::threads exchange on rank ", rank_,
                                ": receive buffer has ", recv.size(), " elements but ", send.size(),
@@ -298,16 +272,16 @@ class threads {
 
   /// Ranks with equal `color` (>= 0) form a new world, ordered by (key, old rank).
   threads split(int color, int key) {
-    gradapt::detail::require(color >= 0, "comm::threads split on rank ", rank_, ": color ", color,
-                             " is negative (expected >= 0)");
-    // The colour travels in the post's root field, the key behind its send pointer.
-    const int mine = key;
-    begin({detail::coll::split, dtype::float32, reduce_op::sum, color, &mine, nullptr, 0, 0}, 0,
-          /*check=*/false);
+    std::string bad;
+    if (color < 0)
+      bad = gradapt::detail::message("comm::threads split on rank ", rank_, ": color ", color,
+                                     " is negative (expected >= 0)");
+    begin({{detail::coll::split, dtype::float32, reduce_op::sum, 0, 0}, nullptr, nullptr, color, key}, 0,
+          bad);
     std::vector<int> members;
     for (int k = 0; k < size(); ++k)
-      if (w_->posted(k).root == color) members.push_back(k);
-    const auto key_of = [&](int k) { return *static_cast<const int*>(w_->posted(k).send); };
+      if (w_->posted(k).color == color) members.push_back(k);
+    const auto key_of = [&](int k) { return w_->posted(k).key; };
     std::stable_sort(members.begin(), members.end(), [&](int a, int b) { return key_of(a) < key_of(b); });
     const int leader = members.front();
     const int new_rank = static_cast<int>(std::find(members.begin(), members.end(), rank_) - members.begin());
@@ -322,7 +296,7 @@ class threads {
 
   /// Waits until every rank has arrived.
   void barrier() {
-    begin({detail::coll::barrier, dtype::float32, reduce_op::sum, 0, nullptr, nullptr, 0, 0}, 0);
+    begin({{detail::coll::barrier, dtype::float32, reduce_op::sum, 0, 0}}, 0);
     // Nobody may post the next collective while a peer still checks this one's posts.
     w_->barrier();
   }
@@ -334,39 +308,34 @@ class threads {
  private:
   threads(std::shared_ptr<detail::threads_world> w, int rank) : w_(std::move(w)), rank_(rank) {}
 
-  /// Posts this rank's arguments, waits for all ranks, and checks that they agree.
-  void begin(const detail::threads_world::post& p, std::size_t scratch_bytes, bool check = true) {
+  /// Posts this rank's arguments, waits for all ranks, and checks that their fingerprints
+  /// agree; on a difference every rank throws the same kind of gradapt::error (the shared
+  /// message of comm/detail/fingerprint.hpp), after a barrier so no rank reposts early.
+  void begin(detail::threads_world::post p, std::size_t scratch_bytes, const std::string& bad = {}) {
+    p.valid = bad.empty();
     w_->set_post(rank_, p, scratch_bytes);
     w_->barrier();
-    if (!check) return;
-    std::string problem;
-    const auto& first = w_->posted(0);
-    for (int k = 0; k < size() && problem.empty(); ++k) {
-      const auto& q = w_->posted(k);
-      const char* what = detail::coll_name(p.kind);
-      if (q.kind != first.kind)
-        problem = gradapt::detail::message("comm::threads ", what, " on rank ", rank_, ": rank ", k,
-                                           " called ", detail::coll_name(q.kind), " but rank 0 called ",
-                                           detail::coll_name(first.kind), " (collectives must match)");
-      else if (q.type != first.type)
-        problem = gradapt::detail::message("comm::threads ", what, " on rank ", rank_, ": rank ", k,
-                                           " passes ", name(q.type), " but rank 0 passes ", name(first.type));
-      else if (q.op != first.op || q.root != first.root)
-        problem = gradapt::detail::message("comm::threads ", what, " on rank ", rank_, ": rank ", k,
-                                           " uses op ", name(q.op), " root ", q.root, " but rank 0 uses op ",
-                                           name(first.op), " root ", first.root);
-      else if (q.send_count != first.send_count || q.recv_count != first.recv_count)
-        problem = gradapt::detail::message(
-            "comm::threads ", what, " on rank ", rank_, ": rank ", k, " buffer has ",
-            (q.send_count != first.send_count ? q.send_count : q.recv_count), " elements but rank 0 has ",
-            (q.send_count != first.send_count ? first.send_count : first.recv_count),
-            " (expected equal sizes)");
+    int invalid = -1;
+    for (int k = 0; k < size() && invalid < 0; ++k)
+      if (!w_->posted(k).valid) invalid = k;
+    bool same = true;
+    for (int k = 1; k < size() && same; ++k)
+      same = detail::fields(w_->posted(k).c) == detail::fields(w_->posted(0).c);
+    if (invalid < 0 && same) return;
+    const std::string_view op = detail::coll_name(p.c.kind);
+    std::string problem = bad;
+    if (problem.empty() && invalid >= 0)
+      problem = detail::invalid_peer_message("comm::threads", op, rank_, invalid);
+    if (problem.empty()) {
+      std::vector<detail::call> all(static_cast<std::size_t>(size()));
+      for (int k = 0; k < size(); ++k) all[static_cast<std::size_t>(k)] = w_->posted(k).c;
+      problem = detail::mismatch_message("comm::threads", op, rank_, all);
     }
-    if (!problem.empty()) {
-      w_->barrier();  // nobody may repost while others still read the posts
-      throw gradapt::error(problem);
-    }
+    w_->barrier();  // nobody may repost while others still read the posts
+    throw gradapt::error(problem);
   }
+
+  static std::int64_t count(std::size_t n) { return static_cast<std::int64_t>(n); }
 
   /// Rank r reduces slice r of every rank's buffer into the shared scratch (in groups of 8
   /// elements, so the compiler vectorises at plain -O2), then every rank copies the result out.
@@ -379,8 +348,10 @@ class threads {
     const std::size_t n = buf.size();
     const int p = size();
     const std::size_t data_bytes = (n * sizeof(T) + 63) / 64 * 64;
-    begin({Norms ? detail::coll::allreduce_with_norms : detail::coll::allreduce, dtype_of_v<T>, op, 0,
-           nullptr, buf.data(), n, n},
+    begin({{Norms ? detail::coll::allreduce_with_norms : detail::coll::allreduce, dtype_of_v<T>, op, 0,
+            count(n)},
+           nullptr,
+           buf.data()},
           data_bytes + (Norms ? 2 * static_cast<std::size_t>(p) * sizeof(double) : 0));
     auto* out = reinterpret_cast<T*>(w_->scratch());
     const auto [lo, hi] = slice(n);
@@ -410,24 +381,28 @@ class threads {
     return {n * r / p, n * (r + 1) / p};
   }
 
-  void check_rank(int r, const char* op, const char* what) const {
-    gradapt::detail::require(r >= 0 && r < size(), "comm::threads ", op, " on rank ", rank_, ": ", what, " ",
-                             r, " is out of range (world of ", size(), " ranks)");
+  // Local argument checks: this rank's complete error message, or "" when the arguments are
+  // valid. A collective posts the verdict, so every rank throws together (see begin).
+  std::string rank_problem(int r, const char* op, const char* what) const {
+    if (r >= 0 && r < size()) return {};
+    return gradapt::detail::message("comm::threads ", op, " on rank ", rank_, ": ", what, " ", r,
+                                    " is out of range (world of ", size(), " ranks)");
   }
-  void check_multiple(std::size_t big, std::size_t small, const char* op, const char* big_name,
-                      const char* small_name) const {
-    gradapt::detail::require(big == small * static_cast<std::size_t>(size()), "comm::threads ", op,
-                             " on rank ", rank_, ": ", big_name, " buffer has ", big, " elements but ",
-                             small_name, " buffer has ", small, " (expected ", big_name, " = ", size(),
-                             " ranks x ", small_name, ")");
+  std::string multiple_problem(std::size_t big, std::size_t small, const char* op, const char* big_name,
+                               const char* small_name) const {
+    if (big == small * static_cast<std::size_t>(size())) return {};
+    return gradapt::detail::message("comm::threads ", op, " on rank ", rank_, ": ", big_name, " buffer has ",
+                                    big, " elements but ", small_name, " buffer has ", small, " (expected ",
+                                    big_name, " = ", size(), " ranks x ", small_name, ")");
   }
   template <class T>
-  void check_disjoint(const T* a, std::size_t na, const T* b, std::size_t nb, const char* op) const {
+  std::string overlap_problem(const T* a, std::size_t na, const T* b, std::size_t nb, const char* op) const {
     const auto lo_a = reinterpret_cast<std::uintptr_t>(a), lo_b = reinterpret_cast<std::uintptr_t>(b);
-    const bool overlap = na && nb && lo_a < lo_b + nb * sizeof(T) && lo_b < lo_a + na * sizeof(T);
-    gradapt::detail::require(!overlap, "comm::threads ", op, " on rank ", rank_,
-                             ": send and receive buffers overlap (expected disjoint buffers)");
+    if (!(na && nb && lo_a < lo_b + nb * sizeof(T) && lo_b < lo_a + na * sizeof(T))) return {};
+    return gradapt::detail::message("comm::threads ", op, " on rank ", rank_,
+                                    ": send and receive buffers overlap (expected disjoint buffers)");
   }
+  static std::string first_of(std::string a, std::string b) { return a.empty() ? b : a; }
 
   std::shared_ptr<detail::threads_world> w_;
   int rank_ = 0;
