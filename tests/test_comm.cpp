@@ -169,10 +169,21 @@ TEST_CASE("threads: errors name the operation, the ranks and both sizes", "[comm
     std::vector<float> small(3);
     RANK_REQUIRE_THROWS_WITH(
         c.allgather(cview(small), host_view(v)),
-        Catch::Matchers::Contains("receive buffer has 4 elements but send buffer has 3"));
-    RANK_REQUIRE_THROWS_WITH(c.allgather(tensor_view<const float>::vector(v.data(), 2), host_view(v)),
+        Catch::Matchers::Contains("recv has 4 elements but must have size() * send.size() = 2 * 3 = 6"));
+    RANK_REQUIRE_THROWS_WITH(c.allgather(tensor_view<const float>::vector(v.data() + 1, 2), host_view(v)),
                              Catch::Matchers::Contains("overlap"));
     RANK_REQUIRE_THROWS_WITH(c.split(-1, 0), Catch::Matchers::Contains("color -1"));
+  });
+}
+
+TEST_CASE("threads: allgather in place (send is this rank's block of recv)", "[comm][threads]") {
+  run_threads(3, [](threads_comm& c) {
+    std::vector<double> all(6, -1.0);
+    const auto own = static_cast<std::size_t>(2 * c.rank());
+    all[own] = c.rank();
+    all[own + 1] = 10.0 * c.rank();
+    c.allgather(tensor_view<const double>::vector(all.data() + own, 2), host_view(all));
+    RANK_REQUIRE(all == std::vector<double>{0, 0, 1, 10, 2, 20});
   });
 }
 
@@ -236,13 +247,40 @@ TEST_CASE("threads: ranks that disagree all throw, naming what differs", "[comm]
   }
 }
 
-TEST_CASE("threads: exchange size mismatch is reported on the receiving side", "[comm][threads][errors]") {
-  RANK_REQUIRE_THROWS_WITH(run_threads(2,
-                                       [](threads_comm& c) {
-                                         std::vector<float> send(c.rank() == 0 ? 6 : 4), recv(4);
-                                         c.exchange(1 - c.rank(), cview(send), host_view(recv));
-                                       }),
-                           Catch::Matchers::Contains("receive buffer has 4 elements but peer 0 sends 6"));
+TEST_CASE("threads: exchange with invalid or unequal arguments throws on both sides",
+          "[comm][threads][errors]") {
+  std::vector<std::string> what(4);
+  run_threads(2, [&](threads_comm& c) {
+    std::vector<float> send(c.rank() == 0 ? 6 : 4), recv(4);
+    try {
+      c.exchange(1 - c.rank(), cview(send), host_view(recv));
+    } catch (const gradapt::error& e) {
+      what[static_cast<std::size_t>(c.rank())] = e.what();
+    }
+    std::vector<double> a(3, c.rank()), b(3, -1.0), d(4), e4(4);
+    try {  // unequal sizes with valid local arguments: both sides name both sizes
+      if (c.rank() == 0)
+        c.exchange(1, cview(a), host_view(b));
+      else
+        c.exchange(0, cview(d), host_view(e4));
+    } catch (const gradapt::error& e) {
+      what[static_cast<std::size_t>(2 + c.rank())] = e.what();
+    }
+    c.exchange(1 - c.rank(), cview(a), host_view(b));  // the world still works
+    RANK_REQUIRE(b[0] == 1 - c.rank());
+  });
+  REQUIRE(what[0] ==
+          "gradapt: comm::threads exchange on rank 0: send has 6 elements but recv has 4 (exchange "
+          "needs equal sizes)");
+  REQUIRE(what[1] ==
+          "gradapt: comm::threads exchange on rank 1: peer rank 0 passed invalid arguments (it "
+          "throws the reason)");
+  REQUIRE(what[2] ==
+          "gradapt: comm::threads exchange on rank 0: send has 3 elements but peer rank 1 has 4 (both "
+          "sides must exchange the same size)");
+  REQUIRE(what[3] ==
+          "gradapt: comm::threads exchange on rank 1: send has 4 elements but peer rank 0 has 3 (both "
+          "sides must exchange the same size)");
 }
 
 TEST_CASE("threads: a rank that throws releases its peers", "[comm][threads][errors]") {

@@ -43,6 +43,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "gradapt/comm/detail/arguments.hpp"
 #include "gradapt/comm/detail/fingerprint.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/dtype.hpp"
@@ -202,13 +203,6 @@ MPI_Op reduction(reduce_op op) {
     return is_max ? types().bfloat16_max : types().bfloat16_sum;
 }
 
-/// True when the byte ranges [a, a + na) and [b, b + nb) share a byte.
-inline bool overlap(const void* a, std::size_t na, const void* b, std::size_t nb) {
-  const auto x = reinterpret_cast<std::uintptr_t>(a);
-  const auto y = reinterpret_cast<std::uintptr_t>(b);
-  return na != 0 && nb != 0 && x < y + nb && y < x + na;
-}
-
 }  // namespace detail_mpi
 
 /// A communicator over an MPI communicator handle, for host memory.
@@ -266,9 +260,7 @@ class mpi {
   template <element T>
   requires(!std::is_const_v<T>) void broadcast(tensor_view<T, host_space> buf, int root) {
     constexpr std::string_view name = "broadcast";
-    std::string bad;
-    if (root < 0 || root >= size_)
-      bad = text(name, "root ", root, " is out of range (expected 0 to ", size_ - 1, ")");
+    const std::string bad = args(name).rank_range("root", root);
     agree(
         {detail::coll::broadcast, dtype_of_v<T>, reduce_op::sum, root, static_cast<std::int64_t>(buf.size())},
         bad);
@@ -290,14 +282,7 @@ class mpi {
     const std::size_t total = n * static_cast<std::size_t>(size_);
     T* mine = recv.data() + (recv.size() == total ? static_cast<std::size_t>(rank_) * n : 0);
     const bool in_place = n != 0 && send.data() == mine;
-    std::string bad;
-    if (recv.size() != total)
-      bad = text(name, "recv has ", recv.size(), " elements but must have size() * send.size() = ", size_,
-                 " * ", n, " = ", total);
-    else if (!in_place && detail_mpi::overlap(send.data(), send.bytes(), recv.data(), recv.bytes()))
-      bad =
-          text(name, "send overlaps recv; it may only be recv's own block at offset rank() * send.size() = ",
-               static_cast<std::size_t>(rank_) * n);
+    const std::string bad = args(name).gather<T>(send.data(), n, recv.data(), recv.size());
     agree({detail::coll::allgather, dtype_of_v<T>, reduce_op::sum, 0, static_cast<std::int64_t>(n)}, bad);
     if (n == 0) return;
     const MPI_Datatype type = detail_mpi::datatype<T>();
@@ -328,12 +313,7 @@ class mpi {
     constexpr std::string_view name = "reduce_scatter";
     const std::size_t m = recv.size();
     const std::size_t total = m * static_cast<std::size_t>(size_);
-    std::string bad;
-    if (send.size() != total)
-      bad = text(name, "send has ", send.size(), " elements but must have size() * recv.size() = ", size_,
-                 " * ", m, " = ", total);
-    else if (detail_mpi::overlap(send.data(), send.bytes(), recv.data(), recv.bytes()))
-      bad = text(name, "send and recv overlap; pass separate buffers");
+    const std::string bad = args(name).scatter<T>(send.data(), send.size(), recv.data(), m, false);
     agree({detail::coll::reduce_scatter, dtype_of_v<T>, op, 0, static_cast<std::int64_t>(m)}, bad);
     if (m == 0) return;
     const MPI_Datatype type = detail_mpi::datatype<T>();
@@ -363,15 +343,10 @@ class mpi {
                                               std::type_identity_t<tensor_view<const T, host_space>> send,
                                               tensor_view<T, host_space> recv) {
     constexpr std::string_view name = "exchange";
-    if (peer < 0 || peer >= size_)
-      fail(name, "peer ", peer, " is out of range (expected 0 to ", size_ - 1, ")");
+    const detail::arguments a = args(name);
+    if (auto out = a.rank_range("peer", peer); !out.empty()) throw error(out);
     const bool same = send.data() == recv.data();
-    std::string bad;
-    if (send.size() != recv.size())
-      bad = text(name, "send has ", send.size(), " elements but recv has ", recv.size(),
-                 " (exchange needs equal sizes)");
-    else if (!same && detail_mpi::overlap(send.data(), send.bytes(), recv.data(), recv.bytes()))
-      bad = text(name, "send and recv partly overlap; pass separate buffers or the same buffer");
+    const std::string bad = a.exchange<T>(send.data(), send.size(), recv.data(), recv.size(), true);
     if (peer == rank_) {
       if (!bad.empty()) throw error(bad);
       if (!same && !send.empty())
@@ -386,10 +361,7 @@ class mpi {
                          comm_, MPI_STATUS_IGNORE),
             name, "MPI_Sendrecv");
       if (!bad.empty()) throw error(bad);
-      if (theirs < 0) fail(name, "peer rank ", peer, " passed invalid arguments (it throws the reason)");
-      if (theirs != mine)
-        fail(name, "send has ", mine, " elements but peer rank ", peer, " has ", theirs,
-             " (both sides must exchange the same size)");
+      a.exchange_sizes(peer, mine, theirs);
     } else if (!bad.empty()) {
       throw error(bad);
     }
@@ -411,9 +383,7 @@ class mpi {
   /// from `MPI_Comm_split` and is freed when the last copy of the result dies.
   [[nodiscard]] mpi split(int color, int key) const {
     constexpr std::string_view name = "split";
-    std::string bad;
-    if (color < 0) bad = text(name, "color ", color, " is negative (expected a color >= 0)");
-    agree({detail::coll::split, dtype::float32, reduce_op::sum, 0, 0}, bad);
+    agree({detail::coll::split, dtype::float32, reduce_op::sum, 0, 0}, args(name).color(color));
     MPI_Comm made = MPI_COMM_NULL;
     check(MPI_Comm_split(comm_, color, key, &made), name, "MPI_Comm_split");
     std::shared_ptr<MPI_Comm> owner(new MPI_Comm(made), [](MPI_Comm* c) {
@@ -469,16 +439,7 @@ class mpi {
                              opts_.tag, " (expected 0 to MPI_TAG_UB = ", tag_ub, ")");
   }
 
-  /// "comm::mpi <op> on rank <r>: <args...>" (without the "gradapt: " prefix added by fail).
-  template <class... Args>
-  std::string text(std::string_view op, Args&&... args) const {
-    return gradapt::detail::message("comm::mpi ", op, " on rank ", rank_, ": ", std::forward<Args>(args)...);
-  }
-
-  template <class... Args>
-  [[noreturn]] void fail(std::string_view op, Args&&... args) const {
-    gradapt::detail::fail("comm::mpi ", op, " on rank ", rank_, ": ", std::forward<Args>(args)...);
-  }
+  detail::arguments args(std::string_view op) const { return {"comm::mpi", op, rank_, size_}; }
 
   void check(int code, std::string_view op, std::string_view fn) const {
     detail_mpi::check(code, op, rank_, fn);

@@ -41,6 +41,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "gradapt/comm/detail/arguments.hpp"
 #include "gradapt/comm/detail/fingerprint.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/dtype.hpp"
@@ -75,13 +76,6 @@ constexpr ncclDataType_t datatype() {
 }
 
 constexpr ncclRedOp_t reduction(reduce_op op) { return op == reduce_op::max ? ncclMax : ncclSum; }
-
-/// True when the byte ranges [a, a + na) and [b, b + nb) share a byte.
-inline bool overlap(const void* a, std::size_t na, const void* b, std::size_t nb) {
-  const auto x = reinterpret_cast<std::uintptr_t>(a);
-  const auto y = reinterpret_cast<std::uintptr_t>(b);
-  return na != 0 && nb != 0 && x < y + nb && y < x + na;
-}
 
 /// Makes `device` current for the guard's lifetime and restores the previous device.
 class device_guard {
@@ -185,9 +179,7 @@ class nccl {
   template <element T>
   requires(!std::is_const_v<T>) void broadcast(tensor_view<T, device_space> buf, int root) {
     constexpr std::string_view name = "broadcast";
-    std::string bad;
-    if (root < 0 || root >= size_)
-      bad = text(name, "root ", root, " is out of range (expected 0 to ", size_ - 1, ")");
+    const std::string bad = args(name).rank_range("root", root);
     agree(
         {detail::coll::broadcast, dtype_of_v<T>, reduce_op::sum, root, static_cast<std::int64_t>(buf.size())},
         bad);
@@ -205,16 +197,7 @@ class nccl {
                                                tensor_view<T, device_space> recv) {
     constexpr std::string_view name = "allgather";
     const std::size_t n = send.size();
-    const std::size_t total = n * static_cast<std::size_t>(size_);
-    std::string bad;
-    if (recv.size() != total)
-      bad = text(name, "recv has ", recv.size(), " elements but must have size() * send.size() = ", size_,
-                 " * ", n, " = ", total);
-    else if (send.data() != recv.data() + static_cast<std::size_t>(rank_) * n &&
-             detail_nccl::overlap(send.data(), send.bytes(), recv.data(), recv.bytes()))
-      bad =
-          text(name, "send overlaps recv; it may only be recv's own block at offset rank() * send.size() = ",
-               static_cast<std::size_t>(rank_) * n);
+    const std::string bad = args(name).gather<T>(send.data(), n, recv.data(), recv.size());
     agree({detail::coll::allgather, dtype_of_v<T>, reduce_op::sum, 0, static_cast<std::int64_t>(n)}, bad);
     if (n == 0) return;
     check(ncclAllGather(send.data(), recv.data(), n, detail_nccl::datatype<T>(), comm_, stream_), name,
@@ -231,16 +214,7 @@ class nccl {
       reduce_op op) {
     constexpr std::string_view name = "reduce_scatter";
     const std::size_t m = recv.size();
-    const std::size_t total = m * static_cast<std::size_t>(size_);
-    std::string bad;
-    if (send.size() != total)
-      bad = text(name, "send has ", send.size(), " elements but must have size() * recv.size() = ", size_,
-                 " * ", m, " = ", total);
-    else if (recv.data() != send.data() + static_cast<std::size_t>(rank_) * m &&
-             detail_nccl::overlap(send.data(), send.bytes(), recv.data(), recv.bytes()))
-      bad = text(name,
-                 "send overlaps recv; recv may only be send's own block at offset rank() * recv.size() = ",
-                 static_cast<std::size_t>(rank_) * m);
+    const std::string bad = args(name).scatter<T>(send.data(), send.size(), recv.data(), m, true);
     agree({detail::coll::reduce_scatter, dtype_of_v<T>, op, 0, static_cast<std::int64_t>(m)}, bad);
     if (m == 0) return;
     check(ncclReduceScatter(send.data(), recv.data(), m, detail_nccl::datatype<T>(),
@@ -258,19 +232,11 @@ class nccl {
                                               std::type_identity_t<tensor_view<const T, device_space>> send,
                                               tensor_view<T, device_space> recv) {
     constexpr std::string_view name = "exchange";
-    if (peer < 0 || peer >= size_)
-      fail(name, "peer ", peer, " is out of range (expected 0 to ", size_ - 1, ")");
+    const detail::arguments a = args(name);
+    if (auto out = a.rank_range("peer", peer); !out.empty()) throw error(out);
     const bool same = send.data() == recv.data();
-    std::string bad;
-    if (send.size() != recv.size())
-      bad = text(name, "send has ", send.size(), " elements but recv has ", recv.size(),
-                 " (exchange needs equal sizes)");
-    else if (peer == rank_ && !same &&
-             detail_nccl::overlap(send.data(), send.bytes(), recv.data(), recv.bytes()))
-      bad = text(name, "send and recv partly overlap; pass separate buffers or the same buffer");
-    else if (peer != rank_ && detail_nccl::overlap(send.data(), send.bytes(), recv.data(), recv.bytes()))
-      bad = text(name,
-                 "send and recv overlap; NCCL cannot exchange with a peer in place, pass separate buffers");
+    // NCCL cannot exchange with a peer in place; a copy to itself can.
+    const std::string bad = a.exchange<T>(send.data(), send.size(), recv.data(), recv.size(), peer == rank_);
     if (peer == rank_) {
       if (!bad.empty()) throw error(bad);
       if (!same && !send.empty()) {
@@ -285,10 +251,7 @@ class nccl {
       const std::int64_t mine = bad.empty() ? static_cast<std::int64_t>(send.size()) : -1;
       const std::int64_t theirs = swap_with(peer, mine);
       if (!bad.empty()) throw error(bad);
-      if (theirs < 0) fail(name, "peer rank ", peer, " passed invalid arguments (it throws the reason)");
-      if (theirs != mine)
-        fail(name, "send has ", mine, " elements but peer rank ", peer, " has ", theirs,
-             " (both sides must exchange the same size)");
+      a.exchange_sizes(peer, mine, theirs);
     } else if (!bad.empty()) {
       throw error(bad);
     }
@@ -306,9 +269,7 @@ class nccl {
   /// destroyed when the last copy of the result dies. Blocks the host until the split is done.
   [[nodiscard]] nccl split(int color, int key) const {
     constexpr std::string_view name = "split";
-    std::string bad;
-    if (color < 0) bad = text(name, "color ", color, " is negative (expected a color >= 0)");
-    agree({detail::coll::split, dtype::float32, reduce_op::sum, 0, 0}, bad);
+    agree({detail::coll::split, dtype::float32, reduce_op::sum, 0, 0}, args(name).color(color));
     auto state = std::make_shared<detail_nccl::shared_state>();
     ncclComm_t made = nullptr;
     ncclResult_t r = ncclCommSplit(comm_, color, key, &made, nullptr);
@@ -345,14 +306,11 @@ class nccl {
     check(ncclCommCuDevice(comm_, &state_->device), "setup", "ncclCommCuDevice");
   }
 
-  template <class... Args>
-  std::string text(std::string_view op, Args&&... args) const {
-    return gradapt::detail::message("comm::nccl ", op, " on rank ", rank_, ": ", std::forward<Args>(args)...);
-  }
+  detail::arguments args(std::string_view op) const { return {"comm::nccl", op, rank_, size_}; }
 
   template <class... Args>
-  [[noreturn]] void fail(std::string_view op, Args&&... args) const {
-    gradapt::detail::fail("comm::nccl ", op, " on rank ", rank_, ": ", std::forward<Args>(args)...);
+  [[noreturn]] void fail(std::string_view op, Args&&... args_) const {
+    args(op).fail(std::forward<Args>(args_)...);
   }
 
   /// Polls a non-blocking communicator until its pending call has finished.

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "gradapt/backend/host.hpp"
+#include "gradapt/comm/detail/arguments.hpp"
 #include "gradapt/comm/detail/fingerprint.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/dtype.hpp"
@@ -60,6 +61,7 @@ class threads_world {
     dtype type = dtype::float32;
     bool posted = false;
     bool consumed = false;
+    bool valid = true;
   };
 
   explicit threads_world(int n)
@@ -108,27 +110,31 @@ class threads_world {
     return split_worlds_[static_cast<std::size_t>(rank)];
   }
 
-  /// Pairwise exchange through the (rank -> peer) and (peer -> rank) mailboxes.
-  void exchange(int rank, int peer, const void* send, std::size_t send_count, void* recv,
-                std::size_t recv_count, dtype type) {
+  /// Pairwise exchange of `count` elements through the (rank -> peer) and (peer -> rank)
+  /// mailboxes. `bad` is this rank's complete error message for invalid arguments (empty
+  /// otherwise): it is posted too, so both sides throw instead of one waiting forever.
+  void exchange(int rank, int peer, const void* send, std::size_t count, void* recv, dtype type,
+                const arguments& args, const std::string& bad) {
     channel& out = chan(rank, peer);
     channel& in = chan(peer, rank);
     std::unique_lock lk(m_);
     throw_if_aborted();
-    out = {send, send_count, type, true, false};
+    out = {send, count, type, true, false, bad.empty()};
     cv_.notify_all();
     cv_.wait(lk, [&] { return (in.posted && !in.consumed) || aborted_; });
     throw_if_aborted();
-    std::string problem;
-    if (in.type != type)
-      problem = gradapt::detail::message("comm::threads exchange on rank ", rank, ": peer ", peer, " sends ",
-                                         name(in.type), " but this rank receives ", name(type));
-    else if (in.count != recv_count)
-      problem = gradapt::detail::message("comm::threads exchange on rank ", rank, ": receive buffer has ",
-                                         recv_count, " elements but peer ", peer, " sends ", in.count);
-    if (problem.empty() && recv_count > 0) {
+    std::string problem = bad;
+    if (problem.empty() && !in.valid)
+      problem = args.text("peer rank ", peer, " passed invalid arguments (it throws the reason)");
+    else if (problem.empty() && in.type != type)
+      problem = args.text("this rank passes ", name(type), " but peer rank ", peer, " passes ", name(in.type),
+                          " (both sides must exchange the same element type)");
+    else if (problem.empty() && in.count != count)
+      problem = args.text("send has ", count, " elements but peer rank ", peer, " has ", in.count,
+                          " (both sides must exchange the same size)");
+    if (problem.empty() && count > 0) {
       lk.unlock();
-      std::memcpy(recv, in.data, recv_count * size_of(type));
+      std::memcpy(recv, in.data, count * size_of(type));
       lk.lock();
     }
     in.consumed = true;
@@ -167,7 +173,7 @@ class threads_world {
 /// run a function on every rank with `run_threads(n, fn)`. Collectives must be called by all
 /// ranks in the same order, as with MPI. Buffers must not be modified by their owner while a
 /// collective that uses them is in flight, and the send and receive buffers of one call must
-/// not overlap.
+/// not overlap, except that allgather's `send` may be this rank's block of `recv` (in place).
 class threads {
  public:
   using space = host_space;  ///< buffers are host memory shared by the in-process ranks
@@ -212,7 +218,7 @@ class threads {
     begin({{detail::coll::broadcast, dtype_of_v<T>, reduce_op::sum, root, count(buf.size())},
            nullptr,
            buf.data()},
-          0, rank_problem(root, "broadcast", "root"));
+          0, args("broadcast").rank_range("root", root));
     if (rank_ != root) std::copy_n(static_cast<const T*>(w_->posted(root).recv), buf.size(), buf.data());
     w_->barrier();
   }
@@ -224,13 +230,13 @@ class threads {
     begin({{detail::coll::allgather, dtype_of_v<T>, reduce_op::sum, 0, count(send.size())},
            send.data(),
            recv.data()},
-          0,
-          first_of(multiple_problem(recv.size(), send.size(), "allgather", "receive", "send"),
-                   overlap_problem(send.data(), send.size(), recv.data(), recv.size(), "allgather")));
+          0, args("allgather").gather<T>(send.data(), send.size(), recv.data(), recv.size()));
     const std::size_t n = send.size();
-    for (int k = 0; k < size(); ++k)
-      std::copy_n(static_cast<const T*>(w_->posted(k).send), n,
-                  recv.data() + static_cast<std::size_t>(k) * n);
+    for (int k = 0; k < size(); ++k) {
+      const auto* from = static_cast<const T*>(w_->posted(k).send);
+      T* to = recv.data() + static_cast<std::size_t>(k) * n;
+      if (from != to) std::copy_n(from, n, to);  // equal only for this rank's block in place
+    }
     w_->barrier();
   }
 
@@ -240,9 +246,7 @@ class threads {
                                                     tensor_view<T, space> recv, reduce_op op) {
     begin(
         {{detail::coll::reduce_scatter, dtype_of_v<T>, op, 0, count(recv.size())}, send.data(), recv.data()},
-        0,
-        first_of(multiple_problem(send.size(), recv.size(), "reduce_scatter", "send", "receive"),
-                 overlap_problem(send.data(), send.size(), recv.data(), recv.size(), "reduce_scatter")));
+        0, args("reduce_scatter").scatter<T>(send.data(), send.size(), recv.data(), recv.size(), false));
     const std::size_t n = recv.size();
     const std::size_t off = static_cast<std::size_t>(rank_) * n;
     gradapt::host::combine_sources(
@@ -256,26 +260,21 @@ class threads {
   requires(!std::is_const_v<T>) void exchange(int peer,
                                               std::type_identity_t<tensor_view<const T, space>> send,
                                               tensor_view<T, space> recv) {
-    if (auto bad = first_of(rank_problem(peer, "exchange", "peer"),
-                            overlap_problem(send.data(), send.size(), recv.data(), recv.size(), "exchange"));
-        !bad.empty())
-      throw gradapt::error(bad);
+    const detail::arguments a = args("exchange");
+    if (auto bad = a.rank_range("peer", peer); !bad.empty()) throw gradapt::error(bad);
+    // With a peer, this rank's recv is written while the peer may still read its send.
+    const std::string bad = a.exchange<T>(send.data(), send.size(), recv.data(), recv.size(), peer == rank_);
     if (peer == rank_) {
-      gradapt::detail::require(send.size() == recv.size(), "comm::threads exchange on rank ", rank_,
-                               ": receive buffer has ", recv.size(), " elements but ", send.size(),
-                               " are sent to itself");
-      std::copy_n(send.data(), send.size(), recv.data());
+      if (!bad.empty()) throw gradapt::error(bad);
+      if (send.data() != recv.data()) std::copy_n(send.data(), send.size(), recv.data());
       return;
     }
-    w_->exchange(rank_, peer, send.data(), send.size(), recv.data(), recv.size(), dtype_of_v<T>);
+    w_->exchange(rank_, peer, send.data(), send.size(), recv.data(), dtype_of_v<T>, a, bad);
   }
 
   /// Ranks with equal `color` (>= 0) form a new world, ordered by (key, old rank).
   threads split(int color, int key) {
-    std::string bad;
-    if (color < 0)
-      bad = gradapt::detail::message("comm::threads split on rank ", rank_, ": color ", color,
-                                     " is negative (expected >= 0)");
+    const std::string bad = args("split").color(color);
     begin({{detail::coll::split, dtype::float32, reduce_op::sum, 0, 0}, nullptr, nullptr, color, key}, 0,
           bad);
     std::vector<int> members;
@@ -381,28 +380,7 @@ class threads {
     return {n * r / p, n * (r + 1) / p};
   }
 
-  // Local argument checks: this rank's complete error message, or "" when the arguments are
-  // valid. A collective posts the verdict, so every rank throws together (see begin).
-  std::string rank_problem(int r, const char* op, const char* what) const {
-    if (r >= 0 && r < size()) return {};
-    return gradapt::detail::message("comm::threads ", op, " on rank ", rank_, ": ", what, " ", r,
-                                    " is out of range (world of ", size(), " ranks)");
-  }
-  std::string multiple_problem(std::size_t big, std::size_t small, const char* op, const char* big_name,
-                               const char* small_name) const {
-    if (big == small * static_cast<std::size_t>(size())) return {};
-    return gradapt::detail::message("comm::threads ", op, " on rank ", rank_, ": ", big_name, " buffer has ",
-                                    big, " elements but ", small_name, " buffer has ", small, " (expected ",
-                                    big_name, " = ", size(), " ranks x ", small_name, ")");
-  }
-  template <class T>
-  std::string overlap_problem(const T* a, std::size_t na, const T* b, std::size_t nb, const char* op) const {
-    const auto lo_a = reinterpret_cast<std::uintptr_t>(a), lo_b = reinterpret_cast<std::uintptr_t>(b);
-    if (!(na && nb && lo_a < lo_b + nb * sizeof(T) && lo_b < lo_a + na * sizeof(T))) return {};
-    return gradapt::detail::message("comm::threads ", op, " on rank ", rank_,
-                                    ": send and receive buffers overlap (expected disjoint buffers)");
-  }
-  static std::string first_of(std::string a, std::string b) { return a.empty() ? b : a; }
+  detail::arguments args(std::string_view op) const { return {"comm::threads", op, rank_, size()}; }
 
   std::shared_ptr<detail::threads_world> w_;
   int rank_ = 0;
