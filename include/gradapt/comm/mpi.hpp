@@ -353,18 +353,13 @@ class mpi {
         std::memcpy(static_cast<void*>(recv.data()), static_cast<const void*>(send.data()), send.bytes());
       return;
     }
-    if (opts_.check_sizes) {
-      // Swap sizes first; -1 tells the peer that this side's arguments are invalid.
-      std::int64_t mine = bad.empty() ? static_cast<std::int64_t>(send.size()) : -1;
+    a.agree_exchange(peer, send.size(), bad, opts_.check_sizes, [&](std::int64_t mine) {
       std::int64_t theirs = 0;
       check(MPI_Sendrecv(&mine, 1, MPI_INT64_T, peer, opts_.tag, &theirs, 1, MPI_INT64_T, peer, opts_.tag,
                          comm_, MPI_STATUS_IGNORE),
             name, "MPI_Sendrecv");
-      if (!bad.empty()) throw error(bad);
-      a.exchange_sizes(peer, mine, theirs);
-    } else if (!bad.empty()) {
-      throw error(bad);
-    }
+      return theirs;
+    });
     const MPI_Datatype type = detail_mpi::datatype<T>();
     pieces(send.size(), [&](std::size_t off, int count) {
       if (same)

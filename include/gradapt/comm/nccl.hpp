@@ -246,15 +246,8 @@ class nccl {
       }
       return;
     }
-    if (opts_.check_sizes) {
-      // Swap sizes first; -1 tells the peer that this side's arguments are invalid.
-      const std::int64_t mine = bad.empty() ? static_cast<std::int64_t>(send.size()) : -1;
-      const std::int64_t theirs = swap_with(peer, mine);
-      if (!bad.empty()) throw error(bad);
-      a.exchange_sizes(peer, mine, theirs);
-    } else if (!bad.empty()) {
-      throw error(bad);
-    }
+    a.agree_exchange(peer, send.size(), bad, opts_.check_sizes,
+                     [&](std::int64_t mine) { return swap_with(peer, mine); });
     if (send.empty()) return;
     constexpr ncclDataType_t type = detail_nccl::datatype<T>();
     group(name, [&] {

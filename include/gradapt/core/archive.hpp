@@ -47,7 +47,9 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "gradapt/core/crc32c.hpp"
@@ -71,40 +73,14 @@ enum class archive_element : std::uint8_t {
 
 /// The name of a field type, for messages.
 constexpr std::string_view name(archive_field f) {
-  switch (f) {
-    case archive_field::u64:
-      return "u64";
-    case archive_field::i64:
-      return "i64";
-    case archive_field::f64:
-      return "f64";
-    case archive_field::boolean:
-      return "bool";
-    case archive_field::string:
-      return "string";
-    case archive_field::tensor:
-      return "tensor";
-  }
-  return "unknown";
+  return detail::enum_name(
+      f, std::array<std::string_view, 6>{"u64", "i64", "f64", "bool", "string", "tensor"}, 1);
 }
 
 /// The name of an element type, for messages.
 constexpr std::string_view name(archive_element e) {
-  switch (e) {
-    case archive_element::float32:
-      return "float32";
-    case archive_element::float64:
-      return "float64";
-    case archive_element::float16:
-      return "float16";
-    case archive_element::bfloat16:
-      return "bfloat16";
-    case archive_element::u64:
-      return "u64";
-    case archive_element::i64:
-      return "i64";
-  }
-  return "unknown";
+  return detail::enum_name(
+      e, std::array<std::string_view, 6>{"float32", "float64", "float16", "bfloat16", "u64", "i64"}, 1);
 }
 
 /// Bytes of one element of type `e`.
@@ -644,6 +620,37 @@ class archive_reader {
   std::vector<std::string> prefix_;
 };
 
+/// A named scalar member of a plain state struct S, for put_fields and get_fields. A state
+/// names its fields once, as a tuple: `std::tuple{archive_member{"scale", &S::scale}, ...}`.
+template <class S, class M>
+struct archive_member {
+  std::string_view name;  ///< the field's name in the archive
+  M S::*ptr;              ///< the member
+};
+
+/// `archive_member{"name", &S::member}` deduces S and the member's type.
+template <class S, class M>
+archive_member(std::string_view, M S::*) -> archive_member<S, M>;
+
+/// Writes every member of `s` listed in `fields` into the open section.
+template <class S, class... Ms>
+void put_fields(archive_writer& w, const S& s, const std::tuple<archive_member<S, Ms>...>& fields) {
+  std::apply([&](const auto&... f) { (w.put(f.name, s.*(f.ptr)), ...); }, fields);
+}
+
+/// Reads the members listed in `fields` into a value-initialised S (checks of each field's
+/// type and range as in archive_reader::get; the caller validates the whole state).
+template <class S, class... Ms>
+S get_fields(archive_reader& r, const std::tuple<archive_member<S, Ms>...>& fields) {
+  S s{};
+  std::apply(
+      [&](const auto&... f) {
+        ((s.*(f.ptr) = r.template get<std::remove_cvref_t<decltype(s.*(f.ptr))>>(f.name)), ...);
+      },
+      fields);
+  return s;
+}
+
 /// One archive holding `state`: `archive_writer{S::archive_kind, S::archive_version}`, then
 /// `state.save(writer)`. The `save()` of every gradapt state that lives in host memory.
 template <class S>
@@ -662,6 +669,33 @@ void load_archive(S& state, std::span<const std::byte> bytes) {
   state.load(r);
   r.finish();
 }
+
+/// The checkpoint protocol of a policy whose whole state is one plain struct `State` that
+/// lists its fields in `State::archive_fields()`. `Derived` provides `state()`, a validating
+/// `restore(const State&)` and `archive_kind` / `archive_version`; this base provides the four
+/// save/load members every such policy has, so they are written once.
+template <class Derived, class State>
+class archived_state {
+ public:
+  /// Writes the state's fields into the open section of `w`.
+  void save(archive_writer& w) const { put_fields(w, self().state(), State::archive_fields()); }
+  /// Reads what `save(archive_writer&)` wrote and restores it through `restore` (all or nothing).
+  /// @throws gradapt::error for a missing, mistyped, extra or out-of-range field
+  void load(archive_reader& r) {
+    const State s = get_fields(r, State::archive_fields());
+    r.finish_section();
+    self().restore(s);
+  }
+  /// The state as one archive of kind `Derived::archive_kind` (core/archive.hpp).
+  std::vector<std::byte> save() const { return save_archive(self()); }
+  /// Restores a state from `save()`; all or nothing.
+  /// @throws gradapt::error for a damaged archive, another kind, or a state that does not fit
+  void load(std::span<const std::byte> bytes) { load_archive(self(), bytes); }
+
+ private:
+  const Derived& self() const { return static_cast<const Derived&>(*this); }
+  Derived& self() { return static_cast<Derived&>(*this); }
+};
 
 /// `save_archive` for a state whose buffers live in `backend`'s memory (`state.save(backend, w)`).
 template <class S, class B>

@@ -9,12 +9,14 @@
 /// structs holding one `uint16_t`, layout-compatible with CUDA's `__half` and `__nv_bfloat16`
 /// (see backend/cuda/device_types.cuh for the mapping).
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <string_view>
 #include <type_traits>
 
 #include "gradapt/core/config.hpp"
+#include "gradapt/core/enum_name.hpp"
 
 namespace gradapt {
 
@@ -154,17 +156,7 @@ inline constexpr dtype dtype_of_v = std::is_same_v<std::remove_cv_t<T>, float>  
 
 /// Human-readable name of a dtype, as used in error messages.
 constexpr std::string_view name(dtype t) {
-  switch (t) {
-    case dtype::float32:
-      return "float32";
-    case dtype::float64:
-      return "float64";
-    case dtype::float16:
-      return "float16";
-    case dtype::bfloat16:
-      return "bfloat16";
-  }
-  return "unknown";
+  return detail::enum_name(t, std::array<std::string_view, 4>{"float32", "float64", "float16", "bfloat16"});
 }
 
 /// Bytes per element of a dtype.

@@ -2,12 +2,14 @@
 /// @file
 /// Operation tags shared by backends and communicators.
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
 #include <type_traits>
 
 #include "gradapt/core/config.hpp"
+#include "gradapt/core/enum_name.hpp"
 
 namespace gradapt {
 
@@ -57,17 +59,8 @@ enum class reduce_op : std::uint8_t { sum, max };
 /// The enumerator's name ("sum", "sum_squares", "max_abs", "count_nonfinite") for error
 /// messages and logs; "unknown" for a value outside the enumeration.
 constexpr std::string_view name(reduction r) {
-  switch (r) {
-    case reduction::sum:
-      return "sum";
-    case reduction::sum_squares:
-      return "sum_squares";
-    case reduction::max_abs:
-      return "max_abs";
-    case reduction::count_nonfinite:
-      return "count_nonfinite";
-  }
-  return "unknown";
+  return detail::enum_name(
+      r, std::array<std::string_view, 4>{"sum", "sum_squares", "max_abs", "count_nonfinite"});
 }
 
 /// The enumerator's name ("sum" or "max") for error messages and logs.

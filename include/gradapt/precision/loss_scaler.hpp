@@ -31,6 +31,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -88,6 +89,16 @@ struct loss_scaler_state {
   std::uint64_t skipped = 0;        ///< steps skipped because the gradients were not finite
   std::uint64_t backoffs = 0;       ///< overflows that reduced S
   std::uint64_t growths = 0;        ///< growth events (the clean-step count reached growth_interval)
+
+  /// The fields in the checkpoint (archive names and members), read by put_fields/get_fields.
+  static constexpr auto archive_fields() {
+    using self = loss_scaler_state;
+    return std::make_tuple(
+        archive_member{"scale", &self::scale}, archive_member{"growth_tracker", &self::growth_tracker},
+        archive_member{"hysteresis_left", &self::hysteresis_left}, archive_member{"steps", &self::steps},
+        archive_member{"skipped", &self::skipped}, archive_member{"backoffs", &self::backoffs},
+        archive_member{"growths", &self::growths});
+  }
 };
 
 namespace detail::loss_scale {
@@ -426,7 +437,7 @@ void unscale_flag_nonfinite(const B& b, const L& grads, const LM& master, float 
 /// Errors are agreed on: invalid arguments on one rank (list length mismatch, say) make every
 /// rank throw, so no rank is left waiting in a collective. On any throw the scaler's state is
 /// unchanged (gradients of ranks with valid input may already be unscaled).
-class loss_scaler {
+class loss_scaler : public archived_state<loss_scaler, loss_scaler_state> {
  public:
   using options_type = loss_scaler_options;  ///< the hyperparameters (loss_scaler_options)
   using state_type = loss_scaler_state;      ///< what state() returns and restore() takes (plain data)
@@ -573,36 +584,6 @@ class loss_scaler {
                     " growths; expected backoffs <= skipped <= steps, growths <= steps, steps < 2^64 - 1)");
     st_ = s;
   }
-  /// Writes the state's fields (scale, growth_tracker, hysteresis_left, steps, skipped,
-  /// backoffs, growths) into the open section of `w`.
-  void save(archive_writer& w) const {
-    w.put("scale", st_.scale);
-    w.put("growth_tracker", st_.growth_tracker);
-    w.put("hysteresis_left", static_cast<std::int64_t>(st_.hysteresis_left));
-    w.put("steps", st_.steps);
-    w.put("skipped", st_.skipped);
-    w.put("backoffs", st_.backoffs);
-    w.put("growths", st_.growths);
-  }
-  /// Reads what `save(archive_writer&)` wrote and restores it (all or nothing).
-  /// @throws gradapt::error for a missing, mistyped, extra or out-of-range field
-  void load(archive_reader& r) {
-    loss_scaler_state s;
-    s.scale = r.get<double>("scale");
-    s.growth_tracker = r.get<std::int64_t>("growth_tracker");
-    s.hysteresis_left = r.get<int>("hysteresis_left");
-    s.steps = r.get<std::uint64_t>("steps");
-    s.skipped = r.get<std::uint64_t>("skipped");
-    s.backoffs = r.get<std::uint64_t>("backoffs");
-    s.growths = r.get<std::uint64_t>("growths");
-    r.finish_section();
-    restore(s);
-  }
-  /// The state as one archive of kind "gradapt.loss_scaler" (core/archive.hpp).
-  std::vector<std::byte> save() const { return save_archive(*this); }
-  /// Restores a state from `save()`; all or nothing.
-  /// @throws gradapt::error for a damaged archive, another kind, or a state that does not fit
-  void load(std::span<const std::byte> bytes) { load_archive(*this, bytes); }
 
  private:
   static loss_scaler_options validated(const loss_scaler_options& in) {

@@ -30,6 +30,7 @@
 #include <optional>
 #include <span>
 #include <string_view>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -58,6 +59,14 @@ struct adascale_state {
   double last_gain = 1.0;     ///< r of the latest step
   std::uint64_t steps = 0;    ///< steps taken with advance / step
   std::uint64_t skipped = 0;  ///< steps whose statistics were not finite (gain 1 used)
+
+  /// The fields in the checkpoint (archive names and members), read by put_fields/get_fields.
+  static constexpr auto archive_fields() {
+    using self = adascale_state;
+    return std::make_tuple(archive_member{"scale", &self::scale}, archive_member{"progress", &self::progress},
+                           archive_member{"last_gain", &self::last_gain},
+                           archive_member{"steps", &self::steps}, archive_member{"skipped", &self::skipped});
+  }
 };
 
 /// What one AdaScale step used: the gain, the learning-rate factor and the learning rate.
@@ -80,7 +89,7 @@ struct adascale_step {
 /// the result lies in [1, S]. Non-finite statistics: `gain` throws, while `advance` and `step`
 /// skip them: the step's gain is 1 (a plain base-batch step; the learning rate is never
 /// inflated on bad data), τ advances by 1, and `skipped()` counts it.
-class adascale {
+class adascale : public archived_state<adascale, adascale_state> {
  public:
   using options_type = adascale_options;  ///< the hyperparameters (adascale_options)
   using state_type = adascale_state;      ///< what state() returns and restore() takes (plain data)
@@ -213,29 +222,6 @@ class adascale {
                     " skipped; expected finite progress >= 0, gain >= 1, skipped <= steps)");
     st_ = s;
   }
-  /// Writes the state's fields into the open section of `w`.
-  void save(archive_writer& w) const {
-    w.put("scale", st_.scale);
-    w.put("progress", st_.progress);
-    w.put("last_gain", st_.last_gain);
-    w.put("steps", st_.steps);
-    w.put("skipped", st_.skipped);
-  }
-  /// Reads what `save(archive_writer&)` wrote and restores it (all or nothing).
-  void load(archive_reader& r) {
-    adascale_state s;
-    s.scale = r.get<double>("scale");
-    s.progress = r.get<double>("progress");
-    s.last_gain = r.get<double>("last_gain");
-    s.steps = r.get<std::uint64_t>("steps");
-    s.skipped = r.get<std::uint64_t>("skipped");
-    r.finish_section();
-    restore(s);
-  }
-  /// The state as one archive of kind "gradapt.adascale" (core/archive.hpp).
-  std::vector<std::byte> save() const { return save_archive(*this); }
-  /// Restores a state from `save()`; all or nothing.
-  void load(std::span<const std::byte> bytes) { load_archive(*this, bytes); }
 
  private:
   static void check_scale(double scale, const char* fn) {

@@ -31,6 +31,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <vector>
 
 #include "gradapt/backend/concepts.hpp"
@@ -86,6 +87,17 @@ struct gradient_noise_scale_state {
   std::uint64_t skipped = 0;  ///< samples skipped because a norm or estimate was not finite
   std::uint64_t biased = 0;   ///< accepted samples that came from the single-replica form
   bool has_previous = false;  ///< single-replica backend form: the previous-gradient buffer holds g_{t-1}
+
+  /// The fields in the checkpoint (archive names and members), read by put_fields/get_fields.
+  static constexpr auto archive_fields() {
+    using self = gradient_noise_scale_state;
+    return std::make_tuple(
+        archive_member{"ema_grad_sq", &self::ema_grad_sq}, archive_member{"ema_trace", &self::ema_trace},
+        archive_member{"beta_power", &self::beta_power}, archive_member{"last_grad_sq", &self::last_grad_sq},
+        archive_member{"last_trace", &self::last_trace}, archive_member{"samples", &self::samples},
+        archive_member{"skipped", &self::skipped}, archive_member{"biased", &self::biased},
+        archive_member{"has_previous", &self::has_previous});
+  }
 };
 
 namespace detail::gns {
@@ -171,7 +183,7 @@ inline noise_scale_estimate two_batch_estimate(double small_sq, double b_small, 
 ///
 /// The state is a plain struct (`state()`, `restore()`); `save()` / `load()` carry it in a
 /// state archive and restore the estimator exactly.
-class gradient_noise_scale {
+class gradient_noise_scale : public archived_state<gradient_noise_scale, gradient_noise_scale_state> {
  public:
   using options_type = gradient_noise_scale_options;  ///< the hyperparameters (gradient_noise_scale_options)
   using state_type = gradient_noise_scale_state;  ///< what state() returns and restore() takes (plain data)
@@ -393,37 +405,6 @@ class gradient_noise_scale {
                     "; expected finite averages, beta_power = 1 with no samples and in [0, 1) otherwise)");
     st_ = s;
   }
-  /// Writes the state's fields into the open section of `w`.
-  void save(archive_writer& w) const {
-    w.put("ema_grad_sq", st_.ema_grad_sq);
-    w.put("ema_trace", st_.ema_trace);
-    w.put("beta_power", st_.beta_power);
-    w.put("last_grad_sq", st_.last_grad_sq);
-    w.put("last_trace", st_.last_trace);
-    w.put("samples", st_.samples);
-    w.put("skipped", st_.skipped);
-    w.put("biased", st_.biased);
-    w.put("has_previous", st_.has_previous);
-  }
-  /// Reads what `save(archive_writer&)` wrote and restores it (all or nothing).
-  void load(archive_reader& r) {
-    gradient_noise_scale_state s;
-    s.ema_grad_sq = r.get<double>("ema_grad_sq");
-    s.ema_trace = r.get<double>("ema_trace");
-    s.beta_power = r.get<double>("beta_power");
-    s.last_grad_sq = r.get<double>("last_grad_sq");
-    s.last_trace = r.get<double>("last_trace");
-    s.samples = r.get<std::uint64_t>("samples");
-    s.skipped = r.get<std::uint64_t>("skipped");
-    s.biased = r.get<std::uint64_t>("biased");
-    s.has_previous = r.get<bool>("has_previous");
-    r.finish_section();
-    restore(s);
-  }
-  /// The state as one archive of kind "gradapt.gradient_noise_scale" (core/archive.hpp).
-  std::vector<std::byte> save() const { return save_archive(*this); }
-  /// Restores a state from `save()`; all or nothing.
-  void load(std::span<const std::byte> bytes) { load_archive(*this, bytes); }
 
   /// Forgets all samples (options kept).
   void reset() { st_ = {}; }

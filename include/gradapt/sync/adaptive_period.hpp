@@ -66,6 +66,18 @@ struct adaptive_period_state {
   double reference_loss = 0.0;  ///< F_0 (valid when has_reference)
   double reference_lr = 0.0;    ///< η_0 (valid when has_reference)
   bool has_reference = false;   ///< F_0 and η_0 are set
+
+  /// The fields in the checkpoint (archive names and members), read by put_fields/get_fields.
+  static constexpr auto archive_fields() {
+    using self = adaptive_period_state;
+    return std::make_tuple(
+        archive_member{"period", &self::period}, archive_member{"next_due", &self::next_due},
+        archive_member{"ema", &self::ema}, archive_member{"beta_power", &self::beta_power},
+        archive_member{"samples", &self::samples}, archive_member{"skipped", &self::skipped},
+        archive_member{"loss", &self::loss}, archive_member{"reference_loss", &self::reference_loss},
+        archive_member{"reference_lr", &self::reference_lr},
+        archive_member{"has_reference", &self::has_reference});
+  }
 };
 
 /// AdaComm's adaptive period (Wang and Joshi 2018), evaluated at every averaging round.
@@ -199,31 +211,10 @@ class adaptive_period {
   /// The complete state (plain data).
   const adaptive_period_state& state() const { return st_; }
   /// Writes the state's fields into the open section of `w`.
-  void save(archive_writer& w) const {
-    w.put("period", st_.period);
-    w.put("next_due", st_.next_due);
-    w.put("ema", st_.ema);
-    w.put("beta_power", st_.beta_power);
-    w.put("samples", st_.samples);
-    w.put("skipped", st_.skipped);
-    w.put("loss", st_.loss);
-    w.put("reference_loss", st_.reference_loss);
-    w.put("reference_lr", st_.reference_lr);
-    w.put("has_reference", st_.has_reference);
-  }
+  void save(archive_writer& w) const { put_fields(w, st_, adaptive_period_state::archive_fields()); }
   /// Reads what `save` wrote and restores it for a run at `local_steps` (all or nothing).
   void load(archive_reader& r, std::uint64_t local_steps) {
-    adaptive_period_state s;
-    s.period = r.get<std::uint64_t>("period");
-    s.next_due = r.get<std::uint64_t>("next_due");
-    s.ema = r.get<double>("ema");
-    s.beta_power = r.get<double>("beta_power");
-    s.samples = r.get<std::uint64_t>("samples");
-    s.skipped = r.get<std::uint64_t>("skipped");
-    s.loss = r.get<double>("loss");
-    s.reference_loss = r.get<double>("reference_loss");
-    s.reference_lr = r.get<double>("reference_lr");
-    s.has_reference = r.get<bool>("has_reference");
+    const adaptive_period_state s = get_fields(r, adaptive_period_state::archive_fields());
     r.finish_section();
     restore(s, local_steps);
   }

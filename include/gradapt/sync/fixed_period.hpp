@@ -37,6 +37,13 @@ struct fixed_period_options {
 struct fixed_period_state {
   std::uint64_t rounds = 0;    ///< averaging rounds completed under this schedule
   std::uint64_t next_due = 0;  ///< local-step count c at which the next round happens
+
+  /// The fields in the checkpoint (archive names and members), read by put_fields/get_fields.
+  static constexpr auto archive_fields() {
+    using self = fixed_period_state;
+    return std::make_tuple(archive_member{"rounds", &self::rounds},
+                           archive_member{"next_due", &self::next_due});
+  }
 };
 
 /// Averages the whole world every K local steps, after an optional warm-up and ramp.
@@ -108,15 +115,10 @@ class fixed_period {
   /// The complete state (plain data).
   const fixed_period_state& state() const { return st_; }
   /// Writes the state's fields (rounds, next_due) into the open section of `w`.
-  void save(archive_writer& w) const {
-    w.put("rounds", st_.rounds);
-    w.put("next_due", st_.next_due);
-  }
+  void save(archive_writer& w) const { put_fields(w, st_, fixed_period_state::archive_fields()); }
   /// Reads what `save` wrote and restores it for a run at `local_steps` (all or nothing).
   void load(archive_reader& r, std::uint64_t local_steps) {
-    fixed_period_state s;
-    s.rounds = r.get<std::uint64_t>("rounds");
-    s.next_due = r.get<std::uint64_t>("next_due");
+    const fixed_period_state s = get_fields(r, fixed_period_state::archive_fields());
     r.finish_section();
     restore(s, local_steps);
   }

@@ -629,37 +629,12 @@ class data_parallel_step {
 
   static void put_metrics(archive_writer& w, const step_metrics& m) {
     w.begin("metrics");
-    w.put("step", m.step);
-    w.put("optimizer_steps", m.optimizer_steps);
-    w.put("loss", m.loss);
-    w.put("loss_scale", m.loss_scale);
-    w.put("noise_scale", m.noise_scale);
-    w.put("gain", m.gain);
-    w.put("lr", m.lr);
-    w.put("progress", m.progress);
-    w.put("scale", m.scale);
-    w.put("found_inf", m.found_inf);
-    w.put("stepped", m.stepped);
-    w.put("synchronous", m.synchronous);
-    w.put("averaged", m.averaged);
+    put_fields(w, m, step_metrics::archive_fields());
     w.end();
   }
   static step_metrics get_metrics(archive_reader& r) {
-    step_metrics m;
     r.begin("metrics");
-    m.step = r.get<std::uint64_t>("step");
-    m.optimizer_steps = r.get<std::uint64_t>("optimizer_steps");
-    m.loss = r.get<double>("loss");
-    m.loss_scale = r.get<double>("loss_scale");
-    m.noise_scale = r.get<double>("noise_scale");
-    m.gain = r.get<double>("gain");
-    m.lr = r.get<double>("lr");
-    m.progress = r.get<double>("progress");
-    m.scale = r.get<double>("scale");
-    m.found_inf = r.get<bool>("found_inf");
-    m.stepped = r.get<bool>("stepped");
-    m.synchronous = r.get<bool>("synchronous");
-    m.averaged = r.get<bool>("averaged");
+    const step_metrics m = get_fields(r, step_metrics::archive_fields());
     r.end();
     return m;
   }

@@ -39,6 +39,7 @@
 #include <functional>
 #include <limits>
 #include <optional>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -302,6 +303,19 @@ struct step_metrics {
   bool stepped = false;      ///< the optimizer stepped
   bool synchronous = false;  ///< the gradients were combined across ranks this step
   bool averaged = false;     ///< LocalSGD averaged the parameters after this step
+
+  /// The fields in the checkpoint (archive names and members), read by put_fields/get_fields.
+  static constexpr auto archive_fields() {
+    using self = step_metrics;
+    return std::make_tuple(
+        archive_member{"step", &self::step}, archive_member{"optimizer_steps", &self::optimizer_steps},
+        archive_member{"loss", &self::loss}, archive_member{"loss_scale", &self::loss_scale},
+        archive_member{"noise_scale", &self::noise_scale}, archive_member{"gain", &self::gain},
+        archive_member{"lr", &self::lr}, archive_member{"progress", &self::progress},
+        archive_member{"scale", &self::scale}, archive_member{"found_inf", &self::found_inf},
+        archive_member{"stepped", &self::stepped}, archive_member{"synchronous", &self::synchronous},
+        archive_member{"averaged", &self::averaged});
+  }
 };
 
 /// The AdaScale scale changed (the batch changed): S went from `old_scale` to `new_scale`

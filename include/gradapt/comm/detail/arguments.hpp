@@ -102,6 +102,22 @@ class arguments {
     return {};
   }
 
+  /// The size agreement of an exchange with `peer`: with `check`, the two sides swap their
+  /// sizes through `swap(mine) -> theirs` (-1 for invalid arguments) and both throw when they
+  /// differ or either side's arguments are invalid (`bad`, this side's message or empty);
+  /// without it only this side's `bad` is thrown.
+  template <class Swap>
+  void agree_exchange(int peer, std::size_t count, const std::string& bad, bool check, Swap&& swap) const {
+    if (!check) {
+      if (!bad.empty()) throw error(bad);
+      return;
+    }
+    const std::int64_t mine = bad.empty() ? static_cast<std::int64_t>(count) : -1;
+    const std::int64_t theirs = swap(mine);
+    if (!bad.empty()) throw error(bad);
+    exchange_sizes(peer, mine, theirs);
+  }
+
   /// After two exchange peers swapped their sizes (-1 for invalid arguments): throws when they
   /// differ or the peer's arguments were invalid.
   void exchange_sizes(int peer, std::int64_t mine, std::int64_t theirs) const {

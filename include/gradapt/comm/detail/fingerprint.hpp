@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "gradapt/core/dtype.hpp"
+#include "gradapt/core/enum_name.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/ops.hpp"
 
@@ -36,14 +37,11 @@ enum class coll : std::uint8_t {
   exchange
 };
 
-inline constexpr std::array<std::string_view, 8> coll_names = {
-    "allreduce", "allreduce_with_norms", "broadcast", "allgather", "reduce_scatter", "split", "barrier",
-    "exchange"};
-
-/// The collective's name ("allreduce", ...); "collective" for a value outside the enumeration.
+/// The collective's name ("allreduce", ...); "unknown" for a value outside the enumeration.
 constexpr std::string_view coll_name(coll c) {
-  const auto i = static_cast<std::size_t>(c);
-  return i < coll_names.size() ? coll_names[i] : std::string_view("collective");
+  return gradapt::detail::enum_name(
+      c, std::array<std::string_view, 8>{"allreduce", "allreduce_with_norms", "broadcast", "allgather",
+                                         "reduce_scatter", "split", "barrier", "exchange"});
 }
 
 /// What every rank must agree on when it enters one collective.
