@@ -1,6 +1,7 @@
 // In-process communicators: comm::single and comm::threads with 1 to 8 ranks. Inputs are
 // small integers so every sum is exact and checkable in closed form.
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
@@ -245,6 +246,48 @@ TEST_CASE("threads: ranks that disagree all throw, naming what differs", "[comm]
         },
         "root 7 is out of range", "rank 0 passed invalid arguments");
   }
+}
+
+TEST_CASE("threads: the watchdog turns a rank that never arrives into an error on every waiting rank",
+          "[comm][threads][errors][watchdog]") {
+  const gradapt::comm::threads_options quick{.timeout = std::chrono::milliseconds(100)};
+  // Rank 0 returns while the others wait in an allreduce: they throw, naming rank 0.
+  std::vector<std::string> what(3);
+  run_threads(3, quick, [&](threads_comm& c) {
+    if (c.rank() == 0) return;
+    std::vector<float> v(4, 1.0f);
+    try {
+      c.allreduce(host_view(v), reduce_op::sum);
+    } catch (const gradapt::error& e) {
+      what[static_cast<std::size_t>(c.rank())] = e.what();
+    }
+  });
+  REQUIRE(what[0].empty());
+  for (int r : {1, 2})
+    REQUIRE_THAT(what[static_cast<std::size_t>(r)],
+                 Catch::Matchers::Contains("comm::threads allreduce on rank ") &&
+                     Catch::Matchers::Contains("rank(s) 0 did not arrive within 0.1 s"));
+  // Exchange against a collective: the collective side names the exchanging rank, the
+  // exchanging side names its silent peer; nobody hangs.
+  std::vector<std::string> w2(2);
+  run_threads(2, quick, [&](threads_comm& c) {
+    std::vector<float> a(2), b(2);
+    try {
+      if (c.rank() == 0)
+        c.exchange(1, cview(a), host_view(b));
+      else
+        c.barrier();
+    } catch (const gradapt::error& e) {
+      w2[static_cast<std::size_t>(c.rank())] = e.what();
+    }
+  });
+  REQUIRE_THAT(w2[0] + w2[1], Catch::Matchers::Contains("within 0.1 s"));
+  REQUIRE(!w2[0].empty());
+  REQUIRE(!w2[1].empty());
+  REQUIRE(w2[0].find("gradapt: gradapt:") == std::string::npos);
+  REQUIRE(w2[1].find("gradapt: gradapt:") == std::string::npos);
+  REQUIRE_THROWS_WITH(gradapt::comm::threads::create(2, {.timeout = std::chrono::milliseconds(0)}),
+                      Catch::Matchers::Contains("timeout is 0 ms (expected > 0)"));
 }
 
 TEST_CASE("threads: exchange with invalid or unequal arguments throws on both sides",

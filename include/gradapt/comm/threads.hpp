@@ -7,6 +7,7 @@
 /// gradapt::error (naming both sizes), so no rank is left waiting.
 
 #include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -16,6 +17,7 @@
 #include <mutex>
 #include <numeric>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <type_traits>
 #include <utility>
@@ -40,7 +42,23 @@ class peer_failure : public gradapt::error {
   using gradapt::error::error;
 };
 
+/// Options of an in-process world (comm::threads::create, run_threads).
+struct threads_options {
+  /// Watchdog: the longest a rank waits in a collective (or an exchange) for the other ranks.
+  /// When it expires, the waiting rank throws a gradapt::error naming the operation and the
+  /// ranks that did not arrive, and the world is aborted so every other waiting rank throws
+  /// comm::peer_failure with the same message: a rank that returned, threw or called another
+  /// operation ends the run with an error instead of a hang. Default 5 minutes; must be > 0.
+  std::chrono::milliseconds timeout = std::chrono::minutes(5);
+};
+
 namespace detail {
+
+/// `what` without a leading "gradapt: " (to embed one message in another).
+inline std::string_view without_prefix(std::string_view what) {
+  constexpr std::string_view prefix = "gradapt: ";
+  return what.substr(0, prefix.size()) == prefix ? what.substr(prefix.size()) : what;
+}
 
 /// Shared state of one in-process world. Internal: use comm::threads.
 class threads_world {
@@ -64,26 +82,43 @@ class threads_world {
     bool valid = true;
   };
 
-  explicit threads_world(int n)
+  threads_world(int n, threads_options options)
       : n_(n),
+        opts_(options),
+        here_(static_cast<std::size_t>(n)),
         posts_(static_cast<std::size_t>(n)),
         chans_(static_cast<std::size_t>(n) * n),
         split_worlds_(static_cast<std::size_t>(n)) {}
 
   int size() const { return n_; }
+  const threads_options& options() const { return opts_; }
 
-  /// Waits until all ranks arrive; throws if a rank failed.
-  void barrier() {
+  /// Waits until all ranks arrive; throws if a rank failed. After threads_options::timeout
+  /// without every rank, throws a gradapt::error naming `op` and the ranks that did not
+  /// arrive, and aborts the world so that the ranks waiting with this one throw too.
+  void barrier(int rank, std::string_view op) {
     std::unique_lock lk(m_);
     throw_if_aborted();
     const std::uint64_t gen = generation_;
+    here_[static_cast<std::size_t>(rank)] = true;
     if (++arrived_ == n_) {
       arrived_ = 0;
+      std::fill(here_.begin(), here_.end(), false);
       ++generation_;
       cv_.notify_all();
       return;
     }
-    cv_.wait(lk, [&] { return generation_ != gen || aborted_; });
+    if (!wait(lk, [&] { return generation_ != gen || aborted_; })) {
+      std::string missing;
+      for (int k = 0; k < n_; ++k)
+        if (!here_[static_cast<std::size_t>(k)])
+          missing.append(missing.empty() ? "" : ", ").append(std::to_string(k));
+      timed_out(lk, rank,
+                gradapt::detail::message("comm::threads ", op, " on rank ", rank, ": rank(s) ", missing,
+                                         " did not arrive within ", seconds(),
+                                         " s (threads_options::timeout): a "
+                                         "rank returned, threw or called another operation"));
+    }
     if (generation_ == gen) throw_if_aborted();
   }
 
@@ -92,7 +127,8 @@ class threads_world {
     std::lock_guard lk(m_);
     if (!aborted_) {
       aborted_ = true;
-      abort_reason_ = "rank " + std::to_string(rank) + " failed: " + what;
+      abort_reason_ =
+          std::string("rank ").append(std::to_string(rank)).append(" failed: ").append(without_prefix(what));
     }
     cv_.notify_all();
   }
@@ -121,7 +157,10 @@ class threads_world {
     throw_if_aborted();
     out = {send, count, type, true, false, bad.empty()};
     cv_.notify_all();
-    cv_.wait(lk, [&] { return (in.posted && !in.consumed) || aborted_; });
+    if (!wait(lk, [&] { return (in.posted && !in.consumed) || aborted_; }))
+      timed_out(lk, rank,
+                args.text("peer rank ", peer, " did not enter exchange with this rank within ", seconds(),
+                          " s (threads_options::timeout)"));
     throw_if_aborted();
     std::string problem = bad;
     if (problem.empty() && !in.valid)
@@ -139,7 +178,10 @@ class threads_world {
     }
     in.consumed = true;
     cv_.notify_all();
-    cv_.wait(lk, [&] { return out.consumed || aborted_; });
+    if (!wait(lk, [&] { return out.consumed || aborted_; }))
+      timed_out(lk, rank,
+                args.text("peer rank ", peer, " did not finish exchange with this rank within ", seconds(),
+                          " s (threads_options::timeout)"));
     out.posted = false;
     out.consumed = false;
     if (!problem.empty()) throw gradapt::error(problem);
@@ -148,11 +190,30 @@ class threads_world {
 
  private:
   channel& chan(int from, int to) { return chans_[static_cast<std::size_t>(from) * n_ + to]; }
+  /// Waits for `ready` up to the watchdog timeout; false when it expired.
+  template <class Pred>
+  bool wait(std::unique_lock<std::mutex>& lk, Pred ready) {
+    return cv_.wait_for(lk, opts_.timeout, ready);
+  }
+  double seconds() const { return std::chrono::duration<double>(opts_.timeout).count(); }
+  /// The watchdog fired on `rank`: abort the world (the others throw peer_failure naming this
+  /// message) and throw the message here.
+  [[noreturn]] void timed_out(std::unique_lock<std::mutex>&, int rank, const std::string& what) {
+    if (!aborted_) {
+      aborted_ = true;
+      abort_reason_ =
+          std::string("rank ").append(std::to_string(rank)).append(" failed: ").append(without_prefix(what));
+    }
+    cv_.notify_all();
+    throw gradapt::error(what);
+  }
   void throw_if_aborted() const {
     if (aborted_) throw peer_failure(gradapt::detail::message("comm::threads: ", abort_reason_));
   }
 
   int n_;
+  threads_options opts_;
+  std::vector<bool> here_;  ///< ranks inside the current barrier generation
   std::mutex m_;
   std::condition_variable cv_;
   int arrived_ = 0;
@@ -179,9 +240,12 @@ class threads {
   using space = host_space;  ///< buffers are host memory shared by the in-process ranks
 
   /// A new world of `n` ranks; element r is rank r's handle.
-  static std::vector<threads> create(int n) {
+  static std::vector<threads> create(int n, threads_options options = {}) {
     gradapt::detail::require(n >= 1, "comm::threads::create: ", n, " ranks requested (expected >= 1)");
-    auto w = std::make_shared<detail::threads_world>(n);
+    gradapt::detail::require(options.timeout.count() > 0,
+                             "comm::threads::create: threads_options::timeout is ", options.timeout.count(),
+                             " ms (expected > 0)");
+    auto w = std::make_shared<detail::threads_world>(n, options);
     std::vector<threads> out;
     out.reserve(static_cast<std::size_t>(n));
     for (int r = 0; r < n; ++r) out.push_back(threads(w, r));
@@ -220,7 +284,7 @@ class threads {
            buf.data()},
           0, args("broadcast").rank_range("root", root));
     if (rank_ != root) std::copy_n(static_cast<const T*>(w_->posted(root).recv), buf.size(), buf.data());
-    w_->barrier();
+    meet();
   }
 
   /// Rank r's `send` lands at offset r * send.size() of every rank's `recv`.
@@ -237,7 +301,7 @@ class threads {
       T* to = recv.data() + static_cast<std::size_t>(k) * n;
       if (from != to) std::copy_n(from, n, to);  // equal only for this rank's block in place
     }
-    w_->barrier();
+    meet();
   }
 
   /// Element-wise reduction of every rank's `send`; rank r receives block r.
@@ -251,7 +315,7 @@ class threads {
     const std::size_t off = static_cast<std::size_t>(rank_) * n;
     gradapt::host::combine_sources(
         size(), [&](int k) { return static_cast<const T*>(w_->posted(k).send) + off; }, recv.data(), n, op);
-    w_->barrier();
+    meet();
   }
 
   /// Sends `send` to `peer` and receives `peer`'s message into `recv` (which must have as
@@ -285,10 +349,11 @@ class threads {
     const int leader = members.front();
     const int new_rank = static_cast<int>(std::find(members.begin(), members.end(), rank_) - members.begin());
     if (rank_ == leader)
-      w_->split_slot(leader) = std::make_shared<detail::threads_world>(static_cast<int>(members.size()));
-    w_->barrier();
+      w_->split_slot(leader) =
+          std::make_shared<detail::threads_world>(static_cast<int>(members.size()), w_->options());
+    meet();
     threads result(w_->split_slot(leader), new_rank);
-    w_->barrier();
+    meet();
     if (rank_ == leader) w_->split_slot(leader).reset();
     return result;
   }
@@ -297,7 +362,7 @@ class threads {
   void barrier() {
     begin({{detail::coll::barrier, dtype::float32, reduce_op::sum, 0, 0}}, 0);
     // Nobody may post the next collective while a peer still checks this one's posts.
-    w_->barrier();
+    meet();
   }
 
   /// Marks the world failed so that ranks blocked in a collective throw instead of waiting.
@@ -312,8 +377,9 @@ class threads {
   /// message of comm/detail/fingerprint.hpp), after a barrier so no rank reposts early.
   void begin(detail::threads_world::post p, std::size_t scratch_bytes, const std::string& bad = {}) {
     p.valid = bad.empty();
+    current_ = p.c.kind;
     w_->set_post(rank_, p, scratch_bytes);
-    w_->barrier();
+    meet();
     int invalid = -1;
     for (int k = 0; k < size() && invalid < 0; ++k)
       if (!w_->posted(k).valid) invalid = k;
@@ -330,11 +396,14 @@ class threads {
       for (int k = 0; k < size(); ++k) all[static_cast<std::size_t>(k)] = w_->posted(k).c;
       problem = detail::mismatch_message("comm::threads", op, rank_, all);
     }
-    w_->barrier();  // nobody may repost while others still read the posts
+    meet();  // nobody may repost while others still read the posts
     throw gradapt::error(problem);
   }
 
   static std::int64_t count(std::size_t n) { return static_cast<std::int64_t>(n); }
+
+  /// Meets every rank of the world inside the current collective (the watchdog names it).
+  void meet() { w_->barrier(rank_, detail::coll_name(current_)); }
 
   /// Rank r reduces slice r of every rank's buffer into the shared scratch (in groups of 8
   /// elements, so the compiler vectorises at plain -O2), then every rank copies the result out.
@@ -366,11 +435,11 @@ class threads {
       posted[2 * rank_] = mine.sum_local_sq;
       posted[2 * rank_ + 1] = mine.result_sq;
     }
-    w_->barrier();
+    meet();
     std::copy_n(out, n, buf.data());
     if constexpr (Norms)
       for (int k = 0; k < p; ++k) norms.sum_local_sq += posted[2 * k], norms.result_sq += posted[2 * k + 1];
-    w_->barrier();
+    meet();
     return norms;
   }
 
@@ -384,6 +453,7 @@ class threads {
 
   std::shared_ptr<detail::threads_world> w_;
   int rank_ = 0;
+  detail::coll current_ = detail::coll::barrier;  ///< the collective in flight (for messages)
 };
 
 static_assert(communicator<threads>);
@@ -393,8 +463,8 @@ static_assert(communicator<threads>);
 /// the first exception thrown by a rank's own code is rethrown here, in preference to the
 /// peer_failure exceptions it caused.
 template <class F>
-void run_threads(int n, F&& fn) {
-  auto comms = threads::create(n);
+void run_threads(int n, threads_options options, F&& fn) {
+  auto comms = threads::create(n, options);
   std::mutex m;
   std::exception_ptr first;
   bool first_is_abort = true;
@@ -428,6 +498,12 @@ void run_threads(int n, F&& fn) {
   }
   for (auto& t : pool) t.join();
   if (first) std::rethrow_exception(first);
+}
+
+/// run_threads with the default threads_options.
+template <class F>
+void run_threads(int n, F&& fn) {
+  run_threads(n, threads_options{}, std::forward<F>(fn));
 }
 
 }  // namespace gradapt::comm
