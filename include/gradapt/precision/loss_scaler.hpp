@@ -37,6 +37,7 @@
 
 #include "gradapt/backend/concepts.hpp"
 #include "gradapt/backend/simd.hpp"
+#include "gradapt/comm/agree.hpp"
 #include "gradapt/core/archive.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
@@ -583,6 +584,7 @@ class loss_scaler : public archived_state<loss_scaler, loss_scaler_state> {
                     " skipped, ", s.backoffs, " back-offs, ", s.growths,
                     " growths; expected backoffs <= skipped <= steps, growths <= steps, steps < 2^64 - 1)");
     st_ = s;
+    options_agreed_ = false;  // a loaded state is agreed again at the next unscale
   }
 
  private:
@@ -615,13 +617,37 @@ class loss_scaler : public archived_state<loss_scaler, loss_scaler_state> {
   }
 
   /// Agrees on (count or flag, error) across ranks; throws the agreed error; returns found_inf.
+  /// A third summed value, the operation's tag, tells a rank whose sum met another operation's
+  /// collective of the same size (its flag would be someone's gradient) that the ranks are out
+  /// of step. On the first call the options are agreed too (gradapt::agree_values).
   template <class C>
-  static bool agree(C& comm, double found, const std::string& local_error, const char* fn) {
-    double buf[2] = {local_error.empty() ? found : 0.0, local_error.empty() ? 0.0 : 1.0};
-    comm.allreduce(tensor_view<double, host_space>::vector(buf, 2), reduce_op::sum);
+  bool agree(C& comm, double found, const std::string& local_error, const char* fn) {
+    constexpr double tag =
+        1.0 + static_cast<double>(static_cast<std::uint64_t>(detail::operation_tag("loss_scaler::unscale")) %
+                                  (1u << 20));
+    double buf[3] = {local_error.empty() ? found : 0.0, local_error.empty() ? 0.0 : 1.0, tag};
+    comm.allreduce(tensor_view<double, host_space>::vector(buf, 3), reduce_op::sum);
     if (!local_error.empty()) throw error(local_error);
+    detail::require(buf[2] == tag * comm.size() && buf[1] == std::floor(buf[1]) && buf[1] >= 0.0, fn,
+                    " on rank ", comm.rank(),
+                    ": the ranks are not in the same operation (another rank called a different collective "
+                    "of the same size); every rank must call loss_scaler::unscale together");
     detail::require(buf[1] == 0.0, fn, " on rank ", comm.rank(), ": ", buf[1],
                     " other rank(s) passed invalid input (see the error raised on those ranks)");
+    if (!options_agreed_) {
+      agree_values(comm, "loss_scaler::unscale",
+                   {{"loss_scaler_options::init_scale", opt_.init_scale},
+                    {"loss_scaler_options::growth_factor", opt_.growth_factor},
+                    {"loss_scaler_options::backoff_factor", opt_.backoff_factor},
+                    {"loss_scaler_options::growth_interval", static_cast<double>(opt_.growth_interval)},
+                    {"loss_scaler_options::hysteresis", static_cast<double>(opt_.hysteresis)},
+                    {"loss_scaler_options::consecutive_hysteresis", opt_.consecutive_hysteresis ? 1.0 : 0.0},
+                    {"loss_scaler_options::min_scale", opt_.min_scale},
+                    {"loss_scaler_options::max_scale", opt_.max_scale},
+                    {"loss scale", st_.scale},
+                    {"updates", static_cast<double>(st_.steps)}});
+      options_agreed_ = true;
+    }
     return buf[0] > 0.0;
   }
 
@@ -697,6 +723,7 @@ class loss_scaler : public archived_state<loss_scaler, loss_scaler_state> {
 
   loss_scaler_options opt_;
   loss_scaler_state st_;
+  bool options_agreed_ = false;  ///< the options were agreed across ranks (host communicators)
 };
 
 }  // namespace gradapt

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "gradapt/backend/concepts.hpp"
+#include "gradapt/comm/agree.hpp"
 #include "gradapt/core/archive.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
@@ -249,6 +250,13 @@ class gradient_noise_scale : public archived_state<gradient_noise_scale, gradien
     if (!local_error.empty()) throw error(local_error);
     detail::require(buf[1] == 0.0, "gradient_noise_scale::update on rank ", comm.rank(), ": ", buf[1],
                     " other rank(s) passed invalid input (see the error raised on those ranks)");
+    // The batch description and the averaged gradient's norm must be the same everywhere, or
+    // the ranks would hold different estimates.
+    agree_values(comm, "gradient_noise_scale::update",
+                 {{"noise_batch::micro_batch", batch.micro_batch},
+                  {"noise_batch::accumulation_steps", static_cast<double>(batch.accumulation_steps)},
+                  {"noise_batch::loss_scale", batch.loss_scale},
+                  {"global |g|^2", global_sq}});
     return update_reduced(buf[0] / static_cast<double>(ranks), global_sq, ranks, batch);
   }
 

@@ -34,6 +34,7 @@
 #include <limits>
 #include <optional>
 
+#include "gradapt/comm/agree.hpp"
 #include "gradapt/core/archive.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/sync/averaging_schedule.hpp"
@@ -122,6 +123,13 @@ class adaptive_period {
 
   /// The options this schedule was built with.
   const adaptive_period_options& options() const { return opt_; }
+  /// The options every rank must share, named for local_sgd's round agreement.
+  template <std::size_t N>
+  void agreed_options(agreed_list<N>& out) const {
+    out.push("adaptive_period initial_period", static_cast<double>(opt_.initial_period));
+    out.push("adaptive_period max_period", static_cast<double>(opt_.max_period));
+    out.push("adaptive_period smoothing", opt_.smoothing);
+  }
 
   /// The period formula of Wang and Joshi (2018):
   /// K = ⌈ sqrt((lr0 / lr) · (loss / loss0)) · k0 ⌉ clamped to [1, k_max].

@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "gradapt/backend/concepts.hpp"
+#include "gradapt/comm/agree.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
 #include "gradapt/core/error.hpp"
@@ -89,10 +90,12 @@ constexpr std::uint64_t ring_allreduce_bytes(std::uint64_t payload, int ranks) {
 ///
 /// Each tensor is one in-place `comm.allreduce(·, sum)` (in list order, tensors in order), then
 /// each list gets one `b.apply_list` that divides by N in the compute type. Every rank must
-/// pass the same lists (same tensor count, sizes and element types, in the same order); the
-/// communicator checks sizes per tensor (comm::threads always; comm::mpi with
-/// `check_sizes`; comm::nccl with its debug `check_sizes`) and throws gradapt::error on every
-/// rank when they differ. With one rank nothing is sent and nothing changes.
+/// pass the same lists (same tensor count, sizes and element types, in the same order): on a
+/// host communicator one small allreduce first agrees on the tensor count and bytes
+/// (gradapt::agree_values), so a rank with a tensor more or less makes every rank throw
+/// instead of leaving one waiting; then the communicator checks each tensor's size and type
+/// (comm::threads always; comm::mpi with `check_sizes`; comm::nccl with its debug
+/// `check_sizes`). With one rank nothing is sent and nothing changes.
 ///
 /// Rounding: the communicator forms the sum (comm::threads accumulates in the compute type in
 /// rank order and rounds to the storage type once; comm::mpi on 16-bit types rounds at each
@@ -117,6 +120,12 @@ requires std::same_as<typename C::space, typename B::space> &&
   static_assert(sizeof...(Ls) > 0, "gradapt::average_models needs at least one list of tensors");
   const int n = comm.size();
   if (n > 1) {
+    if constexpr (std::same_as<typename C::space, host_space>) {
+      const auto tensors = (std::uint64_t{0} + ... + detail::sync::list_tensors(lists));
+      agree_values(comm, "average_models",
+                   {{"tensors", static_cast<double>(tensors)},
+                    {"bytes", static_cast<double>(payload_bytes(lists...))}});
+    }
     (
         [&] {
           for (const auto& v : lists) comm.allreduce(v, reduce_op::sum);

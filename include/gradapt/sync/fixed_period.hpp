@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <initializer_list>
 
+#include "gradapt/comm/agree.hpp"
 #include "gradapt/core/archive.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/sync/averaging_schedule.hpp"
@@ -79,6 +80,13 @@ class fixed_period {
 
   /// The options this schedule was built with.
   const fixed_period_options& options() const { return opt_; }
+  /// The options every rank must share, named for local_sgd's round agreement.
+  template <std::size_t N>
+  void agreed_options(agreed_list<N>& out) const {
+    out.push("fixed_period period", static_cast<double>(opt_.period));
+    out.push("fixed_period warmup_rounds", static_cast<double>(opt_.warmup_rounds));
+    out.push("fixed_period ramp", opt_.ramp ? 1.0 : 0.0);
+  }
 
   /// Local steps between round r − 1 and round r (see the class comment).
   std::uint64_t period_of_round(std::uint64_t r) const {

@@ -31,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "gradapt/comm/agree.hpp"
 #include "gradapt/core/archive.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/sync/averaging_schedule.hpp"
@@ -98,6 +99,15 @@ class hierarchical_period {
 
   /// The options this schedule was built with.
   const hierarchical_period_options& options() const { return opt_; }
+  /// The options every rank must share, named for local_sgd's round agreement.
+  template <std::size_t N>
+  void agreed_options(agreed_list<N>& out) const {
+    out.push("hierarchical_period levels", static_cast<double>(opt_.levels.size()));
+    for (const auto& l : opt_.levels) {
+      out.push("hierarchical_period level period", static_cast<double>(l.period));
+      out.push("hierarchical_period level group_size", static_cast<double>(l.group_size));
+    }
+  }
 
   /// Number of levels.
   std::size_t levels() const { return opt_.levels.size(); }

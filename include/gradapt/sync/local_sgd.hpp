@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "gradapt/backend/concepts.hpp"
+#include "gradapt/comm/agree.hpp"
 #include "gradapt/core/archive.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/error.hpp"
@@ -58,16 +59,18 @@ static_assert(averaging_schedule<hierarchical_period>);
 /// | name        | type   | default | meaning                                                     |
 /// |-------------|--------|---------|-------------------------------------------------------------|
 /// | start_step  | uint64 | 0       | steps 0 .. start_step − 1 allreduce gradients; local steps after |
-/// | check_lists | bool   | true    | at the first round, agree on tensor count and bytes across ranks |
+/// | check_lists | bool   | true    | at every round, agree on lists, counters and schedule across ranks |
 struct local_sgd_options {
   /// Index of the first local step. Steps 0 .. start_step − 1 are synchronous: the caller
   /// allreduces gradients (sync_gradients() is true) and nothing is averaged. 0 starts local SGD
   /// at once (the replicas must then start identical, e.g. broadcast from rank 0).
   std::uint64_t start_step = 0;
-  /// Before the first averaging round (and after a load), one allreduce (max) of four doubles
-  /// checks that every rank averages the same number of tensors and bytes, so that a rank with
-  /// a tensor more or less throws instead of pairing its collectives with the wrong ones.
-  /// Host communicators only (a device communicator relies on its own size checks).
+  /// Before every averaging round, one small allreduce (gradapt::agree_values) checks that every
+  /// rank averages the same number of tensors and bytes, at the same step, round and level,
+  /// with the same start_step and schedule options, so that a rank with a tensor more or less,
+  /// another period or another start step throws (naming what differs) instead of pairing its
+  /// collectives with the wrong ones. Host communicators only (a device communicator relies on
+  /// its own size checks).
   bool check_lists = true;
 };
 
@@ -269,7 +272,6 @@ class local_sgd {
     next.restore(ck.schedule, check_driver(ck.driver));
     sched_ = std::move(next);
     st_ = ck.driver;
-    verified_ = false;
   }
   /// Writes the driver's counters and, in section "schedule", the schedule's state.
   void save(archive_writer& w) const {
@@ -302,7 +304,6 @@ class local_sgd {
     r.finish_section();
     sched_ = std::move(next);
     st_ = d;
-    verified_ = false;
   }
   /// The state as one archive of kind "gradapt.local_sgd" (core/archive.hpp).
   std::vector<std::byte> save() const { return save_archive(*this); }
@@ -339,24 +340,26 @@ class local_sgd {
     bytes = gradapt::payload_bytes(lists...);
   }
 
-  /// Agreement on tensor count and bytes across the world (host communicators), once per
-  /// layout: every rank throws together on a mismatch.
+  /// The round agreement (host communicators, with check_lists): one small allreduce per
+  /// averaging round over the world on the lists' tensor count and bytes, the step counts, the
+  /// round and its level, start_step and the schedule's options. Ranks whose schedules or
+  /// counters differ therefore meet in this allreduce at their first differing round and all
+  /// throw (naming what differs), instead of averaging the wrong rounds and hanging.
   template <class... Ls>
-  void check_lists(C& comm, const Ls&... lists) {
+  void check_lists(C& comm, std::uint64_t c, int level, const Ls&... lists) {
     if constexpr (std::same_as<typename C::space, host_space>) {
       std::uint64_t tensors = 0, bytes = 0;
       list_shape(tensors, bytes, lists...);
-      if (verified_ && tensors == verified_tensors_ && bytes == verified_bytes_) return;
-      const auto t = static_cast<double>(tensors), y = static_cast<double>(bytes);
-      double v[4] = {t, -t, y, -y};
-      comm.allreduce(tensor_view<double, host_space>::vector(v, 4), reduce_op::max);
-      detail::require(
-          v[0] == -v[1] && v[2] == -v[3], "local_sgd::step on rank ", rank_, ": this rank averages ", tensors,
-          " tensors (", bytes, " bytes) but the ranks pass between ", -v[1], " and ", v[0], " tensors (",
-          -v[3], " to ", v[2], " bytes); every rank must pass the same lists, tensors and element types");
-      verified_ = true;
-      verified_tensors_ = tensors;
-      verified_bytes_ = bytes;
+      agreed_list<7 + 1 + 2 * max_average_levels> v;
+      v.push("tensors averaged", static_cast<double>(tensors));
+      v.push("bytes averaged", static_cast<double>(bytes));
+      v.push("start_step", static_cast<double>(opt_.start_step));
+      v.push("step", static_cast<double>(st_.steps));
+      v.push("local step of this round", static_cast<double>(c));
+      v.push("rounds", static_cast<double>(st_.rounds));
+      v.push("level", static_cast<double>(level));
+      if constexpr (requires { sched_.agreed_options(v); }) sched_.agreed_options(v);
+      agree_values(comm, "local_sgd::step", v.view());
     }
   }
 
@@ -409,7 +412,7 @@ class local_sgd {
     if (level >= 0) {
       const auto l = static_cast<std::size_t>(level);
       detail::require(l < levels_, "local_sgd::step: the schedule named level ", level, " of ", levels_);
-      if (opt_.check_lists) check_lists(comm, lists...);
+      if (opt_.check_lists) check_lists(comm, c, level, lists...);
       round_observation obs{};
       if constexpr (S::uses_loss) obs = observe(comm, *in);
       const auto next = sched_.advance(c, l, obs);
@@ -441,9 +444,6 @@ class local_sgd {
   std::array<int, max_average_levels> comm_index_{};
   std::vector<C> subs_;
   local_sgd_state st_;
-  bool verified_ = false;
-  std::uint64_t verified_tensors_ = 0;
-  std::uint64_t verified_bytes_ = 0;
 };
 
 }  // namespace gradapt

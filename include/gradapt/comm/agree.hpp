@@ -1,0 +1,122 @@
+#pragma once
+/// @file
+/// Agreement across ranks for library-level operations, on any host communicator: the values
+/// every rank must pass equal (options, schedules, batch descriptions) and the identity of the
+/// operation itself, checked with one small allreduce. A difference is a gradapt::error on
+/// every rank that names the operation, the value and the range the ranks pass, instead of
+/// replicas that drift apart or a collective that pairs with the wrong one and hangs.
+///
+/// Cost: one `allreduce(max)` of 2·(n + 1) doubles, where n is the number of values; callers
+/// agree once per configuration (at construction or first use), not per step.
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <initializer_list>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "gradapt/core/error.hpp"
+#include "gradapt/core/ops.hpp"
+#include "gradapt/core/tensor_view.hpp"
+
+namespace gradapt {
+
+/// One value that must be equal on every rank, named for the error message.
+struct agreed_value {
+  std::string_view name;  ///< the option's public name, e.g. "period"
+  double value;           ///< its value on this rank (integers up to 2^53 are exact)
+};
+
+/// A list of at most N agreed values that allocates nothing (for checks on a step path).
+template <std::size_t N>
+struct agreed_list {
+  std::array<agreed_value, N> items{};  ///< the values, [0, count) in use
+  std::size_t count = 0;                ///< values in use
+  /// Appends one value. @throws gradapt::error when the list is full
+  void push(std::string_view name, double value) {
+    if (count == N)
+      throw error(
+          std::string("gradapt: agreed_list: more than ").append(std::to_string(N)).append(" values"));
+    items[count++] = {name, value};
+  }
+  /// The values in use.
+  std::span<const agreed_value> view() const { return {items.data(), count}; }
+};
+
+namespace detail {
+
+/// A 52-bit FNV-1a hash of `s`, exactly representable as a double: the operation's tag.
+constexpr double operation_tag(std::string_view s) {
+  std::uint64_t h = 14695981039346656037ull;
+  for (const char c : s) {
+    h ^= static_cast<unsigned char>(c);
+    h *= 1099511628211ull;
+  }
+  return static_cast<double>(h >> 12);
+}
+
+/// Text of a double for messages that tells any two different values apart (integers
+/// without a fraction, others with 17 significant digits).
+inline std::string value_text(double v) {
+  if (std::isfinite(v) && v == std::floor(v) && std::fabs(v) < 9007199254740992.0)
+    return std::to_string(static_cast<std::int64_t>(v));
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+}  // namespace detail
+
+/// Checks that every rank of `comm` entered operation `who` (e.g. "local_sgd") with the same
+/// `values`. Collective: every rank must call it (with its own values). Throws gradapt::error
+/// on every rank when the operation or a value differs, naming the first that does, this
+/// rank's value and the smallest and largest any rank passes. A NaN value differs from
+/// everything. Host communicators only (the values travel in host memory); on a device
+/// communicator the caller agrees through host means of its own or not at all.
+template <class C>
+requires std::same_as<typename C::space, host_space>
+void agree_values(C& comm, std::string_view who, std::span<const agreed_value> values) {
+  const double tag = detail::operation_tag(who);
+  // On the stack for up to 31 values (checks on a step path allocate nothing).
+  std::array<double, 64> small;
+  std::vector<double> large(values.size() < 32 ? 0 : 2 * (values.size() + 1));
+  const std::span<double> v = values.size() < 32 ? std::span<double>(small.data(), 2 * (values.size() + 1))
+                                                 : std::span<double>(large);
+  v[0] = tag;
+  v[1] = -tag;
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    // NaN on any rank: +inf in both halves, so max and -min disagree everywhere.
+    const double x = values[i].value;
+    const bool nan = x != x;
+    v[2 * i + 2] = nan ? HUGE_VAL : x;
+    v[2 * i + 3] = nan ? HUGE_VAL : -x;
+  }
+  comm.allreduce(tensor_view<double, host_space>::vector(v.data(), v.size()), reduce_op::max);
+  if (v[0] != tag || v[1] != -tag)
+    detail::fail(who, " on rank ", comm.rank(),
+                 ": the ranks are not in the same operation (another rank called a different gradapt "
+                 "operation at this point); every rank must call ",
+                 who, " together");
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    const double hi = v[2 * i + 2], lo = -v[2 * i + 3];
+    if (hi == lo) continue;
+    detail::fail(who, " on rank ", comm.rank(), ": ", values[i].name, " is ",
+                 detail::value_text(values[i].value), " on this rank but ranges from ",
+                 detail::value_text(lo), " to ", detail::value_text(hi),
+                 " across ranks (every rank must pass the same ", values[i].name, ")");
+  }
+}
+
+/// agree_values over an initializer list: `agree_values(comm, "local_sgd", {{"period", 4.0}})`.
+template <class C>
+requires std::same_as<typename C::space, host_space>
+void agree_values(C& comm, std::string_view who, std::initializer_list<agreed_value> values) {
+  agree_values(comm, who, std::span<const agreed_value>(values.begin(), values.size()));
+}
+
+}  // namespace gradapt
