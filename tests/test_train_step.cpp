@@ -637,7 +637,7 @@ TEST_CASE("invalid input throws actionable errors, on every rank together", "[tr
       if (comm.size() > 1)
         RANK_REQUIRE_THROWS_WITH(
             (train::make_data_parallel_step(comm, gradapt::host{}, rep.params, make_opt_sgd(), {.lr = 0.1})),
-            Contains("every rank must pass the same parameters"));
+            Contains("every rank must pass the same parameter elements"));
       gradapt::param_list<float> empty;
       RANK_REQUIRE_THROWS_WITH(
           (train::make_data_parallel_step(comm, gradapt::host{}, empty, make_opt_sgd(), {.lr = 0.1})),

@@ -6,7 +6,7 @@
 /// every rank that names the operation, the value and the range the ranks pass, instead of
 /// replicas that drift apart or a collective that pairs with the wrong one and hangs.
 ///
-/// Cost: one `allreduce(max)` of 2·(n + 1) doubles, where n is the number of values; callers
+/// Cost: one `allreduce(max)` of 2·(n + 1) + 1 doubles, where n is the number of values; callers
 /// agree once per configuration (at construction or first use), not per step.
 
 #include <array>
@@ -76,17 +76,21 @@ inline std::string value_text(double v) {
 /// `values`. Collective: every rank must call it (with its own values). Throws gradapt::error
 /// on every rank when the operation or a value differs, naming the first that does, this
 /// rank's value and the smallest and largest any rank passes. A NaN value differs from
-/// everything. Host communicators only (the values travel in host memory); on a device
-/// communicator the caller agrees through host means of its own or not at all.
+/// everything. A rank whose own input is invalid passes its message as `local_error`: it
+/// throws that message and every other rank throws naming it, so nobody is left waiting. Host communicators
+/// only (the values travel in host memory); on a device communicator the caller agrees through host means of
+/// its own or not at all.
 template <class C>
 requires std::same_as<typename C::space, host_space>
-void agree_values(C& comm, std::string_view who, std::span<const agreed_value> values) {
+void agree_values(C& comm, std::string_view who, std::span<const agreed_value> values,
+                  const std::string& local_error = {}) {
   const double tag = detail::operation_tag(who);
-  // On the stack for up to 31 values (checks on a step path allocate nothing).
+  // On the stack for up to 30 values (checks on a step path allocate nothing).
+  const std::size_t words = 2 * (values.size() + 1) + 1;
   std::array<double, 64> small;
-  std::vector<double> large(values.size() < 32 ? 0 : 2 * (values.size() + 1));
-  const std::span<double> v = values.size() < 32 ? std::span<double>(small.data(), 2 * (values.size() + 1))
-                                                 : std::span<double>(large);
+  std::vector<double> large(words <= small.size() ? 0 : words);
+  const std::span<double> v =
+      words <= small.size() ? std::span<double>(small.data(), words) : std::span<double>(large);
   v[0] = tag;
   v[1] = -tag;
   for (std::size_t i = 0; i < values.size(); ++i) {
@@ -96,7 +100,13 @@ void agree_values(C& comm, std::string_view who, std::span<const agreed_value> v
     v[2 * i + 2] = nan ? HUGE_VAL : x;
     v[2 * i + 3] = nan ? HUGE_VAL : -x;
   }
+  // The lowest rank with invalid input, as -rank (or -inf when every rank's input is valid).
+  v[words - 1] = local_error.empty() ? -HUGE_VAL : -static_cast<double>(comm.rank());
   comm.allreduce(tensor_view<double, host_space>::vector(v.data(), v.size()), reduce_op::max);
+  if (!local_error.empty()) throw error(local_error);
+  if (v[words - 1] != -HUGE_VAL)
+    detail::fail(who, " on rank ", comm.rank(), ": rank ", -v[words - 1],
+                 " passed invalid input (that rank's error says which)");
   if (v[0] != tag || v[1] != -tag)
     detail::fail(who, " on rank ", comm.rank(),
                  ": the ranks are not in the same operation (another rank called a different gradapt "
@@ -115,8 +125,9 @@ void agree_values(C& comm, std::string_view who, std::span<const agreed_value> v
 /// agree_values over an initializer list: `agree_values(comm, "local_sgd", {{"period", 4.0}})`.
 template <class C>
 requires std::same_as<typename C::space, host_space>
-void agree_values(C& comm, std::string_view who, std::initializer_list<agreed_value> values) {
-  agree_values(comm, who, std::span<const agreed_value>(values.begin(), values.size()));
+void agree_values(C& comm, std::string_view who, std::initializer_list<agreed_value> values,
+                  const std::string& local_error = {}) {
+  agree_values(comm, who, std::span<const agreed_value>(values.begin(), values.size()), local_error);
 }
 
 }  // namespace gradapt

@@ -55,6 +55,7 @@
 
 #include "gradapt/backend/concepts.hpp"
 #include "gradapt/combine/adasum.hpp"
+#include "gradapt/comm/agree.hpp"
 #include "gradapt/core/archive.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
@@ -245,7 +246,7 @@ class data_parallel_step {
         scaler_(std::move(scaler)),
         settings_(settings),
         hooks_(std::move(hooks)) {
-    agree_on_lists();
+    agree_on_construction(adapt, sync);
     tensors_ = params.size();
     total_ = params.total_elements();
     state_ = opt_.init(backend_, params);
@@ -309,10 +310,14 @@ class data_parallel_step {
     for_each_hook([&](auto& h) {
       if constexpr (before_step_hook<std::remove_reference_t<decltype(h)>>) h.before_step(settings_, last_);
     });
-    apply_settings(call);
     const double eta = in.lr.value_or(settings_.lr);
-    detail::require(std::isfinite(eta) && eta >= 0.0, fn, ": step_args::lr is ", eta,
-                    " (expected a finite learning rate >= 0)");
+    std::string bad;
+    if (!(std::isfinite(eta) && eta >= 0.0))
+      bad = detail::message(fn, " on rank ", comm_->rank(), ": ",
+                            in.lr ? "step_args::lr" : "step_settings::lr", " is ", eta,
+                            " (expected a finite learning rate >= 0; set by the caller or a hook)");
+    agree_on_step(call, eta, bad);
+    apply_settings(call);
 
     step_metrics m;
     m.step = call;
@@ -363,6 +368,7 @@ class data_parallel_step {
     }
 
     m.stepped = true;
+    check_replicas(m);
     m.gain = gain;
     m.lr = lr;
     m.optimizer_steps = state_.steps();
@@ -392,6 +398,13 @@ class data_parallel_step {
   const step_metrics& metrics() const { return last_; }
   /// Calls of step() so far (taken and skipped).
   std::uint64_t steps() const { return calls_; }
+
+  /// How often the replica check runs: on the first step that leaves the replicas identical
+  /// and then every `every` such steps (0 turns it off). Default 1000: one extra read of the
+  /// parameters per thousand steps. Every rank must set the same value.
+  void set_replica_check_interval(std::uint64_t every) { replica_every_ = every; }
+  /// The replica check interval (see set_replica_check_interval).
+  std::uint64_t replica_check_interval() const { return replica_every_; }
 
   /// The optimizer (its options).
   const Opt& optimizer() const { return opt_; }
@@ -587,21 +600,64 @@ class data_parallel_step {
     check_lr(fn);
   }
 
-  /// One allreduce of six doubles (max): tensor count, element count and a size fingerprint.
-  void agree_on_lists() {
-    const auto c = static_cast<double>(params_->size());
-    const auto t = static_cast<double>(params_->total_elements());
-    const double f = detail::fingerprint(params_->grads());
-    double v[6] = {c, -c, t, -t, f, -f};
-    comm_->allreduce(tensor_view<double, host_space>::vector(v, 6), reduce_op::max);
-    detail::require(
-        v[0] == -v[1] && v[2] == -v[3] && v[4] == -v[5], "train::data_parallel_step on rank ", comm_->rank(),
-        ": this rank's parameter list holds ", params_->size(), " tensors (", params_->total_elements(),
-        " elements) but the ranks hold between ", -v[1], " and ", v[0], " tensors (", -v[3], " to ", v[2],
-        " elements) or tensors of other sizes; every rank must pass the same parameters, with the "
-        "same shapes, in the same order");
+  /// The construction agreement (gradapt::agree_values, one small allreduce): the parameter
+  /// list (tensor count, element count, a size fingerprint), which slots are on, the settings
+  /// and the slot options that must match, so that a rank built with another learning rate,
+  /// batch, base batch or period throws with every other rank instead of drifting apart.
+  template <class A, class Y>
+  void agree_on_construction(const A& adapt, const Y& sync) {
+    agreed_list<24> v;
+    v.push("parameter tensors", static_cast<double>(params_->size()));
+    v.push("parameter elements", static_cast<double>(params_->total_elements()));
+    v.push("parameter shapes (fingerprint)", detail::fingerprint(params_->grads()));
+    v.push("loss scaling on", has_loss_scaling ? 1.0 : 0.0);
+    v.push("adascale on", has_adascale ? 1.0 : 0.0);
+    v.push("local sgd on", has_local_sgd ? 1.0 : 0.0);
+    v.push("step_settings::lr", settings_.lr);
+    v.push("step_settings::local_batch", settings_.local_batch);
+    v.push("step_settings::accumulation_steps", static_cast<double>(settings_.accumulation_steps));
+    v.push("step_settings::period", static_cast<double>(settings_.period));
+    if constexpr (has_adascale) {
+      v.push("adascale_policy::base_batch", adapt.base_batch);
+      v.push("adascale_policy::sqrt_gain", adapt.sqrt_gain ? 1.0 : 0.0);
+      v.push("adascale_policy::scale_lr", adapt.scale_lr ? 1.0 : 0.0);
+    }
+    if constexpr (has_local_sgd)
+      v.push("local_sgd_options::start_step", static_cast<double>(sync.options.start_step));
+    agree_values(*comm_, "train::data_parallel_step", v.view());
     detail::require(params_->size() > 0, "train::data_parallel_step on rank ", comm_->rank(),
                     ": the parameter list is empty (add the model's parameters before building the step)");
+  }
+
+  /// The per-step agreement (one small allreduce, before anything is unscaled or combined): the
+  /// step number, this step's learning rate and the settings as the hooks left them, AdaScale's
+  /// scale and the loss scale. `bad` is this rank's error for an invalid step_args::lr.
+  void agree_on_step(std::uint64_t call, double eta, const std::string& bad) {
+    agreed_list<8> v;
+    v.push("step", static_cast<double>(call));
+    v.push("learning rate (step_args::lr or step_settings::lr)", bad.empty() ? eta : 0.0);
+    v.push("step_settings::local_batch", settings_.local_batch);
+    v.push("step_settings::accumulation_steps", static_cast<double>(settings_.accumulation_steps));
+    v.push("step_settings::period", static_cast<double>(settings_.period));
+    if constexpr (has_adascale) v.push("AdaScale scale", adapt_.ada.scale());
+    if constexpr (has_loss_scaling) v.push("loss scale", scaler_.scale());
+    agree_values(*comm_, "train::data_parallel_step::step", v.view(), bad);
+  }
+
+  /// The replica check: after a step that leaves the replicas identical (a synchronous step,
+  /// or a LocalSGD averaging round), on the first such step and then every
+  /// replica_check_interval() such steps, the sum of every parameter (in double, the backend's
+  /// deterministic reduction) is agreed across ranks. Replicas that drifted apart (other
+  /// optimizer options on one rank, a hook that changed something on one rank only, a
+  /// combiner that returns different gradients) are an error on every rank.
+  void check_replicas(const step_metrics& m) {
+    if (replica_every_ == 0 || !(m.synchronous || m.averaged)) return;
+    if (replica_checks_++ % replica_every_ != 0) return;
+    const double sum = backend_.reduce(reduction::sum, params_->values(), std::span<double>());
+    agree_values(*comm_, "train::data_parallel_step replica check",
+                 {{"the sum of the parameters after the step (the replicas differ: optimizer options, a "
+                   "hook or the combiner differ across ranks)",
+                   sum}});
   }
 
   /// Stage 2 (and the statistics of stage 3): combine the gradients across the ranks through
@@ -732,6 +788,8 @@ class data_parallel_step {
       sync_;
   step_settings settings_;
   step_metrics last_;
+  std::uint64_t replica_every_ = 1000;  ///< see set_replica_check_interval
+  std::uint64_t replica_checks_ = 0;    ///< steps eligible for the replica check so far
   std::uint64_t calls_ = 0;
   std::size_t tensors_ = 0;
   std::size_t total_ = 0;
