@@ -3,7 +3,9 @@
 /// A parameter list over a framework's own buffers: names, value and gradient views, per
 /// parameter flags, and groups that carry their own options. Nothing is copied.
 
+#include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <optional>
 #include <span>
 #include <string>
@@ -27,6 +29,29 @@ struct group_options {
   double lr_scale = 1.0;               ///< multiplies the learning rate for this group
   std::optional<double> weight_decay;  ///< overrides the optimizer's weight decay when set
 };
+
+namespace detail {
+
+/// Checks the options of group `group` that gradapt's optimizers read: lr_scale finite and
+/// >= 0 (a negative scale would step uphill), weight_decay (when set) finite and >= 0.
+/// @throws gradapt::error naming `who`, the group and the option
+template <class O>
+void check_group_options(const O& o, std::string_view group, std::string_view who) {
+  if constexpr (requires { o.lr_scale; }) {
+    const auto s = static_cast<double>(o.lr_scale);
+    require(std::isfinite(s) && s >= 0.0, who, ": group '", group, "' has lr_scale ", s,
+            " (expected finite and >= 0: it multiplies the learning rate, and a negative one steps uphill)");
+  }
+  if constexpr (requires { o.weight_decay.has_value(); }) {
+    if (o.weight_decay.has_value()) {
+      const auto w = static_cast<double>(*o.weight_decay);
+      require(std::isfinite(w) && w >= 0.0, who, ": group '", group, "' has weight_decay ", w,
+              " (expected finite and >= 0)");
+    }
+  }
+}
+
+}  // namespace detail
 
 /// One parameter: a name, its value and gradient views, flags and its group index.
 template <class V, class G, class Space>
@@ -68,6 +93,7 @@ class param_list {
   param_list() { groups_.push_back({"default", Options{}, {}}); }
   /// An empty list whose group 0 ("default") holds `default_options`.
   explicit param_list(Options default_options) {
+    detail::check_group_options(default_options, "default", "param_list");
     groups_.push_back({"default", std::move(default_options), {}});
   }
 
@@ -76,6 +102,7 @@ class param_list {
     detail::require(!name.empty(), "param_list::add_group: empty group name");
     for (const auto& g : groups_)
       detail::require(g.name != name, "param_list::add_group: group '", name, "' already exists");
+    detail::check_group_options(options, name, "param_list::add_group");
     groups_.push_back({std::move(name), std::move(options), {}});
     return groups_.size() - 1;
   }
@@ -91,6 +118,22 @@ class param_list {
                     value.shape_string(), " but gradient shape ", grad.shape_string(),
                     " (expected equal shapes)");
     detail::require(!find(name), "param_list::add: parameter '", name, "' already exists");
+    // Two views of one buffer would be updated (or unscaled) twice per step.
+    detail::require(!overlaps(value.data(), value.bytes(), grad.data(), grad.bytes()),
+                    "param_list::add: parameter '", name,
+                    "' has a gradient that shares memory with its value (pass separate buffers)");
+    for (const auto& e : entries_) {
+      const auto clash = [&](const void* p, std::size_t n, const char* what) {
+        const char* other = overlaps(p, n, e.value.data(), e.value.bytes()) ? "value"
+                            : overlaps(p, n, e.grad.data(), e.grad.bytes()) ? "gradient"
+                                                                            : nullptr;
+        detail::require(other == nullptr, "param_list::add: the ", what, " of parameter '", name,
+                        "' shares memory with the ", other == nullptr ? "" : other, " of parameter '", e.name,
+                        "' (each parameter needs its own value and gradient buffers)");
+      };
+      clash(value.data(), value.bytes(), "value");
+      clash(grad.data(), grad.bytes(), "gradient");
+    }
     entries_.push_back({std::move(name), value, grad, flags, group});
     values_.push_back(value);
     grads_.push_back(grad);
@@ -151,6 +194,12 @@ class param_list {
   }
 
  private:
+  /// True when the byte ranges [a, a + na) and [b, b + nb) share a byte.
+  static bool overlaps(const void* a, std::size_t na, const void* b, std::size_t nb) {
+    const auto x = reinterpret_cast<std::uintptr_t>(a), y = reinterpret_cast<std::uintptr_t>(b);
+    return na != 0 && nb != 0 && x < y + nb && y < x + na;
+  }
+
   std::vector<entry> entries_;
   std::vector<tensor_view<V, Space>> values_;
   std::vector<tensor_view<G, Space>> grads_;

@@ -87,7 +87,7 @@ struct adafactor_options {
   bool factored = true;  ///< false: every tensor keeps a full second moment (Adam-like state)
   factor_axes axes = factor_axes::largest_two;  ///< which two dims are factored: the two largest (optax) or
                                                 ///< the last two (torch)
-  double eps1 = 1e-30;  ///< regulariser of g² (torch: eps[0] = 1.19e-7, float's epsilon); must be >= 0
+  double eps1 = 1e-30;  ///< regulariser of g² (torch: eps[0] = 1.19e-7, float's epsilon); must be > 0
   adafactor_eps1 eps1_mode = adafactor_eps1::add_to_square;  ///< where eps1 enters: added to g² (optax, the
                                                              ///< paper) or as a clamp (torch)
   double clipping_threshold =
@@ -189,7 +189,7 @@ namespace transform {
 struct scale_by_factored_rms {
   /// Factor tensors of rank >= 2 (false: every tensor keeps a full v). Default true.
   bool factored = true;
-  /// β_t = 1 − t^(−decay_rate); finite, >= 0. Default 0.8.
+  /// β_t = 1 − t^(−decay_rate); in (0, 1]. Default 0.8.
   double decay_rate = 0.8;
   /// t is counted from this step (β = 0 until then). Default 0.
   std::uint64_t decay_offset = 0;
@@ -206,15 +206,14 @@ struct scale_by_factored_rms {
   static constexpr std::size_t buffers = 1;     ///< the statistics (v, or R then C)
   static constexpr bool uses_param = false;     ///< never reads p
 
-  /// @throws gradapt::error naming the option when decay_rate is negative, eps is negative
-  ///         (or 0 with the clamp) or min_dim_size_to_factor is negative
+  /// @throws gradapt::error naming the option when decay_rate is outside (0, 1], eps is not
+  ///         positive and finite, or min_dim_size_to_factor is negative
   void validate() const {
-    gradapt::detail::require(std::isfinite(decay_rate) && decay_rate >= 0.0,
+    gradapt::detail::require(std::isfinite(decay_rate) && decay_rate > 0.0 && decay_rate <= 1.0,
                              "scale_by_factored_rms: decay_rate is ", decay_rate,
-                             " (expected finite and >= 0; 0.8 in the paper)");
-    gradapt::detail::require(
-        std::isfinite(eps) && eps >= 0.0 && (eps_mode != adafactor_eps1::clamp || eps > 0.0),
-        "scale_by_factored_rms: eps is ", eps, " (expected finite and >= 0, and > 0 with eps_mode = clamp)");
+                             " (expected in (0, 1]; 0.8 in the paper)");
+    gradapt::detail::require(std::isfinite(eps) && eps > 0.0, "scale_by_factored_rms: eps is ", eps,
+                             " (expected finite and > 0: with 0, a row of zero gradients gives 0/0)");
     gradapt::detail::require(min_dim_size_to_factor >= 0, "scale_by_factored_rms: min_dim_size_to_factor is ",
                              min_dim_size_to_factor, " (expected >= 0)");
   }
@@ -381,14 +380,13 @@ class adafactor : public adafactor_chain_type {
   static void validate(const adafactor_options& o) {
     const auto finite_nonneg = [](double v) { return std::isfinite(v) && v >= 0; };
     detail::require(finite_nonneg(o.lr), "adafactor: lr is ", o.lr, " (expected finite and >= 0)");
-    detail::require(std::isfinite(o.decay_rate) && o.decay_rate >= 0, "adafactor: decay_rate is ",
-                    o.decay_rate, " (expected finite and >= 0; 0.8 in the paper)");
+    detail::require(std::isfinite(o.decay_rate) && o.decay_rate > 0 && o.decay_rate <= 1,
+                    "adafactor: decay_rate is ", o.decay_rate, " (expected in (0, 1]; 0.8 in the paper)");
     detail::require(o.min_dim_size_to_factor >= 0, "adafactor: min_dim_size_to_factor is ",
                     o.min_dim_size_to_factor, " (expected >= 0)");
-    detail::require(finite_nonneg(o.eps1), "adafactor: eps1 is ", o.eps1, " (expected finite and >= 0)");
-    detail::require(o.eps1_mode != adafactor_eps1::clamp || o.eps1 > 0,
-                    "adafactor: eps1 is 0 with "
-                    "eps1_mode = clamp (expected > 0: it bounds 1/sqrt(v))");
+    detail::require(std::isfinite(o.eps1) && o.eps1 > 0, "adafactor: eps1 is ", o.eps1,
+                    " (expected finite and > 0: with 0 a row of zero gradients gives 0/0; with the clamp "
+                    "it bounds 1/sqrt(v))");
     detail::require(o.clipping_threshold > 0 && !std::isnan(o.clipping_threshold),
                     "adafactor: clipping_threshold is ", o.clipping_threshold,
                     " (expected > 0; +inf turns clipping off)");

@@ -341,6 +341,8 @@ class chain {
                   detail::optim::group_weight_decay(o) != st.group_wd_[g];
       }
     if (!changed) return;
+    for (std::size_t g = 0; g < ng; ++g)  // all or nothing: check every group before using any
+      gradapt::detail::check_group_options(params.group(g).options, params.group(g).name, "chain::step");
     st.group_lr_.resize(ng);
     st.group_wd_.resize(ng);
     for (std::size_t g = 0; g < ng; ++g) {

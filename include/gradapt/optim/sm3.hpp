@@ -72,7 +72,7 @@ struct accumulate {
   C c1, c2;
   GRADAPT_HD double operator()(C r, C c, C g) const {
     const C nu = simd::min(r, c);
-    return static_cast<double>(c1 * (g * g) + c2 * nu);
+    return static_cast<double>((c1 * g) * g + c2 * nu);
   }
 };
 /// The maximum's terms of an already reduced array: the value itself.
@@ -204,7 +204,7 @@ struct scale_by_sm3 {
     /// Full accumulator (1-D, rank 0): a ← c1 u² + c2 a; u ← u / √(a + eps) (0 where a <= 0).
     template <class V>
     GRADAPT_HD GRADAPT_INLINE void update(V& u, const V&, const double*, V& a) const {
-      a = V(c1) * (u * u) + V(c2) * a;
+      a = (V(c1) * u) * u + V(c2) * a;
       u = gradapt::detail::sm3_k::update_of(u, a, eps);
     }
     /// u from its input and the advanced accumulator.
@@ -222,7 +222,7 @@ struct scale_by_sm3 {
     /// covers.
     template <class V>
     GRADAPT_HD GRADAPT_INLINE V term(const V& r, const V& c, const V& g) const {
-      return V(c1) * (g * g) + V(c2) * simd::min(r, c);
+      return (V(c1) * g) * g + V(c2) * simd::min(r, c);
     }
   };
   /// The kernel (no per-step constants).

@@ -104,13 +104,16 @@ struct scale_by_adam {
   static constexpr bool uses_param = false;           ///< never reads p
 
   /// Checks the options (the chain calls it when it is built and at `init`).
-  /// @throws gradapt::error naming the option when b1 or b2 is outside [0, 1) or eps or eps_root
-  ///         is negative or not finite
+  /// @throws gradapt::error naming the option when b1 or b2 is outside [0, 1), eps or eps_root
+  ///         is negative or not finite, or both are 0
   void validate() const {
     detail::check_range(b1, 0.0, 1.0, false, "scale_by_adam", "b1", "0.9 is typical");
     detail::check_range(b2, 0.0, 1.0, false, "scale_by_adam", "b2", "0.999 is typical");
     detail::check_nonneg(eps, "scale_by_adam", "eps", "1e-8 for Adam, 1e-6 for LAMB");
     detail::check_nonneg(eps_root, "scale_by_adam", "eps_root", "usually 0");
+    gradapt::detail::require(eps > 0.0 || eps_root > 0.0,
+                             "scale_by_adam: eps and eps_root are both 0 (expected eps > 0 "
+                             "or eps_root > 0: with both 0, an exactly zero gradient gives 0/0)");
   }
 
   /// Element math of scale_by_adam in compute type C.
@@ -126,24 +129,30 @@ struct scale_by_adam {
     /// 1 − b2, formed in double, then rounded to C.
     /// @var inv_bc1
     /// 1 / (1 − b1^t) for this step (1 without bias correction).
-    /// @var inv_bc2
-    /// 1 / (1 − b2^t) for this step (1 without bias correction).
+    /// @var rs_bc2
+    /// 1 / √(1 − b2^t) for this step (1 without bias correction).
     /// @var eps
     /// eps, added to √v̂.
-    /// @var eps_root
-    /// eps_root, added to v̂ inside the root.
-    C b1, omb1, b2, omb2, inv_bc1, inv_bc2, eps, eps_root;
+    /// @var eps_root_v
+    /// eps_root · (1 − b2^t): eps_root on the scale of v, so that √(v̂ + eps_root) =
+    /// √(v + eps_root_v) · rs_bc2.
+    C b1, omb1, b2, omb2, inv_bc1, rs_bc2, eps, eps_root_v;
 
-    /// The update direction m̂ / (√(v̂ + eps_root) + eps) from the advanced moments m and v.
+    /// The update direction m̂ / (√(v̂ + eps_root) + eps) from the advanced moments m and v,
+    /// with √v̂ taken as √(v + eps_root (1 − b2^t)) / √(1 − b2^t): v̂ itself is never formed,
+    /// so the division by 1 − b2^t (1000 at the first step for b2 = 0.999) cannot overflow v.
     template <class V>
     GRADAPT_HD GRADAPT_INLINE V direction(const V& m, const V& v) const {
-      return (m * inv_bc1) / (simd::sqrt(v * inv_bc2 + eps_root) + eps);
+      return (m * inv_bc1) / (simd::sqrt(v + eps_root_v) * rs_bc2 + eps);
     }
-    /// Advances m and v with the incoming u, then sets u to `direction(m, v)`.
+    /// Advances m and v with the incoming u, then sets u to `direction(m, v)`. The new term of v
+    /// is formed as ((1 − b2) u) u, so it is finite whenever the exact (1 − b2) u² is a finite
+    /// value of C (for float and b2 = 0.999, |u| up to about 5.8e20; u² alone would overflow
+    /// above 1.8e19 and freeze the parameter with v = inf).
     template <class V>
     GRADAPT_HD GRADAPT_INLINE void update(V& u, const V&, const double*, V& m, V& v) const {
       m = omb1 * u + b1 * m;
-      v = omb2 * (u * u) + b2 * v;
+      v = (omb2 * u) * u + b2 * v;
       u = direction(m, v);
     }
     /// Sets u to `direction(m, v)` from the already advanced moments; reads no input u.
@@ -153,16 +162,16 @@ struct scale_by_adam {
     }
   };
 
-  /// The kernel for step `s.step` (t): the decays and 1 − b rounded to C, and the reciprocal bias
-  /// corrections 1 / (1 − b^t) computed in double with std::pow.
+  /// The kernel for step `s.step` (t): the decays and 1 − b rounded to C, and the bias
+  /// corrections 1 / (1 − b1^t) and 1 / √(1 − b2^t) computed in double with std::pow.
   template <class C>
   kernel<C> prepare(const step_context& s) const {
     const double t = static_cast<double>(s.step);
     const double bc1 = bias_correction ? 1.0 - std::pow(b1, t) : 1.0;
     const double bc2 = bias_correction ? 1.0 - std::pow(b2, t) : 1.0;
-    return {static_cast<C>(b1),       static_cast<C>(1.0 - b1),  static_cast<C>(b2),
-            static_cast<C>(1.0 - b2), static_cast<C>(1.0 / bc1), static_cast<C>(1.0 / bc2),
-            static_cast<C>(eps),      static_cast<C>(eps_root)};
+    return {static_cast<C>(b1),       static_cast<C>(1.0 - b1),      static_cast<C>(b2),
+            static_cast<C>(1.0 - b2), static_cast<C>(1.0 / bc1),     static_cast<C>(1.0 / std::sqrt(bc2)),
+            static_cast<C>(eps),      static_cast<C>(eps_root * bc2)};
   }
 };
 
