@@ -125,6 +125,9 @@ target_link_libraries(test_train_step PRIVATE Threads::Threads)
 # Ranks that disagree: every rank throws, none hangs (bounded by the threads watchdog).
 gradapt_add_test(test_disagreement SOURCES test_disagreement.cpp)
 target_link_libraries(test_disagreement PRIVATE Threads::Threads)
+# 10,000 random cases of ranks that call different collectives, types, ops, counts or options.
+gradapt_add_test(test_soak_disagreement SOURCES test_soak_disagreement.cpp)
+target_link_libraries(test_soak_disagreement PRIVATE Threads::Threads)
 # A backend defined in the test from the documented concepts only, against gradapt::host.
 gradapt_add_test(test_backend_third_party SOURCES test_backend_third_party.cpp)
 target_link_libraries(test_backend_third_party PRIVATE Threads::Threads)

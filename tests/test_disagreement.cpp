@@ -186,3 +186,37 @@ TEST_CASE("noise scale: a batch that differs across ranks is an error on every r
                         }),
               "noise_batch::micro_batch is ");
 }
+
+TEST_CASE("Adasum: another element type or mode on one rank is an error on every rank, not a crash",
+          "[disagreement][adasum]") {
+  // float on rank 0, double elsewhere: named as an element type, not as a size.
+  require_all(errors_of(3,
+                        [](threads& comm) {
+                          std::vector<float> xf(6, 1.0f);
+                          std::vector<double> xd(6, 1.0);
+                          gradapt::adasum<threads> ada(comm);
+                          if (comm.rank() == 0) {
+                            std::vector<gradapt::tensor_view<float>> list = {gradapt::host_view(xf)};
+                            gradapt::adasum_workspace<float> ws(list);
+                            ada.allreduce(gradapt::host{}, list, ws);
+                          } else {
+                            std::vector<gradapt::tensor_view<double>> list = {gradapt::host_view(xd)};
+                            gradapt::adasum_workspace<double> ws(list);
+                            ada.allreduce(gradapt::host{}, list, ws);
+                          }
+                        }),
+              "the element types differ across ranks");
+  // Hierarchical on rank 0 (it splits the world), flat elsewhere (it starts the reduction).
+  require_all(
+      errors_of(4,
+                [](threads& comm) {
+                  std::vector<float> x(6, 1.0f);
+                  std::vector<gradapt::tensor_view<float>> list = {gradapt::host_view(x)};
+                  gradapt::adasum_workspace<float> ws(list);
+                  const auto mode =
+                      comm.rank() == 0 ? gradapt::adasum_mode::hierarchical : gradapt::adasum_mode::flat;
+                  gradapt::adasum<threads> ada(comm, {.mode = mode, .group_size = comm.rank() == 0 ? 2 : 1});
+                  ada.allreduce(gradapt::host{}, list, ws);
+                }),
+      "must call the same collective");
+}

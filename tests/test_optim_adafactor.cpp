@@ -120,7 +120,7 @@ TEST_CASE("adafactor's first step on a factored matrix has a closed form", "[opt
   gradapt::param_list<float> pl;
   pl.add("w", gradapt::host_view(p, {n, m}), gradapt::host_view(g, {n, m}));
   host b{.threads = 2};
-  gradapt::adafactor opt({.lr = 0.25, .eps1 = 0.0});
+  gradapt::adafactor opt({.lr = 0.25, .eps1 = 1e-37});  // > 0, and below every g²'s ulp
   auto st = opt.init(b, pl);
   REQUIRE(st.factored(0));
   opt.step(b, pl, st);

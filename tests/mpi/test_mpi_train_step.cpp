@@ -310,5 +310,5 @@ TEST_CASE("mpi: parameter lists that differ across ranks throw on every rank", "
   } catch (const gradapt::error& e) {
     what = e.what();
   }
-  REQUIRE(what.find("every rank must pass the same parameters") != std::string::npos);
+  REQUIRE(what.find("every rank must pass the same parameter") != std::string::npos);
 }

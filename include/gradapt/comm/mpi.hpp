@@ -15,13 +15,19 @@
 ///   `P` ranks a 16-bit sum carries up to `P - 1` roundings. Max is exact (it picks one
 ///   operand); a NaN operand makes the result NaN.
 /// - **Cheap argument agreement.** With `mpi_options::check_sizes` (the default) every
-///   collective first runs one tiny `MPI_Allreduce(MPI_MAX)` over `{n, -n, root, -root, bad}`
-///   (three to five 64-bit integers), so every rank learns the minimum and maximum size and
-///   whether any rank passed an invalid argument. All ranks then throw together, with a message
-///   that names both sizes (for example `gradapt: comm::mpi allreduce on rank 2: buffer has 10
-///   elements but rank 0 has 12`), instead of deadlocking or corrupting memory. `exchange`
-///   swaps the two sizes with the peer first. With `check_sizes = false` only local checks run;
-///   a rank that throws then leaves its peers waiting inside MPI.
+///   collective first runs one tiny `MPI_Iallreduce(MPI_MAX)` of the call's fingerprint
+///   (collective, element type, op, root, count and argument validity, each as f and -f; 11
+///   64-bit integers, comm/detail/fingerprint.hpp), so every rank learns whether all ranks
+///   entered the same collective with the same arguments. All ranks then throw together, with
+///   a message that names what differs (for example `gradapt: comm::mpi allreduce on rank 2:
+///   this rank passes 10 elements but rank 0 passes 12 elements (every rank must pass the same
+///   size)`), instead of deadlocking, truncating or mixing float with double. `exchange` swaps
+///   the two sizes with the peer first. With `check_sizes = false` only local checks run; a
+///   rank that throws then leaves its peers waiting inside MPI.
+/// - **Watchdog.** The argument check waits at most `mpi_options::timeout` seconds (default
+///   300) for the other ranks; past it, the rank prints an error naming the operation and
+///   aborts the job with `MPI_Abort`, so a rank that returned or called something else ends
+///   the job with a message instead of a silent hang.
 /// - **Engine errors.** Every MPI return code other than `MPI_SUCCESS` becomes `gradapt::error`
 ///   with the operation, the rank, the MPI function and MPI's own text (`MPI_Error_string`).
 ///   For codes to be returned at all, the constructor installs `MPI_ERRORS_RETURN` on the
@@ -33,13 +39,17 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -56,10 +66,11 @@ namespace gradapt::comm {
 /// Options of the MPI communicator, built with designated initialisers:
 /// `gradapt::comm::mpi comm{MPI_COMM_WORLD, {.check_sizes = false}}`.
 struct mpi_options {
-  /// Before each collective, agree on buffer sizes, roots and argument validity with one extra
-  /// tiny `MPI_Allreduce` (and, for `exchange`, swap sizes with the peer), so that a mismatch
-  /// makes every rank throw instead of hanging. Off saves one small latency-bound message per
-  /// call.
+  /// Before each collective, agree on the call's fingerprint (collective, element type, op,
+  /// root, count) and argument validity with one extra tiny `MPI_Iallreduce` (and, for
+  /// `exchange`, swap sizes with the peer), so that a mismatch makes every rank throw instead
+  /// of hanging or mixing data. Off saves one small latency-bound message per call (and turns
+  /// the watchdog off).
   bool check_sizes = true;
   /// Install `MPI_ERRORS_RETURN` on the wrapped handle (and on split handles) so that MPI
   /// failures come back as return codes and are thrown as `gradapt::error`. Note that this
@@ -72,6 +83,12 @@ struct mpi_options {
   /// Largest element count passed to one MPI call, in `[1, INT_MAX]`; longer buffers are sent
   /// in pieces. Lower it only to work around MPI libraries that mishandle large messages.
   std::int64_t max_count = INT_MAX;
+  /// Watchdog of the argument check (with check_sizes): the longest a rank waits, in seconds,
+  /// for every rank to enter the same collective. When it expires the rank prints an error
+  /// naming the operation to stderr and aborts the job with `MPI_Abort` (a collective that
+  /// not every rank entered can neither complete nor be cancelled). 0 waits forever. Default
+  /// 300 (5 minutes).
+  double timeout = 300.0;
 };
 
 namespace detail_mpi {
@@ -416,6 +433,9 @@ class mpi {
     gradapt::detail::require(comm_ != MPI_COMM_NULL,
                              "comm::mpi: the handle is MPI_COMM_NULL; pass a valid communicator "
                              "(a rank outside a split group has none)");
+    gradapt::detail::require(std::isfinite(opts_.timeout) && opts_.timeout >= 0.0,
+                             "comm::mpi: mpi_options::timeout is ", opts_.timeout,
+                             " (expected seconds >= 0; 0 waits forever)");
     gradapt::detail::require(opts_.max_count >= 1 && opts_.max_count <= INT_MAX,
                              "comm::mpi: mpi_options::max_count is ", opts_.max_count, " (expected 1 to ",
                              INT_MAX, ")");
@@ -435,6 +455,31 @@ class mpi {
   }
 
   detail::arguments args(std::string_view op) const { return {"comm::mpi", op, rank_, size_}; }
+
+  /// Waits for the argument check's request; past mpi_options::timeout, prints the error and
+  /// aborts the job (see mpi_options::timeout).
+  void wait_or_abort(MPI_Request& req, std::string_view op) const {
+    if (opts_.timeout <= 0.0) {
+      check(MPI_Wait(&req, MPI_STATUS_IGNORE), op, "MPI_Wait (argument check)");
+      return;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(opts_.timeout);
+    for (;;) {
+      int done = 0;
+      check(MPI_Test(&req, &done, MPI_STATUS_IGNORE), op, "MPI_Test (argument check)");
+      if (done) return;
+      if (std::chrono::steady_clock::now() > deadline) break;
+      std::this_thread::yield();
+    }
+    const std::string what =
+        args(op).text("not every rank entered ", op, " within ", opts_.timeout,
+                      " s (mpi_options::timeout): a rank returned, threw or called another operation; "
+                      "aborting the job");
+    std::fprintf(stderr, "%s\n", what.c_str());
+    std::fflush(stderr);
+    MPI_Abort(comm_, 3);
+    throw error(what);  // MPI_Abort does not return on a conforming implementation
+  }
 
   void check(int code, std::string_view op, std::string_view fn) const {
     detail_mpi::check(code, op, rank_, fn);
@@ -461,8 +506,10 @@ class mpi {
     detail::agree(
         "comm::mpi", op, rank_, size_, c, bad,
         [&](std::int64_t* w, std::size_t n) {
-          check(MPI_Allreduce(MPI_IN_PLACE, w, static_cast<int>(n), MPI_INT64_T, MPI_MAX, comm_), op,
-                "MPI_Allreduce (argument check)");
+          MPI_Request req = MPI_REQUEST_NULL;
+          check(MPI_Iallreduce(MPI_IN_PLACE, w, static_cast<int>(n), MPI_INT64_T, MPI_MAX, comm_, &req), op,
+                "MPI_Iallreduce (argument check)");
+          wait_or_abort(req, op);
         },
         [&](const std::int64_t* mine, std::size_t n, std::int64_t* all) {
           check(MPI_Allgather(mine, static_cast<int>(n), MPI_INT64_T, all, static_cast<int>(n), MPI_INT64_T,

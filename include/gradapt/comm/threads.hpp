@@ -422,7 +422,8 @@ class threads {
            buf.data()},
           data_bytes + (Norms ? 2 * static_cast<std::size_t>(p) * sizeof(double) : 0));
     auto* out = reinterpret_cast<T*>(w_->scratch());
-    const auto [lo, hi] = slice(n);
+    const auto bounds = slice(n);
+    const std::size_t lo = bounds.first, hi = bounds.second;
     const auto src = [&](int k) { return static_cast<const T*>(w_->posted(k).recv) + lo; };
     allreduce_norms mine;
     if constexpr (Norms)

@@ -186,7 +186,7 @@ constexpr int log2_exact(int p) {
 }
 
 /// Values carried by the layout agreement: count, elements, two fingerprint halves, error flag.
-inline constexpr std::size_t check_values = 5;
+inline constexpr std::size_t check_values = 6;
 
 /// 52-bit FNV-1a fingerprint of the element type and the tensor sizes of a list, as two
 /// 26-bit integers (each exact in a double).
@@ -452,7 +452,8 @@ class engine {
     const double bad = local_error.empty() ? 0.0 : static_cast<double>(comm_.rank() + 1);
     // Count, total and fingerprint describe the list itself (not the workspace), so a list
     // that differs from the other ranks' is seen by every rank.
-    const double mine[check_values] = {count, static_cast<double>(total), fp[0], fp[1], bad};
+    const double mine[check_values] = {count, static_cast<double>(total), fp[0], fp[1], bad,
+                                       static_cast<double>(dtype_of_v<T>)};
     put_values<2 * check_values> pv{};
     for (std::size_t k = 0; k < check_values; ++k) {
       pv.v[k] = mine[k];
@@ -467,6 +468,9 @@ class engine {
     const auto lo = [&](std::size_t k) { return static_cast<long long>(-got[check_values + k]); };
     const int r = comm_.rank();
     if (!local_error.empty()) throw error(local_error);
+    if (hi(5) != lo(5))
+      fail(who, " on rank ", r, ": the element types differ across ranks: this rank passes ", name(dtype_of_v<T>),
+           " (every rank must pass tensors of the same element type)");
     if (hi(0) != lo(0))
       fail(who, " on rank ", r, ": the tensor lists differ across ranks: this rank has ", list_.size(),
            " tensors, the ranks hold between ", lo(0), " and ", hi(0),
