@@ -8,7 +8,7 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends \
-  build-essential g++ clang cmake ninja-build pkg-config \
+  build-essential g++ clang libclang-rt-14-dev cmake ninja-build pkg-config \
   catch2 libbenchmark-dev libopenmpi-dev openmpi-bin libomp-dev \
   libxsimd-dev libeigen3-dev libxtensor-dev libtorch-dev \
   doxygen python3 python3-venv >/dev/null

@@ -1,0 +1,194 @@
+// libFuzzer target for every state's load(): the loss scaler, the noise scale, AdaScale,
+// LocalSGD (each schedule), the optimizer states (AdamW, LAMB, Adafactor, SM3) and the
+// data-parallel train step (on comm::single). Input layout:
+//
+//   byte 0   which state (modulo the number of states)
+//   byte 1   mode: even = the rest is the archive as is; odd = the rest is XORed, cyclically,
+//            into a valid archive of that state and the CRC32C is recomputed, so the fuzzer
+//            reaches the field parser and the value checks behind the checksum
+//   rest     the archive, or the XOR pattern
+//
+// Every load must either succeed or throw gradapt::error; after a throw the state must save
+// the same bytes as before (all or nothing); after a success, saving and loading again must
+// reproduce the same bytes. Anything else aborts (a finding). Built with
+// -fsanitize=fuzzer,address,undefined by scripts/fuzz.sh, which runs it for a short time.
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "gradapt/backend/host.hpp"
+#include "gradapt/comm/single.hpp"
+#include "gradapt/core/crc32c.hpp"
+#include "gradapt/core/param_list.hpp"
+#include "gradapt/optim/adafactor.hpp"
+#include "gradapt/optim/adamw.hpp"
+#include "gradapt/optim/lamb.hpp"
+#include "gradapt/optim/sm3.hpp"
+#include "gradapt/precision/loss_scaler.hpp"
+#include "gradapt/scaling/adascale.hpp"
+#include "gradapt/stats/gradient_noise_scale.hpp"
+#include "gradapt/sync/local_sgd.hpp"
+#include "gradapt/train/data_parallel_step.hpp"
+
+namespace {
+
+using bytes = std::vector<std::byte>;
+
+/// A small parameter list: a matrix (factored by Adafactor and SM3), a vector and a 3-d tensor.
+struct model {
+  std::vector<float> w1 = std::vector<float>(6 * 4), g1 = std::vector<float>(6 * 4);
+  std::vector<float> w2 = std::vector<float>(5), g2 = std::vector<float>(5);
+  std::vector<float> w3 = std::vector<float>(2 * 3 * 2), g3 = std::vector<float>(2 * 3 * 2);
+  gradapt::param_list<float> params;
+  model() {
+    params.add("dense.weight", gradapt::host_view(w1, {6, 4}), gradapt::host_view(g1, {6, 4}));
+    params.add("dense.bias", gradapt::host_view(w2, {5}), gradapt::host_view(g2, {5}));
+    params.add("conv.weight", gradapt::host_view(w3, {2, 3, 2}), gradapt::host_view(g3, {2, 3, 2}));
+    for (std::size_t i = 0; i < w1.size(); ++i) w1[i] = 0.1f * float(i % 7) - 0.3f;
+    for (std::size_t i = 0; i < g1.size(); ++i) g1[i] = 0.01f * float(i % 11) - 0.05f;
+    for (std::size_t i = 0; i < g2.size(); ++i) g2[i] = 0.02f * float(i % 5) - 0.04f;
+    for (std::size_t i = 0; i < g3.size(); ++i) g3[i] = 0.015f * float(i % 9) - 0.06f;
+  }
+};
+
+/// One state under test: its current bytes, and a load.
+struct target {
+  std::function<bytes()> save;
+  std::function<void(std::span<const std::byte>)> load;
+};
+
+[[noreturn]] void finding(const char* what) {
+  std::fprintf(stderr, "fuzz_load: %s\n", what);
+  std::abort();
+}
+
+void check(const target& t, std::span<const std::byte> input) {
+  const bytes before = t.save();
+  try {
+    t.load(input);
+  } catch (const gradapt::error&) {
+    if (t.save() != before) finding("a rejected load changed the state");
+    return;
+  }
+  const bytes after = t.save();
+  t.load(after);
+  if (t.save() != after) finding("save -> load -> save is not the identity");
+  t.load(before);  // the next input starts from the same state
+}
+
+template <class Opt>
+target optimizer_target(Opt opt) {
+  struct holder {
+    model m;
+    gradapt::host b{.threads = 1};
+    Opt opt;
+    decltype(std::declval<Opt&>().init(std::declval<gradapt::host&>(), std::declval<model&>().params)) st;
+    explicit holder(Opt o) : opt(std::move(o)), st(opt.init(b, m.params)) {
+      for (int t = 0; t < 2; ++t) opt.step(b, m.params, st, {.lr = 1e-2});
+    }
+  };
+  auto h = std::make_shared<holder>(std::move(opt));
+  return {[h] { return h->st.save(h->b); }, [h](std::span<const std::byte> in) { h->st.load(h->b, in); }};
+}
+
+template <class S>
+target simple_target(std::shared_ptr<S> s) {
+  return {[s] { return s->save(); }, [s](std::span<const std::byte> in) { s->load(in); }};
+}
+
+template <class Schedule>
+target local_sgd_target(Schedule schedule) {
+  struct holder {
+    gradapt::comm::single comm;
+    std::vector<float> x = std::vector<float>(7, 1.0f);
+    std::vector<gradapt::tensor_view<float>> xs{gradapt::host_view(x)};
+    gradapt::local_sgd<gradapt::comm::single, Schedule> lsgd;
+    explicit holder(Schedule s) : lsgd(comm, {.start_step = 1}, s) {
+      for (int t = 0; t < 5; ++t) {
+        if constexpr (Schedule::uses_loss)
+          lsgd.step(comm, gradapt::host{}, {.loss = 1.0 / (1 + t), .lr = 0.1}, std::span(xs));
+        else
+          lsgd.step(comm, gradapt::host{}, std::span(xs));
+      }
+    }
+  };
+  auto h = std::make_shared<holder>(schedule);
+  return {[h] { return h->lsgd.save(); }, [h](std::span<const std::byte> in) { h->lsgd.load(in); }};
+}
+
+target train_step_target() {
+  struct holder {
+    gradapt::comm::single comm;
+    model m;
+    decltype(gradapt::train::make_data_parallel_step(
+        std::declval<gradapt::comm::single&>(), gradapt::host{}, std::declval<model&>().params,
+        gradapt::lamb({.weight_decay = 0.01}), gradapt::train::step_settings{}, gradapt::loss_scaler{},
+        gradapt::train::adascale_policy{})) step;
+    holder()
+        : step(gradapt::train::make_data_parallel_step(
+              comm, gradapt::host{}, m.params, gradapt::lamb({.weight_decay = 0.01}),
+              {.lr = 0.01, .local_batch = 8}, gradapt::loss_scaler({.init_scale = 256.0}),
+              gradapt::train::adascale_policy{.base_batch = 8})) {
+      for (int t = 0; t < 2; ++t) step.step({.loss = 1.0});
+    }
+  };
+  auto h = std::make_shared<holder>();
+  return {[h] { return h->step.save(); }, [h](std::span<const std::byte> in) { h->step.load(in); }};
+}
+
+std::vector<target>& targets() {
+  static std::vector<target> all = [] {
+    std::vector<target> t;
+    auto scaler = std::make_shared<gradapt::loss_scaler>(gradapt::loss_scaler_options{.growth_interval = 3});
+    for (int k = 0; k < 5; ++k) (void)scaler->update(k == 2);
+    t.push_back(simple_target(scaler));
+    auto gns = std::make_shared<gradapt::gradient_noise_scale>(gradapt::gradient_noise_scale_options{});
+    for (int k = 1; k <= 3; ++k) gns->update(0.5 + 0.1 * k, 8.0, 0.2 + 0.01 * k, 32.0);
+    t.push_back(simple_target(gns));
+    auto ada = std::make_shared<gradapt::adascale>(gradapt::adascale_options{.scale = 4.0});
+    for (int k = 0; k < 3; ++k) ada->advance(*gns, 8.0);
+    t.push_back(simple_target(ada));
+    t.push_back(local_sgd_target(gradapt::fixed_period({.period = 2})));
+    t.push_back(local_sgd_target(gradapt::adaptive_period({.initial_period = 2, .max_period = 8})));
+    t.push_back(local_sgd_target(gradapt::hierarchical_period(
+        {.levels = {{.period = 2, .group_size = 1},
+                    {.period = 4, .group_size = gradapt::hierarchical_level::world}}})));
+    t.push_back(optimizer_target(gradapt::adamw({.weight_decay = 0.01})));
+    t.push_back(optimizer_target(gradapt::lamb({.weight_decay = 0.01})));
+    t.push_back(optimizer_target(gradapt::adafactor({.min_dim_size_to_factor = 2, .momentum = 0.9})));
+    t.push_back(optimizer_target(gradapt::sm3({.momentum = 0.9})));
+    t.push_back(train_step_target());
+    return t;
+  }();
+  return all;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  if (size < 2) return 0;
+  auto& all = targets();
+  const target& t = all[data[0] % all.size()];
+  const auto* rest = reinterpret_cast<const std::byte*>(data + 2);
+  const std::size_t n = size - 2;
+  if ((data[1] & 1) == 0) {
+    check(t, std::span<const std::byte>(rest, n));
+    return 0;
+  }
+  bytes mutated = t.save();
+  for (std::size_t i = 0; i < n; ++i) mutated[(i * 131 + data[1] / 2) % mutated.size()] ^= rest[i];
+  if (mutated.size() >= 4) {
+    const std::uint32_t crc = gradapt::crc32c(std::span<const std::byte>(mutated.data(), mutated.size() - 4));
+    for (int k = 0; k < 4; ++k)
+      mutated[mutated.size() - 4 + k] = static_cast<std::byte>((crc >> (8 * k)) & 0xffu);
+  }
+  check(t, mutated);
+  return 0;
+}
