@@ -36,35 +36,6 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-struct replica {
-  std::vector<float> p, g;
-  gradapt::param_list<float> params;
-  explicit replica(int rank) {
-    const auto shapes = gradapt_bench::gpt2_small_shapes();
-    std::size_t n = 0;
-    for (const auto& t : shapes) {
-      std::size_t k = 1;
-      for (auto d : t.dims) k *= static_cast<std::size_t>(d);
-      n += k;
-    }
-    p.assign(n, 0.0f);
-    g.assign(n, 0.0f);
-    for (std::size_t i = 0; i < n; ++i) {
-      p[i] = 0.02f * static_cast<float>(static_cast<int>(i * 2654435761u % 2001) - 1000) / 1000.0f;
-      g[i] = 1e-3f *
-             static_cast<float>(static_cast<int>((i + 7u * static_cast<unsigned>(rank)) * 40503u % 2001) -
-                                1000) /
-             1000.0f;
-    }
-    std::size_t off = 0;
-    for (const auto& t : shapes) {
-      const gradapt::tensor_view<float> pv(p.data() + off, t.dims), gv(g.data() + off, t.dims);
-      params.add(t.name, pv, gv, {.skip_weight_decay = t.no_decay});
-      off += pv.size();
-    }
-  }
-};
-
 void BM_agreement_share(benchmark::State& st) {
   const int ranks = static_cast<int>(st.range(0));
   constexpr int steps = 5, agrees = 400, replicas = 5;
@@ -72,7 +43,7 @@ void BM_agreement_share(benchmark::State& st) {
   std::uint64_t interval = 0;
   for (auto _ : st) {
     gradapt::comm::run_threads(ranks, [&](gradapt::comm::threads& comm) {
-      replica r(comm.rank());
+      gradapt_bench::gpt2_bucket r(/*flag_no_decay=*/true, /*with_triad=*/false);
       const gradapt::host backend{.threads = 1};
       auto step = gradapt::train::make_data_parallel_step(
           comm, backend, r.params, gradapt::adamw({.lr = 1e-4, .weight_decay = 0.01}), {.lr = 1e-4});

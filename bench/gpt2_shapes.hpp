@@ -51,7 +51,8 @@ struct gpt2_bucket {
   std::vector<float> ta, tb, tc;  ///< triad arrays
   gradapt::param_list<float> params;
 
-  explicit gpt2_bucket(bool flag_no_decay) {
+  /// `with_triad = false` leaves the triad arrays empty (for benches that hold many replicas).
+  explicit gpt2_bucket(bool flag_no_decay, bool with_triad = true) {
     const auto s = gpt2_small_shapes();
     for (const auto& t : s) {
       std::size_t k = 1;
@@ -64,7 +65,7 @@ struct gpt2_bucket {
       p[i] = 0.02f * static_cast<float>(static_cast<int>(i * 2654435761u % 2001) - 1000) / 1000.0f;
       g[i] = 1e-3f * static_cast<float>(static_cast<int>(i * 40503u % 2001) - 1000) / 1000.0f;
     }
-    ta.assign(n, 1.0f), tb.assign(n, 2.0f), tc.assign(n, 0.5f);
+    if (with_triad) ta.assign(n, 1.0f), tb.assign(n, 2.0f), tc.assign(n, 0.5f);
     std::size_t off = 0;
     for (const auto& t : s) {
       const gradapt::tensor_view<float> pv(p.data() + off, t.dims), gv(g.data() + off, t.dims);

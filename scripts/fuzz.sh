@@ -13,6 +13,6 @@ seconds=${1:-60}
 out=${2:-build/fuzz}
 mkdir -p "$out/corpus"
 clang++ -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-  -Iinclude tests/fuzz/fuzz_load.cpp -o "$out/fuzz_load"
+  -Iinclude -Itests/support tests/fuzz/fuzz_load.cpp -o "$out/fuzz_load"
 cd "$out"
 ./fuzz_load -max_total_time="$seconds" -max_len=4096 -seed=20261125 -print_final_stats=1 corpus

@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "checkpoint_model.hpp"
 #include "gradapt/backend/host.hpp"
 #include "gradapt/comm/single.hpp"
 #include "gradapt/core/crc32c.hpp"
@@ -41,22 +42,7 @@ namespace {
 
 using bytes = std::vector<std::byte>;
 
-/// A small parameter list: a matrix (factored by Adafactor and SM3), a vector and a 3-d tensor.
-struct model {
-  std::vector<float> w1 = std::vector<float>(6 * 4), g1 = std::vector<float>(6 * 4);
-  std::vector<float> w2 = std::vector<float>(5), g2 = std::vector<float>(5);
-  std::vector<float> w3 = std::vector<float>(2 * 3 * 2), g3 = std::vector<float>(2 * 3 * 2);
-  gradapt::param_list<float> params;
-  model() {
-    params.add("dense.weight", gradapt::host_view(w1, {6, 4}), gradapt::host_view(g1, {6, 4}));
-    params.add("dense.bias", gradapt::host_view(w2, {5}), gradapt::host_view(g2, {5}));
-    params.add("conv.weight", gradapt::host_view(w3, {2, 3, 2}), gradapt::host_view(g3, {2, 3, 2}));
-    for (std::size_t i = 0; i < w1.size(); ++i) w1[i] = 0.1f * float(i % 7) - 0.3f;
-    for (std::size_t i = 0; i < g1.size(); ++i) g1[i] = 0.01f * float(i % 11) - 0.05f;
-    for (std::size_t i = 0; i < g2.size(); ++i) g2[i] = 0.02f * float(i % 5) - 0.04f;
-    for (std::size_t i = 0; i < g3.size(); ++i) g3[i] = 0.015f * float(i % 9) - 0.06f;
-  }
-};
+using gradapt_test::model;
 
 /// One state under test: its current bytes, and a load.
 struct target {
@@ -91,7 +77,10 @@ target optimizer_target(Opt opt) {
     Opt opt;
     decltype(std::declval<Opt&>().init(std::declval<gradapt::host&>(), std::declval<model&>().params)) st;
     explicit holder(Opt o) : opt(std::move(o)), st(opt.init(b, m.params)) {
-      for (int t = 0; t < 2; ++t) opt.step(b, m.params, st, {.lr = 1e-2});
+      for (int t = 1; t <= 2; ++t) {
+        m.grads(t);
+        opt.step(b, m.params, st, {.lr = 1e-2});
+      }
     }
   };
   auto h = std::make_shared<holder>(std::move(opt));
@@ -136,7 +125,10 @@ target train_step_target() {
               comm, gradapt::host{}, m.params, gradapt::lamb({.weight_decay = 0.01}),
               {.lr = 0.01, .local_batch = 8}, gradapt::loss_scaler({.init_scale = 256.0}),
               gradapt::train::adascale_policy{.base_batch = 8})) {
-      for (int t = 0; t < 2; ++t) step.step({.loss = 1.0});
+      for (int t = 1; t <= 2; ++t) {
+        m.grads(t);
+        step.step({.loss = 1.0});
+      }
     }
   };
   auto h = std::make_shared<holder>();
