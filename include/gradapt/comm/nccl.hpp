@@ -25,6 +25,9 @@
 ///   `ncclAllReduce` (or, for exchange, a send/recv of the size) and synchronises the stream
 ///   before the operation, so that all ranks throw together with both sizes named.
 /// - **Empty buffers.** A zero-element operation enqueues nothing (after the optional check).
+/// - **Host-side watchdog.** What waits on the host (`barrier`, `split`, the argument check)
+///   polls the stream for at most `nccl_options::timeout` seconds, then aborts the
+///   communicator (`ncclCommAbort`) and throws. Unverified on hardware (no GPU has run it).
 /// - **Engine errors.** Every NCCL or CUDA result other than success becomes `gradapt::error`
 ///   naming the operation, the rank, the function and the engine's own text
 ///   (`ncclGetErrorString` plus `ncclGetLastError`; `cudaGetErrorString`). Non-blocking
@@ -33,11 +36,14 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -58,6 +64,13 @@ struct nccl_options {
   /// (one tiny collective plus a stream synchronisation per call), so a mismatch makes every
   /// rank throw instead of hanging. For debugging; off by default.
   bool check_sizes = false;
+  /// Host-side watchdog of the operations that wait on the host (`barrier`, `split` and the
+  /// argument check): the longest, in seconds, the host polls the stream for them. Past it the
+  /// communicator is aborted (`ncclCommAbort`, as PyTorch's NCCL watchdog does) and the call
+  /// throws gradapt::error naming the operation; the communicator cannot be used afterwards.
+  /// 0 waits forever. Default 300 (5 minutes). Enqueued collectives are not watched: the
+  /// framework synchronises their stream.
+  double timeout = 300.0;
 };
 
 namespace detail_nccl {
@@ -291,6 +304,9 @@ class nccl {
   }
 
   void init() {
+    gradapt::detail::require(std::isfinite(opts_.timeout) && opts_.timeout >= 0.0,
+                             "comm::nccl: nccl_options::timeout is ", opts_.timeout,
+                             " (expected seconds >= 0; 0 waits forever)");
     gradapt::detail::require(comm_ != nullptr,
                              "comm::nccl: the ncclComm_t handle is null; pass an initialised "
                              "communicator (ncclCommInitRank, ncclCommInitAll or ncclCommSplit)");
@@ -342,9 +358,25 @@ class nccl {
     check(ncclGroupEnd(), op, "ncclGroupEnd");
   }
 
+  /// Waits for the stream on the host, at most nccl_options::timeout seconds (see there).
   void synchronize(std::string_view op) const {
     detail_nccl::device_guard guard(state_->device);
-    cuda_check(cudaStreamSynchronize(stream_), op, "cudaStreamSynchronize");
+    if (opts_.timeout <= 0.0) {
+      cuda_check(cudaStreamSynchronize(stream_), op, "cudaStreamSynchronize");
+      return;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(opts_.timeout);
+    for (;;) {
+      const cudaError_t e = cudaStreamQuery(stream_);
+      if (e == cudaSuccess) return;
+      if (e != cudaErrorNotReady) cuda_check(e, op, "cudaStreamQuery");
+      if (std::chrono::steady_clock::now() > deadline) break;
+      std::this_thread::yield();
+    }
+    ncclCommAbort(comm_);
+    fail(op, "not every rank finished ", op, " within ", opts_.timeout,
+         " s (nccl_options::timeout): a rank returned, threw or called another operation; the "
+         "communicator was aborted (ncclCommAbort) and cannot be used again");
   }
 
   /// Device scratch for the argument check: one fingerprint, or this rank's fields followed by
