@@ -289,6 +289,18 @@ TEST_CASE("mpi local_sgd: invalid input or mismatched lists on one rank make eve
     REQUIRE(x[0] == static_cast<double>(r));
     REQUIRE(lsgd.rounds() == 0);
   }
+  SECTION("another period on the last rank: an error at the first differing round, not a hang (2+ ranks)") {
+    if (n >= 2) {
+      std::vector<float> v(8, 1.0f);
+      const std::vector<tensor_view<float>> xs = {view(v)};
+      local_sgd lsgd(comm, {}, fixed_period({.period = r == bad ? 3 : 2}));
+      const std::string msg = error_of([&] {
+        for (int t = 0; t < 12; ++t) lsgd.step(comm, gradapt::host{}, xs);
+      });
+      CAPTURE(msg);
+      REQUIRE(msg.find("every rank must pass the same ") != std::string::npos);
+    }
+  }
   SECTION("one tensor fewer on the last rank (2+ ranks)") {
     if (n >= 2) {
       std::vector<std::vector<float>> bufs(r == bad ? 1 : 2, std::vector<float>(8, 1.0f));

@@ -312,3 +312,48 @@ TEST_CASE("mpi: parameter lists that differ across ranks throw on every rank", "
   }
   REQUIRE(what.find("every rank must pass the same parameter") != std::string::npos);
 }
+
+TEST_CASE("mpi: settings and options that differ across ranks throw on every rank",
+          "[mpi][train][disagreement]") {
+  mpi comm;
+  if (comm.size() < 2) return;
+  const int r = comm.rank();
+  const auto what_of = [](auto&& body) {
+    try {
+      body();
+    } catch (const gradapt::error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  {  // another learning rate on the last rank, at construction
+    replica<float> rep;
+    const double lr = r == comm.size() - 1 ? 0.2 : 0.1;
+    CHECK(what_of([&] {
+            (void)train::make_data_parallel_step(comm, gradapt::host{}, rep.params, gradapt::sgd(),
+                                                 {.lr = lr});
+          }).find("step_settings::lr is ") != std::string::npos);
+  }
+  {  // another per-call learning rate on rank 1
+    replica<float> rep;
+    auto step =
+        train::make_data_parallel_step(comm, gradapt::host{}, rep.params, gradapt::sgd(), {.lr = 0.1});
+    rep.fill(r, 1, 1.0);
+    CHECK(what_of([&] {
+            step.step({.lr = r == 1 ? 0.05 : 0.1});
+          }).find("learning rate (step_args::lr or step_settings::lr) is ") != std::string::npos);
+  }
+  {  // another momentum on rank 0: the replica check finds the drift
+    replica<float> rep;
+    auto step = train::make_data_parallel_step(comm, gradapt::host{}, rep.params,
+                                               gradapt::sgd({.momentum = r == 0 ? 0.9 : 0.0}), {.lr = 0.1});
+    step.set_replica_check_interval(1);
+    const std::string e = what_of([&] {
+      for (int t = 1; t <= 3; ++t) {
+        rep.fill(r, static_cast<std::uint64_t>(t), 1.0);
+        step.step();
+      }
+    });
+    CHECK(e.find("the replicas differ") != std::string::npos);
+  }
+}
