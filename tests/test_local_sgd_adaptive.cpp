@@ -548,9 +548,8 @@ TEST_CASE("local_sgd: lists that differ across ranks throw on every rank", "[loc
         std::vector<float> x(comm.rank() == 1 ? 5 : 4, 1.0f);
         const std::vector<tensor_view<float>> xs = {gradapt::host_view(x)};
         local_sgd lsgd(comm, {.check_lists = check}, fixed_period({.period = 1}));
-        RANK_REQUIRE_THROWS_WITH(
-            lsgd.step(comm, gradapt::host{}, xs),
-            Contains("ranges from 16 to 20 across ranks"));
+        RANK_REQUIRE_THROWS_WITH(lsgd.step(comm, gradapt::host{}, xs),
+                                 Contains("ranges from 16 to 20 across ranks"));
         RANK_REQUIRE(lsgd.rounds() == 0);
       });
     }

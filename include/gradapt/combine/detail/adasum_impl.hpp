@@ -452,8 +452,8 @@ class engine {
     const double bad = local_error.empty() ? 0.0 : static_cast<double>(comm_.rank() + 1);
     // Count, total and fingerprint describe the list itself (not the workspace), so a list
     // that differs from the other ranks' is seen by every rank.
-    const double mine[check_values] = {count, static_cast<double>(total), fp[0], fp[1], bad,
-                                       static_cast<double>(dtype_of_v<T>)};
+    const double mine[check_values] = {count, static_cast<double>(total),        fp[0], fp[1],
+                                       bad,   static_cast<double>(dtype_of_v<T>)};
     put_values<2 * check_values> pv{};
     for (std::size_t k = 0; k < check_values; ++k) {
       pv.v[k] = mine[k];
@@ -469,8 +469,8 @@ class engine {
     const int r = comm_.rank();
     if (!local_error.empty()) throw error(local_error);
     if (hi(5) != lo(5))
-      fail(who, " on rank ", r, ": the element types differ across ranks: this rank passes ", name(dtype_of_v<T>),
-           " (every rank must pass tensors of the same element type)");
+      fail(who, " on rank ", r, ": the element types differ across ranks: this rank passes ",
+           name(dtype_of_v<T>), " (every rank must pass tensors of the same element type)");
     if (hi(0) != lo(0))
       fail(who, " on rank ", r, ": the tensor lists differ across ranks: this rank has ", list_.size(),
            " tensors, the ranks hold between ", lo(0), " and ", hi(0),
