@@ -24,10 +24,16 @@
 ///   size)`), instead of deadlocking, truncating or mixing float with double. `exchange` swaps
 ///   the two sizes with the peer first. With `check_sizes = false` only local checks run; a
 ///   rank that throws then leaves its peers waiting inside MPI.
-/// - **Watchdog.** The argument check waits at most `mpi_options::timeout` seconds (default
-///   300) for the other ranks; past it, the rank prints an error naming the operation and
-///   aborts the job with `MPI_Abort`, so a rank that returned or called something else ends
-///   the job with a message instead of a silent hang.
+/// - **Watchdog.** The argument check (and `exchange`'s size swap) waits at most
+///   `mpi_options::timeout` seconds (default 300) for the other ranks. Past it, the rank asks
+///   every rank it waits for where it is (a point-to-point query on `mpi_options::watch_tag`,
+///   answered by any rank that is waiting in a gradapt collective of this communicator),
+///   collects the answers for a grace period (half the timeout, between 0.2 and 5 s), prints
+///   an error naming the operation and the ranks that never arrived (and, for ranks that wait
+///   elsewhere, where they wait) and aborts the job with `MPI_Abort`: a rank that returned,
+///   is still computing or called something else ends the job with a message, never a silent
+///   hang. A rank waiting in a check that receives a query starts its own grace period, so
+///   every waiting rank prints its message before the job ends.
 /// - **Engine errors.** Every MPI return code other than `MPI_SUCCESS` becomes `gradapt::error`
 ///   with the operation, the rank, the MPI function and MPI's own text (`MPI_Error_string`).
 ///   For codes to be returned at all, the constructor installs `MPI_ERRORS_RETURN` on the
@@ -39,6 +45,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <climits>
 #include <cmath>
@@ -46,7 +53,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -89,6 +98,9 @@ struct mpi_options {
   /// not every rank entered can neither complete nor be cancelled). 0 waits forever. Default
   /// 300 (5 minutes).
   double timeout = 300.0;
+  /// Message tag of the watchdog's queries and answers (point-to-point on the same handle,
+  /// sent only after a timeout), in `[0, MPI_TAG_UB]` and different from `tag`.
+  int watch_tag = 0x6762;
 };
 
 namespace detail_mpi {
@@ -219,6 +231,120 @@ MPI_Op reduction(reduce_op op) {
   else
     return is_max ? types().bfloat16_max : types().bfloat16_sum;
 }
+
+/// State shared by a communicator and its copies: the count of checked calls (the watchdog
+/// tells apart a peer waiting in this call from one waiting in another) and the buffers of the
+/// watchdog's fire-and-forget sends, which must outlive their requests.
+struct shared_state {
+  std::uint64_t calls = 0;
+  std::deque<std::array<std::int64_t, 4>> sent;
+};
+
+/// The watchdog's conversation after a timeout (point-to-point on `tag`): a query
+/// {0, call, collective, id} to every awaited rank, an answer {1, call, collective, id} from
+/// each rank that waits in a check of the same handle. Ranks that never answer are missing.
+class watch {
+ public:
+  watch(MPI_Comm comm, int rank, int size, int tag, gradapt::comm::detail::coll kind, int waits_for,
+        shared_state& shared)
+      : comm_(comm),
+        rank_(rank),
+        size_(size),
+        tag_(tag),
+        kind_(kind),
+        waits_for_(waits_for),
+        shared_(shared),
+        seen_(static_cast<std::size_t>(size)) {}
+
+  /// Answers every query that has arrived; true when one came from the rank's current call
+  /// (a peer has timed out in the same operation).
+  bool serve() {
+    bool same_call = false;
+    for (;;) {
+      int flag = 0;
+      MPI_Status st;
+      if (MPI_Iprobe(MPI_ANY_SOURCE, tag_, comm_, &flag, &st) != MPI_SUCCESS || flag == 0) return same_call;
+      std::array<std::int64_t, 4> m{};
+      if (MPI_Recv(m.data(), 4, MPI_INT64_T, st.MPI_SOURCE, tag_, comm_, MPI_STATUS_IGNORE) != MPI_SUCCESS)
+        return same_call;
+      const auto q = static_cast<std::size_t>(st.MPI_SOURCE);
+      if (m[0] == 0) {
+        seen_[q] = {true, m[1], m[2]};
+        send(st.MPI_SOURCE,
+             {1, static_cast<std::int64_t>(shared_.calls), static_cast<std::int64_t>(kind_), m[3]});
+        same_call = same_call || same(m[1], m[2]);
+      } else if (m[3] == id_) {
+        seen_[q] = {true, m[1], m[2]};
+      }
+    }
+  }
+
+  /// Sends this rank's query to every rank it waits for.
+  void ask() {
+    static std::int64_t next_id = 0;
+    id_ = ++next_id;
+    for (int q = 0; q < size_; ++q)
+      if (q != rank_ && (waits_for_ < 0 || q == waits_for_))
+        send(q, {0, static_cast<std::int64_t>(shared_.calls), static_cast<std::int64_t>(kind_), id_});
+  }
+
+  /// What the answers say: the ranks that never answered, and those waiting in another call.
+  [[nodiscard]] std::string report() const {
+    std::string missing, elsewhere;
+    for (int q = 0; q < size_; ++q) {
+      if (q == rank_ || (waits_for_ >= 0 && q != waits_for_)) continue;
+      const auto& a = seen_[static_cast<std::size_t>(q)];
+      if (!a.answered) {
+        missing.append(missing.empty() ? "" : ", ").append(std::to_string(q));
+      } else if (!same(a.call, a.kind)) {
+        elsewhere.append(elsewhere.empty() ? "" : "; ").append("rank ").append(std::to_string(q));
+        elsewhere.append(" waits in ")
+            .append(a.kind >= 0 && a.kind <= static_cast<std::int64_t>(gradapt::comm::detail::coll::exchange)
+                        ? gradapt::comm::detail::coll_name(static_cast<gradapt::comm::detail::coll>(a.kind))
+                        : std::string_view("an unknown operation"))
+            .append(" (its checked call ")
+            .append(std::to_string(a.call))
+            .append(", this rank's ")
+            .append(std::to_string(shared_.calls))
+            .append(")");
+      }
+    }
+    std::string out;
+    if (!missing.empty())
+      out.append("missing rank(s) ")
+          .append(missing)
+          .append(" (no answer: computing, returned, failed, or inside an MPI call gradapt does not watch)");
+    if (!elsewhere.empty()) out.append(out.empty() ? "" : "; ").append(elsewhere);
+    if (out.empty()) out = "every awaited rank answered from this operation, but the check did not complete";
+    return out;
+  }
+
+ private:
+  /// True when (call, kind) is the operation this rank waits in (exchanges are pairwise and
+  /// not counted as calls: the kind decides).
+  [[nodiscard]] bool same(std::int64_t call, std::int64_t kind) const {
+    if (kind != static_cast<std::int64_t>(kind_)) return false;
+    return kind_ == gradapt::comm::detail::coll::exchange || call == static_cast<std::int64_t>(shared_.calls);
+  }
+  struct answer {
+    bool answered = false;
+    std::int64_t call = -1, kind = -1;
+  };
+  void send(int to, const std::array<std::int64_t, 4>& m) {
+    shared_.sent.push_back(m);
+    MPI_Request r = MPI_REQUEST_NULL;
+    if (MPI_Isend(shared_.sent.back().data(), 4, MPI_INT64_T, to, tag_, comm_, &r) == MPI_SUCCESS)
+      MPI_Request_free(&r);
+  }
+
+  MPI_Comm comm_;
+  int rank_, size_, tag_;
+  gradapt::comm::detail::coll kind_;
+  int waits_for_;
+  shared_state& shared_;
+  std::vector<answer> seen_;
+  std::int64_t id_ = 0;
+};
 
 }  // namespace detail_mpi
 
@@ -372,9 +498,11 @@ class mpi {
     }
     a.agree_exchange(peer, send.size(), bad, opts_.check_sizes, [&](std::int64_t mine) {
       std::int64_t theirs = 0;
-      check(MPI_Sendrecv(&mine, 1, MPI_INT64_T, peer, opts_.tag, &theirs, 1, MPI_INT64_T, peer, opts_.tag,
-                         comm_, MPI_STATUS_IGNORE),
-            name, "MPI_Sendrecv");
+      std::array<MPI_Request, 2> req{MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+      check(MPI_Irecv(&theirs, 1, MPI_INT64_T, peer, opts_.tag, comm_, &req[0]), name,
+            "MPI_Irecv (size swap)");
+      check(MPI_Isend(&mine, 1, MPI_INT64_T, peer, opts_.tag, comm_, &req[1]), name, "MPI_Isend (size swap)");
+      wait_or_abort(req, name, detail::coll::exchange, peer);
       return theirs;
     });
     const MPI_Datatype type = detail_mpi::datatype<T>();
@@ -452,29 +580,51 @@ class mpi {
     const int tag_ub = flag ? *static_cast<int*>(ub) : 32767;
     gradapt::detail::require(opts_.tag >= 0 && opts_.tag <= tag_ub, "comm::mpi: mpi_options::tag is ",
                              opts_.tag, " (expected 0 to MPI_TAG_UB = ", tag_ub, ")");
+    gradapt::detail::require(
+        opts_.watch_tag >= 0 && opts_.watch_tag <= tag_ub && opts_.watch_tag != opts_.tag,
+        "comm::mpi: mpi_options::watch_tag is ", opts_.watch_tag, " (expected 0 to MPI_TAG_UB = ", tag_ub,
+        ", different from mpi_options::tag = ", opts_.tag, ")");
   }
 
   detail::arguments args(std::string_view op) const { return {"comm::mpi", op, rank_, size_}; }
 
-  /// Waits for the argument check's request; past mpi_options::timeout, prints the error and
-  /// aborts the job (see mpi_options::timeout).
-  void wait_or_abort(MPI_Request& req, std::string_view op) const {
+  /// Waits for the requests of an argument check (`waits_for`: the ranks it needs, -1 for
+  /// all); past mpi_options::timeout, finds out which of those ranks are missing (see the file
+  /// comment), prints the error and aborts the job.
+  void wait_or_abort(std::span<MPI_Request> reqs, std::string_view op, detail::coll kind,
+                     int waits_for = -1) const {
+    const auto test = [&] {
+      int done = 0;
+      check(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE), op,
+            "MPI_Testall (argument check)");
+      return done != 0;
+    };
     if (opts_.timeout <= 0.0) {
-      check(MPI_Wait(&req, MPI_STATUS_IGNORE), op, "MPI_Wait (argument check)");
+      check(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE), op,
+            "MPI_Waitall (argument check)");
       return;
     }
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(opts_.timeout);
+    using clock = std::chrono::steady_clock;
+    const auto seconds = [](double s) {
+      return std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(s));
+    };
+    auto deadline = clock::now() + seconds(opts_.timeout);
+    detail_mpi::watch w(comm_, rank_, size_, opts_.watch_tag, kind, waits_for, *shared_);
+    bool expired = false;
     for (;;) {
-      int done = 0;
-      check(MPI_Test(&req, &done, MPI_STATUS_IGNORE), op, "MPI_Test (argument check)");
-      if (done) return;
-      if (std::chrono::steady_clock::now() > deadline) break;
+      if (test()) return;
+      const bool asked = w.serve();
+      if (!expired && (asked || clock::now() > deadline)) {
+        expired = true;
+        w.ask();
+        deadline = clock::now() + seconds(std::clamp(0.5 * opts_.timeout, 0.2, 5.0));
+      } else if (expired && clock::now() > deadline) {
+        break;
+      }
       std::this_thread::yield();
     }
-    const std::string what =
-        args(op).text("not every rank entered ", op, " within ", opts_.timeout,
-                      " s (mpi_options::timeout): a rank returned, threw or called another operation; "
-                      "aborting the job");
+    const std::string what = args(op).text("not every rank entered ", op, " within ", opts_.timeout,
+                                           " s (mpi_options::timeout): ", w.report(), "; aborting the job");
     std::fprintf(stderr, "%s\n", what.c_str());
     std::fflush(stderr);
     MPI_Abort(comm_, 3);
@@ -503,13 +653,14 @@ class mpi {
       return;
     }
     const std::string_view op = detail::coll_name(c.kind);
+    ++shared_->calls;
     detail::agree(
         "comm::mpi", op, rank_, size_, c, bad,
         [&](std::int64_t* w, std::size_t n) {
           MPI_Request req = MPI_REQUEST_NULL;
           check(MPI_Iallreduce(MPI_IN_PLACE, w, static_cast<int>(n), MPI_INT64_T, MPI_MAX, comm_, &req), op,
                 "MPI_Iallreduce (argument check)");
-          wait_or_abort(req, op);
+          wait_or_abort(std::span<MPI_Request>(&req, 1), op, c.kind);
         },
         [&](const std::int64_t* mine, std::size_t n, std::int64_t* all) {
           check(MPI_Allgather(mine, static_cast<int>(n), MPI_INT64_T, all, static_cast<int>(n), MPI_INT64_T,
@@ -519,6 +670,7 @@ class mpi {
   }
 
   std::shared_ptr<MPI_Comm> owner_;  ///< set only for communicators made by split
+  std::shared_ptr<detail_mpi::shared_state> shared_ = std::make_shared<detail_mpi::shared_state>();
   MPI_Comm comm_ = MPI_COMM_NULL;
   mpi_options opts_{};
   int rank_ = 0;
