@@ -1,15 +1,20 @@
 // Finite input, finite result: gradients far above 1 but whose update is finite in exact
 // arithmetic must give finite parameters that moved, for every optimizer whose state can hold
 // the exact statistics in float. AdamW and LAMB form (1 - b2) g^2 as ((1 - b2) g) g, SM3 forms
-// c1 g^2 as (c1 g) g: finite whenever the exact value is a finite float.
+// c1 g^2 as (c1 g) g: finite whenever the exact value is a finite float. Where the exact
+// statistic exceeds float's range (c g^2 > FLT_MAX), the step must report it (gradapt::error
+// from the state's finiteness check) instead of leaving a frozen or NaN parameter silently.
 #include "catch.hpp"
 
 #include <cmath>
 #include <cstddef>
+#include <limits>
+#include <string>
 #include <vector>
 
 #include "gradapt/backend/host.hpp"
 #include "gradapt/core/param_list.hpp"
+#include "gradapt/optim/adafactor.hpp"
 #include "gradapt/optim/adamw.hpp"
 #include "gradapt/optim/lamb.hpp"
 #include "gradapt/optim/lars.hpp"
@@ -47,7 +52,97 @@ void finite_after_large_gradients(Opt opt, float g, const char* name) {
   REQUIRE(b != b0);
 }
 
+/// Gradients of magnitude `g` on a [6, 5] matrix and a 5-vector, alternating in sign.
+struct large_gradient_model {
+  std::vector<float> w = std::vector<float>(30), b = std::vector<float>(5), gw = std::vector<float>(30),
+                     gb = std::vector<float>(5);
+  gradapt::param_list<float, float> params;
+  large_gradient_model() {
+    for (std::size_t i = 0; i < w.size(); ++i) w[i] = 0.1f * static_cast<float>(i % 7) - 0.3f;
+    for (std::size_t i = 0; i < b.size(); ++i) b[i] = 0.05f * static_cast<float>(i);
+    params.add("w", gradapt::tensor_view<float>(w.data(), {6, 5}),
+               gradapt::tensor_view<float>(gw.data(), {6, 5}));
+    params.add("b", gradapt::host_view(b), gradapt::host_view(gb));
+  }
+  void set(float g, int t) {
+    for (std::size_t i = 0; i < gw.size(); ++i) gw[i] = (i + t) % 2 ? g : -g;
+    for (std::size_t i = 0; i < gb.size(); ++i) gb[i] = (i + t) % 2 ? -g : g;
+  }
+};
+
+/// `c` is the coefficient of g^2 in the statistic the optimizer's first step stores (0: none).
+/// When c g^2 is a finite float, three steps give finite parameters that moved; otherwise
+/// the first step throws naming the non-finite state, every later step throws, save()
+/// refuses the state, and loading the checkpoint taken before the failure lets training go on.
+template <class Opt>
+void finite_or_reported(Opt opt, float g, double c, const char* name) {
+  INFO(name << ", g = " << g);
+  const double stat = c * static_cast<double>(g) * static_cast<double>(g);
+  if (stat <= static_cast<double>(std::numeric_limits<float>::max())) {
+    finite_after_large_gradients(opt, g, name);
+    return;
+  }
+  large_gradient_model m;
+  const gradapt::host backend{.threads = 1};
+  auto state = opt.init(backend, m.params);
+  state.set_check_interval(1);
+  m.set(1.0f, 0);
+  opt.step(backend, m.params, state, {});
+  const auto good = state.save(backend);
+  const std::vector<float> w_good = m.w;
+  m.set(g, 1);
+  REQUIRE_THROWS_WITH(
+      opt.step(backend, m.params, state, {}),
+      Catch::Matchers::Contains("are not finite") && Catch::Matchers::Contains("restore a checkpoint"));
+  REQUIRE_THROWS_WITH(opt.step(backend, m.params, state, {}),
+                      Catch::Matchers::Contains("holds non-finite values since a check after step 2"));
+  REQUIRE_THROWS_WITH(state.save(backend), Catch::Matchers::Contains("holds a non-finite value"));
+  state.load(backend, good);
+  m.w = w_good;
+  m.set(1.0f, 2);
+  opt.step(backend, m.params, state, {});
+  for (const float x : m.w) REQUIRE(std::isfinite(x));
+}
+
 }  // namespace
+
+TEST_CASE(
+    "Every optimizer: gradients of 1e20, 1e30 and FLT_MAX give finite moved parameters, or a reported "
+    "state overflow where the exact statistic exceeds float",
+    "[optim][numerics]") {
+  const float fmax = std::numeric_limits<float>::max();
+  for (const float g : {1e20f, 1e30f, fmax}) {
+    finite_or_reported(gradapt::sgd({.lr = 1e-3}), g, 0.0, "sgd");
+    finite_or_reported(gradapt::sgd({.lr = 1e-3, .momentum = 0.9}), g, 0.0, "sgd momentum");
+    finite_or_reported(gradapt::lars({.lr = 1e-3}), g, 0.0, "lars");
+    finite_or_reported(gradapt::adamw({.lr = 1e-3}), g, 1e-3, "adamw");
+    finite_or_reported(gradapt::lamb({.lr = 1e-3}), g, 1e-3, "lamb");
+    finite_or_reported(gradapt::sm3({.lr = 1e-3, .b2 = 0.999}), g, 1e-3, "sm3 (b2 = 0.999)");
+    finite_or_reported(gradapt::sm3({.lr = 1e-3}), g, 1.0, "sm3");
+    finite_or_reported(gradapt::adafactor({}), g, 1.0, "adafactor");
+  }
+}
+
+TEST_CASE("The state check runs at the interval it is given, and not at all with 0", "[optim][numerics]") {
+  const gradapt::adamw opt({.lr = 1e-3});
+  large_gradient_model m;
+  const gradapt::host backend{.threads = 1};
+  auto state = opt.init(backend, m.params);
+  REQUIRE(state.check_interval() == 100);
+  state.set_check_interval(3);
+  m.set(1.0f, 0);
+  opt.step(backend, m.params, state, {});  // step 1: checked
+  m.set(1e30f, 1);
+  opt.step(backend, m.params, state, {});  // step 2: v overflows, not checked
+  m.set(1.0f, 2);
+  REQUIRE_THROWS_WITH(
+      opt.step(backend, m.params, state, {}),  // step 3: checked
+      Catch::Matchers::Contains("after step 3") && Catch::Matchers::Contains("parameter 'w'"));
+  auto off = opt.init(backend, m.params);
+  off.set_check_interval(0);
+  m.set(1e30f, 0);
+  for (int t = 0; t < 3; ++t) REQUIRE_NOTHROW(opt.step(backend, m.params, off, {}));
+}
 
 TEST_CASE("AdamW, LAMB and SM3 stay finite for gradients of 1e20 (where g^2 alone overflows float)",
           "[optim][numerics]") {

@@ -223,7 +223,9 @@ class chain {
   /// in place, in `plan::passes` passes over memory (see the file comment).
   /// @throws gradapt::error when `params` does not match the state (tensor count or sizes),
   ///         the state's active stages differ from the options now, or the learning rate is
-  ///         not finite
+  ///         not finite; after the update, when the state's finiteness check (first step and
+  ///         every `chain_state::check_interval()` steps) finds a non-finite state value, and
+  ///         on every later step until `load` restores the state
   template <optimizer_backend B, element V, element G, class Options, class S>
   void step(const B& b, const param_list<V, G, typename B::space, Options>& params,
             chain_state<chain, B, V, G, S>& st, const step_args& args = {}) const {
@@ -256,6 +258,8 @@ class chain {
       detail::fail("chain::step: the options switch stages ", describe_mask(mask),
                    " but the state was created with ", describe_mask(st.enabled_),
                    " (a stage's state cannot appear or vanish mid-run: create a new state with init())");
+    detail::require(!st.failed_, "chain::step: the state holds non-finite values since a check after step ",
+                    st.steps_, " (see chain_state::set_check_interval); restore a checkpoint with load()");
     refresh_constants(b, params, st, false);
     const step_context ctx{st.steps_ + 1, args.lr};
     using C = compute_t<V>;
@@ -269,6 +273,11 @@ class chain {
       });
     }
     ++st.steps_;
+    if (st.check_interval_ != 0 && (st.steps_ == 1 || st.steps_ % st.check_interval_ == 0)) {
+      st.failed_ = true;
+      st.check_finite(b, "chain::step");
+      st.failed_ = false;
+    }
   }
 
  private:
