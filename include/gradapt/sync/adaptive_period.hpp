@@ -36,6 +36,7 @@
 
 #include "gradapt/comm/agree.hpp"
 #include "gradapt/core/archive.hpp"
+#include "gradapt/core/detail/archive_fields.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/sync/averaging_schedule.hpp"
 
@@ -70,14 +71,8 @@ struct adaptive_period_state {
 
   /// The fields in the checkpoint (archive names and members), read by put_fields/get_fields.
   static constexpr auto archive_fields() {
-    using self = adaptive_period_state;
-    return std::make_tuple(
-        archive_member{"period", &self::period}, archive_member{"next_due", &self::next_due},
-        archive_member{"ema", &self::ema}, archive_member{"beta_power", &self::beta_power},
-        archive_member{"samples", &self::samples}, archive_member{"skipped", &self::skipped},
-        archive_member{"loss", &self::loss}, archive_member{"reference_loss", &self::reference_loss},
-        archive_member{"reference_lr", &self::reference_lr},
-        archive_member{"has_reference", &self::has_reference});
+    return GRADAPT_ARCHIVE_FIELDS(adaptive_period_state, period, next_due, ema, beta_power, samples, skipped,
+                                  loss, reference_loss, reference_lr, has_reference);
   }
 };
 

@@ -16,6 +16,7 @@
 
 #include "gradapt/comm/agree.hpp"
 #include "gradapt/core/archive.hpp"
+#include "gradapt/core/detail/archive_fields.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/sync/averaging_schedule.hpp"
 
@@ -41,9 +42,7 @@ struct fixed_period_state {
 
   /// The fields in the checkpoint (archive names and members), read by put_fields/get_fields.
   static constexpr auto archive_fields() {
-    using self = fixed_period_state;
-    return std::make_tuple(archive_member{"rounds", &self::rounds},
-                           archive_member{"next_due", &self::next_due});
+    return GRADAPT_ARCHIVE_FIELDS(fixed_period_state, rounds, next_due);
   }
 };
 

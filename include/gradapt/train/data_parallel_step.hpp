@@ -329,18 +329,7 @@ class data_parallel_step {
       m.loss_scale = scaler_.scale();
       if (!ok) {
         m.found_inf = true;
-        m.optimizer_steps = state_.steps();
-        m.progress = progress();
-        m.noise_scale = noise_scale_value();
-        calls_ = call;
-        last_ = m;
-        for_each_hook([&](auto& h) {
-          if constexpr (overflow_hook<std::remove_reference_t<decltype(h)>>) h.on_overflow(settings_, last_);
-        });
-        for_each_hook([&](auto& h) {
-          if constexpr (after_step_hook<std::remove_reference_t<decltype(h)>>) h.after_step(settings_, last_);
-        });
-        return last_;
+        return finish_step(m, call);
       }
     }
 
@@ -371,15 +360,7 @@ class data_parallel_step {
     check_replicas(m);
     m.gain = gain;
     m.lr = lr;
-    m.optimizer_steps = state_.steps();
-    m.progress = progress();
-    m.noise_scale = noise_scale_value();
-    calls_ = call;
-    last_ = m;
-    for_each_hook([&](auto& h) {
-      if constexpr (after_step_hook<std::remove_reference_t<decltype(h)>>) h.after_step(settings_, last_);
-    });
-    return last_;
+    return finish_step(m, call);
   }
 
   /// The factor to multiply the loss by before the backward pass (1 without loss scaling).
@@ -516,6 +497,25 @@ class data_parallel_step {
       if (b) return *b;
     }
     return std::numeric_limits<double>::quiet_NaN();
+  }
+
+  // The end of call `call`, taken or skipped (m.found_inf): completes m with the counters,
+  // records it as the latest metrics, runs the overflow hooks (skipped) and then the
+  // after-step hooks, and returns the recorded metrics.
+  const step_metrics& finish_step(step_metrics& m, std::uint64_t call) {
+    m.optimizer_steps = state_.steps();
+    m.progress = progress();
+    m.noise_scale = noise_scale_value();
+    calls_ = call;
+    last_ = m;
+    if (m.found_inf)
+      for_each_hook([&](auto& h) {
+        if constexpr (overflow_hook<std::remove_reference_t<decltype(h)>>) h.on_overflow(settings_, last_);
+      });
+    for_each_hook([&](auto& h) {
+      if constexpr (after_step_hook<std::remove_reference_t<decltype(h)>>) h.after_step(settings_, last_);
+    });
+    return last_;
   }
 
   double adascale_scale() const {
