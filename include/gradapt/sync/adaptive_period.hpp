@@ -39,6 +39,7 @@
 #include "gradapt/core/detail/archive_fields.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/sync/averaging_schedule.hpp"
+#include "gradapt/sync/detail/whole_world_schedule.hpp"
 
 namespace gradapt {
 
@@ -89,7 +90,7 @@ struct adaptive_period_state {
 /// The loss must be >= 0 (a loss that can be negative must be shifted by the caller: the
 /// formula compares ratios of losses); the learning rate must be > 0 and finite. local_sgd
 /// checks both on every rank before the round and throws on every rank together.
-class adaptive_period {
+class adaptive_period : public detail::whole_world_schedule<adaptive_period, adaptive_period_state> {
  public:
   using options_type = adaptive_period_options;  ///< the hyperparameters (adaptive_period_options)
   using state_type = adaptive_period_state;      ///< what state() returns and restore() takes (plain data)
@@ -167,13 +168,6 @@ class adaptive_period {
   /// Rounds whose rank-mean loss was not finite (skipped, period unchanged).
   std::uint64_t skipped() const { return st_.skipped; }
 
-  /// One level: the whole world.
-  std::size_t levels() const { return 1; }
-  /// The averaging group is the whole world.
-  int group_size(std::size_t, int world) const { return world; }
-  /// Level 0 when a round is due after local step c (c >= 1), -1 otherwise.
-  int due(std::uint64_t c) const { return c == st_.next_due ? 0 : -1; }
-
   /// The state after a round at local step c with rank means `obs` (no side effect).
   /// A non-finite loss (inf, −inf, NaN) is a skipped sample, not an error.
   /// @throws gradapt::error when obs.lr is not a positive finite number or obs.loss is a
@@ -208,19 +202,6 @@ class adaptive_period {
     s.next_due = c + s.period;
     return s;
   }
-  /// Installs a state returned by advance().
-  void commit(const adaptive_period_state& s) { st_ = s; }
-
-  /// The complete state (plain data).
-  const adaptive_period_state& state() const { return st_; }
-  /// Writes the state's fields into the open section of `w`.
-  void save(archive_writer& w) const { put_fields(w, st_, adaptive_period_state::archive_fields()); }
-  /// Reads what `save` wrote and restores it for a run at `local_steps` (all or nothing).
-  void load(archive_reader& r, std::uint64_t local_steps) {
-    const adaptive_period_state s = get_fields(r, adaptive_period_state::archive_fields());
-    r.finish_section();
-    restore(s, local_steps);
-  }
   /// Sets a state from state(); `local_steps` is the local-step count of the run it belongs
   /// to. @throws gradapt::error when the state is inconsistent with the options or the count.
   void restore(const adaptive_period_state& s, std::uint64_t local_steps) {
@@ -243,7 +224,6 @@ class adaptive_period {
 
  private:
   adaptive_period_options opt_;
-  adaptive_period_state st_;
 };
 
 }  // namespace gradapt

@@ -19,6 +19,7 @@
 #include "gradapt/core/detail/archive_fields.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/sync/averaging_schedule.hpp"
+#include "gradapt/sync/detail/whole_world_schedule.hpp"
 
 namespace gradapt {
 
@@ -57,7 +58,7 @@ struct fixed_period_state {
 ///                        = K                       for r >= W, without ramp
 ///
 /// With warmup_rounds = 1 and ramp the periods are 1, 2, 4, ..., K, K, ...
-class fixed_period {
+class fixed_period : public detail::whole_world_schedule<fixed_period, fixed_period_state> {
  public:
   using options_type = fixed_period_options;  ///< the hyperparameters (fixed_period_options)
   using state_type = fixed_period_state;      ///< what state() returns and restore() takes (plain data)
@@ -102,32 +103,12 @@ class fixed_period {
   /// The period of the interval now running (the one that ends at the next round).
   std::uint64_t period() const { return period_of_round(st_.rounds); }
 
-  /// One level: the whole world.
-  std::size_t levels() const { return 1; }
-  /// The averaging group is the whole world.
-  int group_size(std::size_t, int world) const { return world; }
-  /// Level 0 when a round is due after local step c (c >= 1), -1 otherwise.
-  int due(std::uint64_t c) const { return c == st_.next_due ? 0 : -1; }
-
   /// The state after a round at local step c (no side effect).
   fixed_period_state advance(std::uint64_t c, std::size_t, const round_observation&) const {
     fixed_period_state s = st_;
     ++s.rounds;
     s.next_due = c + period_of_round(s.rounds);
     return s;
-  }
-  /// Installs a state returned by advance().
-  void commit(const fixed_period_state& s) { st_ = s; }
-
-  /// The complete state (plain data).
-  const fixed_period_state& state() const { return st_; }
-  /// Writes the state's fields (rounds, next_due) into the open section of `w`.
-  void save(archive_writer& w) const { put_fields(w, st_, fixed_period_state::archive_fields()); }
-  /// Reads what `save` wrote and restores it for a run at `local_steps` (all or nothing).
-  void load(archive_reader& r, std::uint64_t local_steps) {
-    const fixed_period_state s = get_fields(r, fixed_period_state::archive_fields());
-    r.finish_section();
-    restore(s, local_steps);
   }
   /// Sets a state from state(); `local_steps` is the local-step count of the run it belongs
   /// to. @throws gradapt::error when the next round is not within the current period ahead.
@@ -142,7 +123,6 @@ class fixed_period {
 
  private:
   fixed_period_options opt_;
-  fixed_period_state st_;
 };
 
 }  // namespace gradapt
