@@ -505,15 +505,15 @@ class engine {
     std::size_t lo;
   };
   struct src : endpoint {
-    static src user(std::size_t lo) { return {{user_k, lo}}; }
-    static src junk_send() { return {{buffer_k, 0}}; }
-    static src junk_slot() { return {{junk_slot_k, 0}}; }
+    static src user(std::size_t lo) { return {{endpoint::user_k, lo}}; }
+    static src junk_send() { return {{endpoint::buffer_k, 0}}; }
+    static src junk_slot() { return {{endpoint::junk_slot_k, 0}}; }
   };
   struct dst : endpoint {
-    static dst user(std::size_t lo) { return {{user_k, lo}}; }
-    static dst scratch(std::size_t lo) { return {{buffer_k, lo}}; }
-    static dst junk_recv() { return {{buffer_k, 0}}; }
-    static dst junk_slot() { return {{junk_slot_k, 0}}; }
+    static dst user(std::size_t lo) { return {{endpoint::user_k, lo}}; }
+    static dst scratch(std::size_t lo) { return {{endpoint::buffer_k, lo}}; }
+    static dst junk_recv() { return {{endpoint::buffer_k, 0}}; }
+    static dst junk_slot() { return {{endpoint::junk_slot_k, 0}}; }
   };
 
   /// Tensors overlapping [lo, hi): [tb, te). Empty tensors strictly inside give empty pieces.
