@@ -39,7 +39,7 @@
 #include "gradapt/core/detail/archive_fields.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/sync/averaging_schedule.hpp"
-#include "gradapt/sync/detail/whole_world_schedule.hpp"
+#include "gradapt/sync/whole_world_schedule.hpp"
 
 namespace gradapt {
 
@@ -90,10 +90,9 @@ struct adaptive_period_state {
 /// The loss must be >= 0 (a loss that can be negative must be shifted by the caller: the
 /// formula compares ratios of losses); the learning rate must be > 0 and finite. local_sgd
 /// checks both on every rank before the round and throws on every rank together.
-class adaptive_period : public detail::whole_world_schedule<adaptive_period, adaptive_period_state> {
+class adaptive_period
+    : public whole_world_schedule<adaptive_period, adaptive_period_options, adaptive_period_state> {
  public:
-  using options_type = adaptive_period_options;  ///< the hyperparameters (adaptive_period_options)
-  using state_type = adaptive_period_state;      ///< what state() returns and restore() takes (plain data)
   /// This schedule reads the rank-mean loss and learning rate at every round.
   static constexpr bool uses_loss = true;
 
@@ -102,7 +101,7 @@ class adaptive_period : public detail::whole_world_schedule<adaptive_period, ada
   adaptive_period(std::initializer_list<adaptive_period_options> o)
       : adaptive_period(detail::options_from(o, "adaptive_period")) {}
   /// @throws gradapt::error when K_0 < 1, K_max < K_0 or smoothing is outside [0, 1).
-  explicit adaptive_period(adaptive_period_options options = {}) : opt_(options) {
+  explicit adaptive_period(adaptive_period_options options = {}) : whole_world_schedule(options) {
     detail::require(opt_.initial_period >= 1, "adaptive_period: initial_period is ", opt_.initial_period,
                     " (expected K_0 >= 1 local steps)");
     detail::require(opt_.max_period >= 1, "adaptive_period: max_period is ", opt_.max_period,
@@ -117,8 +116,6 @@ class adaptive_period : public detail::whole_world_schedule<adaptive_period, ada
     st_.next_due = st_.period;
   }
 
-  /// The options this schedule was built with.
-  const adaptive_period_options& options() const { return opt_; }
   /// The options every rank must share, named for local_sgd's round agreement.
   template <std::size_t N>
   void agreed_options(agreed_list<N>& out) const {
@@ -221,9 +218,6 @@ class adaptive_period : public detail::whole_world_schedule<adaptive_period, ada
                     s.reference_lr, " (expected both positive and finite once set)");
     st_ = s;
   }
-
- private:
-  adaptive_period_options opt_;
 };
 
 }  // namespace gradapt

@@ -19,7 +19,7 @@
 #include "gradapt/core/detail/archive_fields.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/sync/averaging_schedule.hpp"
-#include "gradapt/sync/detail/whole_world_schedule.hpp"
+#include "gradapt/sync/whole_world_schedule.hpp"
 
 namespace gradapt {
 
@@ -58,10 +58,8 @@ struct fixed_period_state {
 ///                        = K                       for r >= W, without ramp
 ///
 /// With warmup_rounds = 1 and ramp the periods are 1, 2, 4, ..., K, K, ...
-class fixed_period : public detail::whole_world_schedule<fixed_period, fixed_period_state> {
+class fixed_period : public whole_world_schedule<fixed_period, fixed_period_options, fixed_period_state> {
  public:
-  using options_type = fixed_period_options;  ///< the hyperparameters (fixed_period_options)
-  using state_type = fixed_period_state;      ///< what state() returns and restore() takes (plain data)
   /// This schedule does not read the training loss.
   static constexpr bool uses_loss = false;
 
@@ -70,7 +68,7 @@ class fixed_period : public detail::whole_world_schedule<fixed_period, fixed_per
   fixed_period(std::initializer_list<fixed_period_options> o)
       : fixed_period(detail::options_from(o, "fixed_period")) {}
   /// @throws gradapt::error when period < 1 or warmup_rounds < 0.
-  explicit fixed_period(fixed_period_options options = {}) : opt_(options) {
+  explicit fixed_period(fixed_period_options options = {}) : whole_world_schedule(options) {
     detail::require(opt_.period >= 1, "fixed_period: period is ", opt_.period,
                     " (expected K >= 1 local steps between averaging rounds)");
     detail::require(opt_.warmup_rounds >= 0, "fixed_period: warmup_rounds is ", opt_.warmup_rounds,
@@ -78,8 +76,6 @@ class fixed_period : public detail::whole_world_schedule<fixed_period, fixed_per
     st_.next_due = period_of_round(0);
   }
 
-  /// The options this schedule was built with.
-  const fixed_period_options& options() const { return opt_; }
   /// The options every rank must share, named for local_sgd's round agreement.
   template <std::size_t N>
   void agreed_options(agreed_list<N>& out) const {
@@ -120,9 +116,6 @@ class fixed_period : public detail::whole_world_schedule<fixed_period, fixed_per
                     " steps ahead; was the state saved with other options?)");
     st_ = s;
   }
-
- private:
-  fixed_period_options opt_;
 };
 
 }  // namespace gradapt
