@@ -12,17 +12,24 @@
 #define GRADAPT_ARCHIVE_FIELDS(S, ...) \
   std::make_tuple(__VA_OPT__(GRADAPT_DETAIL_AF_EXPAND(GRADAPT_DETAIL_AF_EACH(S, __VA_ARGS__))))
 
-// Nested rescans that unroll GRADAPT_DETAIL_AF_EACH, one member per rescan (enough for 40).
+/// Rescans its argument enough times to unroll GRADAPT_DETAIL_AF_EACH over 40 members (one
+/// member per rescan; the three levels below nest three rescans each).
 #define GRADAPT_DETAIL_AF_EXPAND(...) \
   GRADAPT_DETAIL_AF_EXPAND_L3(GRADAPT_DETAIL_AF_EXPAND_L3(GRADAPT_DETAIL_AF_EXPAND_L3(__VA_ARGS__)))
+/// Three nested GRADAPT_DETAIL_AF_EXPAND_L2 rescans.
 #define GRADAPT_DETAIL_AF_EXPAND_L3(...) \
   GRADAPT_DETAIL_AF_EXPAND_L2(GRADAPT_DETAIL_AF_EXPAND_L2(GRADAPT_DETAIL_AF_EXPAND_L2(__VA_ARGS__)))
+/// Three nested GRADAPT_DETAIL_AF_EXPAND_L1 rescans.
 #define GRADAPT_DETAIL_AF_EXPAND_L2(...) \
   GRADAPT_DETAIL_AF_EXPAND_L1(GRADAPT_DETAIL_AF_EXPAND_L1(GRADAPT_DETAIL_AF_EXPAND_L1(__VA_ARGS__)))
+/// One rescan.
 #define GRADAPT_DETAIL_AF_EXPAND_L1(...) __VA_ARGS__
-// One member, then the rest through a deferred GRADAPT_DETAIL_AF_AGAIN (expanded by the next rescan).
+/// The archive_member of m, then the rest of the members through a deferred
+/// GRADAPT_DETAIL_AF_AGAIN (expanded by the next rescan).
 #define GRADAPT_DETAIL_AF_EACH(S, m, ...) \
   ::gradapt::archive_member{              \
       #m, &S::m} __VA_OPT__(, GRADAPT_DETAIL_AF_AGAIN GRADAPT_DETAIL_AF_PARENS(S, __VA_ARGS__))
+/// The parentheses that call GRADAPT_DETAIL_AF_AGAIN one rescan later.
 #define GRADAPT_DETAIL_AF_PARENS ()
+/// Names GRADAPT_DETAIL_AF_EACH again, so that the recursion is not blocked.
 #define GRADAPT_DETAIL_AF_AGAIN() GRADAPT_DETAIL_AF_EACH
