@@ -41,6 +41,7 @@
 #include "gradapt/core/archive.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
+#include "gradapt/core/detail/archive_fields.hpp"
 #include "gradapt/core/dtype.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/ops.hpp"
@@ -93,12 +94,8 @@ struct loss_scaler_state {
 
   /// The fields in the checkpoint (archive names and members), read by put_fields/get_fields.
   static constexpr auto archive_fields() {
-    using self = loss_scaler_state;
-    return std::make_tuple(
-        archive_member{"scale", &self::scale}, archive_member{"growth_tracker", &self::growth_tracker},
-        archive_member{"hysteresis_left", &self::hysteresis_left}, archive_member{"steps", &self::steps},
-        archive_member{"skipped", &self::skipped}, archive_member{"backoffs", &self::backoffs},
-        archive_member{"growths", &self::growths});
+    return GRADAPT_ARCHIVE_FIELDS(loss_scaler_state, scale, growth_tracker, hysteresis_left, steps, skipped,
+                                  backoffs, growths);
   }
 };
 
@@ -301,6 +298,19 @@ inline std::string check_per_tensor(std::size_t count, std::span<double> per_ten
   return {};
 }
 
+/// Throws unless `inv_scale` is a positive, finite factor 1/S (`fn` names the entry point).
+inline void require_inv_scale(float inv_scale, const char* fn) {
+  require(std::isfinite(inv_scale) && inv_scale > 0.0f, fn, ": inv_scale is ", inv_scale,
+          " (expected a positive, finite factor 1/S)");
+}
+
+/// The argument checks of both unscale_flag_nonfinite overloads: the factor and the flag view.
+template <class Space>
+void require_flag_args(float inv_scale, tensor_view<float, Space> flag) {
+  require_inv_scale(inv_scale, "unscale_flag_nonfinite");
+  require(flag.size() >= 1, "unscale_flag_nonfinite: the flag view is empty (expected 1 float)");
+}
+
 }  // namespace detail::loss_scale
 
 /// The fused unscale pass, in place: for every element g of every tensor, g ← g · inv_scale
@@ -325,8 +335,7 @@ double unscale_count_nonfinite(const B& b, const L& grads, float inv_scale,
   static_assert(detail::loss_scale::fused_apply_reduce<B, F, L>,
                 "gradapt::unscale_count_nonfinite needs a backend with apply_reduce_list (use "
                 "unscale_flag_nonfinite with this backend)");
-  detail::require(std::isfinite(inv_scale) && inv_scale > 0.0f, "unscale_count_nonfinite: inv_scale is ",
-                  inv_scale, " (expected a positive, finite factor 1/S)");
+  detail::loss_scale::require_inv_scale(inv_scale, "unscale_count_nonfinite");
   const std::string e =
       detail::loss_scale::check_per_tensor(std::ranges::size(grads), per_tensor, "unscale_count_nonfinite");
   if (!e.empty()) throw error(e);
@@ -354,8 +363,7 @@ double unscale_count_nonfinite(const B& b, const L& grads, const LM& master, flo
                                                        std::span<const CG>>,
                 "gradapt::unscale_count_nonfinite needs a backend with apply_reduce_list (use "
                 "unscale_flag_nonfinite with this backend)");
-  detail::require(std::isfinite(inv_scale) && inv_scale > 0.0f, "unscale_count_nonfinite: inv_scale is ",
-                  inv_scale, " (expected a positive, finite factor 1/S)");
+  detail::loss_scale::require_inv_scale(inv_scale, "unscale_count_nonfinite");
   std::string e = detail::loss_scale::check_master(grads, master, "unscale_count_nonfinite");
   if (e.empty())
     e = detail::loss_scale::check_per_tensor(std::ranges::size(grads), per_tensor, "unscale_count_nonfinite");
@@ -381,9 +389,7 @@ void unscale_flag_nonfinite(const B& b, const L& grads, float inv_scale,
   static_assert(!std::is_const_v<G>,
                 "gradapt::unscale_flag_nonfinite: the gradients are unscaled in place; "
                 "pass views of mutable elements");
-  detail::require(std::isfinite(inv_scale) && inv_scale > 0.0f, "unscale_flag_nonfinite: inv_scale is ",
-                  inv_scale, " (expected a positive, finite factor 1/S)");
-  detail::require(flag.size() >= 1, "unscale_flag_nonfinite: the flag view is empty (expected 1 float)");
+  detail::loss_scale::require_flag_args(inv_scale, flag);
   b.apply_list(detail::loss_scale::unscale_flag_inplace<G>{inv_scale, flag.data()}, grads);
 }
 
@@ -398,9 +404,7 @@ void unscale_flag_nonfinite(const B& b, const L& grads, const LM& master, float 
   static_assert(!std::is_const_v<M>,
                 "gradapt::unscale_flag_nonfinite: master gradients are written; pass "
                 "views of mutable elements");
-  detail::require(std::isfinite(inv_scale) && inv_scale > 0.0f, "unscale_flag_nonfinite: inv_scale is ",
-                  inv_scale, " (expected a positive, finite factor 1/S)");
-  detail::require(flag.size() >= 1, "unscale_flag_nonfinite: the flag view is empty (expected 1 float)");
+  detail::loss_scale::require_flag_args(inv_scale, flag);
   const std::string e = detail::loss_scale::check_master(grads, master, "unscale_flag_nonfinite");
   if (!e.empty()) throw error(e);
   detail::loss_scale::for_each_chunk(master, grads, [&](auto m, auto g, std::size_t) {

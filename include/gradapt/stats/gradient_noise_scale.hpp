@@ -39,6 +39,7 @@
 #include "gradapt/core/archive.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
+#include "gradapt/core/detail/archive_fields.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/ops.hpp"
 #include "gradapt/core/param_list.hpp"
@@ -91,13 +92,8 @@ struct gradient_noise_scale_state {
 
   /// The fields in the checkpoint (archive names and members), read by put_fields/get_fields.
   static constexpr auto archive_fields() {
-    using self = gradient_noise_scale_state;
-    return std::make_tuple(
-        archive_member{"ema_grad_sq", &self::ema_grad_sq}, archive_member{"ema_trace", &self::ema_trace},
-        archive_member{"beta_power", &self::beta_power}, archive_member{"last_grad_sq", &self::last_grad_sq},
-        archive_member{"last_trace", &self::last_trace}, archive_member{"samples", &self::samples},
-        archive_member{"skipped", &self::skipped}, archive_member{"biased", &self::biased},
-        archive_member{"has_previous", &self::has_previous});
+    return GRADAPT_ARCHIVE_FIELDS(gradient_noise_scale_state, ema_grad_sq, ema_trace, beta_power,
+                                  last_grad_sq, last_trace, samples, skipped, biased, has_previous);
   }
 };
 

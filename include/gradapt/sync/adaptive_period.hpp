@@ -36,8 +36,10 @@
 
 #include "gradapt/comm/agree.hpp"
 #include "gradapt/core/archive.hpp"
+#include "gradapt/core/detail/archive_fields.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/sync/averaging_schedule.hpp"
+#include "gradapt/sync/whole_world_schedule.hpp"
 
 namespace gradapt {
 
@@ -70,14 +72,8 @@ struct adaptive_period_state {
 
   /// The fields in the checkpoint (archive names and members), read by put_fields/get_fields.
   static constexpr auto archive_fields() {
-    using self = adaptive_period_state;
-    return std::make_tuple(
-        archive_member{"period", &self::period}, archive_member{"next_due", &self::next_due},
-        archive_member{"ema", &self::ema}, archive_member{"beta_power", &self::beta_power},
-        archive_member{"samples", &self::samples}, archive_member{"skipped", &self::skipped},
-        archive_member{"loss", &self::loss}, archive_member{"reference_loss", &self::reference_loss},
-        archive_member{"reference_lr", &self::reference_lr},
-        archive_member{"has_reference", &self::has_reference});
+    return GRADAPT_ARCHIVE_FIELDS(adaptive_period_state, period, next_due, ema, beta_power, samples, skipped,
+                                  loss, reference_loss, reference_lr, has_reference);
   }
 };
 
@@ -94,10 +90,9 @@ struct adaptive_period_state {
 /// The loss must be >= 0 (a loss that can be negative must be shifted by the caller: the
 /// formula compares ratios of losses); the learning rate must be > 0 and finite. local_sgd
 /// checks both on every rank before the round and throws on every rank together.
-class adaptive_period {
+class adaptive_period
+    : public whole_world_schedule<adaptive_period, adaptive_period_options, adaptive_period_state> {
  public:
-  using options_type = adaptive_period_options;  ///< the hyperparameters (adaptive_period_options)
-  using state_type = adaptive_period_state;      ///< what state() returns and restore() takes (plain data)
   /// This schedule reads the rank-mean loss and learning rate at every round.
   static constexpr bool uses_loss = true;
 
@@ -106,7 +101,7 @@ class adaptive_period {
   adaptive_period(std::initializer_list<adaptive_period_options> o)
       : adaptive_period(detail::options_from(o, "adaptive_period")) {}
   /// @throws gradapt::error when K_0 < 1, K_max < K_0 or smoothing is outside [0, 1).
-  explicit adaptive_period(adaptive_period_options options = {}) : opt_(options) {
+  explicit adaptive_period(adaptive_period_options options = {}) : whole_world_schedule(options) {
     detail::require(opt_.initial_period >= 1, "adaptive_period: initial_period is ", opt_.initial_period,
                     " (expected K_0 >= 1 local steps)");
     detail::require(opt_.max_period >= 1, "adaptive_period: max_period is ", opt_.max_period,
@@ -121,8 +116,6 @@ class adaptive_period {
     st_.next_due = st_.period;
   }
 
-  /// The options this schedule was built with.
-  const adaptive_period_options& options() const { return opt_; }
   /// The options every rank must share, named for local_sgd's round agreement.
   template <std::size_t N>
   void agreed_options(agreed_list<N>& out) const {
@@ -172,13 +165,6 @@ class adaptive_period {
   /// Rounds whose rank-mean loss was not finite (skipped, period unchanged).
   std::uint64_t skipped() const { return st_.skipped; }
 
-  /// One level: the whole world.
-  std::size_t levels() const { return 1; }
-  /// The averaging group is the whole world.
-  int group_size(std::size_t, int world) const { return world; }
-  /// Level 0 when a round is due after local step c (c >= 1), -1 otherwise.
-  int due(std::uint64_t c) const { return c == st_.next_due ? 0 : -1; }
-
   /// The state after a round at local step c with rank means `obs` (no side effect).
   /// A non-finite loss (inf, −inf, NaN) is a skipped sample, not an error.
   /// @throws gradapt::error when obs.lr is not a positive finite number or obs.loss is a
@@ -213,19 +199,6 @@ class adaptive_period {
     s.next_due = c + s.period;
     return s;
   }
-  /// Installs a state returned by advance().
-  void commit(const adaptive_period_state& s) { st_ = s; }
-
-  /// The complete state (plain data).
-  const adaptive_period_state& state() const { return st_; }
-  /// Writes the state's fields into the open section of `w`.
-  void save(archive_writer& w) const { put_fields(w, st_, adaptive_period_state::archive_fields()); }
-  /// Reads what `save` wrote and restores it for a run at `local_steps` (all or nothing).
-  void load(archive_reader& r, std::uint64_t local_steps) {
-    const adaptive_period_state s = get_fields(r, adaptive_period_state::archive_fields());
-    r.finish_section();
-    restore(s, local_steps);
-  }
   /// Sets a state from state(); `local_steps` is the local-step count of the run it belongs
   /// to. @throws gradapt::error when the state is inconsistent with the options or the count.
   void restore(const adaptive_period_state& s, std::uint64_t local_steps) {
@@ -245,10 +218,6 @@ class adaptive_period {
                     s.reference_lr, " (expected both positive and finite once set)");
     st_ = s;
   }
-
- private:
-  adaptive_period_options opt_;
-  adaptive_period_state st_;
 };
 
 }  // namespace gradapt

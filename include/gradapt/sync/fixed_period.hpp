@@ -16,8 +16,10 @@
 
 #include "gradapt/comm/agree.hpp"
 #include "gradapt/core/archive.hpp"
+#include "gradapt/core/detail/archive_fields.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/sync/averaging_schedule.hpp"
+#include "gradapt/sync/whole_world_schedule.hpp"
 
 namespace gradapt {
 
@@ -41,9 +43,7 @@ struct fixed_period_state {
 
   /// The fields in the checkpoint (archive names and members), read by put_fields/get_fields.
   static constexpr auto archive_fields() {
-    using self = fixed_period_state;
-    return std::make_tuple(archive_member{"rounds", &self::rounds},
-                           archive_member{"next_due", &self::next_due});
+    return GRADAPT_ARCHIVE_FIELDS(fixed_period_state, rounds, next_due);
   }
 };
 
@@ -58,10 +58,8 @@ struct fixed_period_state {
 ///                        = K                       for r >= W, without ramp
 ///
 /// With warmup_rounds = 1 and ramp the periods are 1, 2, 4, ..., K, K, ...
-class fixed_period {
+class fixed_period : public whole_world_schedule<fixed_period, fixed_period_options, fixed_period_state> {
  public:
-  using options_type = fixed_period_options;  ///< the hyperparameters (fixed_period_options)
-  using state_type = fixed_period_state;      ///< what state() returns and restore() takes (plain data)
   /// This schedule does not read the training loss.
   static constexpr bool uses_loss = false;
 
@@ -70,7 +68,7 @@ class fixed_period {
   fixed_period(std::initializer_list<fixed_period_options> o)
       : fixed_period(detail::options_from(o, "fixed_period")) {}
   /// @throws gradapt::error when period < 1 or warmup_rounds < 0.
-  explicit fixed_period(fixed_period_options options = {}) : opt_(options) {
+  explicit fixed_period(fixed_period_options options = {}) : whole_world_schedule(options) {
     detail::require(opt_.period >= 1, "fixed_period: period is ", opt_.period,
                     " (expected K >= 1 local steps between averaging rounds)");
     detail::require(opt_.warmup_rounds >= 0, "fixed_period: warmup_rounds is ", opt_.warmup_rounds,
@@ -78,8 +76,6 @@ class fixed_period {
     st_.next_due = period_of_round(0);
   }
 
-  /// The options this schedule was built with.
-  const fixed_period_options& options() const { return opt_; }
   /// The options every rank must share, named for local_sgd's round agreement.
   template <std::size_t N>
   void agreed_options(agreed_list<N>& out) const {
@@ -103,32 +99,12 @@ class fixed_period {
   /// The period of the interval now running (the one that ends at the next round).
   std::uint64_t period() const { return period_of_round(st_.rounds); }
 
-  /// One level: the whole world.
-  std::size_t levels() const { return 1; }
-  /// The averaging group is the whole world.
-  int group_size(std::size_t, int world) const { return world; }
-  /// Level 0 when a round is due after local step c (c >= 1), -1 otherwise.
-  int due(std::uint64_t c) const { return c == st_.next_due ? 0 : -1; }
-
   /// The state after a round at local step c (no side effect).
   fixed_period_state advance(std::uint64_t c, std::size_t, const round_observation&) const {
     fixed_period_state s = st_;
     ++s.rounds;
     s.next_due = c + period_of_round(s.rounds);
     return s;
-  }
-  /// Installs a state returned by advance().
-  void commit(const fixed_period_state& s) { st_ = s; }
-
-  /// The complete state (plain data).
-  const fixed_period_state& state() const { return st_; }
-  /// Writes the state's fields (rounds, next_due) into the open section of `w`.
-  void save(archive_writer& w) const { put_fields(w, st_, fixed_period_state::archive_fields()); }
-  /// Reads what `save` wrote and restores it for a run at `local_steps` (all or nothing).
-  void load(archive_reader& r, std::uint64_t local_steps) {
-    const fixed_period_state s = get_fields(r, fixed_period_state::archive_fields());
-    r.finish_section();
-    restore(s, local_steps);
   }
   /// Sets a state from state(); `local_steps` is the local-step count of the run it belongs
   /// to. @throws gradapt::error when the next round is not within the current period ahead.
@@ -140,10 +116,6 @@ class fixed_period {
                     " steps ahead; was the state saved with other options?)");
     st_ = s;
   }
-
- private:
-  fixed_period_options opt_;
-  fixed_period_state st_;
 };
 
 }  // namespace gradapt

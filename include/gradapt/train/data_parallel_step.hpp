@@ -329,18 +329,7 @@ class data_parallel_step {
       m.loss_scale = scaler_.scale();
       if (!ok) {
         m.found_inf = true;
-        m.optimizer_steps = state_.steps();
-        m.progress = progress();
-        m.noise_scale = noise_scale_value();
-        calls_ = call;
-        last_ = m;
-        for_each_hook([&](auto& h) {
-          if constexpr (overflow_hook<std::remove_reference_t<decltype(h)>>) h.on_overflow(settings_, last_);
-        });
-        for_each_hook([&](auto& h) {
-          if constexpr (after_step_hook<std::remove_reference_t<decltype(h)>>) h.after_step(settings_, last_);
-        });
-        return last_;
+        return finish_step(m, call);
       }
     }
 
@@ -371,15 +360,7 @@ class data_parallel_step {
     check_replicas(m);
     m.gain = gain;
     m.lr = lr;
-    m.optimizer_steps = state_.steps();
-    m.progress = progress();
-    m.noise_scale = noise_scale_value();
-    calls_ = call;
-    last_ = m;
-    for_each_hook([&](auto& h) {
-      if constexpr (after_step_hook<std::remove_reference_t<decltype(h)>>) h.after_step(settings_, last_);
-    });
-    return last_;
+    return finish_step(m, call);
   }
 
   /// The factor to multiply the loss by before the backward pass (1 without loss scaling).
@@ -448,19 +429,7 @@ class data_parallel_step {
     w.begin("optimizer");
     state_.save(backend_, w);
     w.end();
-    if constexpr (has_loss_scaling) put_section(w, "loss_scaler", scaler_);
-    if constexpr (has_adascale) {
-      put_section(w, "noise_scale", adapt_.gns);
-      put_section(w, "adascale", adapt_.ada);
-    }
-    if constexpr (has_local_sgd) put_section(w, "local_sgd", *sync_.driver);
-    if constexpr (saves_state<combiner_type>) put_section(w, "combine", *combiner_);
-    std::size_t h = 0;
-    for_each_hook([&](const auto& hook) {
-      if constexpr (saves_state<std::remove_cvref_t<decltype(hook)>>)
-        put_section(w, hook_section(h).c_str(), hook);
-      ++h;
-    });
+    for_each_section(*this, [&](const char* section, const auto& st) { put_section(w, section, st); });
     return w.finish();
   }
 
@@ -516,6 +485,25 @@ class data_parallel_step {
       if (b) return *b;
     }
     return std::numeric_limits<double>::quiet_NaN();
+  }
+
+  // The end of call `call`, taken or skipped (m.found_inf): completes m with the counters,
+  // records it as the latest metrics, runs the overflow hooks (skipped) and then the
+  // after-step hooks, and returns the recorded metrics.
+  const step_metrics& finish_step(step_metrics& m, std::uint64_t call) {
+    m.optimizer_steps = state_.steps();
+    m.progress = progress();
+    m.noise_scale = noise_scale_value();
+    calls_ = call;
+    last_ = m;
+    if (m.found_inf)
+      for_each_hook([&](auto& h) {
+        if constexpr (overflow_hook<std::remove_reference_t<decltype(h)>>) h.on_overflow(settings_, last_);
+      });
+    for_each_hook([&](auto& h) {
+      if constexpr (after_step_hook<std::remove_reference_t<decltype(h)>>) h.after_step(settings_, last_);
+    });
+    return last_;
   }
 
   double adascale_scale() const {
@@ -676,6 +664,25 @@ class data_parallel_step {
     }
   }
 
+  // Calls f(section, component) for every component with a state section of its own, in
+  // archive order: loss scaler, noise scale, AdaScale, LocalSGD, combiner, then the hooks
+  // that save state ("hook0", "hook1", ... by position). `self` is *this, const for save().
+  template <class Self, class F>
+  static void for_each_section(Self& self, F&& f) {
+    if constexpr (has_loss_scaling) f("loss_scaler", self.scaler_);
+    if constexpr (has_adascale) {
+      f("noise_scale", self.adapt_.gns);
+      f("adascale", self.adapt_.ada);
+    }
+    if constexpr (has_local_sgd) f("local_sgd", *self.sync_.driver);
+    if constexpr (saves_state<combiner_type>) f("combine", *self.combiner_);
+    std::size_t h = 0;
+    self.for_each_hook([&](auto& hook) {
+      if constexpr (saves_state<std::remove_cvref_t<decltype(hook)>>) f(hook_section(h).c_str(), hook);
+      ++h;
+    });
+  }
+
   template <class State>
   static void put_section(archive_writer& w, const char* section, const State& st) {
     w.begin(section);
@@ -739,27 +746,13 @@ class data_parallel_step {
     r.begin("optimizer");
     state_.load(backend_, r);
     r.end();
-    if constexpr (has_loss_scaling) load_section(r, "loss_scaler", scaler_);
-    if constexpr (has_adascale) {
-      load_section(r, "noise_scale", adapt_.gns);
-      load_section(r, "adascale", adapt_.ada);
-    }
-    if constexpr (has_local_sgd) {
-      if constexpr (has_settable_period) {
-        if (s.period != sync_.schedule.options().period) {
-          sync_.schedule = with_period(s.period);
-          sync_.driver.emplace(*comm_, sync_.options, sync_.schedule);
-        }
+    if constexpr (has_local_sgd && has_settable_period) {
+      if (s.period != sync_.schedule.options().period) {
+        sync_.schedule = with_period(s.period);
+        sync_.driver.emplace(*comm_, sync_.options, sync_.schedule);
       }
-      load_section(r, "local_sgd", *sync_.driver);
     }
-    if constexpr (saves_state<combiner_type>) load_section(r, "combine", *combiner_);
-    std::size_t h = 0;
-    for_each_hook([&](auto& hook) {
-      if constexpr (saves_state<std::remove_cvref_t<decltype(hook)>>)
-        load_section(r, hook_section(h).c_str(), hook);
-      ++h;
-    });
+    for_each_section(*this, [&](const char* section, auto& st) { load_section(r, section, st); });
     r.finish();
     settings_ = s;
     calls_ = calls;

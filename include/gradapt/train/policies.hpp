@@ -45,6 +45,7 @@
 
 #include "gradapt/combine/adasum.hpp"
 #include "gradapt/core/archive.hpp"
+#include "gradapt/core/detail/archive_fields.hpp"
 #include "gradapt/core/ops.hpp"
 #include "gradapt/precision/loss_scaler.hpp"
 #include "gradapt/scaling/adascale.hpp"
@@ -306,15 +307,8 @@ struct step_metrics {
 
   /// The fields in the checkpoint (archive names and members), read by put_fields/get_fields.
   static constexpr auto archive_fields() {
-    using self = step_metrics;
-    return std::make_tuple(
-        archive_member{"step", &self::step}, archive_member{"optimizer_steps", &self::optimizer_steps},
-        archive_member{"loss", &self::loss}, archive_member{"loss_scale", &self::loss_scale},
-        archive_member{"noise_scale", &self::noise_scale}, archive_member{"gain", &self::gain},
-        archive_member{"lr", &self::lr}, archive_member{"progress", &self::progress},
-        archive_member{"scale", &self::scale}, archive_member{"found_inf", &self::found_inf},
-        archive_member{"stepped", &self::stepped}, archive_member{"synchronous", &self::synchronous},
-        archive_member{"averaged", &self::averaged});
+    return GRADAPT_ARCHIVE_FIELDS(step_metrics, step, optimizer_steps, loss, loss_scale, noise_scale, gain,
+                                  lr, progress, scale, found_inf, stepped, synchronous, averaged);
   }
 };
 

@@ -498,20 +498,22 @@ class engine {
   }
 
  private:
-  struct src {
-    enum kind_t { user_k, junk_send_k, junk_slot_k } kind;
+  /// One side of an exchange: the user range from `lo`, the side's buffer (send or receive
+  /// scratch) from `lo`, or the one-element junk slot.
+  struct endpoint {
+    enum kind_t { user_k, buffer_k, junk_slot_k } kind;
     std::size_t lo;
-    static src user(std::size_t lo) { return {user_k, lo}; }
-    static src junk_send() { return {junk_send_k, 0}; }
-    static src junk_slot() { return {junk_slot_k, 0}; }
   };
-  struct dst {
-    enum kind_t { user_k, scratch_k, junk_recv_k, junk_slot_k } kind;
-    std::size_t lo;
-    static dst user(std::size_t lo) { return {user_k, lo}; }
-    static dst scratch(std::size_t lo) { return {scratch_k, lo}; }
-    static dst junk_recv() { return {junk_recv_k, 0}; }
-    static dst junk_slot() { return {junk_slot_k, 0}; }
+  struct src : endpoint {
+    static src user(std::size_t lo) { return {{endpoint::user_k, lo}}; }
+    static src junk_send() { return {{endpoint::buffer_k, 0}}; }
+    static src junk_slot() { return {{endpoint::junk_slot_k, 0}}; }
+  };
+  struct dst : endpoint {
+    static dst user(std::size_t lo) { return {{endpoint::user_k, lo}}; }
+    static dst scratch(std::size_t lo) { return {{endpoint::buffer_k, lo}}; }
+    static dst junk_recv() { return {{endpoint::buffer_k, 0}}; }
+    static dst junk_slot() { return {{endpoint::junk_slot_k, 0}}; }
   };
 
   /// Tensors overlapping [lo, hi): [tb, te). Empty tensors strictly inside give empty pieces.
@@ -566,57 +568,50 @@ class engine {
     return start != nullptr;
   }
 
+  /// The first m elements of a scratch buffer.
+  static view scratch(T* p, std::size_t m) { return view::vector(p, static_cast<std::int64_t>(m)); }
+
+  /// Builds the pieces of [lo, lo + m) with `buf` as their scratch and returns the view that
+  /// carries the range: the user's memory when the pieces are adjacent (`direct` true), the
+  /// first m elements of `buf` otherwise (the caller packs or unpacks through it).
+  view user_or_scratch(std::size_t lo, std::size_t m, T* buf, bool& direct) {
+    build({lo, lo + m}, buf);
+    view v;
+    direct = contiguous(m, v);
+    return direct ? v : scratch(buf, m);
+  }
+
   /// One exchange of m elements with `peer`: what to send (user range, or an unused message)
   /// and where to receive it (user range, the receive scratch, or nowhere). Non-contiguous user
   /// ranges go through the send scratch (packed) or the receive scratch (unpacked after).
   void xfer(int peer, src s, dst d, std::size_t m) {
     if (m == 0) return;
-    cview out;
-    switch (s.kind) {
-      case src::user_k: {
-        build({s.lo, s.lo + m}, ws_.send.data());
-        view direct;
-        if (contiguous(m, direct)) {
-          out = direct;
-        } else {
-          b_.apply_list(copy_value{}, ws_.scratch_mut, ws_.user_const);
-          out = view::vector(ws_.send.data(), static_cast<std::int64_t>(m));
-        }
-        break;
-      }
-      case src::junk_send_k:
-        out = view::vector(ws_.send.data(), static_cast<std::int64_t>(m));
-        break;
-      case src::junk_slot_k:
-        out = ws_.junk;
-        break;
-    }
-    view in;
+    bool pack = false;
+    const cview out = side(s, m, ws_.send.data(), pack);
+    if (pack) b_.apply_list(copy_value{}, ws_.scratch_mut, ws_.user_const);
     bool unpack = false;
-    switch (d.kind) {
-      case dst::user_k: {
-        build({d.lo, d.lo + m}, ws_.recv.data());
-        view direct;
-        if (contiguous(m, direct)) {
-          in = direct;
-        } else {
-          in = view::vector(ws_.recv.data(), static_cast<std::int64_t>(m));
-          unpack = true;
-        }
-        break;
-      }
-      case dst::scratch_k:
-        in = view::vector(ws_.recv.data() + d.lo, static_cast<std::int64_t>(m));
-        break;
-      case dst::junk_recv_k:
-        in = view::vector(ws_.recv.data(), static_cast<std::int64_t>(m));
-        break;
-      case dst::junk_slot_k:
-        in = ws_.junk;
-        break;
-    }
+    const view in = side(d, m, ws_.recv.data(), unpack);
     comm_.exchange(peer, out, in);
     if (unpack) b_.apply_list(copy_value{}, ws_.user_mut, ws_.scratch_const);
+  }
+
+  /// The view of m elements that one side of an exchange uses, with `buf` its buffer: the
+  /// user range (through `buf` when its pieces are not adjacent: `via_buf` true), elements
+  /// from `lo` of `buf`, or the junk slot.
+  view side(endpoint e, std::size_t m, T* buf, bool& via_buf) {
+    switch (e.kind) {
+      case endpoint::user_k: {
+        bool direct = false;
+        const view v = user_or_scratch(e.lo, m, buf, direct);
+        via_buf = !direct;
+        return v;
+      }
+      case endpoint::buffer_k:
+        return scratch(buf + e.lo, m);
+      case endpoint::junk_slot_k:
+        break;
+    }
+    return ws_.junk;
   }
 
   /// One level of the reduce-scatter: this rank holds h (of its group's vector); it keeps one
@@ -679,15 +674,11 @@ class engine {
     const std::size_t cap = ws_.half;
     for (std::size_t lo = 0; lo < n; lo += cap) {
       const std::size_t m = std::min(cap, n - lo);
-      build({lo, lo + m}, ws_.send.data());
-      view direct;
-      if (contiguous(m, direct)) {
-        op(direct);
-        continue;
-      }
-      if (pack) b_.apply_list(copy_value{}, ws_.scratch_mut, ws_.user_const);
-      op(view::vector(ws_.send.data(), static_cast<std::int64_t>(m)));
-      if (unpack) b_.apply_list(copy_value{}, ws_.user_mut, ws_.scratch_const);
+      bool direct = false;
+      const view v = user_or_scratch(lo, m, ws_.send.data(), direct);
+      if (!direct && pack) b_.apply_list(copy_value{}, ws_.scratch_mut, ws_.user_const);
+      op(v);
+      if (!direct && unpack) b_.apply_list(copy_value{}, ws_.user_mut, ws_.scratch_const);
     }
   }
 
