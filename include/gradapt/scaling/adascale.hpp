@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "gradapt/core/archive.hpp"
+#include "gradapt/core/detail/archive_fields.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/stats/gradient_noise_scale.hpp"
 
@@ -62,10 +63,7 @@ struct adascale_state {
 
   /// The fields in the checkpoint (archive names and members), read by put_fields/get_fields.
   static constexpr auto archive_fields() {
-    using self = adascale_state;
-    return std::make_tuple(archive_member{"scale", &self::scale}, archive_member{"progress", &self::progress},
-                           archive_member{"last_gain", &self::last_gain},
-                           archive_member{"steps", &self::steps}, archive_member{"skipped", &self::skipped});
+    return GRADAPT_ARCHIVE_FIELDS(adascale_state, scale, progress, last_gain, steps, skipped);
   }
 };
 
