@@ -152,7 +152,7 @@ class chain {
     }
     // Elements of stage i's buffers for tensor t: one per parameter, except a factored stage's.
     const auto buffer_elements = [&](std::size_t i, std::size_t t) {
-      return plan::info[i].factored ? st.ft_[t].state : st.sizes_[t];
+      return plan::info[i].factored_state ? st.ft_[t].state : st.sizes_[t];
     };
     st.mut_.resize(plan::total_buffers);
     st.const_.resize(plan::total_buffers);
@@ -490,17 +490,15 @@ class chain {
   }
 
   /// One pass over factored tensor k through `apply_factored` (`Variant`: its
-  /// factored_tensor::variant); a non-final pass leaves its barrier's sum in `sum[0]`.
+  /// factored_tensor::variant), with the tensor's constants `tc` and its barrier factors
+  /// `factors` (tensor_pass finds both); a non-final pass leaves its barrier's sum in `sum[0]`.
   template <std::size_t Pass, std::uint64_t E, bool Variant, class B, class PL, class St, class K>
   void factored_tensor_pass(const B& b, const PL& params, St& st, const K& kernels, std::size_t k,
-                            std::size_t slot, double* sum) const {
+                            std::size_t slot, const double* tc, double* factors, double* sum) const {
     using C = compute_t<typename PL::value_type>;
     using space = typename B::space;
-    constexpr std::size_t nb = plan::barriers(E);
     constexpr std::size_t nargs = plan::args(Pass, E);
     constexpr bool final = plan::is_final(Pass, E);
-    const double* tc = st.tconst_.data() + k * plan::total_slots;
-    double* factors = st.wfac_.data() + slot * nb;
     const auto& f = st.ft_[k];
     using FP = detail::optim::factored_pass<plan, Pass, E, C, K, Variant>;
     const FP fp{{kernels, tc, factors, 1}};
@@ -568,9 +566,9 @@ class chain {
       sum += sum_stride - 1;  // Σp², measured in the statistics pass
     } else if (f.factored) {
       if (f.variant)
-        factored_tensor_pass<Pass, E, true>(b, params, st, kernels, k, slot, sum);
+        factored_tensor_pass<Pass, E, true>(b, params, st, kernels, k, slot, tc, factors, sum);
       else
-        factored_tensor_pass<Pass, E, false>(b, params, st, kernels, k, slot, sum);
+        factored_tensor_pass<Pass, E, false>(b, params, st, kernels, k, slot, tc, factors, sum);
     } else {
       const detail::optim::pass_functor<plan, Pass, E, C, K> pf{kernels, tc, factors, 1};
       [&]<std::size_t... A>(std::index_sequence<A...>) {
