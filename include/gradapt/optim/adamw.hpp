@@ -47,16 +47,19 @@ using adamw_chain =
     chain<transform::scale_by_adam, transform::add_decayed_weights, transform::scale_by_learning_rate>;
 
 /// AdamW (see the file comment). State buffers: 0 = m, 1 = v.
-class adamw : public adamw_chain {
+class adamw : public detail::optim::preset<adamw, adamw_chain, adamw_options> {
  public:
-  /// @throws gradapt::error on an invalid option, naming it
-  explicit adamw(const adamw_options& o = {})
-      : adamw_chain(detail::optim::preset_chain("adamw", [&] {
-          return adamw_chain(detail::optim::adam_stage(o), detail::optim::decay_stage(o),
-                             detail::optim::lr_stage(o));
-        })) {}
-  /// `adamw({})`: the default options.
-  adamw(std::initializer_list<adamw_options> o) : adamw(detail::options_from(o, "adamw")) {}
+  /// The chain the options give; its stages validate them.
+  /// @throws gradapt::error on an invalid option, under the stage's name for it
+  static adamw_chain stages(const adamw_options& o) {
+    return adamw_chain(detail::optim::adam_stage(o), detail::optim::decay_stage(o),
+                       detail::optim::lr_stage(o));
+  }
+  /// The optimizer's name in error messages.
+  static constexpr std::string_view name = "adamw";
+  /// `adamw(options)` (throws gradapt::error on an invalid option, naming it) and
+  /// `adamw({})` (the default options).
+  using preset::preset;
 };
 
 }  // namespace gradapt

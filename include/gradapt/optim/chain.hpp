@@ -323,8 +323,8 @@ class chain {
 
   template <class C, std::size_t... I>
   auto make_kernels(const step_context& ctx, std::index_sequence<I...>) const {
-    detail::optim::kpack<typename Stages::template kernel<C>...> k;
-    ((detail::optim::kget<I>(k) = std::get<I>(stages_).template prepare<C>(ctx)), ...);
+    detail::value_pack<typename Stages::template kernel<C>...> k;
+    ((detail::slot<I>(k) = std::get<I>(stages_).template prepare<C>(ctx)), ...);
     return k;
   }
 
@@ -411,7 +411,7 @@ class chain {
                             list<plan::arg_at(Pass, E, A)>(params, st)...);
       }
       (std::make_index_sequence<nargs>{});
-      const auto& k = detail::optim::kget<h>(kernels);
+      const auto& k = detail::slot<h>(kernels);
       using Kernel = std::remove_cvref_t<decltype(k)>;
       if constexpr (plan::info[h].global) {
         b.apply(detail::optim::finalize_all<Kernel, terms>{k, st.sums_.data(), count},
@@ -454,7 +454,7 @@ class chain {
       auto* ws = st.wbuf_.data() + slot * st.ws_;
       double* sums = st.wdbl_.data() + slot * st.wsd_;
       const auto& stage = std::get<0>(stages_);
-      const auto& k0 = detail::optim::kget<0>(kernels);
+      const auto& k0 = detail::slot<0>(kernels);
       const auto g = tensor_view<const G, space>(st.g_const_[k]);
       if constexpr (fused_maxima) {
         if (f.factored && bb.thread_count() == 1) {
@@ -585,7 +585,7 @@ class chain {
     if constexpr (!final) {
       constexpr std::size_t h = plan::hi(Pass, E);
       constexpr std::size_t bn = plan::barrier_number(h, E);
-      const auto& kh = detail::optim::kget<h>(kernels);
+      const auto& kh = detail::slot<h>(kernels);
       using Kernel = std::remove_cvref_t<decltype(kh)>;
       b.apply_list(detail::optim::finalize_each<Kernel>{kh, sum, tc, plan::info[h].terms, plan::total_slots,
                                                         plan::slot_offset(h)},

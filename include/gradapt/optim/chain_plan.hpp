@@ -23,6 +23,7 @@
 
 #include "gradapt/backend/concepts.hpp"
 #include "gradapt/backend/simd.hpp"
+#include "gradapt/backend/value_pack.hpp"
 #include "gradapt/core/archive.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
@@ -328,29 +329,6 @@ struct plan {
   }
 };
 
-// ---- a device-friendly aggregate of the stages' kernels ------------------------------------
-
-template <std::size_t I, class T>
-struct kslot {
-  T value;
-};
-template <class Seq, class... T>
-struct kpack_base;
-template <std::size_t... I, class... T>
-struct kpack_base<std::index_sequence<I...>, T...> : kslot<I, T>... {};
-/// One value of each type, trivially copyable when they are (it travels into CUDA kernels).
-template <class... T>
-struct kpack : kpack_base<std::index_sequence_for<T...>, T...> {};
-
-template <std::size_t I, class T>
-GRADAPT_HD GRADAPT_INLINE constexpr const T& kget(const kslot<I, T>& s) {
-  return s.value;
-}
-template <std::size_t I, class T>
-GRADAPT_HD GRADAPT_INLINE constexpr T& kget(kslot<I, T>& s) {
-  return s.value;
-}
-
 /// Argument I of a pack of lvalues of one type (resolved at compile time: no addresses are
 /// stored, so the compiler keeps the values in registers).
 template <std::size_t I, class T, class... R>
@@ -387,7 +365,7 @@ struct pass_functor {
       constexpr std::size_t boff = Plan::buffer_arg(Pass, I, E);
       constexpr bool barrier = Plan::info_at(I).barrier;
       constexpr bool global = Plan::info_at(I).global;
-      const auto& k = kget<I>(kernels);
+      const auto& k = gradapt::detail::slot<I>(kernels);
       const double* stc = tc + soff;
       if constexpr (barrier) {
         constexpr std::size_t b = Plan::barrier_number(I, E);
@@ -433,7 +411,7 @@ struct pass_functor {
     } else {
       constexpr std::size_t h = Plan::hi(Pass, E);
       constexpr std::size_t hoff = Plan::slot_offset(h);
-      return kget<h>(kernels).measure(u, p, tc + hoff);
+      return gradapt::detail::slot<h>(kernels).measure(u, p, tc + hoff);
     }
   }
 };
@@ -478,7 +456,8 @@ struct factored_pass {
     static_assert(sizeof...(A) + (stage_on ? 1 : 0) == full, "gradapt::chain: factored pass argument count");
     V u0{};
     V dummy{};
-    if constexpr (stage_on) u0 = kget<0>(pf.kernels).template y<Variant>(r, c, nth<ga>(a...));
+    if constexpr (stage_on)
+      u0 = gradapt::detail::slot<0>(pf.kernels).template y<Variant>(r, c, nth<ga>(a...));
     return call(u0, dummy, std::make_index_sequence<full>{}, a...);
   }
 };
@@ -499,7 +478,7 @@ struct max_pass {
   /// The stage's term alone (it reads the gradient, which no pass writes).
   template <class V, class... A>
   GRADAPT_HD GRADAPT_INLINE V term(V r, V c, A&... a) const {
-    return kget<0>(fp.pf.kernels).term(r, c, nth<FP::ga>(a...));
+    return gradapt::detail::slot<0>(fp.pf.kernels).term(r, c, nth<FP::ga>(a...));
   }
 };
 

@@ -44,19 +44,20 @@
 ///    for the output to be bitwise the one `update` produced, it must be a function of
 ///    (input u, new state) computed by the same expressions.
 ///  - barrier stages (`buffers == 0`) also declare the traits `global` (one factor for all
-///    tensors, else one per tensor; default false) and `terms` (at least 1), and provide `measure(const V& u,
-///    const V& p, const double* tc)` returning `simd::terms_t<V, terms>` (values summed per tensor in double
-///    with the backend's fixed order), `double finalize(const double* sums, const double* tc)` (the factor
-///    from the sums; for a global barrier the sums over all tensors in tensor order and tc == nullptr), and
-///    `apply(V& u, const V& p, C factor, const double* tc)`.
+///    tensors, else one per tensor; default false) and `terms` (at least 1), and provide
+///    `measure(const V& u, const V& p, const double* tc)` returning `simd::terms_t<V, terms>`
+///    (values summed per tensor in double with the backend's fixed order), `double
+///    finalize(const double* sums, const double* tc)` (the factor from the sums; for a global
+///    barrier the sums over all tensors in tensor order and tc == nullptr), and `apply(V& u,
+///    const V& p, C factor, const double* tc)`.
 ///  - a barrier may declare the trait `measure_reads_input = false` when its measure reads p
-///    only (scale_by_param_block_rms): if the stages between it and the
-///    previous barrier keep no state, its pass then reads p alone instead of rebuilding u.
+///    only (scale_by_param_block_rms): if the stages between it and the previous barrier keep
+///    no state, its pass then reads p alone instead of rebuilding u.
 ///
 /// Factored stages (Adafactor's `transform::scale_by_factored_rms`, SM3's
 /// `transform::scale_by_sm3`) keep row and column statistics instead of one value per element.
-/// They declare the trait `factored_state = true`, are required element stages
-/// with one buffer whose replay reads its input, must be the chain's first stage, and add:
+/// They declare the trait `factored_state = true`, are required element stages with one buffer
+/// whose replay reads its input, must be the chain's first stage, and add:
 ///
 ///  - `factored_tensor plan_tensor(std::span<const std::int64_t> shape) const`: per tensor
 ///    (at `init`), whether it is factored, its [A, X, B, Y, C] view, the buffer elements it
