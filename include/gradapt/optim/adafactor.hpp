@@ -202,9 +202,9 @@ struct scale_by_factored_rms {
   /// Which two dims are factored. Default the two largest (optax).
   factor_axes axes = factor_axes::largest_two;
 
-  static constexpr bool factored_state = true;  ///< row and column statistics per tensor
-  static constexpr std::size_t buffers = 1;     ///< the statistics (v, or R then C)
-  static constexpr bool uses_param = false;     ///< never reads p
+  /// One buffer (the statistics: v, or R then C); never reads p; factored: row and column
+  /// statistics per tensor.
+  static constexpr stage_spec traits{.buffers = 1, .uses_param = false, .factored_state = true};
 
   /// @throws gradapt::error naming the option when decay_rate is outside (0, 1], eps is not
   ///         positive and finite, or min_dim_size_to_factor is negative
@@ -301,10 +301,7 @@ struct scale_by_factored_rms {
                double* sums, tensor_view<const P, typename B::space> p = {},
                double* p_squares = nullptr) const {
     using space = typename B::space;
-    const auto vec = [](auto* p, std::size_t n) { return gradapt::detail::optim::vector_view<space>(p, n); };
-    const auto cvec = [](auto* p, std::size_t n) {
-      return gradapt::detail::optim::const_vector_view<space>(p, n);
-    };
+    const auto [vec, cvec] = gradapt::detail::optim::vector_views<space>();
     const std::int64_t X = t.d[1], Y = t.d[3];
     const std::size_t ny = t.rows, nx = t.cols;
     const std::array<std::int64_t, 5> nd{t.norm.d[0], t.norm.d[1], t.norm.d[2], 1, 1};

@@ -15,6 +15,7 @@
 #include <string_view>
 
 #include "gradapt/optim/chain.hpp"
+#include "gradapt/optim/preset.hpp"
 #include "gradapt/optim/transforms.hpp"
 
 namespace gradapt {
@@ -46,26 +47,19 @@ using adamw_chain =
     chain<transform::scale_by_adam, transform::add_decayed_weights, transform::scale_by_learning_rate>;
 
 /// AdamW (see the file comment). State buffers: 0 = m, 1 = v.
-class adamw : public adamw_chain {
+class adamw : public detail::optim::preset<adamw, adamw_chain, adamw_options> {
  public:
-  /// @throws gradapt::error on an invalid option, naming it
-  explicit adamw(const adamw_options& o = {}) try
-      : adamw_chain(
-            transform::scale_by_adam{.b1 = o.b1,
-                                     .b2 = o.b2,
-                                     .eps = o.eps,
-                                     .eps_root = o.eps_root,
-                                     .bias_correction = o.bias_correction},
-            transform::add_decayed_weights{.weight_decay = o.weight_decay, .skip = o.skip_weight_decay},
-            transform::scale_by_learning_rate{.lr = o.lr, .allow_negative = false}) {
-  } catch (const error& e) {
-    detail::rethrow_in("adamw", e,
-                       {{"scale_by_adam: ", ""},
-                        {"add_decayed_weights: weight_decay", "weight_decay"},
-                        {"scale_by_learning_rate: lr", "lr"}});
+  /// The chain the options give; its stages validate them.
+  /// @throws gradapt::error on an invalid option, under the stage's name for it
+  static adamw_chain stages(const adamw_options& o) {
+    return adamw_chain(detail::optim::adam_stage(o), detail::optim::decay_stage(o),
+                       detail::optim::lr_stage(o));
   }
-  /// `adamw({})`: the default options.
-  adamw(std::initializer_list<adamw_options> o) : adamw(detail::options_from(o, "adamw")) {}
+  /// The optimizer's name in error messages.
+  static constexpr std::string_view name = "adamw";
+  /// `adamw(options)` (throws gradapt::error on an invalid option, naming it) and
+  /// `adamw({})` (the default options).
+  using preset::preset;
 };
 
 }  // namespace gradapt

@@ -152,7 +152,7 @@ class chain {
     }
     // Elements of stage i's buffers for tensor t: one per parameter, except a factored stage's.
     const auto buffer_elements = [&](std::size_t i, std::size_t t) {
-      return plan::info[i].factored ? st.ft_[t].state : st.sizes_[t];
+      return plan::info[i].factored_state ? st.ft_[t].state : st.sizes_[t];
     };
     st.mut_.resize(plan::total_buffers);
     st.const_.resize(plan::total_buffers);
@@ -332,8 +332,8 @@ class chain {
 
   template <class C, std::size_t... I>
   auto make_kernels(const step_context& ctx, std::index_sequence<I...>) const {
-    detail::optim::kpack<typename Stages::template kernel<C>...> k;
-    ((detail::optim::kget<I>(k) = std::get<I>(stages_).template prepare<C>(ctx)), ...);
+    detail::value_pack<typename Stages::template kernel<C>...> k;
+    ((detail::slot<I>(k) = std::get<I>(stages_).template prepare<C>(ctx)), ...);
     return k;
   }
 
@@ -420,7 +420,7 @@ class chain {
                             list<plan::arg_at(Pass, E, A)>(params, st)...);
       }
       (std::make_index_sequence<nargs>{});
-      const auto& k = detail::optim::kget<h>(kernels);
+      const auto& k = detail::slot<h>(kernels);
       using Kernel = std::remove_cvref_t<decltype(k)>;
       if constexpr (plan::info[h].global) {
         b.apply(detail::optim::finalize_all<Kernel, terms>{k, st.sums_.data(), count},
@@ -463,7 +463,7 @@ class chain {
       auto* ws = st.wbuf_.data() + slot * st.ws_;
       double* sums = st.wdbl_.data() + slot * st.wsd_;
       const auto& stage = std::get<0>(stages_);
-      const auto& k0 = detail::optim::kget<0>(kernels);
+      const auto& k0 = detail::slot<0>(kernels);
       const auto g = tensor_view<const G, space>(st.g_const_[k]);
       if constexpr (fused_maxima) {
         if (f.factored && bb.thread_count() == 1) {
@@ -499,17 +499,15 @@ class chain {
   }
 
   /// One pass over factored tensor k through `apply_factored` (`Variant`: its
-  /// factored_tensor::variant); a non-final pass leaves its barrier's sum in `sum[0]`.
+  /// factored_tensor::variant), with the tensor's constants `tc` and its barrier factors
+  /// `factors` (tensor_pass finds both); a non-final pass leaves its barrier's sum in `sum[0]`.
   template <std::size_t Pass, std::uint64_t E, bool Variant, class B, class PL, class St, class K>
   void factored_tensor_pass(const B& b, const PL& params, St& st, const K& kernels, std::size_t k,
-                            std::size_t slot, double* sum) const {
+                            std::size_t slot, const double* tc, double* factors, double* sum) const {
     using C = compute_t<typename PL::value_type>;
     using space = typename B::space;
-    constexpr std::size_t nb = plan::barriers(E);
     constexpr std::size_t nargs = plan::args(Pass, E);
     constexpr bool final = plan::is_final(Pass, E);
-    const double* tc = st.tconst_.data() + k * plan::total_slots;
-    double* factors = st.wfac_.data() + slot * nb;
     const auto& f = st.ft_[k];
     using FP = detail::optim::factored_pass<plan, Pass, E, C, K, Variant>;
     const FP fp{{kernels, tc, factors, 1}};
@@ -577,9 +575,9 @@ class chain {
       sum += sum_stride - 1;  // Σp², measured in the statistics pass
     } else if (f.factored) {
       if (f.variant)
-        factored_tensor_pass<Pass, E, true>(b, params, st, kernels, k, slot, sum);
+        factored_tensor_pass<Pass, E, true>(b, params, st, kernels, k, slot, tc, factors, sum);
       else
-        factored_tensor_pass<Pass, E, false>(b, params, st, kernels, k, slot, sum);
+        factored_tensor_pass<Pass, E, false>(b, params, st, kernels, k, slot, tc, factors, sum);
     } else {
       const detail::optim::pass_functor<plan, Pass, E, C, K> pf{kernels, tc, factors, 1};
       [&]<std::size_t... A>(std::index_sequence<A...>) {
@@ -596,7 +594,7 @@ class chain {
     if constexpr (!final) {
       constexpr std::size_t h = plan::hi(Pass, E);
       constexpr std::size_t bn = plan::barrier_number(h, E);
-      const auto& kh = detail::optim::kget<h>(kernels);
+      const auto& kh = detail::slot<h>(kernels);
       using Kernel = std::remove_cvref_t<decltype(kh)>;
       b.apply_list(detail::optim::finalize_each<Kernel>{kh, sum, tc, plan::info[h].terms, plan::total_slots,
                                                         plan::slot_offset(h)},

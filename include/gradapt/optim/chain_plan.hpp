@@ -23,6 +23,7 @@
 
 #include "gradapt/backend/concepts.hpp"
 #include "gradapt/backend/simd.hpp"
+#include "gradapt/backend/value_pack.hpp"
 #include "gradapt/core/archive.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
@@ -38,62 +39,51 @@ namespace gradapt {
 
 namespace detail::optim {
 
-/// Compile-time description of one stage.
-struct stage_info {
-  bool barrier = false;
-  bool global = false;
-  bool optional = false;
-  bool ignores_input = false;
-  bool uses_param = true;
-  bool factored = false;            ///< a factored second-moment stage (row and column statistics per tensor)
-  bool measure_reads_input = true;  ///< a barrier whose measure reads u (false: p only)
-  bool measures_param_squares = false;  ///< a barrier whose measure is Σp² (widened to double)
-  bool max_statistics = false;          ///< a factored stage whose statistics are maxima of a term (SM3)
-  std::size_t buffers = 0;
-  std::size_t slots = 0;
-  std::size_t terms = 0;
-};
+/// The traits of stage S (optim/stage.hpp): S's `traits` value when it declares one (else
+/// every default), with each trait S declares as a member of its own taking precedence.
+template <class S>
+constexpr stage_spec spec_of() {
+  stage_spec t{};
+  if constexpr (requires { S::traits; }) t = S::traits;
+  if constexpr (requires { S::buffers; }) t.buffers = static_cast<std::size_t>(S::buffers);
+  if constexpr (requires { S::tensor_slots; }) t.tensor_slots = static_cast<std::size_t>(S::tensor_slots);
+  if constexpr (requires { S::barrier; }) t.barrier = static_cast<bool>(S::barrier);
+  if constexpr (requires { S::global; }) t.global = static_cast<bool>(S::global);
+  if constexpr (requires { S::terms; }) t.terms = static_cast<std::size_t>(S::terms);
+  if constexpr (requires { S::optional; }) t.optional = static_cast<bool>(S::optional);
+  if constexpr (requires { S::replay_ignores_input; })
+    t.replay_ignores_input = static_cast<bool>(S::replay_ignores_input);
+  if constexpr (requires { S::uses_param; }) t.uses_param = static_cast<bool>(S::uses_param);
+  if constexpr (requires { S::measure_reads_input; })
+    t.measure_reads_input = static_cast<bool>(S::measure_reads_input);
+  if constexpr (requires { S::measures_param_squares; })
+    t.measures_param_squares = static_cast<bool>(S::measures_param_squares);
+  if constexpr (requires { S::factored_state; }) t.factored_state = static_cast<bool>(S::factored_state);
+  if constexpr (requires { S::max_statistics; }) t.max_statistics = static_cast<bool>(S::max_statistics);
+  return t;
+}
 
 /// The traits of a stage with their defaults (optim/stage.hpp): a stage declares only what
 /// differs from an element-wise, always-active stage with no state, no per-tensor constants,
 /// whose replay reads its input and whose math may read p.
 template <class S>
 struct stage_traits {
+  /// Every trait of S (`spec_of`).
+  static constexpr stage_spec spec = spec_of<S>();
   /// Per-element state buffers (default 0).
-  static constexpr std::size_t buffers = [] {
-    if constexpr (requires { S::buffers; }) return static_cast<std::size_t>(S::buffers);
-    return std::size_t{0};
-  }();
+  static constexpr std::size_t buffers = spec.buffers;
   /// Per-tensor constants (default 0).
-  static constexpr std::size_t tensor_slots = [] {
-    if constexpr (requires { S::tensor_slots; }) return static_cast<std::size_t>(S::tensor_slots);
-    return std::size_t{0};
-  }();
+  static constexpr std::size_t tensor_slots = spec.tensor_slots;
   /// Needs a reduction of its input before it acts (default false).
-  static constexpr bool barrier = [] {
-    if constexpr (requires { S::barrier; }) return static_cast<bool>(S::barrier);
-    return false;
-  }();
+  static constexpr bool barrier = spec.barrier;
   /// May be switched off by its options, through `enabled()` (default false).
-  static constexpr bool optional = [] {
-    if constexpr (requires { S::optional; }) return static_cast<bool>(S::optional);
-    return false;
-  }();
+  static constexpr bool optional = spec.optional;
   /// Its replay computes u from its state alone (default false).
-  static constexpr bool replay_ignores_input = [] {
-    if constexpr (requires { S::replay_ignores_input; }) return static_cast<bool>(S::replay_ignores_input);
-    return false;
-  }();
+  static constexpr bool replay_ignores_input = spec.replay_ignores_input;
   /// Its math reads the parameter p (default true; false lets a pass skip reading p).
-  static constexpr bool uses_param = [] {
-    if constexpr (requires { S::uses_param; }) return static_cast<bool>(S::uses_param);
-    return true;
-  }();
+  static constexpr bool uses_param = spec.uses_param;
   /// A factored second-moment stage (default false).
-  static constexpr bool factored_state = [] {
-    if constexpr (requires { S::factored_state; }) return static_cast<bool>(S::factored_state);
-    return false;
-  }();
+  static constexpr bool factored_state = spec.factored_state;
 };
 
 /// `s.validate()` when the stage has one (options to check), else nothing.
@@ -107,30 +97,28 @@ void stage_tensor_constants(const S& s, const tensor_setup& ts, double* out) {
   if constexpr (requires { s.tensor_constants(ts, out); }) s.tensor_constants(ts, out);
 }
 
+/// The traits of S as the plan keeps them (`stage_traits<S>::spec`, checked): the barrier
+/// traits at their defaults for an element stage, `max_statistics` false unless S is factored.
 template <class S>
-GRADAPT_HD constexpr stage_info info_of() {
+GRADAPT_HD constexpr stage_spec info_of() {
   using T = stage_traits<S>;
-  stage_info i;
-  i.barrier = T::barrier;
-  i.optional = T::optional;
-  i.ignores_input = T::replay_ignores_input;
-  i.uses_param = T::uses_param;
-  i.buffers = T::buffers;
-  i.slots = T::tensor_slots;
-  i.factored = T::factored_state;
+  stage_spec i = T::spec;
   if constexpr (T::factored_state) {
     static_assert(!T::barrier && T::buffers == 1 && !T::optional && !T::replay_ignores_input,
                   "gradapt::chain: a factored stage is a required element stage with one buffer whose "
                   "replay reads its input");
-    if constexpr (requires { S::max_statistics; }) i.max_statistics = S::max_statistics;
+  } else {
+    i.max_statistics = false;
   }
   if constexpr (T::barrier) {
     static_assert(T::buffers == 0, "gradapt::chain: a barrier stage keeps no per-element state");
-    if constexpr (requires { S::measure_reads_input; }) i.measure_reads_input = S::measure_reads_input;
-    if constexpr (requires { S::measures_param_squares; })
-      i.measures_param_squares = S::measures_param_squares;
-    i.global = S::global;
-    i.terms = S::terms;
+    static_assert(T::spec.terms > 0, "gradapt::chain: a barrier stage declares its terms (at least 1)");
+  } else {  // the barrier traits mean nothing for an element stage
+    const stage_spec element{};
+    i.global = element.global;
+    i.terms = element.terms;
+    i.measure_reads_input = element.measure_reads_input;
+    i.measures_param_squares = element.measures_param_squares;
   }
   return i;
 }
@@ -151,11 +139,11 @@ template <class... S>
 struct plan {
   static constexpr std::size_t n = sizeof...(S);
   static_assert(n >= 1 && n <= 64, "gradapt::chain holds 1 to 64 stages");
-  static constexpr stage_info info[n] = {info_of<S>()...};
+  static constexpr stage_spec info[n] = {info_of<S>()...};
   /// info_at(k) without touching the static array, so the queries below also compile as device
   /// functions (nvcc has no device copy of a static constexpr member array).
-  GRADAPT_HD static constexpr stage_info info_at(std::size_t k) {
-    const stage_info a[n] = {info_of<S>()...};
+  GRADAPT_HD static constexpr stage_spec info_at(std::size_t k) {
+    const stage_spec a[n] = {info_of<S>()...};
     return a[k];
   }
 
@@ -166,7 +154,7 @@ struct plan {
   }
   GRADAPT_HD static constexpr std::size_t slot_offset(std::size_t i) {
     std::size_t o = 0;
-    for (std::size_t k = 0; k < i; ++k) o += info_at(k).slots;
+    for (std::size_t k = 0; k < i; ++k) o += info_at(k).tensor_slots;
     return o;
   }
   static constexpr std::size_t total_buffers = buffer_offset(n);
@@ -191,10 +179,10 @@ struct plan {
                 "gradapt::chain compiles one form per combination of optional stages: at most 6");
   /// True when stage 0 is a factored stage: the chain then runs tensor by tensor (see
   /// chain::step).
-  static constexpr bool has_factored = info_at(0).factored;
+  static constexpr bool has_factored = info_at(0).factored_state;
   static constexpr bool factored_first = [] {
     for (std::size_t k = 1; k < n; ++k)
-      if (info_at(k).factored) return false;
+      if (info_at(k).factored_state) return false;
     return true;
   }();
   static_assert(
@@ -258,13 +246,13 @@ struct plan {
   /// the gradient are not needed in this pass.
   GRADAPT_HD static constexpr bool starts_fresh(std::size_t pass, std::uint64_t e) {
     for (std::size_t k = 0; k < lo(pass, e); ++k)
-      if (on(k, e) && !info_at(k).barrier && info_at(k).ignores_input) return true;
+      if (on(k, e) && !info_at(k).barrier && info_at(k).replay_ignores_input) return true;
     return false;
   }
   GRADAPT_HD static constexpr std::size_t live_from(std::size_t pass, std::uint64_t e) {
     std::size_t s = 0;
     for (std::size_t k = 0; k < lo(pass, e); ++k)
-      if (on(k, e) && !info_at(k).barrier && info_at(k).ignores_input) s = k;
+      if (on(k, e) && !info_at(k).barrier && info_at(k).replay_ignores_input) s = k;
     return s;
   }
   /// True when pass `pass` only measures its barrier from p: the barrier's measure does not
@@ -341,29 +329,6 @@ struct plan {
   }
 };
 
-// ---- a device-friendly aggregate of the stages' kernels ------------------------------------
-
-template <std::size_t I, class T>
-struct kslot {
-  T value;
-};
-template <class Seq, class... T>
-struct kpack_base;
-template <std::size_t... I, class... T>
-struct kpack_base<std::index_sequence<I...>, T...> : kslot<I, T>... {};
-/// One value of each type, trivially copyable when they are (it travels into CUDA kernels).
-template <class... T>
-struct kpack : kpack_base<std::index_sequence_for<T...>, T...> {};
-
-template <std::size_t I, class T>
-GRADAPT_HD GRADAPT_INLINE constexpr const T& kget(const kslot<I, T>& s) {
-  return s.value;
-}
-template <std::size_t I, class T>
-GRADAPT_HD GRADAPT_INLINE constexpr T& kget(kslot<I, T>& s) {
-  return s.value;
-}
-
 /// Argument I of a pack of lvalues of one type (resolved at compile time: no addresses are
 /// stored, so the compiler keeps the values in registers).
 template <std::size_t I, class T, class... R>
@@ -393,14 +358,14 @@ struct pass_functor {
     // Every plan query is a constant expression (nothing of the plan is read at run time, so
     // the same code compiles for the device).
     constexpr mode m = Plan::mode_of(Pass, I, E);
-    if constexpr (FT && Plan::info_at(I).factored) {
+    if constexpr (FT && Plan::info_at(I).factored_state) {
       (void)u;
     } else if constexpr (m == mode::replay || m == mode::update) {
       constexpr std::size_t soff = Plan::slot_offset(I);
       constexpr std::size_t boff = Plan::buffer_arg(Pass, I, E);
       constexpr bool barrier = Plan::info_at(I).barrier;
       constexpr bool global = Plan::info_at(I).global;
-      const auto& k = kget<I>(kernels);
+      const auto& k = gradapt::detail::slot<I>(kernels);
       const double* stc = tc + soff;
       if constexpr (barrier) {
         constexpr std::size_t b = Plan::barrier_number(I, E);
@@ -446,7 +411,7 @@ struct pass_functor {
     } else {
       constexpr std::size_t h = Plan::hi(Pass, E);
       constexpr std::size_t hoff = Plan::slot_offset(h);
-      return kget<h>(kernels).measure(u, p, tc + hoff);
+      return gradapt::detail::slot<h>(kernels).measure(u, p, tc + hoff);
     }
   }
 };
@@ -491,7 +456,8 @@ struct factored_pass {
     static_assert(sizeof...(A) + (stage_on ? 1 : 0) == full, "gradapt::chain: factored pass argument count");
     V u0{};
     V dummy{};
-    if constexpr (stage_on) u0 = kget<0>(pf.kernels).template y<Variant>(r, c, nth<ga>(a...));
+    if constexpr (stage_on)
+      u0 = gradapt::detail::slot<0>(pf.kernels).template y<Variant>(r, c, nth<ga>(a...));
     return call(u0, dummy, std::make_index_sequence<full>{}, a...);
   }
 };
@@ -512,7 +478,7 @@ struct max_pass {
   /// The stage's term alone (it reads the gradient, which no pass writes).
   template <class V, class... A>
   GRADAPT_HD GRADAPT_INLINE V term(V r, V c, A&... a) const {
-    return kget<0>(fp.pf.kernels).term(r, c, nth<FP::ga>(a...));
+    return gradapt::detail::slot<0>(fp.pf.kernels).term(r, c, nth<FP::ga>(a...));
   }
 };
 

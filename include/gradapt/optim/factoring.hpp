@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "gradapt/backend/concepts.hpp"
@@ -152,6 +153,14 @@ tensor_view<T, Space> vector_view(T* p, std::size_t n) {
 template <class Space, class T>
 tensor_view<const T, Space> const_vector_view(T* p, std::size_t n) {
   return tensor_view<const T, Space>::vector(p, static_cast<std::int64_t>(n));
+}
+
+/// vector_view and const_vector_view in memory space Space as a pair of function objects, for
+/// `const auto [vec, cvec] = vector_views<space>();` in a stage's backend code.
+template <class Space>
+constexpr auto vector_views() {
+  return std::pair{[](auto* p, std::size_t n) { return vector_view<Space>(p, n); },
+                   [](auto* p, std::size_t n) { return const_vector_view<Space>(p, n); }};
 }
 
 /// The tensor indices sorted by size, largest first (ties in index order).

@@ -26,6 +26,7 @@
 #include <string_view>
 
 #include "gradapt/optim/chain.hpp"
+#include "gradapt/optim/preset.hpp"
 #include "gradapt/optim/transforms.hpp"
 
 namespace gradapt {
@@ -68,34 +69,23 @@ using lamb_chain =
           transform::scale_by_trust_ratio, transform::scale_by_learning_rate>;
 
 /// LAMB (see the file comment). State buffers: 0 = m, 1 = v.
-class lamb : public lamb_chain {
+class lamb : public detail::optim::preset<lamb, lamb_chain, lamb_options> {
  public:
-  /// @throws gradapt::error on an invalid option, naming it
-  explicit lamb(const lamb_options& o = {}) try
-      : lamb_chain(
-            transform::clip_by_global_norm{.max_norm = o.max_grad_norm},
-            transform::scale_by_adam{.b1 = o.b1,
-                                     .b2 = o.b2,
-                                     .eps = o.eps,
-                                     .eps_root = o.eps_root,
-                                     .bias_correction = o.bias_correction},
-            transform::add_decayed_weights{.weight_decay = o.weight_decay, .skip = o.skip_weight_decay},
-            transform::scale_by_trust_ratio{
-                .min_ratio = o.min_trust_ratio, .max_ratio = o.max_trust_ratio, .skip = o.skip_trust_ratio},
-            transform::scale_by_learning_rate{.lr = o.lr, .allow_negative = false}) {
-  } catch (const error& e) {
-    detail::rethrow_in("lamb", e,
-                       {{"clip_by_global_norm: max_norm", "max_grad_norm"},
-                        {"scale_by_adam: ", ""},
-                        {"add_decayed_weights: weight_decay", "weight_decay"},
-                        {"scale_by_trust_ratio: min_ratio", "min_trust_ratio"},
-                        {"scale_by_trust_ratio: max_ratio", "max_trust_ratio"},
-                        {"scale_by_trust_ratio: the clamp [min_ratio, max_ratio]",
-                         "the clamp [min_trust_ratio, max_trust_ratio]"},
-                        {"scale_by_learning_rate: lr", "lr"}});
+  /// The chain the options give; its stages validate them.
+  /// @throws gradapt::error on an invalid option, under the stage's name for it
+  static lamb_chain stages(const lamb_options& o) {
+    return lamb_chain(
+        transform::clip_by_global_norm{.max_norm = o.max_grad_norm}, detail::optim::adam_stage(o),
+        detail::optim::decay_stage(o),
+        transform::scale_by_trust_ratio{
+            .min_ratio = o.min_trust_ratio, .max_ratio = o.max_trust_ratio, .skip = o.skip_trust_ratio},
+        detail::optim::lr_stage(o));
   }
-  /// `lamb({})`: the default options.
-  lamb(std::initializer_list<lamb_options> o) : lamb(detail::options_from(o, "lamb")) {}
+  /// The optimizer's name in error messages.
+  static constexpr std::string_view name = "lamb";
+  /// `lamb(options)` (throws gradapt::error on an invalid option, naming it) and
+  /// `lamb({})` (the default options).
+  using preset::preset;
 };
 
 }  // namespace gradapt

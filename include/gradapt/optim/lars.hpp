@@ -22,6 +22,7 @@
 #include <string_view>
 
 #include "gradapt/optim/chain.hpp"
+#include "gradapt/optim/preset.hpp"
 #include "gradapt/optim/transforms.hpp"
 
 namespace gradapt {
@@ -56,26 +57,24 @@ struct lars_options {
 using lars_chain = chain<transform::scale_by_lars, transform::scale_by_learning_rate, transform::trace>;
 
 /// LARS (see the file comment). State buffer 0 is the momentum buffer.
-class lars : public lars_chain {
+class lars : public detail::optim::preset<lars, lars_chain, lars_options> {
  public:
-  /// @throws gradapt::error on an invalid option, naming it
-  explicit lars(const lars_options& o = {}) try
-      : lars_chain(transform::scale_by_lars{.weight_decay = o.weight_decay,
-                                            .trust_coefficient = o.trust_coefficient,
-                                            .eps = o.eps,
-                                            .denominator = o.denominator,
-                                            .skip_weight_decay = o.skip_weight_decay,
-                                            .skip_trust_ratio = o.skip_trust_ratio},
-                   transform::scale_by_learning_rate{.lr = o.lr, .allow_negative = false},
-                   transform::trace{.decay = o.momentum, .nesterov = o.nesterov}) {
-  } catch (const error& e) {
-    detail::rethrow_in("lars", e,
-                       {{"scale_by_lars: ", ""},
-                        {"trace: decay (momentum)", "momentum"},
-                        {"scale_by_learning_rate: lr", "lr"}});
+  /// The chain the options give; its stages validate them.
+  /// @throws gradapt::error on an invalid option, under the stage's name for it
+  static lars_chain stages(const lars_options& o) {
+    return lars_chain(transform::scale_by_lars{.weight_decay = o.weight_decay,
+                                               .trust_coefficient = o.trust_coefficient,
+                                               .eps = o.eps,
+                                               .denominator = o.denominator,
+                                               .skip_weight_decay = o.skip_weight_decay,
+                                               .skip_trust_ratio = o.skip_trust_ratio},
+                      detail::optim::lr_stage(o), detail::optim::momentum_stage(o));
   }
-  /// `lars({})`: the default options.
-  lars(std::initializer_list<lars_options> o) : lars(detail::options_from(o, "lars")) {}
+  /// The optimizer's name in error messages.
+  static constexpr std::string_view name = "lars";
+  /// `lars(options)` (throws gradapt::error on an invalid option, naming it) and
+  /// `lars({})` (the default options).
+  using preset::preset;
 };
 
 }  // namespace gradapt

@@ -20,6 +20,7 @@
 #include <string_view>
 
 #include "gradapt/optim/chain.hpp"
+#include "gradapt/optim/preset.hpp"
 #include "gradapt/optim/transforms.hpp"
 
 namespace gradapt {
@@ -45,23 +46,21 @@ using sgd_chain = chain<transform::add_decayed_weights, transform::trace, transf
 
 /// SGD with momentum (see the file comment). Stage 1's buffer (state buffer 0) is the
 /// momentum buffer.
-class sgd : public sgd_chain {
+class sgd : public detail::optim::preset<sgd, sgd_chain, sgd_options> {
  public:
-  /// @throws gradapt::error on an invalid option (naming it), or Nesterov without momentum
-  explicit sgd(const sgd_options& o = {}) try
-      : sgd_chain(transform::add_decayed_weights{.weight_decay = o.weight_decay, .skip = o.skip_weight_decay},
-                  transform::trace{.decay = o.momentum, .nesterov = o.nesterov},
-                  transform::scale_by_learning_rate{.lr = o.lr, .allow_negative = false}) {
+  /// The chain the options give; its stages validate them, and Nesterov needs momentum > 0.
+  /// @throws gradapt::error on an invalid option, under the stage's name for it
+  static sgd_chain stages(const sgd_options& o) {
+    sgd_chain c(detail::optim::decay_stage(o), detail::optim::momentum_stage(o), detail::optim::lr_stage(o));
     detail::require(!o.nesterov || o.momentum > 0.0, "sgd: nesterov is set but momentum is ", o.momentum,
                     " (Nesterov momentum needs momentum > 0)");
-  } catch (const error& e) {
-    detail::rethrow_in("sgd", e,
-                       {{"add_decayed_weights: weight_decay", "weight_decay"},
-                        {"trace: decay (momentum)", "momentum"},
-                        {"scale_by_learning_rate: lr", "lr"}});
+    return c;
   }
-  /// `sgd({})`: the default options.
-  sgd(std::initializer_list<sgd_options> o) : sgd(detail::options_from(o, "sgd")) {}
+  /// The optimizer's name in error messages.
+  static constexpr std::string_view name = "sgd";
+  /// `sgd(options)` (throws gradapt::error on an invalid option, naming it, or on Nesterov
+  /// without momentum) and `sgd({})` (the default options).
+  using preset::preset;
 };
 
 }  // namespace gradapt

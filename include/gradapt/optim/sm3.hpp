@@ -149,13 +149,12 @@ struct scale_by_sm3 {
   /// Added to a inside the root; finite, >= 0. Default 1e-8.
   double eps = 1e-8;
 
-  static constexpr bool factored_state = true;  ///< one accumulator per index of each dim
-  static constexpr std::size_t buffers = 1;     ///< the covers (or a full accumulator)
-  static constexpr bool uses_param = false;     ///< never reads p
-  /// The statistics are maxima of a per-element term (`kernel::term`), which do not depend on
-  /// the order they are taken in: on a `factored_max_backend` a chain with no barrier gathers
-  /// them during its update pass (one read of g; see chain.hpp).
-  static constexpr bool max_statistics = true;
+  /// One buffer (the covers, or a full accumulator); never reads p; factored: one accumulator
+  /// per index of each dim. The statistics are maxima of a per-element term (`kernel::term`),
+  /// which do not depend on the order they are taken in: on a `factored_max_backend` a chain
+  /// with no barrier gathers them during its update pass (one read of g; see chain.hpp).
+  static constexpr stage_spec traits{
+      .buffers = 1, .uses_param = false, .factored_state = true, .max_statistics = true};
 
   /// @throws gradapt::error naming the option when b2 is outside (0, 1] or eps is negative
   void validate() const {
@@ -237,10 +236,7 @@ struct scale_by_sm3 {
   template <class B, class S>
   void factors(const B& b, const factored_tensor& t, tensor_view<S, typename B::space> state, S* ws) const {
     using space = typename B::space;
-    const auto vec = [](auto* p, std::size_t n) { return gradapt::detail::optim::vector_view<space>(p, n); };
-    const auto cvec = [](auto* p, std::size_t n) {
-      return gradapt::detail::optim::const_vector_view<space>(p, n);
-    };
+    const auto [vec, cvec] = gradapt::detail::optim::vector_views<space>();
     const auto lay = layout(t);
     const std::size_t r = lay.rank, Y = t.cols, lead = t.rows;
     S* mu = state.data();
@@ -279,10 +275,7 @@ struct scale_by_sm3 {
   void commit(const B& b, const factored_tensor& t, tensor_view<S, typename B::space> state, S* ws,
               double* sums, const M* row_max, const M* col_max) const {
     using space = typename B::space;
-    const auto vec = [](auto* p, std::size_t n) { return gradapt::detail::optim::vector_view<space>(p, n); };
-    const auto cvec = [](auto* p, std::size_t n) {
-      return gradapt::detail::optim::const_vector_view<space>(p, n);
-    };
+    const auto [vec, cvec] = gradapt::detail::optim::vector_views<space>();
     const auto lay = layout(t);
     const std::size_t r = lay.rank, Y = t.cols, lead = t.rows;
     S* mu = state.data();
@@ -323,10 +316,7 @@ struct scale_by_sm3 {
                tensor_view<S, typename B::space> state, tensor_view<const G, typename B::space> g, S* ws,
                double* sums) const {
     using space = typename B::space;
-    const auto vec = [](auto* p, std::size_t n) { return gradapt::detail::optim::vector_view<space>(p, n); };
-    const auto cvec = [](auto* p, std::size_t n) {
-      return gradapt::detail::optim::const_vector_view<space>(p, n);
-    };
+    const auto [vec, cvec] = gradapt::detail::optim::vector_views<space>();
     factors(b, t, state, ws);
     const std::size_t Y = t.cols, lead = t.rows;
     double* row_max = sums + 2 * lead + t.covers.widest;  // after commit's scratch

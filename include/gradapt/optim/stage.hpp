@@ -10,24 +10,28 @@
 /// element-wise stages fuse into one pass, and only a stage that needs a reduction of its
 /// input (a trust-ratio norm, a global gradient norm, a block RMS) ends a pass.
 ///
-/// A stage type S is an aggregate of options with these members:
+/// A stage type S is an aggregate of options with these members. A stage declares only what is
+/// particular to it: every trait has a default (read through `detail::optim::stage_traits`), so
+/// an element-wise stage without state needs only its options, `prepare` and `kernel`.
 ///
-/// A stage declares only what is particular to it: every trait has a default (read through
-/// `detail::optim::stage_traits`), so an element-wise stage without state needs only its
-/// options, `prepare` and `kernel`.
-///
-/// | member                                   | meaning (default when absent)                           |
-/// |------------------------------------------|----------------------------------------------------------|
-/// | `static constexpr std::size_t buffers`   | per-element state buffers (Adam: 2, momentum: 1; default 0) |
-/// | `static constexpr std::size_t tensor_slots` | per-tensor constants (masked weight decay, lr scale; 0) |
-/// | `static constexpr bool barrier`          | needs a reduction over its input before it acts (false)  |
-/// | `static constexpr bool optional`         | may be switched off by its options, `enabled()` (false)  |
-/// | `static constexpr bool replay_ignores_input` | its replay computes u from its state alone (Adam; false)
-/// | | `static constexpr bool uses_param`       | its math reads the parameter p (true; false lets a pass
-/// skip p) | | `void validate() const`                  | throws gradapt::error naming a bad option (nothing
-/// to check) | | `void tensor_constants(const tensor_setup&, double* out) const` | fills tensor_slots values
-/// (none) | | `template <class C> kernel<C> prepare(const step_context&) const` | per-step constants
-/// (required) |
+///  - `static constexpr stage_spec traits`: the stage's traits in one value (see stage_spec;
+///    its members' defaults are the defaults listed here). A stage may instead, or in addition,
+///    declare a trait as a member of its own of the same name (`static constexpr std::size_t
+///    buffers = 2;`), which takes precedence over `traits`:
+///     - `buffers`: per-element state buffers (Adam: 2, momentum: 1; default 0);
+///     - `tensor_slots`: per-tensor constants (masked weight decay, lr scale; default 0);
+///     - `barrier`: needs a reduction over its input before it acts (default false);
+///     - `optional`: may be switched off by its options, `enabled()` (default false);
+///     - `replay_ignores_input`: its replay computes u from its state alone (Adam; default
+///       false);
+///     - `uses_param`: its math reads the parameter p (default true; false lets a pass skip
+///       p).
+///  - `void validate() const`: throws gradapt::error naming a bad option (default: nothing to
+///    check).
+///  - `void tensor_constants(const tensor_setup&, double* out) const`: fills the tensor_slots
+///    values (default: none).
+///  - `template <class C> kernel<C> prepare(const step_context&) const`: the per-step constants
+///    (required).
 ///
 /// `kernel<C>` is trivially copyable (it travels into CUDA kernels) and holds the element math
 /// as GRADAPT_HD templates on the value type V (C = float or double, or a host `simd::pack`);
@@ -39,21 +43,21 @@
 ///    writing it. Replay lets a later pass (after a barrier) rebuild u instead of storing it:
 ///    for the output to be bitwise the one `update` produced, it must be a function of
 ///    (input u, new state) computed by the same expressions.
-///  - barrier stages (`buffers == 0`) also declare `static constexpr bool global` (one factor
-///    for all tensors, else one per tensor) and `static constexpr std::size_t terms`, and
-///    provide `measure(const V& u, const V& p, const double* tc)` returning
-///    `simd::terms_t<V, terms>` (values summed per tensor in double with the backend's fixed
-///    order), `double finalize(const double* sums, const double* tc)` (the factor from the
-///    sums; for a global barrier the sums over all tensors in tensor order and tc == nullptr),
-///    and `apply(V& u, const V& p, C factor, const double* tc)`.
-///  - a barrier may declare `static constexpr bool measure_reads_input = false` when its
-///    measure reads p only (scale_by_param_block_rms): if the stages between it and the
-///    previous barrier keep no state, its pass then reads p alone instead of rebuilding u.
+///  - barrier stages (`buffers == 0`) also declare the traits `global` (one factor for all
+///    tensors, else one per tensor; default false) and `terms` (at least 1), and provide
+///    `measure(const V& u, const V& p, const double* tc)` returning `simd::terms_t<V, terms>`
+///    (values summed per tensor in double with the backend's fixed order), `double
+///    finalize(const double* sums, const double* tc)` (the factor from the sums; for a global
+///    barrier the sums over all tensors in tensor order and tc == nullptr), and `apply(V& u,
+///    const V& p, C factor, const double* tc)`.
+///  - a barrier may declare the trait `measure_reads_input = false` when its measure reads p
+///    only (scale_by_param_block_rms): if the stages between it and the previous barrier keep
+///    no state, its pass then reads p alone instead of rebuilding u.
 ///
 /// Factored stages (Adafactor's `transform::scale_by_factored_rms`, SM3's
 /// `transform::scale_by_sm3`) keep row and column statistics instead of one value per element.
-/// They declare `static constexpr bool factored_state = true`, are required element stages
-/// with one buffer whose replay reads its input, must be the chain's first stage, and add:
+/// They declare the trait `factored_state = true`, are required element stages with one buffer
+/// whose replay reads its input, must be the chain's first stage, and add:
 ///
 ///  - `factored_tensor plan_tensor(std::span<const std::int64_t> shape) const`: per tensor
 ///    (at `init`), whether it is factored, its [A, X, B, Y, C] view, the buffer elements it
@@ -80,6 +84,38 @@
 #include "gradapt/core/param_list.hpp"
 
 namespace gradapt {
+
+/// The traits of a stage in one value, declared by a stage as `static constexpr stage_spec
+/// traits{...}` (e.g. `traits{.buffers = 1, .optional = true, .uses_param = false}` for
+/// momentum); each member's default is the trait's default (see the file comment).
+struct stage_spec {
+  /// Per-element state buffers (Adam: 2, momentum: 1). Default 0.
+  std::size_t buffers = 0;
+  /// Per-tensor constants the stage fills in `tensor_constants`. Default 0.
+  std::size_t tensor_slots = 0;
+  /// Needs a reduction over its input before it acts: ends a pass. Default false.
+  bool barrier = false;
+  /// A barrier's factor is one for all tensors (else one per tensor). Default false.
+  bool global = false;
+  /// Values a barrier's `measure` returns per element (at least 1 for a barrier). Default 0.
+  std::size_t terms = 0;
+  /// May be switched off by its options, through `enabled()`. Default false.
+  bool optional = false;
+  /// Its replay computes u from its state alone (Adam). Default false.
+  bool replay_ignores_input = false;
+  /// Its math reads the parameter p (false lets a pass skip reading p). Default true.
+  bool uses_param = true;
+  /// A barrier's measure reads u (false: p only, so its pass may skip rebuilding u). Default
+  /// true.
+  bool measure_reads_input = true;
+  /// A barrier's measure is Σp² widened to double (a factored stage's statistics pass may take
+  /// it). Default false.
+  bool measures_param_squares = false;
+  /// A factored second-moment stage (row and column statistics per tensor). Default false.
+  bool factored_state = false;
+  /// A factored stage whose statistics are maxima of a term (SM3). Default false.
+  bool max_statistics = false;
+};
 
 /// What a stage sees when it prepares one step.
 struct step_context {

@@ -75,6 +75,30 @@ inline bool predicate_says(const std::function<bool(std::string_view)>& f, std::
 /// sqrt in double, usable in host and device code.
 GRADAPT_HD GRADAPT_INLINE double dsqrt(double x) { return simd::sqrt(x); }
 
+/// The `apply` of a barrier kernel that scales u by its factor (C: the compute type).
+template <class C>
+struct scales_by_factor {
+  /// u ← factor · u, with `factor` rounded to C.
+  template <class V>
+  GRADAPT_HD GRADAPT_INLINE void apply(V& u, const V&, C factor, const double*) const {
+    u = u * factor;
+  }
+};
+
+/// The `measure` and `apply` of a barrier kernel that sums one square, of p (`OfParam`) or of
+/// u, and scales u by its factor.
+template <class C, bool OfParam>
+struct measures_square : scales_by_factor<C> {
+  /// The term summed in double: p² or u².
+  template <class V>
+  GRADAPT_HD GRADAPT_INLINE simd::terms_t<V, 1> measure(const V& u, const V& p, const double*) const {
+    simd::terms_t<V, 1> r;
+    const auto w = simd::widen(OfParam ? p : u);
+    r[0] = w * w;
+    return r;
+  }
+};
+
 }  // namespace detail
 
 /// Adam's moment estimates (Kingma & Ba 2015), as optax's `scale_by_adam`:
@@ -99,9 +123,8 @@ struct scale_by_adam {
   /// Divide the moments by 1 − b^t (apex's `bias_correction` switch). Default true.
   bool bias_correction = true;
 
-  static constexpr std::size_t buffers = 2;           ///< m, v
-  static constexpr bool replay_ignores_input = true;  ///< replay needs only m and v
-  static constexpr bool uses_param = false;           ///< never reads p
+  /// Two buffers (m, v); replay needs only m and v; never reads p.
+  static constexpr stage_spec traits{.buffers = 2, .replay_ignores_input = true, .uses_param = false};
 
   /// Checks the options (the chain calls it when it is built and at `init`).
   /// @throws gradapt::error naming the option when b1 or b2 is outside [0, 1), eps or eps_root
@@ -192,7 +215,8 @@ struct add_decayed_weights {
   /// η for `times_lr` when a step passes no `step_args::lr`; finite, >= 0. Default 1.
   double lr = 1.0;
 
-  static constexpr std::size_t tensor_slots = 1;  ///< λ of the tensor
+  /// One per-tensor constant: λ of the tensor.
+  static constexpr stage_spec traits{.tensor_slots = 1};
 
   /// Checks the options (the chain calls it when it is built and at `init`).
   /// @throws gradapt::error when weight_decay is not finite
@@ -253,9 +277,8 @@ struct trace {
   /// Nesterov's look-ahead form u ← u + μ τ instead of u ← τ. Default false.
   bool nesterov = false;
 
-  static constexpr std::size_t buffers = 1;  ///< τ
-  static constexpr bool optional = true;     ///< off when decay is 0
-  static constexpr bool uses_param = false;  ///< never reads p
+  /// One buffer (τ); off when decay is 0; never reads p.
+  static constexpr stage_spec traits{.buffers = 1, .optional = true, .uses_param = false};
 
   /// False when decay is 0: the stage then keeps no buffer and is not run.
   bool enabled() const { return decay != 0.0; }
@@ -305,8 +328,8 @@ struct scale_by_learning_rate {
   /// standalone optimizers and torch.optim do.
   bool allow_negative = true;
 
-  static constexpr std::size_t tensor_slots = 1;  ///< the group's lr_scale
-  static constexpr bool uses_param = false;       ///< never reads p
+  /// One per-tensor constant: the group's lr_scale; never reads p.
+  static constexpr stage_spec traits{.tensor_slots = 1, .uses_param = false};
 
   /// Checks the options (the chain calls it when it is built and at `init`).
   /// @throws gradapt::error when lr is not finite, or negative without allow_negative
@@ -356,7 +379,8 @@ struct scale {
   /// c; finite. Default 1.
   double factor = 1.0;
 
-  static constexpr bool uses_param = false;  ///< never reads p
+  /// Never reads p.
+  static constexpr stage_spec traits{.uses_param = false};
 
   /// Checks the options (the chain calls it when it is built and at `init`).
   /// @throws gradapt::error when factor is not finite
@@ -413,10 +437,9 @@ struct scale_by_trust_ratio {
   /// `param_flags::skip_trust_ratio`). Default empty: no name is skipped.
   std::function<bool(std::string_view)> skip = {};
 
-  static constexpr std::size_t tensor_slots = 1;  ///< 1 when the ratio applies, 0 when masked
-  static constexpr bool barrier = true;           ///< needs whole-tensor norms: ends a pass
-  static constexpr bool global = false;           ///< one ratio per tensor
-  static constexpr std::size_t terms = 2;         ///< ‖p‖², ‖u‖²
+  /// One per-tensor constant (1 when the ratio applies, 0 when masked); needs whole-tensor
+  /// norms (ends a pass), one ratio per tensor from two terms, ‖p‖² and ‖u‖².
+  static constexpr stage_spec traits{.tensor_slots = 1, .barrier = true, .global = false, .terms = 2};
 
   /// Checks the options (the chain calls it when it is built and at `init`).
   /// @throws gradapt::error naming the option when trust_coefficient is not finite and > 0, eps
@@ -441,7 +464,7 @@ struct scale_by_trust_ratio {
 
   /// Element math and ratio of scale_by_trust_ratio; C is the compute type of the elements.
   template <class C>
-  struct kernel {
+  struct kernel : detail::scales_by_factor<C> {  // apply: u ← r u, r rounded to C
     /// @var k
     /// trust_coefficient.
     /// @var eps
@@ -475,16 +498,11 @@ struct scale_by_trust_ratio {
       if (r > hi) r = hi;
       return r;
     }
-    /// u ← r u, with `factor` the tensor's r rounded to C.
-    template <class V>
-    GRADAPT_HD GRADAPT_INLINE void apply(V& u, const V&, C factor, const double*) const {
-      u = u * factor;
-    }
   };
   /// The kernel (the options in double; no per-step constants).
   template <class C>
   kernel<C> prepare(const step_context&) const {
-    return {trust_coefficient, eps, min_norm, min_ratio, max_ratio};
+    return {{}, trust_coefficient, eps, min_norm, min_ratio, max_ratio};
   }
 };
 
@@ -523,12 +541,10 @@ struct scale_by_lars {
   /// `param_flags::skip_trust_ratio`). Default empty: no name is skipped.
   std::function<bool(std::string_view)> skip_trust_ratio = {};
 
-  /// λ of the tensor, and trust ratio on (1) / off (0)
-  static constexpr std::size_t tensor_slots = 2;
-  static constexpr bool barrier = true;  ///< needs whole-tensor norms: ends a pass
-  static constexpr bool global = false;  ///< one ratio per tensor
-  /// ‖p‖², and ‖u + λp‖² (norm_of_sum) or ‖u‖² (sum_of_norms)
-  static constexpr std::size_t terms = 2;
+  /// Two per-tensor constants (λ of the tensor, and trust ratio on (1) / off (0)); needs
+  /// whole-tensor norms (ends a pass), one ratio per tensor from two terms, ‖p‖² and
+  /// ‖u + λp‖² (norm_of_sum) or ‖u‖² (sum_of_norms).
+  static constexpr stage_spec traits{.tensor_slots = 2, .barrier = true, .global = false, .terms = 2};
 
   /// Checks the options (the chain calls it when it is built and at `init`).
   /// @throws gradapt::error naming the option when weight_decay is not finite, trust_coefficient
@@ -612,11 +628,10 @@ struct clip_by_global_norm {
   /// c, >= 0. Default +inf, which switches the stage off (apex's FusedLAMB uses 1).
   double max_norm = std::numeric_limits<double>::infinity();
 
-  static constexpr bool barrier = true;      ///< needs the global norm: ends a pass
-  static constexpr bool global = true;       ///< one factor for all tensors
-  static constexpr std::size_t terms = 1;    ///< ‖u‖²
-  static constexpr bool optional = true;     ///< off while max_norm is +inf
-  static constexpr bool uses_param = false;  ///< never reads p
+  /// Needs the global norm (ends a pass): one factor for all tensors from one term, ‖u‖²; off
+  /// while max_norm is +inf; never reads p.
+  static constexpr stage_spec traits{
+      .barrier = true, .global = true, .terms = 1, .optional = true, .uses_param = false};
 
   /// False while max_norm is +inf: the stage then costs no pass.
   bool enabled() const { return std::isfinite(max_norm); }
@@ -629,32 +644,19 @@ struct clip_by_global_norm {
 
   /// Element math and factor of clip_by_global_norm; C is the compute type of the elements.
   template <class C>
-  struct kernel {
-    double max_norm;  ///< c
-    /// The term summed in double over all tensors: u².
-    template <class V>
-    GRADAPT_HD GRADAPT_INLINE simd::terms_t<V, 1> measure(const V& u, const V&, const double*) const {
-      simd::terms_t<V, 1> r;
-      const auto uw = simd::widen(u);
-      r[0] = uw * uw;
-      return r;
-    }
+  struct kernel : detail::measures_square<C, false> {  // measure: u² summed over all tensors
+    double max_norm;                                   ///< c
     /// The factor from sums[0] = ‖u‖² over all tensors: c / ‖u‖ when ‖u‖ > c, else 1 (so 1
     /// for a NaN norm and 0 for an inf norm).
     GRADAPT_HD double finalize(const double* sums, const double*) const {
       const double n = detail::dsqrt(sums[0]);
       return n > max_norm ? max_norm / n : 1.0;
     }
-    /// u ← factor · u, with `factor` rounded to C.
-    template <class V>
-    GRADAPT_HD GRADAPT_INLINE void apply(V& u, const V&, C factor, const double*) const {
-      u = u * factor;
-    }
   };
   /// The kernel (no per-step constants).
   template <class C>
   kernel<C> prepare(const step_context&) const {
-    return {max_norm};
+    return {{}, max_norm};
   }
 };
 
@@ -665,12 +667,10 @@ struct clip_by_block_rms {
   /// c; > 0, +inf for no clipping. Default 1.
   double threshold = 1.0;
 
-  static constexpr std::size_t tensor_slots = 1;  ///< element count n
-  static constexpr bool barrier = true;           ///< needs whole-tensor sums: ends a pass
-  static constexpr bool global = false;           ///< one factor per tensor
-  static constexpr std::size_t terms = 1;         ///< ‖u‖²
-  static constexpr bool optional = true;          ///< off when threshold is +inf
-  static constexpr bool uses_param = false;       ///< never reads p
+  /// One per-tensor constant (the element count n); needs whole-tensor sums (ends a pass),
+  /// one factor per tensor from one term, ‖u‖²; off when threshold is +inf; never reads p.
+  static constexpr stage_spec traits{
+      .tensor_slots = 1, .barrier = true, .global = false, .terms = 1, .optional = true, .uses_param = false};
 
   /// False when threshold is +inf: the stage then costs no pass.
   bool enabled() const { return threshold != std::numeric_limits<double>::infinity(); }
@@ -685,16 +685,8 @@ struct clip_by_block_rms {
 
   /// Element math and factor of clip_by_block_rms; C is the compute type of the elements.
   template <class C>
-  struct kernel {
-    double threshold;  ///< c
-    /// The term summed per tensor in double: u².
-    template <class V>
-    GRADAPT_HD GRADAPT_INLINE simd::terms_t<V, 1> measure(const V& u, const V&, const double*) const {
-      simd::terms_t<V, 1> r;
-      const auto uw = simd::widen(u);
-      r[0] = uw * uw;
-      return r;
-    }
+  struct kernel : detail::measures_square<C, false> {  // measure: u² summed per tensor
+    double threshold;                                  ///< c
     /// The factor 1 / max(1, rms / c) with rms = √(sums[0] / n), n = tc[0]: 1 for an empty
     /// tensor, NaN when rms is NaN.
     GRADAPT_HD double finalize(const double* sums, const double* tc) const {
@@ -703,16 +695,11 @@ struct clip_by_block_rms {
       if (d != d) return d;
       return d > 1.0 ? 1.0 / d : 1.0;
     }
-    /// u ← factor · u, with `factor` rounded to C.
-    template <class V>
-    GRADAPT_HD GRADAPT_INLINE void apply(V& u, const V&, C factor, const double*) const {
-      u = u * factor;
-    }
   };
   /// The kernel (no per-step constants).
   template <class C>
   kernel<C> prepare(const step_context&) const {
-    return {threshold};
+    return {{}, threshold};
   }
 };
 
@@ -725,14 +712,17 @@ struct scale_by_param_block_rms {
   /// false switches the stage off (it then costs no pass). Default true.
   bool active = true;
 
-  static constexpr std::size_t tensor_slots = 1;      ///< element count n
-  static constexpr bool barrier = true;               ///< needs whole-tensor sums of p: ends a pass
-  static constexpr bool global = false;               ///< one factor per tensor
-  static constexpr std::size_t terms = 1;             ///< ‖p‖²
-  static constexpr bool optional = true;              ///< off when `active` is false
-  static constexpr bool measure_reads_input = false;  ///< the measure reads p only: its pass skips u
-  static constexpr bool measures_param_squares =
-      true;  ///< Σp²: a factored stage's statistics pass may take it
+  /// One per-tensor constant (the element count n); needs whole-tensor sums of p (ends a
+  /// pass), one factor per tensor from one term, ‖p‖²; off when `active` is false; the
+  /// measure reads p only (its pass skips u) and is Σp² (a factored stage's statistics pass
+  /// may take it).
+  static constexpr stage_spec traits{.tensor_slots = 1,
+                                     .barrier = true,
+                                     .global = false,
+                                     .terms = 1,
+                                     .optional = true,
+                                     .measure_reads_input = false,
+                                     .measures_param_squares = true};
 
   /// `active`.
   bool enabled() const { return active; }
@@ -746,16 +736,8 @@ struct scale_by_param_block_rms {
 
   /// Element math and factor of scale_by_param_block_rms; C is the compute type.
   template <class C>
-  struct kernel {
-    double min_scale;  ///< the lower bound
-    /// The term summed per tensor in double: p².
-    template <class V>
-    GRADAPT_HD GRADAPT_INLINE simd::terms_t<V, 1> measure(const V&, const V& p, const double*) const {
-      simd::terms_t<V, 1> r;
-      const auto pw = simd::widen(p);
-      r[0] = pw * pw;
-      return r;
-    }
+  struct kernel : detail::measures_square<C, true> {  // measure: p² summed per tensor
+    double min_scale;                                 ///< the lower bound
     /// max(√(sums[0] / n), min_scale), n = tc[0]; NaN when the rms is NaN, 1 for an empty tensor.
     GRADAPT_HD double finalize(const double* sums, const double* tc) const {
       if (tc[0] == 0.0) return 1.0;
@@ -763,16 +745,11 @@ struct scale_by_param_block_rms {
       if (rms != rms) return rms;
       return rms > min_scale ? rms : min_scale;
     }
-    /// u ← factor · u, with `factor` rounded to C.
-    template <class V>
-    GRADAPT_HD GRADAPT_INLINE void apply(V& u, const V&, C factor, const double*) const {
-      u = u * factor;
-    }
   };
   /// The kernel (no per-step constants).
   template <class C>
   kernel<C> prepare(const step_context&) const {
-    return {min_scale};
+    return {{}, min_scale};
   }
 };
 
@@ -787,10 +764,9 @@ struct ema {
   /// Divide by 1 − β^t (optax's default debias=True; Adafactor uses false). Default false.
   bool debias = false;
 
-  static constexpr std::size_t buffers = 1;           ///< m
-  static constexpr bool optional = true;              ///< off when decay is 0
-  static constexpr bool replay_ignores_input = true;  ///< replay needs only m
-  static constexpr bool uses_param = false;           ///< never reads p
+  /// One buffer (m); off when decay is 0; replay needs only m; never reads p.
+  static constexpr stage_spec traits{
+      .buffers = 1, .optional = true, .replay_ignores_input = true, .uses_param = false};
 
   /// False when decay is 0.
   bool enabled() const { return decay != 0.0; }

@@ -32,6 +32,7 @@
 #include "gradapt/backend/cuda/check.cuh"
 #include "gradapt/backend/cuda/device_types.cuh"
 #include "gradapt/backend/cuda/reduction_ops.cuh"
+#include "gradapt/backend/value_pack.hpp"
 #include "gradapt/core/config.hpp"
 #include "gradapt/core/dtype.hpp"
 #include "gradapt/core/error.hpp"
@@ -92,25 +93,6 @@ struct tensor_batch {
 template <std::size_t K, std::size_t Reserved>
 inline constexpr std::size_t batch_capacity = (param_budget - Reserved - 4 * sizeof(std::size_t)) /
                                               (K * sizeof(void*) + 2 * sizeof(std::size_t));
-
-// ---- a tiny device-friendly tuple of compute values ----------------------------------------
-
-template <std::size_t I, class T>
-struct pack_slot {
-  T value;
-};
-template <class Seq, class... Ts>
-struct value_pack_impl;
-template <std::size_t... I, class... Ts>
-struct value_pack_impl<std::index_sequence<I...>, Ts...> : pack_slot<I, Ts>... {};
-/// Holds one value of each type; `slot<I>(p)` is the I-th as an lvalue.
-template <class... Ts>
-using value_pack = value_pack_impl<std::index_sequence_for<Ts...>, Ts...>;
-
-template <std::size_t I, class T>
-GRADAPT_HD GRADAPT_INLINE T& slot(pack_slot<I, T>& s) {
-  return s.value;
-}
 
 /// Stores `v` into `*p` unless the element type is const (inputs are never written).
 template <class T>
