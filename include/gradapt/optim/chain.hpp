@@ -113,6 +113,22 @@ class chain {
     return std::get<I>(stages_);
   }
 
+  /// Pushes, in stage order, the options of every stage that names them (`agreed_options`):
+  /// what `train::data_parallel_step` agrees on across ranks at construction, so that ranks
+  /// built with another momentum or b2 throw naming it. `out` has `push(name, double)`.
+  template <class Out>
+  void agreed_options(Out& out) const {
+    std::apply(
+        [&](const auto&... s) {
+          (
+              [&] {
+                if constexpr (requires { s.agreed_options(out); }) s.agreed_options(out);
+              }(),
+              ...);
+        },
+        stages_);
+  }
+
   /// Creates the state for `params` on backend `b`: zero-initialised buffers of element type
   /// S (default: the compute type of the parameters) for every active stage.
   /// @throws gradapt::error on invalid options

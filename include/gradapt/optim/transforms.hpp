@@ -124,6 +124,16 @@ struct scale_by_adam {
   bool bias_correction = true;
 
   /// Two buffers (m, v); replay needs only m and v; never reads p.
+  /// Pushes the options every rank must share, named, as doubles (the train step agrees
+  /// on them at construction).
+  template <class Out>
+  void agreed_options(Out& out) const {
+    out.push("scale_by_adam b1", static_cast<double>(b1));
+    out.push("scale_by_adam b2", static_cast<double>(b2));
+    out.push("scale_by_adam eps", static_cast<double>(eps));
+    out.push("scale_by_adam eps_root", static_cast<double>(eps_root));
+    out.push("scale_by_adam bias_correction", static_cast<double>(bias_correction));
+  }
   static constexpr stage_spec traits{.buffers = 2, .replay_ignores_input = true, .uses_param = false};
 
   /// Checks the options (the chain calls it when it is built and at `init`).
@@ -216,6 +226,14 @@ struct add_decayed_weights {
   double lr = 1.0;
 
   /// One per-tensor constant: λ of the tensor.
+  /// Pushes the options every rank must share, named, as doubles (the train step agrees
+  /// on them at construction).
+  template <class Out>
+  void agreed_options(Out& out) const {
+    out.push("add_decayed_weights weight_decay", static_cast<double>(weight_decay));
+    out.push("add_decayed_weights times_lr", static_cast<double>(times_lr));
+    out.push("add_decayed_weights lr", static_cast<double>(lr));
+  }
   static constexpr stage_spec traits{.tensor_slots = 1};
 
   /// Checks the options (the chain calls it when it is built and at `init`).
@@ -278,6 +296,13 @@ struct trace {
   bool nesterov = false;
 
   /// One buffer (τ); off when decay is 0; never reads p.
+  /// Pushes the options every rank must share, named, as doubles (the train step agrees
+  /// on them at construction).
+  template <class Out>
+  void agreed_options(Out& out) const {
+    out.push("trace decay", static_cast<double>(decay));
+    out.push("trace nesterov", static_cast<double>(nesterov));
+  }
   static constexpr stage_spec traits{.buffers = 1, .optional = true, .uses_param = false};
 
   /// False when decay is 0: the stage then keeps no buffer and is not run.
@@ -329,6 +354,15 @@ struct scale_by_learning_rate {
   bool allow_negative = true;
 
   /// One per-tensor constant: the group's lr_scale; never reads p.
+  /// Pushes the options every rank must share, named, as doubles (the train step agrees
+  /// on them at construction).
+  template <class Out>
+  void agreed_options(Out& out) const {
+    out.push("scale_by_learning_rate lr", static_cast<double>(lr));
+    out.push("scale_by_learning_rate flip_sign", static_cast<double>(flip_sign));
+    out.push("scale_by_learning_rate relative_step", static_cast<double>(relative_step));
+    out.push("scale_by_learning_rate allow_negative", static_cast<double>(allow_negative));
+  }
   static constexpr stage_spec traits{.tensor_slots = 1, .uses_param = false};
 
   /// Checks the options (the chain calls it when it is built and at `init`).
@@ -380,6 +414,12 @@ struct scale {
   double factor = 1.0;
 
   /// Never reads p.
+  /// Pushes the options every rank must share, named, as doubles (the train step agrees
+  /// on them at construction).
+  template <class Out>
+  void agreed_options(Out& out) const {
+    out.push("scale factor", static_cast<double>(factor));
+  }
   static constexpr stage_spec traits{.uses_param = false};
 
   /// Checks the options (the chain calls it when it is built and at `init`).
@@ -439,6 +479,16 @@ struct scale_by_trust_ratio {
 
   /// One per-tensor constant (1 when the ratio applies, 0 when masked); needs whole-tensor
   /// norms (ends a pass), one ratio per tensor from two terms, ‖p‖² and ‖u‖².
+  /// Pushes the options every rank must share, named, as doubles (the train step agrees
+  /// on them at construction).
+  template <class Out>
+  void agreed_options(Out& out) const {
+    out.push("scale_by_trust_ratio trust_coefficient", static_cast<double>(trust_coefficient));
+    out.push("scale_by_trust_ratio eps", static_cast<double>(eps));
+    out.push("scale_by_trust_ratio min_norm", static_cast<double>(min_norm));
+    out.push("scale_by_trust_ratio min_ratio", static_cast<double>(min_ratio));
+    out.push("scale_by_trust_ratio max_ratio", static_cast<double>(max_ratio));
+  }
   static constexpr stage_spec traits{.tensor_slots = 1, .barrier = true, .global = false, .terms = 2};
 
   /// Checks the options (the chain calls it when it is built and at `init`).
@@ -544,6 +594,15 @@ struct scale_by_lars {
   /// Two per-tensor constants (λ of the tensor, and trust ratio on (1) / off (0)); needs
   /// whole-tensor norms (ends a pass), one ratio per tensor from two terms, ‖p‖² and
   /// ‖u + λp‖² (norm_of_sum) or ‖u‖² (sum_of_norms).
+  /// Pushes the options every rank must share, named, as doubles (the train step agrees
+  /// on them at construction).
+  template <class Out>
+  void agreed_options(Out& out) const {
+    out.push("scale_by_lars weight_decay", static_cast<double>(weight_decay));
+    out.push("scale_by_lars trust_coefficient", static_cast<double>(trust_coefficient));
+    out.push("scale_by_lars eps", static_cast<double>(eps));
+    out.push("scale_by_lars denominator", static_cast<double>(denominator));
+  }
   static constexpr stage_spec traits{.tensor_slots = 2, .barrier = true, .global = false, .terms = 2};
 
   /// Checks the options (the chain calls it when it is built and at `init`).
@@ -630,6 +689,12 @@ struct clip_by_global_norm {
 
   /// Needs the global norm (ends a pass): one factor for all tensors from one term, ‖u‖²; off
   /// while max_norm is +inf; never reads p.
+  /// Pushes the options every rank must share, named, as doubles (the train step agrees
+  /// on them at construction).
+  template <class Out>
+  void agreed_options(Out& out) const {
+    out.push("clip_by_global_norm max_norm", static_cast<double>(max_norm));
+  }
   static constexpr stage_spec traits{
       .barrier = true, .global = true, .terms = 1, .optional = true, .uses_param = false};
 
@@ -669,6 +734,12 @@ struct clip_by_block_rms {
 
   /// One per-tensor constant (the element count n); needs whole-tensor sums (ends a pass),
   /// one factor per tensor from one term, ‖u‖²; off when threshold is +inf; never reads p.
+  /// Pushes the options every rank must share, named, as doubles (the train step agrees
+  /// on them at construction).
+  template <class Out>
+  void agreed_options(Out& out) const {
+    out.push("clip_by_block_rms threshold", static_cast<double>(threshold));
+  }
   static constexpr stage_spec traits{
       .tensor_slots = 1, .barrier = true, .global = false, .terms = 1, .optional = true, .uses_param = false};
 
@@ -716,6 +787,13 @@ struct scale_by_param_block_rms {
   /// pass), one factor per tensor from one term, ‖p‖²; off when `active` is false; the
   /// measure reads p only (its pass skips u) and is Σp² (a factored stage's statistics pass
   /// may take it).
+  /// Pushes the options every rank must share, named, as doubles (the train step agrees
+  /// on them at construction).
+  template <class Out>
+  void agreed_options(Out& out) const {
+    out.push("scale_by_param_block_rms min_scale", static_cast<double>(min_scale));
+    out.push("scale_by_param_block_rms active", static_cast<double>(active));
+  }
   static constexpr stage_spec traits{.tensor_slots = 1,
                                      .barrier = true,
                                      .global = false,
@@ -765,6 +843,13 @@ struct ema {
   bool debias = false;
 
   /// One buffer (m); off when decay is 0; replay needs only m; never reads p.
+  /// Pushes the options every rank must share, named, as doubles (the train step agrees
+  /// on them at construction).
+  template <class Out>
+  void agreed_options(Out& out) const {
+    out.push("ema decay", static_cast<double>(decay));
+    out.push("ema debias", static_cast<double>(debias));
+  }
   static constexpr stage_spec traits{
       .buffers = 1, .optional = true, .replay_ignores_input = true, .uses_param = false};
 

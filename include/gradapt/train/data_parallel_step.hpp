@@ -589,12 +589,13 @@ class data_parallel_step {
   }
 
   /// The construction agreement (gradapt::agree_values, one small allreduce): the parameter
-  /// list (tensor count, element count, a size fingerprint), which slots are on, the settings
-  /// and the slot options that must match, so that a rank built with another learning rate,
-  /// batch, base batch or period throws with every other rank instead of drifting apart.
+  /// list (tensor count, element count, a size fingerprint), which slots are on, the settings,
+  /// the slot options and the optimizer's stage options (`agreed_options`) that must match, so
+  /// that a rank built with another learning rate, momentum, batch, base batch or period
+  /// throws with every other rank instead of drifting apart.
   template <class A, class Y>
   void agree_on_construction(const A& adapt, const Y& sync) {
-    agreed_list<24> v;
+    agreed_list<64> v;
     v.push("parameter tensors", static_cast<double>(params_->size()));
     v.push("parameter elements", static_cast<double>(params_->total_elements()));
     v.push("parameter shapes (fingerprint)", detail::fingerprint(params_->grads()));
@@ -612,6 +613,7 @@ class data_parallel_step {
     }
     if constexpr (has_local_sgd)
       v.push("local_sgd_options::start_step", static_cast<double>(sync.options.start_step));
+    if constexpr (requires { opt_.agreed_options(v); }) opt_.agreed_options(v);
     agree_values(*comm_, "train::data_parallel_step", v.view());
     detail::require(params_->size() > 0, "train::data_parallel_step on rank ", comm_->rank(),
                     ": the parameter list is empty (add the model's parameters before building the step)");
