@@ -54,6 +54,7 @@
 #include <vector>
 
 #include "gradapt/comm/detail/arguments.hpp"
+#include "gradapt/comm/detail/engine.hpp"
 #include "gradapt/comm/detail/fingerprint.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/dtype.hpp"
@@ -234,7 +235,9 @@ MPI_Op reduction(reduce_op op) {
 /// Ownership: the communicator built from a framework's handle never frees it. A communicator
 /// returned by `split` owns its new handle; copies share it, and the last copy to die calls
 /// `MPI_Comm_free` (skipped if MPI is already finalised). Copies are cheap.
-class mpi {
+class mpi : private detail::engine_calls<mpi> {
+  friend class detail::engine_calls<mpi>;
+
  public:
   /// Views this communicator accepts: host memory.
   using space = host_space;
@@ -263,8 +266,7 @@ class mpi {
   template <element T>
   requires(!std::is_const_v<T>) void allreduce(tensor_view<T, host_space> buf, reduce_op op) {
     constexpr std::string_view name = "allreduce";
-    const auto n = static_cast<std::int64_t>(buf.size());
-    agree({detail::coll::allreduce, dtype_of_v<T>, op, 0, n}, {});
+    if (!open_allreduce<T>(buf.size(), op)) return;
     const MPI_Datatype type = detail_mpi::datatype<T>();
     const MPI_Op mop = detail_mpi::reduction<T>(op);
     pieces(buf.size(), [&](std::size_t off, int count) {
@@ -277,10 +279,7 @@ class mpi {
   template <element T>
   requires(!std::is_const_v<T>) void broadcast(tensor_view<T, host_space> buf, int root) {
     constexpr std::string_view name = "broadcast";
-    const std::string bad = args(name).rank_range("root", root);
-    agree(
-        {detail::coll::broadcast, dtype_of_v<T>, reduce_op::sum, root, static_cast<std::int64_t>(buf.size())},
-        bad);
+    if (!open_broadcast<T>(buf.size(), root)) return;
     const MPI_Datatype type = detail_mpi::datatype<T>();
     pieces(buf.size(), [&](std::size_t off, int count) {
       check(MPI_Bcast(buf.data() + off, count, type, root, comm_), name, "MPI_Bcast");
@@ -299,9 +298,7 @@ class mpi {
     const std::size_t total = n * static_cast<std::size_t>(size_);
     T* mine = recv.data() + (recv.size() == total ? static_cast<std::size_t>(rank_) * n : 0);
     const bool in_place = n != 0 && send.data() == mine;
-    const std::string bad = args(name).gather<T>(send.data(), n, recv.data(), recv.size());
-    agree({detail::coll::allgather, dtype_of_v<T>, reduce_op::sum, 0, static_cast<std::int64_t>(n)}, bad);
-    if (n == 0) return;
+    if (!open_allgather<T>(send.data(), n, recv.data(), recv.size())) return;
     const MPI_Datatype type = detail_mpi::datatype<T>();
     if (total <= static_cast<std::size_t>(opts_.max_count)) {
       const int count = static_cast<int>(n);
@@ -330,9 +327,7 @@ class mpi {
     constexpr std::string_view name = "reduce_scatter";
     const std::size_t m = recv.size();
     const std::size_t total = m * static_cast<std::size_t>(size_);
-    const std::string bad = args(name).scatter<T>(send.data(), send.size(), recv.data(), m, false);
-    agree({detail::coll::reduce_scatter, dtype_of_v<T>, op, 0, static_cast<std::int64_t>(m)}, bad);
-    if (m == 0) return;
+    if (!open_reduce_scatter<T>(send.data(), send.size(), recv.data(), m, op, false)) return;
     const MPI_Datatype type = detail_mpi::datatype<T>();
     const MPI_Op mop = detail_mpi::reduction<T>(op);
     if (total <= static_cast<std::size_t>(opts_.max_count)) {
@@ -360,23 +355,12 @@ class mpi {
                                               std::type_identity_t<tensor_view<const T, host_space>> send,
                                               tensor_view<T, host_space> recv) {
     constexpr std::string_view name = "exchange";
-    const detail::arguments a = args(name);
-    if (auto out = a.rank_range("peer", peer); !out.empty()) throw error(out);
     const bool same = send.data() == recv.data();
-    const std::string bad = a.exchange<T>(send.data(), send.size(), recv.data(), recv.size(), true);
-    if (peer == rank_) {
-      if (!bad.empty()) throw error(bad);
-      if (!same && !send.empty())
+    const auto copy = [&] {
+      if (!send.empty())
         std::memcpy(static_cast<void*>(recv.data()), static_cast<const void*>(send.data()), send.bytes());
-      return;
-    }
-    a.agree_exchange(peer, send.size(), bad, opts_.check_sizes, [&](std::int64_t mine) {
-      std::int64_t theirs = 0;
-      check(MPI_Sendrecv(&mine, 1, MPI_INT64_T, peer, opts_.tag, &theirs, 1, MPI_INT64_T, peer, opts_.tag,
-                         comm_, MPI_STATUS_IGNORE),
-            name, "MPI_Sendrecv");
-      return theirs;
-    });
+    };
+    if (!open_exchange<T>(peer, send.data(), send.size(), recv.data(), recv.size(), true, copy)) return;
     const MPI_Datatype type = detail_mpi::datatype<T>();
     pieces(send.size(), [&](std::size_t off, int count) {
       if (same)
@@ -395,7 +379,7 @@ class mpi {
   /// from `MPI_Comm_split` and is freed when the last copy of the result dies.
   [[nodiscard]] mpi split(int color, int key) const {
     constexpr std::string_view name = "split";
-    agree({detail::coll::split, dtype::float32, reduce_op::sum, 0, 0}, args(name).color(color));
+    open_split(color);
     MPI_Comm made = MPI_COMM_NULL;
     check(MPI_Comm_split(comm_, color, key, &made), name, "MPI_Comm_split");
     std::shared_ptr<MPI_Comm> owner(new MPI_Comm(made), [](MPI_Comm* c) {
@@ -454,7 +438,7 @@ class mpi {
                              opts_.tag, " (expected 0 to MPI_TAG_UB = ", tag_ub, ")");
   }
 
-  detail::arguments args(std::string_view op) const { return {"comm::mpi", op, rank_, size_}; }
+  static constexpr std::string_view comm_name = "comm::mpi";
 
   /// Waits for the argument check's request; past mpi_options::timeout, prints the error and
   /// aborts the job (see mpi_options::timeout).
@@ -492,30 +476,28 @@ class mpi {
     for (std::size_t off = 0; off < n; off += step) f(off, static_cast<int>(std::min(step, n - off)));
   }
 
-  /// Agreement before a collective (with check_sizes): every rank's fingerprint of the call
-  /// (collective, element type, op, root, count) and argument validity meet in one
-  /// MPI_Allreduce(MAX) of detail::fingerprint_words integers; on a difference, every rank
-  /// throws the same kind of gradapt::error naming what differs and a rank that differs. `bad`
-  /// is this rank's complete error message when its own arguments are invalid (empty otherwise).
-  void agree(const detail::call& c, const std::string& bad) const {
-    if (!opts_.check_sizes) {
-      if (!bad.empty()) throw error(bad);
-      return;
-    }
-    const std::string_view op = detail::coll_name(c.kind);
-    detail::agree(
-        "comm::mpi", op, rank_, size_, c, bad,
-        [&](std::int64_t* w, std::size_t n) {
-          MPI_Request req = MPI_REQUEST_NULL;
-          check(MPI_Iallreduce(MPI_IN_PLACE, w, static_cast<int>(n), MPI_INT64_T, MPI_MAX, comm_, &req), op,
-                "MPI_Iallreduce (argument check)");
-          wait_or_abort(req, op);
-        },
-        [&](const std::int64_t* mine, std::size_t n, std::int64_t* all) {
-          check(MPI_Allgather(mine, static_cast<int>(n), MPI_INT64_T, all, static_cast<int>(n), MPI_INT64_T,
-                              comm_),
-                op, "MPI_Allgather (argument check)");
-        });
+  /// Sends `mine` to `peer` and returns the peer's value (size check of exchange).
+  std::int64_t swap_size(int peer, std::int64_t mine) const {
+    std::int64_t theirs = 0;
+    check(MPI_Sendrecv(&mine, 1, MPI_INT64_T, peer, opts_.tag, &theirs, 1, MPI_INT64_T, peer, opts_.tag,
+                       comm_, MPI_STATUS_IGNORE),
+          "exchange", "MPI_Sendrecv");
+    return theirs;
+  }
+
+  /// The argument check's MAX allreduce: one MPI_Iallreduce, under the watchdog.
+  void max_allreduce_words(std::string_view op, std::int64_t* w, std::size_t n) const {
+    MPI_Request req = MPI_REQUEST_NULL;
+    check(MPI_Iallreduce(MPI_IN_PLACE, w, static_cast<int>(n), MPI_INT64_T, MPI_MAX, comm_, &req), op,
+          "MPI_Iallreduce (argument check)");
+    wait_or_abort(req, op);
+  }
+
+  /// The argument check's allgather (error path only).
+  void allgather_words(std::string_view op, const std::int64_t* mine, std::size_t n,
+                       std::int64_t* all) const {
+    check(MPI_Allgather(mine, static_cast<int>(n), MPI_INT64_T, all, static_cast<int>(n), MPI_INT64_T, comm_),
+          op, "MPI_Allgather (argument check)");
   }
 
   std::shared_ptr<MPI_Comm> owner_;  ///< set only for communicators made by split
