@@ -122,15 +122,18 @@ void reduce16(void* in, void* inout, int* len, MPI_Datatype*) {
   }
 }
 
+/// The MPI datatype and the sum and max operators of one 16-bit storage type.
+struct ops16 {
+  MPI_Datatype type = MPI_DATATYPE_NULL;
+  MPI_Op sum = MPI_OP_NULL;
+  MPI_Op max = MPI_OP_NULL;
+};
+
 /// Datatypes and reduction operators for `half` and `bfloat16`, created on first use after
 /// MPI_Init and freed at MPI_Finalize (through a delete callback on MPI_COMM_SELF).
 struct registry {
-  MPI_Datatype half_type = MPI_DATATYPE_NULL;
-  MPI_Datatype bfloat16_type = MPI_DATATYPE_NULL;
-  MPI_Op half_sum = MPI_OP_NULL;
-  MPI_Op half_max = MPI_OP_NULL;
-  MPI_Op bfloat16_sum = MPI_OP_NULL;
-  MPI_Op bfloat16_max = MPI_OP_NULL;
+  ops16 half_ops;
+  ops16 bfloat16_ops;
 };
 
 /// Text of an MPI error code, e.g. "MPI_ERR_TRUNCATE: message truncated".
@@ -149,10 +152,11 @@ inline void check(int code, std::string_view op, int rank, std::string_view fn) 
 
 inline int free_registry(MPI_Comm, int, void* attr, void*) {
   auto* r = static_cast<registry*>(attr);
-  for (MPI_Op* op : {&r->half_sum, &r->half_max, &r->bfloat16_sum, &r->bfloat16_max})
-    if (*op != MPI_OP_NULL) MPI_Op_free(op);
-  for (MPI_Datatype* t : {&r->half_type, &r->bfloat16_type})
-    if (*t != MPI_DATATYPE_NULL) MPI_Type_free(t);
+  for (ops16* o : {&r->half_ops, &r->bfloat16_ops}) {
+    for (MPI_Op* op : {&o->sum, &o->max})
+      if (*op != MPI_OP_NULL) MPI_Op_free(op);
+    if (o->type != MPI_DATATYPE_NULL) MPI_Type_free(&o->type);
+  }
   return MPI_SUCCESS;
 }
 
@@ -164,20 +168,14 @@ inline void setup_check(int code, std::string_view fn) {
         " failed while creating the half/bfloat16 datatypes and operators: ", error_text(code));
 }
 
-inline registry make_registry() {
-  registry r;
-  const auto type = [](MPI_Datatype& t, const char* name) {
-    setup_check(MPI_Type_contiguous(1, MPI_UINT16_T, &t), "MPI_Type_contiguous");
-    setup_check(MPI_Type_set_name(t, name), "MPI_Type_set_name");
-    setup_check(MPI_Type_commit(&t), "MPI_Type_commit");
-  };
-  type(r.half_type, "gradapt::half");
-  type(r.bfloat16_type, "gradapt::bfloat16");
-  setup_check(MPI_Op_create(&reduce16<half, false>, 1, &r.half_sum), "MPI_Op_create");
-  setup_check(MPI_Op_create(&reduce16<half, true>, 1, &r.half_max), "MPI_Op_create");
-  setup_check(MPI_Op_create(&reduce16<bfloat16, false>, 1, &r.bfloat16_sum), "MPI_Op_create");
-  setup_check(MPI_Op_create(&reduce16<bfloat16, true>, 1, &r.bfloat16_max), "MPI_Op_create");
-  return r;
+/// Creates the committed datatype `name` and the sum and max operators of T.
+template <class T>
+void make_ops(ops16& o, const char* name) {
+  setup_check(MPI_Type_contiguous(1, MPI_UINT16_T, &o.type), "MPI_Type_contiguous");
+  setup_check(MPI_Type_set_name(o.type, name), "MPI_Type_set_name");
+  setup_check(MPI_Type_commit(&o.type), "MPI_Type_commit");
+  setup_check(MPI_Op_create(&reduce16<T, false>, 1, &o.sum), "MPI_Op_create");
+  setup_check(MPI_Op_create(&reduce16<T, true>, 1, &o.max), "MPI_Op_create");
 }
 
 /// The process-wide registry, created on first use (thread-safe; one instance across
@@ -185,7 +183,8 @@ inline registry make_registry() {
 inline registry& types() {
   static registry r;
   static const bool ready = [] {
-    r = make_registry();
+    make_ops<half>(r.half_ops, "gradapt::half");
+    make_ops<bfloat16>(r.bfloat16_ops, "gradapt::bfloat16");
     int key = MPI_KEYVAL_INVALID;
     setup_check(MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, &free_registry, &key, nullptr),
                 "MPI_Comm_create_keyval");
@@ -196,6 +195,15 @@ inline registry& types() {
   return r;
 }
 
+/// The datatype and operators of a 16-bit element type T.
+template <class T>
+const ops16& ops() {
+  if constexpr (std::is_same_v<T, half>)
+    return types().half_ops;
+  else
+    return types().bfloat16_ops;
+}
+
 /// MPI datatype of element type T.
 template <class T>
 MPI_Datatype datatype() {
@@ -203,10 +211,8 @@ MPI_Datatype datatype() {
     return MPI_FLOAT;
   else if constexpr (std::is_same_v<T, double>)
     return MPI_DOUBLE;
-  else if constexpr (std::is_same_v<T, half>)
-    return types().half_type;
   else
-    return types().bfloat16_type;
+    return ops<T>().type;
 }
 
 /// MPI reduction operator of `op` on element type T.
@@ -215,10 +221,8 @@ MPI_Op reduction(reduce_op op) {
   const bool is_max = op == reduce_op::max;
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>)
     return is_max ? MPI_MAX : MPI_SUM;
-  else if constexpr (std::is_same_v<T, half>)
-    return is_max ? types().half_max : types().half_sum;
   else
-    return is_max ? types().bfloat16_max : types().bfloat16_sum;
+    return is_max ? ops<T>().max : ops<T>().sum;
 }
 
 }  // namespace detail_mpi
