@@ -9,18 +9,15 @@
 
 #include <algorithm>
 #include <array>
-#include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
-#include <exception>
-#include <functional>
 #include <limits>
-#include <span>
 #include <tuple>
 #include <type_traits>
 #include <utility>
-#include <vector>
 
+#include "gradapt/backend/factored_checks.hpp"
 #include "gradapt/backend/host/reduce.hpp"
 #include "gradapt/backend/simd.hpp"
 #include "gradapt/core/concepts.hpp"
@@ -33,9 +30,6 @@
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 
 namespace gradapt::detail::host_impl {
 
@@ -44,16 +38,16 @@ namespace gradapt::detail::host_impl {
 struct factored {
   static std::array<std::size_t, 5> check_factored(const std::array<std::int64_t, 5>& d, std::size_t n,
                                                    const char* what) {
-    std::size_t prod = 1;
-    for (std::size_t k = 0; k < 5; ++k) {
-      detail::require(d[k] >= 0, "host backend ", what, ": factored dim ", k, " is ", d[k],
-                      " (expected non-negative [A, X, B, Y, C])");
-      prod *= static_cast<std::size_t>(d[k]);
-    }
-    detail::require(prod == n, "host backend ", what, ": factored dims [", d[0], ", ", d[1], ", ", d[2], ", ",
-                    d[3], ", ", d[4], "] hold ", prod, " elements but the tensor has ", n);
-    return {static_cast<std::size_t>(d[0]), static_cast<std::size_t>(d[1]), static_cast<std::size_t>(d[2]),
-            static_cast<std::size_t>(d[3]), static_cast<std::size_t>(d[4])};
+    return factored_dims(d, n, "host backend ", what);
+  }
+  /// check_factored, then the row vector (`rows` entries: A*X*B*C, or 0 for none) and the
+  /// column vector (`cols` entries: A*B*Y*C, or 0) of operation `what`.
+  static std::array<std::size_t, 5> check_factored(const std::array<std::int64_t, 5>& d, std::size_t n,
+                                                   std::size_t rows, std::size_t cols, const char* what) {
+    const auto e = check_factored(d, n, what);
+    check_factored_vector("host backend ", what, "row vector", rows, e[0] * e[1] * e[2] * e[4], "A*X*B*C");
+    check_factored_vector("host backend ", what, "column vector", cols, e[0] * e[2] * e[3] * e[4], "A*B*Y*C");
+    return e;
   }
 
   /// Longest line (Y with C == 1) that reduce_factored reads once on any number of threads
@@ -479,6 +473,18 @@ struct factored {
   }
 #endif
 
+#if GRADAPT_SIMD_PACKS
+  /// True when a line of `f` over row entries RY, column entries RX and data Ts... runs on
+  /// packs of 8 floats: every type is float and f opts in to packs and takes them.
+  template <class F, class RY, class RX, class... Ts>
+  static constexpr bool float_packs_v =
+      std::conjunction_v<std::is_same<std::remove_cv_t<RY>, float>, std::is_same<std::remove_cv_t<RX>, float>,
+                         std::is_same<std::remove_cv_t<Ts>, float>...,
+                         std::bool_constant<simd::vectorizable_v<F>>,
+                         std::is_invocable<const F&, simd::pack<float, 8>, simd::pack<float, 8>,
+                                           std::conditional_t<true, simd::pack<float, 8>, Ts>&...>>;
+#endif
+
   /// One line of apply_factored: elements [base, base + L), row entries at rbase + (k mod C),
   /// column entries at cbase + k.
   template <bool Reduces, class F, class RY, class RX, class... Ts>
@@ -487,22 +493,16 @@ struct factored {
     double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     std::size_t k = 0;
 #if GRADAPT_SIMD_PACKS
-    constexpr bool all_float = std::is_same_v<std::remove_cv_t<RY>, float> &&
-                               std::is_same_v<std::remove_cv_t<RX>, float> &&
-                               (std::is_same_v<std::remove_cv_t<Ts>, float> && ...);
-    if constexpr (all_float && simd::vectorizable_v<F>) {
-      using P = simd::pack<float, 8>;
-      if constexpr (std::is_invocable_v<const F&, P, P, std::conditional_t<true, P, Ts>&...>) {
-        if (C == 1 && cp != nullptr) {
-          // lane q of the double pack is acc[q]: element k + q of each group of 8
-          const float r = rp ? rp[rbase] : 1.0f;
+    if constexpr (float_packs_v<F, RY, RX, Ts...>) {
+      if (C == 1 && cp != nullptr) {
+        // lane q of the double pack is acc[q]: element k + q of each group of 8
+        const float r = rp ? rp[rbase] : 1.0f;
 #if defined(GRADAPT_HOST_PACKS_AVX2)
-          if (detail::host_impl::cpu_has_avx2())
-            k = factored_packs_avx2<Reduces>(f, r, cp + cbase, L, acc, ptrs + base...);
-          else
+        if (detail::host_impl::cpu_has_avx2())
+          k = factored_packs_avx2<Reduces>(f, r, cp + cbase, L, acc, ptrs + base...);
+        else
 #endif
-            k = factored_packs<Reduces, P>(f, r, cp + cbase, L, acc, ptrs + base...);
-        }
+          k = factored_packs<Reduces, simd::pack<float, 8>>(f, r, cp + cbase, L, acc, ptrs + base...);
       }
     }
 #endif
@@ -599,29 +599,23 @@ struct factored {
     std::size_t k = 0;
     [[maybe_unused]] bool bad = false;
 #if GRADAPT_SIMD_PACKS
-    constexpr bool all_float = std::is_same_v<std::remove_cv_t<RY>, float> &&
-                               std::is_same_v<std::remove_cv_t<RX>, float> && std::is_same_v<M, float> &&
-                               (std::is_same_v<std::remove_cv_t<Ts>, float> && ...);
-    if constexpr (all_float && simd::vectorizable_v<F>) {
-      using P = simd::pack<float, 8>;
-      if constexpr (std::is_invocable_v<const F&, P, P, std::conditional_t<true, P, Ts>&...>) {
-        if (C == 1 && cp != nullptr) {
-          const float r = rp ? rp[rbase] : 1.0f;
+    if constexpr (std::is_same_v<M, float> && float_packs_v<F, RY, RX, Ts...>) {
+      if (C == 1 && cp != nullptr) {
+        const float r = rp ? rp[rbase] : 1.0f;
 #if defined(GRADAPT_HOST_PACKS_AVX2)
-          if (detail::host_impl::cpu_has_avx2())
-            k = max_packs_avx2(f, r, cp + cbase, L, ry, cx, &bad, ptrs + base...);
-          else
+        if (detail::host_impl::cpu_has_avx2())
+          k = max_packs_avx2(f, r, cp + cbase, L, ry, cx, &bad, ptrs + base...);
+        else
 #endif
-            k = max_packs<P>(f, r, cp + cbase, L, ry, cx, &bad, std::index_sequence_for<Ts...>{},
-                             ptrs + base...);
-          if (bad) {
-            ry[0] = std::numeric_limits<M>::quiet_NaN();
-            for (std::size_t j = 0; j < k; ++j) {
-              auto v = std::make_tuple(load(ptrs[base + j])...);
-              const M t = std::apply(
-                  [&](auto&... e) { return static_cast<M>(f.term(r, load(cp[cbase + j]), e...)); }, v);
-              if (t != t) cx[j] = t;
-            }
+          k = max_packs<simd::pack<float, 8>>(f, r, cp + cbase, L, ry, cx, &bad,
+                                              std::index_sequence_for<Ts...>{}, ptrs + base...);
+        if (bad) {
+          ry[0] = std::numeric_limits<M>::quiet_NaN();
+          for (std::size_t j = 0; j < k; ++j) {
+            auto v = std::make_tuple(load(ptrs[base + j])...);
+            const M t = std::apply(
+                [&](auto&... e) { return static_cast<M>(f.term(r, load(cp[cbase + j]), e...)); }, v);
+            if (t != t) cx[j] = t;
           }
         }
       }
