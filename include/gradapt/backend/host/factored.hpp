@@ -311,6 +311,51 @@ struct factored {
   /// or both from one read.
   enum class fact_kind { rows, columns, both };
 
+#if defined(GRADAPT_HOST_PACKS_AVX2)
+  /// `Loop::run<P>(args...)` compiled for AVX2: P holds 8 floats in one 32-byte register (no
+  /// FMA, so the same bits as on 16-byte registers).
+  template <class Loop, class... A>
+  __attribute__((target("avx2"))) static std::size_t run_packs_avx2(A&&... args) {
+    return Loop::template run<simd::pack<float, 8, 32>>(std::forward<A>(args)...);
+  }
+#endif
+  /// Runs the pack loop `Loop::run<P>(args...)` (P a pack of 8 floats, inlined) on AVX2 when
+  /// the CPU has it, else on 16-byte registers; returns what the loop returns (elements done).
+  template <class Loop, class... A>
+  static GRADAPT_INLINE std::size_t run_packs(A&&... args) {
+#if defined(GRADAPT_HOST_PACKS_AVX2)
+    if (detail::host_impl::cpu_has_avx2()) return run_packs_avx2<Loop>(std::forward<A>(args)...);
+#endif
+    return Loop::template run<simd::pack<float, 8>>(std::forward<A>(args)...);
+  }
+  /// The pack loops of this struct in the form run_packs takes.
+  template <fact_kind K, bool HasC, bool HasY>
+  struct fact_loop {
+    template <class P, class... A>
+    static GRADAPT_INLINE std::size_t run(A&&... a) {
+      return fact_packs<P, K, HasC, HasY>(std::forward<A>(a)...);
+    }
+  };
+  struct sumsq_loop {
+    template <class P, class... A>
+    static GRADAPT_INLINE std::size_t run(A&&... a) {
+      return sumsq_packs<P>(std::forward<A>(a)...);
+    }
+  };
+  template <bool Reduces>
+  struct factored_loop {
+    template <class P, class... A>
+    static GRADAPT_INLINE std::size_t run(A&&... a) {
+      return factored_packs<Reduces, P>(std::forward<A>(a)...);
+    }
+  };
+  struct max_loop {
+    template <class P, class... A>
+    static GRADAPT_INLINE std::size_t run(A&&... a) {
+      return max_packs<P>(std::forward<A>(a)...);
+    }
+  };
+
   /// reduce_factored's pack loop (sums, float data, C == 1) over elements [j0, j1) of one line
   /// p, in packs NP of 8 floats: rows: lane q of the double accumulator is acc[q] (element j
   /// into lane j mod 8); columns: o[j] += term j. With HasY, also y's squares (widened) into
@@ -335,26 +380,12 @@ struct factored {
     if constexpr (HasY) vy.store(yacc);
     return j;
   }
-#if defined(GRADAPT_HOST_PACKS_AVX2)
-  /// fact_packs compiled for AVX2 (8 floats per register; no FMA, same bits as SSE2).
-  template <fact_kind K, bool HasC, bool HasY, class F, class RX, class T>
-  __attribute__((target("avx2"))) static std::size_t fact_packs_avx2(const F& f, float r, const RX* cb,
-                                                                     const T* p, std::size_t j0,
-                                                                     std::size_t j1, double* o, double* acc,
-                                                                     const float* y, double* yacc) {
-    return fact_packs<simd::pack<float, 8, 32>, K, HasC, HasY>(f, r, cb, p, j0, j1, o, acc, y, yacc);
-  }
-#endif
   /// fact_packs on AVX2 when the CPU has it, else on 16-byte registers.
   template <fact_kind K, bool HasC, bool HasY = false, class F, class RX, class T>
   static GRADAPT_INLINE std::size_t fact_lines(const F& f, float r, const RX* cb, const T* p, std::size_t j0,
                                                std::size_t j1, double* o, double* acc,
                                                const float* y = nullptr, double* yacc = nullptr) {
-#if defined(GRADAPT_HOST_PACKS_AVX2)
-    if (detail::host_impl::cpu_has_avx2())
-      return fact_packs_avx2<K, HasC, HasY>(f, r, cb, p, j0, j1, o, acc, y, yacc);
-#endif
-    return fact_packs<simd::pack<float, 8>, K, HasC, HasY>(f, r, cb, p, j0, j1, o, acc, y, yacc);
+    return run_packs<fact_loop<K, HasC, HasY>>(f, r, cb, p, j0, j1, o, acc, y, yacc);
   }
   /// A rows or both pass over line l (C == 1, packs), with y's squares read in the same loop
   /// when y is float and present: returns the first element not done; *yk is how many of
@@ -386,12 +417,7 @@ struct factored {
 #if GRADAPT_SIMD_PACKS
     if constexpr (std::is_same_v<std::remove_cv_t<U>, float>) {
       if (k == 0) {
-#if defined(GRADAPT_HOST_PACKS_AVX2)
-        if (detail::host_impl::cpu_has_avx2())
-          k = sumsq_packs_avx2(y, L, acc);
-        else
-#endif
-          k = sumsq_packs<simd::pack<float, 8>>(y, L, acc);
+        k = run_packs<sumsq_loop>(y, L, acc);
       }
     }
 #endif
@@ -424,12 +450,6 @@ struct factored {
     va.store(acc);
     return k;
   }
-#if defined(GRADAPT_HOST_PACKS_AVX2)
-  __attribute__((target("avx2"))) static std::size_t sumsq_packs_avx2(const float* y, std::size_t L,
-                                                                      double* acc) {
-    return sumsq_packs<simd::pack<float, 8, 32>>(y, L, acc);
-  }
-#endif
 #endif
 
   /// One group of 8 elements of apply_factored's pack path: loads, call, stores (inlined, so
@@ -463,15 +483,6 @@ struct factored {
     if constexpr (Reduces) va.store(acc);
     return k;
   }
-#if defined(GRADAPT_HOST_PACKS_AVX2)
-  /// factored_packs compiled for AVX2 (one 32-byte register per 8 floats; no FMA, same bits).
-  template <bool Reduces, class F, class... Ts>
-  __attribute__((target("avx2"))) static std::size_t factored_packs_avx2(const F& f, float rv,
-                                                                         const float* cp, std::size_t L,
-                                                                         double* acc, Ts*... ptrs) {
-    return factored_packs<Reduces, simd::pack<float, 8, 32>>(f, rv, cp, L, acc, ptrs...);
-  }
-#endif
 
 #if GRADAPT_SIMD_PACKS
   /// True when a line of `f` over row entries RY, column entries RX and data Ts... runs on
@@ -485,6 +496,37 @@ struct factored {
                                            std::conditional_t<true, simd::pack<float, 8>, Ts>&...>>;
 #endif
 
+  /// Element k of a line on scalars: calls f(row entry, column entry, data...) in compute
+  /// types (row entries at rbase + (k mod C), column entries at cbase + k, 1 where absent; data
+  /// at base + k), stores the data back into the non-const views and returns f's result.
+  template <class F, class RY, class RX, class... Ts>
+  static GRADAPT_INLINE auto line_element(const F& f, std::size_t k, std::size_t base, std::size_t C,
+                                          const RY* rp, std::size_t rbase, const RX* cp, std::size_t cbase,
+                                          Ts*... ptrs) {
+    const auto r = rp ? load(rp[rbase + k % C]) : compute_t<RY>(1);
+    const auto c = cp ? load(cp[cbase + k]) : compute_t<RX>(1);
+    auto v = std::make_tuple(load(ptrs[base + k])...);
+    return std::apply(
+        [&](auto&... e) {
+          const auto store_all = [&] {
+            (
+                [&] {
+                  if constexpr (!std::is_const_v<Ts>) store(ptrs[base + k], e);
+                }(),
+                ...);
+          };
+          if constexpr (std::is_void_v<decltype(f(r, c, e...))>) {
+            f(r, c, e...);
+            store_all();
+          } else {
+            const auto t = f(r, c, e...);
+            store_all();
+            return t;
+          }
+        },
+        v);
+  }
+
   /// One line of apply_factored: elements [base, base + L), row entries at rbase + (k mod C),
   /// column entries at cbase + k.
   template <bool Reduces, class F, class RY, class RX, class... Ts>
@@ -497,32 +539,15 @@ struct factored {
       if (C == 1 && cp != nullptr) {
         // lane q of the double pack is acc[q]: element k + q of each group of 8
         const float r = rp ? rp[rbase] : 1.0f;
-#if defined(GRADAPT_HOST_PACKS_AVX2)
-        if (detail::host_impl::cpu_has_avx2())
-          k = factored_packs_avx2<Reduces>(f, r, cp + cbase, L, acc, ptrs + base...);
-        else
-#endif
-          k = factored_packs<Reduces, simd::pack<float, 8>>(f, r, cp + cbase, L, acc, ptrs + base...);
+        k = run_packs<factored_loop<Reduces>>(f, r, cp + cbase, L, acc, ptrs + base...);
       }
     }
 #endif
     for (; k < L; ++k) {
-      const auto r = rp ? load(rp[rbase + k % C]) : compute_t<RY>(1);
-      const auto c = cp ? load(cp[cbase + k]) : compute_t<RX>(1);
-      auto v = std::make_tuple(load(ptrs[base + k])...);
-      std::apply(
-          [&](auto&... e) {
-            if constexpr (Reduces)
-              acc[k % 8] += static_cast<double>(f(r, c, e...));
-            else
-              f(r, c, e...);
-            (
-                [&] {
-                  if constexpr (!std::is_const_v<Ts>) store(ptrs[base + k], e);
-                }(),
-                ...);
-          },
-          v);
+      if constexpr (Reduces)
+        acc[k % 8] += static_cast<double>(line_element(f, k, base, C, rp, rbase, cp, cbase, ptrs...));
+      else
+        line_element(f, k, base, C, rp, rbase, cp, cbase, ptrs...);
     }
     if constexpr (Reduces) {
       for (std::size_t w = 4; w >= 1; w /= 2)
@@ -576,16 +601,6 @@ struct factored {
     *bad = nan.any();
     return k;
   }
-#if defined(GRADAPT_HOST_PACKS_AVX2)
-  /// max_packs compiled for AVX2 (one 32-byte register per 8 floats; no FMA, same results).
-  template <class F, class... Ts>
-  __attribute__((target("avx2"))) static std::size_t max_packs_avx2(const F& f, float rv, const float* cp,
-                                                                    std::size_t L, float* ry, float* cx,
-                                                                    bool* bad, Ts*... ptrs) {
-    return max_packs<simd::pack<float, 8, 32>>(f, rv, cp, L, ry, cx, bad, std::index_sequence_for<Ts...>{},
-                                               ptrs...);
-  }
-#endif
 #endif
 
   /// One line of apply_factored_max: elements [base, base + L), row entries and row maxima at
@@ -602,13 +617,8 @@ struct factored {
     if constexpr (std::is_same_v<M, float> && float_packs_v<F, RY, RX, Ts...>) {
       if (C == 1 && cp != nullptr) {
         const float r = rp ? rp[rbase] : 1.0f;
-#if defined(GRADAPT_HOST_PACKS_AVX2)
-        if (detail::host_impl::cpu_has_avx2())
-          k = max_packs_avx2(f, r, cp + cbase, L, ry, cx, &bad, ptrs + base...);
-        else
-#endif
-          k = max_packs<simd::pack<float, 8>>(f, r, cp + cbase, L, ry, cx, &bad,
-                                              std::index_sequence_for<Ts...>{}, ptrs + base...);
+        k = run_packs<max_loop>(f, r, cp + cbase, L, ry, cx, &bad, std::index_sequence_for<Ts...>{},
+                                ptrs + base...);
         if (bad) {
           ry[0] = std::numeric_limits<M>::quiet_NaN();
           for (std::size_t j = 0; j < k; ++j) {
@@ -622,21 +632,9 @@ struct factored {
     }
 #endif
     for (; k < L; ++k) {
-      const auto r = rp ? load(rp[rbase + k % C]) : compute_t<RY>(1);
-      const auto c = cp ? load(cp[cbase + k]) : compute_t<RX>(1);
-      auto v = std::make_tuple(load(ptrs[base + k])...);
-      std::apply(
-          [&](auto&... e) {
-            const M t = static_cast<M>(f(r, c, e...));
-            (
-                [&] {
-                  if constexpr (!std::is_const_v<Ts>) store(ptrs[base + k], e);
-                }(),
-                ...);
-            ry[k % C] = nan_max(ry[k % C], t);
-            cx[k] = nan_max(cx[k], t);
-          },
-          v);
+      const M t = static_cast<M>(line_element(f, k, base, C, rp, rbase, cp, cbase, ptrs...));
+      ry[k % C] = nan_max(ry[k % C], t);
+      cx[k] = nan_max(cx[k], t);
     }
   }
 };
