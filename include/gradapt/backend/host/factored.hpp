@@ -126,30 +126,29 @@ struct factored {
             !HasC || std::is_same_v<std::remove_cv_t<RX>, float>)&&std::is_invocable_v<const F&, narrow,
                                                                                        narrow, narrow>;
 #endif
-    // Line l of slice `cb`'s column vector: its row result into oy[l] (and Σ y² into ls[l]), its
-    // column terms folded into o[0, Y) (C == 1, both outputs).
-    const auto both_line = [&](std::size_t l, const RX* cb, double* o) {
+    // Line l (C == 1) of slice `cb`'s column vector: its row result into oy[l] (and Σ y² into
+    // ls[l]); with `cols` (std::true_type) also its column terms folded into o[0, Y).
+    const auto row_line = [&](auto cols, std::size_t l, const RX* cb, double* o) {
+      constexpr bool Cols = decltype(cols)::value;
       const T* p = x + l * L;
       const CY r = rv(l);
       double acc[8] = {init, init, init, init, init, init, init, init};
       double yacc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       std::size_t j = 0, yk = 0;
 #if GRADAPT_SIMD_PACKS
+      // lane q of the double pack is acc[q]: the same terms in the same order
       if constexpr (packs)
-        j = fact_lines_y<fact_kind::both, HasC>(f, static_cast<float>(r), cb, p, Y, o, acc,
-                                                ys ? ys + l * L : ys, yacc, &yk);
+        j = fact_lines_y < Cols ? fact_kind::both : fact_kind::rows,
+        HasC > (f, static_cast<float>(r), cb, p, Y, o, acc, ys ? ys + l * L : ys, yacc, &yk);
 #endif
-      for (; j + 8 <= Y; j += 8)
-        for (std::size_t q = 0; q < 8; ++q) {
-          const double t = static_cast<double>(f(r, cv(cb, j + q), load(p[j + q])));
-          acc[q] = fold<Max>(acc[q], t);
-          o[j + q] = fold<Max>(o[j + q], t);
-        }
-      for (std::size_t q = 0; j < Y; ++j, ++q) {
-        const double t = static_cast<double>(f(r, cv(cb, j), load(p[j])));
+      const auto term = [&](std::size_t q, std::size_t at) {
+        const double t = static_cast<double>(f(r, cv(cb, at), load(p[at])));
         acc[q] = fold<Max>(acc[q], t);
-        o[j] = fold<Max>(o[j], t);
-      }
+        if constexpr (Cols) o[at] = fold<Max>(o[at], t);
+      };
+      for (; j + 8 <= Y; j += 8)
+        for (std::size_t q = 0; q < 8; ++q) term(q, j + q);
+      for (std::size_t q = 0; j < Y; ++j, ++q) term(q, j);
       for (std::size_t w = 4; w >= 1; w /= 2)
         for (std::size_t q = 0; q < w; ++q) acc[q] = fold<Max>(acc[2 * q], acc[2 * q + 1]);
       oy[l] = acc[0];
@@ -168,7 +167,7 @@ struct factored {
         const std::size_t sl = q / per_slice, i0 = (q % per_slice) * G, i1 = std::min(X, i0 + G);
         for (std::size_t k = 0; k < L; ++k) part[k] = init;
         for (std::size_t i = i0; i < i1; ++i)
-          both_line((sl / B * X + i) * B + sl % B, HasC ? cp + sl * L : nullptr, part);
+          row_line(std::true_type{}, (sl / B * X + i) * B + sl % B, HasC ? cp + sl * L : nullptr, part);
       };
       const auto add = [&](std::size_t q, const double* part) {
         double* o = ox + (q / per_slice) * L;
@@ -201,7 +200,8 @@ struct factored {
     if (!par && C == 1 && !skip_y && !skip_x) {
       for (std::size_t sl = 0; sl < A * B; ++sl)
         for (std::size_t i = 0; i < X; ++i)
-          both_line((sl / B * X + i) * B + sl % B, HasC ? cp + sl * L : nullptr, ox + sl * L);
+          row_line(std::true_type{}, (sl / B * X + i) * B + sl % B, HasC ? cp + sl * L : nullptr,
+                   ox + sl * L);
       return;
     }
     // One parallel region, no barrier inside: rows are independent, and the column loop has
@@ -222,35 +222,17 @@ struct factored {
 #endif
               for (std::size_t i = i0; i < i1; ++i) {
                 const std::size_t l = (a * X + i) * B + b;
-                const T* p = x + l * L;
-                double yacc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-                std::size_t yk = 0;
                 if (C == 1) {
-                  const CY r = rv(l);
-                  double acc[8] = {init, init, init, init, init, init, init, init};
-                  std::size_t j = 0;
-#if GRADAPT_SIMD_PACKS
-                  // lane q of the double pack is acc[q]: the same terms in the same order
-                  if constexpr (packs)
-                    j = fact_lines_y<fact_kind::rows, HasC>(f, static_cast<float>(r), cb, p, Y, nullptr, acc,
-                                                            ys ? ys + l * L : ys, yacc, &yk);
-#endif
-                  for (; j + 8 <= Y; j += 8)
-                    for (std::size_t q = 0; q < 8; ++q)
-                      acc[q] = fold<Max>(acc[q], static_cast<double>(f(r, cv(cb, j + q), load(p[j + q]))));
-                  for (std::size_t q = 0; j < Y; ++j, ++q)
-                    acc[q] = fold<Max>(acc[q], static_cast<double>(f(r, cv(cb, j), load(p[j]))));
-                  for (std::size_t w = 4; w >= 1; w /= 2)
-                    for (std::size_t q = 0; q < w; ++q) acc[q] = fold<Max>(acc[2 * q], acc[2 * q + 1]);
-                  oy[l] = acc[0];
+                  row_line(std::false_type{}, l, cb, nullptr);
                 } else {
+                  const T* p = x + l * L;
                   double* o = oy + l * C;
                   for (std::size_t j = 0; j < Y; ++j)
                     for (std::size_t c = 0; c < C; ++c)
                       o[c] = fold<Max>(
                           o[c], static_cast<double>(f(rv(l * C + c), cv(cb, j * C + c), load(p[j * C + c]))));
+                  if (ys) ls[l] = line_sumsq(ys + l * L, L);
                 }
-                if (ys) ls[l] = line_sumsq(ys + l * L, L, yk, yacc);
               }
             }
             if (!skip_x) {
