@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "gradapt/backend/concepts.hpp"
+#include "gradapt/backend/factored_checks.hpp"
 #include "gradapt/backend/host/apply.hpp"
 #include "gradapt/backend/host/factored.hpp"
 #include "gradapt/backend/host/reduce.hpp"
@@ -303,17 +304,12 @@ struct host {
                        tensor_view<RX, host_space> col, tensor_view<T, host_space> x,
                        tensor_view<double, host_space> over_y, tensor_view<double, host_space> over_x,
                        reduce_op op = reduce_op::sum) const {
-    const auto dd = detail::host_impl::factored::check_factored(d, x.size(), "reduce_factored");
+    const auto dd =
+        detail::host_impl::factored::check_factored(d, x.size(), row.size(), col.size(), "reduce_factored");
     const std::size_t A = dd[0], X = dd[1], B = dd[2], Y = dd[3], C = dd[4];
     const std::size_t ny = A * X * B * C, nx = A * B * Y * C;
-    detail::require(row.empty() || row.size() == ny, "host backend reduce_factored: row vector has ",
-                    row.size(), " elements (expected A*X*B*C = ", ny, ", or 0)");
-    detail::require(col.empty() || col.size() == nx, "host backend reduce_factored: column vector has ",
-                    col.size(), " elements (expected A*B*Y*C = ", nx, ", or 0)");
-    detail::require(over_y.empty() || over_y.size() == ny, "host backend reduce_factored: over_y has ",
-                    over_y.size(), " elements (expected A*X*B*C = ", ny, ", or 0)");
-    detail::require(over_x.empty() || over_x.size() == nx, "host backend reduce_factored: over_x has ",
-                    over_x.size(), " elements (expected A*B*Y*C = ", nx, ", or 0)");
+    detail::check_factored_vector("host backend ", "reduce_factored", "over_y", over_y.size(), ny, "A*X*B*C");
+    detail::check_factored_vector("host backend ", "reduce_factored", "over_x", over_x.size(), nx, "A*B*Y*C");
     const auto* rp = row.empty() ? nullptr : row.data();
     const auto* cp = col.empty() ? nullptr : col.data();
     if (op == reduce_op::max)
@@ -339,17 +335,14 @@ struct host {
                                tensor_view<double, host_space> over_y, tensor_view<double, host_space> over_x,
                                tensor_view<U, host_space> y,
                                tensor_view<double, host_space> line_sums) const {
-    const auto dd = detail::host_impl::factored::check_factored(d, x.size(), "reduce_factored_sumsq");
+    const auto dd = detail::host_impl::factored::check_factored(d, x.size(), row.size(), col.size(),
+                                                                "reduce_factored_sumsq");
     const std::size_t A = dd[0], X = dd[1], B = dd[2], Y = dd[3], C = dd[4];
     const std::size_t ny = A * X * B * C, nx = A * B * Y * C, lines = A * X * B;
-    detail::require(row.empty() || row.size() == ny, "host backend reduce_factored_sumsq: row vector has ",
-                    row.size(), " elements (expected A*X*B*C = ", ny, ", or 0)");
-    detail::require(col.empty() || col.size() == nx, "host backend reduce_factored_sumsq: column vector has ",
-                    col.size(), " elements (expected A*B*Y*C = ", nx, ", or 0)");
-    detail::require(over_y.size() == ny, "host backend reduce_factored_sumsq: over_y has ", over_y.size(),
-                    " elements (expected A*X*B*C = ", ny, ")");
-    detail::require(over_x.size() == nx, "host backend reduce_factored_sumsq: over_x has ", over_x.size(),
-                    " elements (expected A*B*Y*C = ", nx, ")");
+    detail::check_factored_vector("host backend ", "reduce_factored_sumsq", "over_y", over_y.size(), ny,
+                                  "A*X*B*C", false);
+    detail::check_factored_vector("host backend ", "reduce_factored_sumsq", "over_x", over_x.size(), nx,
+                                  "A*B*Y*C", false);
     detail::require(y.size() == x.size(), "host backend reduce_factored_sumsq: y has ", y.size(),
                     " elements but x has ", x.size(), " (expected equal sizes)");
     detail::require(line_sums.size() >= lines, "host backend reduce_factored_sumsq: line_sums has ",
@@ -385,14 +378,9 @@ struct host {
                         tensor_view<RX, host_space> col, tensor_view<Ts, host_space>... views) const {
     static_assert(sizeof...(Ts) > 0, "gradapt::host::apply_factored needs at least one view");
     const std::size_t n = check_sizes(views...);
-    const auto dd = detail::host_impl::factored::check_factored(d, n, "apply_factored");
+    const auto dd =
+        detail::host_impl::factored::check_factored(d, n, row.size(), col.size(), "apply_factored");
     const std::size_t A = dd[0], X = dd[1], B = dd[2], Y = dd[3], C = dd[4];
-    detail::require(row.empty() || row.size() == A * X * B * C,
-                    "host backend apply_factored: row vector has ", row.size(),
-                    " elements (expected A*X*B*C = ", A * X * B * C, ", or 0)");
-    detail::require(col.empty() || col.size() == A * B * Y * C,
-                    "host backend apply_factored: column vector has ", col.size(),
-                    " elements (expected A*B*Y*C = ", A * B * Y * C, ", or 0)");
     if (n == 0) return 0.0;
     const std::size_t L = Y * C, lines = A * X * B;
     const auto* rp = row.empty() ? nullptr : row.data();
@@ -472,13 +460,10 @@ struct host {
     static_assert(std::is_floating_point_v<M>,
                   "gradapt::host::apply_factored_max: maxima are float or double");
     const std::size_t n = check_sizes(views...);
-    const auto dd = detail::host_impl::factored::check_factored(d, n, "apply_factored_max");
+    const auto dd =
+        detail::host_impl::factored::check_factored(d, n, row.size(), col.size(), "apply_factored_max");
     const std::size_t A = dd[0], X = dd[1], B = dd[2], Y = dd[3], C = dd[4];
     const std::size_t ny = A * X * B * C, nx = A * B * Y * C;
-    detail::require(row.empty() || row.size() == ny, "host backend apply_factored_max: row vector has ",
-                    row.size(), " elements (expected A*X*B*C = ", ny, ", or 0)");
-    detail::require(col.empty() || col.size() == nx, "host backend apply_factored_max: column vector has ",
-                    col.size(), " elements (expected A*B*Y*C = ", nx, ", or 0)");
     detail::require(over_y.size() == ny && over_x.size() == nx,
                     "host backend apply_factored_max: over_y has ", over_y.size(), " and over_x ",
                     over_x.size(), " elements (expected A*X*B*C = ", ny, " and A*B*Y*C = ", nx, ")");

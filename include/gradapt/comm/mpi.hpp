@@ -63,6 +63,7 @@
 #include <vector>
 
 #include "gradapt/comm/detail/arguments.hpp"
+#include "gradapt/comm/detail/engine.hpp"
 #include "gradapt/comm/detail/fingerprint.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/dtype.hpp"
@@ -133,15 +134,18 @@ void reduce16(void* in, void* inout, int* len, MPI_Datatype*) {
   }
 }
 
+/// The MPI datatype and the sum and max operators of one 16-bit storage type.
+struct ops16 {
+  MPI_Datatype type = MPI_DATATYPE_NULL;
+  MPI_Op sum = MPI_OP_NULL;
+  MPI_Op max = MPI_OP_NULL;
+};
+
 /// Datatypes and reduction operators for `half` and `bfloat16`, created on first use after
 /// MPI_Init and freed at MPI_Finalize (through a delete callback on MPI_COMM_SELF).
 struct registry {
-  MPI_Datatype half_type = MPI_DATATYPE_NULL;
-  MPI_Datatype bfloat16_type = MPI_DATATYPE_NULL;
-  MPI_Op half_sum = MPI_OP_NULL;
-  MPI_Op half_max = MPI_OP_NULL;
-  MPI_Op bfloat16_sum = MPI_OP_NULL;
-  MPI_Op bfloat16_max = MPI_OP_NULL;
+  ops16 half_ops;
+  ops16 bfloat16_ops;
 };
 
 /// Text of an MPI error code, e.g. "MPI_ERR_TRUNCATE: message truncated".
@@ -160,10 +164,11 @@ inline void check(int code, std::string_view op, int rank, std::string_view fn) 
 
 inline int free_registry(MPI_Comm, int, void* attr, void*) {
   auto* r = static_cast<registry*>(attr);
-  for (MPI_Op* op : {&r->half_sum, &r->half_max, &r->bfloat16_sum, &r->bfloat16_max})
-    if (*op != MPI_OP_NULL) MPI_Op_free(op);
-  for (MPI_Datatype* t : {&r->half_type, &r->bfloat16_type})
-    if (*t != MPI_DATATYPE_NULL) MPI_Type_free(t);
+  for (ops16* o : {&r->half_ops, &r->bfloat16_ops}) {
+    for (MPI_Op* op : {&o->sum, &o->max})
+      if (*op != MPI_OP_NULL) MPI_Op_free(op);
+    if (o->type != MPI_DATATYPE_NULL) MPI_Type_free(&o->type);
+  }
   return MPI_SUCCESS;
 }
 
@@ -175,20 +180,14 @@ inline void setup_check(int code, std::string_view fn) {
         " failed while creating the half/bfloat16 datatypes and operators: ", error_text(code));
 }
 
-inline registry make_registry() {
-  registry r;
-  const auto type = [](MPI_Datatype& t, const char* name) {
-    setup_check(MPI_Type_contiguous(1, MPI_UINT16_T, &t), "MPI_Type_contiguous");
-    setup_check(MPI_Type_set_name(t, name), "MPI_Type_set_name");
-    setup_check(MPI_Type_commit(&t), "MPI_Type_commit");
-  };
-  type(r.half_type, "gradapt::half");
-  type(r.bfloat16_type, "gradapt::bfloat16");
-  setup_check(MPI_Op_create(&reduce16<half, false>, 1, &r.half_sum), "MPI_Op_create");
-  setup_check(MPI_Op_create(&reduce16<half, true>, 1, &r.half_max), "MPI_Op_create");
-  setup_check(MPI_Op_create(&reduce16<bfloat16, false>, 1, &r.bfloat16_sum), "MPI_Op_create");
-  setup_check(MPI_Op_create(&reduce16<bfloat16, true>, 1, &r.bfloat16_max), "MPI_Op_create");
-  return r;
+/// Creates the committed datatype `name` and the sum and max operators of T.
+template <class T>
+void make_ops(ops16& o, const char* name) {
+  setup_check(MPI_Type_contiguous(1, MPI_UINT16_T, &o.type), "MPI_Type_contiguous");
+  setup_check(MPI_Type_set_name(o.type, name), "MPI_Type_set_name");
+  setup_check(MPI_Type_commit(&o.type), "MPI_Type_commit");
+  setup_check(MPI_Op_create(&reduce16<T, false>, 1, &o.sum), "MPI_Op_create");
+  setup_check(MPI_Op_create(&reduce16<T, true>, 1, &o.max), "MPI_Op_create");
 }
 
 /// The process-wide registry, created on first use (thread-safe; one instance across
@@ -196,7 +195,8 @@ inline registry make_registry() {
 inline registry& types() {
   static registry r;
   static const bool ready = [] {
-    r = make_registry();
+    make_ops<half>(r.half_ops, "gradapt::half");
+    make_ops<bfloat16>(r.bfloat16_ops, "gradapt::bfloat16");
     int key = MPI_KEYVAL_INVALID;
     setup_check(MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, &free_registry, &key, nullptr),
                 "MPI_Comm_create_keyval");
@@ -207,6 +207,15 @@ inline registry& types() {
   return r;
 }
 
+/// The datatype and operators of a 16-bit element type T.
+template <class T>
+const ops16& ops() {
+  if constexpr (std::is_same_v<T, half>)
+    return types().half_ops;
+  else
+    return types().bfloat16_ops;
+}
+
 /// MPI datatype of element type T.
 template <class T>
 MPI_Datatype datatype() {
@@ -214,10 +223,8 @@ MPI_Datatype datatype() {
     return MPI_FLOAT;
   else if constexpr (std::is_same_v<T, double>)
     return MPI_DOUBLE;
-  else if constexpr (std::is_same_v<T, half>)
-    return types().half_type;
   else
-    return types().bfloat16_type;
+    return ops<T>().type;
 }
 
 /// MPI reduction operator of `op` on element type T.
@@ -226,10 +233,8 @@ MPI_Op reduction(reduce_op op) {
   const bool is_max = op == reduce_op::max;
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>)
     return is_max ? MPI_MAX : MPI_SUM;
-  else if constexpr (std::is_same_v<T, half>)
-    return is_max ? types().half_max : types().half_sum;
   else
-    return is_max ? types().bfloat16_max : types().bfloat16_sum;
+    return is_max ? ops<T>().max : ops<T>().sum;
 }
 
 /// State shared by a communicator and its copies: the count of checked calls (the watchdog
@@ -360,7 +365,9 @@ class watch {
 /// Ownership: the communicator built from a framework's handle never frees it. A communicator
 /// returned by `split` owns its new handle; copies share it, and the last copy to die calls
 /// `MPI_Comm_free` (skipped if MPI is already finalised). Copies are cheap.
-class mpi {
+class mpi : private detail::engine_calls<mpi> {
+  friend class detail::engine_calls<mpi>;
+
  public:
   /// Views this communicator accepts: host memory.
   using space = host_space;
@@ -389,8 +396,7 @@ class mpi {
   template <element T>
   requires(!std::is_const_v<T>) void allreduce(tensor_view<T, host_space> buf, reduce_op op) {
     constexpr std::string_view name = "allreduce";
-    const auto n = static_cast<std::int64_t>(buf.size());
-    agree({detail::coll::allreduce, dtype_of_v<T>, op, 0, n}, {});
+    if (!open_allreduce<T>(buf.size(), op)) return;
     const MPI_Datatype type = detail_mpi::datatype<T>();
     const MPI_Op mop = detail_mpi::reduction<T>(op);
     pieces(buf.size(), [&](std::size_t off, int count) {
@@ -403,10 +409,7 @@ class mpi {
   template <element T>
   requires(!std::is_const_v<T>) void broadcast(tensor_view<T, host_space> buf, int root) {
     constexpr std::string_view name = "broadcast";
-    const std::string bad = args(name).rank_range("root", root);
-    agree(
-        {detail::coll::broadcast, dtype_of_v<T>, reduce_op::sum, root, static_cast<std::int64_t>(buf.size())},
-        bad);
+    if (!open_broadcast<T>(buf.size(), root)) return;
     const MPI_Datatype type = detail_mpi::datatype<T>();
     pieces(buf.size(), [&](std::size_t off, int count) {
       check(MPI_Bcast(buf.data() + off, count, type, root, comm_), name, "MPI_Bcast");
@@ -425,9 +428,7 @@ class mpi {
     const std::size_t total = n * static_cast<std::size_t>(size_);
     T* mine = recv.data() + (recv.size() == total ? static_cast<std::size_t>(rank_) * n : 0);
     const bool in_place = n != 0 && send.data() == mine;
-    const std::string bad = args(name).gather<T>(send.data(), n, recv.data(), recv.size());
-    agree({detail::coll::allgather, dtype_of_v<T>, reduce_op::sum, 0, static_cast<std::int64_t>(n)}, bad);
-    if (n == 0) return;
+    if (!open_allgather<T>(send.data(), n, recv.data(), recv.size())) return;
     const MPI_Datatype type = detail_mpi::datatype<T>();
     if (total <= static_cast<std::size_t>(opts_.max_count)) {
       const int count = static_cast<int>(n);
@@ -456,9 +457,7 @@ class mpi {
     constexpr std::string_view name = "reduce_scatter";
     const std::size_t m = recv.size();
     const std::size_t total = m * static_cast<std::size_t>(size_);
-    const std::string bad = args(name).scatter<T>(send.data(), send.size(), recv.data(), m, false);
-    agree({detail::coll::reduce_scatter, dtype_of_v<T>, op, 0, static_cast<std::int64_t>(m)}, bad);
-    if (m == 0) return;
+    if (!open_reduce_scatter<T>(send.data(), send.size(), recv.data(), m, op, false)) return;
     const MPI_Datatype type = detail_mpi::datatype<T>();
     const MPI_Op mop = detail_mpi::reduction<T>(op);
     if (total <= static_cast<std::size_t>(opts_.max_count)) {
@@ -486,25 +485,12 @@ class mpi {
                                               std::type_identity_t<tensor_view<const T, host_space>> send,
                                               tensor_view<T, host_space> recv) {
     constexpr std::string_view name = "exchange";
-    const detail::arguments a = args(name);
-    if (auto out = a.rank_range("peer", peer); !out.empty()) throw error(out);
     const bool same = send.data() == recv.data();
-    const std::string bad = a.exchange<T>(send.data(), send.size(), recv.data(), recv.size(), true);
-    if (peer == rank_) {
-      if (!bad.empty()) throw error(bad);
-      if (!same && !send.empty())
+    const auto copy = [&] {
+      if (!send.empty())
         std::memcpy(static_cast<void*>(recv.data()), static_cast<const void*>(send.data()), send.bytes());
-      return;
-    }
-    a.agree_exchange(peer, send.size(), bad, opts_.check_sizes, [&](std::int64_t mine) {
-      std::int64_t theirs = 0;
-      std::array<MPI_Request, 2> req{MPI_REQUEST_NULL, MPI_REQUEST_NULL};
-      check(MPI_Irecv(&theirs, 1, MPI_INT64_T, peer, opts_.tag, comm_, &req[0]), name,
-            "MPI_Irecv (size swap)");
-      check(MPI_Isend(&mine, 1, MPI_INT64_T, peer, opts_.tag, comm_, &req[1]), name, "MPI_Isend (size swap)");
-      wait_or_abort(req, name, detail::coll::exchange, peer);
-      return theirs;
-    });
+    };
+    if (!open_exchange<T>(peer, send.data(), send.size(), recv.data(), recv.size(), true, copy)) return;
     const MPI_Datatype type = detail_mpi::datatype<T>();
     pieces(send.size(), [&](std::size_t off, int count) {
       if (same)
@@ -523,7 +509,7 @@ class mpi {
   /// from `MPI_Comm_split` and is freed when the last copy of the result dies.
   [[nodiscard]] mpi split(int color, int key) const {
     constexpr std::string_view name = "split";
-    agree({detail::coll::split, dtype::float32, reduce_op::sum, 0, 0}, args(name).color(color));
+    open_split(color);
     MPI_Comm made = MPI_COMM_NULL;
     check(MPI_Comm_split(comm_, color, key, &made), name, "MPI_Comm_split");
     std::shared_ptr<MPI_Comm> owner(new MPI_Comm(made), [](MPI_Comm* c) {
@@ -586,7 +572,7 @@ class mpi {
         ", different from mpi_options::tag = ", opts_.tag, ")");
   }
 
-  detail::arguments args(std::string_view op) const { return {"comm::mpi", op, rank_, size_}; }
+  static constexpr std::string_view comm_name = "comm::mpi";
 
   /// Waits for the requests of an argument check (`waits_for`: the ranks it needs, -1 for
   /// all); past mpi_options::timeout, finds out which of those ranks are missing (see the file
@@ -642,31 +628,40 @@ class mpi {
     for (std::size_t off = 0; off < n; off += step) f(off, static_cast<int>(std::min(step, n - off)));
   }
 
-  /// Agreement before a collective (with check_sizes): every rank's fingerprint of the call
-  /// (collective, element type, op, root, count) and argument validity meet in one
-  /// MPI_Allreduce(MAX) of detail::fingerprint_words integers; on a difference, every rank
-  /// throws the same kind of gradapt::error naming what differs and a rank that differs. `bad`
-  /// is this rank's complete error message when its own arguments are invalid (empty otherwise).
-  void agree(const detail::call& c, const std::string& bad) const {
-    if (!opts_.check_sizes) {
-      if (!bad.empty()) throw error(bad);
-      return;
-    }
-    const std::string_view op = detail::coll_name(c.kind);
+  /// Sends `mine` to `peer` and returns the peer's value (size check of exchange).
+  std::int64_t swap_size(int peer, std::int64_t mine) const {
+    std::int64_t theirs = 0;
+    std::array<MPI_Request, 2> req{MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+    check(MPI_Irecv(&theirs, 1, MPI_INT64_T, peer, opts_.tag, comm_, &req[0]), "exchange",
+          "MPI_Irecv (size swap)");
+    check(MPI_Isend(&mine, 1, MPI_INT64_T, peer, opts_.tag, comm_, &req[1]), "exchange",
+          "MPI_Isend (size swap)");
+    wait_or_abort(req, "exchange", detail::coll::exchange, peer);
+    return theirs;
+  }
+
+  /// The argument check's MAX allreduce: one MPI_Iallreduce, under the watchdog (which counts
+  /// the checked calls).
+  void max_allreduce_words(std::string_view op, std::int64_t* w, std::size_t n) const {
     ++shared_->calls;
-    detail::agree(
-        "comm::mpi", op, rank_, size_, c, bad,
-        [&](std::int64_t* w, std::size_t n) {
-          MPI_Request req = MPI_REQUEST_NULL;
-          check(MPI_Iallreduce(MPI_IN_PLACE, w, static_cast<int>(n), MPI_INT64_T, MPI_MAX, comm_, &req), op,
-                "MPI_Iallreduce (argument check)");
-          wait_or_abort(std::span<MPI_Request>(&req, 1), op, c.kind);
-        },
-        [&](const std::int64_t* mine, std::size_t n, std::int64_t* all) {
-          check(MPI_Allgather(mine, static_cast<int>(n), MPI_INT64_T, all, static_cast<int>(n), MPI_INT64_T,
-                              comm_),
-                op, "MPI_Allgather (argument check)");
-        });
+    MPI_Request req = MPI_REQUEST_NULL;
+    check(MPI_Iallreduce(MPI_IN_PLACE, w, static_cast<int>(n), MPI_INT64_T, MPI_MAX, comm_, &req), op,
+          "MPI_Iallreduce (argument check)");
+    wait_or_abort(std::span<MPI_Request>(&req, 1), op, kind_of(op));
+  }
+
+  /// The collective named `op` (coll_name's inverse).
+  static detail::coll kind_of(std::string_view op) {
+    for (int k = 0; k <= static_cast<int>(detail::coll::exchange); ++k)
+      if (detail::coll_name(static_cast<detail::coll>(k)) == op) return static_cast<detail::coll>(k);
+    return detail::coll::allreduce;
+  }
+
+  /// The argument check's allgather (error path only).
+  void allgather_words(std::string_view op, const std::int64_t* mine, std::size_t n,
+                       std::int64_t* all) const {
+    check(MPI_Allgather(mine, static_cast<int>(n), MPI_INT64_T, all, static_cast<int>(n), MPI_INT64_T, comm_),
+          op, "MPI_Allgather (argument check)");
   }
 
   std::shared_ptr<MPI_Comm> owner_;  ///< set only for communicators made by split

@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "gradapt/comm/detail/arguments.hpp"
+#include "gradapt/comm/detail/engine.hpp"
 #include "gradapt/comm/detail/fingerprint.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/dtype.hpp"
@@ -149,7 +150,9 @@ struct shared_state {
 /// Ownership: the communicator built from a framework's handle never destroys it or the
 /// stream. A communicator returned by `split` owns its new handle; copies share it, and the
 /// last copy to die finalises and destroys it (`ncclCommFinalize`, `ncclCommDestroy`).
-class nccl {
+class nccl : private detail::engine_calls<nccl> {
+  friend class detail::engine_calls<nccl>;
+
  public:
   /// Views this communicator accepts: CUDA device memory.
   using space = device_space;
@@ -180,8 +183,7 @@ class nccl {
   template <element T>
   requires(!std::is_const_v<T>) void allreduce(tensor_view<T, device_space> buf, reduce_op op) {
     constexpr std::string_view name = "allreduce";
-    agree({detail::coll::allreduce, dtype_of_v<T>, op, 0, static_cast<std::int64_t>(buf.size())}, {});
-    if (buf.empty()) return;
+    if (!open_allreduce<T>(buf.size(), op)) return;
     check(ncclAllReduce(buf.data(), buf.data(), buf.size(), detail_nccl::datatype<T>(),
                         detail_nccl::reduction(op), comm_, stream_),
           name, "ncclAllReduce");
@@ -192,11 +194,7 @@ class nccl {
   template <element T>
   requires(!std::is_const_v<T>) void broadcast(tensor_view<T, device_space> buf, int root) {
     constexpr std::string_view name = "broadcast";
-    const std::string bad = args(name).rank_range("root", root);
-    agree(
-        {detail::coll::broadcast, dtype_of_v<T>, reduce_op::sum, root, static_cast<std::int64_t>(buf.size())},
-        bad);
-    if (buf.empty()) return;
+    if (!open_broadcast<T>(buf.size(), root)) return;
     check(ncclBroadcast(buf.data(), buf.data(), buf.size(), detail_nccl::datatype<T>(), root, comm_, stream_),
           name, "ncclBroadcast");
   }
@@ -210,9 +208,7 @@ class nccl {
                                                tensor_view<T, device_space> recv) {
     constexpr std::string_view name = "allgather";
     const std::size_t n = send.size();
-    const std::string bad = args(name).gather<T>(send.data(), n, recv.data(), recv.size());
-    agree({detail::coll::allgather, dtype_of_v<T>, reduce_op::sum, 0, static_cast<std::int64_t>(n)}, bad);
-    if (n == 0) return;
+    if (!open_allgather<T>(send.data(), n, recv.data(), recv.size())) return;
     check(ncclAllGather(send.data(), recv.data(), n, detail_nccl::datatype<T>(), comm_, stream_), name,
           "ncclAllGather");
   }
@@ -227,9 +223,7 @@ class nccl {
       reduce_op op) {
     constexpr std::string_view name = "reduce_scatter";
     const std::size_t m = recv.size();
-    const std::string bad = args(name).scatter<T>(send.data(), send.size(), recv.data(), m, true);
-    agree({detail::coll::reduce_scatter, dtype_of_v<T>, op, 0, static_cast<std::int64_t>(m)}, bad);
-    if (m == 0) return;
+    if (!open_reduce_scatter<T>(send.data(), send.size(), recv.data(), m, op, true)) return;
     check(ncclReduceScatter(send.data(), recv.data(), m, detail_nccl::datatype<T>(),
                             detail_nccl::reduction(op), comm_, stream_),
           name, "ncclReduceScatter");
@@ -245,23 +239,14 @@ class nccl {
                                               std::type_identity_t<tensor_view<const T, device_space>> send,
                                               tensor_view<T, device_space> recv) {
     constexpr std::string_view name = "exchange";
-    const detail::arguments a = args(name);
-    if (auto out = a.rank_range("peer", peer); !out.empty()) throw error(out);
-    const bool same = send.data() == recv.data();
+    const auto copy = [&] {
+      if (send.empty()) return;
+      detail_nccl::device_guard guard(state_->device);
+      cuda_check(cudaMemcpyAsync(recv.data(), send.data(), send.bytes(), cudaMemcpyDeviceToDevice, stream_),
+                 name, "cudaMemcpyAsync");
+    };
     // NCCL cannot exchange with a peer in place; a copy to itself can.
-    const std::string bad = a.exchange<T>(send.data(), send.size(), recv.data(), recv.size(), peer == rank_);
-    if (peer == rank_) {
-      if (!bad.empty()) throw error(bad);
-      if (!same && !send.empty()) {
-        detail_nccl::device_guard guard(state_->device);
-        cuda_check(cudaMemcpyAsync(recv.data(), send.data(), send.bytes(), cudaMemcpyDeviceToDevice, stream_),
-                   name, "cudaMemcpyAsync");
-      }
-      return;
-    }
-    a.agree_exchange(peer, send.size(), bad, opts_.check_sizes,
-                     [&](std::int64_t mine) { return swap_with(peer, mine); });
-    if (send.empty()) return;
+    if (!open_exchange<T>(peer, send.data(), send.size(), recv.data(), recv.size(), false, copy)) return;
     constexpr ncclDataType_t type = detail_nccl::datatype<T>();
     group(name, [&] {
       check(ncclSend(send.data(), send.size(), type, peer, comm_, stream_), name, "ncclSend");
@@ -275,7 +260,7 @@ class nccl {
   /// destroyed when the last copy of the result dies. Blocks the host until the split is done.
   [[nodiscard]] nccl split(int color, int key) const {
     constexpr std::string_view name = "split";
-    agree({detail::coll::split, dtype::float32, reduce_op::sum, 0, 0}, args(name).color(color));
+    open_split(color);
     auto state = std::make_shared<detail_nccl::shared_state>();
     ncclComm_t made = nullptr;
     ncclResult_t r = ncclCommSplit(comm_, color, key, &made, nullptr);
@@ -315,7 +300,7 @@ class nccl {
     check(ncclCommCuDevice(comm_, &state_->device), "setup", "ncclCommCuDevice");
   }
 
-  detail::arguments args(std::string_view op) const { return {"comm::nccl", op, rank_, size_}; }
+  static constexpr std::string_view comm_name = "comm::nccl";
 
   template <class... Args>
   [[noreturn]] void fail(std::string_view op, Args&&... args_) const {
@@ -409,7 +394,7 @@ class nccl {
   }
 
   /// Sends `mine` to `peer` and returns the peer's value (argument check of exchange).
-  std::int64_t swap_with(int peer, std::int64_t mine) {
+  std::int64_t swap_size(int peer, std::int64_t mine) {
     std::int64_t v[2] = {mine, 0};
     round_trip("exchange", v, 2, 2, [&](std::int64_t* s) {
       group("exchange", [&] {
@@ -420,37 +405,27 @@ class nccl {
     return v[1];
   }
 
-  /// Agreement before a collective, as in comm::mpi (with check_sizes): one ncclAllReduce(MAX)
-  /// of the call's fingerprint (detail::fingerprint_words integers) through the device scratch
-  /// and a stream synchronisation; on a difference every rank throws, naming what differs.
-  /// `bad` is this rank's complete error message when its own arguments are invalid.
-  void agree(const detail::call& c, const std::string& bad) const {
-    if (!opts_.check_sizes) {
-      if (!bad.empty()) throw error(bad);
-      return;
-    }
-    const std::string_view op = detail::coll_name(c.kind);
-    detail::agree(
-        "comm::nccl", op, rank_, size_, c, bad,
-        [&](std::int64_t* w, std::size_t n) {
-          round_trip(op, w, n, n, [&](std::int64_t* s) {
-            check(ncclAllReduce(s, s, n, ncclInt64, ncclMax, comm_, stream_), op,
-                  "ncclAllReduce (argument check)");
-          });
-        },
-        [&](const std::int64_t* mine, std::size_t n, std::int64_t* all) {
-          // Error path only: the scratch holds this rank's n words, then every rank's.
-          const std::size_t total = n * (static_cast<std::size_t>(size_) + 1);
-          std::vector<std::int64_t> buf(total, 0);
-          std::copy_n(mine, n, buf.data());
-          round_trip(op, buf.data(), n, 0, [&](std::int64_t* s) {
-            check(ncclAllGather(s, s + n, n, ncclInt64, comm_, stream_), op,
-                  "ncclAllGather (argument check)");
-            cuda_check(cudaMemcpyAsync(all, s + n, (total - n) * sizeof(std::int64_t), cudaMemcpyDeviceToHost,
-                                       stream_),
-                       op, "cudaMemcpyAsync (argument check)");
-          });
-        });
+  /// The argument check's MAX allreduce: one ncclAllReduce through the device scratch and a
+  /// stream synchronisation.
+  void max_allreduce_words(std::string_view op, std::int64_t* w, std::size_t n) const {
+    round_trip(op, w, n, n, [&](std::int64_t* s) {
+      check(ncclAllReduce(s, s, n, ncclInt64, ncclMax, comm_, stream_), op, "ncclAllReduce (argument check)");
+    });
+  }
+
+  /// The argument check's allgather (error path only): the scratch holds this rank's n words,
+  /// then every rank's.
+  void allgather_words(std::string_view op, const std::int64_t* mine, std::size_t n,
+                       std::int64_t* all) const {
+    const std::size_t total = n * (static_cast<std::size_t>(size_) + 1);
+    std::vector<std::int64_t> buf(total, 0);
+    std::copy_n(mine, n, buf.data());
+    round_trip(op, buf.data(), n, 0, [&](std::int64_t* s) {
+      check(ncclAllGather(s, s + n, n, ncclInt64, comm_, stream_), op, "ncclAllGather (argument check)");
+      cuda_check(
+          cudaMemcpyAsync(all, s + n, (total - n) * sizeof(std::int64_t), cudaMemcpyDeviceToHost, stream_),
+          op, "cudaMemcpyAsync (argument check)");
+    });
   }
 
   std::shared_ptr<detail_nccl::shared_state> state_;

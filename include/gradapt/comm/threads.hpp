@@ -325,14 +325,11 @@ class threads {
                                               std::type_identity_t<tensor_view<const T, space>> send,
                                               tensor_view<T, space> recv) {
     const detail::arguments a = args("exchange");
-    if (auto bad = a.rank_range("peer", peer); !bad.empty()) throw gradapt::error(bad);
     // With a peer, this rank's recv is written while the peer may still read its send.
-    const std::string bad = a.exchange<T>(send.data(), send.size(), recv.data(), recv.size(), peer == rank_);
-    if (peer == rank_) {
-      if (!bad.empty()) throw gradapt::error(bad);
-      if (send.data() != recv.data()) std::copy_n(send.data(), send.size(), recv.data());
+    std::string bad;
+    if (a.exchange_self<T>(peer, send.data(), send.size(), recv.data(), recv.size(), false, bad,
+                           [&] { std::copy_n(send.data(), send.size(), recv.data()); }))
       return;
-    }
     w_->exchange(rank_, peer, send.data(), send.size(), recv.data(), dtype_of_v<T>, a, bad);
   }
 

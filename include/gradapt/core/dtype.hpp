@@ -88,49 +88,53 @@ GRADAPT_HD inline float bfloat16_bits_to_float(std::uint16_t b) {
   return bits_float(static_cast<std::uint32_t>(b) << 16);
 }
 
+/// The rounding and widening of IEEE binary16 (gradapt::half).
+struct binary16_format {
+  /// binary32 -> binary16 bits, round to nearest, ties to even (overflow gives inf).
+  GRADAPT_HD static std::uint16_t round(float f) { return float_to_half_bits(f); }
+  /// binary16 bits -> binary32, exact.
+  GRADAPT_HD static float widen(std::uint16_t b) { return half_bits_to_float(b); }
+};
+
+/// The rounding and widening of bfloat16 (gradapt::bfloat16).
+struct bfloat16_format {
+  /// binary32 -> bfloat16 bits, round to nearest, ties to even.
+  GRADAPT_HD static std::uint16_t round(float f) { return float_to_bfloat16_bits(f); }
+  /// bfloat16 bits -> binary32, exact.
+  GRADAPT_HD static float widen(std::uint16_t b) { return bfloat16_bits_to_float(b); }
+};
+
 }  // namespace detail
 
-/// IEEE 754 binary16 storage type (1 sign, 5 exponent, 10 mantissa bits).
-struct half {
-  /// The raw binary16 bit pattern (sign in bit 15). A default-constructed value is +0.
+/// A 16-bit floating-point storage type: a bit pattern whose rounding from and widening to
+/// binary32 `Format` defines. gradapt uses two, `gradapt::half` and `gradapt::bfloat16`.
+template <class Format>
+struct float16_storage {
+  /// The raw 16-bit pattern (sign in bit 15). A default-constructed value is +0.
   std::uint16_t bits = 0;
 
-  half() = default;
-  /// Rounds `f` to the nearest half (ties to even); overflow gives inf, NaN stays NaN.
-  GRADAPT_HD explicit half(float f) : bits(detail::float_to_half_bits(f)) {}
-  /// Widens to binary32; exact for every binary16 value (inf and NaN included).
-  GRADAPT_HD explicit operator float() const { return detail::half_bits_to_float(bits); }
+  float16_storage() = default;
+  /// Rounds `f` to the nearest value of the format (ties to even); overflow gives inf, NaN
+  /// stays NaN.
+  GRADAPT_HD explicit float16_storage(float f) : bits(Format::round(f)) {}
+  /// Widens to binary32; exact for every value of the format (inf and NaN included).
+  GRADAPT_HD explicit operator float() const { return Format::widen(bits); }
   /// A value with the bit pattern `b`, taken as is (no rounding, NaN payloads kept).
-  GRADAPT_HD static half from_bits(std::uint16_t b) {
-    half h;
+  GRADAPT_HD static float16_storage from_bits(std::uint16_t b) {
+    float16_storage h;
     h.bits = b;
     return h;
   }
   /// Bitwise equality: +0 and -0 differ, and a NaN equals a NaN with the same bits (unlike
   /// IEEE comparison). Compare `float(a) == float(b)` for numeric equality.
-  friend GRADAPT_HD bool operator==(half a, half b) { return a.bits == b.bits; }
+  friend GRADAPT_HD bool operator==(float16_storage a, float16_storage b) { return a.bits == b.bits; }
 };
+
+/// IEEE 754 binary16 storage type (1 sign, 5 exponent, 10 mantissa bits).
+using half = float16_storage<detail::binary16_format>;
 
 /// bfloat16 storage type (1 sign, 8 exponent, 7 mantissa bits): float's range, less precision.
-struct bfloat16 {
-  /// The raw bfloat16 bit pattern (sign in bit 15). A default-constructed value is +0.
-  std::uint16_t bits = 0;
-
-  bfloat16() = default;
-  /// Rounds `f` to the nearest bfloat16 (ties to even); NaN stays NaN.
-  GRADAPT_HD explicit bfloat16(float f) : bits(detail::float_to_bfloat16_bits(f)) {}
-  /// Widens to binary32; exact for every bfloat16 value (inf and NaN included).
-  GRADAPT_HD explicit operator float() const { return detail::bfloat16_bits_to_float(bits); }
-  /// A value with the bit pattern `b`, taken as is (no rounding, NaN payloads kept).
-  GRADAPT_HD static bfloat16 from_bits(std::uint16_t b) {
-    bfloat16 h;
-    h.bits = b;
-    return h;
-  }
-  /// Bitwise equality: +0 and -0 differ, and a NaN equals a NaN with the same bits (unlike
-  /// IEEE comparison). Compare `float(a) == float(b)` for numeric equality.
-  friend GRADAPT_HD bool operator==(bfloat16 a, bfloat16 b) { return a.bits == b.bits; }
-};
+using bfloat16 = float16_storage<detail::bfloat16_format>;
 
 static_assert(sizeof(half) == 2 && std::is_trivially_copyable_v<half>);
 static_assert(sizeof(bfloat16) == 2 && std::is_trivially_copyable_v<bfloat16>);

@@ -26,6 +26,7 @@
 #include "gradapt/backend/cuda/multi_tensor.cuh"
 #include "gradapt/backend/cuda/reduction_ops.cuh"
 #include "gradapt/backend/cuda/workspace.cuh"
+#include "gradapt/backend/factored_checks.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/dtype.hpp"
 #include "gradapt/core/error.hpp"
@@ -482,20 +483,11 @@ struct cuda {
 
   static detail::cuda_impl::fdims check_factored(const std::array<std::int64_t, 5>& d, std::size_t n,
                                                  const char* what) {
-    std::size_t prod = 1;
-    for (std::size_t k = 0; k < 5; ++k) {
-      detail::require(d[k] >= 0, "gradapt::cuda::", what, ": factored dim ", k, " is ", d[k],
-                      " (expected non-negative [A, X, B, Y, C])");
-      prod *= static_cast<std::size_t>(d[k]);
-    }
-    detail::require(prod == n, "gradapt::cuda::", what, ": factored dims [", d[0], ", ", d[1], ", ", d[2],
-                    ", ", d[3], ", ", d[4], "] hold ", prod, " elements but the tensor has ", n);
-    return {static_cast<std::size_t>(d[0]), static_cast<std::size_t>(d[1]), static_cast<std::size_t>(d[2]),
-            static_cast<std::size_t>(d[3]), static_cast<std::size_t>(d[4])};
+    const auto e = detail::factored_dims(d, n, "gradapt::cuda::", what);
+    return {e[0], e[1], e[2], e[3], e[4]};
   }
   static void check_factored_vector(std::size_t got, std::size_t want, const char* what, const char* name) {
-    detail::require(got == 0 || got == want, "gradapt::cuda::", what, ": ", name, " has ", got,
-                    " elements (expected ", want, ", or 0)");
+    detail::check_factored_vector("gradapt::cuda::", what, name, got, want, {});
   }
 
   static void check_op(reduction op, const char* what) {

@@ -7,17 +7,10 @@
 
 #include <algorithm>
 #include <array>
-#include <cmath>
 #include <cstddef>
-#include <cstring>
-#include <exception>
-#include <functional>
-#include <limits>
-#include <span>
 #include <tuple>
 #include <type_traits>
 #include <utility>
-#include <vector>
 
 #include "gradapt/backend/host/reduce.hpp"
 #include "gradapt/backend/simd.hpp"
@@ -30,9 +23,6 @@
 
 #if defined(_OPENMP)
 #include <omp.h>
-#endif
-#if defined(__SSE2__)
-#include <emmintrin.h>
 #endif
 
 namespace gradapt::detail::host_impl {

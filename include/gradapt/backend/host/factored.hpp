@@ -9,18 +9,15 @@
 
 #include <algorithm>
 #include <array>
-#include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
-#include <exception>
-#include <functional>
 #include <limits>
-#include <span>
 #include <tuple>
 #include <type_traits>
 #include <utility>
-#include <vector>
 
+#include "gradapt/backend/factored_checks.hpp"
 #include "gradapt/backend/host/reduce.hpp"
 #include "gradapt/backend/simd.hpp"
 #include "gradapt/core/concepts.hpp"
@@ -33,9 +30,6 @@
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 
 namespace gradapt::detail::host_impl {
 
@@ -44,16 +38,16 @@ namespace gradapt::detail::host_impl {
 struct factored {
   static std::array<std::size_t, 5> check_factored(const std::array<std::int64_t, 5>& d, std::size_t n,
                                                    const char* what) {
-    std::size_t prod = 1;
-    for (std::size_t k = 0; k < 5; ++k) {
-      detail::require(d[k] >= 0, "host backend ", what, ": factored dim ", k, " is ", d[k],
-                      " (expected non-negative [A, X, B, Y, C])");
-      prod *= static_cast<std::size_t>(d[k]);
-    }
-    detail::require(prod == n, "host backend ", what, ": factored dims [", d[0], ", ", d[1], ", ", d[2], ", ",
-                    d[3], ", ", d[4], "] hold ", prod, " elements but the tensor has ", n);
-    return {static_cast<std::size_t>(d[0]), static_cast<std::size_t>(d[1]), static_cast<std::size_t>(d[2]),
-            static_cast<std::size_t>(d[3]), static_cast<std::size_t>(d[4])};
+    return factored_dims(d, n, "host backend ", what);
+  }
+  /// check_factored, then the row vector (`rows` entries: A*X*B*C, or 0 for none) and the
+  /// column vector (`cols` entries: A*B*Y*C, or 0) of operation `what`.
+  static std::array<std::size_t, 5> check_factored(const std::array<std::int64_t, 5>& d, std::size_t n,
+                                                   std::size_t rows, std::size_t cols, const char* what) {
+    const auto e = check_factored(d, n, what);
+    check_factored_vector("host backend ", what, "row vector", rows, e[0] * e[1] * e[2] * e[4], "A*X*B*C");
+    check_factored_vector("host backend ", what, "column vector", cols, e[0] * e[2] * e[3] * e[4], "A*B*Y*C");
+    return e;
   }
 
   /// Longest line (Y with C == 1) that reduce_factored reads once on any number of threads
@@ -132,30 +126,29 @@ struct factored {
             !HasC || std::is_same_v<std::remove_cv_t<RX>, float>)&&std::is_invocable_v<const F&, narrow,
                                                                                        narrow, narrow>;
 #endif
-    // Line l of slice `cb`'s column vector: its row result into oy[l] (and Σ y² into ls[l]), its
-    // column terms folded into o[0, Y) (C == 1, both outputs).
-    const auto both_line = [&](std::size_t l, const RX* cb, double* o) {
+    // Line l (C == 1) of slice `cb`'s column vector: its row result into oy[l] (and Σ y² into
+    // ls[l]); with `cols` (std::true_type) also its column terms folded into o[0, Y).
+    const auto row_line = [&](auto cols, std::size_t l, const RX* cb, double* o) {
+      constexpr bool Cols = decltype(cols)::value;
       const T* p = x + l * L;
       const CY r = rv(l);
       double acc[8] = {init, init, init, init, init, init, init, init};
       double yacc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       std::size_t j = 0, yk = 0;
 #if GRADAPT_SIMD_PACKS
+      // lane q of the double pack is acc[q]: the same terms in the same order
       if constexpr (packs)
-        j = fact_lines_y<fact_kind::both, HasC>(f, static_cast<float>(r), cb, p, Y, o, acc,
-                                                ys ? ys + l * L : ys, yacc, &yk);
+        j = fact_lines_y < Cols ? fact_kind::both : fact_kind::rows,
+        HasC > (f, static_cast<float>(r), cb, p, Y, o, acc, ys ? ys + l * L : ys, yacc, &yk);
 #endif
-      for (; j + 8 <= Y; j += 8)
-        for (std::size_t q = 0; q < 8; ++q) {
-          const double t = static_cast<double>(f(r, cv(cb, j + q), load(p[j + q])));
-          acc[q] = fold<Max>(acc[q], t);
-          o[j + q] = fold<Max>(o[j + q], t);
-        }
-      for (std::size_t q = 0; j < Y; ++j, ++q) {
-        const double t = static_cast<double>(f(r, cv(cb, j), load(p[j])));
+      const auto term = [&](std::size_t q, std::size_t at) {
+        const double t = static_cast<double>(f(r, cv(cb, at), load(p[at])));
         acc[q] = fold<Max>(acc[q], t);
-        o[j] = fold<Max>(o[j], t);
-      }
+        if constexpr (Cols) o[at] = fold<Max>(o[at], t);
+      };
+      for (; j + 8 <= Y; j += 8)
+        for (std::size_t q = 0; q < 8; ++q) term(q, j + q);
+      for (std::size_t q = 0; j < Y; ++j, ++q) term(q, j);
       for (std::size_t w = 4; w >= 1; w /= 2)
         for (std::size_t q = 0; q < w; ++q) acc[q] = fold<Max>(acc[2 * q], acc[2 * q + 1]);
       oy[l] = acc[0];
@@ -174,7 +167,7 @@ struct factored {
         const std::size_t sl = q / per_slice, i0 = (q % per_slice) * G, i1 = std::min(X, i0 + G);
         for (std::size_t k = 0; k < L; ++k) part[k] = init;
         for (std::size_t i = i0; i < i1; ++i)
-          both_line((sl / B * X + i) * B + sl % B, HasC ? cp + sl * L : nullptr, part);
+          row_line(std::true_type{}, (sl / B * X + i) * B + sl % B, HasC ? cp + sl * L : nullptr, part);
       };
       const auto add = [&](std::size_t q, const double* part) {
         double* o = ox + (q / per_slice) * L;
@@ -207,7 +200,8 @@ struct factored {
     if (!par && C == 1 && !skip_y && !skip_x) {
       for (std::size_t sl = 0; sl < A * B; ++sl)
         for (std::size_t i = 0; i < X; ++i)
-          both_line((sl / B * X + i) * B + sl % B, HasC ? cp + sl * L : nullptr, ox + sl * L);
+          row_line(std::true_type{}, (sl / B * X + i) * B + sl % B, HasC ? cp + sl * L : nullptr,
+                   ox + sl * L);
       return;
     }
     // One parallel region, no barrier inside: rows are independent, and the column loop has
@@ -228,35 +222,17 @@ struct factored {
 #endif
               for (std::size_t i = i0; i < i1; ++i) {
                 const std::size_t l = (a * X + i) * B + b;
-                const T* p = x + l * L;
-                double yacc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-                std::size_t yk = 0;
                 if (C == 1) {
-                  const CY r = rv(l);
-                  double acc[8] = {init, init, init, init, init, init, init, init};
-                  std::size_t j = 0;
-#if GRADAPT_SIMD_PACKS
-                  // lane q of the double pack is acc[q]: the same terms in the same order
-                  if constexpr (packs)
-                    j = fact_lines_y<fact_kind::rows, HasC>(f, static_cast<float>(r), cb, p, Y, nullptr, acc,
-                                                            ys ? ys + l * L : ys, yacc, &yk);
-#endif
-                  for (; j + 8 <= Y; j += 8)
-                    for (std::size_t q = 0; q < 8; ++q)
-                      acc[q] = fold<Max>(acc[q], static_cast<double>(f(r, cv(cb, j + q), load(p[j + q]))));
-                  for (std::size_t q = 0; j < Y; ++j, ++q)
-                    acc[q] = fold<Max>(acc[q], static_cast<double>(f(r, cv(cb, j), load(p[j]))));
-                  for (std::size_t w = 4; w >= 1; w /= 2)
-                    for (std::size_t q = 0; q < w; ++q) acc[q] = fold<Max>(acc[2 * q], acc[2 * q + 1]);
-                  oy[l] = acc[0];
+                  row_line(std::false_type{}, l, cb, nullptr);
                 } else {
+                  const T* p = x + l * L;
                   double* o = oy + l * C;
                   for (std::size_t j = 0; j < Y; ++j)
                     for (std::size_t c = 0; c < C; ++c)
                       o[c] = fold<Max>(
                           o[c], static_cast<double>(f(rv(l * C + c), cv(cb, j * C + c), load(p[j * C + c]))));
+                  if (ys) ls[l] = line_sumsq(ys + l * L, L);
                 }
-                if (ys) ls[l] = line_sumsq(ys + l * L, L, yk, yacc);
               }
             }
             if (!skip_x) {
@@ -317,6 +293,51 @@ struct factored {
   /// or both from one read.
   enum class fact_kind { rows, columns, both };
 
+#if defined(GRADAPT_HOST_PACKS_AVX2)
+  /// `Loop::run<P>(args...)` compiled for AVX2: P holds 8 floats in one 32-byte register (no
+  /// FMA, so the same bits as on 16-byte registers).
+  template <class Loop, class... A>
+  __attribute__((target("avx2"))) static std::size_t run_packs_avx2(A&&... args) {
+    return Loop::template run<simd::pack<float, 8, 32>>(std::forward<A>(args)...);
+  }
+#endif
+  /// Runs the pack loop `Loop::run<P>(args...)` (P a pack of 8 floats, inlined) on AVX2 when
+  /// the CPU has it, else on 16-byte registers; returns what the loop returns (elements done).
+  template <class Loop, class... A>
+  static GRADAPT_INLINE std::size_t run_packs(A&&... args) {
+#if defined(GRADAPT_HOST_PACKS_AVX2)
+    if (detail::host_impl::cpu_has_avx2()) return run_packs_avx2<Loop>(std::forward<A>(args)...);
+#endif
+    return Loop::template run<simd::pack<float, 8>>(std::forward<A>(args)...);
+  }
+  /// The pack loops of this struct in the form run_packs takes.
+  template <fact_kind K, bool HasC, bool HasY>
+  struct fact_loop {
+    template <class P, class... A>
+    static GRADAPT_INLINE std::size_t run(A&&... a) {
+      return fact_packs<P, K, HasC, HasY>(std::forward<A>(a)...);
+    }
+  };
+  struct sumsq_loop {
+    template <class P, class... A>
+    static GRADAPT_INLINE std::size_t run(A&&... a) {
+      return sumsq_packs<P>(std::forward<A>(a)...);
+    }
+  };
+  template <bool Reduces>
+  struct factored_loop {
+    template <class P, class... A>
+    static GRADAPT_INLINE std::size_t run(A&&... a) {
+      return factored_packs<Reduces, P>(std::forward<A>(a)...);
+    }
+  };
+  struct max_loop {
+    template <class P, class... A>
+    static GRADAPT_INLINE std::size_t run(A&&... a) {
+      return max_packs<P>(std::forward<A>(a)...);
+    }
+  };
+
   /// reduce_factored's pack loop (sums, float data, C == 1) over elements [j0, j1) of one line
   /// p, in packs NP of 8 floats: rows: lane q of the double accumulator is acc[q] (element j
   /// into lane j mod 8); columns: o[j] += term j. With HasY, also y's squares (widened) into
@@ -341,26 +362,12 @@ struct factored {
     if constexpr (HasY) vy.store(yacc);
     return j;
   }
-#if defined(GRADAPT_HOST_PACKS_AVX2)
-  /// fact_packs compiled for AVX2 (8 floats per register; no FMA, same bits as SSE2).
-  template <fact_kind K, bool HasC, bool HasY, class F, class RX, class T>
-  __attribute__((target("avx2"))) static std::size_t fact_packs_avx2(const F& f, float r, const RX* cb,
-                                                                     const T* p, std::size_t j0,
-                                                                     std::size_t j1, double* o, double* acc,
-                                                                     const float* y, double* yacc) {
-    return fact_packs<simd::pack<float, 8, 32>, K, HasC, HasY>(f, r, cb, p, j0, j1, o, acc, y, yacc);
-  }
-#endif
   /// fact_packs on AVX2 when the CPU has it, else on 16-byte registers.
   template <fact_kind K, bool HasC, bool HasY = false, class F, class RX, class T>
   static GRADAPT_INLINE std::size_t fact_lines(const F& f, float r, const RX* cb, const T* p, std::size_t j0,
                                                std::size_t j1, double* o, double* acc,
                                                const float* y = nullptr, double* yacc = nullptr) {
-#if defined(GRADAPT_HOST_PACKS_AVX2)
-    if (detail::host_impl::cpu_has_avx2())
-      return fact_packs_avx2<K, HasC, HasY>(f, r, cb, p, j0, j1, o, acc, y, yacc);
-#endif
-    return fact_packs<simd::pack<float, 8>, K, HasC, HasY>(f, r, cb, p, j0, j1, o, acc, y, yacc);
+    return run_packs<fact_loop<K, HasC, HasY>>(f, r, cb, p, j0, j1, o, acc, y, yacc);
   }
   /// A rows or both pass over line l (C == 1, packs), with y's squares read in the same loop
   /// when y is float and present: returns the first element not done; *yk is how many of
@@ -392,12 +399,7 @@ struct factored {
 #if GRADAPT_SIMD_PACKS
     if constexpr (std::is_same_v<std::remove_cv_t<U>, float>) {
       if (k == 0) {
-#if defined(GRADAPT_HOST_PACKS_AVX2)
-        if (detail::host_impl::cpu_has_avx2())
-          k = sumsq_packs_avx2(y, L, acc);
-        else
-#endif
-          k = sumsq_packs<simd::pack<float, 8>>(y, L, acc);
+        k = run_packs<sumsq_loop>(y, L, acc);
       }
     }
 #endif
@@ -430,12 +432,6 @@ struct factored {
     va.store(acc);
     return k;
   }
-#if defined(GRADAPT_HOST_PACKS_AVX2)
-  __attribute__((target("avx2"))) static std::size_t sumsq_packs_avx2(const float* y, std::size_t L,
-                                                                      double* acc) {
-    return sumsq_packs<simd::pack<float, 8, 32>>(y, L, acc);
-  }
-#endif
 #endif
 
   /// One group of 8 elements of apply_factored's pack path: loads, call, stores (inlined, so
@@ -469,15 +465,49 @@ struct factored {
     if constexpr (Reduces) va.store(acc);
     return k;
   }
-#if defined(GRADAPT_HOST_PACKS_AVX2)
-  /// factored_packs compiled for AVX2 (one 32-byte register per 8 floats; no FMA, same bits).
-  template <bool Reduces, class F, class... Ts>
-  __attribute__((target("avx2"))) static std::size_t factored_packs_avx2(const F& f, float rv,
-                                                                         const float* cp, std::size_t L,
-                                                                         double* acc, Ts*... ptrs) {
-    return factored_packs<Reduces, simd::pack<float, 8, 32>>(f, rv, cp, L, acc, ptrs...);
-  }
+
+#if GRADAPT_SIMD_PACKS
+  /// True when a line of `f` over row entries RY, column entries RX and data Ts... runs on
+  /// packs of 8 floats: every type is float and f opts in to packs and takes them.
+  template <class F, class RY, class RX, class... Ts>
+  static constexpr bool float_packs_v =
+      std::conjunction_v<std::is_same<std::remove_cv_t<RY>, float>, std::is_same<std::remove_cv_t<RX>, float>,
+                         std::is_same<std::remove_cv_t<Ts>, float>...,
+                         std::bool_constant<simd::vectorizable_v<F>>,
+                         std::is_invocable<const F&, simd::pack<float, 8>, simd::pack<float, 8>,
+                                           std::conditional_t<true, simd::pack<float, 8>, Ts>&...>>;
 #endif
+
+  /// Element k of a line on scalars: calls f(row entry, column entry, data...) in compute
+  /// types (row entries at rbase + (k mod C), column entries at cbase + k, 1 where absent; data
+  /// at base + k), stores the data back into the non-const views and returns f's result.
+  template <class F, class RY, class RX, class... Ts>
+  static GRADAPT_INLINE auto line_element(const F& f, std::size_t k, std::size_t base, std::size_t C,
+                                          const RY* rp, std::size_t rbase, const RX* cp, std::size_t cbase,
+                                          Ts*... ptrs) {
+    const auto r = rp ? load(rp[rbase + k % C]) : compute_t<RY>(1);
+    const auto c = cp ? load(cp[cbase + k]) : compute_t<RX>(1);
+    auto v = std::make_tuple(load(ptrs[base + k])...);
+    return std::apply(
+        [&](auto&... e) {
+          const auto store_all = [&] {
+            (
+                [&] {
+                  if constexpr (!std::is_const_v<Ts>) store(ptrs[base + k], e);
+                }(),
+                ...);
+          };
+          if constexpr (std::is_void_v<decltype(f(r, c, e...))>) {
+            f(r, c, e...);
+            store_all();
+          } else {
+            const auto t = f(r, c, e...);
+            store_all();
+            return t;
+          }
+        },
+        v);
+  }
 
   /// One line of apply_factored: elements [base, base + L), row entries at rbase + (k mod C),
   /// column entries at cbase + k.
@@ -487,42 +517,19 @@ struct factored {
     double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     std::size_t k = 0;
 #if GRADAPT_SIMD_PACKS
-    constexpr bool all_float = std::is_same_v<std::remove_cv_t<RY>, float> &&
-                               std::is_same_v<std::remove_cv_t<RX>, float> &&
-                               (std::is_same_v<std::remove_cv_t<Ts>, float> && ...);
-    if constexpr (all_float && simd::vectorizable_v<F>) {
-      using P = simd::pack<float, 8>;
-      if constexpr (std::is_invocable_v<const F&, P, P, std::conditional_t<true, P, Ts>&...>) {
-        if (C == 1 && cp != nullptr) {
-          // lane q of the double pack is acc[q]: element k + q of each group of 8
-          const float r = rp ? rp[rbase] : 1.0f;
-#if defined(GRADAPT_HOST_PACKS_AVX2)
-          if (detail::host_impl::cpu_has_avx2())
-            k = factored_packs_avx2<Reduces>(f, r, cp + cbase, L, acc, ptrs + base...);
-          else
-#endif
-            k = factored_packs<Reduces, P>(f, r, cp + cbase, L, acc, ptrs + base...);
-        }
+    if constexpr (float_packs_v<F, RY, RX, Ts...>) {
+      if (C == 1 && cp != nullptr) {
+        // lane q of the double pack is acc[q]: element k + q of each group of 8
+        const float r = rp ? rp[rbase] : 1.0f;
+        k = run_packs<factored_loop<Reduces>>(f, r, cp + cbase, L, acc, ptrs + base...);
       }
     }
 #endif
     for (; k < L; ++k) {
-      const auto r = rp ? load(rp[rbase + k % C]) : compute_t<RY>(1);
-      const auto c = cp ? load(cp[cbase + k]) : compute_t<RX>(1);
-      auto v = std::make_tuple(load(ptrs[base + k])...);
-      std::apply(
-          [&](auto&... e) {
-            if constexpr (Reduces)
-              acc[k % 8] += static_cast<double>(f(r, c, e...));
-            else
-              f(r, c, e...);
-            (
-                [&] {
-                  if constexpr (!std::is_const_v<Ts>) store(ptrs[base + k], e);
-                }(),
-                ...);
-          },
-          v);
+      if constexpr (Reduces)
+        acc[k % 8] += static_cast<double>(line_element(f, k, base, C, rp, rbase, cp, cbase, ptrs...));
+      else
+        line_element(f, k, base, C, rp, rbase, cp, cbase, ptrs...);
     }
     if constexpr (Reduces) {
       for (std::size_t w = 4; w >= 1; w /= 2)
@@ -576,16 +583,6 @@ struct factored {
     *bad = nan.any();
     return k;
   }
-#if defined(GRADAPT_HOST_PACKS_AVX2)
-  /// max_packs compiled for AVX2 (one 32-byte register per 8 floats; no FMA, same results).
-  template <class F, class... Ts>
-  __attribute__((target("avx2"))) static std::size_t max_packs_avx2(const F& f, float rv, const float* cp,
-                                                                    std::size_t L, float* ry, float* cx,
-                                                                    bool* bad, Ts*... ptrs) {
-    return max_packs<simd::pack<float, 8, 32>>(f, rv, cp, L, ry, cx, bad, std::index_sequence_for<Ts...>{},
-                                               ptrs...);
-  }
-#endif
 #endif
 
   /// One line of apply_factored_max: elements [base, base + L), row entries and row maxima at
@@ -599,50 +596,27 @@ struct factored {
     std::size_t k = 0;
     [[maybe_unused]] bool bad = false;
 #if GRADAPT_SIMD_PACKS
-    constexpr bool all_float = std::is_same_v<std::remove_cv_t<RY>, float> &&
-                               std::is_same_v<std::remove_cv_t<RX>, float> && std::is_same_v<M, float> &&
-                               (std::is_same_v<std::remove_cv_t<Ts>, float> && ...);
-    if constexpr (all_float && simd::vectorizable_v<F>) {
-      using P = simd::pack<float, 8>;
-      if constexpr (std::is_invocable_v<const F&, P, P, std::conditional_t<true, P, Ts>&...>) {
-        if (C == 1 && cp != nullptr) {
-          const float r = rp ? rp[rbase] : 1.0f;
-#if defined(GRADAPT_HOST_PACKS_AVX2)
-          if (detail::host_impl::cpu_has_avx2())
-            k = max_packs_avx2(f, r, cp + cbase, L, ry, cx, &bad, ptrs + base...);
-          else
-#endif
-            k = max_packs<P>(f, r, cp + cbase, L, ry, cx, &bad, std::index_sequence_for<Ts...>{},
-                             ptrs + base...);
-          if (bad) {
-            ry[0] = std::numeric_limits<M>::quiet_NaN();
-            for (std::size_t j = 0; j < k; ++j) {
-              auto v = std::make_tuple(load(ptrs[base + j])...);
-              const M t = std::apply(
-                  [&](auto&... e) { return static_cast<M>(f.term(r, load(cp[cbase + j]), e...)); }, v);
-              if (t != t) cx[j] = t;
-            }
+    if constexpr (std::is_same_v<M, float> && float_packs_v<F, RY, RX, Ts...>) {
+      if (C == 1 && cp != nullptr) {
+        const float r = rp ? rp[rbase] : 1.0f;
+        k = run_packs<max_loop>(f, r, cp + cbase, L, ry, cx, &bad, std::index_sequence_for<Ts...>{},
+                                ptrs + base...);
+        if (bad) {
+          ry[0] = std::numeric_limits<M>::quiet_NaN();
+          for (std::size_t j = 0; j < k; ++j) {
+            auto v = std::make_tuple(load(ptrs[base + j])...);
+            const M t = std::apply(
+                [&](auto&... e) { return static_cast<M>(f.term(r, load(cp[cbase + j]), e...)); }, v);
+            if (t != t) cx[j] = t;
           }
         }
       }
     }
 #endif
     for (; k < L; ++k) {
-      const auto r = rp ? load(rp[rbase + k % C]) : compute_t<RY>(1);
-      const auto c = cp ? load(cp[cbase + k]) : compute_t<RX>(1);
-      auto v = std::make_tuple(load(ptrs[base + k])...);
-      std::apply(
-          [&](auto&... e) {
-            const M t = static_cast<M>(f(r, c, e...));
-            (
-                [&] {
-                  if constexpr (!std::is_const_v<Ts>) store(ptrs[base + k], e);
-                }(),
-                ...);
-            ry[k % C] = nan_max(ry[k % C], t);
-            cx[k] = nan_max(cx[k], t);
-          },
-          v);
+      const M t = static_cast<M>(line_element(f, k, base, C, rp, rbase, cp, cbase, ptrs...));
+      ry[k % C] = nan_max(ry[k % C], t);
+      cx[k] = nan_max(cx[k], t);
     }
   }
 };

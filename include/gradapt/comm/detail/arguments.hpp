@@ -102,6 +102,22 @@ class arguments {
     return {};
   }
 
+  /// The local part of an exchange with `peer`: throws for a peer outside [0, size). With
+  /// `peer` this rank, throws for invalid buffers, calls `copy()` (which moves send into recv)
+  /// unless send and recv are the same memory, and returns true: nothing is left to do.
+  /// Otherwise stores this rank's verdict on the buffers in `bad` (exchange, with send and
+  /// recv the same memory allowed when `in_place`) and returns false.
+  template <class T, class Copy>
+  [[nodiscard]] bool exchange_self(int peer, const T* send, std::size_t ns, const T* recv, std::size_t nr,
+                                   bool in_place, std::string& bad, Copy&& copy) const {
+    if (auto out = rank_range("peer", peer); !out.empty()) throw error(out);
+    bad = exchange<T>(send, ns, recv, nr, in_place || peer == rank_);
+    if (peer != rank_) return false;
+    if (!bad.empty()) throw error(bad);
+    if (send != recv) copy();
+    return true;
+  }
+
   /// The size agreement of an exchange with `peer`: with `check`, the two sides swap their
   /// sizes through `swap(mine) -> theirs` (-1 for invalid arguments) and both throw when they
   /// differ or either side's arguments are invalid (`bad`, this side's message or empty);
