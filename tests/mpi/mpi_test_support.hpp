@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "exact_values.hpp"
 #include "gradapt/comm/mpi.hpp"
 #include "gradapt/core/dtype.hpp"
 #include "gradapt/core/error.hpp"
@@ -21,23 +22,14 @@
 
 namespace mpitest {
 
-/// Stores v (exactly representable) in element type T.
-template <class T>
-T make(double v) {
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>)
-    return static_cast<T>(v);
-  else
-    return T(static_cast<float>(v));
-}
-
-/// Value of a stored element, widened to double.
-template <class T>
-double value(T x) {
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>)
-    return static_cast<double>(x);
-  else
-    return static_cast<double>(static_cast<float>(x));
-}
+using exact::make;
+using exact::same_bits;
+using exact::value;
+using gradapt::bfloat16;
+using gradapt::half;
+using gradapt::reduce_op;
+using gradapt::comm::mpi;
+using gradapt::comm::mpi_options;
 
 /// Summed input of rank r at index i: in [-1/2, 3] for r < 5, a multiple of 1/4.
 inline double a(int r, std::size_t i) { return 0.5 * (r + 1) + 0.25 * static_cast<double>(i % 7) - 1.0; }
@@ -67,12 +59,6 @@ std::vector<double> values(const std::vector<T>& v) {
 template <class T, class F>
 std::vector<double> expect(std::size_t n, F&& f) {
   return values(fill<T>(n, std::forward<F>(f)));
-}
-
-/// Bitwise equality of two vectors of the same element type.
-template <class T>
-bool same_bits(const std::vector<T>& x, const std::vector<T>& y) {
-  return x.size() == y.size() && (x.empty() || std::memcmp(x.data(), y.data(), x.size() * sizeof(T)) == 0);
 }
 
 /// Read-only host view of a vector.

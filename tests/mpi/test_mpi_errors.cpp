@@ -15,11 +15,6 @@
 #include "gradapt/comm/mpi.hpp"
 #include "mpi_test_support.hpp"
 
-using gradapt::bfloat16;
-using gradapt::half;
-using gradapt::reduce_op;
-using gradapt::comm::mpi;
-using gradapt::comm::mpi_options;
 using namespace mpitest;
 
 namespace {

@@ -35,10 +35,10 @@ TEST_CASE("mpi: the composed step equals the stages by hand", "[mpi][train]") {
       run_composed<half>(comm, pl, &make_opt_lamb, scaler,
                          train::adascale_policy{.base_batch = base_batch, .noise = {.smoothing = 0.5}});
   const auto b = run_by_hand<half>(comm, pl, &make_opt_lamb, {.scaling = true, .adapt = true});
-  const bool in_sync = same_on_every_rank(comm, a.params);
+  const bool in_sync = identical_on_every_rank(comm, a.params);
   const auto c = run_composed<half>(comm, pl, &make_opt_adamw, scaler, train::adasum_combine{});
   const auto d = run_by_hand<half>(comm, pl, &make_opt_adamw, {.scaling = true, .adasum = true});
-  const bool adasum_in_sync = same_on_every_rank(comm, c.params);
+  const bool adasum_in_sync = identical_on_every_rank(comm, c.params);
   const auto e =
       run_composed<half>(comm, pl, &make_opt_sgd_momentum, scaler,
                          train::local_sgd_policy{{.start_step = 2}, gradapt::fixed_period({.period = 2})});

@@ -117,27 +117,27 @@ std::vector<disagreement_case<Comm>> train_step_cases() {
   };
 }
 
+/// Twelve LocalSGD steps over one tensor of six values `x0`, with the given start step and
+/// fixed period.
+template <class Comm>
+void local_sgd_steps(Comm& comm, float x0, std::uint64_t start, std::int64_t period) {
+  std::vector<float> x(6, x0);
+  const std::vector<gradapt::tensor_view<float>> xs = {gradapt::host_view(x)};
+  gradapt::local_sgd lsgd(comm, {.start_step = start}, gradapt::fixed_period({.period = period}));
+  for (int t = 0; t < 12; ++t) lsgd.step(comm, gradapt::host{}, xs);
+}
+
 /// LocalSGD schedules that differ on one rank: an error at the first differing round, not a hang.
 template <class Comm>
 std::vector<disagreement_case<Comm>> local_sgd_cases() {
   return {
       {"another period on rank 0",
        [](Comm& comm) {
-         std::vector<float> x(6, static_cast<float>(comm.rank()));
-         const std::vector<gradapt::tensor_view<float>> xs = {gradapt::host_view(x)};
-         const std::int64_t k = comm.rank() == 0 ? 2 : 3;
-         gradapt::local_sgd lsgd(comm, {}, gradapt::fixed_period({.period = k}));
-         for (int t = 0; t < 12; ++t) lsgd.step(comm, gradapt::host{}, xs);
+         local_sgd_steps(comm, static_cast<float>(comm.rank()), 0, comm.rank() == 0 ? 2 : 3);
        },
        "every rank must pass the same "},
       {"another start step on rank 0",
-       [](Comm& comm) {
-         std::vector<float> x(6, 1.0f);
-         const std::vector<gradapt::tensor_view<float>> xs = {gradapt::host_view(x)};
-         const std::uint64_t start = comm.rank() == 0 ? 0 : 1;
-         gradapt::local_sgd lsgd(comm, {.start_step = start}, gradapt::fixed_period({.period = 2}));
-         for (int t = 0; t < 12; ++t) lsgd.step(comm, gradapt::host{}, xs);
-       },
+       [](Comm& comm) { local_sgd_steps(comm, 1.0f, comm.rank() == 0 ? 0 : 1, 2); },
        "every rank must pass the same "},
   };
 }

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "exact_values.hpp"
 #include "gradapt/gradapt.hpp"
 #include "gradapt/optim/adamw.hpp"
 #include "gradapt/optim/lamb.hpp"
@@ -87,23 +88,8 @@ struct replica {
   }
 };
 
-inline bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() &&
-         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
-}
-inline bool same_double(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
-
-/// True when every rank's copy of v has the same bits as rank 0's (a collective).
-template <class Comm>
-bool same_on_every_rank(Comm& comm, const std::vector<float>& v) {
-  std::vector<float> all(v.size() * static_cast<std::size_t>(comm.size()));
-  comm.allgather(gradapt::tensor_view<const float>(gradapt::host_view(v)), gradapt::host_view(all));
-  for (int r = 1; r < comm.size(); ++r)
-    if (!v.empty() && std::memcmp(all.data(), all.data() + static_cast<std::size_t>(r) * v.size(),
-                                  v.size() * sizeof(float)) != 0)
-      return false;
-  return true;
-}
+using exact::identical_on_every_rank;
+using exact::same_bits;
 
 /// The knobs a run turns, applied by the hook in the composed run and by the loop in the
 /// by-hand run: lr(τ) = lr0 / (1 + 0.05 τ); the local batch doubles before `grow_at`.
@@ -199,6 +185,15 @@ rank_result run_by_hand(Comm& comm, const plan& pl, Opt (*make_opt)(), stages wi
                                                        gradapt::fixed_period({.period = 2}));
   train::step_metrics last;
   rank_result res;
+  // The counters of a taken or skipped step, then the step is recorded.
+  const auto finish = [&](train::step_metrics& m) {
+    m.optimizer_steps = state.steps();
+    m.progress = with.adapt ? ada.progress() : static_cast<double>(state.steps());
+    m.noise_scale = with.adapt ? gns.b_simple().value_or(std::numeric_limits<double>::quiet_NaN())
+                               : std::numeric_limits<double>::quiet_NaN();
+    res.metrics.push_back(m);
+    last = m;
+  };
   for (int t = 1; t <= pl.steps; ++t) {
     train::step_metrics m;
     m.step = static_cast<std::uint64_t>(t);
@@ -217,12 +212,7 @@ rank_result run_by_hand(Comm& comm, const plan& pl, Opt (*make_opt)(), stages wi
       m.loss_scale = scaler.scale();
       if (!ok) {
         m.found_inf = true;
-        m.optimizer_steps = state.steps();
-        m.progress = with.adapt ? ada.progress() : static_cast<double>(state.steps());
-        m.noise_scale = with.adapt ? gns.b_simple().value_or(std::numeric_limits<double>::quiet_NaN())
-                                   : std::numeric_limits<double>::quiet_NaN();
-        res.metrics.push_back(m);
-        last = m;
+        finish(m);
         continue;
       }
     }
@@ -257,12 +247,7 @@ rank_result run_by_hand(Comm& comm, const plan& pl, Opt (*make_opt)(), stages wi
     m.stepped = true;
     m.gain = gain;
     m.lr = lr;
-    m.optimizer_steps = state.steps();
-    m.progress = with.adapt ? ada.progress() : static_cast<double>(state.steps());
-    m.noise_scale = with.adapt ? gns.b_simple().value_or(std::numeric_limits<double>::quiet_NaN())
-                               : std::numeric_limits<double>::quiet_NaN();
-    res.metrics.push_back(m);
-    last = m;
+    finish(m);
   }
   res.params = rep.flat();
   return res;
@@ -273,14 +258,14 @@ inline void require_same_metrics(const train::step_metrics& a, const train::step
   INFO("step " << a.step);
   REQUIRE(a.step == b.step);
   REQUIRE(a.optimizer_steps == b.optimizer_steps);
-  REQUIRE(same_double(a.loss, b.loss));
-  REQUIRE(same_double(a.loss_scale, b.loss_scale));
-  REQUIRE(((std::isnan(a.noise_scale) && std::isnan(b.noise_scale)) ||
-           same_double(a.noise_scale, b.noise_scale)));
-  REQUIRE(same_double(a.gain, b.gain));
-  REQUIRE(same_double(a.lr, b.lr));
-  REQUIRE(same_double(a.progress, b.progress));
-  REQUIRE(same_double(a.scale, b.scale));
+  REQUIRE(same_bits(a.loss, b.loss));
+  REQUIRE(same_bits(a.loss_scale, b.loss_scale));
+  REQUIRE(
+      ((std::isnan(a.noise_scale) && std::isnan(b.noise_scale)) || same_bits(a.noise_scale, b.noise_scale)));
+  REQUIRE(same_bits(a.gain, b.gain));
+  REQUIRE(same_bits(a.lr, b.lr));
+  REQUIRE(same_bits(a.progress, b.progress));
+  REQUIRE(same_bits(a.scale, b.scale));
   REQUIRE(a.found_inf == b.found_inf);
   REQUIRE(a.stepped == b.stepped);
   REQUIRE(a.synchronous == b.synchronous);
