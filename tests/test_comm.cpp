@@ -11,6 +11,7 @@
 #include "gradapt/comm/single.hpp"
 #include "gradapt/comm/threads.hpp"
 #include "rank_check.hpp"
+#include "scenarios/collective_disagreement.hpp"
 
 using gradapt::host_view;
 using gradapt::reduce_op;
@@ -190,62 +191,23 @@ TEST_CASE("threads: allgather in place (send is this rank's block of recv)", "[c
 
 TEST_CASE("threads: ranks that disagree all throw, naming what differs", "[comm][threads][errors]") {
   // Every rank must end in gradapt::error (not a crash, not a hang) and the world stays usable.
-  const auto every_rank_throws = [](int n, auto&& first, auto&& others, const std::string& needle,
-                                    const std::string& others_needle = {}) {
-    std::vector<int> threw(static_cast<std::size_t>(n), 0);
-    run_threads(n, [&](threads_comm& c) {
-      try {
-        if (c.rank() == 0)
-          first(c);
-        else
-          others(c);
-      } catch (const gradapt::error& e) {
-        const std::string& want = c.rank() == 0 || others_needle.empty() ? needle : others_needle;
-        threw[static_cast<std::size_t>(c.rank())] = std::string(e.what()).find(want) != std::string::npos;
-      }
-      std::vector<double> ok(2, 1.0);
-      c.allreduce(host_view(ok), reduce_op::sum);
-      RANK_REQUIRE(ok[1] == n);
-    });
-    REQUIRE(threw == std::vector<int>(static_cast<std::size_t>(n), 1));
-  };
-  std::vector<float> f(4, 1.0f);
-  const auto split = [](threads_comm& c) { (void)c.split(0, 0); };
-  const auto allreduce = [](threads_comm& c) {
-    std::vector<float> v(4, 1.0f);
-    c.allreduce(host_view(v), reduce_op::sum);
-  };
-  const auto allreduce_max = [](threads_comm& c) {
-    std::vector<float> v(4, 1.0f);
-    c.allreduce(host_view(v), reduce_op::max);
-  };
-  const auto allreduce_double = [](threads_comm& c) {
-    std::vector<double> v(4, 1.0);
-    c.allreduce(host_view(v), reduce_op::sum);
-  };
-  const auto barrier = [](threads_comm& c) { c.barrier(); };
-  for (int n : {2, 3, 5}) {
-    every_rank_throws(n, split, allreduce, "must call the same collective");
-    every_rank_throws(n, allreduce, split, "must call the same collective");
-    every_rank_throws(n, barrier, allreduce, "must call the same collective");
-    every_rank_throws(n, allreduce_max, allreduce, "uses reduce_op::max");
-    every_rank_throws(n, allreduce, allreduce_double, "passes float64");
-    // One rank's invalid arguments: that rank throws its reason, the others name it.
-    every_rank_throws(
-        n, [](threads_comm& c) { (void)c.split(-1, 0); }, split, "color -1",
-        "rank 0 passed invalid arguments");
-    every_rank_throws(
-        n,
-        [](threads_comm& c) {
-          std::vector<float> v(3);
-          c.broadcast(host_view(v), 7);
-        },
-        [](threads_comm& c) {
-          std::vector<float> v(3);
-          c.broadcast(host_view(v), 0);
-        },
-        "root 7 is out of range", "rank 0 passed invalid arguments");
-  }
+  for (int n : {2, 3, 5})
+    for (const auto& c : collective_scenario::cases<threads_comm>()) {
+      INFO(n << " ranks: " << c.what);
+      std::vector<int> threw(static_cast<std::size_t>(n), 0);
+      run_threads(n, [&](threads_comm& comm) {
+        try {
+          c.body(comm);
+        } catch (const gradapt::error& e) {
+          threw[static_cast<std::size_t>(comm.rank())] =
+              std::string(e.what()).find(c.expected(comm.rank())) != std::string::npos;
+        }
+        std::vector<double> ok(2, 1.0);
+        comm.allreduce(host_view(ok), reduce_op::sum);
+        RANK_REQUIRE(ok[1] == n);
+      });
+      REQUIRE(threw == std::vector<int>(static_cast<std::size_t>(n), 1));
+    }
 }
 
 TEST_CASE("threads: the watchdog turns a rank that never arrives into an error on every waiting rank",

@@ -2,7 +2,8 @@
 // loss_scaler::unscale across ranks, written once over the communicator: the threads tests
 // (tests/test_loss_scaler.cpp) run each scenario inside run_threads, the MPI tests
 // (tests/mpi/test_mpi_loss_scaler.cpp) on MPI_COMM_WORLD. Assertions go through rank_check.hpp,
-// which is safe on rank threads and in one-thread MPI processes alike.
+// which is safe on rank threads and in one-thread MPI processes alike; nothing here uses
+// Catch2's INFO or CAPTURE, whose message stack is shared by all threads.
 #include <bit>
 #include <cmath>
 #include <cstddef>
@@ -62,7 +63,7 @@ void ranks_agree_on_overflows(Comm& comm, const gradapt::loss_scaler_options& o,
     const bool step = s.unscale(backend, comm, grads);  // collectives: outside the assertion lock
     const bool step_m = m.unscale(backend, comm, grads16, masters);
     const bool step_p = p.unscale(backend, comm, plain16);
-    INFO("rank " << r << " of " << n << ", step " << k);
+    // No INFO here: Catch2's message stack is not thread-safe, and this runs on rank threads.
     RANK_REQUIRE(step == expect);
     RANK_REQUIRE(step_m == expect);
     RANK_REQUIRE(step_p == expect);
