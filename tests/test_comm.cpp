@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "exact_values.hpp"
 #include "gradapt/comm/single.hpp"
 #include "gradapt/comm/threads.hpp"
 #include "rank_check.hpp"
@@ -20,16 +21,8 @@ using gradapt::comm::run_threads;
 using threads_comm = gradapt::comm::threads;
 
 namespace {
-template <class T>
-T val(double v) {
-  T t;
-  gradapt::store(t, static_cast<gradapt::compute_t<T>>(v));
-  return t;
-}
-template <class T>
-double dbl(const T& t) {
-  return static_cast<double>(gradapt::load(t));
-}
+using exact::make;
+using exact::value;
 template <class T>
 tensor_view<const T> cview(const std::vector<T>& v) {
   return host_view(v);
@@ -43,17 +36,17 @@ TEMPLATE_TEST_CASE("threads: allreduce sum and max over 1 to 8 ranks", "[comm][t
       RANK_REQUIRE(c.size() == n);
       const int r = c.rank();
       std::vector<TestType> v(37);
-      for (std::size_t i = 0; i < v.size(); ++i) v[i] = val<TestType>(double(r + 1) * double(i % 5));
+      for (std::size_t i = 0; i < v.size(); ++i) v[i] = make<TestType>(double(r + 1) * double(i % 5));
       c.allreduce(host_view(v), reduce_op::sum);
       const double tri = n * (n + 1) / 2.0;
-      for (std::size_t i = 0; i < v.size(); ++i) RANK_REQUIRE(dbl(v[i]) == tri * double(i % 5));
+      for (std::size_t i = 0; i < v.size(); ++i) RANK_REQUIRE(value(v[i]) == tri * double(i % 5));
       std::vector<TestType> m(5);
-      for (std::size_t i = 0; i < m.size(); ++i) m[i] = val<TestType>(double((r * 7 + int(i)) % n) - 2.0);
+      for (std::size_t i = 0; i < m.size(); ++i) m[i] = make<TestType>(double((r * 7 + int(i)) % n) - 2.0);
       c.allreduce(host_view(m), reduce_op::max);
       for (std::size_t i = 0; i < m.size(); ++i) {
         double e = -1e9;
         for (int k = 0; k < n; ++k) e = std::max(e, double((k * 7 + int(i)) % n) - 2.0);
-        RANK_REQUIRE(dbl(m[i]) == e);
+        RANK_REQUIRE(value(m[i]) == e);
       }
     });
   }
@@ -65,32 +58,32 @@ TEMPLATE_TEST_CASE("threads: broadcast, allgather, reduce_scatter, exchange, bar
     run_threads(n, [n](threads_comm& c) {
       const int r = c.rank();
       for (int root = 0; root < n; root += 2) {
-        std::vector<TestType> b(9, val<TestType>(r == root ? 5.0 + root : -1.0));
+        std::vector<TestType> b(9, make<TestType>(r == root ? 5.0 + root : -1.0));
         c.broadcast(host_view(b), root);
-        for (auto& x : b) RANK_REQUIRE(dbl(x) == 5.0 + root);
+        for (auto& x : b) RANK_REQUIRE(value(x) == 5.0 + root);
       }
-      std::vector<TestType> mine{val<TestType>(r), val<TestType>(10 + r)}, all(2 * std::size_t(n));
+      std::vector<TestType> mine{make<TestType>(r), make<TestType>(10 + r)}, all(2 * std::size_t(n));
       c.allgather(cview(mine), host_view(all));
       for (int k = 0; k < n; ++k) {
-        RANK_REQUIRE(dbl(all[2 * std::size_t(k)]) == k);
-        RANK_REQUIRE(dbl(all[2 * std::size_t(k) + 1]) == 10 + k);
+        RANK_REQUIRE(value(all[2 * std::size_t(k)]) == k);
+        RANK_REQUIRE(value(all[2 * std::size_t(k) + 1]) == 10 + k);
       }
       std::vector<TestType> send(3 * std::size_t(n)), recv(3);
-      for (std::size_t i = 0; i < send.size(); ++i) send[i] = val<TestType>(double(i) + r);
+      for (std::size_t i = 0; i < send.size(); ++i) send[i] = make<TestType>(double(i) + r);
       c.reduce_scatter(cview(send), host_view(recv), reduce_op::sum);
       for (std::size_t j = 0; j < 3; ++j)
-        RANK_REQUIRE(dbl(recv[j]) == double(n) * double(3 * std::size_t(r) + j) + n * (n - 1) / 2.0);
+        RANK_REQUIRE(value(recv[j]) == double(n) * double(3 * std::size_t(r) + j) + n * (n - 1) / 2.0);
       // Pairwise exchange: ranks 2k and 2k+1; the last rank of an odd world talks to itself.
       const int peer = (r ^ 1) < n ? (r ^ 1) : r;
-      std::vector<TestType> out(4, val<TestType>(r)), in(4);
+      std::vector<TestType> out(4, make<TestType>(r)), in(4);
       c.exchange(peer, cview(out), host_view(in));
-      for (auto& x : in) RANK_REQUIRE(dbl(x) == peer);
+      for (auto& x : in) RANK_REQUIRE(value(x) == peer);
       // Several exchanges with changing peers in a row (a Adasum-like schedule).
       for (int dist = 1; dist < n; dist *= 2) {
         const int p = r ^ dist;
         if (p >= n) continue;
         c.exchange(p, cview(out), host_view(in));
-        for (auto& x : in) RANK_REQUIRE(dbl(x) == p);
+        for (auto& x : in) RANK_REQUIRE(value(x) == p);
       }
       c.barrier();
     });

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "exact_values.hpp"
 #include "gradapt/gradapt.hpp"
 #include "gradapt/precision/loss_scaler.hpp"
 #include "rank_check.hpp"
@@ -81,12 +82,7 @@ bool finite(T v) {
   return std::isfinite(static_cast<float>(v));
 }
 
-template <class T>
-T make(double v) {
-  T t;
-  gradapt::store(t, static_cast<gradapt::compute_t<T>>(v));
-  return t;
-}
+using exact::make;
 
 template <class T>
 const char* type_name() {
