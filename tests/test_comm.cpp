@@ -1,5 +1,6 @@
 // In-process communicators: comm::single and comm::threads with 1 to 8 ranks. Inputs are
-// small integers so every sum is exact and checkable in closed form.
+// small integers or multiples of 1/4, so every sum is exact and checkable in closed form; the
+// data scenarios are shared with the MPI tests (tests/support/scenarios/comm_ops.hpp).
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -13,6 +14,7 @@
 #include "gradapt/comm/threads.hpp"
 #include "rank_check.hpp"
 #include "scenarios/collective_disagreement.hpp"
+#include "scenarios/comm_ops.hpp"
 
 using gradapt::host_view;
 using gradapt::reduce_op;
@@ -29,50 +31,25 @@ tensor_view<const T> cview(const std::vector<T>& v) {
 }
 }  // namespace
 
-TEMPLATE_TEST_CASE("threads: allreduce sum and max over 1 to 8 ranks", "[comm][threads]", float, double,
-                   gradapt::half, gradapt::bfloat16) {
+TEMPLATE_TEST_CASE("threads: allreduce, broadcast, allgather, reduce_scatter, exchange over 1 to 8 ranks",
+                   "[comm][threads]", float, double, gradapt::half, gradapt::bfloat16) {
   for (int n = 1; n <= 8; ++n) {
     run_threads(n, [n](threads_comm& c) {
       RANK_REQUIRE(c.size() == n);
-      const int r = c.rank();
-      std::vector<TestType> v(37);
-      for (std::size_t i = 0; i < v.size(); ++i) v[i] = make<TestType>(double(r + 1) * double(i % 5));
-      c.allreduce(host_view(v), reduce_op::sum);
-      const double tri = n * (n + 1) / 2.0;
-      for (std::size_t i = 0; i < v.size(); ++i) RANK_REQUIRE(value(v[i]) == tri * double(i % 5));
-      std::vector<TestType> m(5);
-      for (std::size_t i = 0; i < m.size(); ++i) m[i] = make<TestType>(double((r * 7 + int(i)) % n) - 2.0);
-      c.allreduce(host_view(m), reduce_op::max);
-      for (std::size_t i = 0; i < m.size(); ++i) {
-        double e = -1e9;
-        for (int k = 0; k < n; ++k) e = std::max(e, double((k * 7 + int(i)) % n) - 2.0);
-        RANK_REQUIRE(value(m[i]) == e);
-      }
+      comm_ops::allreduce_sum_max<TestType>(c);
+      comm_ops::broadcast_every_root<TestType>(c);
+      comm_ops::allgather_blocks<TestType>(c);
+      comm_ops::reduce_scatter_blocks<TestType>(c);
+      comm_ops::exchange_round_robin<TestType>(c, false);
     });
   }
 }
 
-TEMPLATE_TEST_CASE("threads: broadcast, allgather, reduce_scatter, exchange, barrier", "[comm][threads]",
-                   float, double, gradapt::half, gradapt::bfloat16) {
+TEMPLATE_TEST_CASE("threads: pairwise and changing-peer exchanges, barrier", "[comm][threads]", float, double,
+                   gradapt::half, gradapt::bfloat16) {
   for (int n = 1; n <= 8; ++n) {
     run_threads(n, [n](threads_comm& c) {
       const int r = c.rank();
-      for (int root = 0; root < n; root += 2) {
-        std::vector<TestType> b(9, make<TestType>(r == root ? 5.0 + root : -1.0));
-        c.broadcast(host_view(b), root);
-        for (auto& x : b) RANK_REQUIRE(value(x) == 5.0 + root);
-      }
-      std::vector<TestType> mine{make<TestType>(r), make<TestType>(10 + r)}, all(2 * std::size_t(n));
-      c.allgather(cview(mine), host_view(all));
-      for (int k = 0; k < n; ++k) {
-        RANK_REQUIRE(value(all[2 * std::size_t(k)]) == k);
-        RANK_REQUIRE(value(all[2 * std::size_t(k) + 1]) == 10 + k);
-      }
-      std::vector<TestType> send(3 * std::size_t(n)), recv(3);
-      for (std::size_t i = 0; i < send.size(); ++i) send[i] = make<TestType>(double(i) + r);
-      c.reduce_scatter(cview(send), host_view(recv), reduce_op::sum);
-      for (std::size_t j = 0; j < 3; ++j)
-        RANK_REQUIRE(value(recv[j]) == double(n) * double(3 * std::size_t(r) + j) + n * (n - 1) / 2.0);
       // Pairwise exchange: ranks 2k and 2k+1; the last rank of an odd world talks to itself.
       const int peer = (r ^ 1) < n ? (r ^ 1) : r;
       std::vector<TestType> out(4, make<TestType>(r)), in(4);
