@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "exact_values.hpp"
 #include "gradapt/gradapt.hpp"
 #include "gradapt/optim/clip.hpp"
 #include "rank_check.hpp"
@@ -44,12 +45,7 @@ struct grad_set {
   grad_set(const grad_set& o) : grad_set(o.data) {}
 };
 
-template <class T>
-T make(double v) {
-  T t;
-  gradapt::store(t, static_cast<gradapt::compute_t<T>>(v));
-  return t;
-}
+using exact::make;
 
 template <class T>
 long double ld(T v) {

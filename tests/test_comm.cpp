@@ -1,5 +1,6 @@
 // In-process communicators: comm::single and comm::threads with 1 to 8 ranks. Inputs are
-// small integers so every sum is exact and checkable in closed form.
+// small integers or multiples of 1/4, so every sum is exact and checkable in closed form; the
+// data scenarios are shared with the MPI tests (tests/support/scenarios/comm_ops.hpp).
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -8,9 +9,12 @@
 #include <string>
 #include <vector>
 
+#include "exact_values.hpp"
 #include "gradapt/comm/single.hpp"
 #include "gradapt/comm/threads.hpp"
 #include "rank_check.hpp"
+#include "scenarios/collective_disagreement.hpp"
+#include "scenarios/comm_ops.hpp"
 
 using gradapt::host_view;
 using gradapt::reduce_op;
@@ -19,77 +23,44 @@ using gradapt::comm::run_threads;
 using threads_comm = gradapt::comm::threads;
 
 namespace {
-template <class T>
-T val(double v) {
-  T t;
-  gradapt::store(t, static_cast<gradapt::compute_t<T>>(v));
-  return t;
-}
-template <class T>
-double dbl(const T& t) {
-  return static_cast<double>(gradapt::load(t));
-}
+using exact::make;
+using exact::value;
 template <class T>
 tensor_view<const T> cview(const std::vector<T>& v) {
   return host_view(v);
 }
 }  // namespace
 
-TEMPLATE_TEST_CASE("threads: allreduce sum and max over 1 to 8 ranks", "[comm][threads]", float, double,
-                   gradapt::half, gradapt::bfloat16) {
+TEMPLATE_TEST_CASE("threads: allreduce, broadcast, allgather, reduce_scatter, exchange over 1 to 8 ranks",
+                   "[comm][threads]", float, double, gradapt::half, gradapt::bfloat16) {
   for (int n = 1; n <= 8; ++n) {
     run_threads(n, [n](threads_comm& c) {
       RANK_REQUIRE(c.size() == n);
-      const int r = c.rank();
-      std::vector<TestType> v(37);
-      for (std::size_t i = 0; i < v.size(); ++i) v[i] = val<TestType>(double(r + 1) * double(i % 5));
-      c.allreduce(host_view(v), reduce_op::sum);
-      const double tri = n * (n + 1) / 2.0;
-      for (std::size_t i = 0; i < v.size(); ++i) RANK_REQUIRE(dbl(v[i]) == tri * double(i % 5));
-      std::vector<TestType> m(5);
-      for (std::size_t i = 0; i < m.size(); ++i) m[i] = val<TestType>(double((r * 7 + int(i)) % n) - 2.0);
-      c.allreduce(host_view(m), reduce_op::max);
-      for (std::size_t i = 0; i < m.size(); ++i) {
-        double e = -1e9;
-        for (int k = 0; k < n; ++k) e = std::max(e, double((k * 7 + int(i)) % n) - 2.0);
-        RANK_REQUIRE(dbl(m[i]) == e);
-      }
+      comm_ops::allreduce_sum_max<TestType>(c);
+      comm_ops::broadcast_every_root<TestType>(c);
+      comm_ops::allgather_blocks<TestType>(c);
+      comm_ops::reduce_scatter_blocks<TestType>(c);
+      comm_ops::exchange_round_robin<TestType>(c, false);
     });
   }
 }
 
-TEMPLATE_TEST_CASE("threads: broadcast, allgather, reduce_scatter, exchange, barrier", "[comm][threads]",
-                   float, double, gradapt::half, gradapt::bfloat16) {
+TEMPLATE_TEST_CASE("threads: pairwise and changing-peer exchanges, barrier", "[comm][threads]", float, double,
+                   gradapt::half, gradapt::bfloat16) {
   for (int n = 1; n <= 8; ++n) {
     run_threads(n, [n](threads_comm& c) {
       const int r = c.rank();
-      for (int root = 0; root < n; root += 2) {
-        std::vector<TestType> b(9, val<TestType>(r == root ? 5.0 + root : -1.0));
-        c.broadcast(host_view(b), root);
-        for (auto& x : b) RANK_REQUIRE(dbl(x) == 5.0 + root);
-      }
-      std::vector<TestType> mine{val<TestType>(r), val<TestType>(10 + r)}, all(2 * std::size_t(n));
-      c.allgather(cview(mine), host_view(all));
-      for (int k = 0; k < n; ++k) {
-        RANK_REQUIRE(dbl(all[2 * std::size_t(k)]) == k);
-        RANK_REQUIRE(dbl(all[2 * std::size_t(k) + 1]) == 10 + k);
-      }
-      std::vector<TestType> send(3 * std::size_t(n)), recv(3);
-      for (std::size_t i = 0; i < send.size(); ++i) send[i] = val<TestType>(double(i) + r);
-      c.reduce_scatter(cview(send), host_view(recv), reduce_op::sum);
-      for (std::size_t j = 0; j < 3; ++j)
-        RANK_REQUIRE(dbl(recv[j]) == double(n) * double(3 * std::size_t(r) + j) + n * (n - 1) / 2.0);
       // Pairwise exchange: ranks 2k and 2k+1; the last rank of an odd world talks to itself.
       const int peer = (r ^ 1) < n ? (r ^ 1) : r;
-      std::vector<TestType> out(4, val<TestType>(r)), in(4);
+      std::vector<TestType> out(4, make<TestType>(r)), in(4);
       c.exchange(peer, cview(out), host_view(in));
-      for (auto& x : in) RANK_REQUIRE(dbl(x) == peer);
+      for (auto& x : in) RANK_REQUIRE(value(x) == peer);
       // Several exchanges with changing peers in a row (a Adasum-like schedule).
       for (int dist = 1; dist < n; dist *= 2) {
         const int p = r ^ dist;
         if (p >= n) continue;
         c.exchange(p, cview(out), host_view(in));
-        for (auto& x : in) RANK_REQUIRE(dbl(x) == p);
+        for (auto& x : in) RANK_REQUIRE(value(x) == p);
       }
       c.barrier();
     });
@@ -190,62 +161,23 @@ TEST_CASE("threads: allgather in place (send is this rank's block of recv)", "[c
 
 TEST_CASE("threads: ranks that disagree all throw, naming what differs", "[comm][threads][errors]") {
   // Every rank must end in gradapt::error (not a crash, not a hang) and the world stays usable.
-  const auto every_rank_throws = [](int n, auto&& first, auto&& others, const std::string& needle,
-                                    const std::string& others_needle = {}) {
-    std::vector<int> threw(static_cast<std::size_t>(n), 0);
-    run_threads(n, [&](threads_comm& c) {
-      try {
-        if (c.rank() == 0)
-          first(c);
-        else
-          others(c);
-      } catch (const gradapt::error& e) {
-        const std::string& want = c.rank() == 0 || others_needle.empty() ? needle : others_needle;
-        threw[static_cast<std::size_t>(c.rank())] = std::string(e.what()).find(want) != std::string::npos;
-      }
-      std::vector<double> ok(2, 1.0);
-      c.allreduce(host_view(ok), reduce_op::sum);
-      RANK_REQUIRE(ok[1] == n);
-    });
-    REQUIRE(threw == std::vector<int>(static_cast<std::size_t>(n), 1));
-  };
-  std::vector<float> f(4, 1.0f);
-  const auto split = [](threads_comm& c) { (void)c.split(0, 0); };
-  const auto allreduce = [](threads_comm& c) {
-    std::vector<float> v(4, 1.0f);
-    c.allreduce(host_view(v), reduce_op::sum);
-  };
-  const auto allreduce_max = [](threads_comm& c) {
-    std::vector<float> v(4, 1.0f);
-    c.allreduce(host_view(v), reduce_op::max);
-  };
-  const auto allreduce_double = [](threads_comm& c) {
-    std::vector<double> v(4, 1.0);
-    c.allreduce(host_view(v), reduce_op::sum);
-  };
-  const auto barrier = [](threads_comm& c) { c.barrier(); };
-  for (int n : {2, 3, 5}) {
-    every_rank_throws(n, split, allreduce, "must call the same collective");
-    every_rank_throws(n, allreduce, split, "must call the same collective");
-    every_rank_throws(n, barrier, allreduce, "must call the same collective");
-    every_rank_throws(n, allreduce_max, allreduce, "uses reduce_op::max");
-    every_rank_throws(n, allreduce, allreduce_double, "passes float64");
-    // One rank's invalid arguments: that rank throws its reason, the others name it.
-    every_rank_throws(
-        n, [](threads_comm& c) { (void)c.split(-1, 0); }, split, "color -1",
-        "rank 0 passed invalid arguments");
-    every_rank_throws(
-        n,
-        [](threads_comm& c) {
-          std::vector<float> v(3);
-          c.broadcast(host_view(v), 7);
-        },
-        [](threads_comm& c) {
-          std::vector<float> v(3);
-          c.broadcast(host_view(v), 0);
-        },
-        "root 7 is out of range", "rank 0 passed invalid arguments");
-  }
+  for (int n : {2, 3, 5})
+    for (const auto& c : collective_scenario::cases<threads_comm>()) {
+      INFO(n << " ranks: " << c.what);
+      std::vector<int> threw(static_cast<std::size_t>(n), 0);
+      run_threads(n, [&](threads_comm& comm) {
+        try {
+          c.body(comm);
+        } catch (const gradapt::error& e) {
+          threw[static_cast<std::size_t>(comm.rank())] =
+              std::string(e.what()).find(c.expected(comm.rank())) != std::string::npos;
+        }
+        std::vector<double> ok(2, 1.0);
+        comm.allreduce(host_view(ok), reduce_op::sum);
+        RANK_REQUIRE(ok[1] == n);
+      });
+      REQUIRE(threw == std::vector<int>(static_cast<std::size_t>(n), 1));
+    }
 }
 
 TEST_CASE("threads: the watchdog turns a rank that never arrives into an error on every waiting rank",

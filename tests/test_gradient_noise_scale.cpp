@@ -22,6 +22,7 @@
 #include "gradapt/gradapt.hpp"
 #include "gradapt/stats/gradient_noise_scale.hpp"
 #include "rank_check.hpp"
+#include "scenarios/noise_scale.hpp"
 
 using Catch::Matchers::Contains;
 using gradapt::gradient_noise_scale;
@@ -75,16 +76,8 @@ double sq(const std::vector<double>& v) {
   return s;
 }
 
-bool same_bits(double a, double b) {
-  return std::bit_cast<std::uint64_t>(a) == std::bit_cast<std::uint64_t>(b);
-}
-
-bool same_state(const gradient_noise_scale_state& a, const gradient_noise_scale_state& b) {
-  return same_bits(a.ema_grad_sq, b.ema_grad_sq) && same_bits(a.ema_trace, b.ema_trace) &&
-         same_bits(a.beta_power, b.beta_power) && same_bits(a.last_grad_sq, b.last_grad_sq) &&
-         same_bits(a.last_trace, b.last_trace) && a.samples == b.samples && a.skipped == b.skipped &&
-         a.biased == b.biased && a.has_previous == b.has_previous;
-}
+using exact::same_bits;
+using noise_scale_scenario::same_state;
 
 struct mean_se {
   double sum = 0, sum_sq = 0;
@@ -167,56 +160,28 @@ TEST_CASE("gns: bias correction and negative estimates enter the EMA unchanged",
 TEST_CASE("gns: data-parallel form equals the serial two-batch form", "[gns][threads]") {
   const problem p = make_problem();
   const noise_batch batch{.micro_batch = 3, .accumulation_steps = 2, .loss_scale = 256.0};
-  const int local = 6, steps = 25;
+  const int steps = 25;
   // Rank r's local gradient at step k comes from its own deterministic stream, scaled by the
   // loss scale as a mixed-precision framework would leave it.
   const auto local_grad = [&](int r, int k) {
     std::mt19937_64 rng(1000003ull * static_cast<unsigned>(k) + static_cast<unsigned>(r));
     std::vector<double> g;
-    batch_gradient(p, rng, local, g);
+    batch_gradient(p, rng, static_cast<int>(batch.local()), g);
     for (double& v : g) v *= batch.loss_scale;
     return g;
   };
-  const gradapt::host backend{.threads = 1};
   for (int n = 2; n <= 4; ++n) {
-    // Serial reference from the same samples.
-    gradient_noise_scale serial({.smoothing = 0.9});
-    for (int k = 0; k < steps; ++k) {
-      std::vector<double> sum = local_grad(0, k);
-      double local_sq_sum = backend.reduce(gradapt::reduction::sum_squares, host_view(std::as_const(sum)));
-      for (int r = 1; r < n; ++r) {
-        const auto g = local_grad(r, k);
-        local_sq_sum += backend.reduce(gradapt::reduction::sum_squares, host_view(g));
-        for (std::size_t i = 0; i < g.size(); ++i) sum[i] += g[i];
-      }
-      for (double& v : sum) v /= n;
-      const double global_sq = backend.reduce(gradapt::reduction::sum_squares, host_view(std::as_const(sum)));
-      REQUIRE(serial.update(local_sq_sum / n, local, global_sq, double(n) * local, batch.loss_scale));
-    }
-    std::vector<gradient_noise_scale_state> states(static_cast<std::size_t>(n));
+    const auto serial = noise_scale_scenario::serial_reference(n, batch, steps, local_grad);
+    std::vector<noise_scale_scenario::run_result> dp(static_cast<std::size_t>(n));
     gradapt::comm::run_threads(n, [&](gradapt::comm::threads& comm) {
-      gradient_noise_scale gns({.smoothing = 0.9});
-      for (int k = 0; k < steps; ++k) {
-        auto g = local_grad(comm.rank(), k);
-        const double local_sq = backend.reduce(gradapt::reduction::sum_squares, host_view(std::as_const(g)));
-        comm.allreduce(host_view(g), gradapt::reduce_op::sum);
-        for (double& v : g) v /= n;
-        const double global_sq = backend.reduce(gradapt::reduction::sum_squares, host_view(std::as_const(g)));
-        // Catch2's lock must not be held across a collective: evaluate first, then assert.
-        const bool accepted = gns.update(comm, local_sq, global_sq, batch);
-        RANK_REQUIRE(accepted);
-      }
-      states[static_cast<std::size_t>(comm.rank())] = gns.state();
+      dp[static_cast<std::size_t>(comm.rank())] =
+          noise_scale_scenario::data_parallel(comm, batch, steps, local_grad);
     });
-    for (const auto& s : states) REQUIRE(same_state(s, serial.state()));
+    for (const auto& d : dp) noise_scale_scenario::require_same(d, serial);
   }
   // One rank has no second batch size: an actionable error.
-  REQUIRE_THROWS_WITH(gradapt::comm::run_threads(1,
-                                                 [&](gradapt::comm::threads& comm) {
-                                                   gradient_noise_scale gns;
-                                                   gns.update(comm, 1.0, 1.0, batch);
-                                                 }),
-                      Contains("world of 1 rank") && Contains("update_single_replica"));
+  gradapt::comm::run_threads(
+      1, [&](gradapt::comm::threads& comm) { noise_scale_scenario::one_rank_throws(comm, batch); });
 }
 
 TEST_CASE("gns: bad input on one rank makes every rank throw", "[gns][threads]") {

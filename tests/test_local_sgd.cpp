@@ -7,6 +7,7 @@
 //    to the compute type (and then to the storage type), computed in long double;
 //  - hand-derived tables of averaging steps and groups (fixed warm-up/ramp, hierarchical).
 #include "local_sgd_fixtures.hpp"
+#include "scenarios/average_models.hpp"
 
 using namespace local_sgd_test;
 
@@ -69,34 +70,14 @@ TEMPLATE_TEST_CASE("average_models: exact rank mean with identical bits on every
 TEST_CASE("average_models: random float values agree bit for bit and lie within rounding of the mean",
           "[local_sgd][average]") {
   constexpr std::size_t size = 1000;
+  constexpr unsigned seed = 100;
   for (int n = 1; n <= 8; ++n) {
-    std::vector<std::vector<float>> in(static_cast<std::size_t>(n)), out(static_cast<std::size_t>(n));
-    for (int r = 0; r < n; ++r) {
-      std::mt19937 rng(static_cast<unsigned>(100 + r));
-      std::normal_distribution<float> nd(0.0f, 3.0f);
-      for (std::size_t i = 0; i < size; ++i) in[static_cast<std::size_t>(r)].push_back(nd(rng));
-    }
+    std::vector<std::vector<float>> out(static_cast<std::size_t>(n));
     gradapt::comm::run_threads(n, [&](threads_comm& comm) {
-      auto x = in[static_cast<std::size_t>(comm.rank())];
-      const std::vector<tensor_view<float>> list = {gradapt::host_view(x)};
-      gradapt::average_models(comm, gradapt::host{.threads = 1}, list);
-      out[static_cast<std::size_t>(comm.rank())] = x;
+      out[static_cast<std::size_t>(comm.rank())] = average_scenario::averaged(comm, seed, size);
     });
-    const long double u = std::ldexp(1.0L, -24);
     for (int r = 0; r < n; ++r) REQUIRE(same_bits(out[static_cast<std::size_t>(r)], out[0]));
-    for (std::size_t i = 0; i < size; ++i) {
-      long double sum = 0, abs_sum = 0;
-      for (int r = 0; r < n; ++r) {
-        sum += in[static_cast<std::size_t>(r)][i];
-        abs_sum += std::fabs(static_cast<long double>(in[static_cast<std::size_t>(r)][i]));
-      }
-      const long double mean = sum / n;
-      // n − 1 float additions and one division, each within u of its exact result.
-      const long double bound = 1.01L * u * (static_cast<long double>(n - 1) * abs_sum / n + std::fabs(mean));
-      CAPTURE(n, i);
-      REQUIRE(std::fabs(static_cast<long double>(out[0][i]) - mean) <= bound);
-      if (n == 1) REQUIRE(out[0][i] == in[0][i]);
-    }
+    average_scenario::require_within_rounding_of_mean(out[0], n, seed);
   }
 }
 

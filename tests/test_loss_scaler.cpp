@@ -23,9 +23,11 @@
 #include <string>
 #include <vector>
 
+#include "exact_values.hpp"
 #include "gradapt/gradapt.hpp"
 #include "gradapt/precision/loss_scaler.hpp"
 #include "rank_check.hpp"
+#include "scenarios/loss_scaler.hpp"
 
 #ifndef GRADAPT_TEST_DATA_DIR
 #define GRADAPT_TEST_DATA_DIR "tests/data"
@@ -80,12 +82,7 @@ bool finite(T v) {
   return std::isfinite(static_cast<float>(v));
 }
 
-template <class T>
-T make(double v) {
-  T t;
-  gradapt::store(t, static_cast<gradapt::compute_t<T>>(v));
-  return t;
-}
+using exact::make;
 
 template <class T>
 const char* type_name() {
@@ -193,11 +190,7 @@ loss_scaler_options wide(loss_scaler_options o) {
   return o;
 }
 
-bool same_state(const gradapt::loss_scaler_state& a, const gradapt::loss_scaler_state& b) {
-  return std::bit_cast<std::uint64_t>(a.scale) == std::bit_cast<std::uint64_t>(b.scale) &&
-         a.growth_tracker == b.growth_tracker && a.hysteresis_left == b.hysteresis_left &&
-         a.steps == b.steps && a.skipped == b.skipped && a.backoffs == b.backoffs && a.growths == b.growths;
-}
+using loss_scaler_scenario::same_state;
 
 }  // namespace
 
@@ -701,57 +694,20 @@ TEST_CASE("unscale: ranks agree on an overflow on one rank (threads, 1 to 8 rank
           "[loss_scaler][threads]") {
   for (int n = 1; n <= 8; ++n) {
     const int culprit = (n - 1) / 2;
-    const auto overflow_at = [](int step) { return step % 5 == 2 || step == 11 || step == 12; };
-    // Serial reference: one scaler fed the OR of all ranks' overflows (only the culprit's).
-    loss_scaler serial({.init_scale = 1024, .growth_interval = 3, .hysteresis = 2});
-    std::vector<bool> expected_step;
-    std::vector<double> expected_scale;
-    for (int k = 0; k < 30; ++k) {
-      expected_step.push_back(serial.update(overflow_at(k)));
-      expected_scale.push_back(serial.scale());
-    }
     gradapt::comm::run_threads(n, [&](gradapt::comm::threads& comm) {
-      const gradapt::host backend{.threads = 1};
-      loss_scaler s({.init_scale = 1024, .growth_interval = 3, .hysteresis = 2});
-      std::vector<bfloat16> a(33), b(7);
-      const std::vector<tensor_view<bfloat16>> grads{gradapt::host_view(a), gradapt::host_view(b)};
-      for (int k = 0; k < 30; ++k) {
-        for (auto& v : a) v = bfloat16(static_cast<float>(s.scale()));
-        for (auto& v : b) v = bfloat16(-static_cast<float>(s.scale()));
-        if (comm.rank() == culprit && overflow_at(k))
-          b[static_cast<std::size_t>(k) % b.size()] = bfloat16(NAN);
-        const bool step = s.unscale(backend, comm, grads);
-        RANK_REQUIRE(step == expected_step[static_cast<std::size_t>(k)]);
-        RANK_REQUIRE(s.scale() == expected_scale[static_cast<std::size_t>(k)]);
-        if (step) RANK_REQUIRE(static_cast<float>(a[0]) == 1.0f);
-      }
+      loss_scaler_scenario::ranks_agree_on_overflows(
+          comm, {.init_scale = 1024, .growth_interval = 3, .hysteresis = 2}, 30,
+          [culprit](int r, int, int step) {
+            return r == culprit && (step % 5 == 2 || step == 11 || step == 12);
+          });
     });
   }
 }
 
 TEST_CASE("unscale: invalid input on one rank makes every rank throw (threads, 3 ranks)",
           "[loss_scaler][threads]") {
-  gradapt::comm::run_threads(3, [&](gradapt::comm::threads& comm) {
-    const gradapt::host backend{.threads = 1};
-    loss_scaler s;
-    std::vector<half> g(10);
-    std::vector<float> m(comm.rank() == 1 ? 9 : 10);
-    const std::vector<tensor_view<half>> grads{gradapt::host_view(g)};
-    const std::vector<tensor_view<float>> master{gradapt::host_view(m)};
-    const auto before = s.state();
-    if (comm.rank() == 1)
-      RANK_REQUIRE_THROWS_WITH(s.unscale(backend, comm, grads, master),
-                               Contains("has 10 elements but master tensor 0 has 9"));
-    else
-      RANK_REQUIRE_THROWS_WITH(s.unscale(backend, comm, grads, master),
-                               Contains("1 other rank(s) passed invalid input"));
-    RANK_REQUIRE(same_state(s.state(), before));
-    // The world is still usable afterwards.
-    m.resize(10);
-    const std::vector<tensor_view<float>> master_ok{gradapt::host_view(m)};
-    const bool step = s.unscale(backend, comm, grads, master_ok);  // collective: outside the lock
-    RANK_REQUIRE(step);
-  });
+  gradapt::comm::run_threads(
+      3, [&](gradapt::comm::threads& comm) { loss_scaler_scenario::invalid_master_on_one_rank(comm, 1); });
 }
 
 TEST_CASE("unscale: the pass functions reject bad arguments with the sizes named", "[loss_scaler][unscale]") {

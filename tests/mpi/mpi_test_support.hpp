@@ -14,78 +14,24 @@
 #include <utility>
 #include <vector>
 
+#include "exact_values.hpp"
 #include "gradapt/comm/mpi.hpp"
 #include "gradapt/core/dtype.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/tensor_view.hpp"
+#include "scenarios/comm_ops.hpp"
 
 namespace mpitest {
 
-/// Stores v (exactly representable) in element type T.
-template <class T>
-T make(double v) {
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>)
-    return static_cast<T>(v);
-  else
-    return T(static_cast<float>(v));
-}
-
-/// Value of a stored element, widened to double.
-template <class T>
-double value(T x) {
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>)
-    return static_cast<double>(x);
-  else
-    return static_cast<double>(static_cast<float>(x));
-}
-
-/// Summed input of rank r at index i: in [-1/2, 3] for r < 5, a multiple of 1/4.
-inline double a(int r, std::size_t i) { return 0.5 * (r + 1) + 0.25 * static_cast<double>(i % 7) - 1.0; }
-
-/// Maxed input of rank r at index i: the largest value moves between ranks with i.
-inline double b(int r, std::size_t i) {
-  return 0.5 * static_cast<double>((static_cast<std::size_t>(r) * 3 + i) % 5) - 1.0;
-}
-
-/// n elements of T with element i = f(i).
-template <class T, class F>
-std::vector<T> fill(std::size_t n, F&& f) {
-  std::vector<T> v(n);
-  for (std::size_t i = 0; i < n; ++i) v[i] = make<T>(f(i));
-  return v;
-}
-
-/// The values of a vector, widened to double (for readable Catch2 comparisons).
-template <class T>
-std::vector<double> values(const std::vector<T>& v) {
-  std::vector<double> out(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) out[i] = value(v[i]);
-  return out;
-}
-
-/// Reference values: element i = f(i), rounded through T as the test's inputs are.
-template <class T, class F>
-std::vector<double> expect(std::size_t n, F&& f) {
-  return values(fill<T>(n, std::forward<F>(f)));
-}
-
-/// Bitwise equality of two vectors of the same element type.
-template <class T>
-bool same_bits(const std::vector<T>& x, const std::vector<T>& y) {
-  return x.size() == y.size() && (x.empty() || std::memcmp(x.data(), y.data(), x.size() * sizeof(T)) == 0);
-}
-
-/// Read-only host view of a vector.
-template <class T>
-gradapt::tensor_view<const T> cview(const std::vector<T>& v) {
-  return gradapt::tensor_view<const T>::vector(v.data(), static_cast<std::int64_t>(v.size()));
-}
-
-/// Writable host view of a vector.
-template <class T>
-gradapt::tensor_view<T> view(std::vector<T>& v) {
-  return gradapt::tensor_view<T>::vector(v.data(), static_cast<std::int64_t>(v.size()));
-}
+using exact::make;
+using exact::same_bits;
+using exact::value;
+using namespace comm_ops;
+using gradapt::bfloat16;
+using gradapt::half;
+using gradapt::reduce_op;
+using gradapt::comm::mpi;
+using gradapt::comm::mpi_options;
 
 /// Runs f and returns the message of the gradapt::error it throws ("no error" otherwise;
 /// any other exception propagates and fails the test).
@@ -110,10 +56,5 @@ inline int world_size() {
   MPI_Comm_size(MPI_COMM_WORLD, &s);
   return s;
 }
-
-/// Partner of rank r in round k of a round-robin over the ring: (k - r) mod n. The pairing is
-/// symmetric (the partner's partner is r), so over rounds k = 0..n-1 every rank exchanges once
-/// with every rank, itself included.
-inline int partner(int r, int k, int n) { return ((k - r) % n + n) % n; }
 
 }  // namespace mpitest

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "adasum_fixtures.hpp"
 #include "catch.hpp"
 #include "gradapt/backend/host.hpp"
 #include "gradapt/combine/adasum.hpp"
@@ -28,8 +29,7 @@ using gradapt::tensor_view;
 
 namespace {
 
-template <class T>
-using tlist = std::vector<std::vector<T>>;
+using adasum_test::tlist;
 
 /// Rank r's tensors: random in [-1, 1) (or multiples of 1/4 in [-2, 2) when `dyadic`).
 template <class T>
@@ -49,25 +49,7 @@ tlist<T> inputs(const std::vector<std::size_t>& sizes, int r, std::uint64_t seed
 /// Runs Adasum on communicator `comm` over rank r's inputs; returns the result.
 template <class T, class C>
 tlist<T> run(C& comm, const tlist<T>& in, bool one_buffer, gradapt::adasum_options opt) {
-  tlist<T> separate = in;
-  std::vector<T> fused;
-  std::vector<tensor_view<T>> views;
-  if (one_buffer) {
-    for (const auto& v : in) fused.insert(fused.end(), v.begin(), v.end());
-    std::size_t off = 0;
-    for (const auto& v : in) {
-      views.push_back(tensor_view<T>::vector(fused.data() + off, static_cast<std::int64_t>(v.size())));
-      off += v.size();
-    }
-  } else {
-    for (auto& v : separate) views.push_back(mpitest::view(v));
-  }
-  gradapt::adasum_workspace<T> ws(views);
-  gradapt::adasum<C> ada(comm, opt);
-  ada.allreduce(gradapt::host{.threads = 1}, views, ws);
-  tlist<T> out;
-  for (const auto& v : views) out.emplace_back(v.data(), v.data() + v.size());
-  return out;
+  return adasum_test::adasum_on(comm, in, {.one_buffer = one_buffer, .options = opt});
 }
 
 template <class T>

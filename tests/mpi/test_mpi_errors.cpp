@@ -14,12 +14,8 @@
 
 #include "gradapt/comm/mpi.hpp"
 #include "mpi_test_support.hpp"
+#include "scenarios/collective_disagreement.hpp"
 
-using gradapt::bfloat16;
-using gradapt::half;
-using gradapt::reduce_op;
-using gradapt::comm::mpi;
-using gradapt::comm::mpi_options;
 using namespace mpitest;
 
 namespace {
@@ -122,23 +118,32 @@ TEST_CASE("mpi ranks that call different collectives, types or ops throw on ever
   const int r = c.rank();
   if (c.size() < 2) return;
   const int o = other_of(r);
-  std::vector<float> f(4, 1.0f);
-  std::vector<double> d(4, 1.0);
+  for (const auto& k : collective_scenario::cases<mpi>()) {
+    const std::string e = error_of([&] { k.body(c); });
+    INFO(k.what << ": " << e);
+    CHECK(e.find(k.expected(r)) != std::string::npos);
+    CHECK(e.find("gradapt: gradapt:") == std::string::npos);
+    still_works(c);
+  }
+  // The full messages of two cases: each rank names its own value and a differing rank's.
+  const auto cases = collective_scenario::cases<mpi>();
+  const auto message_of = [&](const std::string& what) {
+    for (const auto& k : cases)
+      if (k.what == what) return error_of([&] { k.body(c); });
+    return std::string("no such case");
+  };
   // float on rank 0, double elsewhere: MPI itself would truncate or mix the bytes.
-  CHECK(error_of([&] {
-          if (r == 0)
-            c.allreduce(view(f), reduce_op::sum);
-          else
-            c.allreduce(view(d), reduce_op::sum);
-        }) == prefix("allreduce", r) + "this rank passes " + (r == 0 ? "float32" : "float64") + " but rank " +
-                  std::to_string(o) + " passes " + (r == 0 ? "float64" : "float32") +
-                  " (every rank must pass the same element type)");
-  // sum on rank 0, max elsewhere: MPI would return different results per rank.
-  CHECK(error_of([&] { c.allreduce(view(f), r == 0 ? reduce_op::sum : reduce_op::max); }) ==
-        prefix("allreduce", r) + "this rank uses reduce_op::" + (r == 0 ? "sum" : "max") + " but rank " +
-            std::to_string(o) + " uses reduce_op::" + (r == 0 ? "max" : "sum") +
+  CHECK(message_of("float on rank 0, double elsewhere") ==
+        prefix("allreduce", r) + "this rank passes " + (r == 0 ? "float32" : "float64") + " but rank " +
+            std::to_string(o) + " passes " + (r == 0 ? "float64" : "float32") +
+            " (every rank must pass the same element type)");
+  // max on rank 0, sum elsewhere: MPI would return different results per rank.
+  CHECK(message_of("max on rank 0, sum elsewhere") ==
+        prefix("allreduce", r) + "this rank uses reduce_op::" + (r == 0 ? "max" : "sum") + " but rank " +
+            std::to_string(o) + " uses reduce_op::" + (r == 0 ? "sum" : "max") +
             " (every rank must pass the same reduction op)");
   // split on rank 0 while the others reduce or wait at a barrier.
+  std::vector<float> f(4, 1.0f);
   const std::string e = error_of([&] {
     if (r == 0)
       (void)c.split(0, 0);

@@ -8,7 +8,11 @@
 // - Hierarchical rounds: a serial re-simulation of every rank, with groups of consecutive
 //   ranks, in long double.
 // - Adaptive rounds: an independent long double re-implementation of the period rule.
-// - Invalid input on one rank and lists that differ across ranks: every rank throws, none hangs.
+// - Invalid input on one rank, lists and schedules that differ across ranks: every rank throws,
+//   none hangs.
+//
+// The random-float and schedule-disagreement scenarios are shared with the threads tests
+// (tests/support/scenarios/average_models.hpp and disagreement.hpp).
 // - A checkpoint taken mid-run and restored into a fresh object continues bit for bit.
 //
 // Every collective runs on every rank before any REQUIRE, so a failure on one rank cannot leave
@@ -27,43 +31,15 @@
 #include "gradapt/backend/host.hpp"
 #include "gradapt/comm/mpi.hpp"
 #include "gradapt/sync/local_sgd.hpp"
+#include "local_sgd_fixtures.hpp"
 #include "mpi_test_support.hpp"
+#include "scenarios/average_models.hpp"
+#include "scenarios/disagreement.hpp"
 
-using gradapt::adaptive_period;
-using gradapt::bfloat16;
-using gradapt::fixed_period;
-using gradapt::half;
-using gradapt::hierarchical_level;
-using gradapt::hierarchical_period;
-using gradapt::local_sgd;
-using gradapt::tensor_view;
+using namespace local_sgd_test;
 using namespace mpitest;
 
-namespace {
-
-/// The stored mean of exact inputs: the quotient rounded to the compute type, then to T.
-template <class T>
-T stored_mean(long double sum, int n) {
-  const long double q = sum / static_cast<long double>(n);
-  if constexpr (std::is_same_v<T, double>)
-    return static_cast<double>(q);
-  else
-    return make<T>(static_cast<double>(static_cast<float>(q)));
-}
-
-/// True when every rank's copy of v has the same bits as this rank's.
-template <class T>
-bool identical_on_every_rank(gradapt::comm::mpi& comm, const std::vector<T>& v) {
-  std::vector<T> all(v.size() * static_cast<std::size_t>(comm.size()));
-  comm.allgather(cview(v), view(all));
-  bool same = true;
-  for (int r = 0; r < comm.size() && !v.empty(); ++r)  // memcmp needs non-null pointers
-    same = same && std::memcmp(all.data() + static_cast<std::size_t>(r) * v.size(), v.data(),
-                               v.size() * sizeof(T)) == 0;
-  return same;
-}
-
-}  // namespace
+using exact::identical_on_every_rank;
 
 TEMPLATE_TEST_CASE("mpi local_sgd: average_models gives the exact mean with identical bits on every rank",
                    "[mpi][local_sgd]", float, double, half, bfloat16) {
@@ -86,7 +62,7 @@ TEMPLATE_TEST_CASE("mpi local_sgd: average_models gives the exact mean with iden
     for (std::size_t i = 0; i < bufs[t].size(); ++i) {
       long double sum = 0;
       for (int q = 0; q < n; ++q) sum += a(q, i + offsets[t]);
-      const std::vector<T> want = {stored_mean<T>(sum, n)};
+      const std::vector<T> want = {expected_mean<T>(sum, n)};
       const std::vector<T> got = {bufs[t][i]};
       CAPTURE(n, t, i, value(want[0]), value(got[0]));
       REQUIRE(same_bits(got, want));
@@ -96,37 +72,12 @@ TEMPLATE_TEST_CASE("mpi local_sgd: average_models gives the exact mean with iden
 TEST_CASE("mpi local_sgd: random float values are identical on every rank and within rounding of the mean",
           "[mpi][local_sgd]") {
   gradapt::comm::mpi comm;
-  const int n = comm.size();
   constexpr std::size_t size = 20000;  // large enough for the engine's large-message algorithm
-  const auto input = [](int rank) {
-    std::mt19937 rng(static_cast<unsigned>(7 + rank));
-    std::normal_distribution<float> nd(0.0f, 3.0f);
-    std::vector<float> v(size);
-    for (float& x : v) x = nd(rng);
-    return v;
-  };
-  auto x = input(comm.rank());
-  const std::vector<tensor_view<float>> list = {view(x)};
-  gradapt::average_models(comm, gradapt::host{.threads = 1}, list);
+  constexpr unsigned seed = 7;
+  const auto x = average_scenario::averaged(comm, seed, size);
   const bool same = identical_on_every_rank(comm, x);
   REQUIRE(same);
-  std::vector<std::vector<float>> in;
-  for (int q = 0; q < n; ++q) in.push_back(input(q));
-  const long double u = std::ldexp(1.0L, -24);
-  for (std::size_t i = 0; i < size; ++i) {
-    long double sum = 0, abs_sum = 0;
-    for (int q = 0; q < n; ++q) {
-      sum += in[static_cast<std::size_t>(q)][i];
-      abs_sum += std::fabs(static_cast<long double>(in[static_cast<std::size_t>(q)][i]));
-    }
-    const long double mean = sum / n;
-    // Any summation order: (n − 1) additions within u each, then the division.
-    const long double bound = 1.01L * u * (static_cast<long double>(n - 1) * abs_sum / n + std::fabs(mean));
-    if (!(std::fabs(static_cast<long double>(x[i]) - mean) <= bound)) {
-      CAPTURE(i, x[i], static_cast<double>(mean));
-      REQUIRE(false);
-    }
-  }
+  average_scenario::require_within_rounding_of_mean(x, comm.size(), seed);
 }
 
 TEST_CASE("mpi local_sgd: hierarchical rounds average consecutive groups (serial re-simulation)",
@@ -289,17 +240,15 @@ TEST_CASE("mpi local_sgd: invalid input or mismatched lists on one rank make eve
     REQUIRE(x[0] == static_cast<double>(r));
     REQUIRE(lsgd.rounds() == 0);
   }
-  SECTION("another period on the last rank: an error at the first differing round, not a hang (2+ ranks)") {
-    if (n >= 2) {
-      std::vector<float> v(8, 1.0f);
-      const std::vector<tensor_view<float>> xs = {view(v)};
-      local_sgd lsgd(comm, {}, fixed_period({.period = r == bad ? 3 : 2}));
-      const std::string msg = error_of([&] {
-        for (int t = 0; t < 12; ++t) lsgd.step(comm, gradapt::host{}, xs);
-      });
-      CAPTURE(msg);
-      REQUIRE(msg.find("every rank must pass the same ") != std::string::npos);
-    }
+  SECTION(
+      "another period or start step on rank 0: an error at the first differing round, not a hang (2+ "
+      "ranks)") {
+    if (n >= 2)
+      for (const auto& c : disagreement_scenario::local_sgd_cases<gradapt::comm::mpi>()) {
+        const std::string msg = error_of([&] { c.body(comm); });
+        CAPTURE(c.what, msg);
+        CHECK(msg.find(c.expected(r)) != std::string::npos);
+      }
   }
   SECTION("one tensor fewer on the last rank (2+ ranks)") {
     if (n >= 2) {

@@ -2,14 +2,15 @@
 // two-batch form, bit for bit. Gradient values are multiples of 1/32 below 8 in magnitude, so
 // every sum the allreduces form is exact whatever order MPI combines ranks in; the remaining
 // operations (division by the rank count, the loss scale, the EMAs) are the same operations on
-// the same values in both forms.
-#include <cstring>
+// the same values in both forms. The scenario is shared with the threads test
+// (tests/support/scenarios/noise_scale.hpp).
 #include <vector>
 
 #include "catch.hpp"
 #include "gradapt/backend/host.hpp"
 #include "gradapt/comm/mpi.hpp"
 #include "gradapt/stats/gradient_noise_scale.hpp"
+#include "scenarios/noise_scale.hpp"
 
 namespace {
 
@@ -26,56 +27,21 @@ std::vector<double> local_grad(int r, int k, double loss_scale) {
   return g;
 }
 
-bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
-
-// Field by field (the struct has padding after its last member, which memcmp would compare).
-bool same_state(const gradapt::gradient_noise_scale_state& a, const gradapt::gradient_noise_scale_state& b) {
-  return same_bits(a.ema_grad_sq, b.ema_grad_sq) && same_bits(a.ema_trace, b.ema_trace) &&
-         same_bits(a.beta_power, b.beta_power) && same_bits(a.last_grad_sq, b.last_grad_sq) &&
-         same_bits(a.last_trace, b.last_trace) && a.samples == b.samples && a.skipped == b.skipped &&
-         a.biased == b.biased && a.has_previous == b.has_previous;
-}
-
 }  // namespace
 
 TEST_CASE("mpi: data-parallel noise scale equals the serial two-batch form", "[mpi][gns]") {
   gradapt::comm::mpi comm;
   const int n = comm.size();
   const gradapt::noise_batch batch{.micro_batch = 4, .accumulation_steps = 2, .loss_scale = 64.0};
-  const double local = batch.local();
-  const gradapt::host backend{.threads = 1};
-  const int steps = 20;
   if (n == 1) {
-    gradapt::gradient_noise_scale gns;
-    REQUIRE_THROWS_WITH(gns.update(comm, 1.0, 1.0, batch),
-                        Catch::Matchers::Contains("update_single_replica"));
+    noise_scale_scenario::one_rank_throws(comm, batch);
     return;
   }
-  gradapt::gradient_noise_scale serial({.smoothing = 0.9}), dp({.smoothing = 0.9});
-  for (int k = 0; k < steps; ++k) {
-    // Serial reference: every rank recomputes all ranks' gradients locally.
-    std::vector<double> sum(37, 0.0);
-    double local_sq_sum = 0;
-    for (int r = 0; r < n; ++r) {
-      const auto g = local_grad(r, k, batch.loss_scale);
-      local_sq_sum += backend.reduce(gradapt::reduction::sum_squares, gradapt::host_view(g));
-      for (std::size_t i = 0; i < g.size(); ++i) sum[i] += g[i];
-    }
-    for (double& v : sum) v /= n;
-    const double serial_global = backend.reduce(gradapt::reduction::sum_squares,
-                                                gradapt::tensor_view<const double>(gradapt::host_view(sum)));
-    REQUIRE(serial.update(local_sq_sum / n, local, serial_global, n * local, batch.loss_scale));
-    // Data-parallel form: this rank's gradient, one gradient allreduce, one scalar allreduce.
-    auto g = local_grad(comm.rank(), k, batch.loss_scale);
-    const double local_sq = backend.reduce(gradapt::reduction::sum_squares,
-                                           gradapt::tensor_view<const double>(gradapt::host_view(g)));
-    comm.allreduce(gradapt::host_view(g), gradapt::reduce_op::sum);
-    for (double& v : g) v /= n;
-    const double global_sq = backend.reduce(gradapt::reduction::sum_squares,
-                                            gradapt::tensor_view<const double>(gradapt::host_view(g)));
-    REQUIRE(global_sq == serial_global);
-    REQUIRE(dp.update(comm, local_sq, global_sq, batch));
-  }
-  REQUIRE(same_state(dp.state(), serial.state()));
-  REQUIRE(dp.b_simple().has_value());
+  const auto grad = [&](int r, int k) { return local_grad(r, k, batch.loss_scale); };
+  const auto serial = noise_scale_scenario::serial_reference(n, batch, 20, grad);
+  const auto dp = noise_scale_scenario::data_parallel(comm, batch, 20, grad);
+  noise_scale_scenario::require_same(dp, serial);
+  gradapt::gradient_noise_scale restored({.smoothing = 0.9});
+  restored.restore(dp.state);
+  REQUIRE(restored.b_simple().has_value());
 }

@@ -1,6 +1,7 @@
 // Every operation of gradapt::comm::mpi on float, double, half and bfloat16, under mpirun with
-// 1 to 5 ranks. Inputs are exact (see mpi_test_support.hpp), expected values are computed in
-// double by closed form or by a loop over ranks, independently of MPI.
+// 1 to 5 ranks. Inputs are exact, expected values are computed in double by closed form or by a
+// loop over ranks, independently of MPI; the data scenarios are shared with the threads test
+// (tests/support/scenarios/comm_ops.hpp).
 #include "catch.hpp"
 
 #include <mpi.h>
@@ -13,11 +14,6 @@
 #include "gradapt/comm/mpi.hpp"
 #include "mpi_test_support.hpp"
 
-using gradapt::bfloat16;
-using gradapt::half;
-using gradapt::reduce_op;
-using gradapt::comm::mpi;
-using gradapt::comm::mpi_options;
 using namespace mpitest;
 
 namespace {
@@ -27,8 +23,6 @@ namespace {
 std::vector<mpi_options> option_sets() {
   return {mpi_options{}, mpi_options{.max_count = 3}, mpi_options{.check_sizes = false}};
 }
-
-constexpr std::size_t sizes[] = {0, 1, 37};
 
 }  // namespace
 
@@ -44,27 +38,9 @@ TEST_CASE("mpi communicator reports MPI's rank and size", "[mpi]") {
 }
 
 TEMPLATE_TEST_CASE("mpi allreduce sums and maxes exact values", "[mpi]", float, double, half, bfloat16) {
-  using T = TestType;
   for (const mpi_options& opts : option_sets()) {
     mpi c{MPI_COMM_WORLD, opts};
-    const int r = c.rank();
-    const int p = c.size();
-    for (const std::size_t n : sizes) {
-      auto x = fill<T>(n, [&](std::size_t i) { return a(r, i); });
-      c.allreduce(view(x), reduce_op::sum);
-      // sum over q < p of a(q, i) = p(p+1)/4 + p (i mod 7)/4 - p
-      CHECK(values(x) == expect<T>(n, [&](std::size_t i) {
-              return 0.25 * p * (p + 1) + 0.25 * p * static_cast<double>(i % 7) - p;
-            }));
-
-      auto y = fill<T>(n, [&](std::size_t i) { return b(r, i); });
-      c.allreduce(view(y), reduce_op::max);
-      CHECK(values(y) == expect<T>(n, [&](std::size_t i) {
-              double m = b(0, i);
-              for (int q = 1; q < p; ++q) m = std::max(m, b(q, i));
-              return m;
-            }));
-    }
+    allreduce_sum_max<TestType>(c);
   }
 }
 
@@ -83,102 +59,34 @@ TEMPLATE_TEST_CASE("mpi allreduce of a rank-2 view reduces every element", "[mpi
 
 TEMPLATE_TEST_CASE("mpi broadcast copies the root's buffer from every root", "[mpi]", float, double, half,
                    bfloat16) {
-  using T = TestType;
   for (const mpi_options& opts : option_sets()) {
     mpi c{MPI_COMM_WORLD, opts};
-    for (int root = 0; root < c.size(); ++root) {
-      for (const std::size_t n : sizes) {
-        auto x = fill<T>(n, [&](std::size_t i) { return a(c.rank(), i); });
-        c.broadcast(view(x), root);
-        CHECK(values(x) == expect<T>(n, [&](std::size_t i) { return a(root, i); }));
-      }
-    }
+    broadcast_every_root<TestType>(c);
   }
 }
 
 TEMPLATE_TEST_CASE("mpi allgather places rank r's block at offset r * n", "[mpi]", float, double, half,
                    bfloat16) {
-  using T = TestType;
   for (const mpi_options& opts : option_sets()) {
     mpi c{MPI_COMM_WORLD, opts};
-    const int r = c.rank();
-    const auto p = static_cast<std::size_t>(c.size());
-    for (const std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{5}}) {
-      const auto want = expect<T>(p * n, [&](std::size_t j) { return a(static_cast<int>(j / n), j % n); });
-      const auto send = fill<T>(n, [&](std::size_t i) { return a(r, i); });
-
-      // Separate buffers, with a const view and with a mutable view as send.
-      std::vector<T> recv(p * n, make<T>(99));
-      c.allgather(cview(send), view(recv));
-      CHECK(values(recv) == want);
-      auto send_copy = send;
-      std::vector<T> recv2(p * n, make<T>(99));
-      c.allgather(view(send_copy), view(recv2));
-      CHECK(values(recv2) == want);
-
-      // In place: send is recv's own block.
-      std::vector<T> inplace(p * n, make<T>(99));
-      for (std::size_t i = 0; i < n; ++i) inplace[static_cast<std::size_t>(r) * n + i] = send[i];
-      c.allgather(gradapt::tensor_view<const T>::vector(inplace.data() + static_cast<std::size_t>(r) * n,
-                                                        static_cast<std::int64_t>(n)),
-                  view(inplace));
-      CHECK(values(inplace) == want);
-    }
+    allgather_blocks<TestType>(c);
   }
 }
 
 TEMPLATE_TEST_CASE("mpi reduce_scatter gives rank r the reduced block r", "[mpi]", float, double, half,
                    bfloat16) {
-  using T = TestType;
   for (const mpi_options& opts : option_sets()) {
     mpi c{MPI_COMM_WORLD, opts};
-    const int r = c.rank();
-    const int p = c.size();
-    for (const std::size_t m : {std::size_t{0}, std::size_t{1}, std::size_t{4}}) {
-      const std::size_t base = static_cast<std::size_t>(r) * m;
-      const auto send_a = fill<T>(static_cast<std::size_t>(p) * m, [&](std::size_t j) { return a(r, j); });
-      std::vector<T> recv(m, make<T>(99));
-      c.reduce_scatter(cview(send_a), view(recv), reduce_op::sum);
-      CHECK(values(recv) == expect<T>(m, [&](std::size_t i) {
-              double s = 0;
-              for (int q = 0; q < p; ++q) s += a(q, base + i);
-              return s;
-            }));
-
-      const auto send_b = fill<T>(static_cast<std::size_t>(p) * m, [&](std::size_t j) { return b(r, j); });
-      c.reduce_scatter(cview(send_b), view(recv), reduce_op::max);
-      CHECK(values(recv) == expect<T>(m, [&](std::size_t i) {
-              double mx = b(0, base + i);
-              for (int q = 1; q < p; ++q) mx = std::max(mx, b(q, base + i));
-              return mx;
-            }));
-    }
+    reduce_scatter_blocks<TestType>(c);
   }
 }
 
 TEMPLATE_TEST_CASE("mpi exchange pairs every rank with every rank around the ring, itself included", "[mpi]",
                    float, double, half, bfloat16) {
-  using T = TestType;
+  // In place, the MPI communicator exchanges with MPI_Sendrecv_replace.
   for (const mpi_options& opts : option_sets()) {
     mpi c{MPI_COMM_WORLD, opts};
-    const int r = c.rank();
-    const int p = c.size();
-    for (int k = 0; k < p; ++k) {
-      const int peer = partner(r, k, p);
-      for (const std::size_t n : sizes) {
-        const auto send = fill<T>(n, [&](std::size_t i) { return a(r, i + static_cast<std::size_t>(k)); });
-        const auto want =
-            expect<T>(n, [&](std::size_t i) { return a(peer, i + static_cast<std::size_t>(k)); });
-        std::vector<T> recv(n, make<T>(99));
-        c.exchange(peer, cview(send), view(recv));
-        CHECK(values(recv) == want);
-
-        // The same buffer as send and recv: exchanged in place (MPI_Sendrecv_replace).
-        auto both = send;
-        c.exchange(peer, cview(both), view(both));
-        CHECK(values(both) == want);
-      }
-    }
+    exchange_round_robin<TestType>(c, true);
   }
 }
 

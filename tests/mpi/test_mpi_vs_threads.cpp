@@ -21,9 +21,6 @@
 #include "gradapt/core/concepts.hpp"
 #include "mpi_test_support.hpp"
 
-using gradapt::bfloat16;
-using gradapt::half;
-using gradapt::reduce_op;
 using namespace mpitest;
 
 namespace {

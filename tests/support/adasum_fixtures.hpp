@@ -1,7 +1,8 @@
 #pragma once
 // Fixtures of the Adasum tests: rank inputs, the serial tree in the library's float/double
-// scheme, the long double tree and a runner of the distributed algorithm (see
-// tests/test_adasum.cpp for what each reference is).
+// scheme, the long double tree and a runner of the distributed algorithm over any communicator
+// (see tests/test_adasum.cpp for what each reference is; tests/mpi/test_mpi_adasum.cpp runs the
+// same runner on MPI).
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -287,6 +288,19 @@ struct run_config {
   adasum_options options = {};
 };
 
+/// Runs Adasum on this rank of `comm` over its tensors `in`; returns the result.
+template <class T, class Comm>
+tlist<T> adasum_on(Comm& comm, const tlist<T>& in, const run_config& cfg) {
+  rank_tensors<T> mine(in, cfg.one_buffer);
+  gradapt::adasum_workspace<T> ws(mine.views);
+  gradapt::adasum<Comm> ada(comm, cfg.options);
+  if (cfg.three_dots)
+    ada.allreduce(host_three_dots{gradapt::host{.threads = cfg.host_threads}}, mine.views, ws);
+  else
+    ada.allreduce(gradapt::host{.threads = cfg.host_threads}, mine.views, ws);
+  return mine.values();
+}
+
 /// Runs Adasum on n threads ranks over `inputs[r]`; returns every rank's result.
 template <class T>
 std::vector<tlist<T>> run_adasum(const std::vector<tlist<T>>& inputs, const run_config& cfg) {
@@ -294,14 +308,7 @@ std::vector<tlist<T>> run_adasum(const std::vector<tlist<T>>& inputs, const run_
   std::vector<tlist<T>> out(inputs.size());
   run_threads(n, [&](threads& comm) {
     const auto r = static_cast<std::size_t>(comm.rank());
-    rank_tensors<T> mine(inputs[r], cfg.one_buffer);
-    gradapt::adasum_workspace<T> ws(mine.views);
-    gradapt::adasum<threads> ada(comm, cfg.options);
-    if (cfg.three_dots)
-      ada.allreduce(host_three_dots{gradapt::host{.threads = cfg.host_threads}}, mine.views, ws);
-    else
-      ada.allreduce(gradapt::host{.threads = cfg.host_threads}, mine.views, ws);
-    out[r] = mine.values();
+    out[r] = adasum_on(comm, inputs[r], cfg);
   });
   return out;
 }

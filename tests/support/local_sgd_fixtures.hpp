@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "exact_values.hpp"
 #include "gradapt/gradapt.hpp"
 #include "gradapt/sync/local_sgd.hpp"
 #include "rank_check.hpp"
@@ -36,30 +37,9 @@ namespace local_sgd_test {
 
 constexpr int world_marker = hierarchical_level::world;
 
-template <class T>
-T make(double v) {
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>)
-    return static_cast<T>(v);
-  else
-    return T(static_cast<float>(v));
-}
-
-template <class T>
-double value(T x) {
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>)
-    return static_cast<double>(x);
-  else
-    return static_cast<double>(static_cast<float>(x));
-}
-
-template <class T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
-}
-
-inline bool same_bits(double a, double b) {
-  return std::bit_cast<std::uint64_t>(a) == std::bit_cast<std::uint64_t>(b);
-}
+using exact::make;
+using exact::same_bits;
+using exact::value;
 
 /// Views over a set of buffers (one tensor per buffer).
 template <class T>
@@ -74,14 +54,6 @@ inline double dyadic(int r, std::size_t i) {
   return 0.25 * static_cast<double>(static_cast<int>((static_cast<std::size_t>(r) * 7 + i * 3) % 33) - 16);
 }
 
-/// The expected stored mean: the exact quotient rounded to the compute type, then to T.
-template <class T>
-T expected_mean(long double sum, int n) {
-  const long double q = sum / static_cast<long double>(n);
-  if constexpr (std::is_same_v<T, double>)
-    return static_cast<double>(q);
-  else
-    return T(static_cast<float>(q));
-}
+using exact::expected_mean;
 
 }  // namespace local_sgd_test

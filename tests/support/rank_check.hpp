@@ -22,6 +22,12 @@ inline std::mutex& catch_mutex() {
     REQUIRE(__VA_ARGS__);                                         \
   } while (0)
 
+#define RANK_CHECK(...)                                           \
+  do {                                                            \
+    std::lock_guard gradapt_lock_(::gradapt_test::catch_mutex()); \
+    CHECK(__VA_ARGS__);                                           \
+  } while (0)
+
 #define RANK_REQUIRE_THROWS_WITH(expr, matcher)                   \
   do {                                                            \
     bool gradapt_threw_ = false;                                  \
