@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "gradapt/gradapt.hpp"
+#include "gradapt/optim/adamw.hpp"
 #include "gradapt/optim/sgd.hpp"
 #include "gradapt/train/data_parallel_step.hpp"
 
@@ -90,13 +91,31 @@ std::vector<disagreement_case<Comm>> train_step_cases() {
          step.step({.lr = comm.rank() == 0 ? -1.0 : 0.1});
        },
        "step_args::lr is -1", 0, "rank 0 passed invalid input"},
-      {"another momentum on rank 0: the replica check finds the drift",
+      {"another momentum on rank 0, at construction (the optimizer's stage options)",
        [](Comm& comm) {
          model m;
          const double mu = comm.rank() == 0 ? 0.9 : 0.0;
          auto step = train::make_data_parallel_step(comm, gradapt::host{}, m.params,
                                                     gradapt::sgd({.lr = 0.1, .momentum = mu}), {.lr = 0.1});
-         step.set_replica_check_interval(1);  // the first step is equal either way
+         (void)step;
+       },
+       "trace decay is "},
+      {"another AdamW b2 on the last rank, at construction",
+       [](Comm& comm) {
+         model m;
+         const double b2 = comm.rank() == comm.size() - 1 ? 0.99 : 0.999;
+         auto step = train::make_data_parallel_step(comm, gradapt::host{}, m.params,
+                                                    gradapt::adamw({.lr = 0.1, .b2 = b2}), {.lr = 0.1});
+         (void)step;
+       },
+       "scale_by_adam b2 is "},
+      {"another initial parameter on rank 0: the replica check finds what no option names",
+       [](Comm& comm) {
+         model m;
+         if (comm.rank() == 0) m.w[3] += 0.5f;
+         auto step = train::make_data_parallel_step(comm, gradapt::host{}, m.params,
+                                                    gradapt::sgd({.lr = 0.1, .momentum = 0.9}), {.lr = 0.1});
+         step.set_replica_check_interval(1);
          for (std::uint64_t t = 1; t <= 3; ++t) {
            m.grads(t);
            step.step();
