@@ -56,6 +56,7 @@
 #include "gradapt/backend/concepts.hpp"
 #include "gradapt/backend/simd.hpp"
 #include "gradapt/core/config.hpp"
+#include "gradapt/core/detail/archive_fields.hpp"
 #include "gradapt/core/dtype.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/param_list.hpp"
@@ -204,19 +205,13 @@ struct scale_by_factored_rms {
 
   /// One buffer (the statistics: v, or R then C); never reads p; factored: row and column
   /// statistics per tensor.
-  /// Pushes the options every rank must share, named, as doubles (the train step agrees
-  /// on them at construction).
-  template <class Out>
-  void agreed_options(Out& out) const {
-    out.push("scale_by_factored_rms factored", static_cast<double>(factored));
-    out.push("scale_by_factored_rms decay_rate", static_cast<double>(decay_rate));
-    out.push("scale_by_factored_rms decay_offset", static_cast<double>(decay_offset));
-    out.push("scale_by_factored_rms min_dim_size_to_factor", static_cast<double>(min_dim_size_to_factor));
-    out.push("scale_by_factored_rms eps", static_cast<double>(eps));
-    out.push("scale_by_factored_rms eps_mode", static_cast<double>(eps_mode));
-    out.push("scale_by_factored_rms axes", static_cast<double>(axes));
-  }
   static constexpr stage_spec traits{.buffers = 1, .uses_param = false, .factored_state = true};
+  /// The options every rank must share (train::data_parallel_step agrees on them at
+  /// construction), named "scale_by_factored_rms <option>".
+  static constexpr auto option_fields() {
+    return GRADAPT_OPTION_FIELDS(scale_by_factored_rms, factored, decay_rate, decay_offset,
+                                 min_dim_size_to_factor, eps, eps_mode, axes);
+  }
 
   /// @throws gradapt::error naming the option when decay_rate is outside (0, 1], eps is not
   ///         positive and finite, or min_dim_size_to_factor is negative

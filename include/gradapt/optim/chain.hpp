@@ -113,20 +113,14 @@ class chain {
     return std::get<I>(stages_);
   }
 
-  /// Pushes, in stage order, the options of every stage that names them (`agreed_options`):
-  /// what `train::data_parallel_step` agrees on across ranks at construction, so that ranks
-  /// built with another momentum or b2 throw naming it. `out` has `push(name, double)`.
+  /// Pushes, in stage order, the options of every stage that names them (`option_fields()`)
+  /// as doubles: what `train::data_parallel_step` agrees on across ranks at construction, so
+  /// that ranks built with another momentum or b2 throw naming it. `out` has
+  /// `push(std::string_view name, double value)`.
   template <class Out>
   void agreed_options(Out& out) const {
-    std::apply(
-        [&](const auto&... s) {
-          (
-              [&] {
-                if constexpr (requires { s.agreed_options(out); }) s.agreed_options(out);
-              }(),
-              ...);
-        },
-        stages_);
+    [&]<std::size_t... I>(std::index_sequence<I...>) { (push_options(std::get<I>(stages_), out), ...); }
+    (std::index_sequence_for<Stages...>{});
   }
 
   /// Creates the state for `params` on backend `b`: zero-initialised buffers of element type
@@ -298,6 +292,14 @@ class chain {
 
  private:
   std::tuple<Stages...> stages_;
+
+  /// Pushes stage s's named options (none when it names none).
+  template <class S, class Out>
+  static void push_options(const S& s, Out& out) {
+    if constexpr (requires { S::option_fields(); })
+      std::apply([&](const auto&... f) { (out.push(f.name, static_cast<double>(s.*(f.ptr))), ...); },
+                 S::option_fields());
+  }
 
   /// Doubles per workspace slot for barrier sums: one barrier's terms, then Σp² measured in
   /// a factored stage's statistics pass.

@@ -45,6 +45,7 @@
 #include "gradapt/backend/concepts.hpp"
 #include "gradapt/backend/simd.hpp"
 #include "gradapt/core/config.hpp"
+#include "gradapt/core/detail/archive_fields.hpp"
 #include "gradapt/core/dtype.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/param_list.hpp"
@@ -153,15 +154,11 @@ struct scale_by_sm3 {
   /// per index of each dim. The statistics are maxima of a per-element term (`kernel::term`),
   /// which do not depend on the order they are taken in: on a `factored_max_backend` a chain
   /// with no barrier gathers them during its update pass (one read of g; see chain.hpp).
-  /// Pushes the options every rank must share, named, as doubles (the train step agrees
-  /// on them at construction).
-  template <class Out>
-  void agreed_options(Out& out) const {
-    out.push("scale_by_sm3 b2", static_cast<double>(b2));
-    out.push("scale_by_sm3 eps", static_cast<double>(eps));
-  }
   static constexpr stage_spec traits{
       .buffers = 1, .uses_param = false, .factored_state = true, .max_statistics = true};
+  /// The options every rank must share (train::data_parallel_step agrees on them at
+  /// construction), named "scale_by_sm3 <option>".
+  static constexpr auto option_fields() { return GRADAPT_OPTION_FIELDS(scale_by_sm3, b2, eps); }
 
   /// @throws gradapt::error naming the option when b2 is outside (0, 1] or eps is negative
   void validate() const {

@@ -28,6 +28,10 @@
 ///       p).
 ///  - `void validate() const`: throws gradapt::error naming a bad option (default: nothing to
 ///    check).
+///  - `static constexpr auto option_fields()`: the options every rank must share, as a tuple
+///    of `archive_member`s (GRADAPT_OPTION_FIELDS(stage, option, ...)), which
+///    `chain::agreed_options` reads for the train step's construction agreement (default: none
+///    agreed; the replica check still finds a difference as drift);
 ///  - `void tensor_constants(const tensor_setup&, double* out) const`: fills the tensor_slots
 ///    values (default: none).
 ///  - `template <class C> kernel<C> prepare(const step_context&) const`: the per-step constants

@@ -47,6 +47,7 @@
 
 #include "gradapt/backend/simd.hpp"
 #include "gradapt/core/config.hpp"
+#include "gradapt/core/detail/archive_fields.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/optim/stage.hpp"
 
@@ -124,17 +125,12 @@ struct scale_by_adam {
   bool bias_correction = true;
 
   /// Two buffers (m, v); replay needs only m and v; never reads p.
-  /// Pushes the options every rank must share, named, as doubles (the train step agrees
-  /// on them at construction).
-  template <class Out>
-  void agreed_options(Out& out) const {
-    out.push("scale_by_adam b1", static_cast<double>(b1));
-    out.push("scale_by_adam b2", static_cast<double>(b2));
-    out.push("scale_by_adam eps", static_cast<double>(eps));
-    out.push("scale_by_adam eps_root", static_cast<double>(eps_root));
-    out.push("scale_by_adam bias_correction", static_cast<double>(bias_correction));
-  }
   static constexpr stage_spec traits{.buffers = 2, .replay_ignores_input = true, .uses_param = false};
+  /// The options every rank must share (train::data_parallel_step agrees on them at
+  /// construction), named "scale_by_adam <option>".
+  static constexpr auto option_fields() {
+    return GRADAPT_OPTION_FIELDS(scale_by_adam, b1, b2, eps, eps_root, bias_correction);
+  }
 
   /// Checks the options (the chain calls it when it is built and at `init`).
   /// @throws gradapt::error naming the option when b1 or b2 is outside [0, 1), eps or eps_root
@@ -226,15 +222,12 @@ struct add_decayed_weights {
   double lr = 1.0;
 
   /// One per-tensor constant: λ of the tensor.
-  /// Pushes the options every rank must share, named, as doubles (the train step agrees
-  /// on them at construction).
-  template <class Out>
-  void agreed_options(Out& out) const {
-    out.push("add_decayed_weights weight_decay", static_cast<double>(weight_decay));
-    out.push("add_decayed_weights times_lr", static_cast<double>(times_lr));
-    out.push("add_decayed_weights lr", static_cast<double>(lr));
-  }
   static constexpr stage_spec traits{.tensor_slots = 1};
+  /// The options every rank must share (train::data_parallel_step agrees on them at
+  /// construction), named "add_decayed_weights <option>".
+  static constexpr auto option_fields() {
+    return GRADAPT_OPTION_FIELDS(add_decayed_weights, weight_decay, times_lr, lr);
+  }
 
   /// Checks the options (the chain calls it when it is built and at `init`).
   /// @throws gradapt::error when weight_decay is not finite
@@ -296,14 +289,10 @@ struct trace {
   bool nesterov = false;
 
   /// One buffer (τ); off when decay is 0; never reads p.
-  /// Pushes the options every rank must share, named, as doubles (the train step agrees
-  /// on them at construction).
-  template <class Out>
-  void agreed_options(Out& out) const {
-    out.push("trace decay", static_cast<double>(decay));
-    out.push("trace nesterov", static_cast<double>(nesterov));
-  }
   static constexpr stage_spec traits{.buffers = 1, .optional = true, .uses_param = false};
+  /// The options every rank must share (train::data_parallel_step agrees on them at
+  /// construction), named "trace <option>".
+  static constexpr auto option_fields() { return GRADAPT_OPTION_FIELDS(trace, decay, nesterov); }
 
   /// False when decay is 0: the stage then keeps no buffer and is not run.
   bool enabled() const { return decay != 0.0; }
@@ -354,16 +343,12 @@ struct scale_by_learning_rate {
   bool allow_negative = true;
 
   /// One per-tensor constant: the group's lr_scale; never reads p.
-  /// Pushes the options every rank must share, named, as doubles (the train step agrees
-  /// on them at construction).
-  template <class Out>
-  void agreed_options(Out& out) const {
-    out.push("scale_by_learning_rate lr", static_cast<double>(lr));
-    out.push("scale_by_learning_rate flip_sign", static_cast<double>(flip_sign));
-    out.push("scale_by_learning_rate relative_step", static_cast<double>(relative_step));
-    out.push("scale_by_learning_rate allow_negative", static_cast<double>(allow_negative));
-  }
   static constexpr stage_spec traits{.tensor_slots = 1, .uses_param = false};
+  /// The options every rank must share (train::data_parallel_step agrees on them at
+  /// construction), named "scale_by_learning_rate <option>".
+  static constexpr auto option_fields() {
+    return GRADAPT_OPTION_FIELDS(scale_by_learning_rate, lr, flip_sign, relative_step, allow_negative);
+  }
 
   /// Checks the options (the chain calls it when it is built and at `init`).
   /// @throws gradapt::error when lr is not finite, or negative without allow_negative
@@ -414,13 +399,10 @@ struct scale {
   double factor = 1.0;
 
   /// Never reads p.
-  /// Pushes the options every rank must share, named, as doubles (the train step agrees
-  /// on them at construction).
-  template <class Out>
-  void agreed_options(Out& out) const {
-    out.push("scale factor", static_cast<double>(factor));
-  }
   static constexpr stage_spec traits{.uses_param = false};
+  /// The options every rank must share (train::data_parallel_step agrees on them at
+  /// construction), named "scale <option>".
+  static constexpr auto option_fields() { return GRADAPT_OPTION_FIELDS(scale, factor); }
 
   /// Checks the options (the chain calls it when it is built and at `init`).
   /// @throws gradapt::error when factor is not finite
@@ -479,17 +461,13 @@ struct scale_by_trust_ratio {
 
   /// One per-tensor constant (1 when the ratio applies, 0 when masked); needs whole-tensor
   /// norms (ends a pass), one ratio per tensor from two terms, ‖p‖² and ‖u‖².
-  /// Pushes the options every rank must share, named, as doubles (the train step agrees
-  /// on them at construction).
-  template <class Out>
-  void agreed_options(Out& out) const {
-    out.push("scale_by_trust_ratio trust_coefficient", static_cast<double>(trust_coefficient));
-    out.push("scale_by_trust_ratio eps", static_cast<double>(eps));
-    out.push("scale_by_trust_ratio min_norm", static_cast<double>(min_norm));
-    out.push("scale_by_trust_ratio min_ratio", static_cast<double>(min_ratio));
-    out.push("scale_by_trust_ratio max_ratio", static_cast<double>(max_ratio));
-  }
   static constexpr stage_spec traits{.tensor_slots = 1, .barrier = true, .global = false, .terms = 2};
+  /// The options every rank must share (train::data_parallel_step agrees on them at
+  /// construction), named "scale_by_trust_ratio <option>".
+  static constexpr auto option_fields() {
+    return GRADAPT_OPTION_FIELDS(scale_by_trust_ratio, trust_coefficient, eps, min_norm, min_ratio,
+                                 max_ratio);
+  }
 
   /// Checks the options (the chain calls it when it is built and at `init`).
   /// @throws gradapt::error naming the option when trust_coefficient is not finite and > 0, eps
@@ -594,16 +572,12 @@ struct scale_by_lars {
   /// Two per-tensor constants (λ of the tensor, and trust ratio on (1) / off (0)); needs
   /// whole-tensor norms (ends a pass), one ratio per tensor from two terms, ‖p‖² and
   /// ‖u + λp‖² (norm_of_sum) or ‖u‖² (sum_of_norms).
-  /// Pushes the options every rank must share, named, as doubles (the train step agrees
-  /// on them at construction).
-  template <class Out>
-  void agreed_options(Out& out) const {
-    out.push("scale_by_lars weight_decay", static_cast<double>(weight_decay));
-    out.push("scale_by_lars trust_coefficient", static_cast<double>(trust_coefficient));
-    out.push("scale_by_lars eps", static_cast<double>(eps));
-    out.push("scale_by_lars denominator", static_cast<double>(denominator));
-  }
   static constexpr stage_spec traits{.tensor_slots = 2, .barrier = true, .global = false, .terms = 2};
+  /// The options every rank must share (train::data_parallel_step agrees on them at
+  /// construction), named "scale_by_lars <option>".
+  static constexpr auto option_fields() {
+    return GRADAPT_OPTION_FIELDS(scale_by_lars, weight_decay, trust_coefficient, eps, denominator);
+  }
 
   /// Checks the options (the chain calls it when it is built and at `init`).
   /// @throws gradapt::error naming the option when weight_decay is not finite, trust_coefficient
@@ -689,14 +663,11 @@ struct clip_by_global_norm {
 
   /// Needs the global norm (ends a pass): one factor for all tensors from one term, ‖u‖²; off
   /// while max_norm is +inf; never reads p.
-  /// Pushes the options every rank must share, named, as doubles (the train step agrees
-  /// on them at construction).
-  template <class Out>
-  void agreed_options(Out& out) const {
-    out.push("clip_by_global_norm max_norm", static_cast<double>(max_norm));
-  }
   static constexpr stage_spec traits{
       .barrier = true, .global = true, .terms = 1, .optional = true, .uses_param = false};
+  /// The options every rank must share (train::data_parallel_step agrees on them at
+  /// construction), named "clip_by_global_norm <option>".
+  static constexpr auto option_fields() { return GRADAPT_OPTION_FIELDS(clip_by_global_norm, max_norm); }
 
   /// False while max_norm is +inf: the stage then costs no pass.
   bool enabled() const { return std::isfinite(max_norm); }
@@ -734,14 +705,11 @@ struct clip_by_block_rms {
 
   /// One per-tensor constant (the element count n); needs whole-tensor sums (ends a pass),
   /// one factor per tensor from one term, ‖u‖²; off when threshold is +inf; never reads p.
-  /// Pushes the options every rank must share, named, as doubles (the train step agrees
-  /// on them at construction).
-  template <class Out>
-  void agreed_options(Out& out) const {
-    out.push("clip_by_block_rms threshold", static_cast<double>(threshold));
-  }
   static constexpr stage_spec traits{
       .tensor_slots = 1, .barrier = true, .global = false, .terms = 1, .optional = true, .uses_param = false};
+  /// The options every rank must share (train::data_parallel_step agrees on them at
+  /// construction), named "clip_by_block_rms <option>".
+  static constexpr auto option_fields() { return GRADAPT_OPTION_FIELDS(clip_by_block_rms, threshold); }
 
   /// False when threshold is +inf: the stage then costs no pass.
   bool enabled() const { return threshold != std::numeric_limits<double>::infinity(); }
@@ -787,13 +755,6 @@ struct scale_by_param_block_rms {
   /// pass), one factor per tensor from one term, ‖p‖²; off when `active` is false; the
   /// measure reads p only (its pass skips u) and is Σp² (a factored stage's statistics pass
   /// may take it).
-  /// Pushes the options every rank must share, named, as doubles (the train step agrees
-  /// on them at construction).
-  template <class Out>
-  void agreed_options(Out& out) const {
-    out.push("scale_by_param_block_rms min_scale", static_cast<double>(min_scale));
-    out.push("scale_by_param_block_rms active", static_cast<double>(active));
-  }
   static constexpr stage_spec traits{.tensor_slots = 1,
                                      .barrier = true,
                                      .global = false,
@@ -801,6 +762,11 @@ struct scale_by_param_block_rms {
                                      .optional = true,
                                      .measure_reads_input = false,
                                      .measures_param_squares = true};
+  /// The options every rank must share (train::data_parallel_step agrees on them at
+  /// construction), named "scale_by_param_block_rms <option>".
+  static constexpr auto option_fields() {
+    return GRADAPT_OPTION_FIELDS(scale_by_param_block_rms, min_scale, active);
+  }
 
   /// `active`.
   bool enabled() const { return active; }
@@ -843,15 +809,11 @@ struct ema {
   bool debias = false;
 
   /// One buffer (m); off when decay is 0; replay needs only m; never reads p.
-  /// Pushes the options every rank must share, named, as doubles (the train step agrees
-  /// on them at construction).
-  template <class Out>
-  void agreed_options(Out& out) const {
-    out.push("ema decay", static_cast<double>(decay));
-    out.push("ema debias", static_cast<double>(debias));
-  }
   static constexpr stage_spec traits{
       .buffers = 1, .optional = true, .replay_ignores_input = true, .uses_param = false};
+  /// The options every rank must share (train::data_parallel_step agrees on them at
+  /// construction), named "ema <option>".
+  static constexpr auto option_fields() { return GRADAPT_OPTION_FIELDS(ema, decay, debias); }
 
   /// False when decay is 0.
   bool enabled() const { return decay != 0.0; }

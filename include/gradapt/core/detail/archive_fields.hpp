@@ -1,7 +1,8 @@
 #pragma once
 /// @file
 /// GRADAPT_ARCHIVE_FIELDS: the `archive_fields()` tuple of a plain state struct whose archive
-/// names are its member names, written with each member named once.
+/// names are its member names, written with each member named once; GRADAPT_OPTION_FIELDS:
+/// the same for the options of an optimizer stage, named "<stage> <member>".
 
 #include <tuple>
 
@@ -33,3 +34,13 @@
 #define GRADAPT_DETAIL_AF_PARENS ()
 /// Names GRADAPT_DETAIL_AF_EACH again, so that the recursion is not blocked.
 #define GRADAPT_DETAIL_AF_AGAIN() GRADAPT_DETAIL_AF_EACH
+
+/// `std::make_tuple(archive_member{"S a", &S::a}, archive_member{"S b", &S::b}, ...)`: the
+/// options a, b, ... of stage S (at most 40), each named by the stage and the member.
+#define GRADAPT_OPTION_FIELDS(S, ...) \
+  std::make_tuple(__VA_OPT__(GRADAPT_DETAIL_AF_EXPAND(GRADAPT_DETAIL_OF_EACH(S, __VA_ARGS__))))
+/// The archive_member of option m, then the rest through a deferred GRADAPT_DETAIL_OF_AGAIN.
+#define GRADAPT_DETAIL_OF_EACH(S, m, ...) \
+  ::gradapt::archive_member{#S " " #m, &S::m} __VA_OPT__(, GRADAPT_DETAIL_OF_AGAIN GRADAPT_DETAIL_AF_PARENS(S, __VA_ARGS__))
+/// Names GRADAPT_DETAIL_OF_EACH again, so that the recursion is not blocked.
+#define GRADAPT_DETAIL_OF_AGAIN() GRADAPT_DETAIL_OF_EACH
