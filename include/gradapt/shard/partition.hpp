@@ -1,0 +1,285 @@
+#pragma once
+/// @file
+/// `gradapt::shard::partition_plan`: which rank owns which elements of a parameter list when
+/// optimizer state is sharded over ranks (ZeRO, Rajbhandari et al. 2020). Deterministic from
+/// (tensor sizes, world size, options), so every rank computes the same plan without talking,
+/// printable, and saved with a sharded checkpoint so that a load can tell which layout the
+/// shards were written in.
+///
+/// Two granularities:
+///
+/// - **element** (DeepSpeed's flat partition): the tensors are laid end to end in list order
+///   in one flat index space of `total` elements; rank r owns the flat range
+///   [r S, min((r + 1) S, total)), with S = ceil(total / (N a)) a for alignment a elements,
+///   so every shard starts on an aligned element and no shard holds more than S elements. A
+///   tensor may straddle ranks: its sums (trust ratios, norms, row and column statistics)
+///   are assembled across the ranks that hold a piece of it.
+/// - **tensor** (PyTorch ZeroRedundancyOptimizer's): whole tensors, largest first (ties: the
+///   lower list index first) to the least-loaded rank (ties: the lower rank). The longest-
+///   processing-time rule bounds the imbalance: the most loaded rank holds at most the least
+///   loaded rank's elements plus the largest tensor.
+///
+/// A rank's shard is an ordered list of pieces (tensor, offset, length), each a contiguous
+/// range of one tensor, in list order; `shard_offset` is the piece's position in the rank's
+/// contiguous shard buffer.
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "gradapt/core/archive.hpp"
+#include "gradapt/core/enum_name.hpp"
+#include "gradapt/core/error.hpp"
+
+namespace gradapt::shard {
+
+/// How a partition plan cuts the parameter list (see the file comment).
+enum class granularity : std::uint8_t {
+  element,  ///< one flat index space cut into aligned, equal ranges (tensors may straddle ranks)
+  tensor,   ///< whole tensors, largest first to the least-loaded rank
+};
+
+/// The name of a granularity ("element", "tensor").
+constexpr std::string_view name(granularity g) {
+  return gradapt::detail::enum_name(g, std::array<std::string_view, 2>{"element", "tensor"});
+}
+
+/// Options of a partition plan, with designated initialisers:
+/// `partition_plan::make(sizes, world, {.mode = granularity::tensor})`.
+struct partition_options {
+  /// Element ranges (default) or whole tensors.
+  granularity mode = granularity::element;
+  /// Element granularity: every shard starts at a multiple of this many elements, >= 1
+  /// (default 64: 256 bytes of float, a multiple of every SIMD width and of NCCL's alignment).
+  std::size_t alignment = 64;
+};
+
+/// One contiguous range of one tensor in a rank's shard.
+struct piece {
+  std::size_t tensor = 0;        ///< index of the tensor in the parameter list
+  std::size_t offset = 0;        ///< first element of the range, within the tensor
+  std::size_t length = 0;        ///< elements in the range (> 0)
+  std::size_t shard_offset = 0;  ///< position of the range in the rank's shard buffer
+  friend bool operator==(const piece&, const piece&) = default;
+};
+
+/// Which rank owns which elements (see the file comment). Built by `make`; immutable.
+class partition_plan {
+ public:
+  /// Kind and format version of the plan's section in a checkpoint.
+  static constexpr std::string_view archive_kind = "gradapt.partition_plan";
+  static constexpr std::uint32_t archive_version = 1;  ///< see archive_kind
+
+  /// The plan of `sizes` (elements per tensor, in list order) over `world` ranks.
+  /// @throws gradapt::error when world < 1, alignment is 0, or the total overflows
+  static partition_plan make(std::span<const std::size_t> sizes, int world, const partition_options& o = {}) {
+    gradapt::detail::require(world >= 1, "shard::partition_plan: world size is ", world, " (expected >= 1)");
+    gradapt::detail::require(o.alignment >= 1,
+                             "shard::partition_plan: partition_options::alignment is 0 "
+                             "(expected >= 1 element; 1 means unaligned)");
+    gradapt::detail::require(o.mode == granularity::element || o.mode == granularity::tensor,
+                             "shard::partition_plan: partition_options::mode is not a granularity");
+    partition_plan p;
+    p.opt_ = o;
+    p.world_ = world;
+    p.sizes_.assign(sizes.begin(), sizes.end());
+    for (const std::size_t n : sizes) {
+      gradapt::detail::require(n <= std::numeric_limits<std::size_t>::max() - p.total_,
+                               "shard::partition_plan: the tensor sizes overflow std::size_t");
+      p.total_ += n;
+    }
+    p.first_.assign(static_cast<std::size_t>(world) + 1, 0);
+    if (o.mode == granularity::element)
+      p.cut_elements();
+    else
+      p.cut_tensors();
+    return p;
+  }
+
+  /// Ranks the plan is for.
+  [[nodiscard]] int world() const noexcept { return world_; }
+  /// The options it was made with.
+  [[nodiscard]] const partition_options& options() const noexcept { return opt_; }
+  /// Tensors in the parameter list.
+  [[nodiscard]] std::size_t tensors() const noexcept { return sizes_.size(); }
+  /// Elements of tensor t.
+  [[nodiscard]] std::size_t tensor_size(std::size_t t) const {
+    check_tensor(t, "tensor_size");
+    return sizes_[t];
+  }
+  /// Elements of all tensors.
+  [[nodiscard]] std::size_t total() const noexcept { return total_; }
+  /// Element granularity: the elements each rank's range spans (S in the file comment; the
+  /// last ranks may hold fewer). Tensor granularity: the largest shard.
+  [[nodiscard]] std::size_t shard_capacity() const noexcept { return capacity_; }
+
+  /// The pieces of rank r's shard, in list order.
+  [[nodiscard]] std::span<const piece> pieces(int r) const {
+    check_rank(r, "pieces");
+    const auto b = first_[static_cast<std::size_t>(r)], e = first_[static_cast<std::size_t>(r) + 1];
+    return std::span<const piece>(pieces_).subspan(b, e - b);
+  }
+  /// Elements rank r holds.
+  [[nodiscard]] std::size_t shard_size(int r) const {
+    std::size_t n = 0;
+    for (const piece& q : pieces(r)) n += q.length;
+    return n;
+  }
+  /// The rank that owns element i of tensor t.
+  /// @throws gradapt::error when t or i is out of range
+  [[nodiscard]] int owner(std::size_t t, std::size_t i) const {
+    check_tensor(t, "owner");
+    gradapt::detail::require(i < sizes_[t], "shard::partition_plan::owner: element ", i, " of tensor ", t,
+                             " is out of range (", sizes_[t], " elements)");
+    for (int r = 0; r < world_; ++r)
+      for (const piece& q : pieces(r))
+        if (q.tensor == t && i >= q.offset && i < q.offset + q.length) return r;
+    gradapt::detail::fail("shard::partition_plan::owner: internal error: element ", i, " of tensor ", t,
+                          " has no owner");
+  }
+
+  /// A readable description: the options, then per rank its element count and pieces
+  /// ("t3[0, 4096)" is elements 0 to 4095 of tensor 3).
+  [[nodiscard]] std::string describe() const {
+    std::string s("partition_plan: ");
+    s.append(name(opt_.mode)).append(" granularity, ").append(std::to_string(world_)).append(" rank(s), ");
+    s.append(std::to_string(sizes_.size())).append(" tensor(s), ").append(std::to_string(total_));
+    s.append(" element(s)");
+    if (opt_.mode == granularity::element)
+      s.append(", alignment ")
+          .append(std::to_string(opt_.alignment))
+          .append(", shard capacity ")
+          .append(std::to_string(capacity_));
+    for (int r = 0; r < world_; ++r) {
+      s.append("\n  rank ").append(std::to_string(r)).append(": ").append(std::to_string(shard_size(r)));
+      s.append(" element(s)");
+      for (const piece& q : pieces(r)) {
+        s.append(" t").append(std::to_string(q.tensor)).append("[").append(std::to_string(q.offset));
+        s.append(", ").append(std::to_string(q.offset + q.length)).append(")");
+      }
+    }
+    return s;
+  }
+
+  /// Writes the plan into the open section of `w`: granularity, alignment, world size and the
+  /// tensor sizes (the pieces follow from them).
+  void save(archive_writer& w) const {
+    w.put("granularity", name(opt_.mode));
+    w.put("alignment", static_cast<std::uint64_t>(opt_.alignment));
+    w.put("world", static_cast<std::uint64_t>(world_));
+    std::vector<std::uint64_t> sizes(sizes_.begin(), sizes_.end());
+    w.put_tensor<std::uint64_t>("tensor_sizes", sizes);
+  }
+
+  /// Reads a plan written by `save` from the open section of `r` (and rebuilds its pieces).
+  /// @throws gradapt::error when a field is missing, of another type or out of range
+  static partition_plan load(archive_reader& r) {
+    const auto g = r.get<std::string>("granularity");
+    partition_options o;
+    if (g == name(granularity::element))
+      o.mode = granularity::element;
+    else if (g == name(granularity::tensor))
+      o.mode = granularity::tensor;
+    else
+      gradapt::detail::fail("shard::partition_plan::load: granularity '", g, "' is not element or tensor");
+    const auto a = r.get<std::uint64_t>("alignment");
+    const auto world = r.get<std::uint64_t>("world");
+    gradapt::detail::require(a >= 1 && a <= (std::uint64_t{1} << 40),
+                             "shard::partition_plan::load: alignment ", a, " is out of range (1 to 2^40)");
+    gradapt::detail::require(
+        world >= 1 && world <= static_cast<std::uint64_t>(std::numeric_limits<int>::max()),
+        "shard::partition_plan::load: world size ", world, " is out of range");
+    o.alignment = static_cast<std::size_t>(a);
+    const auto sizes64 = r.get_tensor<std::uint64_t>("tensor_sizes");
+    const std::vector<std::size_t> sizes(sizes64.begin(), sizes64.end());
+    return make(sizes, static_cast<int>(world), o);
+  }
+
+  /// Same options, world size and tensor sizes (hence the same pieces).
+  friend bool operator==(const partition_plan& a, const partition_plan& b) {
+    return a.opt_.mode == b.opt_.mode && a.opt_.alignment == b.opt_.alignment && a.world_ == b.world_ &&
+           a.sizes_ == b.sizes_;
+  }
+
+ private:
+  partition_plan() = default;
+
+  void check_rank(int r, std::string_view fn) const {
+    gradapt::detail::require(r >= 0 && r < world_, "shard::partition_plan::", fn, ": rank ", r,
+                             " is out of range (expected 0 to ", world_ - 1, ")");
+  }
+  void check_tensor(std::size_t t, std::string_view fn) const {
+    gradapt::detail::require(t < sizes_.size(), "shard::partition_plan::", fn, ": tensor ", t,
+                             " is out of range (", sizes_.size(), " tensors)");
+  }
+
+  /// Element granularity: rank r owns flat [r S, (r + 1) S) ∩ [0, total).
+  void cut_elements() {
+    const auto n = static_cast<std::size_t>(world_);
+    const std::size_t a = opt_.alignment;
+    // S = ceil(total / (n a)) a, without overflow: blocks of a elements, shared out evenly.
+    const std::size_t blocks = total_ / a + (total_ % a != 0 ? 1 : 0);
+    const std::size_t per_rank = blocks / n + (blocks % n != 0 ? 1 : 0);
+    gradapt::detail::require(per_rank <= std::numeric_limits<std::size_t>::max() / a / n,
+                             "shard::partition_plan: the shards' flat range overflows std::size_t");
+    capacity_ = per_rank * a;
+    std::size_t t = 0, start = 0;  // tensor t spans flat [start, start + sizes_[t])
+    for (std::size_t r = 0; r < n; ++r) {
+      first_[r] = pieces_.size();
+      const std::size_t lo = std::min(total_, r * capacity_);
+      const std::size_t hi = std::min(total_, lo + capacity_);
+      std::size_t at = lo, pos = 0;
+      while (at < hi) {
+        while (start + sizes_[t] <= at) start += sizes_[t++];  // skips empty tensors too
+        const std::size_t end = std::min(hi, start + sizes_[t]);
+        pieces_.push_back({t, at - start, end - at, pos});
+        pos += end - at;
+        at = end;
+      }
+    }
+    first_[n] = pieces_.size();
+  }
+
+  /// Tensor granularity: largest first to the least-loaded rank.
+  void cut_tensors() {
+    const auto n = static_cast<std::size_t>(world_);
+    std::vector<std::size_t> order(sizes_.size());
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::size_t x, std::size_t y) { return sizes_[x] > sizes_[y]; });
+    std::vector<std::size_t> load(n, 0);
+    std::vector<int> rank_of(sizes_.size(), 0);
+    for (const std::size_t t : order) {
+      const auto r = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+      rank_of[t] = static_cast<int>(r);
+      load[r] += sizes_[t];
+    }
+    capacity_ = n > 0 ? *std::max_element(load.begin(), load.end()) : 0;
+    for (std::size_t r = 0; r < n; ++r) {
+      first_[r] = pieces_.size();
+      std::size_t pos = 0;
+      for (std::size_t t = 0; t < sizes_.size(); ++t)
+        if (static_cast<std::size_t>(rank_of[t]) == r && sizes_[t] > 0) {
+          pieces_.push_back({t, 0, sizes_[t], pos});
+          pos += sizes_[t];
+        }
+    }
+    first_[n] = pieces_.size();
+  }
+
+  partition_options opt_{};
+  int world_ = 1;
+  std::vector<std::size_t> sizes_;
+  std::size_t total_ = 0;
+  std::size_t capacity_ = 0;
+  std::vector<piece> pieces_;       ///< every rank's pieces, rank by rank
+  std::vector<std::size_t> first_;  ///< rank r's pieces are [first_[r], first_[r + 1])
+};
+
+}  // namespace gradapt::shard
