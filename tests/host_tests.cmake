@@ -6,6 +6,7 @@ gradapt_add_test(test_host_backend SOURCES test_host_backend.cpp)
 gradapt_add_test(test_comm SOURCES test_comm.cpp)
 gradapt_add_test(test_chunking SOURCES test_chunking.cpp)
 gradapt_add_test(test_shard_partition SOURCES test_shard_partition.cpp)
+gradapt_add_test(test_bucket_plan SOURCES test_bucket_plan.cpp)
 find_package(Threads REQUIRED)
 target_link_libraries(test_comm PRIVATE Threads::Threads)
 
