@@ -41,3 +41,6 @@
 #include "gradapt/optim/transforms.hpp"
 
 #include "gradapt/train/data_parallel_step.hpp"
+
+#include "gradapt/bucket/plan.hpp"
+#include "gradapt/shard/partition.hpp"

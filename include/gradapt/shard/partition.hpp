@@ -66,6 +66,7 @@ struct piece {
   std::size_t offset = 0;        ///< first element of the range, within the tensor
   std::size_t length = 0;        ///< elements in the range (> 0)
   std::size_t shard_offset = 0;  ///< position of the range in the rank's shard buffer
+  /// Same tensor, range and shard position.
   friend bool operator==(const piece&, const piece&) = default;
 };
 
