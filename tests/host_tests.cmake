@@ -9,6 +9,8 @@ gradapt_add_test(test_shard_partition SOURCES test_shard_partition.cpp)
 gradapt_add_test(test_bucket_plan SOURCES test_bucket_plan.cpp)
 find_package(Threads REQUIRED)
 target_link_libraries(test_comm PRIVATE Threads::Threads)
+gradapt_add_test(test_bucket_reducer SOURCES test_bucket_reducer.cpp)
+target_link_libraries(test_bucket_reducer PRIVATE Threads::Threads)
 
 # A consumer that includes only <gradapt/gradapt.hpp> must compile warning-free with g++ and
 # clang++ at -Wall -Wextra -Wpedantic -Werror (no OpenMP, no -march).

@@ -43,4 +43,5 @@
 #include "gradapt/train/data_parallel_step.hpp"
 
 #include "gradapt/bucket/plan.hpp"
+#include "gradapt/bucket/reducer.hpp"
 #include "gradapt/shard/partition.hpp"

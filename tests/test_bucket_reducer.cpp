@@ -1,0 +1,156 @@
+// Gradients reduced through buckets, driven by mark_ready on comm::threads (1 to 5 ranks):
+// bitwise the per-tensor allreduce and mean whatever the bucket caps and whatever order each
+// rank marks its gradients in; buckets reduced in plan order; several rounds; every error.
+#include "catch.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gradapt/bucket/reducer.hpp"
+#include "gradapt/comm/threads.hpp"
+#include "rank_check.hpp"
+
+using gradapt::bucket::bucket_plan;
+using gradapt::bucket::reducer;
+using gradapt::bucket::tensor_info;
+using gradapt::comm::threads;
+
+namespace {
+
+const gradapt::comm::threads_options quick{.timeout = std::chrono::seconds(10)};
+
+/// Gradients of rank r at round k: sizes `sizes`, values from a seeded generator.
+std::vector<std::vector<float>> grads_of(const std::vector<std::size_t>& sizes, int r, int k) {
+  std::mt19937 rng(static_cast<unsigned>(1000 * r + 17 * k + 3));
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<std::vector<float>> g(sizes.size());
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    g[t].resize(sizes[t]);
+    for (auto& x : g[t]) x = d(rng) * (1.0f + static_cast<float>(t));
+  }
+  return g;
+}
+
+std::vector<gradapt::tensor_view<float>> views_of(std::vector<std::vector<float>>& g) {
+  std::vector<gradapt::tensor_view<float>> v;
+  for (auto& x : g) v.push_back(gradapt::host_view(x));
+  return v;
+}
+
+std::vector<tensor_info> infos(const std::vector<std::size_t>& sizes) {
+  std::vector<tensor_info> v;
+  for (const auto s : sizes) v.push_back({s});
+  return v;
+}
+
+/// Every rank's error message ("" when none).
+template <class F>
+std::vector<std::string> errors_of(int n, F&& body) {
+  std::vector<std::string> what(static_cast<std::size_t>(n));
+  gradapt::comm::run_threads(n, quick, [&](threads& comm) {
+    try {
+      body(comm);
+    } catch (const gradapt::error& e) {
+      what[static_cast<std::size_t>(comm.rank())] = e.what();
+    }
+  });
+  return what;
+}
+
+}  // namespace
+
+TEST_CASE("bucketed mean is bitwise the per-tensor allreduce and mean, any caps and ready orders",
+          "[bucket][reducer]") {
+  const std::vector<std::size_t> sizes{37, 1, 0, 300, 64, 5, 1000, 2, 129};
+  for (int n = 1; n <= 5; ++n)
+    for (const std::size_t cap :
+         {std::size_t{4}, std::size_t{256}, std::size_t{1500}, std::size_t{1} << 20}) {
+      gradapt::comm::run_threads(n, quick, [&](threads& comm) {
+        const auto plan = bucket_plan::make(infos(sizes), {.cap_bytes = cap, .first_cap_bytes = cap / 2 + 1});
+        auto g = grads_of(sizes, comm.rank(), 0);
+        reducer<threads, float> red(comm, plan, views_of(g));
+        for (int round = 0; round < 2; ++round) {
+          const auto fresh = grads_of(sizes, comm.rank(), round);  // into the reducer's buffers
+          for (std::size_t t = 0; t < sizes.size(); ++t)
+            std::copy(fresh[t].begin(), fresh[t].end(), g[t].begin());
+          auto want = g;
+          for (auto& w : want) {
+            comm.allreduce(gradapt::host_view(w), gradapt::reduce_op::sum);
+            for (auto& x : w) x = x / static_cast<float>(comm.size());
+          }
+          // Each rank marks in its own order.
+          std::vector<std::size_t> order(sizes.size());
+          std::iota(order.begin(), order.end(), std::size_t{0});
+          std::shuffle(order.begin(), order.end(),
+                       std::mt19937(static_cast<unsigned>(comm.rank() * 31 + round)));
+          std::vector<char> marked(sizes.size(), 0);
+          for (const std::size_t t : order) {
+            red.mark_ready(t);
+            marked[t] = 1;
+            // Buckets are reduced in plan order: exactly the leading complete ones.
+            std::size_t lead = 0;
+            while (lead < plan.buckets().size() &&
+                   std::all_of(plan.buckets()[lead].tensors.begin(), plan.buckets()[lead].tensors.end(),
+                               [&](std::size_t u) { return marked[u] != 0; }))
+              ++lead;
+            RANK_REQUIRE(red.reduced() == lead);
+          }
+          red.wait();
+          for (std::size_t t = 0; t < sizes.size(); ++t)
+            RANK_REQUIRE(
+                (g[t].empty() || std::memcmp(g[t].data(), want[t].data(), g[t].size() * sizeof(float)) == 0));
+        }
+      });
+    }
+}
+
+TEST_CASE("reducer errors: marking twice or out of range, a missing gradient, plans that differ",
+          "[bucket][reducer][validation]") {
+  const std::vector<std::size_t> sizes{3, 4, 5};
+  const auto plan = bucket_plan::make(infos(sizes), {.cap_bytes = 8, .first_cap_bytes = 8});
+  auto what = errors_of(3, [&](threads& comm) {
+    auto g = grads_of(sizes, comm.rank(), 0);
+    reducer<threads, float> red(comm, plan, views_of(g));
+    red.mark_ready(2);  // bucket 0 = {2}: reduced here
+    red.mark_ready(2);
+  });
+  for (const auto& w : what) REQUIRE_THAT(w, Catch::Matchers::Contains("gradient 2 is already marked ready"));
+  what = errors_of(2, [&](threads& comm) {
+    auto g = grads_of(sizes, comm.rank(), 0);
+    reducer<threads, float> red(comm, plan, views_of(g));
+    red.mark_ready(3);
+  });
+  for (const auto& w : what)
+    REQUIRE_THAT(w, Catch::Matchers::Contains("gradient 3 is out of range (3 gradients)"));
+  what = errors_of(2, [&](threads& comm) {
+    auto g = grads_of(sizes, comm.rank(), 0);
+    reducer<threads, float> red(comm, plan, views_of(g));
+    red.mark_ready(0);
+    red.mark_ready(2);
+    red.wait();
+  });
+  for (const auto& w : what) REQUIRE_THAT(w, Catch::Matchers::Contains("gradient 1 was not marked ready"));
+  // Another cap on rank 1: another layout, an error on every rank before any bucket moves.
+  what = errors_of(3, [&](threads& comm) {
+    const auto mine = bucket_plan::make(
+        infos(sizes),
+        {.cap_bytes = comm.rank() == 1 ? std::size_t{100} : std::size_t{8}, .first_cap_bytes = 8});
+    auto g = grads_of(sizes, comm.rank(), 0);
+    reducer<threads, float> red(comm, mine, views_of(g));
+  });
+  for (const auto& w : what) REQUIRE_THAT(w, Catch::Matchers::Contains("bucket::reducer on rank"));
+  for (const auto& w : what) REQUIRE_THAT(w, Catch::Matchers::Contains("across ranks"));
+  // Gradients that do not fit the plan on rank 0: that rank names them, the others name the rank.
+  what = errors_of(2, [&](threads& comm) {
+    auto g = grads_of(comm.rank() == 0 ? std::vector<std::size_t>{3, 4, 6} : sizes, comm.rank(), 0);
+    reducer<threads, float> red(comm, plan, views_of(g));
+  });
+  REQUIRE_THAT(what[0], Catch::Matchers::Contains("gradient 2 has 6 elements but the plan gives it 5"));
+  REQUIRE_THAT(what[1], Catch::Matchers::Contains("rank 0 passed invalid input"));
+}
