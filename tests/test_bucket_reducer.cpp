@@ -10,11 +10,13 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gradapt/bucket/reducer.hpp"
 #include "gradapt/comm/threads.hpp"
 #include "rank_check.hpp"
+#include "rank_errors.hpp"
 
 using gradapt::bucket::bucket_plan;
 using gradapt::bucket::reducer;
@@ -49,18 +51,10 @@ std::vector<tensor_info> infos(const std::vector<std::size_t>& sizes) {
   return v;
 }
 
-/// Every rank's error message ("" when none).
+/// Every rank's error message ("" when none), with the short watchdog.
 template <class F>
 std::vector<std::string> errors_of(int n, F&& body) {
-  std::vector<std::string> what(static_cast<std::size_t>(n));
-  gradapt::comm::run_threads(n, quick, [&](threads& comm) {
-    try {
-      body(comm);
-    } catch (const gradapt::error& e) {
-      what[static_cast<std::size_t>(comm.rank())] = e.what();
-    }
-  });
-  return what;
+  return gradapt_test::errors_of(n, quick, std::forward<F>(body));
 }
 
 }  // namespace

@@ -9,11 +9,13 @@
 #include <cstddef>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gradapt/gradapt.hpp"
 #include "gradapt/optim/sgd.hpp"
 #include "gradapt/train/data_parallel_step.hpp"
+#include "rank_errors.hpp"
 #include "scenarios/disagreement.hpp"
 
 using threads = gradapt::comm::threads;
@@ -23,18 +25,10 @@ namespace {
 
 const gradapt::comm::threads_options quick{.timeout = std::chrono::seconds(5)};
 
-/// Runs `body(comm)` on n ranks and returns every rank's error message ("" when none).
+/// Every rank's error message ("" when none), with the short watchdog.
 template <class F>
 std::vector<std::string> errors_of(int n, F&& body) {
-  std::vector<std::string> what(static_cast<std::size_t>(n));
-  gradapt::comm::run_threads(n, quick, [&](threads& comm) {
-    try {
-      body(comm);
-    } catch (const gradapt::error& e) {
-      what[static_cast<std::size_t>(comm.rank())] = e.what();
-    }
-  });
-  return what;
+  return gradapt_test::errors_of(n, quick, std::forward<F>(body));
 }
 
 /// Every rank threw, and every message contains `needle` (or, on ranks other than `culprit`,

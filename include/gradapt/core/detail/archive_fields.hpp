@@ -41,6 +41,7 @@
   std::make_tuple(__VA_OPT__(GRADAPT_DETAIL_AF_EXPAND(GRADAPT_DETAIL_OF_EACH(S, __VA_ARGS__))))
 /// The archive_member of option m, then the rest through a deferred GRADAPT_DETAIL_OF_AGAIN.
 #define GRADAPT_DETAIL_OF_EACH(S, m, ...) \
-  ::gradapt::archive_member{#S " " #m, &S::m} __VA_OPT__(, GRADAPT_DETAIL_OF_AGAIN GRADAPT_DETAIL_AF_PARENS(S, __VA_ARGS__))
+  ::gradapt::archive_member{              \
+      #S " " #m, &S::m} __VA_OPT__(, GRADAPT_DETAIL_OF_AGAIN GRADAPT_DETAIL_AF_PARENS(S, __VA_ARGS__))
 /// Names GRADAPT_DETAIL_OF_EACH again, so that the recursion is not blocked.
 #define GRADAPT_DETAIL_OF_AGAIN() GRADAPT_DETAIL_OF_EACH
