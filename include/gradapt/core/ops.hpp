@@ -66,4 +66,17 @@ constexpr std::string_view name(reduction r) {
 /// The enumerator's name ("sum" or "max") for error messages and logs.
 constexpr std::string_view name(reduce_op r) { return r == reduce_op::sum ? "sum" : "max"; }
 
+namespace detail {
+/// g ← g / n in the compute type: the data-parallel mean after a summing collective (the train
+/// step's `allreduce_mean`, the bucket reducer and the sharded step share it, so their means
+/// have the same bits).
+struct divide_by_ranks {
+  int n;  ///< the world size
+  template <class T>
+  GRADAPT_HD void operator()(T& g) const {
+    g = g / static_cast<T>(n);
+  }
+};
+}  // namespace detail
+
 }  // namespace gradapt

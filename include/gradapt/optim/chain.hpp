@@ -239,6 +239,30 @@ class chain {
   template <optimizer_backend B, element V, element G, class Options, class S>
   void step(const B& b, const param_list<V, G, typename B::space, Options>& params,
             chain_state<chain, B, V, G, S>& st, const step_args& args = {}) const {
+    detail::optim::no_sum_assembly none;
+    step_impl(b, params, st, args, none);
+  }
+
+  /// `step` for a list whose tensors are pieces of larger logical tensors (the sharded step,
+  /// shard/optimizer.hpp): after each barrier's per-tensor sums are measured over this list,
+  /// `assembly(sums, count, terms, global)` (host memory) returns the sums the barrier's factor
+  /// is computed from, as a `detail::optim::assembled_sums`: for a per-tensor barrier `count`
+  /// rows of `terms` (row t: the sums of the logical tensor that list tensor t belongs to),
+  /// for a global barrier the logical tensors' rows, in logical order. It is called once per
+  /// active barrier in pass order on every step, also with `count == 0` when the list is empty,
+  /// so that an assembly that communicates runs the same collectives on every rank.
+  template <optimizer_backend B, element V, element G, class Options, class S, class Assembly>
+  requires std::same_as<typename B::space, host_space> &&
+      (!plan::has_factored) void step(const B& b, const param_list<V, G, typename B::space, Options>& params,
+                                      chain_state<chain, B, V, G, S>& st, const step_args& args,
+                                      Assembly& assembly) const {
+    step_impl(b, params, st, args, assembly);
+  }
+
+ private:
+  template <optimizer_backend B, element V, element G, class Options, class S, class Assembly>
+  void step_impl(const B& b, const param_list<V, G, typename B::space, Options>& params,
+                 chain_state<chain, B, V, G, S>& st, const step_args& args, Assembly& assembly) const {
     const std::size_t count = params.size();
     detail::require(count == st.sizes_.size(), "chain::step: the parameter list holds ", count,
                     " tensors but the state was created for ", st.sizes_.size(),
@@ -279,8 +303,12 @@ class chain {
         if constexpr (plan::has_factored)
           run_by_tensor<E>(b, params, st, kernels);
         else
-          run_passes<E>(b, params, st, kernels, std::make_index_sequence<plan::passes(E)>{});
+          run_passes<E>(b, params, st, kernels, assembly, std::make_index_sequence<plan::passes(E)>{});
       });
+    } else if constexpr (Assembly::active) {
+      for (std::size_t i = 0; i < plan::n; ++i)
+        if (plan::on(i, mask) && plan::info[i].barrier)
+          (void)assembly(nullptr, 0, plan::info[i].terms, plan::info[i].global);
     }
     ++st.steps_;
     if (st.check_interval_ != 0 && (st.steps_ == 1 || st.steps_ % st.check_interval_ == 0)) {
@@ -290,7 +318,6 @@ class chain {
     }
   }
 
- private:
   std::tuple<Stages...> stages_;
 
   /// Pushes stage s's named options (none when it names none).
@@ -409,13 +436,14 @@ class chain {
           st.const_[D.index]);
   }
 
-  template <std::uint64_t E, class B, class PL, class St, class K, std::size_t... P>
-  void run_passes(const B& b, const PL& params, St& st, const K& kernels, std::index_sequence<P...>) const {
-    (run_pass<P, E>(b, params, st, kernels), ...);
+  template <std::uint64_t E, class B, class PL, class St, class K, class Asm, std::size_t... P>
+  void run_passes(const B& b, const PL& params, St& st, const K& kernels, Asm& assembly,
+                  std::index_sequence<P...>) const {
+    (run_pass<P, E>(b, params, st, kernels, assembly), ...);
   }
 
-  template <std::size_t Pass, std::uint64_t E, class B, class PL, class St, class K>
-  void run_pass(const B& b, const PL& params, St& st, const K& kernels) const {
+  template <std::size_t Pass, std::uint64_t E, class B, class PL, class St, class K, class Asm>
+  void run_pass(const B& b, const PL& params, St& st, const K& kernels, Asm& assembly) const {
     using C = compute_t<typename PL::value_type>;
     using space = typename B::space;
     const std::size_t count = params.size();
@@ -440,11 +468,20 @@ class chain {
       (std::make_index_sequence<nargs>{});
       const auto& k = detail::slot<h>(kernels);
       using Kernel = std::remove_cvref_t<decltype(k)>;
+      const double* sums_at = st.sums_.data();
+      std::size_t rows = count;
+      if constexpr (Asm::active) {
+        const detail::optim::assembled_sums got =
+            assembly(st.sums_.data(), count, terms, plan::info[h].global);
+        detail::require(plan::info[h].global || got.count == count, "chain::step: the sum assembly returned ",
+                        got.count, " rows for ", count, " tensors");
+        sums_at = got.sums;
+        rows = got.count;
+      }
       if constexpr (plan::info[h].global) {
-        b.apply(detail::optim::finalize_all<Kernel, terms>{k, st.sums_.data(), count},
-                st.factor_views_[bn][0]);
+        b.apply(detail::optim::finalize_all<Kernel, terms>{k, sums_at, rows}, st.factor_views_[bn][0]);
       } else {
-        b.apply_list(detail::optim::finalize_each<Kernel>{k, st.sums_.data(), st.tconst_.data(), terms,
+        b.apply_list(detail::optim::finalize_each<Kernel>{k, sums_at, st.tconst_.data(), terms,
                                                           plan::total_slots, plan::slot_offset(h)},
                      st.factor_views_[bn]);
       }

@@ -496,6 +496,19 @@ struct finalize_each {
   }
 };
 
+/// What a chain's sum assembly returns (chain::step with an assembly): `count` rows of a
+/// barrier's terms, in host memory, that the barrier's factor is computed from.
+struct assembled_sums {
+  const double* sums = nullptr;  ///< row t holds the barrier's terms for row t
+  std::size_t count = 0;         ///< rows
+};
+
+/// The assembly of a plain step: the sums measured over the list are the tensors' own.
+struct no_sum_assembly {
+  static constexpr bool active = false;
+  assembled_sums operator()(const double* s, std::size_t n, std::size_t, bool) const { return {s, n}; }
+};
+
 /// factor = finalize(sums over all tensors, added in tensor order from +0).
 template <class Kernel, std::size_t K>
 struct finalize_all {

@@ -128,6 +128,14 @@ class chain_state {
   void set_check_interval(std::uint64_t interval) noexcept { check_interval_ = interval; }
   /// See set_check_interval.
   [[nodiscard]] std::uint64_t check_interval() const noexcept { return check_interval_; }
+  /// Sets the step count, for a state whose buffers were restored piece by piece (the sharded
+  /// optimizer's load); `load` sets it from the checkpoint.
+  /// @throws gradapt::error when `k` is the largest std::uint64_t (the count could not grow)
+  void set_steps(std::uint64_t k) {
+    detail::require(k < std::numeric_limits<std::uint64_t>::max(), "chain_state::set_steps: step count ", k,
+                    " cannot grow");
+    steps_ = k;
+  }
 
   /// Throws gradapt::error when an element of an active state buffer is not finite (inf or
   /// NaN), naming the first such parameter and buffer, the count and `who` (the caller's name).

@@ -13,7 +13,11 @@
 ///   [r S, min((r + 1) S, total)), with S = ceil(total / (N a)) a for alignment a elements,
 ///   so every shard starts on an aligned element and no shard holds more than S elements. A
 ///   tensor may straddle ranks: its sums (trust ratios, norms, row and column statistics)
-///   are assembled across the ranks that hold a piece of it.
+///   are assembled across the ranks that hold a piece of it. With `align_tensors`, every
+///   tensor also starts at an aligned position of the flat space (up to a - 1 unused
+///   positions follow each tensor), so every cut inside a tensor falls at a multiple of a
+///   from the tensor's start: what the sharded step needs to reproduce a tensor's reductions
+///   block by block (shard/optimizer.hpp).
 /// - **tensor** (PyTorch ZeroRedundancyOptimizer's): whole tensors, largest first (ties: the
 ///   lower list index first) to the least-loaded rank (ties: the lower rank). The longest-
 ///   processing-time rule bounds the imbalance: the most loaded rank holds at most the least
@@ -21,7 +25,7 @@
 ///
 /// A rank's shard is an ordered list of pieces (tensor, offset, length), each a contiguous
 /// range of one tensor, in list order; `shard_offset` is the piece's position in the rank's
-/// contiguous shard buffer.
+/// shard buffer (pieces are packed, except for the unused positions `align_tensors` leaves).
 
 #include <algorithm>
 #include <array>
@@ -58,6 +62,9 @@ struct partition_options {
   /// Element granularity: every shard starts at a multiple of this many elements, >= 1
   /// (default 64: 256 bytes of float, a multiple of every SIMD width and of NCCL's alignment).
   std::size_t alignment = 64;
+  /// Element granularity: start every tensor at a multiple of `alignment` in the flat index
+  /// space (default false: tensors end to end).
+  bool align_tensors = false;
 };
 
 /// One contiguous range of one tensor in a rank's shard.
@@ -155,6 +162,7 @@ class partition_plan {
     if (opt_.mode == granularity::element)
       s.append(", alignment ")
           .append(std::to_string(opt_.alignment))
+          .append(opt_.align_tensors ? " (tensors aligned)" : "")
           .append(", shard capacity ")
           .append(std::to_string(capacity_));
     for (int r = 0; r < world_; ++r) {
@@ -173,6 +181,7 @@ class partition_plan {
   void save(archive_writer& w) const {
     w.put("granularity", name(opt_.mode));
     w.put("alignment", static_cast<std::uint64_t>(opt_.alignment));
+    w.put("align_tensors", static_cast<std::uint64_t>(opt_.align_tensors ? 1 : 0));
     w.put("world", static_cast<std::uint64_t>(world_));
     std::vector<std::uint64_t> sizes(sizes_.begin(), sizes_.end());
     w.put_tensor<std::uint64_t>("tensor_sizes", sizes);
@@ -197,6 +206,10 @@ class partition_plan {
         world >= 1 && world <= static_cast<std::uint64_t>(std::numeric_limits<int>::max()),
         "shard::partition_plan::load: world size ", world, " is out of range");
     o.alignment = static_cast<std::size_t>(a);
+    const auto at = r.get<std::uint64_t>("align_tensors");
+    gradapt::detail::require(at <= 1, "shard::partition_plan::load: align_tensors is ", at,
+                             " (expected 0 or 1)");
+    o.align_tensors = at == 1;
     const auto sizes64 = r.get_tensor<std::uint64_t>("tensor_sizes");
     const std::vector<std::size_t> sizes(sizes64.begin(), sizes64.end());
     return make(sizes, static_cast<int>(world), o);
@@ -204,8 +217,8 @@ class partition_plan {
 
   /// Same options, world size and tensor sizes (hence the same pieces).
   friend bool operator==(const partition_plan& a, const partition_plan& b) {
-    return a.opt_.mode == b.opt_.mode && a.opt_.alignment == b.opt_.alignment && a.world_ == b.world_ &&
-           a.sizes_ == b.sizes_;
+    return a.opt_.mode == b.opt_.mode && a.opt_.alignment == b.opt_.alignment &&
+           a.opt_.align_tensors == b.opt_.align_tensors && a.world_ == b.world_ && a.sizes_ == b.sizes_;
   }
 
  private:
@@ -220,34 +233,45 @@ class partition_plan {
                              " is out of range (", sizes_.size(), " tensors)");
   }
 
-  /// Element granularity: rank r owns flat [r S, (r + 1) S) ∩ [0, total).
+  /// Element granularity: rank r owns flat [r S, (r + 1) S) ∩ [0, span), where span is the
+  /// flat end of the last tensor (`total` unless `align_tensors` leaves gaps).
   void cut_elements() {
     const auto n = static_cast<std::size_t>(world_);
     const std::size_t a = opt_.alignment;
-    // S = ceil(total / (n a)) a, without overflow: blocks of a elements, shared out evenly.
-    const std::size_t blocks = total_ / a + (total_ % a != 0 ? 1 : 0);
+    constexpr std::size_t top = std::numeric_limits<std::size_t>::max();
+    std::vector<std::size_t> start(sizes_.size(), 0);
+    std::size_t span = 0;
+    for (std::size_t t = 0; t < sizes_.size(); ++t) {
+      if (opt_.align_tensors && span % a != 0) {
+        gradapt::detail::require(span <= top - (a - span % a),
+                                 "shard::partition_plan: the aligned flat range overflows std::size_t");
+        span += a - span % a;
+      }
+      start[t] = span;
+      gradapt::detail::require(sizes_[t] <= top - span,
+                               "shard::partition_plan: the aligned flat range overflows std::size_t");
+      span += sizes_[t];
+    }
+    // S = ceil(span / (n a)) a, without overflow: blocks of a elements, shared out evenly.
+    const std::size_t blocks = span / a + (span % a != 0 ? 1 : 0);
     const std::size_t per_rank = blocks / n + (blocks % n != 0 ? 1 : 0);
-    gradapt::detail::require(per_rank <= std::numeric_limits<std::size_t>::max() / a / n,
+    gradapt::detail::require(per_rank <= top / a / n,
                              "shard::partition_plan: the shards' flat range overflows std::size_t");
     capacity_ = per_rank * a;
-    std::size_t t = 0, start = 0;  // tensor t spans flat [start, start + sizes_[t])
+    std::size_t t = 0;
     for (std::size_t r = 0; r < n; ++r) {
       first_[r] = pieces_.size();
-      const std::size_t lo = std::min(total_, r * capacity_);
-      const std::size_t hi = std::min(total_, lo + capacity_);
-      std::size_t at = lo, pos = 0;
-      while (at < hi) {
-        while (start + sizes_[t] <= at) start += sizes_[t++];  // skips empty tensors too
-        const std::size_t end = std::min(hi, start + sizes_[t]);
-        pieces_.push_back({t, at - start, end - at, pos});
-        pos += end - at;
-        at = end;
+      const std::size_t lo = std::min(span, r * capacity_);
+      const std::size_t hi = std::min(span, lo + capacity_);
+      while (t < sizes_.size() && start[t] + sizes_[t] <= lo) ++t;  // skips empty tensors too
+      for (std::size_t u = t; u < sizes_.size() && start[u] < hi; ++u) {
+        const std::size_t b = std::max(lo, start[u]), e = std::min(hi, start[u] + sizes_[u]);
+        if (b < e) pieces_.push_back({u, b - start[u], e - b, b - lo});
       }
     }
     first_[n] = pieces_.size();
   }
 
-  /// Tensor granularity: largest first to the least-loaded rank.
   void cut_tensors() {
     const auto n = static_cast<std::size_t>(world_);
     std::vector<std::size_t> order(sizes_.size());

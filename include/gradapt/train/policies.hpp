@@ -100,13 +100,6 @@ struct no_loss_scaling {
 
 namespace detail {
 /// Element functor of the mean: g ← g / n in the compute type, one rounding.
-struct divide_by_ranks {
-  int n;
-  template <class T>
-  GRADAPT_HD void operator()(T& g) const {
-    g = g / static_cast<T>(n);
-  }
-};
 }  // namespace detail
 
 /// The bound form of combine policy P: `p.bind(comm, backend, params)` when P has it (a

@@ -1,0 +1,781 @@
+#pragma once
+/// @file
+/// `gradapt::shard::sharded_optimizer`: any `gradapt::chain` optimizer (SGD, AdamW, LAMB, LARS,
+/// Adafactor, SM3, a user's chain) with its state sharded over the ranks of a communicator
+/// (ZeRO stage 1, Rajbhandari et al. 2020), giving the same bits as the unsharded optimizer.
+///
+/// Every rank holds the full parameters and its own local gradients (the framework's buffers);
+/// a `partition_plan` gives each rank a shard of the elements. One step:
+///
+///  1. the gradients are reduce-scattered into this rank's gradient shard and divided by the
+///     world size (the data-parallel mean, in rounds of at most `bucket_elements` shard
+///     positions, so the packing buffer does not grow with the model);
+///  2. the chain steps this rank's shard only: its state covers the shard (S bytes per state
+///     element per shard element instead of per parameter);
+///  3. the updated shards are allgathered into every rank's parameters (in rounds as in 1).
+///
+/// Sums over a tensor that straddles ranks (LAMB's and LARS's trust ratios) and sums over all
+/// tensors (a global-norm clip) are assembled across ranks exactly: the chain measures a
+/// straddling tensor's sums per 4096-element reduction block (the host backend's blocking),
+/// one allreduce in which each block's partial has a single contributing rank collects them,
+/// and every rank adds them in block order as the unsharded reduction does. So the sharded step
+/// equals the unsharded optimizer bit for bit on the same averaged gradients, for any rank
+/// count. This needs every cut inside a tensor at a multiple of 4096 elements from the
+/// tensor's start (`partition_options{.alignment = 4096k, .align_tensors = true}`, the
+/// default here) or whole tensors (`granularity::tensor`). A chain whose first stage factors
+/// tensors (Adafactor, SM3) keeps row and column statistics per tensor and needs every tensor
+/// whole on one rank (`granularity::tensor`).
+///
+/// With `M` (the master element type) wider than the parameters' `V` (float master values for
+/// half or bfloat16 parameters), the shard keeps its values in M, the chain steps them, and
+/// the allgather carries them rounded to V.
+///
+/// Host backend and host communicators (threads, single, MPI).
+/// Checkpoints: `save` writes this rank's shard (its pieces, keyed by parameter name and
+/// element range, with the plan); `load` restores a state on any world size from the archives
+/// of any other, reading only the old archives that overlap this rank's new shard.
+
+#include <algorithm>
+#include <cmath>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "gradapt/backend/concepts.hpp"
+#include "gradapt/backend/host.hpp"
+#include "gradapt/comm/agree.hpp"
+#include "gradapt/core/archive.hpp"
+#include "gradapt/core/concepts.hpp"
+#include "gradapt/core/dtype.hpp"
+#include "gradapt/core/error.hpp"
+#include "gradapt/core/ops.hpp"
+#include "gradapt/core/param_list.hpp"
+#include "gradapt/core/tensor_view.hpp"
+#include "gradapt/optim/chain.hpp"
+#include "gradapt/shard/partition.hpp"
+
+namespace gradapt::shard {
+
+/// Elements of one host reduction block: a tensor's sums are the block partials added in
+/// block order, so a tensor cut at multiples of this can be reduced across ranks exactly.
+inline constexpr std::size_t reduction_block = gradapt::detail::host_impl::block;
+
+/// Options of a sharded optimizer.
+struct sharded_options {
+  /// How the elements are cut into shards (default: element granularity, cuts at multiples of
+  /// 4096 elements from every tensor's start, so any chain's sums can be assembled exactly).
+  partition_options partition{
+      .mode = granularity::element, .alignment = reduction_block, .align_tensors = true};
+  /// Shard positions per reduce-scatter and allgather round (default 2^22): the packing
+  /// buffers hold world × this many elements at most.
+  std::size_t bucket_elements = std::size_t{1} << 22;
+  /// Steps between the agreed checks that every rank's state shard is finite (default 100,
+  /// and after the first step; 0 turns the check off).
+  std::uint64_t check_interval = 100;
+};
+
+template <class Chain>
+class sharded_optimizer;
+
+/// One contiguous range of a tensor that the shard's chain sees as one list entry.
+struct shard_unit {
+  std::size_t tensor = 0;    ///< logical tensor
+  std::size_t offset = 0;    ///< first element within the tensor
+  std::size_t length = 0;    ///< elements
+  std::size_t position = 0;  ///< position in this rank's shard buffer
+  std::size_t exchange = 0;  ///< row of the sums exchanged across ranks
+};
+
+/// The state of a `sharded_optimizer` on one rank: the plan, this rank's gradient shard,
+/// the chain state of its shard (and master values), and the packing buffers.
+/// Created by `sharded_optimizer::init` or `load`, advanced by `step`. Move-only.
+template <class Chain, class B, class V, class G, class M, class S, class Options>
+class sharded_state {
+ public:
+  /// The chain state of this rank's shard.
+  using chain_state_type = typename Chain::template state_type<B, M, G, S>;
+
+  sharded_state(sharded_state&&) noexcept = default;
+  /// Move assignment (the views stay valid: the buffers do not move).
+  sharded_state& operator=(sharded_state&&) noexcept = default;
+  sharded_state(const sharded_state&) = delete;
+  sharded_state& operator=(const sharded_state&) = delete;
+
+  /// The partition plan.
+  const partition_plan& plan() const { return plan_; }
+  /// This state's rank.
+  int rank() const { return rank_; }
+  /// Steps taken.
+  std::uint64_t steps() const { return st_.steps(); }
+  /// The chain state of this rank's shard (its buffers cover the shard only).
+  const chain_state_type& shard_state() const { return st_; }
+  /// The list entries the shard's chain steps: whole tensors, or ranges of a tensor that
+  /// straddles ranks (one per reduction block when the chain has barrier stages).
+  std::span<const shard_unit> units() const { return units_; }
+  /// Bytes of optimizer state on this rank: the chain's state buffers over the shard plus
+  /// the master values (when M is not V).
+  std::size_t state_bytes() const { return st_.state_elements() * sizeof(S) + master_.size() * sizeof(M); }
+  /// Bytes of this rank's gradient shard (the averaged gradients the chain reads).
+  std::size_t gradient_bytes() const { return grad_.size() * sizeof(G); }
+  /// Bytes of the packing buffers of the reduce-scatter and allgather rounds and the sums
+  /// exchanged for straddling tensors.
+  std::size_t workspace_bytes() const {
+    return send_g_.size() * sizeof(G) + send_v_.size() * sizeof(V) + recv_v_.size() * sizeof(V) +
+           (xsums_.size() + logical_.size() + rows_.size()) * sizeof(double);
+  }
+
+  /// Kind and format version of the archive `save()` writes.
+  static constexpr std::string_view archive_kind = "gradapt.sharded_optimizer";
+  static constexpr std::uint32_t archive_version = 1;  ///< see archive_kind
+
+  /// This rank's shard as an archive: the plan, the rank, the chain's element type, stage
+  /// layout and step count, and per piece of the plan its parameter name, tensor index, element
+  /// range and the state of every active buffer (and the master values) over that range.
+  /// Holds one piece's state in host memory at a time besides the archive.
+  /// @throws gradapt::error when a state value is not finite
+  std::vector<std::byte> save(const B& b) const {
+    archive_writer w(archive_kind, archive_version);
+    w.begin("plan");
+    plan_.save(w);
+    w.end();
+    w.put("rank", static_cast<std::uint64_t>(rank_));
+    w.put("element_type", name(dtype_of_v<S>));
+    w.put("master_type", name(dtype_of_v<M>));
+    w.put("stages", static_cast<std::uint64_t>(chain_state_type::plan::n));
+    w.put("buffers", static_cast<std::uint64_t>(chain_state_type::buffer_count()));
+    w.put("active_stages", st_.active_stages());
+    w.put("steps", st_.steps());
+    const auto mine = plan_.pieces(rank_);
+    w.put("pieces", static_cast<std::uint64_t>(mine.size()));
+    std::vector<S> host;
+    std::vector<M> mhost;
+    for (std::size_t i = 0; i < mine.size(); ++i) {
+      const piece& q = mine[i];
+      w.begin(gradapt::detail::archive_impl::join("piece", "/", std::to_string(i)));
+      w.put("name", names_[q.tensor]);
+      w.put("tensor", static_cast<std::uint64_t>(q.tensor));
+      w.put("offset", static_cast<std::uint64_t>(q.offset));
+      w.put("length", static_cast<std::uint64_t>(q.length));
+      for (std::size_t j = 0; j < chain_state_type::buffer_count(); ++j) {
+        const auto bufs = st_.buffer(j);
+        if (bufs.empty()) continue;
+        host.clear();
+        for_units_of(q, [&](std::size_t u) {
+          const auto& v = bufs[u];
+          const std::size_t at = host.size();
+          host.resize(at + v.size());
+          b.copy(tensor_view<const S, host_space>(v), host_view(std::span<S>(host).subspan(at)));
+        });
+        for (const S& x : host)
+          gradapt::detail::require(std::isfinite(static_cast<double>(static_cast<compute_t<S>>(x))),
+                                   "sharded optimizer save on rank ", rank_, ": buffer ", j, " of '",
+                                   names_[q.tensor], "' holds a non-finite value (save the last good state)");
+        w.put_tensor<S>(gradapt::detail::archive_impl::join("buffer", "", std::to_string(j)), host);
+      }
+      if (!master_.empty()) {
+        mhost.assign(master_.begin() + static_cast<std::ptrdiff_t>(q.shard_offset),
+                     master_.begin() + static_cast<std::ptrdiff_t>(q.shard_offset + q.length));
+        w.put_tensor<M>("master", mhost);
+      }
+      w.end();
+    }
+    return std::move(w).finish();
+  }
+
+ private:
+  template <class>
+  friend class sharded_optimizer;
+  sharded_state() = default;
+
+  /// Calls f(u) for each unit of piece q, in element order.
+  template <class F>
+  void for_units_of(const piece& q, F&& f) const {
+    for (std::size_t u = 0; u < units_.size(); ++u)
+      if (units_[u].tensor == q.tensor && units_[u].offset >= q.offset &&
+          units_[u].offset < q.offset + q.length)
+        f(u);
+  }
+
+  partition_plan plan_ = partition_plan::make(std::span<const std::size_t>(), 1);
+  int rank_ = 0;
+  std::uint64_t check_interval_ = 100;
+  std::size_t bucket_ = 0;
+  std::vector<std::string> names_;
+  std::vector<std::vector<std::int64_t>> shapes_;
+  std::vector<shard_unit> units_;
+  std::vector<char> split_;         ///< tensor t straddles ranks
+  std::vector<std::size_t> xbase_;  ///< first exchange row of tensor t (T + 1 entries)
+  std::vector<G> grad_;             ///< this rank's averaged gradient shard (capacity elements)
+  std::vector<M> master_;           ///< master values of the shard (when M is not V)
+  std::vector<const void*> bound_;  ///< the parameters' value pointers the unit list points into
+  std::vector<G> send_g_;           ///< reduce-scatter packing (world × round)
+  std::vector<V> send_v_, recv_v_;  ///< allgather packing (round, world × round)
+  std::vector<double> xsums_, logical_, rows_;
+  param_list<M, G, host_space, Options> list_;
+  chain_state_type st_;
+};
+
+/// A chain optimizer whose state is sharded over the ranks (see the file comment).
+///
+///     gradapt::shard::sharded_optimizer opt{gradapt::lamb({.lr = 1e-3})};
+///     auto state = opt.init(comm, backend, params);   // collective
+///     opt.step(comm, backend, params, state);         // reads local grads, updates params
+template <class Chain>
+class sharded_optimizer {
+ public:
+  /// The chain and the sharding options.
+  /// @throws gradapt::error when bucket_elements is 0 or the partition options are invalid
+  explicit sharded_optimizer(Chain opt, const sharded_options& o = {}) : opt_(std::move(opt)), o_(o) {
+    gradapt::detail::require(o_.bucket_elements > 0,
+                             "shard::sharded_optimizer: sharded_options::bucket_elements is 0 (expected a "
+                             "positive number of shard positions per round)");
+    (void)partition_plan::make(std::span<const std::size_t>(), 1, o_.partition);  // checks the options
+  }
+
+  /// The chain (its options may change between steps, as for the unsharded chain).
+  Chain& chain() { return opt_; }
+  /// The chain, read-only.
+  const Chain& chain() const { return opt_; }
+  /// The options.
+  const sharded_options& options() const { return o_; }
+
+  /// Creates this rank's state for `params` (full values on every rank). Collective: every
+  /// rank agrees on the tensor sizes, the partition options, the chain's options and the
+  /// element types; a rank with another layout or options throws on every rank.
+  /// @tparam M master element type (default V; float for half or bfloat16 parameters keeps
+  ///         float master values of the shard)
+  /// @tparam S state element type (default the compute type)
+  /// @throws gradapt::error on every rank when the ranks disagree or a rank's input is
+  ///         invalid (a factored chain with a tensor cut across ranks, a cut inside a tensor at
+  ///         a position that is not a multiple of 4096 for a chain with barrier stages)
+  template <class M = void, class S = void, class Comm, element V, element G, class Options>
+  requires communicator<Comm> && std::same_as<typename Comm::space, host_space>
+  auto init(Comm& comm, const host& b, const param_list<V, G, host_space, Options>& params) const {
+    using Mt = std::conditional_t<std::is_void_v<M>, V, M>;
+    using St = std::conditional_t<std::is_void_v<S>, compute_t<V>, S>;
+    static_assert(std::is_same_v<compute_t<Mt>, compute_t<V>>,
+                  "shard::sharded_optimizer: the master type must share the parameters' compute type");
+    sharded_state<Chain, host, V, G, Mt, St, Options> s;
+    std::vector<std::size_t> sizes(params.size());
+    for (std::size_t t = 0; t < params.size(); ++t) sizes[t] = params[t].value.size();
+    std::string bad;
+    const int n = comm.size();
+    try {
+      s.plan_ = partition_plan::make(sizes, n, o_.partition);
+    } catch (const error& e) {
+      bad = e.what();
+    }
+    s.rank_ = comm.rank();
+    s.check_interval_ = o_.check_interval;
+    if (bad.empty()) bad = describe_cut_problem(s.plan_, params);
+    std::uint64_t h = 1469598103ULL;
+    for (const std::size_t x : sizes) h = (h * 1099511ULL + x) % (std::uint64_t{1} << 50);
+    agreed_list<64> v;
+    v.push("tensors", static_cast<double>(sizes.size()));
+    v.push("tensor sizes (fingerprint)", static_cast<double>(h));
+    v.push("partition_options::mode", static_cast<double>(o_.partition.mode));
+    v.push("partition_options::alignment", static_cast<double>(o_.partition.alignment));
+    v.push("partition_options::align_tensors", o_.partition.align_tensors ? 1.0 : 0.0);
+    v.push("sharded_options::bucket_elements", static_cast<double>(o_.bucket_elements));
+    v.push("sharded_options::check_interval", static_cast<double>(o_.check_interval));
+    v.push("parameter element type", static_cast<double>(dtype_of_v<V>));
+    v.push("gradient element type", static_cast<double>(dtype_of_v<G>));
+    v.push("master element type", static_cast<double>(dtype_of_v<Mt>));
+    if constexpr (requires { opt_.agreed_options(v); }) opt_.agreed_options(v);
+    agree_values(comm, "shard::sharded_optimizer::init", v.view(), bad);
+
+    for (std::size_t t = 0; t < params.size(); ++t) {
+      s.names_.push_back(params[t].name);
+      const auto sh = params[t].value.shape();
+      s.shapes_.emplace_back(sh.begin(), sh.end());
+    }
+    build_units(s);
+    const std::size_t cap = s.plan_.shard_capacity();
+    s.grad_.assign(cap, G{});
+    if constexpr (!std::is_same_v<Mt, V>) {
+      s.master_.assign(cap, Mt{});
+      for (const piece& q : s.plan_.pieces(s.rank_)) {
+        const V* src = params[q.tensor].value.data() + q.offset;
+        for (std::size_t i = 0; i < q.length; ++i)
+          s.master_[q.shard_offset + i] = static_cast<Mt>(static_cast<compute_t<V>>(src[i]));
+      }
+    }
+    s.bucket_ = std::max<std::size_t>(1, std::min(o_.bucket_elements, cap));
+    s.send_g_.assign(s.bucket_ * static_cast<std::size_t>(n), G{});
+    s.send_v_.assign(s.bucket_, V{});
+    s.recv_v_.assign(s.bucket_ * static_cast<std::size_t>(n), V{});
+    bind(s, params);
+    s.st_ = opt_.template init<St>(b, s.list_);
+    s.st_.set_check_interval(0);  // the sharded step runs an agreed check instead
+    return s;
+  }
+
+  /// One step: reduce-scatter and average the gradients of `params`, step this rank's shard,
+  /// allgather the parameters. Collective.
+  /// @throws gradapt::error when `params` does not match the state or the communicator is not
+  ///         the one the state was made for; on every rank when a rank's state shard holds a
+  ///         non-finite value at a check (naming the ranks)
+  template <class Comm, element V, element G, class M, class S, class Options>
+  requires communicator<Comm> && std::same_as<typename Comm::space, host_space>
+  void step(Comm& comm, const host& b, const param_list<V, G, host_space, Options>& params,
+            sharded_state<Chain, host, V, G, M, S, Options>& s, const step_args& args = {}) const {
+    check_fit(comm, params, s, "step");
+    const auto n = static_cast<std::size_t>(comm.size());
+    const std::size_t cap = s.plan_.shard_capacity();
+    rebind_if_moved(s, params);
+    for (std::size_t g = 0; g < params.group_count(); ++g) s.list_.options(g) = params.group(g).options;
+
+    // 1. Reduce-scatter in rounds of shard positions [p0, p0 + len).
+    for (std::size_t p0 = 0; p0 < cap; p0 += s.bucket_) {
+      const std::size_t len = std::min(s.bucket_, cap - p0);
+      for (std::size_t r = 0; r < n; ++r) {
+        G* dst = s.send_g_.data() + r * len;
+        std::fill(dst, dst + len, G{});
+        for_overlaps(s.plan_.pieces(static_cast<int>(r)), p0, len,
+                     [&](const piece& q, std::size_t a, std::size_t k) {
+                       const G* src = params[q.tensor].grad.data() + q.offset + (a - q.shard_offset);
+                       std::copy_n(src, k, dst + (a - p0));
+                     });
+      }
+      comm.reduce_scatter(
+          tensor_view<const G, host_space>::vector(s.send_g_.data(), static_cast<std::int64_t>(n * len)),
+          tensor_view<G, host_space>::vector(s.grad_.data() + p0, static_cast<std::int64_t>(len)),
+          reduce_op::sum);
+    }
+    if (n > 1)
+      b.apply(gradapt::detail::divide_by_ranks{static_cast<int>(n)},
+              tensor_view<G, host_space>::vector(s.grad_.data(), static_cast<std::int64_t>(cap)));
+
+    // 2. The chain over this rank's units.
+    if constexpr (Chain::plan::max_terms > 0 && !Chain::plan::has_factored) {
+      assembly<Comm, S> a{&comm, &s.units_, &s.split_, &s.xbase_, &s.xsums_, &s.logical_, &s.rows_};
+      opt_.step(b, s.list_, s.st_, args, a);
+    } else {
+      opt_.step(b, s.list_, s.st_, args);
+    }
+
+    // 3. Allgather the shards' values into every rank's parameters.
+    const bool master = !std::is_same_v<M, V>;
+    for (std::size_t p0 = 0; p0 < cap; p0 += s.bucket_) {
+      const std::size_t len = std::min(s.bucket_, cap - p0);
+      for_overlaps(s.plan_.pieces(s.rank_), p0, len, [&](const piece& q, std::size_t a, std::size_t k) {
+        V* dst = s.send_v_.data() + (a - p0);
+        if constexpr (!std::is_same_v<M, V>) {
+          const M* src = s.master_.data() + a;
+          for (std::size_t i = 0; i < k; ++i) dst[i] = static_cast<V>(static_cast<compute_t<M>>(src[i]));
+        } else {
+          std::copy_n(params[q.tensor].value.data() + q.offset + (a - q.shard_offset), k, dst);
+        }
+      });
+      comm.allgather(
+          tensor_view<const V, host_space>::vector(s.send_v_.data(), static_cast<std::int64_t>(len)),
+          tensor_view<V, host_space>::vector(s.recv_v_.data(), static_cast<std::int64_t>(n * len)));
+      for (std::size_t r = 0; r < n; ++r) {
+        if (static_cast<int>(r) == s.rank_ && !master) continue;  // updated in place
+        const V* src = s.recv_v_.data() + r * len;
+        for_overlaps(
+            s.plan_.pieces(static_cast<int>(r)), p0, len, [&](const piece& q, std::size_t a, std::size_t k) {
+              std::copy_n(src + (a - p0), k, params[q.tensor].value.data() + q.offset + (a - q.shard_offset));
+            });
+      }
+    }
+
+    // 4. The agreed finiteness check.
+    const std::uint64_t k = s.st_.steps();
+    if (s.check_interval_ != 0 && (k == 1 || k % s.check_interval_ == 0)) check_finite(comm, b, s, "step");
+  }
+
+  /// Restores a state saved on any world size (`sharded_state::save` on each old rank) into
+  /// this rank's shard for `params` on this communicator. `archive(r)` returns the bytes old
+  /// rank r saved; only the old ranks whose shards overlap this rank's new shard are read,
+  /// and each is released before the next (the callback may map files). Collective: the ranks
+  /// agree that every one of them restored the same step count.
+  /// @throws gradapt::error (on every rank) when an archive is damaged, was saved for other
+  ///         parameters (names, sizes), another optimizer layout or element type, or the ranks
+  ///         restored different step counts
+  template <class M = void, class S = void, class Comm, element V, element G, class Options>
+  requires communicator<Comm> && std::same_as<typename Comm::space, host_space>
+  auto load(Comm& comm, const host& b, const param_list<V, G, host_space, Options>& params,
+            const std::function<std::vector<std::byte>(int old_rank)>& archive) const {
+    auto s = init<M, S>(comm, b, params);
+    using St = typename decltype(s)::chain_state_type;
+    using Se = typename St::state_element;
+    using Mt = typename std::remove_cvref_t<decltype(s.master_)>::value_type;
+    std::string bad;
+    std::uint64_t steps = 0;
+    try {
+      const auto first = archive(0);
+      archive_reader r0(first, sharded_state<Chain, host, V, G, Mt, Se, Options>::archive_kind,
+                        sharded_state<Chain, host, V, G, Mt, Se, Options>::archive_version);
+      r0.begin("plan");
+      const partition_plan old = partition_plan::load(r0);
+      r0.end();
+      gradapt::detail::require(old.tensors() == params.size(),
+                               "sharded optimizer load: the checkpoint holds ", old.tensors(),
+                               " tensors but the parameter list holds ", params.size());
+      for (std::size_t t = 0; t < params.size(); ++t)
+        gradapt::detail::require(old.tensor_size(t) == params[t].value.size(),
+                                 "sharded optimizer load: tensor ", t, " ('", params[t].name, "') has ",
+                                 old.tensor_size(t), " elements in the checkpoint but ",
+                                 params[t].value.size(), " here");
+      bool have = false;
+      for (int r = 0; r < old.world(); ++r) {
+        if (!overlaps_any(old.pieces(r), s.plan_.pieces(s.rank_))) continue;
+        const auto bytes = r == 0 ? first : archive(r);
+        read_rank(b, s, old, r, bytes, params, have, steps);
+      }
+      if (!have) steps = read_steps(first);
+    } catch (const error& e) {
+      bad = e.what();
+    }
+    agree_values(comm, "shard::sharded_optimizer::load",
+                 {{"restored step count", static_cast<double>(steps)}}, bad);
+    s.st_.set_steps(steps);
+    if constexpr (!std::is_same_v<Mt, V>) {  // the model's parameters from the restored master values
+      for (const piece& q : s.plan_.pieces(s.rank_))
+        for (std::size_t i = 0; i < q.length; ++i)
+          params[q.tensor].value.data()[q.offset + i] =
+              static_cast<V>(static_cast<compute_t<Mt>>(s.master_[q.shard_offset + i]));
+    }
+    return s;
+  }
+
+ private:
+  /// The sums of the shard's list tensors → the logical tensors' sums (see the file comment).
+  template <class Comm, class S>
+  struct assembly {
+    static constexpr bool active = true;
+    Comm* comm;
+    const std::vector<shard_unit>* units;
+    const std::vector<char>* split;
+    const std::vector<std::size_t>* xbase;
+    std::vector<double>* x;
+    std::vector<double>* logical;
+    std::vector<double>* rows;
+    gradapt::detail::optim::assembled_sums operator()(const double* sums, std::size_t count,
+                                                      std::size_t terms, bool global) {
+      const std::size_t ntensors = xbase->size() - 1;
+      const std::size_t nx = xbase->back();
+      x->assign(nx * terms, 0.0);
+      for (std::size_t i = 0; i < count; ++i)
+        for (std::size_t k = 0; k < terms; ++k) (*x)[(*units)[i].exchange * terms + k] = sums[i * terms + k];
+      comm->allreduce(host_view(*x), reduce_op::sum);
+      logical->assign(ntensors * terms, 0.0);
+      for (std::size_t t = 0; t < ntensors; ++t)
+        for (std::size_t u = (*xbase)[t]; u < (*xbase)[t + 1]; ++u)
+          for (std::size_t k = 0; k < terms; ++k) (*logical)[t * terms + k] += (*x)[u * terms + k];
+      if (global) return {logical->data(), ntensors};
+      rows->resize(count * terms);
+      for (std::size_t i = 0; i < count; ++i)
+        for (std::size_t k = 0; k < terms; ++k)
+          (*rows)[i * terms + k] = (*logical)[(*units)[i].tensor * terms + k];
+      return {rows->data(), count};
+    }
+  };
+
+  /// Calls f(piece, first shard position, count) for every part of `pieces` inside shard
+  /// positions [p0, p0 + len).
+  template <class F>
+  static void for_overlaps(std::span<const piece> pieces, std::size_t p0, std::size_t len, F&& f) {
+    for (const piece& q : pieces) {
+      const std::size_t a = std::max(p0, q.shard_offset), e = std::min(p0 + len, q.shard_offset + q.length);
+      if (a < e) f(q, a, e - a);
+    }
+  }
+
+  static bool overlaps_any(std::span<const piece> a, std::span<const piece> b) {
+    for (const piece& x : a)
+      for (const piece& y : b)
+        if (x.tensor == y.tensor && x.offset < y.offset + y.length && y.offset < x.offset + x.length)
+          return true;
+    return false;
+  }
+
+  /// Empty when the plan suits the chain; else what is wrong, naming the tensor.
+  template <class PL>
+  std::string describe_cut_problem(const partition_plan& p, const PL& params) const {
+    for (int r = 0; r < p.world(); ++r)
+      for (const piece& q : p.pieces(r)) {
+        const std::size_t n = p.tensor_size(q.tensor);
+        if (q.length == n) continue;
+        if constexpr (Chain::plan::has_factored)
+          return gradapt::detail::message(
+              "shard::sharded_optimizer: parameter '", params[q.tensor].name, "' (tensor ", q.tensor,
+              ") is cut across ranks (rank ", r, " holds elements [", q.offset, ", ", q.offset + q.length,
+              ") of ", n,
+              "), but the chain's first stage factors each tensor's rows and columns: shard it "
+              "with partition_options{.mode = granularity::tensor}");
+        if constexpr (Chain::plan::max_terms > 0) {
+          const bool ok = q.offset % reduction_block == 0 &&
+                          ((q.offset + q.length) % reduction_block == 0 || q.offset + q.length == n);
+          if (!ok)
+            return gradapt::detail::message(
+                "shard::sharded_optimizer: parameter '", params[q.tensor].name, "' (tensor ", q.tensor,
+                ") is cut at element ", q.offset % reduction_block != 0 ? q.offset : q.offset + q.length,
+                ", not a multiple of ", reduction_block,
+                ", and the chain has per-tensor or global sums (trust ratio, clipping): use "
+                "partition_options{.alignment = a multiple of ",
+                reduction_block, ", .align_tensors = true} or granularity::tensor");
+        }
+      }
+    return {};
+  }
+
+  /// The shard's units and the exchange rows (one per straddling tensor's reduction block,
+  /// one per whole tensor).
+  template <class St>
+  void build_units(St& s) const {
+    const partition_plan& p = s.plan_;
+    const std::size_t T = p.tensors();
+    s.split_.assign(T, 0);
+    for (int r = 0; r < p.world(); ++r)
+      for (const piece& q : p.pieces(r))
+        if (q.length != p.tensor_size(q.tensor)) s.split_[q.tensor] = 1;
+    s.xbase_.assign(T + 1, 0);
+    for (std::size_t t = 0; t < T; ++t) {
+      const std::size_t n = p.tensor_size(t);
+      const std::size_t rows = s.split_[t] ? n / reduction_block + (n % reduction_block != 0 ? 1 : 0) : 1;
+      s.xbase_[t + 1] = s.xbase_[t] + rows;
+    }
+    constexpr bool by_block = Chain::plan::max_terms > 0 && !Chain::plan::has_factored;
+    for (const piece& q : p.pieces(s.rank_)) {
+      if (!s.split_[q.tensor] || !by_block) {
+        s.units_.push_back({q.tensor, q.offset, q.length, q.shard_offset,
+                            s.xbase_[q.tensor] + (s.split_[q.tensor] ? q.offset / reduction_block : 0)});
+        continue;
+      }
+      for (std::size_t o = q.offset; o < q.offset + q.length; o += reduction_block) {
+        const std::size_t k = std::min(reduction_block, q.offset + q.length - o);
+        s.units_.push_back(
+            {q.tensor, o, k, q.shard_offset + (o - q.offset), s.xbase_[q.tensor] + o / reduction_block});
+      }
+    }
+  }
+
+  /// (Re)builds the shard's parameter list over the units: values in the parameters (or in
+  /// the master shard), gradients in the gradient shard; whole tensors keep their shape.
+  template <class St, class PL>
+  void bind(St& s, const PL& params) const {
+    using Mt = typename std::remove_cvref_t<decltype(s.master_)>::value_type;
+    using Gt = typename std::remove_cvref_t<decltype(s.grad_)>::value_type;
+    using Opts = typename PL::options_type;
+    param_list<Mt, Gt, host_space, Opts> list(params.group(0).options);
+    for (std::size_t g = 1; g < params.group_count(); ++g)
+      list.add_group(params.group(g).name, params.group(g).options);
+    for (const shard_unit& u : s.units_) {
+      const auto& e = params[u.tensor];
+      const bool whole = u.length == e.value.size();
+      Mt* vp;
+      if constexpr (std::is_same_v<Mt, typename PL::value_type>)
+        vp = e.value.data() + u.offset;
+      else
+        vp = s.master_.data() + u.position;
+      Gt* gp = s.grad_.data() + u.position;
+      const auto n = static_cast<std::int64_t>(u.length);
+      tensor_view<Mt, host_space> val = whole ? tensor_view<Mt, host_space>(vp, e.value.shape())
+                                              : tensor_view<Mt, host_space>::vector(vp, n);
+      tensor_view<Gt, host_space> grd = whole ? tensor_view<Gt, host_space>(gp, e.value.shape())
+                                              : tensor_view<Gt, host_space>::vector(gp, n);
+      std::string nm = e.name;
+      if (!whole)
+        nm.append("[")
+            .append(std::to_string(u.offset))
+            .append(":")
+            .append(std::to_string(u.offset + u.length))
+            .append(")");
+      list.add(std::move(nm), val, grd, e.flags, e.group);
+    }
+    s.list_ = std::move(list);
+    s.bound_.resize(params.size());
+    for (std::size_t t = 0; t < params.size(); ++t) s.bound_[t] = params[t].value.data();
+  }
+
+  template <class St, class PL>
+  void rebind_if_moved(St& s, const PL& params) const {
+    for (std::size_t t = 0; t < params.size(); ++t)
+      if (s.bound_[t] != static_cast<const void*>(params[t].value.data())) {
+        bind(s, params);
+        return;
+      }
+  }
+
+  template <class Comm, class PL, class St>
+  void check_fit(Comm& comm, const PL& params, const St& s, const char* fn) const {
+    gradapt::detail::require(comm.size() == s.plan_.world() && comm.rank() == s.rank_,
+                             "shard::sharded_optimizer::", fn, ": the communicator is rank ", comm.rank(),
+                             " of ", comm.size(), " but the state was made for rank ", s.rank_, " of ",
+                             s.plan_.world(), " (after a resize, save and load the state on the new world)");
+    gradapt::detail::require(params.size() == s.plan_.tensors(), "shard::sharded_optimizer::", fn,
+                             ": the parameter list holds ", params.size(),
+                             " tensors but the state was made for ", s.plan_.tensors());
+    for (std::size_t t = 0; t < params.size(); ++t)
+      gradapt::detail::require(params[t].value.size() == s.plan_.tensor_size(t),
+                               "shard::sharded_optimizer::", fn, ": parameter '", params[t].name,
+                               "' (tensor ", t, ") has ", params[t].value.size(),
+                               " elements but the state was made for ", s.plan_.tensor_size(t));
+    gradapt::detail::require(params.group_count() == s.list_.group_count(), "shard::sharded_optimizer::", fn,
+                             ": the parameter list has ", params.group_count(),
+                             " groups but the state was made for ", s.list_.group_count());
+  }
+
+  /// Every rank counts the non-finite values of its state shard; one allreduce tells every rank
+  /// which ranks have any, and every rank throws naming them.
+  template <class Comm, class St>
+  void check_finite(Comm& comm, const host& b, St& s, const char* fn) const {
+    using Cs = typename St::chain_state_type;
+    double bad = 0.0;
+    for (std::size_t j = 0; j < Cs::buffer_count(); ++j)
+      for (const auto& v : s.st_.buffer(j))
+        bad += b.reduce(reduction::count_nonfinite,
+                        tensor_view<const typename Cs::state_element, host_space>(v));
+    for (const auto& m : s.master_)
+      if (!std::isfinite(static_cast<double>(static_cast<compute_t<std::remove_cvref_t<decltype(m)>>>(m))))
+        bad += 1.0;
+    std::vector<double> per(static_cast<std::size_t>(comm.size()), 0.0);
+    per[static_cast<std::size_t>(comm.rank())] = bad;
+    comm.allreduce(host_view(per), reduce_op::sum);
+    std::string ranks;
+    for (std::size_t r = 0; r < per.size(); ++r)
+      if (per[r] != 0.0) ranks.append(ranks.empty() ? "" : ", ").append(std::to_string(r));
+    gradapt::detail::require(ranks.empty(), "shard::sharded_optimizer::", fn, " on rank ", comm.rank(),
+                             ": the state shard of rank(s) ", ranks, " holds non-finite values after step ",
+                             s.st_.steps(),
+                             "; the parameters have been updated and the state cannot recover: restore a "
+                             "checkpoint with load(), and clip or rescale the gradients");
+  }
+
+  static std::uint64_t read_steps(const std::vector<std::byte>& bytes) {
+    archive_reader r(bytes, "gradapt.sharded_optimizer", 1);
+    return r.get<std::uint64_t>("steps");
+  }
+
+  /// Copies what old rank `r`'s archive holds of this rank's new pieces.
+  template <class St, class PL>
+  void read_rank(const host& b, St& s, const partition_plan& old, int r, const std::vector<std::byte>& bytes,
+                 const PL& params, bool& have, std::uint64_t& steps) const {
+    using Cs = typename St::chain_state_type;
+    using Se = typename Cs::state_element;
+    using Mt = typename std::remove_cvref_t<decltype(s.master_)>::value_type;
+    archive_reader rd(bytes, St::archive_kind, St::archive_version);
+    rd.begin("plan");
+    const partition_plan again = partition_plan::load(rd);
+    rd.end();
+    gradapt::detail::require(again == old, "sharded optimizer load: old rank ", r,
+                             "'s archive was written with another partition plan than old rank 0's");
+    gradapt::detail::require(rd.get<std::uint64_t>("rank") == static_cast<std::uint64_t>(r),
+                             "sharded optimizer load: archive(", r, ") holds rank ",
+                             rd.get<std::uint64_t>("rank"), "'s shard");
+    const auto et = rd.get<std::string>("element_type");
+    gradapt::detail::require(et == name(dtype_of_v<Se>), "sharded optimizer load: the checkpoint holds ", et,
+                             " state but this state is ", name(dtype_of_v<Se>));
+    const auto mt = rd.get<std::string>("master_type");
+    gradapt::detail::require(mt == name(dtype_of_v<Mt>),
+                             "sharded optimizer load: the checkpoint's master type is ", mt,
+                             " but this state's is ", name(dtype_of_v<Mt>));
+    gradapt::detail::require(
+        rd.get<std::uint64_t>("stages") == Cs::plan::n &&
+            rd.get<std::uint64_t>("buffers") == Cs::buffer_count(),
+        "sharded optimizer load: the checkpoint was written by another optimizer (stage or "
+        "buffer count differs)");
+    gradapt::detail::require(
+        rd.get<std::uint64_t>("active_stages") == s.st_.active_stages(),
+        "sharded optimizer load: the checkpoint's active stages differ from this state's "
+        "(same optimizer options, e.g. momentum on or off)");
+    const auto k = rd.get<std::uint64_t>("steps");
+    gradapt::detail::require(k < std::numeric_limits<std::uint64_t>::max(),
+                             "sharded optimizer load: step count ", k, " cannot grow");
+    gradapt::detail::require(!have || k == steps, "sharded optimizer load: old rank ", r, " saved step ", k,
+                             " but another old rank saved step ", steps, " (archives of different steps)");
+    have = true;
+    steps = k;
+    const auto np = rd.get<std::uint64_t>("pieces");
+    const auto pieces = old.pieces(r);
+    gradapt::detail::require(np == pieces.size(), "sharded optimizer load: old rank ", r, "'s archive holds ",
+                             np, " pieces but its plan gives ", pieces.size());
+    std::vector<Se> host;
+    std::vector<Mt> mhost;
+    for (std::size_t i = 0; i < pieces.size(); ++i) {
+      const piece& q = pieces[i];
+      rd.begin(gradapt::detail::archive_impl::join("piece", "/", std::to_string(i)));
+      const auto nm = rd.get<std::string>("name");
+      gradapt::detail::require(nm == params[q.tensor].name, "sharded optimizer load: tensor ", q.tensor,
+                               " is '", nm, "' in the checkpoint but '", params[q.tensor].name, "' here");
+      gradapt::detail::require(
+          rd.get<std::uint64_t>("tensor") == q.tensor && rd.get<std::uint64_t>("offset") == q.offset &&
+              rd.get<std::uint64_t>("length") == q.length,
+          "sharded optimizer load: old rank ", r, "'s piece ", i, " ('", nm, "') does not match its plan");
+      const bool wanted = overlaps_any(std::span<const piece>(&q, 1), s.plan_.pieces(s.rank_));
+      for (std::size_t j = 0; j < Cs::buffer_count(); ++j) {
+        const auto bufs = s.st_.buffer(j);
+        if (bufs.empty()) continue;
+        const std::string field = gradapt::detail::archive_impl::join("buffer", "", std::to_string(j));
+        if (!wanted) {
+          (void)rd.get_tensor<Se>(field);
+          continue;
+        }
+        host = rd.get_tensor<Se>(field);
+        for (const Se& x : host)
+          gradapt::detail::require(
+              std::isfinite(static_cast<double>(static_cast<compute_t<Se>>(x))),
+              "sharded optimizer load: buffer ", j, " of '", nm,
+              "' holds a non-finite value (a checkpoint of a diverged run cannot be resumed)");
+        copy_into_units(b, s, q, j, std::span<const Se>(host));
+      }
+      if constexpr (!std::is_same_v<Mt, typename PL::value_type>) {
+        mhost = rd.get_tensor<Mt>("master");
+        gradapt::detail::require(mhost.size() == q.length, "sharded optimizer load: piece '", nm, "' has ",
+                                 mhost.size(), " master values for ", q.length, " elements");
+        if (wanted)
+          for (const piece& mine : s.plan_.pieces(s.rank_)) {
+            if (mine.tensor != q.tensor) continue;
+            const std::size_t a = std::max(mine.offset, q.offset),
+                              e = std::min(mine.offset + mine.length, q.offset + q.length);
+            for (std::size_t x = a; x < e; ++x)
+              s.master_[mine.shard_offset + (x - mine.offset)] = mhost[x - q.offset];
+          }
+      }
+      rd.end();
+    }
+    rd.finish();
+  }
+
+  /// Copies buffer j's values of old piece q (host, element-indexed from q.offset; for a
+  /// factored tensor, its whole statistics) into the units of this rank that overlap it.
+  template <class St, class T>
+  static void copy_into_units(const host& b, St& s, const piece& q, std::size_t j, std::span<const T> data) {
+    const auto bufs = s.st_.buffer(j);
+    for (std::size_t u = 0; u < s.units_.size(); ++u) {
+      const shard_unit& x = s.units_[u];
+      if (x.tensor != q.tensor) continue;
+      const auto& v = bufs[u];
+      if (v.size() != x.length) {  // a factored tensor's statistics: whole on both sides
+        gradapt::detail::require(data.size() == v.size(), "sharded optimizer load: buffer ", j, " of tensor ",
+                                 q.tensor, " holds ", data.size(), " values but this state keeps ", v.size(),
+                                 " (same factoring options)");
+        b.copy(tensor_view<const T, host_space>::vector(data.data(), static_cast<std::int64_t>(data.size())),
+               v);
+        continue;
+      }
+      gradapt::detail::require(data.size() == q.length, "sharded optimizer load: buffer ", j, " of tensor ",
+                               q.tensor, " holds ", data.size(), " values for ", q.length, " elements");
+      const std::size_t a = std::max(x.offset, q.offset),
+                        e = std::min(x.offset + x.length, q.offset + q.length);
+      if (a >= e) continue;
+      b.copy(tensor_view<const T, host_space>::vector(data.data() + (a - q.offset),
+                                                      static_cast<std::int64_t>(e - a)),
+             tensor_view<T, host_space>::vector(v.data() + (a - x.offset), static_cast<std::int64_t>(e - a)));
+    }
+  }
+
+  Chain opt_;
+  sharded_options o_;
+};
+
+}  // namespace gradapt::shard
