@@ -159,7 +159,7 @@ struct allreduce_mean {
     const int n = comm.size();
     if (n == 1) return;
     for (const auto& g : grads) comm.allreduce(g, reduce_op::sum);
-    backend.apply_list(detail::divide_by_ranks{n}, grads);
+    backend.apply_list(gradapt::detail::divide_by_ranks{n}, grads);
   }
   /// `combine`, returning Σ_r |g_r|² and |Σ_r g_r|² summed over the tensors.
   template <class Comm, class B, class L>
@@ -170,7 +170,7 @@ struct allreduce_mean {
       norms.sum_local_sq += t.sum_local_sq;
       norms.result_sq += t.result_sq;
     }
-    backend.apply_list(detail::divide_by_ranks{comm.size()}, grads);
+    backend.apply_list(gradapt::detail::divide_by_ranks{comm.size()}, grads);
     return norms;
   }
 };

@@ -1,8 +1,8 @@
 #pragma once
 // The sharded optimizer step against the unsharded chain, written once over the communicator:
 // tests/test_shard_optimizer.cpp runs it on comm::threads, tests/mpi/test_mpi_shard.cpp on
-// MPI_COMM_WORLD. Gradients are multiples of 2^-10 below 1 in magnitude, so their sum over up
-// to 8 ranks is exact in float whatever order a communicator adds in: the reference averages
+// MPI_COMM_WORLD. Gradients are multiples of 2^-10 (2^-4 in 16 bits) below 1 in magnitude, so
+// their sum over up to 8 ranks is exact whatever order a communicator adds in: the reference averages
 // them with allreduce, the sharded step with reduce_scatter, and both see the same mean.
 #include <bit>
 #include <cstddef>
@@ -62,7 +62,11 @@ struct model {
     }
   }
 
-  /// Gradients of `rank` at step k: integers in [-1023, 1023] times 2^-10 (identical on every
+  /// Gradient grid: 2^-10 steps below 1, or 2^-4 for 16-bit gradients (8 significant bits:
+  /// a sum of up to 8 of them is still exact, so every summation order gives the same bits).
+  static constexpr int grid = sizeof(G) == 2 ? 16 : 1024;
+
+  /// Gradients of `rank` at step k: integers in (-grid, grid) over grid (identical on every
   /// rank when `same` is set, so that the mean is the same for any world size).
   void make_grads(int rank, int k, bool same = false) {
     for (std::size_t t = 0; t < g.size(); ++t) {
@@ -70,8 +74,8 @@ struct model {
                         (same ? 0 : 104729ull * static_cast<std::uint64_t>(rank + 1));
       for (std::size_t i = 0; i < g[t].size(); ++i) {
         x = x * 6364136223846793005ull + 1442695040888963407ull;
-        const auto v = static_cast<int>((x >> 33) % 2047) - 1023;
-        gradapt::store(g[t][i], static_cast<gradapt::compute_t<G>>(static_cast<double>(v) / 1024.0));
+        const auto v = static_cast<int>((x >> 33) % (2 * grid - 1)) - (grid - 1);
+        gradapt::store(g[t][i], static_cast<gradapt::compute_t<G>>(static_cast<double>(v) / grid));
       }
     }
   }

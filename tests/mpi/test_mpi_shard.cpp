@@ -1,0 +1,147 @@
+// The sharded optimizer over comm::mpi (1 to 5 ranks): every chain optimizer equals the
+// unsharded chain bit for bit on the same averaged gradients (the scenarios shared with the
+// threads tests, tests/support/scenarios/sharded.hpp), and a state saved on k ranks (a split
+// of the world) loads on all ranks, and the reverse, continuing bitwise as the unsharded run.
+// Archives travel through files, as checkpoints do.
+#include <unistd.h>
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "catch.hpp"
+#include "gradapt/comm/mpi.hpp"
+#include "gradapt/optim/adafactor.hpp"
+#include "gradapt/optim/adamw.hpp"
+#include "gradapt/optim/lamb.hpp"
+#include "gradapt/optim/lars.hpp"
+#include "gradapt/optim/sgd.hpp"
+#include "gradapt/optim/sm3.hpp"
+#include "gradapt/shard/optimizer.hpp"
+#include "scenarios/sharded.hpp"
+
+using gradapt::shard::granularity;
+using gradapt::shard::sharded_optimizer;
+using gradapt::shard::sharded_options;
+
+namespace {
+
+const sharded_options element_cut{};
+const sharded_options tensor_cut{.partition = {.mode = granularity::tensor}};
+
+using clip_adam_chain =
+    gradapt::chain<gradapt::transform::clip_by_global_norm, gradapt::transform::scale_by_adam,
+                   gradapt::transform::add_decayed_weights, gradapt::transform::scale_by_learning_rate>;
+clip_adam_chain clip_adam() {
+  return clip_adam_chain{gradapt::transform::clip_by_global_norm{.max_norm = 5.0},
+                         gradapt::transform::scale_by_adam{},
+                         gradapt::transform::add_decayed_weights{.weight_decay = 0.01},
+                         gradapt::transform::scale_by_learning_rate{.lr = 1e-2}};
+}
+
+template <class Opt>
+void both_types(gradapt::comm::mpi& comm, const Opt& opt, const sharded_options& so) {
+  sharded_scenario::matches_unsharded<float>(comm, opt, so, 3);
+  sharded_scenario::matches_unsharded<double>(comm, opt, so, 3);
+}
+
+/// A directory name every rank agrees on (rank 0's process id).
+std::string shared_prefix(gradapt::comm::mpi& comm) {
+  std::vector<double> id{static_cast<double>(::getpid())};
+  comm.broadcast(gradapt::host_view(id), 0);
+  return "/tmp/gradapt_mpi_shard_" + std::to_string(static_cast<long long>(id[0])) + "_";
+}
+
+std::vector<std::byte> read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  REQUIRE(f.good());
+  std::vector<char> c((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::vector<std::byte> b(c.size());
+  for (std::size_t i = 0; i < c.size(); ++i) b[i] = static_cast<std::byte>(c[i]);
+  return b;
+}
+
+void write_file(const std::string& path, const std::vector<std::byte>& b) {
+  std::ofstream f(path, std::ios::binary);
+  f.write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
+  REQUIRE(f.good());
+}
+
+/// Steps 1..2 on `saver` (a communicator of some ranks, or none on the others), saved to
+/// files; every rank of `loader` loads them and steps 3..4; against the unsharded 4 steps.
+template <class Opt>
+void reshard(gradapt::comm::mpi& world, const Opt& opt, const sharded_options& so, bool save_on_split,
+             int k) {
+  const gradapt::host b;
+  sharded_scenario::model<double> ref;
+  auto rst = opt.init(b, ref.params);
+  for (int s = 1; s <= 4; ++s) {
+    ref.make_grads(0, s, true);
+    opt.step(b, ref.params, rst);
+  }
+  const std::string prefix = shared_prefix(world) + std::to_string(k) + (save_on_split ? "s_" : "w_");
+  const bool in_split = world.rank() < k;
+  gradapt::comm::mpi part = world.split(in_split ? 0 : 1, world.rank());
+  const sharded_optimizer<Opt> sopt(opt, so);
+  std::vector<std::vector<double>> after_two;
+  gradapt::comm::mpi& saver = save_on_split ? part : world;
+  if (!save_on_split || in_split) {
+    sharded_scenario::model<double> m;
+    auto s = sopt.init(saver, b, m.params);
+    for (int step = 1; step <= 2; ++step) {
+      m.make_grads(saver.rank(), step, true);
+      sopt.step(saver, b, m.params, s);
+    }
+    write_file(prefix + std::to_string(saver.rank()), s.save(b));
+    after_two = m.p;
+  }
+  world.barrier();
+  gradapt::comm::mpi& loader = save_on_split ? world : part;
+  if (save_on_split || in_split) {
+    sharded_scenario::model<double> m;
+    if (!after_two.empty()) m.p = after_two;
+    // Ranks that did not save take the parameters from rank 0 of the loader (every rank holds
+    // them all in stage 1).
+    for (auto& t : m.p) loader.broadcast(gradapt::host_view(t), 0);
+    auto s = sopt.load(loader, b, m.params, [&](int r) { return read_file(prefix + std::to_string(r)); });
+    REQUIRE(s.steps() == 2);
+    for (int step = 3; step <= 4; ++step) {
+      m.make_grads(loader.rank(), step, true);
+      sopt.step(loader, b, m.params, s);
+    }
+    for (std::size_t t = 0; t < ref.p.size(); ++t) REQUIRE(sharded_scenario::same_bits(ref.p[t], m.p[t]));
+  }
+  world.barrier();
+  if (save_on_split ? in_split : true) {
+    const int me = save_on_split ? part.rank() : world.rank();
+    std::remove((prefix + std::to_string(me)).c_str());
+  }
+}
+
+}  // namespace
+
+TEST_CASE("mpi: sharded SGD, AdamW, LAMB, LARS and a clipping chain equal the unsharded step",
+          "[mpi][shard]") {
+  gradapt::comm::mpi comm;
+  both_types(comm, gradapt::sgd({.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3}), element_cut);
+  both_types(comm, gradapt::adamw({.lr = 1e-2, .weight_decay = 0.01}), element_cut);
+  both_types(comm, gradapt::lamb({.lr = 1e-2, .weight_decay = 0.01}), element_cut);
+  both_types(comm, gradapt::lars({.lr = 0.1, .weight_decay = 1e-4, .momentum = 0.9}), element_cut);
+  both_types(comm, clip_adam(), element_cut);
+  both_types(comm, gradapt::lamb({.lr = 1e-2, .weight_decay = 0.01}), tensor_cut);
+  both_types(comm, gradapt::adafactor({.lr = 1e-2}), tensor_cut);
+  both_types(comm, gradapt::sm3({.lr = 0.1, .momentum = 0.9}), tensor_cut);
+  sharded_scenario::master_matches_unsharded(comm, gradapt::lamb({.lr = 1e-2, .weight_decay = 0.01}),
+                                             element_cut, 3);
+}
+
+TEST_CASE("mpi: a sharded state saved on k ranks loads on every rank, and the reverse", "[mpi][shard]") {
+  gradapt::comm::mpi world;
+  const auto lamb = gradapt::lamb({.lr = 1e-2, .weight_decay = 0.01});
+  for (int k = 1; k <= world.size(); ++k) {
+    reshard(world, lamb, element_cut, true, k);
+    reshard(world, lamb, element_cut, false, k);
+  }
+  reshard(world, gradapt::adafactor({.lr = 1e-2}), tensor_cut, true, 1);
+}
