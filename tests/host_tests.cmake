@@ -11,6 +11,8 @@ find_package(Threads REQUIRED)
 target_link_libraries(test_comm PRIVATE Threads::Threads)
 gradapt_add_test(test_bucket_reducer SOURCES test_bucket_reducer.cpp)
 target_link_libraries(test_bucket_reducer PRIVATE Threads::Threads)
+gradapt_add_test(test_hierarchical SOURCES test_hierarchical.cpp)
+target_link_libraries(test_hierarchical PRIVATE Threads::Threads)
 
 # A consumer that includes only <gradapt/gradapt.hpp> must compile warning-free with g++ and
 # clang++ at -Wall -Wextra -Wpedantic -Werror (no OpenMP, no -march).
