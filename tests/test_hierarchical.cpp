@@ -213,31 +213,35 @@ TEST_CASE("repeated hierarchical allreduces allocate nothing once the scratch ha
 TEST_CASE("hierarchy errors are thrown on every rank with a message that says what to change",
           "[hierarchical][errors]") {
   for (int p = 1; p <= 5; ++p) {
-    gradapt::comm::run_threads(p, quick, [&](threads& comm) { hier_scenarios::indivisible_group_size(comm); });
-    gradapt::comm::run_threads(p, quick, [&](threads& comm) { hier_scenarios::disagreeing_group_size(comm); });
+    gradapt::comm::run_threads(p, quick,
+                               [&](threads& comm) { hier_scenarios::indivisible_group_size(comm); });
+    gradapt::comm::run_threads(p, quick,
+                               [&](threads& comm) { hier_scenarios::disagreeing_group_size(comm); });
     gradapt::comm::run_threads(p, quick, [&](threads& comm) { hier_scenarios::unequal_hosts(comm); });
     gradapt::comm::run_threads(p, quick, [&](threads& comm) { hier_scenarios::disagreeing_counts(comm); });
   }
   SECTION("group size 4 in a world of 6 names the divisors") {
     const auto what = errors_of(6, [&](threads& comm) { hierarchy<threads> h(comm, {.group_size = 4}); });
     for (int r = 0; r < 6; ++r)
-      REQUIRE(what[static_cast<std::size_t>(r)] ==
-              "gradapt: comm::hierarchy on rank " + std::to_string(r) +
-                  ": hierarchy_options::group_size 4 does not divide the world size 6 (expected one of 1, 2, 3, 6)");
+      REQUIRE(what[static_cast<std::size_t>(r)] == "gradapt: comm::hierarchy on rank " + std::to_string(r) +
+                                                       ": hierarchy_options::group_size 4 does not divide "
+                                                       "the world size 6 (expected one of 1, 2, 3, 6)");
   }
   SECTION("a negative group size on one rank: that rank names it, the others name that rank") {
-    const auto what = errors_of(3, [&](threads& comm) {
-      hierarchy<threads> h(comm, {.group_size = comm.rank() == 1 ? -2 : 1});
-    });
+    const auto what = errors_of(
+        3, [&](threads& comm) { hierarchy<threads> h(comm, {.group_size = comm.rank() == 1 ? -2 : 1}); });
     REQUIRE(what[1] ==
-            "gradapt: comm::hierarchy on rank 1: hierarchy_options::group_size is -2 (expected > 0, or 0 to group "
+            "gradapt: comm::hierarchy on rank 1: hierarchy_options::group_size is -2 (expected > 0, or 0 to "
+            "group "
             "by host)");
     for (const int r : {0, 2})
-      REQUIRE(what[static_cast<std::size_t>(r)] == "gradapt: comm::hierarchy on rank " + std::to_string(r) +
-                                                       ": rank 1 passed invalid input (that rank's error says which)");
+      REQUIRE(what[static_cast<std::size_t>(r)] ==
+              "gradapt: comm::hierarchy on rank " + std::to_string(r) +
+                  ": rank 1 passed invalid input (that rank's error says which)");
   }
   SECTION("host and group size together") {
-    const auto what = errors_of(2, [&](threads& comm) { hierarchy<threads> h(comm, {.group_size = 1, .host = "x"}); });
+    const auto what =
+        errors_of(2, [&](threads& comm) { hierarchy<threads> h(comm, {.group_size = 1, .host = "x"}); });
     for (const auto& w : what)
       REQUIRE_THAT(w, Catch::Matchers::Contains("hierarchy_options::host is \"x\" but group_size is 1"));
   }
@@ -259,11 +263,12 @@ TEST_CASE("hierarchy errors are thrown on every rank with a message that says wh
   }
   SECTION("hosts of sizes 2, 1, 3") {
     const std::string hosts[] = {"a", "a", "b", "c", "c", "c"};
-    const auto what = errors_of(
-        6, [&](threads& comm) { hierarchy<threads> h(comm, {.host = hosts[comm.rank()]}); });
+    const auto what =
+        errors_of(6, [&](threads& comm) { hierarchy<threads> h(comm, {.host = hosts[comm.rank()]}); });
     for (const auto& w : what)
-      REQUIRE_THAT(w, Catch::Matchers::Contains(
-                          "the hosts hold different numbers of ranks (\"a\" 2 ranks, \"b\" 1 rank, \"c\" 3 ranks)"));
+      REQUIRE_THAT(
+          w, Catch::Matchers::Contains(
+                 "the hosts hold different numbers of ranks (\"a\" 2 ranks, \"b\" 1 rank, \"c\" 3 ranks)"));
   }
   SECTION("different element types, ops, and an op that is neither sum nor max") {
     auto what = errors_of(4, [&](threads& comm) {
@@ -277,7 +282,8 @@ TEST_CASE("hierarchy errors are thrown on every rank with a message that says wh
       }
     });
     for (const auto& w : what)
-      REQUIRE_THAT(w, Catch::Matchers::Contains("element type (0 float32, 1 float64, 2 float16, 3 bfloat16) is"));
+      REQUIRE_THAT(
+          w, Catch::Matchers::Contains("element type (0 float32, 1 float64, 2 float16, 3 bfloat16) is"));
     what = errors_of(4, [&](threads& comm) {
       hierarchy<threads> h(comm, {.group_size = 2});
       std::vector<float> f(8);
@@ -296,9 +302,10 @@ TEST_CASE("hierarchy errors are thrown on every rank with a message that says wh
     gradapt::comm::run_threads(1, quick, [&](threads& comm) {
       hierarchy<threads> h(comm, {.group_size = 1, .check_arguments = false});
       std::vector<float> f(8);
-      RANK_REQUIRE_THROWS_WITH(h.allreduce(gradapt::host_view(f), static_cast<reduce_op>(9)),
-                               Catch::Matchers::Equals(
-                                   "gradapt: comm::hierarchy::allreduce on rank 0: reduce_op 9 is neither sum nor max"));
+      RANK_REQUIRE_THROWS_WITH(
+          h.allreduce(gradapt::host_view(f), static_cast<reduce_op>(9)),
+          Catch::Matchers::Equals(
+              "gradapt: comm::hierarchy::allreduce on rank 0: reduce_op 9 is neither sum nor max"));
     });
   }
 }

@@ -84,7 +84,8 @@ inline constexpr std::size_t max_host_bytes = 255;
 /// Bytes packed into one double of the host-name allgather (exact: 48 bits < 2^53).
 inline constexpr std::size_t host_bytes_per_word = 6;
 /// Doubles per rank in the host-name allgather.
-inline constexpr std::size_t host_words = (max_host_bytes + 1 + host_bytes_per_word - 1) / host_bytes_per_word;
+inline constexpr std::size_t host_words =
+    (max_host_bytes + 1 + host_bytes_per_word - 1) / host_bytes_per_word;
 
 /// This machine's host name, or an error message in `bad`.
 inline std::string local_host_name(std::string& bad) {
@@ -96,8 +97,9 @@ inline std::string local_host_name(std::string& bad) {
   }
   return std::string(buf);
 #else
-  bad = "gethostname() is not available on this platform; set hierarchy_options::host or "
-        "hierarchy_options::group_size";
+  bad =
+      "gethostname() is not available on this platform; set hierarchy_options::host or "
+      "hierarchy_options::group_size";
   return {};
 #endif
 }
@@ -211,12 +213,12 @@ class hierarchy {
     if (op != reduce_op::sum && op != reduce_op::max)
       bad = text("allreduce", "reduce_op ", static_cast<int>(op), " is neither sum nor max");
     if (opt_.check_arguments) {
-      agree_values(world_, "comm::hierarchy::allreduce",
-                   {{"element count", static_cast<double>(n)},
-                    {"element type (0 float32, 1 float64, 2 float16, 3 bfloat16)",
-                     static_cast<double>(dtype_of_v<T>)},
-                    {"reduce_op (0 sum, 1 max)", static_cast<double>(op)}},
-                   bad);
+      agree_values(
+          world_, "comm::hierarchy::allreduce",
+          {{"element count", static_cast<double>(n)},
+           {"element type (0 float32, 1 float64, 2 float16, 3 bfloat16)", static_cast<double>(dtype_of_v<T>)},
+           {"reduce_op (0 sum, 1 max)", static_cast<double>(op)}},
+          bad);
     } else if (!bad.empty()) {
       throw error(bad);
     }
@@ -261,11 +263,13 @@ class hierarchy {
   /// This rank's own option errors ("" when valid); resolves host_ when grouping by host.
   std::string local_checks() {
     const int g = opt_.group_size;
-    if (g < 0) return text("", "hierarchy_options::group_size is ", g, " (expected > 0, or 0 to group by host)");
+    if (g < 0)
+      return text("", "hierarchy_options::group_size is ", g, " (expected > 0, or 0 to group by host)");
     if (g > 0) {
       if (!opt_.host.empty())
-        return text("", "hierarchy_options::host is \"", opt_.host, "\" but group_size is ", g,
-                    " (set group_size to group consecutive ranks, or host with group_size 0 to group by host)");
+        return text(
+            "", "hierarchy_options::host is \"", opt_.host, "\" but group_size is ", g,
+            " (set group_size to group consecutive ranks, or host with group_size 0 to group by host)");
       if (size_ % g != 0) {
         std::string divisors;
         for (int d = 1; d <= size_; ++d)
@@ -280,8 +284,7 @@ class hierarchy {
     if (!bad.empty()) return text("", bad);
     if (host_.size() > detail::max_host_bytes)
       return text("", "the host name has ", host_.size(), " bytes (at most ", detail::max_host_bytes, ")");
-    if (host_.find('\0') != std::string::npos)
-      return text("", "the host name contains a NUL byte");
+    if (host_.find('\0') != std::string::npos) return text("", "the host name contains a NUL byte");
     return {};
   }
 
@@ -321,8 +324,8 @@ class hierarchy {
             .append(std::to_string(count[r]))
             .append(count[r] == 1 ? " rank" : " ranks");
       }
-      gradapt::detail::fail("comm::hierarchy on rank ", rank_, ": the hosts hold different numbers of ranks (",
-                            list,
+      gradapt::detail::fail("comm::hierarchy on rank ", rank_,
+                            ": the hosts hold different numbers of ranks (", list,
                             "); the cross-node communicator needs the same number of ranks on every host "
                             "(start as many ranks on each host, or set hierarchy_options::group_size)");
     }

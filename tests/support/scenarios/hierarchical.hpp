@@ -25,7 +25,9 @@ using exact::same_bits;
 using exact::value;
 
 /// Integer input of rank r at index i, in [-5, 5].
-inline double x(int r, std::size_t i) { return static_cast<double>((r * 7 + static_cast<int>(i % 13) * 3) % 11) - 5.0; }
+inline double x(int r, std::size_t i) {
+  return static_cast<double>((r * 7 + static_cast<int>(i % 13) * 3) % 11) - 5.0;
+}
 
 /// Buffer sizes every scenario runs: empty, one element, not divisible by most group sizes,
 /// and a larger one.
@@ -93,8 +95,9 @@ void indivisible_group_size(Comm& world) {
   const int g = world.size() + 1;
   const auto what = error_of([&] { gradapt::comm::hierarchy<Comm> h(world, {.group_size = g}); });
   RANK_CHECK(what == "gradapt: comm::hierarchy on rank " + std::to_string(world.rank()) +
-                         ": hierarchy_options::group_size " + std::to_string(g) + " does not divide the world size " +
-                         std::to_string(world.size()) + " (expected one of " + divisors(world.size()) + ")");
+                         ": hierarchy_options::group_size " + std::to_string(g) +
+                         " does not divide the world size " + std::to_string(world.size()) +
+                         " (expected one of " + divisors(world.size()) + ")");
 }
 
 /// Rank 0 passes group size 1, the others the world size: with two or more ranks every rank
@@ -118,8 +121,8 @@ void disagreeing_group_size(Comm& world) {
 template <class Comm>
 void unequal_hosts(Comm& world) {
   const int p = world.size();
-  const auto what =
-      error_of([&] { gradapt::comm::hierarchy<Comm> h(world, {.host = world.rank() == 0 ? "alpha" : "beta"}); });
+  const auto what = error_of(
+      [&] { gradapt::comm::hierarchy<Comm> h(world, {.host = world.rank() == 0 ? "alpha" : "beta"}); });
   if (p < 3) {
     RANK_CHECK(what == "no error");
     return;
