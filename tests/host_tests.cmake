@@ -13,6 +13,8 @@ gradapt_add_test(test_bucket_reducer SOURCES test_bucket_reducer.cpp)
 target_link_libraries(test_bucket_reducer PRIVATE Threads::Threads)
 gradapt_add_test(test_shard_optimizer SOURCES test_shard_optimizer.cpp)
 target_link_libraries(test_shard_optimizer PRIVATE Threads::Threads)
+gradapt_add_test(test_hierarchical SOURCES test_hierarchical.cpp)
+target_link_libraries(test_hierarchical PRIVATE Threads::Threads)
 
 # A consumer that includes only <gradapt/gradapt.hpp> must compile warning-free with g++ and
 # clang++ at -Wall -Wextra -Wpedantic -Werror (no OpenMP, no -march).

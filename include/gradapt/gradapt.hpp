@@ -15,6 +15,7 @@
 #include "gradapt/backend/chunking.hpp"
 #include "gradapt/backend/host.hpp"
 
+#include "gradapt/comm/hierarchical.hpp"
 #include "gradapt/comm/single.hpp"
 #include "gradapt/comm/threads.hpp"
 
