@@ -1,6 +1,7 @@
 // The partition plan of sharded optimizer state: worked examples computed by hand, and over
 // random layouts the properties every plan must have (every element owned exactly once, pieces
-// in list order and packed in the shard buffer, aligned equal ranges for element granularity,
+// in list order at their flat positions in the shard buffer (packed unless tensors are
+// aligned), aligned equal ranges and cuts on the grid for element granularity,
 // whole tensors and the longest-processing-time bound for tensor granularity), determinism,
 // the checkpoint round trip and the errors.
 #include "catch.hpp"
@@ -37,8 +38,8 @@ void check_plan(const partition_plan& p, const std::vector<std::size_t>& sizes) 
       REQUIRE(q.length > 0);
       REQUIRE(q.tensor < sizes.size());
       REQUIRE(q.offset + q.length <= sizes[q.tensor]);
-      REQUIRE(q.shard_offset == pos);
-      if (!first) REQUIRE(q.tensor > last_tensor);  // list order, one piece per tensor
+      if (!o.align_tensors) REQUIRE(q.shard_offset == pos);  // packed
+      if (!first) REQUIRE(q.tensor > last_tensor);           // list order, one piece per tensor
       first = false;
       last_tensor = q.tensor;
       pos += q.length;
@@ -60,29 +61,45 @@ void check_plan(const partition_plan& p, const std::vector<std::size_t>& sizes) 
   for (std::size_t t = 0; t < sizes.size(); ++t)
     for (std::size_t i = 0; i < sizes[t]; ++i) REQUIRE(owner[t][i] >= 0);
   if (o.mode == granularity::element) {
-    // Rank r starts at flat element r S: ranks before the last non-empty one hold exactly S.
+    // Flat starts (aligned with align_tensors); rank r owns flat [r S, (r + 1) S) and each
+    // piece sits at its flat position minus r S in the shard buffer.
     REQUIRE(p.shard_capacity() % o.alignment == 0);
+    const std::size_t S = p.shard_capacity();
     std::size_t flat = 0;
     std::vector<std::size_t> start(sizes.size());
     for (std::size_t t = 0; t < sizes.size(); ++t) {
+      if (o.align_tensors && flat % o.alignment != 0) flat += o.alignment - flat % o.alignment;
       start[t] = flat;
       flat += sizes[t];
     }
     for (int r = 0; r < n; ++r) {
       const auto ps = p.pieces(r);
+      const std::size_t lo = static_cast<std::size_t>(r) * S;
       if (ps.empty()) {
-        REQUIRE(static_cast<std::size_t>(r) * p.shard_capacity() >= p.total());
+        REQUIRE(lo >= flat);
         continue;
       }
-      REQUIRE(start[ps.front().tensor] + ps.front().offset ==
-              static_cast<std::size_t>(r) * p.shard_capacity());
-      const std::size_t expect =
-          std::min(p.shard_capacity(), p.total() - static_cast<std::size_t>(r) * p.shard_capacity());
+      for (const piece& q : ps) {
+        const std::size_t at = start[q.tensor] + q.offset;
+        REQUIRE(at >= lo);
+        REQUIRE(at + q.length <= lo + S);
+        REQUIRE(q.shard_offset == at - lo);
+        if (o.align_tensors) {  // cuts inside a tensor on the alignment grid from its start
+          REQUIRE(q.offset % o.alignment == 0);
+          REQUIRE(((q.offset + q.length) % o.alignment == 0 || q.offset + q.length == sizes[q.tensor]));
+        }
+      }
+      // Ranks before the last hold every flat position of their range that a tensor covers.
+      std::size_t expect = 0;
+      for (std::size_t t = 0; t < sizes.size(); ++t) {
+        const std::size_t b = std::max(lo, start[t]), e = std::min(lo + S, start[t] + sizes[t]);
+        if (b < e) expect += e - b;
+      }
       REQUIRE(p.shard_size(r) == expect);
     }
-    // No more than one alignment block of slack per rank over an even split.
-    REQUIRE(p.shard_capacity() <=
-            (p.total() + static_cast<std::size_t>(n) - 1) / static_cast<std::size_t>(n) + o.alignment);
+    // No more than one alignment block of slack per rank over an even split of the flat span.
+    REQUIRE(S <= (flat + static_cast<std::size_t>(n) - 1) / static_cast<std::size_t>(n) + o.alignment);
+    if (!o.align_tensors) REQUIRE(flat == p.total());
   } else {
     const auto [lo, hi] = std::minmax_element(load.begin(), load.end());
     REQUIRE(*hi - *lo <= largest);
@@ -107,6 +124,24 @@ TEST_CASE("element granularity: a worked example", "[shard][partition]") {
       p.describe() ==
       "partition_plan: element granularity, 2 rank(s), 3 tensor(s), 35 element(s), alignment 4, shard "
       "capacity 20\n  rank 0: 20 element(s) t0[0, 10) t1[0, 5) t2[0, 5)\n  rank 1: 15 element(s) t2[5, 20)");
+  check_plan(p, sizes);
+}
+
+TEST_CASE("element granularity with aligned tensors: a worked example", "[shard][partition]") {
+  // Alignment 4, tensors aligned: t0 at flat [0, 10), t1 at [12, 17), t2 at [20, 40); 10
+  // blocks, 5 per rank, S = 20. Rank 0 holds t0 and t1 (t1 at shard position 12), rank 1 t2.
+  const std::vector<std::size_t> sizes{10, 5, 20};
+  const auto p =
+      partition_plan::make(sizes, 2, {.mode = granularity::element, .alignment = 4, .align_tensors = true});
+  REQUIRE(p.shard_capacity() == 20);
+  const std::vector<piece> r0{{0, 0, 10, 0}, {1, 0, 5, 12}};
+  const std::vector<piece> r1{{2, 0, 20, 0}};
+  REQUIRE(std::vector<piece>(p.pieces(0).begin(), p.pieces(0).end()) == r0);
+  REQUIRE(std::vector<piece>(p.pieces(1).begin(), p.pieces(1).end()) == r1);
+  REQUIRE(p.describe() ==
+          "partition_plan: element granularity, 2 rank(s), 3 tensor(s), 35 element(s), alignment 4 (tensors "
+          "aligned), shard capacity 20\n  rank 0: 15 element(s) t0[0, 10) t1[0, 5)\n  rank 1: 20 element(s) "
+          "t2[0, 20)");
   check_plan(p, sizes);
 }
 
@@ -149,10 +184,13 @@ TEST_CASE("random layouts: every property, both granularities, 1 to 9 ranks", "[
     const int n = 1 + static_cast<int>(rng() % 9);
     const std::size_t align = std::vector<std::size_t>{1, 3, 4, 64}[rng() % 4];
     const auto mode = rng() % 2 ? granularity::element : granularity::tensor;
-    INFO("case " << c << ": " << sizes.size() << " tensors, " << n << " ranks, alignment " << align);
-    const auto p = partition_plan::make(sizes, n, {.mode = mode, .alignment = align});
+    const bool aligned = rng() % 2 == 0;
+    INFO("case " << c << ": " << sizes.size() << " tensors, " << n << " ranks, alignment " << align
+                 << (aligned ? ", tensors aligned" : ""));
+    const gradapt::shard::partition_options o{.mode = mode, .alignment = align, .align_tensors = aligned};
+    const auto p = partition_plan::make(sizes, n, o);
     check_plan(p, sizes);
-    const auto again = partition_plan::make(sizes, n, {.mode = mode, .alignment = align});
+    const auto again = partition_plan::make(sizes, n, o);
     REQUIRE(again == p);
     REQUIRE(again.describe() == p.describe());
   }
@@ -160,20 +198,22 @@ TEST_CASE("random layouts: every property, both granularities, 1 to 9 ranks", "[
 
 TEST_CASE("the plan is saved and loaded with a checkpoint", "[shard][partition][archive]") {
   const std::vector<std::size_t> sizes{768 * 2304, 2304, 768, 50257 * 768};
-  for (const auto mode : {granularity::element, granularity::tensor}) {
-    const auto p = partition_plan::make(sizes, 4, {.mode = mode, .alignment = 128});
-    gradapt::archive_writer w(partition_plan::archive_kind, partition_plan::archive_version);
-    w.begin("plan");
-    p.save(w);
-    w.end();
-    const auto bytes = w.finish();
-    gradapt::archive_reader r(bytes, partition_plan::archive_kind, partition_plan::archive_version);
-    r.begin("plan");
-    const auto q = partition_plan::load(r);
-    r.end();
-    REQUIRE(q == p);
-    REQUIRE(q.describe() == p.describe());
-  }
+  for (const auto mode : {granularity::element, granularity::tensor})
+    for (const bool aligned : {false, true}) {
+      const auto p =
+          partition_plan::make(sizes, 4, {.mode = mode, .alignment = 128, .align_tensors = aligned});
+      gradapt::archive_writer w(partition_plan::archive_kind, partition_plan::archive_version);
+      w.begin("plan");
+      p.save(w);
+      w.end();
+      const auto bytes = w.finish();
+      gradapt::archive_reader r(bytes, partition_plan::archive_kind, partition_plan::archive_version);
+      r.begin("plan");
+      const auto q = partition_plan::load(r);
+      r.end();
+      REQUIRE(q == p);
+      REQUIRE(q.describe() == p.describe());
+    }
   gradapt::archive_writer w(partition_plan::archive_kind, partition_plan::archive_version);
   w.put("granularity", "rows");
   w.put("alignment", std::uint64_t{1});

@@ -45,4 +45,5 @@
 
 #include "gradapt/bucket/plan.hpp"
 #include "gradapt/bucket/reducer.hpp"
+#include "gradapt/shard/optimizer.hpp"
 #include "gradapt/shard/partition.hpp"

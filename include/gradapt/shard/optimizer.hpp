@@ -73,9 +73,9 @@ struct sharded_options {
   /// 4096 elements from every tensor's start, so any chain's sums can be assembled exactly).
   partition_options partition{
       .mode = granularity::element, .alignment = reduction_block, .align_tensors = true};
-  /// Shard positions per reduce-scatter and allgather round (default 2^22): the packing
+  /// Shard positions per reduce-scatter and allgather round (default 2^20): the packing
   /// buffers hold world × this many elements at most.
-  std::size_t bucket_elements = std::size_t{1} << 22;
+  std::size_t bucket_elements = std::size_t{1} << 20;
   /// Steps between the agreed checks that every rank's state shard is finite (default 100,
   /// and after the first step; 0 turns the check off).
   std::uint64_t check_interval = 100;
