@@ -260,8 +260,8 @@ class reducer {
   std::vector<std::size_t> missing_;
   std::vector<char> ready_;
   std::vector<request_type> requests_;  ///< per bucket (overlapping path only)
-  std::size_t next_ = 0;                 ///< buckets started in this round
-  std::size_t done_ = 0;                 ///< leading buckets whose collective completed
+  std::size_t next_ = 0;                ///< buckets started in this round
+  std::size_t done_ = 0;                ///< leading buckets whose collective completed
 };
 
 }  // namespace gradapt::bucket

@@ -249,13 +249,13 @@ struct nonblocking_op {
     failed     ///< the ranks' calls differed (`error` says how); no data moved
   };
   stage at = stage::agreeing;
-  gradapt::comm::detail::call c{};  ///< this rank's call
+  gradapt::comm::detail::call c{};                                             ///< this rank's call
   std::array<std::int64_t, gradapt::comm::detail::fingerprint_words> words{};  ///< fingerprint (MAX)
-  MPI_Request fingerprint = MPI_REQUEST_NULL;                                 ///< its request
-  void* data = nullptr;                                                       ///< the buffer
-  std::size_t bytes_per_element = 0;                                          ///< its element size
-  MPI_Datatype type = MPI_DATATYPE_NULL;                                      ///< its MPI type
-  MPI_Op op = MPI_OP_NULL;                                                    ///< the reduction
+  MPI_Request fingerprint = MPI_REQUEST_NULL;                                  ///< its request
+  void* data = nullptr;                                                        ///< the buffer
+  std::size_t bytes_per_element = 0;                                           ///< its element size
+  MPI_Datatype type = MPI_DATATYPE_NULL;                                       ///< its MPI type
+  MPI_Op op = MPI_OP_NULL;                                                     ///< the reduction
   std::vector<MPI_Request> requests;  ///< the data collectives (one per max_count piece)
   std::string error;                  ///< the agreement error (stage failed)
 };
@@ -459,7 +459,8 @@ class mpi : private detail::engine_calls<mpi> {
   /// its data. Without `check_sizes` the data collective is posted at once.
   /// @throws gradapt::error when an MPI call fails
   template <element T>
-  requires(!std::is_const_v<T>) [[nodiscard]] request iallreduce(tensor_view<T, host_space> buf, reduce_op op);
+  requires(!std::is_const_v<T>) [[nodiscard]] request
+      iallreduce(tensor_view<T, host_space> buf, reduce_op op);
 
   /// Lets outstanding non-blocking allreduces advance without waiting: posts the data of an
   /// agreed fingerprint and enters MPI's progress engine (Open MPI moves non-blocking
@@ -754,11 +755,12 @@ class mpi : private detail::engine_calls<mpi> {
     if (shared_->data == MPI_COMM_NULL)
       check(MPI_Comm_dup(comm_, &shared_->data), "iallreduce", "MPI_Comm_dup (data handle)");
     const auto n = static_cast<std::size_t>(o.c.count);
-    o.requests.reserve((n + static_cast<std::size_t>(opts_.max_count) - 1) / static_cast<std::size_t>(opts_.max_count));
+    o.requests.reserve((n + static_cast<std::size_t>(opts_.max_count) - 1) /
+                       static_cast<std::size_t>(opts_.max_count));
     pieces(n, [&](std::size_t off, int count) {
       MPI_Request r = MPI_REQUEST_NULL;
-      check(MPI_Iallreduce(MPI_IN_PLACE, static_cast<unsigned char*>(o.data) + off * o.bytes_per_element, count,
-                           o.type, o.op, shared_->data, &r),
+      check(MPI_Iallreduce(MPI_IN_PLACE, static_cast<unsigned char*>(o.data) + off * o.bytes_per_element,
+                           count, o.type, o.op, shared_->data, &r),
             "iallreduce", "MPI_Iallreduce");
       o.requests.push_back(r);
     });

@@ -50,9 +50,8 @@ concept communicator = requires {
 /// be an error on every rank (at `wait` or `test`), never a hang. `comm::mpi` has it;
 /// `comm::single` and `comm::threads` do not (their collectives are blocking).
 template <class C>
-concept nonblocking_allreduce_communicator =
-    communicator<C> && requires(C& c, tensor_view<float, typename C::space> f,
-                                tensor_view<double, typename C::space> d) {
+concept nonblocking_allreduce_communicator = communicator<C> &&
+    requires(C& c, tensor_view<float, typename C::space> f, tensor_view<double, typename C::space> d) {
   { c.iallreduce(f, reduce_op::sum) } -> std::movable;
   { c.iallreduce(d, reduce_op::sum) } -> std::movable;
   c.iallreduce(f, reduce_op::sum).wait();
