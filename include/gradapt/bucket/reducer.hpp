@@ -16,10 +16,11 @@
 /// Two paths, one result per communicator:
 /// - **Overlapping** (a `nonblocking_allreduce_communicator` such as `comm::mpi`, with
 ///   `reducer_options::overlap`, the default): `mark_ready` starts each complete bucket with
-///   `iallreduce` and returns at once, so the collectives run while the backward pass goes on;
-///   `wait()` waits the requests in plan order and then writes every bucket back. Every
-///   `mark_ready` (and `progress()`) also tests the requests in flight, because MPI libraries
-///   such as Open MPI move non-blocking collectives only inside MPI calls.
+///   `iallreduce` and returns at once, so the collectives run while the backward pass goes on.
+///   Every `mark_ready` (and `progress()`) also tests the requests in flight, because MPI
+///   libraries such as Open MPI move non-blocking collectives only inside MPI calls, and
+///   writes back each leading bucket whose collective has completed; `wait()` waits the rest
+///   in plan order and writes them back.
 /// - **Blocking** (`comm::single`, `comm::threads`, or `overlap = false`): a bucket is
 ///   reduced and written back inside the `mark_ready` call that completes it (or a later one,
 ///   in plan order).
@@ -145,16 +146,15 @@ class reducer {
     progress();
   }
 
-  /// Lets the collectives in flight advance without waiting (tests each outstanding request;
-  /// a no-op on the blocking path). `mark_ready` calls it; a framework may also call it while
+  /// Lets the collectives in flight advance without waiting, and writes back every leading
+  /// bucket whose collective has completed (tests the outstanding requests in plan order; a
+  /// no-op on the blocking path). `mark_ready` calls it; a framework may also call it while
   /// it waits for its device between gradients.
   /// @throws gradapt::error when a bucket's collective failed (e.g. the ranks' calls differed)
   void progress() {
     if constexpr (can_overlap)
-      for (std::size_t b = done_; b < next_; ++b) {
-        if (!requests_[b].test()) break;  // one test enters MPI's progress engine for all
-        ++done_;
-      }
+      if (opt_.overlap)
+        while (done_ < next_ && requests_[done_].test()) unpack(done_++);
   }
 
   /// Ends the round: starts the buckets that are left (in plan order), completes every bucket
@@ -171,12 +171,11 @@ class reducer {
     if constexpr (can_overlap) {
       try {
         while (next_ < fused_.size()) start(next_++);
-        for (std::size_t b = 0; b < fused_.size(); ++b) {
-          if (overlap()) {
-            requests_[b].wait();
-            unpack(b);
+        if (opt_.overlap)
+          for (; done_ < fused_.size(); ++done_) {
+            requests_[done_].wait();
+            unpack(done_);
           }
-        }
       } catch (...) {
         for (auto& r : requests_) r = request_type{};  // completes and discards what is in flight
         start_round();
