@@ -92,7 +92,9 @@ double timed(F&& f) {
 }
 
 enum class wait_mode { sleep, spin, poll };
-const char* mode_name(wait_mode m) { return m == wait_mode::sleep ? "sleep" : m == wait_mode::spin ? "spin" : "poll"; }
+const char* mode_name(wait_mode m) {
+  return m == wait_mode::sleep ? "sleep" : m == wait_mode::spin ? "spin" : "poll";
+}
 
 }  // namespace
 
@@ -118,24 +120,23 @@ int main(int argc, char** argv) {
       infos.push_back({k});
       total += k;
     }
-    for (std::size_t t = 0; t < g.size(); ++t)
-      views.emplace_back(g[t].data(), shapes[t].dims);
+    for (std::size_t t = 0; t < g.size(); ++t) views.emplace_back(g[t].data(), shapes[t].dims);
     std::vector<float> single(total, 1e-3f);
     const double bytes = 4.0 * static_cast<double>(total);
 
-    const auto plan = bucket_plan::make(
-        infos, {.cap_bytes = static_cast<std::size_t>(a.cap_mib * 1048576.0),
-                .first_cap_bytes = static_cast<std::size_t>(a.first_mib * 1048576.0)});
+    const auto plan =
+        bucket_plan::make(infos, {.cap_bytes = static_cast<std::size_t>(a.cap_mib * 1048576.0),
+                                  .first_cap_bytes = static_cast<std::size_t>(a.first_mib * 1048576.0)});
     reducer<mpi, float> overlapped(comm, plan, views);
     reducer<mpi, float> blocking(comm, plan, views, {.overlap = false});
     std::vector<std::size_t> backward_order(g.size());
     for (std::size_t t = 0; t < g.size(); ++t) backward_order[t] = g.size() - 1 - t;
 
     if (rank == 0)
-      std::printf("bench_buckets: %d rank(s), %zu gradients, %zu elements (%.1f MB fp32 per rank), %zu buckets "
-                  "(cap %.3g MiB, first %.3g MiB), %d iterations\n",
-                  comm.size(), g.size(), total, bytes / 1e6, plan.buckets().size(), a.cap_mib, a.first_mib,
-                  a.iters);
+      std::printf(
+          "bench_buckets: %d rank(s), %zu gradients, %zu elements (%.1f MB fp32 per rank), %zu buckets "
+          "(cap %.3g MiB, first %.3g MiB), %d iterations\n",
+          comm.size(), g.size(), total, bytes / 1e6, plan.buckets().size(), a.cap_mib, a.first_mib, a.iters);
 
     // (a) throughput
     std::vector<double> t_single, t_bucketed, t_blocking, t_per_tensor;
@@ -181,8 +182,8 @@ int main(int argc, char** argv) {
       }
     }
     if (rank == 0)
-      std::printf("\n(b) overlap: simulated backward of %.1f ms (%.2f x the blocking reduction)\n", 1e3 * backward_s,
-                  a.backward);
+      std::printf("\n(b) overlap: simulated backward of %.1f ms (%.2f x the blocking reduction)\n",
+                  1e3 * backward_s, a.backward);
     for (const wait_mode mode : {wait_mode::sleep, wait_mode::spin, wait_mode::poll}) {
       const auto backward = [&](auto&& on_ready, auto&& poll) {
         const auto start = clock_type::now();
@@ -218,10 +219,12 @@ int main(int argc, char** argv) {
       }
       if (rank == 0) {
         const double b = median(alone), o = median(with_overlap), n = median(non_overlapped);
-        std::printf("  %-5s backward %8.1f ms | +overlapped wait %8.1f ms | +blocking after %8.1f ms | exposed %7.1f ms"
-                    " of %7.1f ms: exposed/non-overlapped comm %.3f, step time ratio %.3f\n",
-                    mode_name(mode), 1e3 * b, 1e3 * o, 1e3 * n, 1e3 * (o - b), 1e3 * (n - b), (o - b) / (n - b),
-                    o / n);
+        std::printf(
+            "  %-5s backward %8.1f ms | +overlapped wait %8.1f ms | +blocking after %8.1f ms | exposed %7.1f "
+            "ms"
+            " of %7.1f ms: exposed/non-overlapped comm %.3f, step time ratio %.3f\n",
+            mode_name(mode), 1e3 * b, 1e3 * o, 1e3 * n, 1e3 * (o - b), 1e3 * (n - b), (o - b) / (n - b),
+            o / n);
       }
     }
   }

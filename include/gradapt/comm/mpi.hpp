@@ -810,7 +810,9 @@ class mpi::request {
  public:
   /// An empty request (already complete).
   request() = default;
+  /// Not copyable: one request owns its operation.
   request(const request&) = delete;
+  /// Not copyable: one request owns its operation.
   request& operator=(const request&) = delete;
   /// Takes over `other`'s operation; `other` becomes empty.
   request(request&& other) noexcept : comm_(std::move(other.comm_)), op_(std::move(other.op_)) {}
