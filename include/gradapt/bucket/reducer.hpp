@@ -4,23 +4,39 @@
 /// ranks through the buckets of a `bucket_plan`, driven by `mark_ready` as the framework's
 /// backward pass produces each gradient (PyTorch DDP's Reducer, Horovod's fusion buffer).
 ///
-/// A bucket is reduced once all its gradients are ready, and buckets are reduced strictly in
+/// A bucket is started once all its gradients are ready, and buckets are started strictly in
 /// plan order on every rank: when bucket 3 completes before bucket 2, it waits until bucket 2
-/// has been reduced. So ranks whose gradients become ready in different orders still enter the
-/// same collectives in the same order, and never wait in different ones. Each reduction packs
-/// the bucket's gradients into its fused buffer, runs one `allreduce(sum)` of it and writes
-/// the result back (times 1/N when averaging). `wait()` reduces what is left and ends the
-/// round; every gradient must have been marked ready by then.
+/// has been started. So ranks whose gradients become ready in different orders still enter
+/// the same collectives in the same order, and never wait in different ones. Each bucket's
+/// gradients are packed into its fused buffer and summed by one allreduce of it; the result
+/// is written back (g / N in the compute type when averaging). `wait()` starts what is left,
+/// completes every bucket in plan order and ends the round; every gradient must have been
+/// marked ready by then.
+///
+/// Two paths, one result per communicator:
+/// - **Overlapping** (a `nonblocking_allreduce_communicator` such as `comm::mpi`, with
+///   `reducer_options::overlap`, the default): `mark_ready` starts each complete bucket with
+///   `iallreduce` and returns at once, so the collectives run while the backward pass goes on.
+///   Every `mark_ready` (and `progress()`) also tests the requests in flight, because MPI
+///   libraries such as Open MPI move non-blocking collectives only inside MPI calls, and
+///   writes back each leading bucket whose collective has completed; `wait()` waits the rest
+///   in plan order and writes them back.
+/// - **Blocking** (`comm::single`, `comm::threads`, or `overlap = false`): a bucket is
+///   reduced and written back inside the `mark_ready` call that completes it (or a later one,
+///   in plan order).
 ///
 /// The result is element-wise the communicator's sum of the same elements: on `comm::threads`
-/// (rank order, one rounding) it is bitwise the per-tensor `allreduce` whatever the buckets;
-/// MPI's summation order may depend on the message size, so with three or more ranks a bucket
-/// may round differently from a per-tensor allreduce. Collectives here are blocking: a bucket
-/// is reduced inside the `mark_ready` call that completes it (or a later one, in plan order).
+/// (rank order, one rounding) it is bitwise the per-tensor `allreduce` whatever the buckets.
+/// MPI's summation order may depend on the message size and on the collective (blocking or
+/// non-blocking), so with three or more ranks a bucket may round differently from a
+/// per-tensor `allreduce`; exactly representable sums (integer-valued data) agree bit for bit
+/// on every path.
 ///
 /// Construction is collective: one small allreduce (`gradapt::agree_values`) checks that every
 /// rank built the same plan (bucket count, elements, a layout fingerprint) and options, so a
-/// rank with another plan throws on every rank instead of mixing buckets.
+/// rank with another plan throws on every rank instead of mixing buckets. The per-bucket
+/// collectives follow from that agreed plan; on MPI each non-blocking one still carries its
+/// own fingerprint (see `comm::mpi::iallreduce`).
 
 #include <algorithm>
 #include <concepts>
@@ -28,6 +44,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -44,7 +61,28 @@ namespace gradapt::bucket {
 struct reducer_options {
   /// Divide the sum by the world size (the data-parallel mean). Default true.
   bool average = true;
+  /// With a communicator that has a non-blocking allreduce
+  /// (`nonblocking_allreduce_communicator`), start each bucket without waiting so that its
+  /// collective overlaps the rest of the backward pass, and complete the buckets in `wait()`.
+  /// False reduces each bucket with the blocking `allreduce` inside `mark_ready`. Ignored by
+  /// communicators without a non-blocking allreduce. Default true.
+  bool overlap = true;
 };
+
+namespace detail {
+/// The request type of `Comm`'s non-blocking allreduce on T (an empty tag when it has none).
+template <class Comm, class T>
+struct request_of {
+  struct none {};
+  using type = none;
+};
+template <class Comm, class T>
+requires nonblocking_allreduce_communicator<Comm>
+struct request_of<Comm, T> {
+  using type = decltype(std::declval<Comm&>().iallreduce(std::declval<tensor_view<T, typename Comm::space>>(),
+                                                         reduce_op::sum));
+};
+}  // namespace detail
 
 /// Reduces the gradients `grads` (host views of element type T, in registration order) across
 /// the ranks of `comm` through `plan` (see the file comment).
@@ -80,17 +118,22 @@ class reducer {
                  {{"buckets", static_cast<double>(plan_.buckets().size())},
                   {"tensors", static_cast<double>(plan_.tensors())},
                   {"bucket layout (fingerprint)", static_cast<double>(h)},
-                  {"reducer_options::average", opt_.average ? 1.0 : 0.0}},
+                  {"reducer_options::average", opt_.average ? 1.0 : 0.0},
+                  {"reducer_options::overlap", opt_.overlap ? 1.0 : 0.0}},
                  bad);
     fused_.resize(plan_.buckets().size());
+    if constexpr (can_overlap) requests_.resize(plan_.buckets().size());
     missing_.resize(plan_.buckets().size());
     for (std::size_t b = 0; b < fused_.size(); ++b) fused_[b].resize(plan_.buckets()[b].elements);
     ready_.assign(grads_.size(), 0);
     start_round();
   }
 
-  /// Marks gradient t ready; reduces every bucket that is complete and next in plan order.
-  /// @throws gradapt::error when t is out of range or already marked in this round
+  /// Marks gradient t ready; starts every bucket that is complete and next in plan order
+  /// (overlapping path: without waiting for it; blocking path: reduced and written back here),
+  /// then lets the collectives in flight advance (`progress()`).
+  /// @throws gradapt::error when t is out of range or already marked in this round, or when
+  ///         the communicator fails
   void mark_ready(std::size_t t) {
     gradapt::detail::require(t < grads_.size(), "bucket::reducer::mark_ready on rank ", comm_->rank(),
                              ": gradient ", t, " is out of range (", grads_.size(), " gradients)");
@@ -99,23 +142,59 @@ class reducer {
                              " is already marked ready in this round (call wait() to end the round)");
     ready_[t] = 1;
     --missing_[plan_.where(t).bucket];
-    while (next_ < fused_.size() && missing_[next_] == 0) reduce(next_++);
+    while (next_ < fused_.size() && missing_[next_] == 0) start(next_++);
+    progress();
   }
 
-  /// Ends the round: reduces the buckets that are left (in plan order) and starts a new round.
+  /// Lets the collectives in flight advance without waiting, and writes back every leading
+  /// bucket whose collective has completed (tests the outstanding requests in plan order; a
+  /// no-op on the blocking path). `mark_ready` calls it; a framework may also call it while
+  /// it waits for its device between gradients.
+  /// @throws gradapt::error when a bucket's collective failed (e.g. the ranks' calls differed)
+  void progress() {
+    if constexpr (can_overlap)
+      if (opt_.overlap)
+        while (done_ < next_ && requests_[done_].test()) unpack(done_++);
+  }
+
+  /// Ends the round: starts the buckets that are left (in plan order), completes every bucket
+  /// in plan order, writes the results back and starts a new round.
   /// @throws gradapt::error naming the first gradient not marked ready (this rank only; the
-  ///         others then wait in that bucket's collective until the communicator's watchdog)
+  ///         others then wait in that bucket's collective until the communicator's watchdog),
+  ///         or when a bucket's collective failed (the round is then abandoned: the requests
+  ///         in flight are completed and discarded, and a new round starts)
   void wait() {
     for (std::size_t t = 0; t < ready_.size(); ++t)
       gradapt::detail::require(ready_[t] != 0, "bucket::reducer::wait on rank ", comm_->rank(), ": gradient ",
                                t,
                                " was not marked ready in this round (mark every gradient before the step)");
-    while (next_ < fused_.size()) reduce(next_++);
+    if constexpr (can_overlap) {
+      try {
+        while (next_ < fused_.size()) start(next_++);
+        if (opt_.overlap)
+          for (; done_ < fused_.size(); ++done_) {
+            requests_[done_].wait();
+            unpack(done_);
+          }
+      } catch (...) {
+        for (auto& r : requests_) r = request_type{};  // completes and discards what is in flight
+        start_round();
+        throw;
+      }
+    } else {
+      while (next_ < fused_.size()) start(next_++);
+    }
     start_round();
   }
 
-  /// Buckets reduced so far in this round.
+  /// Buckets started so far in this round (blocking path: reduced and written back;
+  /// overlapping path: collectives started, written back by `wait()`).
+  [[nodiscard]] std::size_t started() const noexcept { return next_; }
+  /// Same as `started()` (the name of the blocking path).
   [[nodiscard]] std::size_t reduced() const noexcept { return next_; }
+  /// True when buckets are started without waiting (the communicator has a non-blocking
+  /// allreduce and `reducer_options::overlap` is set).
+  [[nodiscard]] bool overlap() const noexcept { return can_overlap && opt_.overlap; }
   /// The plan.
   [[nodiscard]] const bucket_plan& plan() const noexcept { return plan_; }
 
@@ -131,18 +210,32 @@ class reducer {
   }
   void start_round() {
     next_ = 0;
+    done_ = 0;
     for (std::size_t b = 0; b < fused_.size(); ++b) missing_[b] = plan_.buckets()[b].tensors.size();
     std::fill(ready_.begin(), ready_.end(), char{0});
     while (next_ < fused_.size() && missing_[next_] == 0) ++next_;  // (no empty buckets exist)
   }
-  void reduce(std::size_t b) {
+  /// Packs bucket b into its fused buffer and starts (or, blocking, runs) its allreduce.
+  void start(std::size_t b) {
+    if constexpr (can_overlap) requests_[b] = request_type{};  // an abandoned round's, completed first
     const auto& k = plan_.buckets()[b];
     auto& f = fused_[b];
     for (std::size_t i = 0; i < k.tensors.size(); ++i) {
       const auto& g = grads_[k.tensors[i]];
       std::copy_n(g.data(), g.size(), f.data() + k.offsets[i]);
     }
+    if constexpr (can_overlap)
+      if (opt_.overlap) {
+        requests_[b] = comm_->iallreduce(host_view(f), reduce_op::sum);
+        return;
+      }
     comm_->allreduce(host_view(f), reduce_op::sum);
+    unpack(b);
+  }
+  /// Writes bucket b's sum back into its gradients (times 1/N when averaging).
+  void unpack(std::size_t b) {
+    const auto& k = plan_.buckets()[b];
+    const auto& f = fused_[b];
     using C = compute_t<T>;
     const auto n = static_cast<C>(comm_->size());
     for (std::size_t i = 0; i < k.tensors.size(); ++i) {
@@ -155,6 +248,9 @@ class reducer {
     }
   }
 
+  static constexpr bool can_overlap = nonblocking_allreduce_communicator<Comm>;
+  using request_type = typename detail::request_of<Comm, T>::type;
+
   Comm* comm_;
   bucket_plan plan_;
   std::vector<tensor_view<T, host_space>> grads_;
@@ -162,7 +258,9 @@ class reducer {
   std::vector<std::vector<T>> fused_;
   std::vector<std::size_t> missing_;
   std::vector<char> ready_;
-  std::size_t next_ = 0;
+  std::vector<request_type> requests_;  ///< per bucket (overlapping path only)
+  std::size_t next_ = 0;                ///< buckets started in this round
+  std::size_t done_ = 0;                ///< leading buckets whose collective completed
 };
 
 }  // namespace gradapt::bucket

@@ -55,6 +55,7 @@
 #include <cstring>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -237,12 +238,47 @@ MPI_Op reduction(reduce_op op) {
     return is_max ? ops<T>().max : ops<T>().sum;
 }
 
+/// One non-blocking allreduce (`mpi::iallreduce`): its fingerprint in flight on the
+/// communicator's handle, then its data collectives in flight on the data handle.
+struct nonblocking_op {
+  /// Where the operation stands.
+  enum class stage : std::uint8_t {
+    agreeing,  ///< the fingerprint allreduce is in flight; no data has moved
+    posted,    ///< the ranks agreed; the data collectives are in flight
+    complete,  ///< the data collectives finished: the buffer holds the result
+    failed     ///< the ranks' calls differed (`error` says how); no data moved
+  };
+  stage at = stage::agreeing;
+  gradapt::comm::detail::call c{};                                             ///< this rank's call
+  std::array<std::int64_t, gradapt::comm::detail::fingerprint_words> words{};  ///< fingerprint (MAX)
+  MPI_Request fingerprint = MPI_REQUEST_NULL;                                  ///< its request
+  void* data = nullptr;                                                        ///< the buffer
+  std::size_t bytes_per_element = 0;                                           ///< its element size
+  MPI_Datatype type = MPI_DATATYPE_NULL;                                       ///< its MPI type
+  MPI_Op op = MPI_OP_NULL;                                                     ///< the reduction
+  std::vector<MPI_Request> requests;  ///< the data collectives (one per max_count piece)
+  std::string error;                  ///< the agreement error (stage failed)
+};
+
 /// State shared by a communicator and its copies: the count of checked calls (the watchdog
-/// tells apart a peer waiting in this call from one waiting in another) and the buffers of the
-/// watchdog's fire-and-forget sends, which must outlive their requests.
+/// tells apart a peer waiting in this call from one waiting in another), the buffers of the
+/// watchdog's fire-and-forget sends, which must outlive their requests, the non-blocking
+/// allreduce whose fingerprint is still in flight (at most one) and the duplicate handle that
+/// carries non-blocking data (created by the first agreed `iallreduce`, freed with the state).
 struct shared_state {
   std::uint64_t calls = 0;
   std::deque<std::array<std::int64_t, 4>> sent;
+  std::shared_ptr<nonblocking_op> agreeing;
+  MPI_Comm data = MPI_COMM_NULL;
+
+  shared_state() = default;
+  shared_state(const shared_state&) = delete;
+  shared_state& operator=(const shared_state&) = delete;
+  ~shared_state() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized && data != MPI_COMM_NULL) MPI_Comm_free(&data);
+  }
 };
 
 /// The watchdog's conversation after a timeout (point-to-point on `tag`): a query
@@ -304,7 +340,7 @@ class watch {
       } else if (!same(a.call, a.kind)) {
         elsewhere.append(elsewhere.empty() ? "" : "; ").append("rank ").append(std::to_string(q));
         elsewhere.append(" waits in ")
-            .append(a.kind >= 0 && a.kind <= static_cast<std::int64_t>(gradapt::comm::detail::coll::exchange)
+            .append(a.kind >= 0 && a.kind <= static_cast<std::int64_t>(gradapt::comm::detail::last_coll)
                         ? gradapt::comm::detail::coll_name(static_cast<gradapt::comm::detail::coll>(a.kind))
                         : std::string_view("an unknown operation"))
             .append(" (its checked call ")
@@ -402,6 +438,38 @@ class mpi : private detail::engine_calls<mpi> {
     pieces(buf.size(), [&](std::size_t off, int count) {
       check(MPI_Allreduce(MPI_IN_PLACE, buf.data() + off, count, type, mop, comm_), name, "MPI_Allreduce");
     });
+  }
+
+  class request;
+
+  /// Starts a non-blocking in-place allreduce of `buf` (sum or max, element-wise across ranks)
+  /// and returns its request; `buf` must stay valid and untouched until the request completes
+  /// (`request::wait`, a `test` that returns true, or the request's destructor). Every rank
+  /// must pass the same number of elements, element type and op, and start its non-blocking
+  /// allreduces in the same order as its other collectives, as with MPI.
+  ///
+  /// Agreement (with `mpi_options::check_sizes`): the call's fingerprint travels in one tiny
+  /// `MPI_Iallreduce` on this handle, posted here; the data collective (`MPI_Iallreduce` on a
+  /// duplicate of the handle, in pieces of at most `max_count` elements) is posted only once
+  /// the fingerprints have met, so a call that differs across ranks (size, element type, op,
+  /// or another collective on another rank) moves no data and fails on every rank, at that
+  /// request's `wait` or `test`, with the same message as a blocking call. At most one
+  /// fingerprint is in flight: the next operation on this communicator (another
+  /// `iallreduce`, any blocking collective) first waits for it, under the watchdog, and posts
+  /// its data. Without `check_sizes` the data collective is posted at once.
+  /// @throws gradapt::error when an MPI call fails
+  template <element T>
+  requires(!std::is_const_v<T>) [[nodiscard]] request
+      iallreduce(tensor_view<T, host_space> buf, reduce_op op);
+
+  /// Lets outstanding non-blocking allreduces advance without waiting: posts the data of an
+  /// agreed fingerprint and enters MPI's progress engine (Open MPI moves non-blocking
+  /// collectives only inside MPI calls). Cheap; call it between pieces of other work.
+  /// @throws gradapt::error when an MPI call fails
+  void progress() {
+    try_settle();
+    int flag = 0;
+    check(MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm_, &flag, MPI_STATUS_IGNORE), "progress", "MPI_Iprobe");
   }
 
   /// Copies `buf` of rank `root` into `buf` of every other rank. Every rank must pass the same
@@ -640,9 +708,70 @@ class mpi : private detail::engine_calls<mpi> {
     return theirs;
   }
 
+  /// Waits (under the watchdog) for the fingerprint of the non-blocking allreduce in flight, if
+  /// any, and settles it: posts its data or records its agreement error. Every operation that
+  /// posts on this handle calls it first, so the handle's collectives keep one order on every
+  /// rank (fingerprint, then the error path's allgather if any, then the next operation).
+  void settle() const {
+    const auto o = shared_->agreeing;
+    if (!o) return;
+    wait_or_abort(std::span<MPI_Request>(&o->fingerprint, 1), "iallreduce", detail::coll::iallreduce);
+    resolve(*o);
+  }
+
+  /// settle() if the fingerprint in flight has already met (never waits).
+  void try_settle() const {
+    const auto o = shared_->agreeing;
+    if (!o) return;
+    int done = 0;
+    check(MPI_Test(&o->fingerprint, &done, MPI_STATUS_IGNORE), "iallreduce", "MPI_Test (argument check)");
+    if (done != 0) resolve(*o);
+  }
+
+  /// The fingerprint of `o` has met: record a disagreement (after the allgather that names a
+  /// rank, on every rank alike) or post the data collectives on the data handle.
+  void resolve(detail_mpi::nonblocking_op& o) const {
+    shared_->agreeing.reset();
+    if (!detail::all_agree(o.words)) {
+      try {
+        detail::agree(
+            comm_name, "iallreduce", rank_, size_, o.c, {},
+            [&](std::int64_t* w, std::size_t n) { std::copy_n(o.words.data(), n, w); },
+            [&](const std::int64_t* mine, std::size_t n, std::int64_t* all) {
+              allgather_words("iallreduce", mine, n, all);
+            });
+      } catch (const error& e) {
+        o.error = e.what();
+      }
+      o.at = detail_mpi::nonblocking_op::stage::failed;
+      return;
+    }
+    post(o);
+  }
+
+  /// Posts the data collectives of an agreed non-blocking allreduce (creating the data handle
+  /// on first use: a collective at the same point of every rank's sequence).
+  void post(detail_mpi::nonblocking_op& o) const {
+    if (shared_->data == MPI_COMM_NULL)
+      check(MPI_Comm_dup(comm_, &shared_->data), "iallreduce", "MPI_Comm_dup (data handle)");
+    const auto n = static_cast<std::size_t>(o.c.count);
+    o.requests.reserve((n + static_cast<std::size_t>(opts_.max_count) - 1) /
+                       static_cast<std::size_t>(opts_.max_count));
+    pieces(n, [&](std::size_t off, int count) {
+      MPI_Request r = MPI_REQUEST_NULL;
+      check(MPI_Iallreduce(MPI_IN_PLACE, static_cast<unsigned char*>(o.data) + off * o.bytes_per_element,
+                           count, o.type, o.op, shared_->data, &r),
+            "iallreduce", "MPI_Iallreduce");
+      o.requests.push_back(r);
+    });
+    o.at = o.requests.empty() ? detail_mpi::nonblocking_op::stage::complete
+                              : detail_mpi::nonblocking_op::stage::posted;
+  }
+
   /// The argument check's MAX allreduce: one MPI_Iallreduce, under the watchdog (which counts
-  /// the checked calls).
+  /// the checked calls). A non-blocking allreduce's fingerprint in flight is settled first.
   void max_allreduce_words(std::string_view op, std::int64_t* w, std::size_t n) const {
+    settle();
     ++shared_->calls;
     MPI_Request req = MPI_REQUEST_NULL;
     check(MPI_Iallreduce(MPI_IN_PLACE, w, static_cast<int>(n), MPI_INT64_T, MPI_MAX, comm_, &req), op,
@@ -652,7 +781,7 @@ class mpi : private detail::engine_calls<mpi> {
 
   /// The collective named `op` (coll_name's inverse).
   static detail::coll kind_of(std::string_view op) {
-    for (int k = 0; k <= static_cast<int>(detail::coll::exchange); ++k)
+    for (int k = 0; k <= static_cast<int>(detail::last_coll); ++k)
       if (detail::coll_name(static_cast<detail::coll>(k)) == op) return static_cast<detail::coll>(k);
     return detail::coll::allreduce;
   }
@@ -672,6 +801,122 @@ class mpi : private detail::engine_calls<mpi> {
   int size_ = 1;
 };
 
+/// A non-blocking allreduce of `comm::mpi` in flight (returned by `mpi::iallreduce`).
+/// Move-only. Its buffer holds the result once `wait()` returns or `test()` returns true.
+/// The destructor of a request that is still in flight completes it (waiting, under the
+/// communicator's watchdog for the agreement, which aborts the job rather than hang) and
+/// discards any error, so MPI never writes into a buffer that has been released.
+class mpi::request {
+ public:
+  /// An empty request (already complete).
+  request() = default;
+  /// Not copyable: one request owns its operation.
+  request(const request&) = delete;
+  /// Not copyable: one request owns its operation.
+  request& operator=(const request&) = delete;
+  /// Takes over `other`'s operation; `other` becomes empty.
+  request(request&& other) noexcept : comm_(std::move(other.comm_)), op_(std::move(other.op_)) {}
+  /// Completes this request's operation (as the destructor does), then takes over `other`'s.
+  request& operator=(request&& other) noexcept {
+    if (this != &other) {
+      finish_quietly();
+      comm_ = std::move(other.comm_);
+      op_ = std::move(other.op_);
+    }
+    return *this;
+  }
+  /// Completes the operation if it is still in flight; errors are discarded.
+  ~request() { finish_quietly(); }
+
+  /// True while this request refers to an operation not yet completed by wait() or test().
+  [[nodiscard]] bool active() const noexcept { return op_ != nullptr; }
+
+  /// Advances the operation without blocking; true once it is complete (the request becomes
+  /// empty). An empty request is complete.
+  /// @throws gradapt::error when the ranks' calls differed (every rank throws, naming what
+  ///         differs; no data moved) or an MPI call failed
+  bool test() {
+    if (!op_) return true;
+    using stage = detail_mpi::nonblocking_op::stage;
+    if (op_->at == stage::agreeing) comm_->try_settle();
+    if (op_->at == stage::agreeing) return false;
+    if (op_->at == stage::posted) {
+      int done = 0;
+      comm_->check(MPI_Testall(static_cast<int>(op_->requests.size()), op_->requests.data(), &done,
+                               MPI_STATUSES_IGNORE),
+                   "iallreduce", "MPI_Testall");
+      if (done == 0) return false;
+      op_->at = stage::complete;
+    }
+    return finish();
+  }
+
+  /// Waits until the operation is complete (the request becomes empty). An empty request
+  /// returns at once.
+  /// @throws gradapt::error when the ranks' calls differed (every rank throws, naming what
+  ///         differs; no data moved) or an MPI call failed
+  void wait() {
+    if (!op_) return;
+    using stage = detail_mpi::nonblocking_op::stage;
+    if (op_->at == stage::agreeing) comm_->settle();
+    if (op_->at == stage::posted) {
+      comm_->check(
+          MPI_Waitall(static_cast<int>(op_->requests.size()), op_->requests.data(), MPI_STATUSES_IGNORE),
+          "iallreduce", "MPI_Waitall");
+      op_->at = stage::complete;
+    }
+    finish();
+  }
+
+ private:
+  friend class mpi;
+  request(const mpi& comm, std::shared_ptr<detail_mpi::nonblocking_op> op)
+      : comm_(comm), op_(std::move(op)) {}
+
+  /// Empties the request; throws the agreement error of a failed operation.
+  bool finish() {
+    const auto op = std::move(op_);
+    op_.reset();
+    if (op->at == detail_mpi::nonblocking_op::stage::failed) throw error(op->error);
+    return true;
+  }
+
+  void finish_quietly() noexcept {
+    if (!op_) return;
+    try {
+      wait();
+    } catch (...) {
+      op_.reset();
+    }
+  }
+
+  std::optional<mpi> comm_;
+  std::shared_ptr<detail_mpi::nonblocking_op> op_;
+};
+
+template <element T>
+requires(!std::is_const_v<T>) mpi::request mpi::iallreduce(tensor_view<T, host_space> buf, reduce_op op) {
+  auto o = std::make_shared<detail_mpi::nonblocking_op>();
+  o->c = {detail::coll::iallreduce, dtype_of_v<T>, op, 0, static_cast<std::int64_t>(buf.size())};
+  o->data = static_cast<void*>(buf.data());
+  o->bytes_per_element = sizeof(T);
+  o->type = detail_mpi::datatype<T>();
+  o->op = detail_mpi::reduction<T>(op);
+  if (!opts_.check_sizes) {
+    post(*o);
+    return request(*this, std::move(o));
+  }
+  settle();  // the previous fingerprint first: one order of collectives on every rank
+  o->words = detail::encode(o->c, true, rank_);
+  ++shared_->calls;
+  check(MPI_Iallreduce(MPI_IN_PLACE, o->words.data(), static_cast<int>(o->words.size()), MPI_INT64_T, MPI_MAX,
+                       comm_, &o->fingerprint),
+        "iallreduce", "MPI_Iallreduce (argument check)");
+  shared_->agreeing = o;
+  return request(*this, std::move(o));
+}
+
 static_assert(gradapt::communicator<gradapt::comm::mpi>);
+static_assert(gradapt::nonblocking_allreduce_communicator<gradapt::comm::mpi>);
 
 }  // namespace gradapt::comm

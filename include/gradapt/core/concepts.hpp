@@ -42,4 +42,20 @@ concept communicator = requires {
   c.barrier();
 };
 
+/// A communicator that can also start a summing allreduce without waiting for it:
+/// `c.iallreduce(buf, reduce_op::sum)` returns a move-only request `r` whose `r.wait()`
+/// completes the operation (the buffer then holds the result) and whose `r.test()` advances it
+/// and returns true once complete. The buffer must stay valid until then; a request's
+/// destructor completes an operation still in flight. A call that differs across ranks must
+/// be an error on every rank (at `wait` or `test`), never a hang. `comm::mpi` has it;
+/// `comm::single` and `comm::threads` do not (their collectives are blocking).
+template <class C>
+concept nonblocking_allreduce_communicator = communicator<C> &&
+    requires(C& c, tensor_view<float, typename C::space> f, tensor_view<double, typename C::space> d) {
+  { c.iallreduce(f, reduce_op::sum) } -> std::movable;
+  { c.iallreduce(d, reduce_op::sum) } -> std::movable;
+  c.iallreduce(f, reduce_op::sum).wait();
+  { c.iallreduce(f, reduce_op::sum).test() } -> std::convertible_to<bool>;
+};
+
 }  // namespace gradapt

@@ -34,14 +34,18 @@ enum class coll : std::uint8_t {
   reduce_scatter,
   split,
   barrier,
-  exchange
+  exchange,
+  iallreduce
 };
+
+/// The last enumerator of `coll` (for range checks of values read back from a message).
+inline constexpr coll last_coll = coll::iallreduce;
 
 /// The collective's name ("allreduce", ...); "unknown" for a value outside the enumeration.
 constexpr std::string_view coll_name(coll c) {
   return gradapt::detail::enum_name(
-      c, std::array<std::string_view, 8>{"allreduce", "allreduce_with_norms", "broadcast", "allgather",
-                                         "reduce_scatter", "split", "barrier", "exchange"});
+      c, std::array<std::string_view, 9>{"allreduce", "allreduce_with_norms", "broadcast", "allgather",
+                                         "reduce_scatter", "split", "barrier", "exchange", "iallreduce"});
 }
 
 /// What every rank must agree on when it enters one collective.
