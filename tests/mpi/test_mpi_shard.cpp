@@ -1,12 +1,14 @@
 // The sharded optimizer over comm::mpi (1 to 5 ranks): every chain optimizer equals the
-// unsharded chain bit for bit on the same averaged gradients (the scenarios shared with the
-// threads tests, tests/support/scenarios/sharded.hpp), and a state saved on k ranks (a split
-// of the world) loads on all ranks, and the reverse, continuing bitwise as the unsharded run.
+// unsharded chain bit for bit on the same averaged gradients, also with stage 2's buckets (the
+// scenarios shared with the threads tests, tests/support/scenarios/sharded.hpp), and a state
+// saved on k ranks (a split of the world) loads on all ranks, and the reverse, continuing
+// bitwise as the unsharded run.
 // Archives travel through files, as checkpoints do.
 #include <unistd.h>
 #include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -40,12 +42,6 @@ clip_adam_chain clip_adam() {
                          gradapt::transform::scale_by_learning_rate{.lr = 1e-2}};
 }
 
-template <class Opt>
-void both_types(gradapt::comm::mpi& comm, const Opt& opt, const sharded_options& so) {
-  sharded_scenario::matches_unsharded<float>(comm, opt, so, 3);
-  sharded_scenario::matches_unsharded<double>(comm, opt, so, 3);
-}
-
 /// A directory name every rank agrees on (rank 0's process id).
 std::string shared_prefix(gradapt::comm::mpi& comm) {
   std::vector<double> id{static_cast<double>(::getpid())};
@@ -70,11 +66,11 @@ void write_file(const std::string& path, const std::vector<std::byte>& b) {
 
 /// Steps 1..2 on `saver` (a communicator of some ranks, or none on the others), saved to
 /// files; every rank of `loader` loads them and steps 3..4; against the unsharded 4 steps.
-template <class Opt>
+template <class V, class Opt>
 void reshard(gradapt::comm::mpi& world, const Opt& opt, const sharded_options& so, bool save_on_split,
              int k) {
   const gradapt::host b;
-  sharded_scenario::model<double> ref;
+  sharded_scenario::model<V> ref;
   auto rst = opt.init(b, ref.params);
   for (int s = 1; s <= 4; ++s) {
     ref.make_grads(0, s, true);
@@ -84,10 +80,10 @@ void reshard(gradapt::comm::mpi& world, const Opt& opt, const sharded_options& s
   const bool in_split = world.rank() < k;
   gradapt::comm::mpi part = world.split(in_split ? 0 : 1, world.rank());
   const sharded_optimizer<Opt> sopt(opt, so);
-  std::vector<std::vector<double>> after_two;
+  std::vector<std::vector<V>> after_two;
   gradapt::comm::mpi& saver = save_on_split ? part : world;
   if (!save_on_split || in_split) {
-    sharded_scenario::model<double> m;
+    sharded_scenario::model<V> m;
     auto s = sopt.init(saver, b, m.params);
     for (int step = 1; step <= 2; ++step) {
       m.make_grads(saver.rank(), step, true);
@@ -99,12 +95,16 @@ void reshard(gradapt::comm::mpi& world, const Opt& opt, const sharded_options& s
   world.barrier();
   gradapt::comm::mpi& loader = save_on_split ? world : part;
   if (save_on_split || in_split) {
-    sharded_scenario::model<double> m;
+    sharded_scenario::model<V> m;
     if (!after_two.empty()) m.p = after_two;
     // Ranks that did not save take the parameters from rank 0 of the loader (every rank holds
     // them all in stage 1).
     for (auto& t : m.p) loader.broadcast(gradapt::host_view(t), 0);
-    auto s = sopt.load(loader, b, m.params, [&](int r) { return read_file(prefix + std::to_string(r)); });
+    std::vector<std::byte> held;  // the bytes of the archive read last (valid until the next call)
+    auto s = sopt.load(loader, b, m.params, [&](int r) {
+      held = read_file(prefix + std::to_string(r));
+      return std::span<const std::byte>(held);
+    });
     REQUIRE(s.steps() == 2);
     for (int step = 3; step <= 4; ++step) {
       m.make_grads(loader.rank(), step, true);
@@ -124,24 +124,38 @@ void reshard(gradapt::comm::mpi& world, const Opt& opt, const sharded_options& s
 TEST_CASE("mpi: sharded SGD, AdamW, LAMB, LARS and a clipping chain equal the unsharded step",
           "[mpi][shard]") {
   gradapt::comm::mpi comm;
-  both_types(comm, gradapt::sgd({.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3}), element_cut);
-  both_types(comm, gradapt::adamw({.lr = 1e-2, .weight_decay = 0.01}), element_cut);
-  both_types(comm, gradapt::lamb({.lr = 1e-2, .weight_decay = 0.01}), element_cut);
-  both_types(comm, gradapt::lars({.lr = 0.1, .weight_decay = 1e-4, .momentum = 0.9}), element_cut);
-  both_types(comm, clip_adam(), element_cut);
-  both_types(comm, gradapt::lamb({.lr = 1e-2, .weight_decay = 0.01}), tensor_cut);
-  both_types(comm, gradapt::adafactor({.lr = 1e-2}), tensor_cut);
-  both_types(comm, gradapt::sm3({.lr = 0.1, .momentum = 0.9}), tensor_cut);
+  using sharded_scenario::matches_unsharded;  // double for the chains with barrier stages
+  matches_unsharded<float>(comm, gradapt::sgd({.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3}),
+                           element_cut, 3);
+  matches_unsharded<float>(comm, gradapt::adamw({.lr = 1e-2, .weight_decay = 0.01}), element_cut, 3);
+  matches_unsharded<double>(comm, gradapt::lamb({.lr = 1e-2, .weight_decay = 0.01}), element_cut, 3);
+  matches_unsharded<double>(comm, gradapt::lars({.lr = 0.1, .weight_decay = 1e-4, .momentum = 0.9}),
+                            element_cut, 3);
+  matches_unsharded<double>(comm, clip_adam(), element_cut, 3);
+  matches_unsharded<double>(comm, gradapt::lamb({.lr = 1e-2, .weight_decay = 0.01}), tensor_cut, 3);
+  matches_unsharded<float>(comm, gradapt::adafactor({.lr = 1e-2}), tensor_cut, 3);
+  matches_unsharded<float>(comm, gradapt::sm3({.lr = 0.1, .momentum = 0.9}), tensor_cut, 3);
   sharded_scenario::master_matches_unsharded(comm, gradapt::lamb({.lr = 1e-2, .weight_decay = 0.01}),
                                              element_cut, 3);
+}
+
+TEST_CASE("mpi: stage 2, buckets reduce-scattered as each rank marks its gradients in its own order",
+          "[mpi][shard]") {
+  gradapt::comm::mpi comm;
+  const sharded_options small{.buckets = {.cap_bytes = 20000, .first_cap_bytes = 4000}};
+  const sharded_options small_tensor{.partition = {.mode = granularity::tensor},
+                                     .buckets = {.cap_bytes = 20000, .first_cap_bytes = 4000}};
+  sharded_scenario::stage2_matches_unsharded<double>(comm, gradapt::lamb({.lr = 1e-2, .weight_decay = 0.01}),
+                                                     small, 3);
+  sharded_scenario::stage2_matches_unsharded<float>(comm, gradapt::adafactor({.lr = 1e-2}), small_tensor, 2);
 }
 
 TEST_CASE("mpi: a sharded state saved on k ranks loads on every rank, and the reverse", "[mpi][shard]") {
   gradapt::comm::mpi world;
   const auto lamb = gradapt::lamb({.lr = 1e-2, .weight_decay = 0.01});
   for (int k = 1; k <= world.size(); ++k) {
-    reshard(world, lamb, element_cut, true, k);
-    reshard(world, lamb, element_cut, false, k);
+    reshard<double>(world, lamb, element_cut, true, k);
+    reshard<double>(world, lamb, element_cut, false, k);
   }
-  reshard(world, gradapt::adafactor({.lr = 1e-2}), tensor_cut, true, 1);
+  reshard<float>(world, gradapt::adafactor({.lr = 1e-2}), tensor_cut, true, 1);
 }

@@ -14,6 +14,11 @@
 ///     element per shard element instead of per parameter);
 ///  3. the updated shards are allgathered into every rank's parameters (in rounds as in 1).
 ///
+/// Stage 2: when the framework calls `mark_ready(t)` as each gradient is produced, the
+/// gradients are reduce-scattered bucket by bucket (a `bucket::bucket_plan` over the gradients,
+/// buckets in plan order) during the backward pass, so a gradient's buffer is free for reuse
+/// as soon as its bucket has been reduced (`released(t)`); `step` then skips point 1.
+///
 /// Sums over a tensor that straddles ranks (LAMB's and LARS's trust ratios) and sums over all
 /// tensors (a global-norm clip) are assembled across ranks exactly: the chain measures a
 /// straddling tensor's sums per 4096-element reduction block (the host backend's blocking),
@@ -50,6 +55,7 @@
 
 #include "gradapt/backend/concepts.hpp"
 #include "gradapt/backend/host.hpp"
+#include "gradapt/bucket/plan.hpp"
 #include "gradapt/comm/agree.hpp"
 #include "gradapt/core/archive.hpp"
 #include "gradapt/core/concepts.hpp"
@@ -79,6 +85,9 @@ struct sharded_options {
   /// Steps between the agreed checks that every rank's state shard is finite (default 100,
   /// and after the first step; 0 turns the check off).
   std::uint64_t check_interval = 100;
+  /// Stage 2 (`mark_ready`): the gradient buckets reduce-scattered during the backward pass
+  /// (DDP's rule: reverse registration order, a smaller first bucket).
+  bucket::bucket_options buckets{};
 };
 
 template <class Chain>
@@ -124,11 +133,20 @@ class sharded_state {
   std::size_t state_bytes() const { return st_.state_elements() * sizeof(S) + master_.size() * sizeof(M); }
   /// Bytes of this rank's gradient shard (the averaged gradients the chain reads).
   std::size_t gradient_bytes() const { return grad_.size() * sizeof(G); }
-  /// Bytes of the packing buffers of the reduce-scatter and allgather rounds and the sums
-  /// exchanged for straddling tensors.
+  /// Bytes of the packing buffers of the reduce-scatter and allgather rounds (and of stage
+  /// 2's buckets) and the sums exchanged for straddling tensors.
   std::size_t workspace_bytes() const {
-    return send_g_.size() * sizeof(G) + send_v_.size() * sizeof(V) + recv_v_.size() * sizeof(V) +
-           (xsums_.size() + logical_.size() + rows_.size()) * sizeof(double);
+    return (send_g_.size() + bsend_.size() + brecv_.size()) * sizeof(G) + send_v_.size() * sizeof(V) +
+           recv_v_.size() * sizeof(V) + (xsums_.size() + logical_.size() + rows_.size()) * sizeof(double);
+  }
+  /// The gradient buckets of stage 2 (`mark_ready`).
+  const bucket::bucket_plan& buckets() const { return bplan_; }
+  /// True when gradient t's bucket has been reduce-scattered in this round: its buffer is
+  /// not read again before the next `mark_ready(t)` and may be reused.
+  bool released(std::size_t t) const {
+    gradapt::detail::require(t < ready_.size(), "sharded optimizer released: gradient ", t,
+                             " is out of range (", ready_.size(), " gradients)");
+    return bplan_.where(t).bucket < next_;
   }
 
   /// Kind and format version of the archive `save()` writes.
@@ -218,6 +236,14 @@ class sharded_state {
   std::vector<G> send_g_;           ///< reduce-scatter packing (world × round)
   std::vector<V> send_v_, recv_v_;  ///< allgather packing (round, world × round)
   std::vector<double> xsums_, logical_, rows_;
+  // Stage 2: the bucket plan, this round's ready marks, the buckets still missing gradients,
+  // the next bucket to reduce, and each bucket's per-rank segments (rank-major).
+  bucket::bucket_plan bplan_ = bucket::bucket_plan::make(std::span<const bucket::tensor_info>());
+  std::vector<char> ready_;
+  std::vector<std::size_t> missing_;
+  std::size_t next_ = 0, marked_ = 0;
+  std::vector<std::vector<std::vector<piece>>> segments_;  ///< [bucket][rank]: pieces in the bucket
+  std::vector<G> bsend_, brecv_;
   param_list<M, G, host_space, Options> list_;
   chain_state_type st_;
 };
@@ -285,6 +311,8 @@ class sharded_optimizer {
     v.push("partition_options::align_tensors", o_.partition.align_tensors ? 1.0 : 0.0);
     v.push("sharded_options::bucket_elements", static_cast<double>(o_.bucket_elements));
     v.push("sharded_options::check_interval", static_cast<double>(o_.check_interval));
+    v.push("bucket_options::cap_bytes", static_cast<double>(o_.buckets.cap_bytes));
+    v.push("bucket_options::first_cap_bytes", static_cast<double>(o_.buckets.first_cap_bytes));
     v.push("parameter element type", static_cast<double>(dtype_of_v<V>));
     v.push("gradient element type", static_cast<double>(dtype_of_v<G>));
     v.push("master element type", static_cast<double>(dtype_of_v<Mt>));
@@ -308,6 +336,7 @@ class sharded_optimizer {
       }
     }
     s.bucket_ = std::max<std::size_t>(1, std::min(o_.bucket_elements, cap));
+    plan_buckets(s);
     s.send_g_.assign(s.bucket_ * static_cast<std::size_t>(n), G{});
     s.send_v_.assign(s.bucket_, V{});
     s.recv_v_.assign(s.bucket_ * static_cast<std::size_t>(n), V{});
@@ -332,8 +361,19 @@ class sharded_optimizer {
     rebind_if_moved(s, params);
     for (std::size_t g = 0; g < params.group_count(); ++g) s.list_.options(g) = params.group(g).options;
 
-    // 1. Reduce-scatter in rounds of shard positions [p0, p0 + len).
-    for (std::size_t p0 = 0; p0 < cap; p0 += s.bucket_) {
+    // 1. Reduce-scatter in rounds of shard positions [p0, p0 + len), unless mark_ready
+    //    reduced every bucket during the backward pass.
+    const bool staged = s.marked_ != 0;
+    if (staged) {
+      for (std::size_t t = 0; t < s.ready_.size(); ++t)
+        gradapt::detail::require(
+            s.ready_[t] != 0, "shard::sharded_optimizer::step on rank ", s.rank_, ": gradient ", t, " ('",
+            params[t].name,
+            "') was not marked ready in this round (after mark_ready, every gradient must "
+            "be marked before the step)");
+      start_round(s);
+    }
+    for (std::size_t p0 = 0; p0 < cap && !staged; p0 += s.bucket_) {
       const std::size_t len = std::min(s.bucket_, cap - p0);
       for (std::size_t r = 0; r < n; ++r) {
         G* dst = s.send_g_.data() + r * len;
@@ -392,18 +432,42 @@ class sharded_optimizer {
     if (s.check_interval_ != 0 && (k == 1 || k % s.check_interval_ == 0)) check_finite(comm, b, s, "step");
   }
 
+  /// Stage 2: marks gradient t of `params` ready (the framework calls it as the backward pass
+  /// produces each gradient) and reduce-scatters every bucket that is complete and next in
+  /// plan order into this rank's gradient shard. Ranks may mark in different orders: buckets
+  /// are reduced in plan order on every rank. Once every gradient is marked, `step` uses the
+  /// reduced shard. Collective per bucket.
+  /// @throws gradapt::error when t is out of range or already marked in this round, or
+  ///         `params` does not match the state
+  template <class Comm, element V, element G, class M, class S, class Options>
+  requires communicator<Comm> && std::same_as<typename Comm::space, host_space>
+  void mark_ready(Comm& comm, const param_list<V, G, host_space, Options>& params,
+                  sharded_state<Chain, host, V, G, M, S, Options>& s, std::size_t t) const {
+    check_fit(comm, params, s, "mark_ready");
+    gradapt::detail::require(t < s.ready_.size(), "shard::sharded_optimizer::mark_ready on rank ", s.rank_,
+                             ": gradient ", t, " is out of range (", s.ready_.size(), " gradients)");
+    gradapt::detail::require(s.ready_[t] == 0, "shard::sharded_optimizer::mark_ready on rank ", s.rank_,
+                             ": gradient ", t, " ('", params[t].name,
+                             "') is already marked ready in this round (call step() to end the round)");
+    s.ready_[t] = 1;
+    ++s.marked_;
+    --s.missing_[s.bplan_.where(t).bucket];
+    while (s.next_ < s.missing_.size() && s.missing_[s.next_] == 0) reduce_bucket(comm, params, s, s.next_++);
+  }
+
   /// Restores a state saved on any world size (`sharded_state::save` on each old rank) into
   /// this rank's shard for `params` on this communicator. `archive(r)` returns the bytes old
-  /// rank r saved; only the old ranks whose shards overlap this rank's new shard are read,
-  /// and each is released before the next (the callback may map files). Collective: the ranks
-  /// agree that every one of them restored the same step count.
+  /// rank r saved, which must stay valid until the next call (a mapped file will do: nothing
+  /// is copied but one piece's field at a time). Old rank 0's archive is read for the plan,
+  /// then only the old archives whose pieces overlap this rank's new shard. Collective: the
+  /// ranks agree that every one of them restored the same step count.
   /// @throws gradapt::error (on every rank) when an archive is damaged, was saved for other
   ///         parameters (names, sizes), another optimizer layout or element type, or the ranks
   ///         restored different step counts
   template <class M = void, class S = void, class Comm, element V, element G, class Options>
   requires communicator<Comm> && std::same_as<typename Comm::space, host_space>
   auto load(Comm& comm, const host& b, const param_list<V, G, host_space, Options>& params,
-            const std::function<std::vector<std::byte>(int old_rank)>& archive) const {
+            const std::function<std::span<const std::byte>(int old_rank)>& archive) const {
     auto s = init<M, S>(comm, b, params);
     using St = typename decltype(s)::chain_state_type;
     using Se = typename St::state_element;
@@ -411,12 +475,12 @@ class sharded_optimizer {
     std::string bad;
     std::uint64_t steps = 0;
     try {
-      const auto first = archive(0);
-      archive_reader r0(first, sharded_state<Chain, host, V, G, Mt, Se, Options>::archive_kind,
+      archive_reader r0(archive(0), sharded_state<Chain, host, V, G, Mt, Se, Options>::archive_kind,
                         sharded_state<Chain, host, V, G, Mt, Se, Options>::archive_version);
       r0.begin("plan");
       const partition_plan old = partition_plan::load(r0);
       r0.end();
+      const auto steps0 = r0.get<std::uint64_t>("steps");
       gradapt::detail::require(old.tensors() == params.size(),
                                "sharded optimizer load: the checkpoint holds ", old.tensors(),
                                " tensors but the parameter list holds ", params.size());
@@ -428,10 +492,9 @@ class sharded_optimizer {
       bool have = false;
       for (int r = 0; r < old.world(); ++r) {
         if (!overlaps_any(old.pieces(r), s.plan_.pieces(s.rank_))) continue;
-        const auto bytes = r == 0 ? first : archive(r);
-        read_rank(b, s, old, r, bytes, params, have, steps);
+        read_rank(b, s, old, r, archive(r), params, have, steps);
       }
-      if (!have) steps = read_steps(first);
+      if (!have) steps = steps0;
     } catch (const error& e) {
       bad = e.what();
     }
@@ -448,6 +511,74 @@ class sharded_optimizer {
   }
 
  private:
+  /// Stage 2's bucket plan over the gradients and each bucket's per-rank segments.
+  template <class St>
+  void plan_buckets(St& s) const {
+    using Gt = typename std::remove_cvref_t<decltype(s.grad_)>::value_type;
+    const partition_plan& p = s.plan_;
+    std::vector<bucket::tensor_info> infos(p.tensors());
+    for (std::size_t t = 0; t < infos.size(); ++t) infos[t] = {p.tensor_size(t), dtype_of_v<Gt>};
+    s.bplan_ = bucket::bucket_plan::make(infos, o_.buckets);
+    const auto nb = s.bplan_.buckets().size();
+    s.segments_.assign(nb, std::vector<std::vector<piece>>(static_cast<std::size_t>(p.world())));
+    for (int r = 0; r < p.world(); ++r)
+      for (const piece& q : p.pieces(r))
+        s.segments_[s.bplan_.where(q.tensor).bucket][static_cast<std::size_t>(r)].push_back(q);
+    // Within a bucket, a rank's segments follow the bucket's packing order of tensors.
+    for (std::size_t b = 0; b < nb; ++b) {
+      const auto& order = s.bplan_.buckets()[b].tensors;
+      for (auto& seg : s.segments_[b])
+        std::stable_sort(seg.begin(), seg.end(), [&](const piece& x, const piece& y) {
+          return std::find(order.begin(), order.end(), x.tensor) <
+                 std::find(order.begin(), order.end(), y.tensor);
+        });
+    }
+    s.ready_.assign(p.tensors(), 0);
+    start_round(s);
+  }
+
+  template <class St>
+  static void start_round(St& s) {
+    std::fill(s.ready_.begin(), s.ready_.end(), char{0});
+    s.missing_.assign(s.bplan_.buckets().size(), 0);
+    for (std::size_t t = 0; t < s.ready_.size(); ++t) ++s.missing_[s.bplan_.where(t).bucket];
+    s.next_ = 0;
+    s.marked_ = 0;
+  }
+
+  /// Reduce-scatters bucket b: rank r's block holds its segments of the bucket (padded to the
+  /// longest rank's), and this rank's reduced block goes to its shard positions.
+  template <class Comm, class PL, class St>
+  void reduce_bucket(Comm& comm, const PL& params, St& s, std::size_t b) const {
+    using Gt = typename std::remove_cvref_t<decltype(s.grad_)>::value_type;
+    const auto n = static_cast<std::size_t>(comm.size());
+    std::size_t len = 0;
+    for (const auto& seg : s.segments_[b]) {
+      std::size_t k = 0;
+      for (const piece& q : seg) k += q.length;
+      len = std::max(len, k);
+    }
+    if (s.bsend_.size() < n * len) s.bsend_.resize(n * len);
+    if (s.brecv_.size() < len) s.brecv_.resize(len);
+    for (std::size_t r = 0; r < n; ++r) {
+      Gt* dst = s.bsend_.data() + r * len;
+      std::size_t at = 0;
+      for (const piece& q : s.segments_[b][r]) {
+        std::copy_n(params[q.tensor].grad.data() + q.offset, q.length, dst + at);
+        at += q.length;
+      }
+      std::fill(dst + at, dst + len, Gt{});
+    }
+    comm.reduce_scatter(
+        tensor_view<const Gt, host_space>::vector(s.bsend_.data(), static_cast<std::int64_t>(n * len)),
+        tensor_view<Gt, host_space>::vector(s.brecv_.data(), static_cast<std::int64_t>(len)), reduce_op::sum);
+    std::size_t at = 0;
+    for (const piece& q : s.segments_[b][static_cast<std::size_t>(s.rank_)]) {
+      std::copy_n(s.brecv_.data() + at, q.length, s.grad_.data() + q.shard_offset);
+      at += q.length;
+    }
+  }
+
   /// The sums of the shard's list tensors → the logical tensors' sums (see the file comment).
   template <class Comm, class S>
   struct assembly {
@@ -651,14 +782,9 @@ class sharded_optimizer {
                              "checkpoint with load(), and clip or rescale the gradients");
   }
 
-  static std::uint64_t read_steps(const std::vector<std::byte>& bytes) {
-    archive_reader r(bytes, "gradapt.sharded_optimizer", 1);
-    return r.get<std::uint64_t>("steps");
-  }
-
   /// Copies what old rank `r`'s archive holds of this rank's new pieces.
   template <class St, class PL>
-  void read_rank(const host& b, St& s, const partition_plan& old, int r, const std::vector<std::byte>& bytes,
+  void read_rank(const host& b, St& s, const partition_plan& old, int r, std::span<const std::byte> bytes,
                  const PL& params, bool& have, std::uint64_t& steps) const {
     using Cs = typename St::chain_state_type;
     using Se = typename Cs::state_element;

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -108,6 +109,47 @@ void matches_unsharded(Comm& comm, const Opt& opt, const gradapt::shard::sharded
     for (std::size_t t = 0; t < ref.p.size(); ++t) RANK_REQUIRE(same_bits(ref.p[t], sh.p[t]));
   }
   RANK_REQUIRE(sst.steps() == static_cast<std::uint64_t>(steps));
+}
+
+/// Stage 2: every rank marks its gradients ready in its own random order, the buckets are
+/// reduce-scattered during the "backward pass", and a gradient buffer is overwritten with NaN
+/// as soon as its bucket is released: the step still equals the unsharded chain bitwise.
+template <class V = float, class Comm, class Opt>
+void stage2_matches_unsharded(Comm& comm, const Opt& opt, const gradapt::shard::sharded_options& so,
+                              int steps) {
+  const gradapt::host b;
+  model<V> ref, sh;
+  auto rst = opt.init(b, ref.params);
+  const gradapt::shard::sharded_optimizer<Opt> sopt(opt, so);
+  auto sst = sopt.init(comm, b, sh.params);
+  const std::size_t T = sh.p.size();
+  for (int k = 1; k <= steps; ++k) {
+    ref.make_grads(comm.rank(), k);
+    sh.make_grads(comm.rank(), k);
+    for (const auto& g : ref.params.grads()) comm.allreduce(g, gradapt::reduce_op::sum);
+    if (comm.size() > 1) b.apply_list(gradapt::detail::divide_by_ranks{comm.size()}, ref.params.grads());
+    opt.step(b, ref.params, rst);
+    std::vector<std::size_t> order(T);
+    for (std::size_t t = 0; t < T; ++t) order[t] = t;
+    std::uint64_t x =
+        0x2545F4914F6CDD1Dull * static_cast<std::uint64_t>(comm.rank() + 1) + static_cast<std::uint64_t>(k);
+    for (std::size_t i = T; i > 1; --i) {  // Fisher-Yates with a per-rank generator
+      x = x * 6364136223846793005ull + 1442695040888963407ull;
+      std::swap(order[i - 1], order[static_cast<std::size_t>((x >> 33) % i)]);
+    }
+    std::vector<char> wiped(T, 0);
+    for (const std::size_t t : order) {
+      sopt.mark_ready(comm, sh.params, sst, t);
+      for (std::size_t u = 0; u < T; ++u)
+        if (!wiped[u] && sst.released(u)) {
+          for (auto& e : sh.g[u]) gradapt::store(e, std::numeric_limits<gradapt::compute_t<V>>::quiet_NaN());
+          wiped[u] = 1;
+        }
+    }
+    for (std::size_t u = 0; u < T; ++u) RANK_REQUIRE(wiped[u] == 1);
+    sopt.step(comm, b, sh.params, sst);
+    for (std::size_t t = 0; t < T; ++t) RANK_REQUIRE(same_bits(ref.p[t], sh.p[t]));
+  }
 }
 
 /// bfloat16 parameters and gradients with float master values in the shard: bitwise an
