@@ -111,6 +111,7 @@ class sharded_state {
   /// The chain state of this rank's shard.
   using chain_state_type = typename Chain::template state_type<B, M, G, S>;
 
+  /// Move-only: the shard's list and chain state point into the state's own buffers.
   sharded_state(sharded_state&&) noexcept = default;
   /// Move assignment (the views stay valid: the buffers do not move).
   sharded_state& operator=(sharded_state&&) noexcept = default;
