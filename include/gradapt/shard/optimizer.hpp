@@ -496,7 +496,7 @@ class sharded_optimizer {
         read_rank(b, s, old, r, archive(r), params, have, steps);
       }
       if (!have) steps = steps0;
-    } catch (const error& e) {
+    } catch (const std::exception& e) {  // also what the archive callback throws
       bad = e.what();
     }
     agree_values(comm, "shard::sharded_optimizer::load",
