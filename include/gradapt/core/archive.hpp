@@ -160,9 +160,29 @@ class archive_writer {
  public:
   /// Starts an archive of `kind` (non-empty, at most 255 bytes) at the writer's format `version`.
   archive_writer(std::string_view kind, std::uint32_t version) : kind_(kind), version_(version) {
+    namespace ai = detail::archive_impl;
     detail::require(!kind_.empty() && kind_.size() <= 255, "archive_writer: kind '", kind_,
                     "' must have 1 to 255 characters");
+    // The header goes first, its field count patched by finish(): the archive is built in
+    // place and handed out without a copy.
+    const auto* m = reinterpret_cast<const std::byte*>(ai::magic);
+    body_.insert(body_.end(), m, m + sizeof ai::magic);
+    ai::put_le(body_, ai::container_format);
+    ai::put_le(body_, static_cast<std::uint32_t>(kind_.size()));
+    const auto* k = reinterpret_cast<const std::byte*>(kind_.data());
+    body_.insert(body_.end(), k, k + kind_.size());
+    ai::put_le(body_, version_);
+    count_at_ = body_.size();
+    ai::put_le(body_, std::uint64_t{0});
+    fields_at_ = body_.size();
   }
+
+  /// Reserves room for `bytes` bytes of archive in all, so a writer that knows its size
+  /// up front holds the archive once (no growth copies).
+  void reserve(std::size_t bytes) { body_.reserve(bytes); }
+
+  /// Bytes written so far (header and fields; finish() adds the 4-byte CRC32C).
+  std::size_t size() const { return body_.size(); }
 
   /// The kind this archive is written as.
   std::string_view kind() const { return kind_; }
@@ -251,19 +271,13 @@ class archive_writer {
     namespace ai = detail::archive_impl;
     if (!prefix_.empty())
       detail::fail("archive_writer(", kind_, "): finish() with section '", prefix_.back(), "' still open");
-    std::vector<std::byte> out;
-    out.reserve(body_.size() + kind_.size() + 32);
-    const auto* m = reinterpret_cast<const std::byte*>(ai::magic);
-    out.insert(out.end(), m, m + sizeof ai::magic);
-    ai::put_le(out, ai::container_format);
-    ai::put_le(out, static_cast<std::uint32_t>(kind_.size()));
-    const auto* k = reinterpret_cast<const std::byte*>(kind_.data());
-    out.insert(out.end(), k, k + kind_.size());
-    ai::put_le(out, version_);
-    ai::put_le(out, static_cast<std::uint64_t>(names_.size()));
-    out.insert(out.end(), body_.begin(), body_.end());
-    ai::put_le(out, crc32c(out));
-    body_.clear();
+    const auto count = static_cast<std::uint64_t>(names_.size());
+    for (std::size_t i = 0; i < sizeof count; ++i)
+      body_[count_at_ + i] = static_cast<std::byte>((count >> (8 * i)) & 0xFFu);
+    ai::put_le(body_, crc32c(body_));
+    std::vector<std::byte> out = std::move(body_);
+    body_.assign(out.begin(), out.begin() + static_cast<std::ptrdiff_t>(fields_at_));
+    for (std::size_t i = 0; i < sizeof count; ++i) body_[count_at_ + i] = std::byte{0};
     names_.clear();
     return out;
   }
@@ -290,7 +304,9 @@ class archive_writer {
   std::string kind_;
   std::uint32_t version_;
   std::vector<std::string> prefix_;
-  std::vector<std::byte> body_;
+  std::vector<std::byte> body_;  ///< header, then the fields
+  std::size_t count_at_ = 0;     ///< where the header's field count sits
+  std::size_t fields_at_ = 0;    ///< where the fields begin
   std::set<std::string, std::less<>> names_;
 };
 

@@ -157,7 +157,8 @@ class sharded_state {
   /// This rank's shard as an archive: the plan, the rank, the chain's element type, stage
   /// layout and step count, and per piece of the plan its parameter name, tensor index, element
   /// range and the state of every active buffer (and the master values) over that range.
-  /// Holds one piece's state in host memory at a time besides the archive.
+  /// Holds the archive (reserved at its final size) and one piece's buffer besides: the
+  /// shard plus at most one tensor's worth of state.
   /// @throws gradapt::error when a state value is not finite
   std::vector<std::byte> save(const B& b) const {
     archive_writer w(archive_kind, archive_version);
@@ -173,6 +174,16 @@ class sharded_state {
     w.put("steps", st_.steps());
     const auto mine = plan_.pieces(rank_);
     w.put("pieces", static_cast<std::uint64_t>(mine.size()));
+    // The archive's size is known up front: reserving it keeps one copy of the shard.
+    std::size_t bytes = w.size() + 4;
+    for (std::size_t i = 0; i < mine.size(); ++i) {
+      const std::size_t fields = 4 + 2 * chain_state_type::buffer_count() + 1;  // with name slack
+      bytes += fields * (64 + names_[mine[i].tensor].size()) + 2 * names_[mine[i].tensor].size();
+      for (std::size_t j = 0; j < chain_state_type::buffer_count(); ++j)
+        if (!st_.buffer(j).empty()) bytes += mine[i].length * sizeof(S);
+      if (!master_.empty()) bytes += mine[i].length * sizeof(M);
+    }
+    w.reserve(bytes);
     std::vector<S> host;
     std::vector<M> mhost;
     for (std::size_t i = 0; i < mine.size(); ++i) {
@@ -185,13 +196,15 @@ class sharded_state {
       for (std::size_t j = 0; j < chain_state_type::buffer_count(); ++j) {
         const auto bufs = st_.buffer(j);
         if (bufs.empty()) continue;
-        host.clear();
+        host.resize(q.length);
+        std::size_t at = 0;
         for_units_of(q, [&](std::size_t u) {
           const auto& v = bufs[u];
-          const std::size_t at = host.size();
-          host.resize(at + v.size());
-          b.copy(tensor_view<const S, host_space>(v), host_view(std::span<S>(host).subspan(at)));
+          b.copy(tensor_view<const S, host_space>(v), host_view(std::span<S>(host).subspan(at, v.size())));
+          at += v.size();
         });
+        gradapt::detail::require(at == q.length, "sharded optimizer save on rank ", rank_, ": the units of '",
+                                 names_[q.tensor], "' cover ", at, " of its ", q.length, " shard elements");
         for (const S& x : host)
           gradapt::detail::require(std::isfinite(static_cast<double>(static_cast<compute_t<S>>(x))),
                                    "sharded optimizer save on rank ", rank_, ": buffer ", j, " of '",
@@ -843,11 +856,8 @@ class sharded_optimizer {
         const auto bufs = s.st_.buffer(j);
         if (bufs.empty()) continue;
         const std::string field = gradapt::detail::archive_impl::join("buffer", "", std::to_string(j));
-        if (!wanted) {
-          (void)rd.get_tensor<Se>(field);
-          continue;
-        }
-        host = rd.get_tensor<Se>(field);
+        read_field(rd, field, host);
+        if (!wanted) continue;
         for (const Se& x : host)
           gradapt::detail::require(
               std::isfinite(static_cast<double>(static_cast<compute_t<Se>>(x))),
@@ -856,7 +866,7 @@ class sharded_optimizer {
         copy_into_units(b, s, q, j, std::span<const Se>(host));
       }
       if constexpr (!std::is_same_v<Mt, typename PL::value_type>) {
-        mhost = rd.get_tensor<Mt>("master");
+        read_field(rd, "master", mhost);
         gradapt::detail::require(mhost.size() == q.length, "sharded optimizer load: piece '", nm, "' has ",
                                  mhost.size(), " master values for ", q.length, " elements");
         if (wanted)
@@ -871,6 +881,21 @@ class sharded_optimizer {
       rd.end();
     }
     rd.finish();
+  }
+
+  /// Reads tensor field `name` into `out`, which holds one field at a time: a buffer that
+  /// must grow is released first, so reading never holds two pieces' values.
+  template <class T>
+  static void read_field(archive_reader& rd, std::string_view name, std::vector<T>& out) {
+    const archive_tensor_info info = rd.tensor_info(name);
+    const auto n = static_cast<std::size_t>(info.elements);
+    if (n > out.capacity()) {
+      out.clear();
+      out.shrink_to_fit();
+      out.reserve(n);
+    }
+    out.resize(n);
+    rd.get_tensor<T>(name, std::span<T>(out), info.shape);
   }
 
   /// Copies buffer j's values of old piece q (host, element-indexed from q.offset; for a
