@@ -15,6 +15,8 @@ gradapt_add_test(test_shard_optimizer SOURCES test_shard_optimizer.cpp)
 target_link_libraries(test_shard_optimizer PRIVATE Threads::Threads)
 gradapt_add_test(test_shard_checkpoint_memory SOURCES test_shard_checkpoint_memory.cpp)
 target_link_libraries(test_shard_checkpoint_memory PRIVATE Threads::Threads)
+gradapt_add_test(test_shard_device_path SOURCES test_shard_device_path.cpp)
+target_link_libraries(test_shard_device_path PRIVATE Threads::Threads)
 gradapt_add_test(test_hierarchical SOURCES test_hierarchical.cpp)
 target_link_libraries(test_hierarchical PRIVATE Threads::Threads)
 

@@ -115,19 +115,19 @@ TEST_CASE("stage 2 errors: a gradient marked twice or out of range, a step befor
     const sharded_optimizer opt(gradapt::adamw({}), element_cut);
     auto s = opt.init(comm, b, m.params);
     m.make_grads(comm.rank(), 1);
-    RANK_REQUIRE_THROWS_WITH(opt.mark_ready(comm, m.params, s, 8),
+    RANK_REQUIRE_THROWS_WITH(opt.mark_ready(comm, gradapt::host{}, m.params, s, 8),
                              Contains("gradient 8 is out of range (8 gradients)"));
-    for (std::size_t t = 0; t < 8; ++t) opt.mark_ready(comm, m.params, s, t);
+    for (std::size_t t = 0; t < 8; ++t) opt.mark_ready(comm, gradapt::host{}, m.params, s, t);
     opt.step(comm, b, m.params, s);
-    opt.mark_ready(comm, m.params, s, 3);
-    RANK_REQUIRE_THROWS_WITH(opt.mark_ready(comm, m.params, s, 3), Contains("'w3') is already marked ready"));
+    opt.mark_ready(comm, gradapt::host{}, m.params, s, 3);
+    RANK_REQUIRE_THROWS_WITH(opt.mark_ready(comm, gradapt::host{}, m.params, s, 3), Contains("'w3') is already marked ready"));
   });
   const auto what = gradapt_test::errors_of(1, quick, [](threads& comm) {
     const gradapt::host b;
     model<float> m;
     const sharded_optimizer opt(gradapt::adamw({}), element_cut);
     auto s = opt.init(comm, b, m.params);
-    opt.mark_ready(comm, m.params, s, 0);
+    opt.mark_ready(comm, gradapt::host{}, m.params, s, 0);
     opt.step(comm, b, m.params, s);
   });
   CHECK_THAT(what[0], Contains("gradient 1 ('w1') was not marked ready in this round"));

@@ -1,6 +1,7 @@
 #pragma once
 /// @file
-/// Agreement across ranks for library-level operations, on any host communicator: the values
+/// Agreement across ranks for library-level operations, on any host communicator (and on a
+/// device communicator through a backend buffer, `agree_values(comm, backend, ...)`): the values
 /// every rank must pass equal (options, schedules, batch descriptions) and the identity of the
 /// operation itself, checked with one small allreduce. A difference is a gradapt::error on
 /// every rank that names the operation, the value and the range the ranks pass, instead of
@@ -11,6 +12,7 @@
 
 #include <array>
 #include <cmath>
+#include <concepts>
 #include <cstdint>
 #include <cstdio>
 #include <initializer_list>
@@ -72,18 +74,30 @@ inline std::string value_text(double v) {
 
 }  // namespace detail
 
-/// Checks that every rank of `comm` entered operation `who` (e.g. "local_sgd") with the same
-/// `values`. Collective: every rank must call it (with its own values). Throws gradapt::error
-/// on every rank when the operation or a value differs, naming the first that does, this
-/// rank's value and the smallest and largest any rank passes. A NaN value differs from
-/// everything. A rank whose own input is invalid passes its message as `local_error`: it
-/// throws that message and every other rank throws naming it, so nobody is left waiting. Host communicators
-/// only (the values travel in host memory); on a device communicator the caller agrees through host means of
-/// its own or not at all.
-template <class C>
-requires std::same_as<typename C::space, host_space>
-void agree_values(C& comm, std::string_view who, std::span<const agreed_value> values,
-                  const std::string& local_error = {}) {
+namespace detail {
+
+/// Allreduces `v` (host memory) on `comm`: directly on a host communicator, through a device
+/// buffer of backend `b` (copied in and out) on a device communicator.
+template <class C, class B>
+void allreduce_host_values(C& comm, const B& b, std::span<double> v, reduce_op op) {
+  if constexpr (std::same_as<typename C::space, host_space>) {
+    (void)b;
+    comm.allreduce(tensor_view<double, host_space>::vector(v.data(), static_cast<std::int64_t>(v.size())), op);
+  } else {
+    auto d = b.template allocate<double>(v.size());
+    const auto n = static_cast<std::int64_t>(v.size());
+    const tensor_view<double, typename C::space> dv = tensor_view<double, typename C::space>::vector(d.data(), n);
+    b.copy(tensor_view<const double, host_space>::vector(v.data(), n), dv);
+    comm.allreduce(dv, op);
+    b.copy(tensor_view<const double, typename C::space>::vector(d.data(), n),
+           tensor_view<double, host_space>::vector(v.data(), n));
+  }
+}
+
+/// agree_values with the allreduce(max) of its words done by `allreduce_max(span)`.
+template <class C, class R>
+void agree_values_with(C& comm, std::string_view who, std::span<const agreed_value> values,
+                       const std::string& local_error, R&& allreduce_max) {
   const double tag = detail::operation_tag(who);
   // On the stack for up to 30 values (checks on a step path allocate nothing).
   const std::size_t words = 2 * (values.size() + 1) + 1;
@@ -102,7 +116,7 @@ void agree_values(C& comm, std::string_view who, std::span<const agreed_value> v
   }
   // The lowest rank with invalid input, as -rank (or -inf when every rank's input is valid).
   v[words - 1] = local_error.empty() ? -HUGE_VAL : -static_cast<double>(comm.rank());
-  comm.allreduce(tensor_view<double, host_space>::vector(v.data(), v.size()), reduce_op::max);
+  allreduce_max(v);
   if (!local_error.empty()) throw error(local_error);
   if (v[words - 1] != -HUGE_VAL)
     detail::fail(who, " on rank ", comm.rank(), ": rank ", -v[words - 1],
@@ -120,6 +134,36 @@ void agree_values(C& comm, std::string_view who, std::span<const agreed_value> v
                  detail::value_text(lo), " to ", detail::value_text(hi),
                  " across ranks (every rank must pass the same ", values[i].name, ")");
   }
+}
+
+}  // namespace detail
+
+/// Checks that every rank of `comm` entered operation `who` (e.g. "local_sgd") with the same
+/// `values`. Collective: every rank must call it (with its own values). Throws gradapt::error
+/// on every rank when the operation or a value differs, naming the first that does, this
+/// rank's value and the smallest and largest any rank passes. A NaN value differs from
+/// everything. A rank whose own input is invalid passes its message as `local_error`: it
+/// throws that message and every other rank throws naming it, so nobody is left waiting. Host
+/// communicators; a device communicator agrees through a backend (the overload below).
+template <class C>
+requires std::same_as<typename C::space, host_space>
+void agree_values(C& comm, std::string_view who, std::span<const agreed_value> values,
+                  const std::string& local_error = {}) {
+  detail::agree_values_with(comm, who, values, local_error, [&](std::span<double> v) {
+    comm.allreduce(tensor_view<double, host_space>::vector(v.data(), static_cast<std::int64_t>(v.size())),
+                   reduce_op::max);
+  });
+}
+
+/// agree_values on any communicator: the values travel through a buffer of backend `b` in the
+/// communicator's memory space (a device buffer, copied in and out, for NCCL), otherwise as above.
+template <class C, class B>
+requires std::same_as<typename C::space, typename B::space>
+void agree_values(C& comm, const B& b, std::string_view who, std::span<const agreed_value> values,
+                  const std::string& local_error = {}) {
+  detail::agree_values_with(comm, who, values, local_error, [&](std::span<double> v) {
+    detail::allreduce_host_values(comm, b, v, reduce_op::max);
+  });
 }
 
 /// agree_values over an initializer list: `agree_values(comm, "local_sgd", {{"period", 4.0}})`.

@@ -35,7 +35,14 @@
 /// half or bfloat16 parameters), the shard keeps its values in M, the chain steps them, and
 /// the allgather carries them rounded to V.
 ///
-/// Host backend and host communicators (threads, single, MPI).
+/// Backends: the host backend with host communicators (threads, single, MPI), and any
+/// optimizer backend whose memory space matches its communicator's (the CUDA backend with
+/// NCCL): the packing copies, the mean and the master rounding are the backend's element-wise
+/// `apply` over (offset, length) views, and the agreements travel through a backend buffer. On
+/// a device backend a chain with per-tensor sums (LAMB, LARS) needs whole tensors
+/// (`granularity::tensor`) and a chain with a global sum (a global-norm clip) is rejected on
+/// more than one rank: the exact cross-shard assembly runs on the host backend only. The
+/// device path compiles in the CUDA tests and has not run on a GPU.
 /// Checkpoints: `save` writes this rank's shard (its pieces, keyed by parameter name and
 /// element range, with the plan); `load` restores a state on any world size from the archives
 /// of any other, reading only the old archives that overlap this rank's new shard.
@@ -66,6 +73,24 @@
 #include "gradapt/core/tensor_view.hpp"
 #include "gradapt/optim/chain.hpp"
 #include "gradapt/shard/partition.hpp"
+
+namespace gradapt::detail::shard_k {
+/// dst = src in the compute type: a value copy (a 16-bit signalling NaN becomes quiet), or
+/// master values rounded to the parameters' type to nearest even.
+struct copy_to {
+  template <class C>
+  GRADAPT_HD void operator()(C& dst, const C& src) const {
+    dst = src;
+  }
+};
+/// x = 0.
+struct set_zero {
+  template <class C>
+  GRADAPT_HD void operator()(C& x) const {
+    x = C(0);
+  }
+};
+}  // namespace gradapt::detail::shard_k
 
 namespace gradapt::shard {
 
@@ -110,6 +135,11 @@ class sharded_state {
  public:
   /// The chain state of this rank's shard.
   using chain_state_type = typename Chain::template state_type<B, M, G, S>;
+  using backend_type = B;           ///< the backend the state's buffers belong to
+  using space = typename B::space;  ///< the memory space of the buffers and views
+  using value_type = V;             ///< the parameters' element type
+  using gradient_type = G;          ///< the gradients' element type
+  using master_type = M;            ///< the shard's value type (V, or wider master values)
 
   /// Move-only: the shard's list and chain state point into the state's own buffers.
   sharded_state(sharded_state&&) noexcept = default;
@@ -181,7 +211,7 @@ class sharded_state {
       bytes += fields * (64 + names_[mine[i].tensor].size()) + 2 * names_[mine[i].tensor].size();
       for (std::size_t j = 0; j < chain_state_type::buffer_count(); ++j)
         if (!st_.buffer(j).empty()) bytes += mine[i].length * sizeof(S);
-      if (!master_.empty()) bytes += mine[i].length * sizeof(M);
+      if (master_.size() != 0) bytes += mine[i].length * sizeof(M);
     }
     w.reserve(bytes);
     std::vector<S> host;
@@ -200,7 +230,7 @@ class sharded_state {
         std::size_t at = 0;
         for_units_of(q, [&](std::size_t u) {
           const auto& v = bufs[u];
-          b.copy(tensor_view<const S, host_space>(v), host_view(std::span<S>(host).subspan(at, v.size())));
+          b.copy(tensor_view<const S, space>(v), host_view(std::span<S>(host).subspan(at, v.size())));
           at += v.size();
         });
         gradapt::detail::require(at == q.length, "sharded optimizer save on rank ", rank_, ": the units of '",
@@ -211,9 +241,11 @@ class sharded_state {
                                    names_[q.tensor], "' holds a non-finite value (save the last good state)");
         w.put_tensor<S>(gradapt::detail::archive_impl::join("buffer", "", std::to_string(j)), host);
       }
-      if (!master_.empty()) {
-        mhost.assign(master_.begin() + static_cast<std::ptrdiff_t>(q.shard_offset),
-                     master_.begin() + static_cast<std::ptrdiff_t>(q.shard_offset + q.length));
+      if (master_.size() != 0) {
+        mhost.resize(q.length);
+        b.copy(tensor_view<const M, space>::vector(master_.data() + q.shard_offset,
+                                                   static_cast<std::int64_t>(q.length)),
+               host_view(std::span<M>(mhost)));
         w.put_tensor<M>("master", mhost);
       }
       w.end();
@@ -244,11 +276,12 @@ class sharded_state {
   std::vector<shard_unit> units_;
   std::vector<char> split_;         ///< tensor t straddles ranks
   std::vector<std::size_t> xbase_;  ///< first exchange row of tensor t (T + 1 entries)
-  std::vector<G> grad_;             ///< this rank's averaged gradient shard (capacity elements)
-  std::vector<M> master_;           ///< master values of the shard (when M is not V)
+  gradapt::detail::optim::buffer_t<B, G> grad_;    ///< this rank's averaged gradient shard (capacity elements)
+  gradapt::detail::optim::buffer_t<B, M> master_;  ///< master values of the shard (when M is not V)
   std::vector<const void*> bound_;  ///< the parameters' value pointers the unit list points into
-  std::vector<G> send_g_;           ///< reduce-scatter packing (world × round)
-  std::vector<V> send_v_, recv_v_;  ///< allgather packing (round, world × round)
+  gradapt::detail::optim::buffer_t<B, G> send_g_;  ///< reduce-scatter packing (world × round)
+  gradapt::detail::optim::buffer_t<B, V> send_v_;  ///< allgather packing (round)
+  gradapt::detail::optim::buffer_t<B, V> recv_v_;  ///< allgather packing (world × round)
   std::vector<double> xsums_, logical_, rows_;
   // Stage 2: the bucket plan, this round's ready marks, the buckets still missing gradients,
   // the next bucket to reduce, and each bucket's per-rank segments (rank-major).
@@ -257,8 +290,8 @@ class sharded_state {
   std::vector<std::size_t> missing_;
   std::size_t next_ = 0, marked_ = 0;
   std::vector<std::vector<std::vector<piece>>> segments_;  ///< [bucket][rank]: pieces in the bucket
-  std::vector<G> bsend_, brecv_;
-  param_list<M, G, host_space, Options> list_;
+  gradapt::detail::optim::buffer_t<B, G> bsend_, brecv_;  ///< stage 2 packing (world × bucket, bucket)
+  param_list<M, G, typename B::space, Options> list_;
   chain_state_type st_;
 };
 
@@ -295,14 +328,14 @@ class sharded_optimizer {
   /// @throws gradapt::error on every rank when the ranks disagree or a rank's input is
   ///         invalid (a factored chain with a tensor cut across ranks, a cut inside a tensor at
   ///         a position that is not a multiple of 4096 for a chain with barrier stages)
-  template <class M = void, class S = void, class Comm, element V, element G, class Options>
-  requires communicator<Comm> && std::same_as<typename Comm::space, host_space>
-  auto init(Comm& comm, const host& b, const param_list<V, G, host_space, Options>& params) const {
+  template <class M = void, class S = void, class Comm, class B, element V, element G, class Options>
+  requires communicator<Comm> && optimizer_backend<B> && std::same_as<typename Comm::space, typename B::space>
+  auto init(Comm& comm, const B& b, const param_list<V, G, typename B::space, Options>& params) const {
     using Mt = std::conditional_t<std::is_void_v<M>, V, M>;
     using St = std::conditional_t<std::is_void_v<S>, compute_t<V>, S>;
     static_assert(std::is_same_v<compute_t<Mt>, compute_t<V>>,
                   "shard::sharded_optimizer: the master type must share the parameters' compute type");
-    sharded_state<Chain, host, V, G, Mt, St, Options> s;
+    sharded_state<Chain, B, V, G, Mt, St, Options> s;
     std::vector<std::size_t> sizes(params.size());
     for (std::size_t t = 0; t < params.size(); ++t) sizes[t] = params[t].value.size();
     std::string bad;
@@ -314,7 +347,7 @@ class sharded_optimizer {
     }
     s.rank_ = comm.rank();
     s.check_interval_ = o_.check_interval;
-    if (bad.empty()) bad = describe_cut_problem(s.plan_, params);
+    if (bad.empty()) bad = describe_cut_problem<B>(s.plan_, params);
     std::uint64_t h = 1469598103ULL;
     for (const std::size_t x : sizes) h = (h * 1099511ULL + x) % (std::uint64_t{1} << 50);
     agreed_list<64> v;
@@ -331,7 +364,7 @@ class sharded_optimizer {
     v.push("gradient element type", static_cast<double>(dtype_of_v<G>));
     v.push("master element type", static_cast<double>(dtype_of_v<Mt>));
     if constexpr (requires { opt_.agreed_options(v); }) opt_.agreed_options(v);
-    agree_values(comm, "shard::sharded_optimizer::init", v.view(), bad);
+    agree_values(comm, b, "shard::sharded_optimizer::init", v.view(), bad);
 
     for (std::size_t t = 0; t < params.size(); ++t) {
       s.names_.push_back(params[t].name);
@@ -340,20 +373,18 @@ class sharded_optimizer {
     }
     build_units(s);
     const std::size_t cap = s.plan_.shard_capacity();
-    s.grad_.assign(cap, G{});
+    s.grad_ = b.template allocate<G>(cap);
     if constexpr (!std::is_same_v<Mt, V>) {
-      s.master_.assign(cap, Mt{});
-      for (const piece& q : s.plan_.pieces(s.rank_)) {
-        const V* src = params[q.tensor].value.data() + q.offset;
-        for (std::size_t i = 0; i < q.length; ++i)
-          s.master_[q.shard_offset + i] = static_cast<Mt>(static_cast<compute_t<V>>(src[i]));
-      }
+      s.master_ = b.template allocate<Mt>(cap);
+      for (const piece& q : s.plan_.pieces(s.rank_))
+        b.apply(gradapt::detail::shard_k::copy_to{}, vec<space_of<B>, Mt>(s.master_.data() + q.shard_offset, q.length),
+                vec<space_of<B>, const V>(params[q.tensor].value.data() + q.offset, q.length));
     }
     s.bucket_ = std::max<std::size_t>(1, std::min(o_.bucket_elements, cap));
-    plan_buckets(s);
-    s.send_g_.assign(s.bucket_ * static_cast<std::size_t>(n), G{});
-    s.send_v_.assign(s.bucket_, V{});
-    s.recv_v_.assign(s.bucket_ * static_cast<std::size_t>(n), V{});
+    plan_buckets(b, s);
+    s.send_g_ = b.template allocate<G>(s.bucket_ * static_cast<std::size_t>(n));
+    s.send_v_ = b.template allocate<V>(s.bucket_);
+    s.recv_v_ = b.template allocate<V>(s.bucket_ * static_cast<std::size_t>(n));
     bind(s, params);
     s.st_ = opt_.template init<St>(b, s.list_);
     s.st_.set_check_interval(0);  // the sharded step runs an agreed check instead
@@ -365,10 +396,11 @@ class sharded_optimizer {
   /// @throws gradapt::error when `params` does not match the state or the communicator is not
   ///         the one the state was made for; on every rank when a rank's state shard holds a
   ///         non-finite value at a check (naming the ranks)
-  template <class Comm, element V, element G, class M, class S, class Options>
-  requires communicator<Comm> && std::same_as<typename Comm::space, host_space>
-  void step(Comm& comm, const host& b, const param_list<V, G, host_space, Options>& params,
-            sharded_state<Chain, host, V, G, M, S, Options>& s, const step_args& args = {}) const {
+  template <class Comm, class B, element V, element G, class M, class S, class Options>
+  requires communicator<Comm> && optimizer_backend<B> && std::same_as<typename Comm::space, typename B::space>
+  void step(Comm& comm, const B& b, const param_list<V, G, typename B::space, Options>& params,
+            sharded_state<Chain, B, V, G, M, S, Options>& s, const step_args& args = {}) const {
+    using Sp = space_of<B>;
     check_fit(comm, params, s, "step");
     const auto n = static_cast<std::size_t>(comm.size());
     const std::size_t cap = s.plan_.shard_capacity();
@@ -391,27 +423,26 @@ class sharded_optimizer {
       const std::size_t len = std::min(s.bucket_, cap - p0);
       for (std::size_t r = 0; r < n; ++r) {
         G* dst = s.send_g_.data() + r * len;
-        std::fill(dst, dst + len, G{});
+        b.apply(gradapt::detail::shard_k::set_zero{}, vec<Sp, G>(dst, len));  // alignment gaps and the last shard's tail
         for_overlaps(s.plan_.pieces(static_cast<int>(r)), p0, len,
                      [&](const piece& q, std::size_t a, std::size_t k) {
-                       const G* src = params[q.tensor].grad.data() + q.offset + (a - q.shard_offset);
-                       std::copy_n(src, k, dst + (a - p0));
+                       b.apply(gradapt::detail::shard_k::copy_to{}, vec<Sp, G>(dst + (a - p0), k),
+                               vec<Sp, const G>(params[q.tensor].grad.data() + q.offset + (a - q.shard_offset), k));
                      });
       }
-      comm.reduce_scatter(
-          tensor_view<const G, host_space>::vector(s.send_g_.data(), static_cast<std::int64_t>(n * len)),
-          tensor_view<G, host_space>::vector(s.grad_.data() + p0, static_cast<std::int64_t>(len)),
-          reduce_op::sum);
+      comm.reduce_scatter(vec<Sp, const G>(s.send_g_.data(), n * len), vec<Sp, G>(s.grad_.data() + p0, len),
+                          reduce_op::sum);
     }
-    if (n > 1)
-      b.apply(gradapt::detail::divide_by_ranks{static_cast<int>(n)},
-              tensor_view<G, host_space>::vector(s.grad_.data(), static_cast<std::int64_t>(cap)));
+    if (n > 1) b.apply(gradapt::detail::divide_by_ranks{static_cast<int>(n)}, vec<Sp, G>(s.grad_.data(), cap));
 
     // 2. The chain over this rank's units.
-    if constexpr (Chain::plan::max_terms > 0 && !Chain::plan::has_factored) {
+    if constexpr (Chain::plan::max_terms > 0 && !Chain::plan::has_factored &&
+                  std::same_as<typename B::space, host_space>) {
       assembly<Comm, S> a{&comm, &s.units_, &s.split_, &s.xbase_, &s.xsums_, &s.logical_, &s.rows_};
       opt_.step(b, s.list_, s.st_, args, a);
     } else {
+      if constexpr (!std::same_as<typename B::space, host_space>)
+        gradapt::detail::require(n == 1 || !global_sum_active(), global_sum_problem(), " (rank ", s.rank_, ")");
       opt_.step(b, s.list_, s.st_, args);
     }
 
@@ -421,22 +452,20 @@ class sharded_optimizer {
       const std::size_t len = std::min(s.bucket_, cap - p0);
       for_overlaps(s.plan_.pieces(s.rank_), p0, len, [&](const piece& q, std::size_t a, std::size_t k) {
         V* dst = s.send_v_.data() + (a - p0);
-        if constexpr (!std::is_same_v<M, V>) {
-          const M* src = s.master_.data() + a;
-          for (std::size_t i = 0; i < k; ++i) dst[i] = static_cast<V>(static_cast<compute_t<M>>(src[i]));
-        } else {
-          std::copy_n(params[q.tensor].value.data() + q.offset + (a - q.shard_offset), k, dst);
-        }
+        if constexpr (!std::is_same_v<M, V>)
+          b.apply(gradapt::detail::shard_k::copy_to{}, vec<Sp, V>(dst, k), vec<Sp, const M>(s.master_.data() + a, k));
+        else
+          b.apply(gradapt::detail::shard_k::copy_to{}, vec<Sp, V>(dst, k),
+                  vec<Sp, const V>(params[q.tensor].value.data() + q.offset + (a - q.shard_offset), k));
       });
-      comm.allgather(
-          tensor_view<const V, host_space>::vector(s.send_v_.data(), static_cast<std::int64_t>(len)),
-          tensor_view<V, host_space>::vector(s.recv_v_.data(), static_cast<std::int64_t>(n * len)));
+      comm.allgather(vec<Sp, const V>(s.send_v_.data(), len), vec<Sp, V>(s.recv_v_.data(), n * len));
       for (std::size_t r = 0; r < n; ++r) {
         if (static_cast<int>(r) == s.rank_ && !master) continue;  // updated in place
         const V* src = s.recv_v_.data() + r * len;
         for_overlaps(
             s.plan_.pieces(static_cast<int>(r)), p0, len, [&](const piece& q, std::size_t a, std::size_t k) {
-              std::copy_n(src + (a - p0), k, params[q.tensor].value.data() + q.offset + (a - q.shard_offset));
+              b.apply(gradapt::detail::shard_k::copy_to{}, vec<Sp, V>(params[q.tensor].value.data() + q.offset + (a - q.shard_offset), k),
+                      vec<Sp, const V>(src + (a - p0), k));
             });
       }
     }
@@ -453,10 +482,10 @@ class sharded_optimizer {
   /// reduced shard. Collective per bucket.
   /// @throws gradapt::error when t is out of range or already marked in this round, or
   ///         `params` does not match the state
-  template <class Comm, element V, element G, class M, class S, class Options>
-  requires communicator<Comm> && std::same_as<typename Comm::space, host_space>
-  void mark_ready(Comm& comm, const param_list<V, G, host_space, Options>& params,
-                  sharded_state<Chain, host, V, G, M, S, Options>& s, std::size_t t) const {
+  template <class Comm, class B, element V, element G, class M, class S, class Options>
+  requires communicator<Comm> && optimizer_backend<B> && std::same_as<typename Comm::space, typename B::space>
+  void mark_ready(Comm& comm, const B& b, const param_list<V, G, typename B::space, Options>& params,
+                  sharded_state<Chain, B, V, G, M, S, Options>& s, std::size_t t) const {
     check_fit(comm, params, s, "mark_ready");
     gradapt::detail::require(t < s.ready_.size(), "shard::sharded_optimizer::mark_ready on rank ", s.rank_,
                              ": gradient ", t, " is out of range (", s.ready_.size(), " gradients)");
@@ -466,7 +495,7 @@ class sharded_optimizer {
     s.ready_[t] = 1;
     ++s.marked_;
     --s.missing_[s.bplan_.where(t).bucket];
-    while (s.next_ < s.missing_.size() && s.missing_[s.next_] == 0) reduce_bucket(comm, params, s, s.next_++);
+    while (s.next_ < s.missing_.size() && s.missing_[s.next_] == 0) reduce_bucket(comm, b, params, s, s.next_++);
   }
 
   /// Restores a state saved on any world size (`sharded_state::save` on each old rank) into
@@ -478,19 +507,19 @@ class sharded_optimizer {
   /// @throws gradapt::error (on every rank) when an archive is damaged, was saved for other
   ///         parameters (names, sizes), another optimizer layout or element type, or the ranks
   ///         restored different step counts
-  template <class M = void, class S = void, class Comm, element V, element G, class Options>
-  requires communicator<Comm> && std::same_as<typename Comm::space, host_space>
-  auto load(Comm& comm, const host& b, const param_list<V, G, host_space, Options>& params,
+  template <class M = void, class S = void, class Comm, class B, element V, element G, class Options>
+  requires communicator<Comm> && optimizer_backend<B> && std::same_as<typename Comm::space, typename B::space>
+  auto load(Comm& comm, const B& b, const param_list<V, G, typename B::space, Options>& params,
             const std::function<std::span<const std::byte>(int old_rank)>& archive) const {
     auto s = init<M, S>(comm, b, params);
     using St = typename decltype(s)::chain_state_type;
     using Se = typename St::state_element;
-    using Mt = typename std::remove_cvref_t<decltype(s.master_)>::value_type;
+    using Mt = typename decltype(s)::master_type;
     std::string bad;
     std::uint64_t steps = 0;
     try {
-      archive_reader r0(archive(0), sharded_state<Chain, host, V, G, Mt, Se, Options>::archive_kind,
-                        sharded_state<Chain, host, V, G, Mt, Se, Options>::archive_version);
+      archive_reader r0(archive(0), sharded_state<Chain, B, V, G, Mt, Se, Options>::archive_kind,
+                        sharded_state<Chain, B, V, G, Mt, Se, Options>::archive_version);
       r0.begin("plan");
       const partition_plan old = partition_plan::load(r0);
       r0.end();
@@ -512,23 +541,32 @@ class sharded_optimizer {
     } catch (const std::exception& e) {  // also what the archive callback throws
       bad = e.what();
     }
-    agree_values(comm, "shard::sharded_optimizer::load",
-                 {{"restored step count", static_cast<double>(steps)}}, bad);
+    const agreed_value restored[] = {{"restored step count", static_cast<double>(steps)}};
+    agree_values(comm, b, "shard::sharded_optimizer::load", restored, bad);
     s.st_.set_steps(steps);
     if constexpr (!std::is_same_v<Mt, V>) {  // the model's parameters from the restored master values
       for (const piece& q : s.plan_.pieces(s.rank_))
-        for (std::size_t i = 0; i < q.length; ++i)
-          params[q.tensor].value.data()[q.offset + i] =
-              static_cast<V>(static_cast<compute_t<Mt>>(s.master_[q.shard_offset + i]));
+        b.apply(gradapt::detail::shard_k::copy_to{}, vec<space_of<B>, V>(params[q.tensor].value.data() + q.offset, q.length),
+                vec<space_of<B>, const Mt>(s.master_.data() + q.shard_offset, q.length));
     }
     return s;
   }
 
  private:
-  /// Stage 2's bucket plan over the gradients and each bucket's per-rank segments.
-  template <class St>
-  void plan_buckets(St& s) const {
-    using Gt = typename std::remove_cvref_t<decltype(s.grad_)>::value_type;
+  template <class B>
+  using space_of = typename B::space;
+
+  /// A one-dimensional view of n elements at p in space Sp.
+  template <class Sp, class T>
+  static tensor_view<T, Sp> vec(T* p, std::size_t n) {
+    return tensor_view<T, Sp>::vector(p, static_cast<std::int64_t>(n));
+  }
+
+  /// Stage 2's bucket plan over the gradients and each bucket's per-rank segments, and the
+  /// packing buffers of the longest bucket.
+  template <class B, class St>
+  void plan_buckets(const B& b, St& s) const {
+    using Gt = typename St::gradient_type;
     const partition_plan& p = s.plan_;
     std::vector<bucket::tensor_info> infos(p.tensors());
     for (std::size_t t = 0; t < infos.size(); ++t) infos[t] = {p.tensor_size(t), dtype_of_v<Gt>};
@@ -539,16 +577,34 @@ class sharded_optimizer {
       for (const piece& q : p.pieces(r))
         s.segments_[s.bplan_.where(q.tensor).bucket][static_cast<std::size_t>(r)].push_back(q);
     // Within a bucket, a rank's segments follow the bucket's packing order of tensors.
-    for (std::size_t b = 0; b < nb; ++b) {
-      const auto& order = s.bplan_.buckets()[b].tensors;
-      for (auto& seg : s.segments_[b])
+    for (std::size_t k = 0; k < nb; ++k) {
+      const auto& order = s.bplan_.buckets()[k].tensors;
+      for (auto& seg : s.segments_[k])
         std::stable_sort(seg.begin(), seg.end(), [&](const piece& x, const piece& y) {
           return std::find(order.begin(), order.end(), x.tensor) <
                  std::find(order.begin(), order.end(), y.tensor);
         });
     }
     s.ready_.assign(p.tensors(), 0);
+    std::size_t longest = 0;
+    for (std::size_t k = 0; k < nb; ++k) longest = std::max(longest, bucket_length(s, k));
+    if (nb != 0) {
+      s.bsend_ = b.template allocate<Gt>(longest * static_cast<std::size_t>(p.world()));
+      s.brecv_ = b.template allocate<Gt>(longest);
+    }
     start_round(s);
+  }
+
+  /// Elements of rank block of bucket k: the longest rank's segments.
+  template <class St>
+  static std::size_t bucket_length(const St& s, std::size_t k) {
+    std::size_t len = 0;
+    for (const auto& seg : s.segments_[k]) {
+      std::size_t m = 0;
+      for (const piece& q : seg) m += q.length;
+      len = std::max(len, m);
+    }
+    return len;
   }
 
   template <class St>
@@ -560,35 +616,30 @@ class sharded_optimizer {
     s.marked_ = 0;
   }
 
-  /// Reduce-scatters bucket b: rank r's block holds its segments of the bucket (padded to the
+  /// Reduce-scatters bucket k: rank r's block holds its segments of the bucket (padded to the
   /// longest rank's), and this rank's reduced block goes to its shard positions.
-  template <class Comm, class PL, class St>
-  void reduce_bucket(Comm& comm, const PL& params, St& s, std::size_t b) const {
-    using Gt = typename std::remove_cvref_t<decltype(s.grad_)>::value_type;
+  template <class Comm, class B, class PL, class St>
+  void reduce_bucket(Comm& comm, const B& b, const PL& params, St& s, std::size_t k) const {
+    using Gt = typename St::gradient_type;
+    using Sp = space_of<B>;
     const auto n = static_cast<std::size_t>(comm.size());
-    std::size_t len = 0;
-    for (const auto& seg : s.segments_[b]) {
-      std::size_t k = 0;
-      for (const piece& q : seg) k += q.length;
-      len = std::max(len, k);
-    }
-    if (s.bsend_.size() < n * len) s.bsend_.resize(n * len);
-    if (s.brecv_.size() < len) s.brecv_.resize(len);
+    const std::size_t len = bucket_length(s, k);
     for (std::size_t r = 0; r < n; ++r) {
       Gt* dst = s.bsend_.data() + r * len;
       std::size_t at = 0;
-      for (const piece& q : s.segments_[b][r]) {
-        std::copy_n(params[q.tensor].grad.data() + q.offset, q.length, dst + at);
+      for (const piece& q : s.segments_[k][r]) {
+        b.apply(gradapt::detail::shard_k::copy_to{}, vec<Sp, Gt>(dst + at, q.length),
+                vec<Sp, const Gt>(params[q.tensor].grad.data() + q.offset, q.length));
         at += q.length;
       }
-      std::fill(dst + at, dst + len, Gt{});
+      if (at < len) b.apply(gradapt::detail::shard_k::set_zero{}, vec<Sp, Gt>(dst + at, len - at));
     }
-    comm.reduce_scatter(
-        tensor_view<const Gt, host_space>::vector(s.bsend_.data(), static_cast<std::int64_t>(n * len)),
-        tensor_view<Gt, host_space>::vector(s.brecv_.data(), static_cast<std::int64_t>(len)), reduce_op::sum);
+    comm.reduce_scatter(vec<Sp, const Gt>(s.bsend_.data(), n * len), vec<Sp, Gt>(s.brecv_.data(), len),
+                        reduce_op::sum);
     std::size_t at = 0;
-    for (const piece& q : s.segments_[b][static_cast<std::size_t>(s.rank_)]) {
-      std::copy_n(s.brecv_.data() + at, q.length, s.grad_.data() + q.shard_offset);
+    for (const piece& q : s.segments_[k][static_cast<std::size_t>(s.rank_)]) {
+      b.apply(gradapt::detail::shard_k::copy_to{}, vec<Sp, Gt>(s.grad_.data() + q.shard_offset, q.length),
+              vec<Sp, const Gt>(s.brecv_.data() + at, q.length));
       at += q.length;
     }
   }
@@ -643,9 +694,12 @@ class sharded_optimizer {
     return false;
   }
 
-  /// Empty when the plan suits the chain; else what is wrong, naming the tensor.
-  template <class PL>
+  /// Empty when the plan suits the chain on backend B; else what is wrong, naming the tensor.
+  template <class B, class PL>
   std::string describe_cut_problem(const partition_plan& p, const PL& params) const {
+    constexpr bool on_host = std::same_as<typename B::space, host_space>;
+    if constexpr (!on_host)
+      if (p.world() > 1 && global_sum_active()) return global_sum_problem();
     for (int r = 0; r < p.world(); ++r)
       for (const piece& q : p.pieces(r)) {
         const std::size_t n = p.tensor_size(q.tensor);
@@ -657,6 +711,12 @@ class sharded_optimizer {
               ") of ", n,
               "), but the chain's first stage factors each tensor's rows and columns: shard it "
               "with partition_options{.mode = granularity::tensor}");
+        if constexpr (Chain::plan::max_terms > 0 && !on_host)
+          return gradapt::detail::message(
+              "shard::sharded_optimizer: parameter '", params[q.tensor].name, "' (tensor ", q.tensor,
+              ") is cut across ranks, and the chain has per-tensor sums (trust ratio), which are "
+              "assembled across shards on the host backend only: on this backend shard with "
+              "partition_options{.mode = granularity::tensor}");
         if constexpr (Chain::plan::max_terms > 0) {
           const bool ok = q.offset % reduction_block == 0 &&
                           ((q.offset + q.length) % reduction_block == 0 || q.offset + q.length == n);
@@ -671,6 +731,31 @@ class sharded_optimizer {
         }
       }
     return {};
+  }
+
+  /// True when a stage with a global sum (clip_by_global_norm) is switched on.
+  bool global_sum_active() const {
+    if constexpr (!Chain::plan::any_global) {
+      return false;
+    } else {
+      return [&]<std::size_t... I>(std::index_sequence<I...>) {
+        return (... || (Chain::plan::info_at(I).barrier && Chain::plan::info_at(I).global && stage_on<I>()));
+      }(std::make_index_sequence<Chain::plan::n>{});
+    }
+  }
+  template <std::size_t I>
+  bool stage_on() const {
+    using St = std::remove_cvref_t<decltype(opt_.template stage<I>())>;
+    if constexpr (gradapt::detail::optim::stage_traits<St>::optional)
+      return opt_.template stage<I>().enabled();
+    else
+      return true;
+  }
+  static std::string global_sum_problem() {
+    return "shard::sharded_optimizer: the chain's global sum (clip_by_global_norm, switched on) is "
+           "assembled across shards on the host backend only: on this backend clip the gradients "
+           "before the step (gradapt::clip_by_global_norm over the parameter list) and switch the "
+           "chain's clipping off";
   }
 
   /// The shard's units and the exchange rows (one per straddling tensor's reduction block,
@@ -708,10 +793,11 @@ class sharded_optimizer {
   /// the master shard), gradients in the gradient shard; whole tensors keep their shape.
   template <class St, class PL>
   void bind(St& s, const PL& params) const {
-    using Mt = typename std::remove_cvref_t<decltype(s.master_)>::value_type;
-    using Gt = typename std::remove_cvref_t<decltype(s.grad_)>::value_type;
+    using Mt = typename St::master_type;
+    using Gt = typename St::gradient_type;
+    using Sp = typename St::space;
     using Opts = typename PL::options_type;
-    param_list<Mt, Gt, host_space, Opts> list(params.group(0).options);
+    param_list<Mt, Gt, Sp, Opts> list(params.group(0).options);
     for (std::size_t g = 1; g < params.group_count(); ++g)
       list.add_group(params.group(g).name, params.group(g).options);
     for (const shard_unit& u : s.units_) {
@@ -724,10 +810,10 @@ class sharded_optimizer {
         vp = s.master_.data() + u.position;
       Gt* gp = s.grad_.data() + u.position;
       const auto n = static_cast<std::int64_t>(u.length);
-      tensor_view<Mt, host_space> val = whole ? tensor_view<Mt, host_space>(vp, e.value.shape())
-                                              : tensor_view<Mt, host_space>::vector(vp, n);
-      tensor_view<Gt, host_space> grd = whole ? tensor_view<Gt, host_space>(gp, e.value.shape())
-                                              : tensor_view<Gt, host_space>::vector(gp, n);
+      tensor_view<Mt, Sp> val =
+          whole ? tensor_view<Mt, Sp>(vp, e.value.shape()) : tensor_view<Mt, Sp>::vector(vp, n);
+      tensor_view<Gt, Sp> grd =
+          whole ? tensor_view<Gt, Sp>(gp, e.value.shape()) : tensor_view<Gt, Sp>::vector(gp, n);
       std::string nm = e.name;
       if (!whole)
         nm.append("[")
@@ -772,20 +858,20 @@ class sharded_optimizer {
 
   /// Every rank counts the non-finite values of its state shard; one allreduce tells every rank
   /// which ranks have any, and every rank throws naming them.
-  template <class Comm, class St>
-  void check_finite(Comm& comm, const host& b, St& s, const char* fn) const {
+  template <class Comm, class B, class St>
+  void check_finite(Comm& comm, const B& b, St& s, const char* fn) const {
     using Cs = typename St::chain_state_type;
+    using Sp = typename St::space;
     double bad = 0.0;
     for (std::size_t j = 0; j < Cs::buffer_count(); ++j)
       for (const auto& v : s.st_.buffer(j))
-        bad += b.reduce(reduction::count_nonfinite,
-                        tensor_view<const typename Cs::state_element, host_space>(v));
-    for (const auto& m : s.master_)
-      if (!std::isfinite(static_cast<double>(static_cast<compute_t<std::remove_cvref_t<decltype(m)>>>(m))))
-        bad += 1.0;
+        bad += b.reduce(reduction::count_nonfinite, tensor_view<const typename Cs::state_element, Sp>(v));
+    if (s.master_.size() != 0)
+      bad += b.reduce(reduction::count_nonfinite,
+                      vec<Sp, const typename St::master_type>(s.master_.data(), s.master_.size()));
     std::vector<double> per(static_cast<std::size_t>(comm.size()), 0.0);
     per[static_cast<std::size_t>(comm.rank())] = bad;
-    comm.allreduce(host_view(per), reduce_op::sum);
+    gradapt::detail::allreduce_host_values(comm, b, std::span<double>(per), reduce_op::sum);
     std::string ranks;
     for (std::size_t r = 0; r < per.size(); ++r)
       if (per[r] != 0.0) ranks.append(ranks.empty() ? "" : ", ").append(std::to_string(r));
@@ -797,12 +883,12 @@ class sharded_optimizer {
   }
 
   /// Copies what old rank `r`'s archive holds of this rank's new pieces.
-  template <class St, class PL>
-  void read_rank(const host& b, St& s, const partition_plan& old, int r, std::span<const std::byte> bytes,
+  template <class B, class St, class PL>
+  void read_rank(const B& b, St& s, const partition_plan& old, int r, std::span<const std::byte> bytes,
                  const PL& params, bool& have, std::uint64_t& steps) const {
     using Cs = typename St::chain_state_type;
     using Se = typename Cs::state_element;
-    using Mt = typename std::remove_cvref_t<decltype(s.master_)>::value_type;
+    using Mt = typename St::master_type;
     archive_reader rd(bytes, St::archive_kind, St::archive_version);
     rd.begin("plan");
     const partition_plan again = partition_plan::load(rd);
@@ -874,8 +960,10 @@ class sharded_optimizer {
             if (mine.tensor != q.tensor) continue;
             const std::size_t a = std::max(mine.offset, q.offset),
                               e = std::min(mine.offset + mine.length, q.offset + q.length);
-            for (std::size_t x = a; x < e; ++x)
-              s.master_[mine.shard_offset + (x - mine.offset)] = mhost[x - q.offset];
+            if (a < e)
+              b.copy(tensor_view<const Mt, host_space>::vector(mhost.data() + (a - q.offset),
+                                                               static_cast<std::int64_t>(e - a)),
+                     vec<typename St::space, Mt>(s.master_.data() + mine.shard_offset + (a - mine.offset), e - a));
           }
       }
       rd.end();
@@ -900,8 +988,8 @@ class sharded_optimizer {
 
   /// Copies buffer j's values of old piece q (host, element-indexed from q.offset; for a
   /// factored tensor, its whole statistics) into the units of this rank that overlap it.
-  template <class St, class T>
-  static void copy_into_units(const host& b, St& s, const piece& q, std::size_t j, std::span<const T> data) {
+  template <class B, class St, class T>
+  static void copy_into_units(const B& b, St& s, const piece& q, std::size_t j, std::span<const T> data) {
     const auto bufs = s.st_.buffer(j);
     for (std::size_t u = 0; u < s.units_.size(); ++u) {
       const shard_unit& x = s.units_[u];
@@ -922,7 +1010,7 @@ class sharded_optimizer {
       if (a >= e) continue;
       b.copy(tensor_view<const T, host_space>::vector(data.data() + (a - q.offset),
                                                       static_cast<std::int64_t>(e - a)),
-             tensor_view<T, host_space>::vector(v.data() + (a - x.offset), static_cast<std::int64_t>(e - a)));
+             vec<typename St::space, T>(v.data() + (a - x.offset), e - a));
     }
   }
 

@@ -139,7 +139,7 @@ void stage2_matches_unsharded(Comm& comm, const Opt& opt, const gradapt::shard::
     }
     std::vector<char> wiped(T, 0);
     for (const std::size_t t : order) {
-      sopt.mark_ready(comm, sh.params, sst, t);
+      sopt.mark_ready(comm, b, sh.params, sst, t);
       for (std::size_t u = 0; u < T; ++u)
         if (!wiped[u] && sst.released(u)) {
           for (auto& e : sh.g[u]) gradapt::store(e, std::numeric_limits<gradapt::compute_t<V>>::quiet_NaN());
