@@ -1,7 +1,8 @@
 # Defines gradapt::<component> as an INTERFACE IMPORTED GLOBAL target that adds the
 # component's dependency to `base` (gradapt::gradapt). Used by the build tree and by the
 # installed gradaptConfig.cmake, so add_subdirectory, FetchContent and find_package users
-# get the same targets. Components: openmp, mpi, cuda, nccl.
+# get the same targets. Components: openmp, mpi, cuda, nccl, linalg (BLAS + LAPACK; the
+# consumer's BLA_VENDOR picks the implementation).
 include_guard(GLOBAL)
 include(CMakeFindDependencyMacro)
 
@@ -30,8 +31,11 @@ function(gradapt_add_component comp base)
     gradapt_add_component(cuda ${base})
     _gradapt_find_dep(NCCL)
     set(_deps gradapt::cuda NCCL::nccl)
+  elseif(comp STREQUAL "linalg")
+    _gradapt_find_dep(LAPACK)
+    set(_deps LAPACK::LAPACK)
   else()
-    message(FATAL_ERROR "gradapt: unknown component '${comp}' (expected openmp, mpi, cuda or nccl)")
+    message(FATAL_ERROR "gradapt: unknown component '${comp}' (expected openmp, mpi, cuda, nccl or linalg)")
   endif()
   add_library(gradapt::${comp} INTERFACE IMPORTED GLOBAL)
   target_link_libraries(gradapt::${comp} INTERFACE ${base} ${_deps})

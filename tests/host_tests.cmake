@@ -150,3 +150,9 @@ gradapt_add_test(test_factored_backend SOURCES test_factored_backend.cpp)
 gradapt_add_test(test_optim_sm3 SOURCES test_optim_sm3.cpp)
 gradapt_add_test(test_archive SOURCES test_archive.cpp)
 gradapt_add_test(test_checkpoint_bitflip SOURCES test_checkpoint_bitflip.cpp)
+# The linear-algebra component (BLAS/LAPACK through gradapt::linalg): products, the symmetric
+# eigensolver and inverse p-th roots.
+if(GRADAPT_WITH_LAPACK)
+  gradapt_add_test(test_linalg SOURCES test_linalg.cpp LIBS gradapt::linalg)
+  gradapt_add_test(test_linalg_root SOURCES test_linalg_root.cpp LIBS gradapt::linalg)
+endif()
