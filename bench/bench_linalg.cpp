@@ -13,7 +13,7 @@
 //
 // Counters: GFLOPS for GEMM (2n³ flops) and SYRK (n³); eigh reports time only (its flop count
 // depends on the spectrum). The root_* benches time gradapt::inverse_pth_root on host_lapack
-// for p = 4 (an SPD matrix with eigenvalues in [1e-3, 1.6]) by coupled Newton and by the
+// for p = 4 (the SPD matrix of the eigh benches) by coupled Newton and by the
 // eigendecomposition, with the Newton iteration count as a counter; each Newton iteration
 // performs 4 n × n GEMMs, so time / (4 · iterations · the gemm_lapack time of the same run)
 // is the root's overhead over its products.
@@ -49,8 +49,8 @@ std::vector<T> random_matrix(std::int64_t n, unsigned seed) {
   return m;
 }
 
-// A symmetric positive definite matrix with eigenvalues spread over [1e-3, 1] (a Shampoo-like
-// statistic after its ridge): G·Gᵀ/n + 1e-3·I.
+// A symmetric positive definite matrix (a Shampoo-like statistic after its ridge): G·Gᵀ/n +
+// 1e-3·I with G uniform in [-1, 1], eigenvalues from 1e-3 to about 1.3 (Marchenko-Pastur).
 template <class T>
 std::vector<T> spd_matrix(std::int64_t n) {
   const auto g = random_matrix<T>(n, 17);

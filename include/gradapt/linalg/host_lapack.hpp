@@ -20,6 +20,7 @@
 #include "gradapt/core/tensor_view.hpp"
 #include "gradapt/linalg/concepts.hpp"
 
+/// @cond GRADAPT_FORTRAN_SYMBOLS
 extern "C" {
 // BLAS level 3 and LAPACK's divide-and-conquer symmetric eigensolver (Fortran interfaces).
 void sgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k, const float* alpha,
@@ -39,6 +40,7 @@ void dsyevd_(const char* jobz, const char* uplo, const int* n, double* a, const 
              double* work, const int* lwork, int* iwork, const int* liwork, int* info, std::size_t,
              std::size_t);
 }
+/// @endcond
 
 namespace gradapt {
 
