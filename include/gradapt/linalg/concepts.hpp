@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/tensor_view.hpp"
@@ -54,14 +55,22 @@ enum class gram : unsigned char {
 /// Every operation validates its shapes and throws gradapt::error naming the operation, the
 /// operand and both sizes. Results are those of the implementing library (see the model's own
 /// documentation for its determinism).
+namespace detail::linalg {
+/// The type of `la.template eigh_workspace<T>(n)` for a `const L& la`.
+template <class L, class T>
+using eigh_workspace_t = decltype(std::declval<const L&>().template eigh_workspace<T>(std::int64_t{}));
+}  // namespace detail::linalg
+
 template <class L>
 concept linalg_backend = requires {
   typename L::space;
+  typename detail::linalg::eigh_workspace_t<L, float>;
+  typename detail::linalg::eigh_workspace_t<L, double>;
 }
 &&memory_space<typename L::space>&& requires(
     const L& la, tensor_view<float, typename L::space> f, tensor_view<const float, typename L::space> cf,
-    tensor_view<double, typename L::space> d, tensor_view<const double, typename L::space> cd, std::int64_t n,
-    decltype(la.template eigh_workspace<float>(n))& wf, decltype(la.template eigh_workspace<double>(n))& wd) {
+    tensor_view<double, typename L::space> d, tensor_view<const double, typename L::space> cd,
+    detail::linalg::eigh_workspace_t<L, float>& wf, detail::linalg::eigh_workspace_t<L, double>& wd) {
   la.gemm(transpose::none, transpose::yes, 1.0, cf, cf, 0.0, f);
   la.gemm(transpose::none, transpose::yes, 1.0, cd, cd, 0.0, d);
   la.syrk(gram::rows, 1.0, cf, 0.0, f);

@@ -142,8 +142,8 @@ class inverse_root_workspace {
  private:
   friend struct detail::linalg::root_access<L, T>;
 
-  using eigh_ws_t = decltype(std::declval<const L&>().template eigh_workspace<T>(std::int64_t{}));
-  using eigh_ws_d = decltype(std::declval<const L&>().template eigh_workspace<double>(std::int64_t{}));
+  using eigh_ws_t = detail::linalg::eigh_workspace_t<L, T>;
+  using eigh_ws_d = detail::linalg::eigh_workspace_t<L, double>;
 
   std::size_t n2() const { return static_cast<std::size_t>(n_) * static_cast<std::size_t>(n_); }
   std::vector<T>& newton() {
