@@ -86,8 +86,8 @@ struct inverse_root_result {
   root_status status = root_status::ok;   ///< ok, or why the output was left untouched
   newton_stop stop = newton_stop::not_run;  ///< Newton: why the iteration stopped
   int iterations = 0;                    ///< Newton iterations performed
-  /// Newton: max|M − I| = max|z·X^p·(A + r·I) − I| of the returned iterate, up to rounding
-  /// (z the initial scaling); NaN for the eigen method, which has no iteration error.
+  /// Newton: max|M − I| of the returned iterate, where M = X^p·(A + r·I) up to rounding; NaN
+  /// for the eigen method, which has no iteration error.
   double error = std::numeric_limits<double>::quiet_NaN();
   double lambda_max = 0;                 ///< the λ_max used for a relative ridge (0 if absolute)
   double ridge = 0;                      ///< r, the value added to A's diagonal
@@ -292,8 +292,9 @@ void check_root_args(tensor_view<const T, host_space> a, int p, tensor_view<T, h
 /// Coupled Newton iteration for X = (A + r·I)^(-1/p) (Higham 2008, eq. 7.18), in T:
 ///   z = (p + 1) / (2·‖A + r·I‖_F),  X₀ = z^(1/p)·I,  M₀ = z·(A + r·I),
 ///   Mₚ = (1 + 1/p)·I − M/p,  X ← X·Mₚ,  M ← Mₚ^p·M,
-/// so that M = X^p·(A + r·I)·... → I while X → (A + r·I)^(-1/p). Writes the best iterate into
-/// `out` (n × n) and returns the result with `error` = its max|M − I|.
+/// so that M = X^p·(A + r·I) throughout and M → I while X → (A + r·I)^(-1/p). Writes the best
+/// iterate (lowest max|M − I|) into `out` (n × n) and returns the result with `error` = its
+/// max|M − I|.
 template <class L, class T>
 inverse_root_result newton_root(const L& la, tensor_view<const T, host_space> a, int p, double ridge, T* out,
                                 std::vector<T>& pool, const inverse_root_options& o) {
