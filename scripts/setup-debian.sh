@@ -10,7 +10,7 @@ $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends \
   build-essential g++ clang libclang-rt-14-dev cmake ninja-build pkg-config \
   catch2 libbenchmark-dev libopenmpi-dev openmpi-bin libomp-dev \
-  libxsimd-dev libeigen3-dev libxtensor-dev libtorch-dev \
+  libxsimd-dev libeigen3-dev libxtensor-dev libtorch-dev libopenblas-dev \
   doxygen python3 python3-venv >/dev/null
 # Conan 2 (for the packaging test) from PyPI, in a virtual environment under build/.
 cd "$(dirname "$0")/.."

@@ -154,3 +154,23 @@ gradapt_add_test(test_factored_backend SOURCES test_factored_backend.cpp)
 gradapt_add_test(test_optim_sm3 SOURCES test_optim_sm3.cpp)
 gradapt_add_test(test_archive SOURCES test_archive.cpp)
 gradapt_add_test(test_checkpoint_bitflip SOURCES test_checkpoint_bitflip.cpp)
+# The linear-algebra component (BLAS/LAPACK through gradapt::linalg): products, the symmetric
+# eigensolver and inverse p-th roots.
+if(GRADAPT_WITH_LAPACK)
+  gradapt_add_test(test_linalg SOURCES test_linalg.cpp LIBS gradapt::linalg)
+  gradapt_add_test(test_linalg_root SOURCES test_linalg_root.cpp LIBS gradapt::linalg)
+endif()
+# cuda_linalg (cuBLAS + cuSOLVER) on the device: compiled with the CUDA tests' runner, skipped
+# at run time without a GPU (exit code 77).
+if(GRADAPT_WITH_CUDA)
+  add_executable(test_linalg_cuda test_linalg_cuda.cu)
+  target_link_libraries(test_linalg_cuda PRIVATE gradapt::cuda_linalg gradapt_cuda_test_main)
+  if(GRADAPT_WARNINGS_AS_ERRORS)
+    set(_linalg_cuda_flags -Xcompiler=-Wall,-Wextra,-Werror --Werror=all-warnings)
+  else()
+    set(_linalg_cuda_flags -Xcompiler=-Wall,-Wextra)
+  endif()
+  target_compile_options(test_linalg_cuda PRIVATE ${_linalg_cuda_flags})
+  add_test(NAME test_linalg_cuda COMMAND test_linalg_cuda)
+  set_tests_properties(test_linalg_cuda PROPERTIES SKIP_RETURN_CODE 77 LABELS cuda)
+endif()

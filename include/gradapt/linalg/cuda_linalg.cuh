@@ -1,0 +1,250 @@
+#pragma once
+/// @file
+/// gradapt::cuda_linalg: the `linalg_backend` of device memory, through cuBLAS (GEMM, SYRK)
+/// and cuSOLVER (?syevd), on the caller's stream. Included only from .cu translation units;
+/// link with the CMake component `gradapt::cuda_linalg`.
+///
+/// Compiled and type-checked in this repository's CI (nvcc, no GPU); its numerics have not
+/// been run on a device (docs/algorithms/linalg.md).
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+#include <cusolverDn.h>
+
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+#include "gradapt/backend/cuda/check.cuh"
+#include "gradapt/backend/cuda/device_buffer.cuh"
+#include "gradapt/core/error.hpp"
+#include "gradapt/core/tensor_view.hpp"
+#include "gradapt/linalg/concepts.hpp"
+
+namespace gradapt {
+
+namespace detail::linalg {
+
+/// Throws gradapt::error naming the cuBLAS call and its status.
+inline void cublas_check(cublasStatus_t s, const char* call, const char* file, int line) {
+  if (s != CUBLAS_STATUS_SUCCESS)
+    fail("cuBLAS call ", call, " failed: ", cublasGetStatusName(s), " (", cublasGetStatusString(s), ") at ", file,
+         ":", line);
+}
+
+/// Throws gradapt::error naming the cuSOLVER call and its status code.
+inline void cusolver_check(cusolverStatus_t s, const char* call, const char* file, int line) {
+  if (s != CUSOLVER_STATUS_SUCCESS) fail("cuSOLVER call ", call, " failed: status ", int(s), " at ", file, ":", line);
+}
+
+/// c[i][j] = c[j][i] for j > i: copies the lower triangle of a row-major n × n matrix up.
+template <class T>
+__global__ void mirror_lower_kernel(T* c, int n) {
+  const int j = int(blockIdx.x * blockDim.x + threadIdx.x), i = int(blockIdx.y * blockDim.y + threadIdx.y);
+  if (i < n && j < n && j > i) c[std::size_t(i) * std::size_t(n) + std::size_t(j)] = c[std::size_t(j) * std::size_t(n) + std::size_t(i)];
+}
+
+/// Transposes a row-major n × n matrix in place (each thread of the upper triangle swaps one
+/// pair).
+template <class T>
+__global__ void transpose_in_place_kernel(T* a, int n) {
+  const int j = int(blockIdx.x * blockDim.x + threadIdx.x), i = int(blockIdx.y * blockDim.y + threadIdx.y);
+  if (i < n && j < n && j > i) {
+    const std::size_t u = std::size_t(i) * std::size_t(n) + std::size_t(j), l = std::size_t(j) * std::size_t(n) + std::size_t(i);
+    const T t = a[u];
+    a[u] = a[l];
+    a[l] = t;
+  }
+}
+
+}  // namespace detail::linalg
+
+/// Evaluates a cuBLAS call and throws gradapt::error naming it if it fails.
+#define GRADAPT_CUBLAS_CHECK(...) ::gradapt::detail::linalg::cublas_check((__VA_ARGS__), #__VA_ARGS__, __FILE__, __LINE__)
+/// Evaluates a cuSOLVER call and throws gradapt::error naming it if it fails.
+#define GRADAPT_CUSOLVER_CHECK(...) \
+  ::gradapt::detail::linalg::cusolver_check((__VA_ARGS__), #__VA_ARGS__, __FILE__, __LINE__)
+
+/// Dense linear algebra on device memory through cuBLAS and cuSOLVER (models `linalg_backend`).
+///
+/// Owns a cuBLAS and a cuSOLVER handle bound to the caller's stream (move-only). cuBLAS runs
+/// in `CUBLAS_PEDANTIC_MATH` mode: float products are computed in fp32, never TF32, whatever
+/// the device and `NVIDIA_TF32_OVERRIDE`. Row-major matrices are passed by transposition as in
+/// gradapt::host_lapack; SYRK's triangle is mirrored and eigh's eigenvectors are transposed by
+/// small kernels on the same stream. Every call is asynchronous except `eigh`, which waits for
+/// the stream to read cuSOLVER's status.
+class cuda_linalg {
+ public:
+  using space = device_space;  ///< device memory
+
+  /// Owning workspace of `eigh` for n × n matrices of T (cuSOLVER's buffer size, queried once,
+  /// and the device status word).
+  template <class T>
+  class eigh_buffers {
+   public:
+    /// An empty workspace for 0 × 0 matrices.
+    eigh_buffers() = default;
+    /// The matrix size the workspace was made for.
+    std::int64_t n() const { return n_; }
+
+   private:
+    friend class cuda_linalg;
+    std::int64_t n_ = 0;
+    int lwork_ = 0;
+    cuda_buffer<T> work_;
+    cuda_buffer<int> info_;
+  };
+
+  /// Creates the handles on `stream` (the legacy default stream when null).
+  /// @throws gradapt::error when a handle cannot be created
+  explicit cuda_linalg(cudaStream_t stream = nullptr) : stream_(stream) {
+    GRADAPT_CUBLAS_CHECK(cublasCreate(&blas_));
+    const cublasStatus_t s1 = cublasSetStream(blas_, stream_);
+    const cublasStatus_t s2 = cublasSetMathMode(blas_, CUBLAS_PEDANTIC_MATH);
+    if (s1 != CUBLAS_STATUS_SUCCESS || s2 != CUBLAS_STATUS_SUCCESS) {
+      cublasDestroy(blas_);
+      GRADAPT_CUBLAS_CHECK(s1 != CUBLAS_STATUS_SUCCESS ? s1 : s2);
+    }
+    const cusolverStatus_t s3 = cusolverDnCreate(&solver_);
+    if (s3 != CUSOLVER_STATUS_SUCCESS) {
+      cublasDestroy(blas_);
+      GRADAPT_CUSOLVER_CHECK(s3);
+    }
+    const cusolverStatus_t s4 = cusolverDnSetStream(solver_, stream_);
+    if (s4 != CUSOLVER_STATUS_SUCCESS) {
+      release();
+      GRADAPT_CUSOLVER_CHECK(s4);
+    }
+  }
+  cuda_linalg(const cuda_linalg&) = delete;
+  cuda_linalg& operator=(const cuda_linalg&) = delete;
+  /// Takes over o's handles; o is left without handles (only destructible or assignable).
+  cuda_linalg(cuda_linalg&& o) noexcept
+      : stream_(o.stream_), blas_(std::exchange(o.blas_, nullptr)), solver_(std::exchange(o.solver_, nullptr)) {}
+  /// Destroys this object's handles, then takes over o's.
+  cuda_linalg& operator=(cuda_linalg&& o) noexcept {
+    if (this != &o) {
+      release();
+      stream_ = o.stream_;
+      blas_ = std::exchange(o.blas_, nullptr);
+      solver_ = std::exchange(o.solver_, nullptr);
+    }
+    return *this;
+  }
+  /// Destroys the handles (errors ignored).
+  ~cuda_linalg() { release(); }
+
+  /// The stream every call is enqueued on.
+  cudaStream_t stream() const { return stream_; }
+
+  /// The workspace `eigh` needs for n × n matrices of T (device memory, allocated here).
+  /// @throws gradapt::error for n < 0, n beyond 32-bit integers, or a CUDA failure
+  template <class T>
+  requires(std::is_same_v<T, float> || std::is_same_v<T, double>) eigh_buffers<T> eigh_workspace(
+      std::int64_t n) const {
+    detail::require(n >= 0, "cuda_linalg::eigh_workspace: n is ", n, " (expected n >= 0)");
+    detail::linalg::require_blas_int(n, "cuda_linalg::eigh_workspace", "n");
+    eigh_buffers<T> ws;
+    ws.n_ = n;
+    if (n == 0) return ws;
+    const int ni = int(n);
+    int lwork = 0;
+    if constexpr (std::is_same_v<T, float>)
+      GRADAPT_CUSOLVER_CHECK(cusolverDnSsyevd_bufferSize(solver_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER,
+                                                         ni, nullptr, ni, nullptr, &lwork));
+    else
+      GRADAPT_CUSOLVER_CHECK(cusolverDnDsyevd_bufferSize(solver_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER,
+                                                         ni, nullptr, ni, nullptr, &lwork));
+    ws.lwork_ = lwork;
+    ws.work_ = cuda_buffer<T>(std::size_t(lwork > 0 ? lwork : 1), stream_);
+    ws.info_ = cuda_buffer<int>(1, stream_);
+    return ws;
+  }
+
+  /// C = alpha·op(A)·op(B) + beta·C for row-major device matrices (beta = 0: C is only
+  /// written). Enqueued on `stream()`.
+  /// @throws gradapt::error unless op(A) is m × k, op(B) k × n and C m × n, or when cuBLAS fails
+  template <class T>
+  requires(std::is_same_v<T, float> || std::is_same_v<T, double>) void gemm(
+      transpose ta, transpose tb, double alpha, tensor_view<const T, device_space> a,
+      tensor_view<const T, device_space> b, double beta, tensor_view<T, device_space> c) const {
+    detail::linalg::check_gemm(ta, tb, a, b, c, "cuda_linalg::gemm");
+    const int m = int(c.dim(0)), n = int(c.dim(1)), k = int(ta == transpose::none ? a.dim(1) : a.dim(0));
+    if (m == 0 || n == 0) return;
+    const cublasOperation_t opA = ta == transpose::none ? CUBLAS_OP_N : CUBLAS_OP_T;
+    const cublasOperation_t opB = tb == transpose::none ? CUBLAS_OP_N : CUBLAS_OP_T;
+    const int lda = a.dim(1) > 0 ? int(a.dim(1)) : 1, ldb = b.dim(1) > 0 ? int(b.dim(1)) : 1;
+    const T al = T(alpha), be = T(beta);
+    if constexpr (std::is_same_v<T, float>)
+      GRADAPT_CUBLAS_CHECK(cublasSgemm(blas_, opB, opA, n, m, k, &al, b.data(), ldb, a.data(), lda, &be, c.data(), n));
+    else
+      GRADAPT_CUBLAS_CHECK(cublasDgemm(blas_, opB, opA, n, m, k, &al, b.data(), ldb, a.data(), lda, &be, c.data(), n));
+  }
+
+  /// C = alpha·A·Aᵀ + beta·C (`gram::rows`) or alpha·Aᵀ·A + beta·C (`gram::columns`) for a
+  /// row-major device A; C must be symmetric when beta ≠ 0. One triangle is computed and
+  /// mirrored, so both triangles hold the same bits. Enqueued on `stream()`.
+  /// @throws gradapt::error unless A is a matrix and C is square of the Gram product's size
+  template <class T>
+  requires(std::is_same_v<T, float> || std::is_same_v<T, double>) void syrk(
+      gram g, double alpha, tensor_view<const T, device_space> a, double beta, tensor_view<T, device_space> c) const {
+    detail::linalg::check_syrk(g, a, c, "cuda_linalg::syrk");
+    const int n = int(c.dim(0)), k = int(g == gram::rows ? a.dim(1) : a.dim(0));
+    if (n == 0) return;
+    const cublasOperation_t trans = g == gram::rows ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const int lda = a.dim(1) > 0 ? int(a.dim(1)) : 1;
+    const T al = T(alpha), be = T(beta);
+    if constexpr (std::is_same_v<T, float>)
+      GRADAPT_CUBLAS_CHECK(
+          cublasSsyrk(blas_, CUBLAS_FILL_MODE_UPPER, trans, n, k, &al, a.data(), lda, &be, c.data(), n));
+    else
+      GRADAPT_CUBLAS_CHECK(
+          cublasDsyrk(blas_, CUBLAS_FILL_MODE_UPPER, trans, n, k, &al, a.data(), lda, &be, c.data(), n));
+    const dim3 block(16, 16), grid(unsigned((n + 15) / 16), unsigned((n + 15) / 16));
+    detail::linalg::mirror_lower_kernel<T><<<grid, block, 0, stream_>>>(c.data(), n);
+    GRADAPT_CUDA_CHECK_LAUNCH("mirror_lower_kernel");
+  }
+
+  /// Eigenvalues (ascending, into w) and eigenvectors (the columns of A on return) of the
+  /// symmetric device matrix A, whose lower triangle is read (cuSOLVER ?syevd). Waits for the
+  /// stream to read cuSOLVER's status; returns false when it reports a failure to converge.
+  /// @throws gradapt::error unless A is n × n, w has n elements and ws was made for n, or when
+  ///         a CUDA, cuBLAS or cuSOLVER call fails
+  template <class T>
+  requires(std::is_same_v<T, float> || std::is_same_v<T, double>) bool eigh(
+      tensor_view<T, device_space> a, tensor_view<T, device_space> w, eigh_buffers<T>& ws) const {
+    detail::linalg::check_eigh(a, w, ws.n(), "cuda_linalg::eigh");
+    const int n = int(a.dim(0));
+    if (n == 0) return true;
+    if constexpr (std::is_same_v<T, float>)
+      GRADAPT_CUSOLVER_CHECK(cusolverDnSsyevd(solver_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER, n, a.data(), n,
+                                              w.data(), ws.work_.data(), ws.lwork_, ws.info_.data()));
+    else
+      GRADAPT_CUSOLVER_CHECK(cusolverDnDsyevd(solver_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER, n, a.data(), n,
+                                              w.data(), ws.work_.data(), ws.lwork_, ws.info_.data()));
+    int info = 0;
+    GRADAPT_CUDA_CHECK(cudaMemcpyAsync(&info, ws.info_.data(), sizeof(int), cudaMemcpyDeviceToHost, stream_));
+    GRADAPT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    detail::require(info >= 0, "cuda_linalg::eigh: cuSOLVER rejected argument ", -info, " (info = ", info, ")");
+    if (info > 0) return false;
+    const dim3 block(16, 16), grid(unsigned((n + 15) / 16), unsigned((n + 15) / 16));
+    detail::linalg::transpose_in_place_kernel<T><<<grid, block, 0, stream_>>>(a.data(), n);
+    GRADAPT_CUDA_CHECK_LAUNCH("transpose_in_place_kernel");
+    return true;
+  }
+
+ private:
+  void release() noexcept {
+    if (solver_) cusolverDnDestroy(solver_);
+    if (blas_) cublasDestroy(blas_);
+    solver_ = nullptr;
+    blas_ = nullptr;
+  }
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t blas_ = nullptr;
+  cusolverDnHandle_t solver_ = nullptr;
+};
+
+static_assert(linalg_backend<cuda_linalg>, "cuda_linalg must model linalg_backend");
+
+}  // namespace gradapt

@@ -1,0 +1,541 @@
+#pragma once
+/// @file
+/// Inverse p-th roots of symmetric positive semi-definite matrices, X = (A + r·I)^(-1/p), by a
+/// coupled Newton iteration (matrix products only) or by an eigendecomposition, over any host
+/// `linalg_backend`. Shampoo's preconditioners are such roots of its statistics (p = 2k for a
+/// k-dimensional tensor block; Gupta, Koren and Singer 2018; Anil et al. 2020).
+///
+/// Numerical failure (non-finite or non-symmetric input, no convergence, an eigensolver
+/// failure, a singular matrix without a ridge) is reported by the returned status and leaves
+/// the output untouched, so a caller keeps its previous root; invalid arguments throw
+/// gradapt::error. docs/algorithms/linalg.md describes both methods and their stopping rules.
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <memory>
+#include <string_view>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "gradapt/core/error.hpp"
+#include "gradapt/core/tensor_view.hpp"
+#include "gradapt/linalg/concepts.hpp"
+
+namespace gradapt {
+
+/// How `inverse_pth_root` computes the root.
+enum class root_method : unsigned char {
+  /// Coupled Newton iteration (Higham, Functions of Matrices, 2008, eq. 7.18): matrix
+  /// products only, in the element type of A.
+  coupled_newton,
+  /// Symmetric eigendecomposition A = Q·diag(λ)·Qᵀ, X = Q·diag((max(λ, 0) + r)^(-1/p))·Qᵀ;
+  /// a float decomposition that fails is retried in double.
+  eigen,
+};
+
+/// How the ridge r added to A's diagonal is obtained from `inverse_root_options::epsilon`.
+enum class ridge_kind : unsigned char {
+  absolute,  ///< r = ε
+  relative,  ///< r = ε·λ_max(A) (λ_max by power iteration, or from the eigendecomposition)
+};
+
+/// The outcome of `inverse_pth_root`. Only `ok` writes the output.
+enum class root_status : unsigned char {
+  ok,                  ///< X holds the root
+  nonfinite_input,     ///< A holds an infinity or NaN
+  not_symmetric,       ///< A differs from Aᵀ (compared bit for bit)
+  singular,            ///< A + r·I is not positive definite: a zero ridge on a singular A, or a
+                       ///< relative ridge on the zero matrix (λ_max = 0)
+  not_converged,       ///< Newton: the best iterate's error max|M − I| exceeds `max_error`
+  eigensolver_failed,  ///< the eigensolver reported a failure (after the double retry for float)
+  nonfinite_result,    ///< the computed root holds an infinity or NaN (overflow)
+};
+
+/// Why the coupled Newton iteration stopped.
+enum class newton_stop : unsigned char {
+  not_run,         ///< the eigen method ran, or the input was rejected before iterating
+  tolerance,       ///< max|M − I| <= tolerance
+  error_grew,      ///< the error grew by more than `max_error_ratio` (or became non-finite):
+                   ///< the best iterate so far is kept
+  max_iterations,  ///< `max_iterations` iterations ran
+};
+
+/// Options of `inverse_pth_root` (defaults follow google-research scalable_shampoo and
+/// facebookresearch/optimizers' Distributed Shampoo).
+struct inverse_root_options {
+  root_method method = root_method::eigen;  ///< coupled Newton or eigendecomposition
+  double epsilon = 1e-6;                     ///< ridge ε (>= 0)
+  ridge_kind ridge = ridge_kind::relative;   ///< r = ε or r = ε·λ_max
+  double tolerance = 1e-6;       ///< Newton: stop once max|M − I| <= tolerance (>= 0)
+  int max_iterations = 100;      ///< Newton: at most this many iterations (>= 1)
+  double max_error_ratio = 1.2;  ///< Newton: stop when the error grows by more than this (>= 1)
+  double max_error = 0.1;        ///< Newton: a best error above this is `not_converged` (> 0)
+  int power_iterations = 100;    ///< power iteration for λ_max: at most this many steps (>= 1)
+  double power_tolerance = 1e-6;  ///< power iteration: stop when λ changes by <= this, relative
+  bool retry_in_double = true;    ///< eigen: retry a failed float decomposition in double
+};
+
+/// What `inverse_pth_root` did.
+struct inverse_root_result {
+  root_status status = root_status::ok;   ///< ok, or why the output was left untouched
+  newton_stop stop = newton_stop::not_run;  ///< Newton: why the iteration stopped
+  int iterations = 0;                    ///< Newton iterations performed
+  /// Newton: max|M − I| of the returned iterate, where M = X^p·(A + r·I) up to rounding; NaN
+  /// for the eigen method, which has no iteration error.
+  double error = std::numeric_limits<double>::quiet_NaN();
+  double lambda_max = 0;                 ///< the λ_max used for a relative ridge (0 if absolute)
+  double ridge = 0;                      ///< r, the value added to A's diagonal
+  bool retried_in_double = false;        ///< eigen: the float decomposition failed and double ran
+  /// True when the status is `ok`.
+  bool ok() const { return status == root_status::ok; }
+};
+
+/// The name of a status, for messages and logs ("ok", "nonfinite_input", ...).
+constexpr std::string_view to_string(root_status s) {
+  switch (s) {
+    case root_status::ok: return "ok";
+    case root_status::nonfinite_input: return "nonfinite_input";
+    case root_status::not_symmetric: return "not_symmetric";
+    case root_status::singular: return "singular";
+    case root_status::not_converged: return "not_converged";
+    case root_status::eigensolver_failed: return "eigensolver_failed";
+    case root_status::nonfinite_result: return "nonfinite_result";
+  }
+  return "unknown";
+}
+
+namespace detail::linalg {
+template <class L, class T>
+struct root_access;
+}  // namespace detail::linalg
+
+/// Scratch memory of `inverse_pth_root` for n × n matrices of T on the linear-algebra backend
+/// L: Newton's iterates and product buffers (7 matrices), the eigen method's eigenvectors,
+/// eigenvalues and eigensolver workspace (and, for float, the same in double for the retry).
+/// Each part is allocated by `reserve(method)` or by the first call that needs it, so steady
+/// calls allocate nothing; the double retry's part is allocated by the first retry.
+template <class L, class T>
+requires linalg_backend<L> && (std::is_same_v<T, float> || std::is_same_v<T, double>)
+class inverse_root_workspace {
+ public:
+  /// A workspace for n × n matrices on `la` (the backend is copied).
+  /// @throws gradapt::error for n < 1
+  inverse_root_workspace(const L& la, std::int64_t n) : la_(la), n_(n) {
+    detail::require(n >= 1, "inverse_root_workspace: n is ", n, " (expected a matrix size n >= 1)");
+  }
+  /// The matrix size the workspace serves.
+  std::int64_t n() const { return n_; }
+  /// Allocates what `method` needs now rather than at the first call.
+  void reserve(root_method method) {
+    if (method == root_method::coupled_newton)
+      newton();
+    else
+      eigen();
+  }
+
+ private:
+  friend struct detail::linalg::root_access<L, T>;
+
+  using eigh_ws_t = detail::linalg::eigh_workspace_t<L, T>;
+  using eigh_ws_d = detail::linalg::eigh_workspace_t<L, double>;
+
+  std::size_t n2() const { return static_cast<std::size_t>(n_) * static_cast<std::size_t>(n_); }
+  std::vector<T>& newton() {
+    if (pool_.empty()) pool_.assign(7 * n2(), T(0));
+    if (vec_.empty()) vec_.assign(2 * static_cast<std::size_t>(n_), T(0));
+    return pool_;
+  }
+  void eigen() {
+    if (q_.empty()) {
+      q_.assign(n2(), T(0));
+      x_.assign(n2(), T(0));
+      w_.assign(static_cast<std::size_t>(n_), T(0));
+      ews_ = std::make_unique<eigh_ws_t>(la_.template eigh_workspace<T>(n_));
+    }
+  }
+  void eigen_double() {
+    if (qd_.empty()) {
+      qd_.assign(n2(), 0.0);
+      xd_.assign(n2(), 0.0);
+      wd_.assign(static_cast<std::size_t>(n_), 0.0);
+      ewsd_ = std::make_unique<eigh_ws_d>(la_.template eigh_workspace<double>(n_));
+    }
+  }
+
+  L la_;
+  std::int64_t n_;
+  std::vector<T> pool_, vec_, q_, x_, w_;
+  std::vector<double> qd_, xd_, wd_;
+  std::unique_ptr<eigh_ws_t> ews_;
+  std::unique_ptr<eigh_ws_d> ewsd_;
+};
+
+namespace detail::linalg {
+
+/// Gives the root functions access to a workspace's buffers, allocated on first use.
+template <class L, class T>
+struct root_access {
+  /// Newton's pool of 7 n × n matrices.
+  static std::vector<T>& newton(inverse_root_workspace<L, T>& ws) { return ws.newton(); }
+  /// Two vectors of n.
+  static std::vector<T>& vec(inverse_root_workspace<L, T>& ws) {
+    ws.newton();
+    return ws.vec_;
+  }
+  /// Eigen method: Q, X, w and the eigensolver workspace in T.
+  static auto eigen(inverse_root_workspace<L, T>& ws) {
+    ws.eigen();
+    return std::tie(ws.q_, ws.x_, ws.w_, *ws.ews_);
+  }
+  /// The same in double (the retry of a float decomposition).
+  static auto eigen_double(inverse_root_workspace<L, T>& ws) {
+    ws.eigen_double();
+    return std::tie(ws.qd_, ws.xd_, ws.wd_, *ws.ewsd_);
+  }
+};
+
+/// True when every element is finite.
+template <class T>
+bool all_finite(const T* p, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i)
+    if (!std::isfinite(p[i])) return false;
+  return true;
+}
+
+/// True when the row-major n × n matrix equals its transpose bit for bit.
+template <class T>
+bool symmetric(const T* a, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i)
+    for (std::size_t j = 0; j < i; ++j)
+      if (!(a[i * n + j] == a[j * n + i])) return false;
+  return true;
+}
+
+/// max |M − I| over the elements of the row-major n × n matrix m (NaN when m holds a NaN).
+template <class T>
+double max_abs_minus_identity(const T* m, std::size_t n) {
+  double e = 0;
+  for (std::size_t i = 0; i < n; ++i)
+    for (std::size_t j = 0; j < n; ++j) {
+      const double d = std::fabs(double(m[i * n + j]) - (i == j ? 1.0 : 0.0));
+      if (!(d <= e)) e = d;  // keeps a NaN
+    }
+  return e;
+}
+
+/// Largest eigenvalue of the symmetric PSD matrix a by power iteration: v ← A·v/|A·v| from a
+/// fixed start vector, λ = vᵀA·v (Rayleigh quotient, a lower bound on λ_max), stopped when λ
+/// changes by at most `tol`·λ. Products through the backend (n × 1 GEMM); v, y are n-vectors.
+template <class L, class T>
+double power_iteration(const L& la, tensor_view<const T, host_space> a, T* v, T* y, int max_iter, double tol) {
+  const std::size_t n = static_cast<std::size_t>(a.dim(0));
+  const auto ni = static_cast<std::int64_t>(n);
+  // A fixed, deterministic start with no special structure (not orthogonal to any eigenvector
+  // of the matrices that occur in practice): 1 + frac(i·golden ratio).
+  double norm = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const double g = 1.0 + std::fmod(double(i) * 0.6180339887498949, 1.0);
+    v[i] = T(g);
+    norm += g * g;
+  }
+  for (std::size_t i = 0; i < n; ++i) v[i] = T(double(v[i]) / std::sqrt(norm));
+  double lambda = 0;
+  for (int it = 0; it < max_iter; ++it) {
+    la.gemm(transpose::none, transpose::none, 1.0, a, tensor_view<const T, host_space>(v, {ni, 1}), 0.0,
+            tensor_view<T, host_space>(y, {ni, 1}));
+    double vy = 0, yy = 0;
+    for (std::size_t i = 0; i < n; ++i) vy += double(v[i]) * double(y[i]), yy += double(y[i]) * double(y[i]);
+    if (!(yy > 0)) return 0;
+    const double prev = lambda;
+    lambda = vy;
+    const double inv = 1.0 / std::sqrt(yy);
+    for (std::size_t i = 0; i < n; ++i) v[i] = T(double(y[i]) * inv);
+    if (it > 0 && std::fabs(lambda - prev) <= tol * std::fabs(lambda)) break;
+  }
+  return lambda;
+}
+
+/// The argument checks shared by the root functions.
+template <class T>
+void check_root_args(tensor_view<const T, host_space> a, int p, tensor_view<T, host_space> x, std::int64_t ws_n,
+                     const inverse_root_options& o) {
+  constexpr const char* who = "inverse_pth_root";
+  require_square(a, who, "A");
+  require(x.same_shape(a), who, ": X has shape ", x.shape_string(), " but A has shape ", a.shape_string(),
+          " (X must have A's shape)");
+  require(ws_n == a.dim(0), who, ": the workspace was made for ", ws_n, " x ", ws_n, " matrices but A is ",
+          a.shape_string(), " (one workspace per block size)");
+  require(p >= 1, who, ": p is ", p, " (expected a positive integer; the root is A^(-1/p))");
+  require(std::isfinite(o.epsilon) && o.epsilon >= 0, who, ": epsilon is ", o.epsilon,
+          " (expected a finite ridge >= 0)");
+  require(std::isfinite(o.tolerance) && o.tolerance >= 0, who, ": tolerance is ", o.tolerance,
+          " (expected a finite value >= 0)");
+  require(o.max_iterations >= 1, who, ": max_iterations is ", o.max_iterations, " (expected >= 1)");
+  require(o.max_error_ratio >= 1, who, ": max_error_ratio is ", o.max_error_ratio,
+          " (expected >= 1: the factor by which the error may grow before the iteration stops)");
+  require(o.max_error > 0, who, ": max_error is ", o.max_error, " (expected > 0)");
+  require(o.power_iterations >= 1, who, ": power_iterations is ", o.power_iterations, " (expected >= 1)");
+  require(std::isfinite(o.power_tolerance) && o.power_tolerance >= 0, who, ": power_tolerance is ",
+          o.power_tolerance, " (expected a finite value >= 0)");
+  require(o.method == root_method::coupled_newton || o.method == root_method::eigen, who,
+          ": unknown root_method ", int(o.method));
+  require(o.ridge == ridge_kind::absolute || o.ridge == ridge_kind::relative, who, ": unknown ridge_kind ",
+          int(o.ridge));
+}
+
+/// Coupled Newton iteration for X = (A + r·I)^(-1/p) (Higham 2008, eq. 7.18), in T:
+///   z = (p + 1) / (2·‖A + r·I‖_F),  X₀ = z^(1/p)·I,  M₀ = z·(A + r·I),
+///   Mₚ = (1 + 1/p)·I − M/p,  X ← X·Mₚ,  M ← Mₚ^p·M,
+/// so that M = X^p·(A + r·I) throughout and M → I while X → (A + r·I)^(-1/p). Writes the best
+/// iterate (lowest max|M − I|) into `out` (n × n) and returns the result with `error` = its
+/// max|M − I|.
+template <class L, class T>
+inverse_root_result newton_root(const L& la, tensor_view<const T, host_space> a, int p, double ridge, T* out,
+                                std::vector<T>& pool, const inverse_root_options& o) {
+  inverse_root_result r;
+  const std::size_t n = static_cast<std::size_t>(a.dim(0)), n2 = n * n;
+  const auto ni = static_cast<std::int64_t>(n);
+  // Six buffers: at most five are live while Mₚ^p is formed (M, X, the next X, the power's
+  // base and accumulator), so one is always spare. `out` is a seventh.
+  T* buf[6];
+  for (std::size_t i = 0; i < 6; ++i) buf[i] = pool.data() + i * n2;
+  T* m = buf[0];
+  T* xcur = buf[1];
+  T* best = out;
+  auto view = [&](T* q) { return tensor_view<T, host_space>(q, {ni, ni}); };
+  auto cview = [&](T* q) { return tensor_view<const T, host_space>(q, {ni, ni}); };
+  auto mul = [&](T* dst, T* lhs, T* rhs) {
+    la.gemm(transpose::none, transpose::none, 1.0, cview(lhs), cview(rhs), 0.0, view(dst));
+  };
+  // A buffer of the pool that holds none of the live matrices.
+  auto spare = [&](std::initializer_list<const T*> live) {
+    for (T* b : buf)
+      if (std::find(live.begin(), live.end(), b) == live.end()) return b;
+    return static_cast<T*>(nullptr);  // unreachable: 6 buffers, at most 5 live
+  };
+
+  double fro2 = 0;
+  for (std::size_t i = 0; i < n2; ++i) {
+    const double v = double(a.data()[i]) + ((i % (n + 1)) == 0 ? ridge : 0.0);
+    fro2 += v * v;
+  }
+  if (!(fro2 > 0)) {
+    r.status = root_status::singular;
+    return r;
+  }
+  const double z = double(p + 1) / (2.0 * std::sqrt(fro2));
+  for (std::size_t i = 0; i < n2; ++i)
+    m[i] = T(z * (double(a.data()[i]) + ((i % (n + 1)) == 0 ? ridge : 0.0)));
+  std::fill(xcur, xcur + n2, T(0));
+  const T x0 = T(std::pow(z, 1.0 / double(p)));
+  for (std::size_t i = 0; i < n; ++i) xcur[i * (n + 1)] = x0;
+  std::copy(xcur, xcur + n2, best);
+  double err = max_abs_minus_identity(m, n), best_err = err;
+  r.stop = newton_stop::max_iterations;
+  const T diag = T(1.0 + 1.0 / double(p)), scale = T(-1.0 / double(p));
+  while (true) {
+    if (err <= o.tolerance) {
+      r.stop = newton_stop::tolerance;
+      break;
+    }
+    if (r.iterations >= o.max_iterations) break;
+    T* mp = spare({m, xcur});
+    for (std::size_t i = 0; i < n2; ++i) mp[i] = scale * m[i];
+    for (std::size_t i = 0; i < n; ++i) mp[i * (n + 1)] += diag;
+    T* xnext = spare({m, xcur, mp});
+    mul(xnext, xcur, mp);
+    // Mₚ^p by binary powering, then · M.
+    T* base = mp;
+    T* acc = nullptr;
+    for (int e = p;;) {
+      if (e & 1) {
+        if (!acc) {
+          acc = base;
+        } else {
+          T* d = spare({m, xcur, xnext, base, acc});
+          mul(d, acc, base);
+          acc = d;
+        }
+      }
+      e >>= 1;
+      if (!e) break;
+      T* d = spare({m, xcur, xnext, base, acc});
+      mul(d, base, base);
+      base = d;
+    }
+    T* mnext = spare({m, xcur, xnext, acc});
+    mul(mnext, acc, m);
+    ++r.iterations;
+    const double e = max_abs_minus_identity(mnext, n);
+    if (!(e <= o.max_error_ratio * err)) {  // grew too much, or NaN: keep the best iterate
+      r.stop = newton_stop::error_grew;
+      break;
+    }
+    m = mnext;
+    xcur = xnext;
+    err = e;
+    if (e < best_err) {
+      best_err = e;
+      std::copy(xcur, xcur + n2, best);
+    }
+  }
+  r.error = best_err;
+  if (!(best_err <= o.max_error)) r.status = root_status::not_converged;
+  return r;
+}
+
+/// X = Q·diag(d)·Qᵀ with d = (max(λ, 0) + r)^(-1/p), formed as S·Sᵀ with S = Q·diag(√d) (one
+/// SYRK, so X is symmetric bit for bit). Q and w from `eigh`; S overwrites Q. Returns false
+/// when an eigenvalue plus the ridge is not positive (singular).
+template <class L, class U>
+bool eigen_apply(const L& la, U* q, const U* w, std::size_t n, int p, double ridge, U* x) {
+  const auto ni = static_cast<std::int64_t>(n);
+  for (std::size_t j = 0; j < n; ++j) {
+    const double lam = std::max(double(w[j]), 0.0) + ridge;
+    if (!(lam > 0)) return false;
+    const U s = U(std::pow(lam, -0.5 / double(p)));
+    for (std::size_t i = 0; i < n; ++i) q[i * n + j] *= s;
+  }
+  la.syrk(gram::rows, 1.0, tensor_view<const U, host_space>(q, {ni, ni}), 0.0,
+          tensor_view<U, host_space>(x, {ni, ni}));
+  return true;
+}
+
+}  // namespace detail::linalg
+
+/// X = (A + r·I)^(-1/p) for a symmetric positive semi-definite n × n matrix A.
+///
+/// The ridge is r = ε (`ridge_kind::absolute`) or r = ε·λ_max(A) (`ridge_kind::relative`;
+/// λ_max by power iteration for Newton, the largest eigenvalue for the eigen method).
+/// - `root_method::coupled_newton`: the coupled Newton iteration above in T. It stops when
+///   max|M − I| <= `tolerance`, when the error grows by more than `max_error_ratio` over the
+///   previous iterate's or becomes non-finite (the best iterate is kept), or after
+///   `max_iterations`; a best error above `max_error` is `root_status::not_converged`.
+/// - `root_method::eigen`: A = Q·diag(λ)·Qᵀ, eigenvalues clamped to >= 0 (rounding can make a
+///   PSD matrix's smallest ones negative), X = Q·diag((λ + r)^(-1/p))·Qᵀ. For float, a
+///   decomposition that fails (or gives non-finite values) is retried in double when
+///   `retry_in_double` is set.
+///
+/// X is written only when the status is `ok`; otherwise it keeps its contents, so a caller can
+/// keep its previous root. X may alias A. The exponent is −1/p for an integer p >= 1 (Shampoo
+/// uses p = 2k for a k-dimensional block).
+/// @throws gradapt::error when A is not square, X's shape differs from A's, the workspace was
+///         made for another size, p < 1, or an option is out of range (ε < 0 or not finite,
+///         tolerance < 0, max_iterations < 1, max_error_ratio < 1, max_error <= 0, ...)
+template <class L, class T>
+requires linalg_backend<L> && std::is_same_v<typename L::space, host_space> &&
+    (std::is_same_v<T, float> || std::is_same_v<T, double>)
+inverse_root_result inverse_pth_root(const L& la, tensor_view<const T, host_space> a, int p,
+                                     tensor_view<T, host_space> x, inverse_root_workspace<L, T>& ws,
+                                     const inverse_root_options& o = {}) {
+  using access = detail::linalg::root_access<L, T>;
+  detail::linalg::check_root_args<T>(a, p, x, ws.n(), o);
+  const std::size_t n = static_cast<std::size_t>(a.dim(0)), n2 = n * n;
+  inverse_root_result r;
+  if (!detail::linalg::all_finite(a.data(), n2)) {
+    r.status = root_status::nonfinite_input;
+    return r;
+  }
+  if (!detail::linalg::symmetric(a.data(), n)) {
+    r.status = root_status::not_symmetric;
+    return r;
+  }
+
+  if (o.method == root_method::coupled_newton) {
+    auto& pool = access::newton(ws);
+    auto& vec = access::vec(ws);
+    if (o.ridge == ridge_kind::relative) {
+      r.lambda_max = detail::linalg::power_iteration(la, a, vec.data(), vec.data() + n, o.power_iterations,
+                                                     o.power_tolerance);
+      if (!(r.lambda_max > 0)) {
+        r.status = root_status::singular;
+        return r;
+      }
+    }
+    r.ridge = o.ridge == ridge_kind::relative ? o.epsilon * r.lambda_max : o.epsilon;
+    // The best iterate goes to the pool's last buffer, copied to X once accepted.
+    T* best = pool.data() + 6 * n2;
+    const auto res = detail::linalg::newton_root(la, a, p, r.ridge, best, pool, o);
+    r.status = res.status;
+    r.stop = res.stop;
+    r.iterations = res.iterations;
+    r.error = res.error;
+    if (r.ok() && !detail::linalg::all_finite(best, n2)) r.status = root_status::nonfinite_result;
+    if (r.ok()) std::copy(best, best + n2, x.data());
+    return r;
+  }
+
+  auto [q, xs, w, ews] = access::eigen(ws);
+  const auto ni = static_cast<std::int64_t>(n);
+  std::copy(a.data(), a.data() + n2, q.data());
+  bool solved = la.eigh(tensor_view<T, host_space>(q.data(), {ni, ni}), host_view(w), ews) &&
+                detail::linalg::all_finite(w.data(), n) && detail::linalg::all_finite(q.data(), n2);
+  if (solved) {
+    r.lambda_max = o.ridge == ridge_kind::relative ? std::max(double(w[n - 1]), 0.0) : 0.0;
+    if (o.ridge == ridge_kind::relative && !(r.lambda_max > 0)) {
+      r.status = root_status::singular;
+      return r;
+    }
+    r.ridge = o.ridge == ridge_kind::relative ? o.epsilon * r.lambda_max : o.epsilon;
+    if (!detail::linalg::eigen_apply(la, q.data(), w.data(), n, p, r.ridge, xs.data())) {
+      r.status = root_status::singular;
+      return r;
+    }
+    if (!detail::linalg::all_finite(xs.data(), n2)) {
+      r.status = root_status::nonfinite_result;
+      return r;
+    }
+    std::copy(xs.begin(), xs.end(), x.data());
+    return r;
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    if (o.retry_in_double) {
+      r.retried_in_double = true;
+      auto [qd, xd, wd, ewsd] = access::eigen_double(ws);
+      std::copy(a.data(), a.data() + n2, qd.data());
+      const bool ok = la.eigh(tensor_view<double, host_space>(qd.data(), {ni, ni}), host_view(wd), ewsd) &&
+                      detail::linalg::all_finite(wd.data(), n) && detail::linalg::all_finite(qd.data(), n2);
+      if (!ok) {
+        r.status = root_status::eigensolver_failed;
+        return r;
+      }
+      r.lambda_max = o.ridge == ridge_kind::relative ? std::max(wd[n - 1], 0.0) : 0.0;
+      if (o.ridge == ridge_kind::relative && !(r.lambda_max > 0)) {
+        r.status = root_status::singular;
+        return r;
+      }
+      r.ridge = o.ridge == ridge_kind::relative ? o.epsilon * r.lambda_max : o.epsilon;
+      if (!detail::linalg::eigen_apply(la, qd.data(), wd.data(), n, p, r.ridge, xd.data())) {
+        r.status = root_status::singular;
+        return r;
+      }
+      for (std::size_t i = 0; i < n2; ++i) xs[i] = float(xd[i]);
+      if (!detail::linalg::all_finite(xs.data(), n2)) {
+        r.status = root_status::nonfinite_result;
+        return r;
+      }
+      std::copy(xs.begin(), xs.end(), x.data());
+      return r;
+    }
+  }
+  r.status = root_status::eigensolver_failed;
+  return r;
+}
+
+/// The same for a non-const A view.
+template <class L, class T>
+requires linalg_backend<L> && std::is_same_v<typename L::space, host_space> &&
+    (std::is_same_v<T, float> || std::is_same_v<T, double>)
+inverse_root_result inverse_pth_root(const L& la, tensor_view<T, host_space> a, int p,
+                                     tensor_view<T, host_space> x, inverse_root_workspace<L, T>& ws,
+                                     const inverse_root_options& o = {}) {
+  return inverse_pth_root(la, tensor_view<const T, host_space>(a), p, x, ws, o);
+}
+
+}  // namespace gradapt

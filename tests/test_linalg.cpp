@@ -1,0 +1,200 @@
+// The linear-algebra backend (linalg/host_lapack.hpp): GEMM and SYRK against a long double
+// re-computation with the classical forward error bound, the symmetric eigensolver by its
+// backward error and orthogonality, and the argument checks.
+//
+// Bounds: a computed dot product of length k satisfies |fl(x·y) − x·y| <= γ_k Σ|x_i||y_i|,
+// γ_k = k·u/(1 − k·u) (Higham, Accuracy and Stability of Numerical Algorithms, §3.1), whatever
+// the summation order a blocked BLAS picks; alpha, beta and the final add cost two more
+// roundings, so every element is checked against (k + 2)·u·(|α|Σ|a||b| + |β||c|) (with 2× for
+// the 1/(1 − k·u) factor and any FMA-free kernel). A backward-stable symmetric eigensolver
+// returns Q, Λ with ‖A − QΛQᵀ‖_F <= p(n)·u·‖A‖_F and ‖QᵀQ − I‖_F <= p(n)·u for a modestly
+// growing p(n) (LAPACK Users' Guide §4.7); the tests take p(n) = 4n.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "catch.hpp"
+#include "gradapt/linalg/host_lapack.hpp"
+
+using gradapt::gram;
+using gradapt::host_lapack;
+using gradapt::tensor_view;
+using gradapt::transpose;
+using Catch::Matchers::Contains;
+
+namespace {
+
+template <class T>
+std::vector<T> random_matrix(std::int64_t r, std::int64_t c, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  std::vector<T> m(static_cast<std::size_t>(r * c));
+  for (auto& v : m) v = T(u(rng));
+  return m;
+}
+
+template <class T>
+std::vector<T> random_symmetric(std::int64_t n, unsigned seed) {
+  auto m = random_matrix<T>(n, n, seed);
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t j = 0; j < i; ++j) m[std::size_t(j * n + i)] = m[std::size_t(i * n + j)];
+  return m;
+}
+
+template <class T>
+constexpr double unit_roundoff() {
+  return std::numeric_limits<T>::epsilon() / 2;
+}
+
+// Element (i, j) of op(X) for a row-major r × c matrix X.
+template <class T>
+long double at(const std::vector<T>& x, std::int64_t cols, transpose t, std::int64_t i, std::int64_t j) {
+  return t == transpose::none ? x[std::size_t(i * cols + j)] : x[std::size_t(j * cols + i)];
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("host_lapack::gemm matches a long double product within the dot-product bound", "[linalg]",
+                   float, double) {
+  using T = TestType;
+  const host_lapack la;
+  struct shape {
+    std::int64_t m, k, n;
+  };
+  const shape shapes[] = {{1, 1, 1}, {7, 5, 3}, {64, 33, 17}, {3, 100, 40}, {0, 4, 3}, {4, 0, 3}};
+  for (const auto& s : shapes)
+    for (transpose ta : {transpose::none, transpose::yes})
+      for (transpose tb : {transpose::none, transpose::yes})
+        for (double beta : {0.0, -1.5}) {
+          const std::int64_t ar = ta == transpose::none ? s.m : s.k, ac = ta == transpose::none ? s.k : s.m;
+          const std::int64_t br = tb == transpose::none ? s.k : s.n, bc = tb == transpose::none ? s.n : s.k;
+          const auto a = random_matrix<T>(ar, ac, 1);
+          const auto b = random_matrix<T>(br, bc, 2);
+          auto c = random_matrix<T>(s.m, s.n, 3);
+          const auto c0 = c;
+          if (beta == 0.0 && !c.empty()) c[0] = std::numeric_limits<T>::quiet_NaN();  // beta = 0 ignores C
+          const double alpha = 0.75;
+          la.gemm<T>(ta, tb, alpha, tensor_view<const T>(a.data(), {ar, ac}), tensor_view<const T>(b.data(), {br, bc}),
+                     beta, tensor_view<T>(c.data(), {s.m, s.n}));
+          for (std::int64_t i = 0; i < s.m; ++i)
+            for (std::int64_t j = 0; j < s.n; ++j) {
+              long double ref = 0, mag = 0;
+              for (std::int64_t l = 0; l < s.k; ++l) {
+                const long double p = at(a, ac, ta, i, l) * at(b, bc, tb, l, j);
+                ref += p;
+                mag += std::fabs(p);
+              }
+              const long double cij = beta == 0.0 ? 0.0L : (long double)c0[std::size_t(i * s.n + j)];
+              ref = alpha * ref + beta * cij;
+              const long double bound =
+                  2.0L * (s.k + 2) * unit_roundoff<T>() * (std::fabs(alpha) * mag + std::fabs(beta * cij));
+              INFO("m " << s.m << " k " << s.k << " n " << s.n << " ta " << int(ta) << " tb " << int(tb)
+                        << " beta " << beta << " at " << i << "," << j);
+              REQUIRE(std::fabs((long double)c[std::size_t(i * s.n + j)] - ref) <= bound);
+            }
+        }
+}
+
+TEMPLATE_TEST_CASE("host_lapack::syrk forms A·Aᵀ and Aᵀ·A, symmetric bit for bit", "[linalg]", float, double) {
+  using T = TestType;
+  const host_lapack la;
+  for (gram g : {gram::rows, gram::columns})
+    for (std::int64_t m : {1, 6, 50})
+      for (std::int64_t k : {0, 1, 9, 130})
+        for (double beta : {0.0, 0.5}) {
+          const auto a = random_matrix<T>(m, k, 4);
+          const std::int64_t n = g == gram::rows ? m : k;
+          auto c = random_symmetric<T>(n, 5);
+          const auto c0 = c;
+          const double alpha = -2.0;
+          la.syrk<T>(g, alpha, tensor_view<const T>(a.data(), {m, k}), beta, tensor_view<T>(c.data(), {n, n}));
+          const std::int64_t inner = g == gram::rows ? k : m;
+          for (std::int64_t i = 0; i < n; ++i)
+            for (std::int64_t j = 0; j < n; ++j) {
+              long double ref = 0, mag = 0;
+              for (std::int64_t l = 0; l < inner; ++l) {
+                const long double p = g == gram::rows
+                                          ? (long double)a[std::size_t(i * k + l)] * a[std::size_t(j * k + l)]
+                                          : (long double)a[std::size_t(l * k + i)] * a[std::size_t(l * k + j)];
+                ref += p;
+                mag += std::fabs(p);
+              }
+              const long double cij = c0[std::size_t(i * n + j)];
+              ref = alpha * ref + beta * cij;
+              const long double bound =
+                  2.0L * (inner + 2) * unit_roundoff<T>() * (std::fabs(alpha) * mag + std::fabs(beta * cij));
+              INFO("gram " << int(g) << " m " << m << " k " << k << " beta " << beta << " at " << i << "," << j);
+              REQUIRE(std::fabs((long double)c[std::size_t(i * n + j)] - ref) <= bound);
+              REQUIRE(c[std::size_t(i * n + j)] == c[std::size_t(j * n + i)]);
+            }
+        }
+}
+
+TEMPLATE_TEST_CASE("host_lapack::eigh: ascending eigenvalues, A = Q·diag(w)·Qᵀ, Q orthogonal", "[linalg]", float,
+                   double) {
+  using T = TestType;
+  const host_lapack la;
+  for (std::int64_t n : {1, 2, 5, 64, 200}) {
+    const auto a = random_symmetric<T>(n, unsigned(10 + n));
+    auto q = a;
+    std::vector<T> w(static_cast<std::size_t>(n));
+    auto ws = la.eigh_workspace<T>(n);
+    REQUIRE(la.eigh<T>(tensor_view<T>(q.data(), {n, n}), gradapt::host_view(w), ws));
+    REQUIRE(std::is_sorted(w.begin(), w.end()));
+    long double res = 0, anorm = 0, orth = 0;
+    for (std::int64_t i = 0; i < n; ++i)
+      for (std::int64_t j = 0; j < n; ++j) {
+        long double s = 0, o = 0;
+        for (std::int64_t l = 0; l < n; ++l) {
+          s += (long double)q[std::size_t(i * n + l)] * w[std::size_t(l)] * q[std::size_t(j * n + l)];
+          o += (long double)q[std::size_t(l * n + i)] * q[std::size_t(l * n + j)];  // (QᵀQ)_ij
+        }
+        const long double aij = a[std::size_t(i * n + j)];
+        res += (aij - s) * (aij - s);
+        anorm += aij * aij;
+        orth += (o - (i == j)) * (o - (i == j));
+      }
+    INFO("n " << n << " residual " << double(std::sqrt(res / anorm)) << " orthogonality " << double(std::sqrt(orth)));
+    REQUIRE(std::sqrt(res) <= 4.0L * n * unit_roundoff<T>() * std::sqrt(anorm));
+    REQUIRE(std::sqrt(orth) <= 4.0L * n * unit_roundoff<T>());
+  }
+}
+
+TEST_CASE("host_lapack::eigh of a diagonal matrix returns its sorted diagonal", "[linalg]") {
+  const host_lapack la;
+  std::vector<double> a = {3, 0, 0, 0, -1, 0, 0, 0, 2}, w(3);
+  auto ws = la.eigh_workspace<double>(3);
+  REQUIRE(la.eigh<double>(tensor_view<double>(a.data(), {3, 3}), gradapt::host_view(w), ws));
+  REQUIRE(w == std::vector<double>{-1, 2, 3});
+  // Column 0 of Q is ±e₁ (the eigenvector of -1).
+  REQUIRE(std::fabs(a[3]) == 1.0);
+  REQUIRE(a[0] == 0.0);
+  REQUIRE(a[6] == 0.0);
+}
+
+TEST_CASE("host_lapack: invalid shapes throw gradapt::error with the sizes", "[linalg]") {
+  const host_lapack la;
+  std::vector<double> buf(64, 1.0), w(4);
+  auto m = [&](std::int64_t r, std::int64_t c) { return tensor_view<double>(buf.data(), {r, c}); };
+  auto cm = [&](std::int64_t r, std::int64_t c) { return tensor_view<const double>(buf.data(), {r, c}); };
+  REQUIRE_THROWS_WITH(la.gemm<double>(transpose::none, transpose::none, 1, cm(2, 3), cm(2, 3), 0, m(2, 3)),
+                      Contains("inner dimensions must agree"));
+  REQUIRE_THROWS_WITH(la.gemm<double>(transpose::none, transpose::yes, 1, cm(2, 3), cm(4, 3), 0, m(2, 3)),
+                      Contains("C has shape [2, 3] but op(A)·op(B) is 2 x 4"));
+  REQUIRE_THROWS_WITH(la.gemm<double>(transpose::none, transpose::none, 1,
+                                      tensor_view<const double>::vector(buf.data(), 4), cm(4, 1), 0, m(1, 1)),
+                      Contains("A has shape [4] (expected a matrix, rank 2)"));
+  REQUIRE_THROWS_WITH(la.syrk<double>(gram::rows, 1, cm(3, 5), 0, m(5, 5)),
+                      Contains("C has shape [5, 5] but A·Aᵀ of A [3, 5] is 3 x 3"));
+  REQUIRE_THROWS_WITH(la.syrk<double>(gram::columns, 1, cm(3, 5), 0, m(5, 3)), Contains("expected a square matrix"));
+  auto ws = la.eigh_workspace<double>(4);
+  REQUIRE_THROWS_WITH(la.eigh<double>(m(4, 3), gradapt::host_view(w), ws), Contains("expected a square matrix"));
+  REQUIRE_THROWS_WITH(la.eigh<double>(m(3, 3), gradapt::host_view(w), ws), Contains("w has 4 elements"));
+  std::vector<double> w3(3);
+  REQUIRE_THROWS_WITH(la.eigh<double>(m(3, 3), gradapt::host_view(w3), ws),
+                      Contains("the workspace was made for 4 x 4 matrices"));
+  REQUIRE_THROWS_WITH(la.eigh_workspace<double>(-1), Contains("expected n >= 0"));
+}
