@@ -159,6 +159,8 @@ gradapt_add_test(test_checkpoint_bitflip SOURCES test_checkpoint_bitflip.cpp)
 if(GRADAPT_WITH_LAPACK)
   gradapt_add_test(test_linalg SOURCES test_linalg.cpp LIBS gradapt::linalg)
   gradapt_add_test(test_linalg_root SOURCES test_linalg_root.cpp LIBS gradapt::linalg)
+  # Shampoo (optim/shampoo.hpp) on gradapt::host with host_lapack.
+  gradapt_add_test(test_shampoo SOURCES test_shampoo.cpp LIBS gradapt::linalg)
 endif()
 # cuda_linalg (cuBLAS + cuSOLVER) on the device: compiled with the CUDA tests' runner, skipped
 # at run time without a GPU (exit code 77).
