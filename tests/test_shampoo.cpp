@@ -5,6 +5,8 @@
 // long double from their formulas; closed forms where the statistics are diagonal.
 //  1. one step on a matrix equals L^(-1/4)·G·R^(-1/4) (graft none, lr 1), closed form and
 //     Jacobi reference, eigen and coupled Newton roots; a 3-D tensor's mode products;
+//     the statistics (sum and EMA) and the roots advance exactly at the steps their
+//     frequencies select;
 //  2. a tensor larger than max_preconditioner_dim gives, bit for bit, what each of its blocks
 //     gives as a tensor of its own;
 //  3. 1-D (and over-large) tensors take the grafted method alone: AdaGrad and Adam references;
@@ -49,12 +51,14 @@ namespace {
 void jacobi_eigen(std::vector<ld> a, std::size_t n, std::vector<ld>& q, std::vector<ld>& w) {
   q.assign(n * n, 0);
   for (std::size_t i = 0; i < n; ++i) q[i * n + i] = 1;
+  ld total = 0;
+  for (const ld x : a) total += x * x;
   for (int sweep = 0; sweep < 100; ++sweep) {
     ld off = 0;
     for (std::size_t i = 0; i < n; ++i)
       for (std::size_t j = 0; j < n; ++j)
         if (i != j) off += a[i * n + j] * a[i * n + j];
-    if (off < 1e-60L) break;
+    if (off <= 1e-40L * total) break;  // below long double's rounding of the entries
     for (std::size_t p = 0; p < n; ++p)
       for (std::size_t r = p + 1; r < n; ++r) {
         const ld apr = a[p * n + r];
@@ -119,6 +123,13 @@ std::vector<T> random_vector(std::size_t n, unsigned seed, double scale = 1.0) {
   return v;
 }
 
+// Copies src into dst in place: dst's buffer is what a param_list views, so it must not move.
+template <class T>
+void set(std::vector<T>& dst, const std::vector<T>& src) {
+  REQUIRE(dst.size() == src.size());
+  std::copy(src.begin(), src.end(), dst.begin());
+}
+
 ld rel_diff(const std::vector<ld>& want, const std::vector<double>& got) {
   ld num = 0, den = 0;
   for (std::size_t i = 0; i < want.size(); ++i) {
@@ -165,7 +176,7 @@ TEST_CASE("shampoo: one step on a diagonal-statistics matrix is the closed form"
   auto o = exact_options();
   o.root.epsilon = 7.0;
   one_tensor t({2, 3});
-  t.g = {3, 0, 0, 0, 4, 0};
+  set(t.g, {3, 0, 0, 0, 4, 0});
   const shampoo opt(o);
   auto st = opt.init(backend, la, t.params);
   opt.step(backend, t.params, st);
@@ -184,7 +195,7 @@ TEST_CASE("shampoo: one step equals L^(-1/4) G R^(-1/4) from a long double Jacob
     o.root.method = method;
     o.root.tolerance = 1e-12;
     one_tensor t({std::int64_t(m), std::int64_t(n)});
-    t.g = random_vector<double>(m * n, 11);
+    set(t.g, random_vector<double>(m * n, 11));
     const shampoo opt(o);
     auto st = opt.init(backend, la, t.params);
     opt.step(backend, t.params, st);
@@ -206,7 +217,7 @@ TEST_CASE("shampoo: a 3-D tensor's direction is X ×1 P1 ×2 P2 ×3 P3 with p = 
   auto o = exact_options();
   o.root.epsilon = double(r);
   one_tensor t({std::int64_t(a), std::int64_t(b), std::int64_t(c)});
-  t.g = random_vector<double>(N, 5);
+  set(t.g, random_vector<double>(N, 5));
   const shampoo opt(o);
   auto st = opt.init(backend, la, t.params);
   opt.step(backend, t.params, st);
@@ -245,6 +256,44 @@ TEST_CASE("shampoo: a 3-D tensor's direction is X ×1 P1 ×2 P2 ×3 P3 with p = 
   std::vector<double> got(N);
   for (std::size_t i = 0; i < N; ++i) got[i] = -t.p[i];
   CHECK(rel_diff(y, got) < 1e-11);
+}
+
+TEST_CASE("shampoo: statistics (sum or EMA) and roots follow their frequencies", "[shampoo]") {
+  for (double beta2 : {1.0, 0.75}) {
+    shampoo_options o;
+    o.merge_small_dims = false;
+    o.beta2 = beta2;
+    o.statistics_frequency = 2;  // statistics at steps 1, 3, 5
+    o.precondition_frequency = 3;
+    o.start_preconditioning_step = 2;  // roots at steps 2, 5
+    one_tensor t({3, 4});
+    const shampoo opt(o);
+    auto st = opt.init(backend, la, t.params);
+    std::vector<ld> left(9, 0);  // the reference L
+    std::vector<double> stat_before, root_before;
+    for (int step = 1; step <= 5; ++step) {
+      set(t.g, random_vector<double>(12, 90 + unsigned(step)));
+      stat_before.assign(st.statistic(0, 0, 0).begin(), st.statistic(0, 0, 0).end());
+      root_before.assign(st.root(0, 0, 0).begin(), st.root(0, 0, 0).end());
+      opt.step(backend, t.params, st);
+      const bool stats_due = step % 2 == 1, roots_due = step == 2 || step == 5;
+      if (stats_due) {
+        const ld w = beta2 == 1.0 ? 1.0L : 1.0L - ld(beta2);
+        for (std::size_t i = 0; i < 3; ++i)
+          for (std::size_t j = 0; j < 3; ++j) {
+            ld gg = 0;
+            for (std::size_t k = 0; k < 4; ++k) gg += ld(t.g[i * 4 + k]) * ld(t.g[j * 4 + k]);
+            left[i * 3 + j] = ld(beta2) * left[i * 3 + j] + w * gg;
+          }
+      }
+      const auto stat = st.statistic(0, 0, 0);
+      for (std::size_t i = 0; i < 9; ++i) CHECK(stat[i] == Approx(double(left[i])).epsilon(1e-13).margin(1e-15));
+      if (!stats_due) CHECK(std::equal(stat.begin(), stat.end(), stat_before.begin()));
+      const auto root = st.root(0, 0, 0);
+      CHECK(std::equal(root.begin(), root.end(), root_before.begin()) == !roots_due);
+      CHECK(st.block(0, 0).ready == (step >= 2));
+    }
+  }
 }
 
 // ---- 2. blocks ------------------------------------------------------------------------------
@@ -290,7 +339,7 @@ TEST_CASE("shampoo: a blocked tensor gives what its blocks give as tensors of th
     o.start_preconditioning_step = 2;
     const shampoo opt(o);
     one_tensor big({6, 7});
-    big.p = random_vector<double>(42, 1);
+    set(big.p, random_vector<double>(42, 1));
     auto sb = opt.init(backend, la, big.params);
     REQUIRE(sb.layout(0).blocks.size() == 4);
     const std::int64_t r0[4] = {0, 0, 4, 4}, c0[4] = {0, 4, 0, 4}, rs[4] = {4, 4, 2, 2}, cs[4] = {4, 3, 4, 3};
@@ -306,7 +355,7 @@ TEST_CASE("shampoo: a blocked tensor gives what its blocks give as tensors of th
     }
     auto sp = opt.init(backend, la, parts);
     for (int step = 0; step < 4; ++step) {
-      big.g = random_vector<double>(42, 100 + unsigned(step));
+      set(big.g, random_vector<double>(42, 100 + unsigned(step)));
       for (int j = 0; j < 4; ++j)
         for (std::int64_t i = 0; i < rs[j]; ++i)
           for (std::int64_t k = 0; k < cs[j]; ++k)
@@ -343,8 +392,8 @@ TEST_CASE("shampoo: 1-D and over-large tensors take the grafted AdaGrad or Adam 
     for (std::size_t i = 0; i < 10; ++i) rp[i] = 0.5L;
     for (std::size_t i = 10; i < 37; ++i) rp[i] = -0.25L;
     for (int t = 1; t <= 5; ++t) {
-      g1 = random_vector<double>(10, unsigned(t));
-      g2 = random_vector<double>(27, 50 + unsigned(t));
+      set(g1, random_vector<double>(10, unsigned(t)));
+      set(g2, random_vector<double>(27, 50 + unsigned(t)));
       opt.step(backend, params, st);
       for (std::size_t i = 0; i < 37; ++i) {
         const ld g = i < 10 ? g1[i] : g2[i - 10];
@@ -377,7 +426,7 @@ TEST_CASE("shampoo: each block's direction has the grafted method's norm", "[sha
     auto st = opt.init(backend, la, t.params);
     std::vector<ld> a(42, 0);
     for (int step = 1; step <= 3; ++step) {
-      t.g = random_vector<double>(42, 7 + unsigned(step), 0.1 * step);
+      set(t.g, random_vector<double>(42, 7 + unsigned(step), 0.1 * step));
       opt.step(backend, t.params, st);
       std::vector<ld> dg(42);
       for (std::size_t i = 0; i < 42; ++i) {
@@ -420,14 +469,16 @@ TEST_CASE("shampoo: before start_preconditioning_step the step is the grafted me
   shampoo_options diag = o;
   diag.skip_preconditioning_dim_size_gt = 1;  // every tensor diagonal: the grafted optimizer
   one_tensor a({6, 5}), b({6, 5});
-  a.p = b.p = random_vector<double>(30, 3);
+  set(a.p, random_vector<double>(30, 3));
+  set(b.p, a.p);
   const shampoo sa(o), sb(diag);
   auto st_a = sa.init(backend, la, a.params);
   auto st_b = sb.init(backend, la, b.params);
   REQUIRE(!st_a.layout(0).diagonal);
   REQUIRE(st_b.layout(0).diagonal);
   for (int t = 1; t <= 4; ++t) {
-    a.g = b.g = random_vector<double>(30, 40 + unsigned(t));
+    set(a.g, random_vector<double>(30, 40 + unsigned(t)));
+    set(b.g, a.g);
     sa.step(backend, a.params, st_a);
     sb.step(backend, b.params, st_b);
     if (t < 4) {
@@ -452,23 +503,23 @@ TEST_CASE("shampoo: a NaN gradient keeps the previous roots, counts, and throws 
   const shampoo opt(o);
   auto st = opt.init(backend, la, t.params);
   for (int s = 0; s < 2; ++s) {
-    t.g = random_vector<double>(16, 60 + unsigned(s));
+    set(t.g, random_vector<double>(16, 60 + unsigned(s)));
     opt.step(backend, t.params, st);
   }
   const std::vector<double> l0(st.root(0, 0, 0).begin(), st.root(0, 0, 0).end());
   const std::vector<double> r0(st.root(0, 0, 1).begin(), st.root(0, 0, 1).end());
-  t.g = random_vector<double>(16, 70);
+  set(t.g, random_vector<double>(16, 70));
   t.g[5] = std::numeric_limits<double>::quiet_NaN();
   opt.step(backend, t.params, st);
   CHECK(std::equal(l0.begin(), l0.end(), st.root(0, 0, 0).begin()));
   CHECK(std::equal(r0.begin(), r0.end(), st.root(0, 0, 1).begin()));
   CHECK(st.block(0, 0).failures == 1);
   CHECK(st.block(0, 0).consecutive_failures == 1);
-  t.g = random_vector<double>(16, 71);
+  set(t.g, random_vector<double>(16, 71));
   opt.step(backend, t.params, st);  // the summed statistic stays NaN
   CHECK(st.block(0, 0).consecutive_failures == 2);
   const std::vector<double> before = t.p;
-  t.g = random_vector<double>(16, 72);
+  set(t.g, random_vector<double>(16, 72));
   REQUIRE_THROWS_WITH(opt.step(backend, t.params, st),
                       Contains("parameter 'w' block 0") && Contains("failed 3 times in a row") &&
                           Contains("nonfinite_input"));
@@ -485,7 +536,7 @@ TEST_CASE("shampoo: a zero statistic with a relative ridge fails and the block t
   opt.step(backend, t.params, st);  // g = 0: S = 0, λ_max = 0, relative ridge 0: singular
   CHECK(!st.block(0, 0).ready);
   CHECK(st.block(0, 0).failures == 1);
-  t.g = random_vector<double>(12, 2);
+  set(t.g, random_vector<double>(12, 2));
   opt.step(backend, t.params, st);
   CHECK(st.block(0, 0).ready);
   CHECK(st.block(0, 0).consecutive_failures == 0);
@@ -508,20 +559,30 @@ TEST_CASE("shampoo: save/load continues bit for bit; bad archives throw and chan
   params.add("bias", gradapt::host_view(bias), gradapt::host_view(gb));
   auto st = opt.init(backend, la, params);
   const auto grads = [&](int s) {
-    gw = random_vector<float>(30, 200 + unsigned(s));
-    gb = random_vector<float>(5, 300 + unsigned(s));
+    set(gw, random_vector<float>(30, 200 + unsigned(s)));
+    set(gb, random_vector<float>(5, 300 + unsigned(s)));
   };
-  for (int s = 0; s < 3; ++s) grads(s), opt.step(backend, params, st);
+  for (int s = 0; s < 3; ++s) {
+    grads(s);
+    opt.step(backend, params, st);
+  }
   const auto bytes = st.save(backend);
   const auto w_saved = w, b_saved = bias;
-  for (int s = 3; s < 7; ++s) grads(s), opt.step(backend, params, st);
+  for (int s = 3; s < 7; ++s) {
+    grads(s);
+    opt.step(backend, params, st);
+  }
   const auto w_want = w, b_want = bias;
 
-  w = w_saved, bias = b_saved;
+  set(w, w_saved);
+  set(bias, b_saved);
   auto st2 = opt.init(backend, la, params);
   st2.load(backend, bytes);
   CHECK(st2.steps() == 3);
-  for (int s = 3; s < 7; ++s) grads(s), opt.step(backend, params, st2);
+  for (int s = 3; s < 7; ++s) {
+    grads(s);
+    opt.step(backend, params, st2);
+  }
   CHECK(std::memcmp(w.data(), w_want.data(), w.size() * sizeof(float)) == 0);
   CHECK(std::memcmp(bias.data(), b_want.data(), bias.size() * sizeof(float)) == 0);
 
@@ -593,9 +654,9 @@ TEST_CASE("shampoo: every invalid option throws naming it", "[shampoo]") {
       {[](auto& o) { o.nesterov = true; }, "nesterov"},
       {[](auto& o) { o.weight_decay = -1; }, "weight_decay"},
   };
-  for (const auto& [set, name] : bad) {
+  for (const auto& [change, name] : bad) {
     shampoo_options o;
-    set(o);
+    change(o);
     INFO(name);
     CHECK_THROWS_WITH(shampoo(o), Contains(std::string("shampoo: ") + name));
   }

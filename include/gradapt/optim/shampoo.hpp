@@ -296,12 +296,16 @@ class shampoo_state {
     std::uint64_t failures = 0;             ///< failed root computations in all
   };
 
+  /// An empty state; `shampoo::init` creates a usable one.
   shampoo_state() = default;
-  /// Move-only (the internal parameter list points into the state's own buffers).
+  /// Move-only (the internal parameter list points into the state's own buffers, which do
+  /// not move). Duplicate a state through `save` and `load`.
   shampoo_state(shampoo_state&&) noexcept = default;
   /// Move assignment.
   shampoo_state& operator=(shampoo_state&&) noexcept = default;
+  /// Not copyable (see the move constructor).
   shampoo_state(const shampoo_state&) = delete;
+  /// Not copyable.
   shampoo_state& operator=(const shampoo_state&) = delete;
 
   /// Steps taken.
