@@ -318,7 +318,10 @@ TEST_CASE("shampoo: plan merges small dims, drops size-1 dims and cuts blocks", 
   CHECK(gradapt::shampoo_plan(std::vector<std::int64_t>{0, 5}, o).diagonal);
   o.skip_preconditioning_dim_size_gt = 40;
   CHECK(gradapt::shampoo_plan(std::vector<std::int64_t>{50, 3}, o).diagonal);
+  o.max_preconditioner_dim = 0;
+  CHECK_THROWS_WITH(gradapt::shampoo_plan(std::vector<std::int64_t>{4, 6}, o), Contains("max_preconditioner_dim"));
   o = {};
+  CHECK_THROWS_WITH(gradapt::shampoo_plan(std::vector<std::int64_t>{4, -6}, o), Contains("extent -6"));
   CHECK(gradapt::shampoo_plan(std::vector<std::int64_t>{4, 6}, o).merged == std::vector<std::int64_t>{24});
   // scalable_shampoo's documented examples of merge_small_dims (max_dim 1024).
   CHECK(gradapt::shampoo_plan(std::vector<std::int64_t>{2, 512, 1, 2048}, o).merged ==

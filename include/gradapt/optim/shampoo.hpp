@@ -162,7 +162,16 @@ struct shampoo_layout {
 ///     dimensions multiplied together while the product stays <= `max_preconditioner_dim`;
 ///  3. each merged dimension cut into pieces of `max_preconditioner_dim` (the last one shorter);
 ///     the blocks are the pieces' products, in row-major order.
+/// @throws gradapt::error for a negative extent, rank > 4, max_preconditioner_dim < 1 or
+///         skip_preconditioning_dim_size_gt < 1
 inline shampoo_layout shampoo_plan(std::span<const std::int64_t> shape, const shampoo_options& o) {
+  detail::require(o.max_preconditioner_dim >= 1, "shampoo_plan: max_preconditioner_dim is ",
+                  o.max_preconditioner_dim, " (expected >= 1)");
+  detail::require(o.skip_preconditioning_dim_size_gt >= 1, "shampoo_plan: skip_preconditioning_dim_size_gt is ",
+                  o.skip_preconditioning_dim_size_gt, " (expected >= 1)");
+  detail::require(shape.size() <= static_cast<std::size_t>(max_rank), "shampoo_plan: rank ", shape.size(),
+                  " (expected 0 to ", max_rank, ")");
+  for (const auto d : shape) detail::require(d >= 0, "shampoo_plan: extent ", d, " (expected >= 0)");
   shampoo_layout l;
   std::int64_t big = 0, size = 1;
   bool too_large = false;
