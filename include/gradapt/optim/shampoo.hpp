@@ -457,7 +457,6 @@ class shampoo_state {
                         " and no more than the total)");
         r.end();
       }
-      r.finish_section();
       r.end();
     }
     if (detail::shampoo_impl::graft_has_state(graft_))
@@ -467,6 +466,17 @@ class shampoo_state {
                                    std::span<compute_type>(graft[t]), t_[t].shape);
         require_finite(std::span<const compute_type>(graft[t]), t_[t].name, 0, "graft state", who);
       }
+    {  // an archive with fields this state would not read is rejected before anything changes
+      std::size_t want = 4 + (detail::shampoo_impl::graft_has_state(graft_) ? t_.size() : 0), own = 0;
+      for (const auto& x : t_) {
+        want += 3;
+        for (const auto& bl : x.blocks) want += 2 * bl.k + 3;
+      }
+      for (const auto& n : r.names())
+        if (n.rfind("tail/", 0) != 0) ++own;
+      detail::require(own == want, who, ": the checkpoint holds ", own, " fields outside 'tail' but this state has ",
+                      want, " (written for other parameters or another layout)");
+    }
     r.begin("tail");
     tail_.load(b, r);  // all or nothing itself: throws before changing the chain's state
     r.end();
