@@ -622,6 +622,12 @@ TEST_CASE("shampoo: save/load continues bit for bit; bad archives throw and chan
     auto other = opt.init(backend, la, p2);
     CHECK_THROWS_WITH(other.load(backend, bytes), Contains("no parameter 'v'"));
   }
+  {  // a field this state does not read
+    gradapt::archive_writer w{"gradapt.shampoo", 1};
+    st.save(backend, w);
+    w.put("extra", std::uint64_t{1});
+    CHECK_THROWS_WITH(st3.load(backend, w.finish()), Contains("fields outside 'tail'"));
+  }
   CHECK(st3.save(backend) == fresh);  // the failed loads changed nothing
   CHECK_THROWS_WITH(st3.load(backend, std::span<const std::byte>(bytes).first(40)), Contains("archive"));
 }
@@ -678,7 +684,8 @@ TEST_CASE("shampoo: every invalid option throws naming it", "[shampoo]") {
 
 TEST_CASE("shampoo: an ill-conditioned quadratic converges in far fewer steps than grafted SGD", "[shampoo]") {
   // f(W) = ½ tr((W − W*)ᵀ A (W − W*) B), ∇f = A (W − W*) B, A and B SPD with spectra
-  // 1..30 and 1..30 (rotated): the Hessian A ⊗ B has condition number 900.
+  // 1..100 (rotated): the Hessian A ⊗ B has condition number 10⁴. Measured with OpenBLAS:
+  // SGD 6595 steps, Shampoo 524 (a ratio of 12.6; the check asks for 5).
   const std::size_t n = 8;
   const auto spd = [&](unsigned seed) {
     std::vector<ld> q, w;
@@ -689,7 +696,7 @@ TEST_CASE("shampoo: an ill-conditioned quadratic converges in far fewer steps th
     jacobi_eigen(s, n, q, w);  // a random orthogonal Q
     std::vector<double> a(n * n, 0);
     for (std::size_t k = 0; k < n; ++k) {
-      const ld lam = std::pow(30.0L, ld(k) / ld(n - 1));
+      const ld lam = std::pow(100.0L, ld(k) / ld(n - 1));
       for (std::size_t i = 0; i < n; ++i)
         for (std::size_t j = 0; j < n; ++j) a[i * n + j] += double(q[i * n + k] * lam * q[j * n + k]);
     }
@@ -730,11 +737,11 @@ TEST_CASE("shampoo: an ill-conditioned quadratic converges in far fewer steps th
     }
     return cap + 1;
   };
-  // Each method at its best learning rate on the grid 2^0 .. 2^-12 (measured here, so neither
+  // Each method at its best learning rate on the grid 2^0 .. 2^-16 (measured here, so neither
   // is handicapped by a hand-picked rate); a run stops once it is slower than the best so far.
   const auto best = [&](const shampoo_options& o) {
-    int steps = 8000;
-    for (int k = 0; k <= 12; ++k) steps = std::min(steps, run(o, std::ldexp(1.0, -k), steps));
+    int steps = 40000;
+    for (int k = 0; k <= 16; ++k) steps = std::min(steps, run(o, std::ldexp(1.0, -k), steps));
     return steps;
   };
   shampoo_options sgd_o;  // the grafted method alone: SGD
@@ -746,6 +753,6 @@ TEST_CASE("shampoo: an ill-conditioned quadratic converges in far fewer steps th
   const int sgd_steps = best(sgd_o);
   const int shampoo_steps = best(sh_o);
   INFO("grafted SGD: " << sgd_steps << " steps, Shampoo: " << shampoo_steps << " steps");
-  CHECK(sgd_steps < 8000);
+  CHECK(sgd_steps < 40000);
   CHECK(shampoo_steps * 5 < sgd_steps);
 }
