@@ -25,6 +25,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -755,4 +756,57 @@ TEST_CASE("shampoo: an ill-conditioned quadratic converges in far fewer steps th
   INFO("grafted SGD: " << sgd_steps << " steps, Shampoo: " << shampoo_steps << " steps");
   CHECK(sgd_steps < 40000);
   CHECK(shampoo_steps * 5 < sgd_steps);
+}
+
+// ---- composition with the parameter list and the backend ------------------------------------
+
+TEST_CASE("shampoo: groups, 16-bit gradients, moved buffers and thread counts", "[shampoo]") {
+  shampoo_options o;
+  o.lr = 0.1;
+  o.graft = shampoo_graft::adam;
+  o.momentum = 0.9;
+  o.weight_decay = 0.01;
+  o.max_preconditioner_dim = 4;
+  const shampoo opt(o);
+  const auto grads = [](int s) { return random_vector<float>(30, 500 + unsigned(s)); };
+  // Reference: float gradients, one thread.
+  std::vector<float> w0(30, 0.5f), g0(30), b0(3, 0.25f), gb0(3, 0.f);
+  gradapt::param_list<float> ref;
+  ref.add("w", tensor_view<float>(w0.data(), {6, 5}), tensor_view<float>(g0.data(), {6, 5}));
+  const auto frozen = ref.add_group("frozen", {.lr_scale = 0.0, .weight_decay = std::nullopt});
+  ref.add("b", gradapt::host_view(b0), gradapt::host_view(gb0), {}, frozen);
+  auto sr = opt.init(backend, la, ref);
+  // The same with bfloat16 gradients (values exactly representable), two threads, and value
+  // buffers that move after init.
+  std::vector<float> w1(30, 0.5f), w2(30), b1(3, 0.25f), b2(3);
+  std::vector<gradapt::bfloat16> g1(30), gb1(3, gradapt::bfloat16(0.f));
+  const auto list_over = [&](std::vector<float>& w, std::vector<float>& b) {
+    gradapt::param_list<float, gradapt::bfloat16> l;
+    l.add("w", tensor_view<float>(w.data(), {6, 5}), tensor_view<gradapt::bfloat16>(g1.data(), {6, 5}));
+    const auto f = l.add_group("frozen", {.lr_scale = 0.0, .weight_decay = std::nullopt});
+    l.add("b", gradapt::host_view(b), gradapt::host_view(gb1), {}, f);
+    return l;
+  };
+  const host two{.threads = 2};
+  auto l1 = list_over(w1, b1);
+  auto s1 = opt.init(two, la, l1);
+  for (int s = 0; s < 4; ++s) {
+    const auto g = grads(s);
+    for (std::size_t i = 0; i < 30; ++i) {
+      g1[i] = gradapt::bfloat16(g[i]);
+      g0[i] = static_cast<float>(g1[i]);  // the same values in float
+    }
+    opt.step(backend, ref, sr);
+    if (s < 2) {
+      opt.step(two, l1, s1);
+    } else {  // the framework moved its value buffers: a list over the new ones
+      if (s == 2) w2 = w1, b2 = b1;
+      auto l2 = list_over(w2, b2);
+      opt.step(two, l2, s1);
+    }
+    const auto& w = s < 2 ? w1 : w2;
+    REQUIRE(std::memcmp(w.data(), w0.data(), 30 * sizeof(float)) == 0);
+  }
+  CHECK(b0 == std::vector<float>(3, 0.25f));  // lr_scale 0: unchanged (its weight decay too)
+  CHECK(b2 == std::vector<float>(3, 0.25f));
 }
