@@ -17,6 +17,8 @@
 //  7. save/load round trip continues bit for bit; damaged and mismatched archives throw and
 //     leave the state as it was;
 //  8. every invalid option throws naming it;
+//  composition: a group with lr_scale 0 stays put; bfloat16 gradients, two host threads and
+//     value buffers that move after init give the float, one-thread bits;
 //  9. an ill-conditioned quadratic: Shampoo reaches the loss target in far fewer steps than
 //     the grafted SGD at the same learning rate.
 #include <algorithm>
