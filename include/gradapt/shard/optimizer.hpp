@@ -42,7 +42,9 @@
 /// a device backend a chain with per-tensor sums (LAMB, LARS) needs whole tensors
 /// (`granularity::tensor`) and a chain with a global sum (a global-norm clip) is rejected on
 /// more than one rank: the exact cross-shard assembly runs on the host backend only. The
-/// device path compiles in the CUDA tests and has not run on a GPU.
+/// backend and the communicator must share one CUDA stream (`cuda{.stream = comm.stream()}`):
+/// the packing kernels and the collectives are ordered by it alone. The device path compiles
+/// in the CUDA tests and has not run on a GPU.
 /// Checkpoints: `save` writes this rank's shard (its pieces, keyed by parameter name and
 /// element range, with the plan); `load` restores a state on any world size from the archives
 /// of any other, reading only the old archives that overlap this rank's new shard.
