@@ -65,7 +65,8 @@ std::vector<T> spd_matrix(std::int64_t n) {
 template <class T>
 struct fortran_api {
   using gemm_t = void (*)(const char*, const char*, const int*, const int*, const int*, const T*, const T*,
-                          const int*, const T*, const int*, const T*, T*, const int*, std::size_t, std::size_t);
+                          const int*, const T*, const int*, const T*, T*, const int*, std::size_t,
+                          std::size_t);
   using syrk_t = void (*)(const char*, const char*, const int*, const int*, const T*, const T*, const int*,
                           const T*, T*, const int*, std::size_t, std::size_t);
   using syevd_t = void (*)(const char*, const char*, const int*, T*, const int*, T*, T*, const int*, int*,
@@ -82,7 +83,8 @@ struct reference_libs {
   reference_libs() {
     // The reference BLAS first: liblapack.so.3 then binds its libblas.so.3 dependency to it.
     void* blas = dlopen("/usr/lib/x86_64-linux-gnu/blas/libblas.so.3", RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
-    void* lapack = dlopen("/usr/lib/x86_64-linux-gnu/lapack/liblapack.so.3", RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
+    void* lapack =
+        dlopen("/usr/lib/x86_64-linux-gnu/lapack/liblapack.so.3", RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
     if (!blas || !lapack) return;
     s.gemm = reinterpret_cast<fortran_api<float>::gemm_t>(dlsym(blas, "sgemm_"));
     d.gemm = reinterpret_cast<fortran_api<double>::gemm_t>(dlsym(blas, "dgemm_"));
@@ -121,8 +123,8 @@ void gemm_lapack(benchmark::State& st) {
                tensor_view<const T>(b.data(), {n, n}), 0.0, tensor_view<T>(c.data(), {n, n}));
     benchmark::DoNotOptimize(c.data());
   }
-  st.counters["GFLOPS"] = benchmark::Counter(2.0 * double(n) * double(n) * double(n) * double(st.iterations()) * 1e-9,
-                                             benchmark::Counter::kIsRate);
+  st.counters["GFLOPS"] = benchmark::Counter(
+      2.0 * double(n) * double(n) * double(n) * double(st.iterations()) * 1e-9, benchmark::Counter::kIsRate);
 }
 
 template <class T>
@@ -134,12 +136,12 @@ void gemm_reference(benchmark::State& st) {
   std::vector<T> c(a.size());
   const T one = 1, zero = 0;
   for (auto _ : st) {
-    reference().api<T>().gemm("N", "N", &ni, &ni, &ni, &one, b.data(), &ni, a.data(), &ni, &zero, c.data(), &ni, 1,
-                              1);
+    reference().api<T>().gemm("N", "N", &ni, &ni, &ni, &one, b.data(), &ni, a.data(), &ni, &zero, c.data(),
+                              &ni, 1, 1);
     benchmark::DoNotOptimize(c.data());
   }
-  st.counters["GFLOPS"] = benchmark::Counter(2.0 * double(n) * double(n) * double(n) * double(st.iterations()) * 1e-9,
-                                             benchmark::Counter::kIsRate);
+  st.counters["GFLOPS"] = benchmark::Counter(
+      2.0 * double(n) * double(n) * double(n) * double(st.iterations()) * 1e-9, benchmark::Counter::kIsRate);
 }
 
 template <class T>
@@ -153,8 +155,8 @@ void gemm_eigen(benchmark::State& st) {
     C.noalias() = A * B;
     benchmark::DoNotOptimize(c.data());
   }
-  st.counters["GFLOPS"] = benchmark::Counter(2.0 * double(n) * double(n) * double(n) * double(st.iterations()) * 1e-9,
-                                             benchmark::Counter::kIsRate);
+  st.counters["GFLOPS"] = benchmark::Counter(
+      2.0 * double(n) * double(n) * double(n) * double(st.iterations()) * 1e-9, benchmark::Counter::kIsRate);
 }
 
 // ---- SYRK -----------------------------------------------------------------------------------
@@ -165,11 +167,12 @@ void syrk_lapack(benchmark::State& st) {
   std::vector<T> c(a.size());
   const host_lapack la;
   for (auto _ : st) {
-    la.syrk<T>(gram::rows, 1.0, tensor_view<const T>(a.data(), {n, n}), 0.0, tensor_view<T>(c.data(), {n, n}));
+    la.syrk<T>(gram::rows, 1.0, tensor_view<const T>(a.data(), {n, n}), 0.0,
+               tensor_view<T>(c.data(), {n, n}));
     benchmark::DoNotOptimize(c.data());
   }
-  st.counters["GFLOPS"] = benchmark::Counter(double(n) * double(n) * double(n) * double(st.iterations()) * 1e-9,
-                                             benchmark::Counter::kIsRate);
+  st.counters["GFLOPS"] = benchmark::Counter(
+      double(n) * double(n) * double(n) * double(st.iterations()) * 1e-9, benchmark::Counter::kIsRate);
 }
 
 template <class T>
@@ -185,8 +188,8 @@ void syrk_reference(benchmark::State& st) {
     reference().api<T>().syrk("U", "T", &ni, &ni, &one, a.data(), &ni, &zero, c.data(), &ni, 1, 1);
     benchmark::DoNotOptimize(c.data());
   }
-  st.counters["GFLOPS"] = benchmark::Counter(double(n) * double(n) * double(n) * double(st.iterations()) * 1e-9,
-                                             benchmark::Counter::kIsRate);
+  st.counters["GFLOPS"] = benchmark::Counter(
+      double(n) * double(n) * double(n) * double(st.iterations()) * 1e-9, benchmark::Counter::kIsRate);
 }
 
 template <class T>
@@ -201,8 +204,8 @@ void syrk_eigen(benchmark::State& st) {
     C.template selfadjointView<Eigen::Lower>().rankUpdate(A);
     benchmark::DoNotOptimize(c.data());
   }
-  st.counters["GFLOPS"] = benchmark::Counter(double(n) * double(n) * double(n) * double(st.iterations()) * 1e-9,
-                                             benchmark::Counter::kIsRate);
+  st.counters["GFLOPS"] = benchmark::Counter(
+      double(n) * double(n) * double(n) * double(st.iterations()) * 1e-9, benchmark::Counter::kIsRate);
 }
 
 // ---- eigh -----------------------------------------------------------------------------------
@@ -215,7 +218,8 @@ void eigh_lapack(benchmark::State& st) {
   auto ws = la.eigh_workspace<T>(n);
   for (auto _ : st) {
     q = a;
-    if (!la.eigh<T>(tensor_view<T>(q.data(), {n, n}), gradapt::host_view(w), ws)) st.SkipWithError("eigh failed");
+    if (!la.eigh<T>(tensor_view<T>(q.data(), {n, n}), gradapt::host_view(w), ws))
+      st.SkipWithError("eigh failed");
     benchmark::DoNotOptimize(q.data());
   }
 }
@@ -229,15 +233,16 @@ void eigh_reference(benchmark::State& st) {
   std::vector<T> q(a.size()), w(static_cast<std::size_t>(n));
   int info = 0, liwork = -1, lwork = -1, isz = 0;
   T wsz = 0;
-  reference().api<T>().syevd("V", "U", &ni, q.data(), &ni, w.data(), &wsz, &lwork, &isz, &liwork, &info, 1, 1);
+  reference().api<T>().syevd("V", "U", &ni, q.data(), &ni, w.data(), &wsz, &lwork, &isz, &liwork, &info, 1,
+                             1);
   std::vector<T> work(static_cast<std::size_t>(wsz));
   std::vector<int> iwork(static_cast<std::size_t>(isz));
   lwork = int(work.size());
   liwork = int(iwork.size());
   for (auto _ : st) {
     q = a;
-    reference().api<T>().syevd("V", "U", &ni, q.data(), &ni, w.data(), work.data(), &lwork, iwork.data(), &liwork,
-                               &info, 1, 1);
+    reference().api<T>().syevd("V", "U", &ni, q.data(), &ni, w.data(), work.data(), &lwork, iwork.data(),
+                               &liwork, &info, 1, 1);
     if (info != 0) st.SkipWithError("syevd failed");
     benchmark::DoNotOptimize(q.data());
   }
@@ -267,7 +272,8 @@ void root_lapack(benchmark::State& st) {
   ws.reserve(M);
   gradapt::inverse_root_result r;
   for (auto _ : st) {
-    r = gradapt::inverse_pth_root(la, tensor_view<const T>(a.data(), {n, n}), 4, tensor_view<T>(x.data(), {n, n}), ws,
+    r = gradapt::inverse_pth_root(la, tensor_view<const T>(a.data(), {n, n}), 4,
+                                  tensor_view<T>(x.data(), {n, n}), ws,
                                   {.method = M, .epsilon = 1e-6, .ridge = gradapt::ridge_kind::absolute});
     if (!r.ok()) st.SkipWithError("root failed");
     benchmark::DoNotOptimize(x.data());
@@ -292,12 +298,28 @@ GRADAPT_LINALG_BENCH(eigh_lapack)
 GRADAPT_LINALG_BENCH(eigh_reference)
 GRADAPT_LINALG_BENCH(eigh_eigen)
 BENCHMARK_TEMPLATE(root_lapack, float, gradapt::root_method::coupled_newton)
-    ->Arg(512)->Arg(1024)->Unit(ms)->MinTime(0.3)->UseRealTime();
+    ->Arg(512)
+    ->Arg(1024)
+    ->Unit(ms)
+    ->MinTime(0.3)
+    ->UseRealTime();
 BENCHMARK_TEMPLATE(root_lapack, double, gradapt::root_method::coupled_newton)
-    ->Arg(512)->Arg(1024)->Unit(ms)->MinTime(0.3)->UseRealTime();
+    ->Arg(512)
+    ->Arg(1024)
+    ->Unit(ms)
+    ->MinTime(0.3)
+    ->UseRealTime();
 BENCHMARK_TEMPLATE(root_lapack, float, gradapt::root_method::eigen)
-    ->Arg(512)->Arg(1024)->Unit(ms)->MinTime(0.3)->UseRealTime();
+    ->Arg(512)
+    ->Arg(1024)
+    ->Unit(ms)
+    ->MinTime(0.3)
+    ->UseRealTime();
 BENCHMARK_TEMPLATE(root_lapack, double, gradapt::root_method::eigen)
-    ->Arg(512)->Arg(1024)->Unit(ms)->MinTime(0.3)->UseRealTime();
+    ->Arg(512)
+    ->Arg(1024)
+    ->Unit(ms)
+    ->MinTime(0.3)
+    ->UseRealTime();
 
 BENCHMARK_MAIN();

@@ -19,11 +19,11 @@
 #include "catch.hpp"
 #include "gradapt/linalg/host_lapack.hpp"
 
+using Catch::Matchers::Contains;
 using gradapt::gram;
 using gradapt::host_lapack;
 using gradapt::tensor_view;
 using gradapt::transpose;
-using Catch::Matchers::Contains;
 
 namespace {
 
@@ -77,8 +77,8 @@ TEMPLATE_TEST_CASE("host_lapack::gemm matches a long double product within the d
           const auto c0 = c;
           if (beta == 0.0 && !c.empty()) c[0] = std::numeric_limits<T>::quiet_NaN();  // beta = 0 ignores C
           const double alpha = 0.75;
-          la.gemm<T>(ta, tb, alpha, tensor_view<const T>(a.data(), {ar, ac}), tensor_view<const T>(b.data(), {br, bc}),
-                     beta, tensor_view<T>(c.data(), {s.m, s.n}));
+          la.gemm<T>(ta, tb, alpha, tensor_view<const T>(a.data(), {ar, ac}),
+                     tensor_view<const T>(b.data(), {br, bc}), beta, tensor_view<T>(c.data(), {s.m, s.n}));
           for (std::int64_t i = 0; i < s.m; ++i)
             for (std::int64_t j = 0; j < s.n; ++j) {
               long double ref = 0, mag = 0;
@@ -98,7 +98,8 @@ TEMPLATE_TEST_CASE("host_lapack::gemm matches a long double product within the d
         }
 }
 
-TEMPLATE_TEST_CASE("host_lapack::syrk forms A·Aᵀ and Aᵀ·A, symmetric bit for bit", "[linalg]", float, double) {
+TEMPLATE_TEST_CASE("host_lapack::syrk forms A·Aᵀ and Aᵀ·A, symmetric bit for bit", "[linalg]", float,
+                   double) {
   using T = TestType;
   const host_lapack la;
   for (gram g : {gram::rows, gram::columns})
@@ -110,15 +111,16 @@ TEMPLATE_TEST_CASE("host_lapack::syrk forms A·Aᵀ and Aᵀ·A, symmetric bit f
           auto c = random_symmetric<T>(n, 5);
           const auto c0 = c;
           const double alpha = -2.0;
-          la.syrk<T>(g, alpha, tensor_view<const T>(a.data(), {m, k}), beta, tensor_view<T>(c.data(), {n, n}));
+          la.syrk<T>(g, alpha, tensor_view<const T>(a.data(), {m, k}), beta,
+                     tensor_view<T>(c.data(), {n, n}));
           const std::int64_t inner = g == gram::rows ? k : m;
           for (std::int64_t i = 0; i < n; ++i)
             for (std::int64_t j = 0; j < n; ++j) {
               long double ref = 0, mag = 0;
               for (std::int64_t l = 0; l < inner; ++l) {
-                const long double p = g == gram::rows
-                                          ? (long double)a[std::size_t(i * k + l)] * a[std::size_t(j * k + l)]
-                                          : (long double)a[std::size_t(l * k + i)] * a[std::size_t(l * k + j)];
+                const long double p =
+                    g == gram::rows ? (long double)a[std::size_t(i * k + l)] * a[std::size_t(j * k + l)]
+                                    : (long double)a[std::size_t(l * k + i)] * a[std::size_t(l * k + j)];
                 ref += p;
                 mag += std::fabs(p);
               }
@@ -126,15 +128,16 @@ TEMPLATE_TEST_CASE("host_lapack::syrk forms A·Aᵀ and Aᵀ·A, symmetric bit f
               ref = alpha * ref + beta * cij;
               const long double bound =
                   2.0L * (inner + 2) * unit_roundoff<T>() * (std::fabs(alpha) * mag + std::fabs(beta * cij));
-              INFO("gram " << int(g) << " m " << m << " k " << k << " beta " << beta << " at " << i << "," << j);
+              INFO("gram " << int(g) << " m " << m << " k " << k << " beta " << beta << " at " << i << ","
+                           << j);
               REQUIRE(std::fabs((long double)c[std::size_t(i * n + j)] - ref) <= bound);
               REQUIRE(c[std::size_t(i * n + j)] == c[std::size_t(j * n + i)]);
             }
         }
 }
 
-TEMPLATE_TEST_CASE("host_lapack::eigh: ascending eigenvalues, A = Q·diag(w)·Qᵀ, Q orthogonal", "[linalg]", float,
-                   double) {
+TEMPLATE_TEST_CASE("host_lapack::eigh: ascending eigenvalues, A = Q·diag(w)·Qᵀ, Q orthogonal", "[linalg]",
+                   float, double) {
   using T = TestType;
   const host_lapack la;
   for (std::int64_t n : {1, 2, 5, 64, 200}) {
@@ -157,7 +160,8 @@ TEMPLATE_TEST_CASE("host_lapack::eigh: ascending eigenvalues, A = Q·diag(w)·Q�
         anorm += aij * aij;
         orth += (o - (i == j)) * (o - (i == j));
       }
-    INFO("n " << n << " residual " << double(std::sqrt(res / anorm)) << " orthogonality " << double(std::sqrt(orth)));
+    INFO("n " << n << " residual " << double(std::sqrt(res / anorm)) << " orthogonality "
+              << double(std::sqrt(orth)));
     REQUIRE(std::sqrt(res) <= 4.0L * n * unit_roundoff<T>() * std::sqrt(anorm));
     REQUIRE(std::sqrt(orth) <= 4.0L * n * unit_roundoff<T>());
   }
@@ -189,9 +193,11 @@ TEST_CASE("host_lapack: invalid shapes throw gradapt::error with the sizes", "[l
                       Contains("A has shape [4] (expected a matrix, rank 2)"));
   REQUIRE_THROWS_WITH(la.syrk<double>(gram::rows, 1, cm(3, 5), 0, m(5, 5)),
                       Contains("C has shape [5, 5] but A·Aᵀ of A [3, 5] is 3 x 3"));
-  REQUIRE_THROWS_WITH(la.syrk<double>(gram::columns, 1, cm(3, 5), 0, m(5, 3)), Contains("expected a square matrix"));
+  REQUIRE_THROWS_WITH(la.syrk<double>(gram::columns, 1, cm(3, 5), 0, m(5, 3)),
+                      Contains("expected a square matrix"));
   auto ws = la.eigh_workspace<double>(4);
-  REQUIRE_THROWS_WITH(la.eigh<double>(m(4, 3), gradapt::host_view(w), ws), Contains("expected a square matrix"));
+  REQUIRE_THROWS_WITH(la.eigh<double>(m(4, 3), gradapt::host_view(w), ws),
+                      Contains("expected a square matrix"));
   REQUIRE_THROWS_WITH(la.eigh<double>(m(3, 3), gradapt::host_view(w), ws), Contains("w has 4 elements"));
   std::vector<double> w3(3);
   REQUIRE_THROWS_WITH(la.eigh<double>(m(3, 3), gradapt::host_view(w3), ws),

@@ -36,14 +36,16 @@ std::vector<T> random_matrix(std::int64_t r, std::int64_t c, unsigned seed) {
 template <class T>
 cuda_buffer<T> upload(const std::vector<T>& h) {
   cuda_buffer<T> d(h.size());
-  if (!h.empty()) GRADAPT_CUDA_CHECK(cudaMemcpy(d.data(), h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  if (!h.empty())
+    GRADAPT_CUDA_CHECK(cudaMemcpy(d.data(), h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
   return d;
 }
 
 template <class T>
 std::vector<T> download(const cuda_buffer<T>& d) {
   std::vector<T> h(d.size());
-  if (!h.empty()) GRADAPT_CUDA_CHECK(cudaMemcpy(h.data(), d.data(), h.size() * sizeof(T), cudaMemcpyDeviceToHost));
+  if (!h.empty())
+    GRADAPT_CUDA_CHECK(cudaMemcpy(h.data(), d.data(), h.size() * sizeof(T), cudaMemcpyDeviceToHost));
   return h;
 }
 
@@ -54,8 +56,8 @@ constexpr double unit_roundoff() {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("cuda_linalg::gemm matches a long double product within the dot-product bound", "[linalg][cuda]",
-                   float, double) {
+TEMPLATE_TEST_CASE("cuda_linalg::gemm matches a long double product within the dot-product bound",
+                   "[linalg][cuda]", float, double) {
   using T = TestType;
   const cuda_linalg la;
   const std::int64_t m = 33, k = 70, n = 17;
@@ -63,7 +65,8 @@ TEMPLATE_TEST_CASE("cuda_linalg::gemm matches a long double product within the d
     for (transpose tb : {transpose::none, transpose::yes}) {
       const std::int64_t ar = ta == transpose::none ? m : k, ac = ta == transpose::none ? k : m;
       const std::int64_t br = tb == transpose::none ? k : n, bc = tb == transpose::none ? n : k;
-      const auto a = random_matrix<T>(ar, ac, 1), b = random_matrix<T>(br, bc, 2), c0 = random_matrix<T>(m, n, 3);
+      const auto a = random_matrix<T>(ar, ac, 1), b = random_matrix<T>(br, bc, 2),
+                 c0 = random_matrix<T>(m, n, 3);
       auto da = upload(a), db = upload(b), dc = upload(c0);
       la.gemm<T>(ta, tb, 0.5, dview<const T>(da.data(), {ar, ac}), dview<const T>(db.data(), {br, bc}), -1.0,
                  dview<T>(dc.data(), {m, n}));
@@ -72,8 +75,10 @@ TEMPLATE_TEST_CASE("cuda_linalg::gemm matches a long double product within the d
         for (std::int64_t j = 0; j < n; ++j) {
           long double ref = 0, mag = 0;
           for (std::int64_t l = 0; l < k; ++l) {
-            const long double x = ta == transpose::none ? a[std::size_t(i * ac + l)] : a[std::size_t(l * ac + i)];
-            const long double y = tb == transpose::none ? b[std::size_t(l * bc + j)] : b[std::size_t(j * bc + l)];
+            const long double x =
+                ta == transpose::none ? a[std::size_t(i * ac + l)] : a[std::size_t(l * ac + i)];
+            const long double y =
+                tb == transpose::none ? b[std::size_t(l * bc + j)] : b[std::size_t(j * bc + l)];
             ref += x * y;
             mag += std::fabs(x * y);
           }
@@ -85,7 +90,8 @@ TEMPLATE_TEST_CASE("cuda_linalg::gemm matches a long double product within the d
     }
 }
 
-TEMPLATE_TEST_CASE("cuda_linalg::syrk is A·Aᵀ or Aᵀ·A, symmetric bit for bit", "[linalg][cuda]", float, double) {
+TEMPLATE_TEST_CASE("cuda_linalg::syrk is A·Aᵀ or Aᵀ·A, symmetric bit for bit", "[linalg][cuda]", float,
+                   double) {
   using T = TestType;
   const cuda_linalg la;
   const std::int64_t m = 40, k = 90;
@@ -100,18 +106,21 @@ TEMPLATE_TEST_CASE("cuda_linalg::syrk is A·Aᵀ or Aᵀ·A, symmetric bit for b
       for (std::int64_t j = 0; j < n; ++j) {
         long double ref = 0, mag = 0;
         for (std::int64_t l = 0; l < inner; ++l) {
-          const long double p = g == gram::rows ? (long double)a[std::size_t(i * k + l)] * a[std::size_t(j * k + l)]
-                                                : (long double)a[std::size_t(l * k + i)] * a[std::size_t(l * k + j)];
+          const long double p = g == gram::rows
+                                    ? (long double)a[std::size_t(i * k + l)] * a[std::size_t(j * k + l)]
+                                    : (long double)a[std::size_t(l * k + i)] * a[std::size_t(l * k + j)];
           ref += p;
           mag += std::fabs(p);
         }
-        REQUIRE(std::fabs((long double)c[std::size_t(i * n + j)] - ref) <= 2.0L * (inner + 2) * unit_roundoff<T>() * mag);
+        REQUIRE(std::fabs((long double)c[std::size_t(i * n + j)] - ref) <=
+                2.0L * (inner + 2) * unit_roundoff<T>() * mag);
         REQUIRE(c[std::size_t(i * n + j)] == c[std::size_t(j * n + i)]);
       }
   }
 }
 
-TEMPLATE_TEST_CASE("cuda_linalg::eigh: ascending, A = Q·diag(w)·Qᵀ, Q orthogonal", "[linalg][cuda]", float, double) {
+TEMPLATE_TEST_CASE("cuda_linalg::eigh: ascending, A = Q·diag(w)·Qᵀ, Q orthogonal", "[linalg][cuda]", float,
+                   double) {
   using T = TestType;
   const cuda_linalg la;
   const std::int64_t n = 64;

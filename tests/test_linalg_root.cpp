@@ -22,6 +22,7 @@
 #include "gradapt/linalg/host_lapack.hpp"
 #include "gradapt/linalg/matrix_root.hpp"
 
+using Catch::Matchers::Contains;
 using gradapt::host_lapack;
 using gradapt::inverse_root_options;
 using gradapt::inverse_root_workspace;
@@ -30,7 +31,6 @@ using gradapt::ridge_kind;
 using gradapt::root_method;
 using gradapt::root_status;
 using gradapt::tensor_view;
-using Catch::Matchers::Contains;
 
 namespace {
 
@@ -102,7 +102,8 @@ ld residual(const std::vector<T>& x, const std::vector<T>& a, int p, double ridg
 template <class T>
 ld rel_frobenius(const std::vector<T>& x, const lmat& ref) {
   ld num = 0, den = 0;
-  for (std::size_t i = 0; i < ref.size(); ++i) num += (x[i] - ref[i]) * (x[i] - ref[i]), den += ref[i] * ref[i];
+  for (std::size_t i = 0; i < ref.size(); ++i)
+    num += (x[i] - ref[i]) * (x[i] - ref[i]), den += ref[i] * ref[i];
   return std::sqrt(num / den);
 }
 
@@ -116,8 +117,8 @@ gradapt::inverse_root_result root(std::vector<T>& a, int p, std::vector<T>& x, i
                                   const host_lapack& la = {}) {
   const auto n = static_cast<std::int64_t>(std::lround(std::sqrt(double(a.size()))));
   inverse_root_workspace<host_lapack, T> ws(la, n);
-  return gradapt::inverse_pth_root(la, tensor_view<const T>(a.data(), {n, n}), p, tensor_view<T>(x.data(), {n, n}), ws,
-                                   o);
+  return gradapt::inverse_pth_root(la, tensor_view<const T>(a.data(), {n, n}), p,
+                                   tensor_view<T>(x.data(), {n, n}), ws, o);
 }
 
 // Spectrum of n values spread geometrically over [1/κ, 1].
@@ -144,7 +145,8 @@ TEMPLATE_TEST_CASE("inverse_pth_root of a diagonal matrix is the element-wise po
   for (int p : {2, 4, 8})
     for (root_method m : methods) {
       std::vector<T> x(n * n, T(-7));
-      const auto r = root<T>(a, p, x, {.method = m, .epsilon = 0, .ridge = ridge_kind::absolute, .tolerance = tol});
+      const auto r =
+          root<T>(a, p, x, {.method = m, .epsilon = 0, .ridge = ridge_kind::absolute, .tolerance = tol});
       INFO("p " << p << " method " << int(m) << " status " << gradapt::to_string(r.status));
       REQUIRE(r.ok());
       lmat ref(n * n, 0);
@@ -167,9 +169,11 @@ TEMPLATE_TEST_CASE("inverse_pth_root of Q·D·Qᵀ matches Q·D^(-1/p)·Qᵀ and
         // A is rounded to T: its own spectrum differs from d by ~u·‖A‖·n, inside the bound.
         const double tol = 1e-6;
         std::vector<T> x(n * n);
-        const auto r = root<T>(a, p, x, {.method = m, .epsilon = 0, .ridge = ridge_kind::absolute, .tolerance = tol});
+        const auto r =
+            root<T>(a, p, x, {.method = m, .epsilon = 0, .ridge = ridge_kind::absolute, .tolerance = tol});
         INFO("kappa " << double(kappa) << " p " << p << " method " << int(m) << " status "
-                      << gradapt::to_string(r.status) << " iterations " << r.iterations << " error " << r.error);
+                      << gradapt::to_string(r.status) << " iterations " << r.iterations << " error "
+                      << r.error);
         REQUIRE(r.ok());
         std::vector<ld> dp(n);
         for (std::size_t i = 0; i < n; ++i) dp[i] = std::pow(d[i], -1.0L / p);
@@ -262,7 +266,8 @@ TEMPLATE_TEST_CASE("failures are statuses and leave X untouched", "[linalg][root
     a[1] = std::nextafter(a[1], T(10));  // a[0][1] != a[1][0]
     REQUIRE(root<T>(a, 2, x, {.method = m}).status == root_status::not_symmetric);
     std::vector<T> zero(n * n, T(0));
-    REQUIRE(root<T>(zero, 2, x, {.method = m, .ridge = ridge_kind::relative}).status == root_status::singular);
+    REQUIRE(root<T>(zero, 2, x, {.method = m, .ridge = ridge_kind::relative}).status ==
+            root_status::singular);
     REQUIRE(root<T>(zero, 2, x, {.method = m, .epsilon = 0, .ridge = ridge_kind::absolute}).status ==
             root_status::singular);
     REQUIRE(x == sentinel);
@@ -276,10 +281,12 @@ TEMPLATE_TEST_CASE("failures are statuses and leave X untouched", "[linalg][root
   // Rounding may leave the zero eigenvalue slightly positive in T: the eigen route then
   // returns a huge but finite root. Force an exactly singular matrix: a zero row and column.
   for (std::size_t i = 0; i < n; ++i) sing[i] = sing[i * n] = T(0);
-  REQUIRE(root<T>(sing, 2, x, {.method = root_method::eigen, .epsilon = 0, .ridge = ridge_kind::absolute}).status ==
-          root_status::singular);
+  REQUIRE(root<T>(sing, 2, x, {.method = root_method::eigen, .epsilon = 0, .ridge = ridge_kind::absolute})
+              .status == root_status::singular);
   const auto rn = root<T>(sing, 2, x,
-                          {.method = root_method::coupled_newton, .epsilon = 0, .ridge = ridge_kind::absolute,
+                          {.method = root_method::coupled_newton,
+                           .epsilon = 0,
+                           .ridge = ridge_kind::absolute,
                            .max_iterations = 30});
   REQUIRE(rn.status == root_status::not_converged);
   REQUIRE(rn.error >= 0.5);
@@ -291,7 +298,7 @@ TEMPLATE_TEST_CASE("failures are statuses and leave X untouched", "[linalg][root
 struct faulty_lapack {
   using space = gradapt::host_space;
   bool fail_float_eigh = false, fail_double_eigh = false;
-  int nan_after_gemms = -1;   // < 0: never
+  int nan_after_gemms = -1;  // < 0: never
   mutable int gemm_calls = 0;
   host_lapack la{};
   template <class T>
@@ -299,10 +306,11 @@ struct faulty_lapack {
     return la.eigh_workspace<T>(n);
   }
   template <class T>
-  void gemm(gradapt::transpose ta, gradapt::transpose tb, double alpha, tensor_view<const T> a, tensor_view<const T> b,
-            double beta, tensor_view<T> c) const {
+  void gemm(gradapt::transpose ta, gradapt::transpose tb, double alpha, tensor_view<const T> a,
+            tensor_view<const T> b, double beta, tensor_view<T> c) const {
     la.gemm<T>(ta, tb, alpha, a, b, beta, c);
-    if (nan_after_gemms >= 0 && gemm_calls++ >= nan_after_gemms) c.data()[0] = std::numeric_limits<T>::quiet_NaN();
+    if (nan_after_gemms >= 0 && gemm_calls++ >= nan_after_gemms)
+      c.data()[0] = std::numeric_limits<T>::quiet_NaN();
   }
   template <class T>
   void syrk(gradapt::gram g, double alpha, tensor_view<const T> a, double beta, tensor_view<T> c) const {
@@ -321,8 +329,8 @@ gradapt::inverse_root_result faulty_root(const faulty_lapack& la, std::vector<T>
                                          inverse_root_options o) {
   const auto n = static_cast<std::int64_t>(std::lround(std::sqrt(double(a.size()))));
   inverse_root_workspace<faulty_lapack, T> ws(la, n);
-  return gradapt::inverse_pth_root(la, tensor_view<const T>(a.data(), {n, n}), p, tensor_view<T>(x.data(), {n, n}), ws,
-                                   o);
+  return gradapt::inverse_pth_root(la, tensor_view<const T>(a.data(), {n, n}), p,
+                                   tensor_view<T>(x.data(), {n, n}), ws, o);
 }
 
 TEST_CASE("eigen route: a failed float decomposition is retried in double", "[linalg][root]") {
@@ -358,7 +366,9 @@ TEST_CASE("coupled Newton: when the error grows, the best iterate so far is retu
   // p = 4: each iteration takes 1 (X·Mₚ) + 2 (Mₚ⁴) + 1 (·M) = 4 products; the first
   // relative-ridge power iteration is skipped (absolute ridge), so gemm call 4k is the first of
   // iteration k + 1. Corrupt iteration 9's products: the error becomes NaN there.
-  const inverse_root_options o{.method = root_method::coupled_newton, .epsilon = 1e-3, .ridge = ridge_kind::absolute,
+  const inverse_root_options o{.method = root_method::coupled_newton,
+                               .epsilon = 1e-3,
+                               .ridge = ridge_kind::absolute,
                                .tolerance = 1e-12};
   faulty_lapack la{.nan_after_gemms = 4 * 8};
   std::vector<double> x(n * n), x8(n * n);
@@ -395,8 +405,10 @@ TEST_CASE("inverse_pth_root: invalid arguments throw gradapt::error", "[linalg][
                       Contains("the workspace was made for 3 x 3 matrices"));
   REQUIRE_THROWS_WITH(call(0, {}), Contains("p is 0 (expected a positive integer"));
   REQUIRE_THROWS_WITH(call(-2, {}), Contains("p is -2"));
-  REQUIRE_THROWS_WITH(call(2, {.epsilon = -1e-6}), Contains("epsilon is -1e-06 (expected a finite ridge >= 0)"));
-  REQUIRE_THROWS_WITH(call(2, {.epsilon = std::numeric_limits<double>::quiet_NaN()}), Contains("epsilon is nan"));
+  REQUIRE_THROWS_WITH(call(2, {.epsilon = -1e-6}),
+                      Contains("epsilon is -1e-06 (expected a finite ridge >= 0)"));
+  REQUIRE_THROWS_WITH(call(2, {.epsilon = std::numeric_limits<double>::quiet_NaN()}),
+                      Contains("epsilon is nan"));
   REQUIRE_THROWS_WITH(call(2, {.tolerance = -1}), Contains("tolerance is -1"));
   REQUIRE_THROWS_WITH(call(2, {.max_iterations = 0}), Contains("max_iterations is 0"));
   REQUIRE_THROWS_WITH(call(2, {.max_error_ratio = 0.5}), Contains("max_error_ratio is 0.5"));

@@ -1,8 +1,8 @@
 // Host memory while a sharded optimizer state is saved and resharded: the tests' counting
 // operator new (support/alloc_counter.hpp) charges every heap byte to the thread (rank) that
-// allocated it, and the test reads each rank's peak. Saving holds the archive and one piece's buffer; loading holds the new shard's
-// state and one tensor's worth of one buffer. A mapped-file style archive callback (spans of
-// bytes the caller owns) adds nothing.
+// allocated it, and the test reads each rank's peak. Saving holds the archive and one piece's buffer; loading
+// holds the new shard's state and one tensor's worth of one buffer. A mapped-file style archive callback
+// (spans of bytes the caller owns) adds nothing.
 #include "catch.hpp"
 
 #include <algorithm>
@@ -55,7 +55,8 @@ struct sample {
 
 TEST_CASE("saving and resharding hold the shard plus at most one tensor's worth of state", "[shard]") {
   if (!alloc_counter::enabled) {
-    WARN("operator new is not replaced in this build (ThreadSanitizer's runtime owns it): nothing to measure");
+    WARN(
+        "operator new is not replaced in this build (ThreadSanitizer's runtime owns it): nothing to measure");
     return;
   }
   const gradapt::host b;
@@ -95,16 +96,16 @@ TEST_CASE("saving and resharding hold the shard plus at most one tensor's worth 
     const auto one_tensor = static_cast<std::int64_t>(largest * sizeof(float));
     for (std::size_t r = 0; r < saves.size(); ++r) {
       INFO("save, rank " << r << ": peak +" << saves[r].extra << " B, archive " << saves[r].archive << " B");
-      std::printf("save on %d ranks, rank %zu: peak %lld B above the state, archive %lld B (%.3f of it)\n", from,
-                  r, static_cast<long long>(saves[r].extra), static_cast<long long>(saves[r].archive),
+      std::printf("save on %d ranks, rank %zu: peak %lld B above the state, archive %lld B (%.3f of it)\n",
+                  from, r, static_cast<long long>(saves[r].extra), static_cast<long long>(saves[r].archive),
                   static_cast<double>(saves[r].extra) / static_cast<double>(saves[r].archive));
       CHECK(saves[r].kept <= saves[r].archive + slack);
       CHECK(saves[r].extra <= saves[r].archive + one_tensor + slack);
     }
     for (std::size_t r = 0; r < loads.size(); ++r) {
       INFO("load, rank " << r << ": peak +" << loads[r].extra << " B, state " << loads[r].kept << " B");
-      std::printf("load on %d ranks (from %d), rank %zu: peak %lld B, state kept %lld B, one tensor %lld B\n", to,
-                  from, r, static_cast<long long>(loads[r].extra), static_cast<long long>(loads[r].kept),
+      std::printf("load on %d ranks (from %d), rank %zu: peak %lld B, state kept %lld B, one tensor %lld B\n",
+                  to, from, r, static_cast<long long>(loads[r].extra), static_cast<long long>(loads[r].kept),
                   static_cast<long long>(one_tensor));
       CHECK(loads[r].extra <= loads[r].kept + one_tensor + slack);
     }

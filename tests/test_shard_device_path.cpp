@@ -42,7 +42,8 @@ const gradapt::comm::threads_options quick{.timeout = std::chrono::seconds(20)};
 template <class V, class G>
 gradapt::param_list<V, G, device_space> on_device(const gradapt::param_list<V, G>& params) {
   gradapt::param_list<V, G, device_space> out(params.group(0).options);
-  for (std::size_t g = 1; g < params.group_count(); ++g) out.add_group(params.group(g).name, params.group(g).options);
+  for (std::size_t g = 1; g < params.group_count(); ++g)
+    out.add_group(params.group(g).name, params.group(g).options);
   for (std::size_t t = 0; t < params.size(); ++t) {
     const auto& e = params[t];
     out.add(e.name, gradapt::tensor_view<V, device_space>(e.value.data(), e.value.shape()),
@@ -81,15 +82,15 @@ void device_path_matches(threads& c, const Opt& opt, const sharded_options& so, 
         all[static_cast<std::size_t>(r)].resize(static_cast<std::size_t>(n));
         std::memcpy(all[static_cast<std::size_t>(r)].data(), words.data(), static_cast<std::size_t>(n));
       }
-      sst = sopt.load(dc, db, dparams, [&](int r) {
-        return std::span<const std::byte>(all.at(static_cast<std::size_t>(r)));
-      });
+      sst = sopt.load(dc, db, dparams,
+                      [&](int r) { return std::span<const std::byte>(all.at(static_cast<std::size_t>(r))); });
       RANK_REQUIRE(sst.steps() == 3);
     }
     if (stage2)
       for (std::size_t t = sh.p.size(); t-- > 0;) sopt.mark_ready(dc, db, dparams, sst, t);
     sopt.step(dc, db, dparams, sst);
-    for (std::size_t t = 0; t < ref.p.size(); ++t) RANK_REQUIRE(sharded_scenario::same_bits(ref.p[t], sh.p[t]));
+    for (std::size_t t = 0; t < ref.p.size(); ++t)
+      RANK_REQUIRE(sharded_scenario::same_bits(ref.p[t], sh.p[t]));
   }
 }
 
@@ -97,11 +98,13 @@ void device_path_matches(threads& c, const Opt& opt, const sharded_options& so, 
 
 TEST_CASE("the device path of the sharded step equals the unsharded chain on 1 to 6 ranks", "[shard]") {
   const sharded_options tensor_cut{.partition = {.mode = granularity::tensor}};
-  const sharded_options small{.bucket_elements = 1000, .buckets = {.cap_bytes = 20000, .first_cap_bytes = 4000}};
+  const sharded_options small{.bucket_elements = 1000,
+                              .buckets = {.cap_bytes = 20000, .first_cap_bytes = 4000}};
   for (int n = 1; n <= 6; ++n) {
     INFO("ranks " << n);
     run_threads(n, quick, [&](threads& c) {
-      device_path_matches<float>(c, gradapt::adamw({.lr = 1e-2, .weight_decay = 0.01}), sharded_options{}, false);
+      device_path_matches<float>(c, gradapt::adamw({.lr = 1e-2, .weight_decay = 0.01}), sharded_options{},
+                                 false);
       device_path_matches<float>(c, gradapt::sgd({.lr = 0.05, .momentum = 0.9}), small, true);
       device_path_matches<double>(c, gradapt::lamb({.lr = 1e-2, .weight_decay = 0.01}), tensor_cut, false);
       device_path_matches<float>(c, gradapt::adafactor({.lr = 1e-2}), tensor_cut, true);
@@ -112,8 +115,9 @@ TEST_CASE("the device path of the sharded step equals the unsharded chain on 1 t
 TEST_CASE("the device path rejects what it cannot shard exactly, on every rank", "[shard]") {
   // A trust ratio over a tensor cut across ranks (element granularity, cuts at global multiples
   // of 4096), and a global clip switched on (LAMB's own, off by default, is not in the way).
-  using clip_adam_chain = gradapt::chain<gradapt::transform::clip_by_global_norm, gradapt::transform::scale_by_adam,
-                                         gradapt::transform::scale_by_learning_rate>;
+  using clip_adam_chain =
+      gradapt::chain<gradapt::transform::clip_by_global_norm, gradapt::transform::scale_by_adam,
+                     gradapt::transform::scale_by_learning_rate>;
   const clip_adam_chain clip_adam{gradapt::transform::clip_by_global_norm{.max_norm = 1.0},
                                   gradapt::transform::scale_by_adam{},
                                   gradapt::transform::scale_by_learning_rate{.lr = 1e-2}};
@@ -124,7 +128,8 @@ TEST_CASE("the device path rejects what it cannot shard exactly, on every rank",
     const auto dparams = on_device(m.params);
     const sharded_optimizer lamb(
         gradapt::lamb({.lr = 1e-2}),
-        sharded_options{.partition = {.mode = granularity::element, .alignment = 4096, .align_tensors = false}});
+        sharded_options{
+            .partition = {.mode = granularity::element, .alignment = 4096, .align_tensors = false}});
     RANK_REQUIRE_THROWS_WITH(lamb.init(dc, db, dparams), Contains("granularity::tensor"));
     const sharded_optimizer clip(clip_adam, sharded_options{.partition = {.mode = granularity::tensor}});
     RANK_REQUIRE_THROWS_WITH(clip.init(dc, db, dparams), Contains("clip_by_global_norm"));

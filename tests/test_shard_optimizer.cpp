@@ -120,7 +120,8 @@ TEST_CASE("stage 2 errors: a gradient marked twice or out of range, a step befor
     for (std::size_t t = 0; t < 8; ++t) opt.mark_ready(comm, gradapt::host{}, m.params, s, t);
     opt.step(comm, b, m.params, s);
     opt.mark_ready(comm, gradapt::host{}, m.params, s, 3);
-    RANK_REQUIRE_THROWS_WITH(opt.mark_ready(comm, gradapt::host{}, m.params, s, 3), Contains("'w3') is already marked ready"));
+    RANK_REQUIRE_THROWS_WITH(opt.mark_ready(comm, gradapt::host{}, m.params, s, 3),
+                             Contains("'w3') is already marked ready"));
   });
   const auto what = gradapt_test::errors_of(1, quick, [](threads& comm) {
     const gradapt::host b;

@@ -64,7 +64,8 @@ struct device_model {
       p.push_back(to_device(hp));
       g.push_back(to_device(hg));
     }
-    for (std::size_t t = 0; t < sizes.size(); ++t) params.add("w" + std::to_string(t), view(p[t]), view(g[t]));
+    for (std::size_t t = 0; t < sizes.size(); ++t)
+      params.add("w" + std::to_string(t), view(p[t]), view(g[t]));
   }
 };
 
@@ -103,7 +104,8 @@ TEST_CASE("sharded AdamW on the CUDA backend equals the unsharded CUDA AdamW", "
   matches_unsharded<float>(gradapt::adamw({.lr = 1e-2}), sharded_options{.bucket_elements = 1000}, true);
 }
 
-TEST_CASE("sharded LAMB with whole tensors on the CUDA backend equals the unsharded CUDA LAMB", "[cuda][shard]") {
+TEST_CASE("sharded LAMB with whole tensors on the CUDA backend equals the unsharded CUDA LAMB",
+          "[cuda][shard]") {
   matches_unsharded<float>(gradapt::lamb({.lr = 1e-2, .weight_decay = 0.01}),
                            sharded_options{.partition = {.mode = granularity::tensor}}, false);
 }

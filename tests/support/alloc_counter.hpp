@@ -2,8 +2,8 @@
 // The tests' allocation counter. It replaces the global unaligned operator new / delete family
 // (plain, array and nothrow new; every delete) and counts each allocation per thread and in the
 // whole process, and the heap bytes each thread holds (a block stays charged to the thread that
-// allocated it until it is freed, on whatever thread) with their peak. Include it in exactly ONE translation unit of a test executable: it defines
-// the replaceable functions.
+// allocated it until it is freed, on whatever thread) with their peak. Include it in exactly ONE translation
+// unit of a test executable: it defines the replaceable functions.
 //
 // The whole family is replaced so that allocation and deallocation always pair (AddressSanitizer
 // checks the pairs); the functions are out of line so that GCC does not pair an inlined free()
@@ -109,8 +109,16 @@ inline constexpr std::size_t header = 2 * alignof(std::max_align_t);
 }
 [[gnu::noinline]] void operator delete(void* p) noexcept { alloc_counter::detail::counted_free(p); }
 [[gnu::noinline]] void operator delete[](void* p) noexcept { alloc_counter::detail::counted_free(p); }
-[[gnu::noinline]] void operator delete(void* p, std::size_t) noexcept { alloc_counter::detail::counted_free(p); }
-[[gnu::noinline]] void operator delete[](void* p, std::size_t) noexcept { alloc_counter::detail::counted_free(p); }
-[[gnu::noinline]] void operator delete(void* p, const std::nothrow_t&) noexcept { alloc_counter::detail::counted_free(p); }
-[[gnu::noinline]] void operator delete[](void* p, const std::nothrow_t&) noexcept { alloc_counter::detail::counted_free(p); }
+[[gnu::noinline]] void operator delete(void* p, std::size_t) noexcept {
+  alloc_counter::detail::counted_free(p);
+}
+[[gnu::noinline]] void operator delete[](void* p, std::size_t) noexcept {
+  alloc_counter::detail::counted_free(p);
+}
+[[gnu::noinline]] void operator delete(void* p, const std::nothrow_t&) noexcept {
+  alloc_counter::detail::counted_free(p);
+}
+[[gnu::noinline]] void operator delete[](void* p, const std::nothrow_t&) noexcept {
+  alloc_counter::detail::counted_free(p);
+}
 #endif

@@ -47,7 +47,8 @@ auto on_host(const L& list) {
 
 /// Any other argument (functors, shapes, options) unchanged.
 template <class A>
-requires(!device_list<std::remove_cvref_t<A>> && !is_device_view<std::remove_cvref_t<A>>) A&& on_host(A&& a) {
+requires(!device_list<std::remove_cvref_t<A>> && !is_device_view<std::remove_cvref_t<A>>) A &&
+    on_host(A&& a) {
   return std::forward<A>(a);
 }
 

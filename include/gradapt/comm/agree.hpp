@@ -82,11 +82,13 @@ template <class C, class B>
 void allreduce_host_values(C& comm, const B& b, std::span<double> v, reduce_op op) {
   if constexpr (std::same_as<typename C::space, host_space>) {
     (void)b;
-    comm.allreduce(tensor_view<double, host_space>::vector(v.data(), static_cast<std::int64_t>(v.size())), op);
+    comm.allreduce(tensor_view<double, host_space>::vector(v.data(), static_cast<std::int64_t>(v.size())),
+                   op);
   } else {
     auto d = b.template allocate<double>(v.size());
     const auto n = static_cast<std::int64_t>(v.size());
-    const tensor_view<double, typename C::space> dv = tensor_view<double, typename C::space>::vector(d.data(), n);
+    const tensor_view<double, typename C::space> dv =
+        tensor_view<double, typename C::space>::vector(d.data(), n);
     b.copy(tensor_view<const double, host_space>::vector(v.data(), n), dv);
     comm.allreduce(dv, op);
     b.copy(tensor_view<const double, typename C::space>::vector(d.data(), n),

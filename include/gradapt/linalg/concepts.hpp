@@ -67,10 +67,12 @@ concept linalg_backend = requires {
   typename detail::linalg::eigh_workspace_t<L, float>;
   typename detail::linalg::eigh_workspace_t<L, double>;
 }
-&&memory_space<typename L::space>&& requires(
-    const L& la, tensor_view<float, typename L::space> f, tensor_view<const float, typename L::space> cf,
-    tensor_view<double, typename L::space> d, tensor_view<const double, typename L::space> cd,
-    detail::linalg::eigh_workspace_t<L, float>& wf, detail::linalg::eigh_workspace_t<L, double>& wd) {
+&&memory_space<typename L::space>&& requires(const L& la, tensor_view<float, typename L::space> f,
+                                             tensor_view<const float, typename L::space> cf,
+                                             tensor_view<double, typename L::space> d,
+                                             tensor_view<const double, typename L::space> cd,
+                                             detail::linalg::eigh_workspace_t<L, float>& wf,
+                                             detail::linalg::eigh_workspace_t<L, double>& wd) {
   la.gemm(transpose::none, transpose::yes, 1.0, cf, cf, 0.0, f);
   la.gemm(transpose::none, transpose::yes, 1.0, cd, cd, 0.0, d);
   la.syrk(gram::rows, 1.0, cf, 0.0, f);
@@ -91,7 +93,8 @@ void require_matrix(const tensor_view<T, S>& v, const char* who, const char* wha
 template <class T, class S>
 void require_square(const tensor_view<T, S>& v, const char* who, const char* what) {
   require_matrix(v, who, what);
-  require(v.dim(0) == v.dim(1), who, ": ", what, " has shape ", v.shape_string(), " (expected a square matrix)");
+  require(v.dim(0) == v.dim(1), who, ": ", what, " has shape ", v.shape_string(),
+          " (expected a square matrix)");
 }
 
 /// Throws when a dimension does not fit the LP64 (32-bit) integers of BLAS and LAPACK.
@@ -123,8 +126,8 @@ void check_syrk(gram g, const A& a, const C& c, const char* who) {
   require_matrix(a, who, "A");
   require_square(c, who, "C");
   const std::int64_t n = g == gram::rows ? a.dim(0) : a.dim(1);
-  require(c.dim(0) == n, who, ": C has shape ", c.shape_string(), " but ",
-          g == gram::rows ? "A·Aᵀ" : "Aᵀ·A", " of A ", a.shape_string(), " is ", n, " x ", n);
+  require(c.dim(0) == n, who, ": C has shape ", c.shape_string(), " but ", g == gram::rows ? "A·Aᵀ" : "Aᵀ·A",
+          " of A ", a.shape_string(), " is ", n, " x ", n);
   require_blas_int(a.dim(0), who, "A");
   require_blas_int(a.dim(1), who, "A");
 }

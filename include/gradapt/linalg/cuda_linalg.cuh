@@ -28,20 +28,22 @@ namespace detail::linalg {
 /// Throws gradapt::error naming the cuBLAS call and its status.
 inline void cublas_check(cublasStatus_t s, const char* call, const char* file, int line) {
   if (s != CUBLAS_STATUS_SUCCESS)
-    fail("cuBLAS call ", call, " failed: ", cublasGetStatusName(s), " (", cublasGetStatusString(s), ") at ", file,
-         ":", line);
+    fail("cuBLAS call ", call, " failed: ", cublasGetStatusName(s), " (", cublasGetStatusString(s), ") at ",
+         file, ":", line);
 }
 
 /// Throws gradapt::error naming the cuSOLVER call and its status code.
 inline void cusolver_check(cusolverStatus_t s, const char* call, const char* file, int line) {
-  if (s != CUSOLVER_STATUS_SUCCESS) fail("cuSOLVER call ", call, " failed: status ", int(s), " at ", file, ":", line);
+  if (s != CUSOLVER_STATUS_SUCCESS)
+    fail("cuSOLVER call ", call, " failed: status ", int(s), " at ", file, ":", line);
 }
 
 /// c[i][j] = c[j][i] for j > i: copies the lower triangle of a row-major n × n matrix up.
 template <class T>
 __global__ void mirror_lower_kernel(T* c, int n) {
   const int j = int(blockIdx.x * blockDim.x + threadIdx.x), i = int(blockIdx.y * blockDim.y + threadIdx.y);
-  if (i < n && j < n && j > i) c[std::size_t(i) * std::size_t(n) + std::size_t(j)] = c[std::size_t(j) * std::size_t(n) + std::size_t(i)];
+  if (i < n && j < n && j > i)
+    c[std::size_t(i) * std::size_t(n) + std::size_t(j)] = c[std::size_t(j) * std::size_t(n) + std::size_t(i)];
 }
 
 /// Transposes a row-major n × n matrix in place (each thread of the upper triangle swaps one
@@ -50,7 +52,8 @@ template <class T>
 __global__ void transpose_in_place_kernel(T* a, int n) {
   const int j = int(blockIdx.x * blockDim.x + threadIdx.x), i = int(blockIdx.y * blockDim.y + threadIdx.y);
   if (i < n && j < n && j > i) {
-    const std::size_t u = std::size_t(i) * std::size_t(n) + std::size_t(j), l = std::size_t(j) * std::size_t(n) + std::size_t(i);
+    const std::size_t u = std::size_t(i) * std::size_t(n) + std::size_t(j),
+                      l = std::size_t(j) * std::size_t(n) + std::size_t(i);
     const T t = a[u];
     a[u] = a[l];
     a[l] = t;
@@ -60,7 +63,8 @@ __global__ void transpose_in_place_kernel(T* a, int n) {
 }  // namespace detail::linalg
 
 /// Evaluates a cuBLAS call and throws gradapt::error naming it if it fails.
-#define GRADAPT_CUBLAS_CHECK(...) ::gradapt::detail::linalg::cublas_check((__VA_ARGS__), #__VA_ARGS__, __FILE__, __LINE__)
+#define GRADAPT_CUBLAS_CHECK(...) \
+  ::gradapt::detail::linalg::cublas_check((__VA_ARGS__), #__VA_ARGS__, __FILE__, __LINE__)
 /// Evaluates a cuSOLVER call and throws gradapt::error naming it if it fails.
 #define GRADAPT_CUSOLVER_CHECK(...) \
   ::gradapt::detail::linalg::cusolver_check((__VA_ARGS__), #__VA_ARGS__, __FILE__, __LINE__)
@@ -120,7 +124,9 @@ class cuda_linalg {
   cuda_linalg& operator=(const cuda_linalg&) = delete;
   /// Takes over o's handles; o is left without handles (only destructible or assignable).
   cuda_linalg(cuda_linalg&& o) noexcept
-      : stream_(o.stream_), blas_(std::exchange(o.blas_, nullptr)), solver_(std::exchange(o.solver_, nullptr)) {}
+      : stream_(o.stream_),
+        blas_(std::exchange(o.blas_, nullptr)),
+        solver_(std::exchange(o.solver_, nullptr)) {}
   /// Destroys this object's handles, then takes over o's.
   cuda_linalg& operator=(cuda_linalg&& o) noexcept {
     if (this != &o) {
@@ -140,8 +146,9 @@ class cuda_linalg {
   /// The workspace `eigh` needs for n × n matrices of T (device memory, allocated here).
   /// @throws gradapt::error for n < 0, n beyond 32-bit integers, or a CUDA failure
   template <class T>
-  requires(std::is_same_v<T, float> || std::is_same_v<T, double>) eigh_buffers<T> eigh_workspace(
-      std::int64_t n) const {
+  requires(std::is_same_v<T, float> ||
+           std::is_same_v<T, double>) eigh_buffers<T> eigh_workspace(std::int64_t n)
+  const {
     detail::require(n >= 0, "cuda_linalg::eigh_workspace: n is ", n, " (expected n >= 0)");
     detail::linalg::require_blas_int(n, "cuda_linalg::eigh_workspace", "n");
     eigh_buffers<T> ws;
@@ -150,11 +157,11 @@ class cuda_linalg {
     const int ni = int(n);
     int lwork = 0;
     if constexpr (std::is_same_v<T, float>)
-      GRADAPT_CUSOLVER_CHECK(cusolverDnSsyevd_bufferSize(solver_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER,
-                                                         ni, nullptr, ni, nullptr, &lwork));
+      GRADAPT_CUSOLVER_CHECK(cusolverDnSsyevd_bufferSize(
+          solver_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER, ni, nullptr, ni, nullptr, &lwork));
     else
-      GRADAPT_CUSOLVER_CHECK(cusolverDnDsyevd_bufferSize(solver_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER,
-                                                         ni, nullptr, ni, nullptr, &lwork));
+      GRADAPT_CUSOLVER_CHECK(cusolverDnDsyevd_bufferSize(
+          solver_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER, ni, nullptr, ni, nullptr, &lwork));
     ws.lwork_ = lwork;
     ws.work_ = cuda_buffer<T>(std::size_t(lwork > 0 ? lwork : 1), stream_);
     ws.info_ = cuda_buffer<int>(1, stream_);
@@ -165,9 +172,11 @@ class cuda_linalg {
   /// written). Enqueued on `stream()`.
   /// @throws gradapt::error unless op(A) is m × k, op(B) k × n and C m × n, or when cuBLAS fails
   template <class T>
-  requires(std::is_same_v<T, float> || std::is_same_v<T, double>) void gemm(
-      transpose ta, transpose tb, double alpha, tensor_view<const T, device_space> a,
-      tensor_view<const T, device_space> b, double beta, tensor_view<T, device_space> c) const {
+  requires(std::is_same_v<T, float> ||
+           std::is_same_v<T, double>) void gemm(transpose ta, transpose tb, double alpha,
+                                                tensor_view<const T, device_space> a,
+                                                tensor_view<const T, device_space> b, double beta,
+                                                tensor_view<T, device_space> c) const {
     detail::linalg::check_gemm(ta, tb, a, b, c, "cuda_linalg::gemm");
     const int m = int(c.dim(0)), n = int(c.dim(1)), k = int(ta == transpose::none ? a.dim(1) : a.dim(0));
     if (m == 0 || n == 0) return;
@@ -176,9 +185,11 @@ class cuda_linalg {
     const int lda = a.dim(1) > 0 ? int(a.dim(1)) : 1, ldb = b.dim(1) > 0 ? int(b.dim(1)) : 1;
     const T al = T(alpha), be = T(beta);
     if constexpr (std::is_same_v<T, float>)
-      GRADAPT_CUBLAS_CHECK(cublasSgemm(blas_, opB, opA, n, m, k, &al, b.data(), ldb, a.data(), lda, &be, c.data(), n));
+      GRADAPT_CUBLAS_CHECK(
+          cublasSgemm(blas_, opB, opA, n, m, k, &al, b.data(), ldb, a.data(), lda, &be, c.data(), n));
     else
-      GRADAPT_CUBLAS_CHECK(cublasDgemm(blas_, opB, opA, n, m, k, &al, b.data(), ldb, a.data(), lda, &be, c.data(), n));
+      GRADAPT_CUBLAS_CHECK(
+          cublasDgemm(blas_, opB, opA, n, m, k, &al, b.data(), ldb, a.data(), lda, &be, c.data(), n));
   }
 
   /// C = alpha·A·Aᵀ + beta·C (`gram::rows`) or alpha·Aᵀ·A + beta·C (`gram::columns`) for a
@@ -186,8 +197,9 @@ class cuda_linalg {
   /// mirrored, so both triangles hold the same bits. Enqueued on `stream()`.
   /// @throws gradapt::error unless A is a matrix and C is square of the Gram product's size
   template <class T>
-  requires(std::is_same_v<T, float> || std::is_same_v<T, double>) void syrk(
-      gram g, double alpha, tensor_view<const T, device_space> a, double beta, tensor_view<T, device_space> c) const {
+  requires(std::is_same_v<T, float> ||
+           std::is_same_v<T, double>) void syrk(gram g, double alpha, tensor_view<const T, device_space> a,
+                                                double beta, tensor_view<T, device_space> c) const {
     detail::linalg::check_syrk(g, a, c, "cuda_linalg::syrk");
     const int n = int(c.dim(0)), k = int(g == gram::rows ? a.dim(1) : a.dim(0));
     if (n == 0) return;
@@ -211,21 +223,25 @@ class cuda_linalg {
   /// @throws gradapt::error unless A is n × n, w has n elements and ws was made for n, or when
   ///         a CUDA, cuBLAS or cuSOLVER call fails
   template <class T>
-  requires(std::is_same_v<T, float> || std::is_same_v<T, double>) bool eigh(
-      tensor_view<T, device_space> a, tensor_view<T, device_space> w, eigh_buffers<T>& ws) const {
+  requires(std::is_same_v<T, float> || std::is_same_v<T, double>) bool eigh(tensor_view<T, device_space> a,
+                                                                            tensor_view<T, device_space> w,
+                                                                            eigh_buffers<T>& ws) const {
     detail::linalg::check_eigh(a, w, ws.n(), "cuda_linalg::eigh");
     const int n = int(a.dim(0));
     if (n == 0) return true;
     if constexpr (std::is_same_v<T, float>)
-      GRADAPT_CUSOLVER_CHECK(cusolverDnSsyevd(solver_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER, n, a.data(), n,
-                                              w.data(), ws.work_.data(), ws.lwork_, ws.info_.data()));
+      GRADAPT_CUSOLVER_CHECK(cusolverDnSsyevd(solver_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER, n,
+                                              a.data(), n, w.data(), ws.work_.data(), ws.lwork_,
+                                              ws.info_.data()));
     else
-      GRADAPT_CUSOLVER_CHECK(cusolverDnDsyevd(solver_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER, n, a.data(), n,
-                                              w.data(), ws.work_.data(), ws.lwork_, ws.info_.data()));
+      GRADAPT_CUSOLVER_CHECK(cusolverDnDsyevd(solver_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER, n,
+                                              a.data(), n, w.data(), ws.work_.data(), ws.lwork_,
+                                              ws.info_.data()));
     int info = 0;
     GRADAPT_CUDA_CHECK(cudaMemcpyAsync(&info, ws.info_.data(), sizeof(int), cudaMemcpyDeviceToHost, stream_));
     GRADAPT_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    detail::require(info >= 0, "cuda_linalg::eigh: cuSOLVER rejected argument ", -info, " (info = ", info, ")");
+    detail::require(info >= 0, "cuda_linalg::eigh: cuSOLVER rejected argument ", -info, " (info = ", info,
+                    ")");
     if (info > 0) return false;
     const dim3 block(16, 16), grid(unsigned((n + 15) / 16), unsigned((n + 15) / 16));
     detail::linalg::transpose_in_place_kernel<T><<<grid, block, 0, stream_>>>(a.data(), n);

@@ -29,13 +29,15 @@ void sgemm_(const char* ta, const char* tb, const int* m, const int* n, const in
 void dgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k, const double* alpha,
             const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
             const int* ldc, std::size_t, std::size_t);
-void ssyrk_(const char* uplo, const char* trans, const int* n, const int* k, const float* alpha, const float* a,
-            const int* lda, const float* beta, float* c, const int* ldc, std::size_t, std::size_t);
+void ssyrk_(const char* uplo, const char* trans, const int* n, const int* k, const float* alpha,
+            const float* a, const int* lda, const float* beta, float* c, const int* ldc, std::size_t,
+            std::size_t);
 void dsyrk_(const char* uplo, const char* trans, const int* n, const int* k, const double* alpha,
             const double* a, const int* lda, const double* beta, double* c, const int* ldc, std::size_t,
             std::size_t);
-void ssyevd_(const char* jobz, const char* uplo, const int* n, float* a, const int* lda, float* w, float* work,
-             const int* lwork, int* iwork, const int* liwork, int* info, std::size_t, std::size_t);
+void ssyevd_(const char* jobz, const char* uplo, const int* n, float* a, const int* lda, float* w,
+             float* work, const int* lwork, int* iwork, const int* liwork, int* info, std::size_t,
+             std::size_t);
 void dsyevd_(const char* jobz, const char* uplo, const int* n, double* a, const int* lda, double* w,
              double* work, const int* lwork, int* iwork, const int* liwork, int* info, std::size_t,
              std::size_t);
@@ -96,18 +98,19 @@ struct host_lapack {
   /// The workspace `eigh` needs for n × n matrices of T.
   /// @throws gradapt::error for n < 0 or n beyond 32-bit integers
   template <class T>
-  requires(std::is_same_v<T, float> || std::is_same_v<T, double>) eigh_buffers<T> eigh_workspace(
-      std::int64_t n) const {
-    return eigh_buffers<T>(n);
-  }
+  requires(std::is_same_v<T, float> ||
+           std::is_same_v<T, double>) eigh_buffers<T> eigh_workspace(std::int64_t n)
+  const { return eigh_buffers<T>(n); }
 
   /// C = alpha·op(A)·op(B) + beta·C for row-major matrices (beta = 0: C is only written).
   /// @throws gradapt::error unless A, B and C are rank-2 views with op(A) m × k, op(B) k × n
   ///         and C m × n
   template <class T>
-  requires(std::is_same_v<T, float> || std::is_same_v<T, double>) void gemm(
-      transpose ta, transpose tb, double alpha, tensor_view<const T, host_space> a,
-      tensor_view<const T, host_space> b, double beta, tensor_view<T, host_space> c) const {
+  requires(std::is_same_v<T, float> ||
+           std::is_same_v<T, double>) void gemm(transpose ta, transpose tb, double alpha,
+                                                tensor_view<const T, host_space> a,
+                                                tensor_view<const T, host_space> b, double beta,
+                                                tensor_view<T, host_space> c) const {
     detail::linalg::check_gemm(ta, tb, a, b, c, "host_lapack::gemm");
     const int m = static_cast<int>(c.dim(0)), n = static_cast<int>(c.dim(1));
     const int k = static_cast<int>(ta == transpose::none ? a.dim(1) : a.dim(0));
@@ -133,8 +136,9 @@ struct host_lapack {
   /// is then mirrored, so both triangles of C hold the same bits.
   /// @throws gradapt::error unless A is a matrix and C is square of the Gram product's size
   template <class T>
-  requires(std::is_same_v<T, float> || std::is_same_v<T, double>) void syrk(
-      gram g, double alpha, tensor_view<const T, host_space> a, double beta, tensor_view<T, host_space> c) const {
+  requires(std::is_same_v<T, float> ||
+           std::is_same_v<T, double>) void syrk(gram g, double alpha, tensor_view<const T, host_space> a,
+                                                double beta, tensor_view<T, host_space> c) const {
     detail::linalg::check_syrk(g, a, c, "host_lapack::syrk");
     const int n = static_cast<int>(c.dim(0));
     const int k = static_cast<int>(g == gram::rows ? a.dim(1) : a.dim(0));
@@ -164,8 +168,9 @@ struct host_lapack {
   /// Returns false when LAPACK reports that the algorithm failed to converge.
   /// @throws gradapt::error unless A is n × n, w has n elements and ws was made for n
   template <class T>
-  requires(std::is_same_v<T, float> || std::is_same_v<T, double>) bool eigh(
-      tensor_view<T, host_space> a, tensor_view<T, host_space> w, eigh_buffers<T>& ws) const {
+  requires(std::is_same_v<T, float> || std::is_same_v<T, double>) bool eigh(tensor_view<T, host_space> a,
+                                                                            tensor_view<T, host_space> w,
+                                                                            eigh_buffers<T>& ws) const {
     detail::linalg::check_eigh(a, w, ws.n(), "host_lapack::eigh");
     const int n = static_cast<int>(a.dim(0));
     if (n == 0) return true;
@@ -174,17 +179,18 @@ struct host_lapack {
     const int lwork = static_cast<int>(ws.work_.size()), liwork = static_cast<int>(ws.iwork_.size());
     int info = 0;
     if constexpr (std::is_same_v<T, float>)
-      ssyevd_("V", "U", &n, a.data(), &n, w.data(), ws.work_.data(), &lwork, ws.iwork_.data(), &liwork, &info, 1,
-              1);
+      ssyevd_("V", "U", &n, a.data(), &n, w.data(), ws.work_.data(), &lwork, ws.iwork_.data(), &liwork, &info,
+              1, 1);
     else
-      dsyevd_("V", "U", &n, a.data(), &n, w.data(), ws.work_.data(), &lwork, ws.iwork_.data(), &liwork, &info, 1,
-              1);
+      dsyevd_("V", "U", &n, a.data(), &n, w.data(), ws.work_.data(), &lwork, ws.iwork_.data(), &liwork, &info,
+              1, 1);
     detail::require(info >= 0, "host_lapack::eigh: LAPACK rejected argument ", -info, " (info = ", info, ")");
     if (info > 0) return false;
     T* p = a.data();
     for (int i = 0; i < n; ++i)
       for (int j = i + 1; j < n; ++j)
-        std::swap(p[std::size_t(i) * std::size_t(n) + std::size_t(j)], p[std::size_t(j) * std::size_t(n) + std::size_t(i)]);
+        std::swap(p[std::size_t(i) * std::size_t(n) + std::size_t(j)],
+                  p[std::size_t(j) * std::size_t(n) + std::size_t(i)]);
     return true;
   }
 
@@ -194,7 +200,8 @@ struct host_lapack {
   static void mirror_lower(T* c, int n) {
     for (int i = 0; i < n; ++i)
       for (int j = i + 1; j < n; ++j)
-        c[std::size_t(i) * std::size_t(n) + std::size_t(j)] = c[std::size_t(j) * std::size_t(n) + std::size_t(i)];
+        c[std::size_t(i) * std::size_t(n) + std::size_t(j)] =
+            c[std::size_t(j) * std::size_t(n) + std::size_t(i)];
   }
 };
 

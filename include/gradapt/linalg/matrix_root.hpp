@@ -70,28 +70,28 @@ enum class newton_stop : unsigned char {
 /// facebookresearch/optimizers' Distributed Shampoo).
 struct inverse_root_options {
   root_method method = root_method::eigen;  ///< coupled Newton or eigendecomposition
-  double epsilon = 1e-6;                     ///< ridge ε (>= 0)
-  ridge_kind ridge = ridge_kind::relative;   ///< r = ε or r = ε·λ_max
-  double tolerance = 1e-6;       ///< Newton: stop once max|M − I| <= tolerance (>= 0)
-  int max_iterations = 100;      ///< Newton: at most this many iterations (>= 1)
-  double max_error_ratio = 1.2;  ///< Newton: stop when the error grows by more than this (>= 1)
-  double max_error = 0.1;        ///< Newton: a best error above this is `not_converged` (> 0)
-  int power_iterations = 100;    ///< power iteration for λ_max: at most this many steps (>= 1)
-  double power_tolerance = 1e-6;  ///< power iteration: stop when λ changes by <= this, relative
-  bool retry_in_double = true;    ///< eigen: retry a failed float decomposition in double
+  double epsilon = 1e-6;                    ///< ridge ε (>= 0)
+  ridge_kind ridge = ridge_kind::relative;  ///< r = ε or r = ε·λ_max
+  double tolerance = 1e-6;                  ///< Newton: stop once max|M − I| <= tolerance (>= 0)
+  int max_iterations = 100;                 ///< Newton: at most this many iterations (>= 1)
+  double max_error_ratio = 1.2;             ///< Newton: stop when the error grows by more than this (>= 1)
+  double max_error = 0.1;                   ///< Newton: a best error above this is `not_converged` (> 0)
+  int power_iterations = 100;               ///< power iteration for λ_max: at most this many steps (>= 1)
+  double power_tolerance = 1e-6;            ///< power iteration: stop when λ changes by <= this, relative
+  bool retry_in_double = true;              ///< eigen: retry a failed float decomposition in double
 };
 
 /// What `inverse_pth_root` did.
 struct inverse_root_result {
-  root_status status = root_status::ok;   ///< ok, or why the output was left untouched
+  root_status status = root_status::ok;     ///< ok, or why the output was left untouched
   newton_stop stop = newton_stop::not_run;  ///< Newton: why the iteration stopped
-  int iterations = 0;                    ///< Newton iterations performed
+  int iterations = 0;                       ///< Newton iterations performed
   /// Newton: max|M − I| of the returned iterate, where M = X^p·(A + r·I) up to rounding; NaN
   /// for the eigen method, which has no iteration error.
   double error = std::numeric_limits<double>::quiet_NaN();
-  double lambda_max = 0;                 ///< the λ_max used for a relative ridge (0 if absolute)
-  double ridge = 0;                      ///< r, the value added to A's diagonal
-  bool retried_in_double = false;        ///< eigen: the float decomposition failed and double ran
+  double lambda_max = 0;           ///< the λ_max used for a relative ridge (0 if absolute)
+  double ridge = 0;                ///< r, the value added to A's diagonal
+  bool retried_in_double = false;  ///< eigen: the float decomposition failed and double ran
   /// True when the status is `ok`.
   bool ok() const { return status == root_status::ok; }
 };
@@ -99,13 +99,20 @@ struct inverse_root_result {
 /// The name of a status, for messages and logs ("ok", "nonfinite_input", ...).
 constexpr std::string_view to_string(root_status s) {
   switch (s) {
-    case root_status::ok: return "ok";
-    case root_status::nonfinite_input: return "nonfinite_input";
-    case root_status::not_symmetric: return "not_symmetric";
-    case root_status::singular: return "singular";
-    case root_status::not_converged: return "not_converged";
-    case root_status::eigensolver_failed: return "eigensolver_failed";
-    case root_status::nonfinite_result: return "nonfinite_result";
+    case root_status::ok:
+      return "ok";
+    case root_status::nonfinite_input:
+      return "nonfinite_input";
+    case root_status::not_symmetric:
+      return "not_symmetric";
+    case root_status::singular:
+      return "singular";
+    case root_status::not_converged:
+      return "not_converged";
+    case root_status::eigensolver_failed:
+      return "eigensolver_failed";
+    case root_status::nonfinite_result:
+      return "nonfinite_result";
   }
   return "unknown";
 }
@@ -121,8 +128,8 @@ struct root_access;
 /// Each part is allocated by `reserve(method)` or by the first call that needs it, so steady
 /// calls allocate nothing; the double retry's part is allocated by the first retry.
 template <class L, class T>
-requires linalg_backend<L> && (std::is_same_v<T, float> || std::is_same_v<T, double>)
-class inverse_root_workspace {
+requires linalg_backend<L> &&
+    (std::is_same_v<T, float> || std::is_same_v<T, double>)class inverse_root_workspace {
  public:
   /// A workspace for n × n matrices on `la` (the backend is copied).
   /// @throws gradapt::error for n < 1
@@ -233,7 +240,8 @@ double max_abs_minus_identity(const T* m, std::size_t n) {
 /// fixed start vector, λ = vᵀA·v (Rayleigh quotient, a lower bound on λ_max), stopped when λ
 /// changes by at most `tol`·λ. Products through the backend (n × 1 GEMM); v, y are n-vectors.
 template <class L, class T>
-double power_iteration(const L& la, tensor_view<const T, host_space> a, T* v, T* y, int max_iter, double tol) {
+double power_iteration(const L& la, tensor_view<const T, host_space> a, T* v, T* y, int max_iter,
+                       double tol) {
   const std::size_t n = static_cast<std::size_t>(a.dim(0));
   const auto ni = static_cast<std::int64_t>(n);
   // A fixed, deterministic start with no special structure (not orthogonal to any eigenvector
@@ -263,8 +271,8 @@ double power_iteration(const L& la, tensor_view<const T, host_space> a, T* v, T*
 
 /// The argument checks shared by the root functions.
 template <class T>
-void check_root_args(tensor_view<const T, host_space> a, int p, tensor_view<T, host_space> x, std::int64_t ws_n,
-                     const inverse_root_options& o) {
+void check_root_args(tensor_view<const T, host_space> a, int p, tensor_view<T, host_space> x,
+                     std::int64_t ws_n, const inverse_root_options& o) {
   constexpr const char* who = "inverse_pth_root";
   require_square(a, who, "A");
   require(x.same_shape(a), who, ": X has shape ", x.shape_string(), " but A has shape ", a.shape_string(),
@@ -430,10 +438,9 @@ bool eigen_apply(const L& la, U* q, const U* w, std::size_t n, int p, double rid
 ///         tolerance < 0, max_iterations < 1, max_error_ratio < 1, max_error <= 0, ...)
 template <class L, class T>
 requires linalg_backend<L> && std::is_same_v<typename L::space, host_space> &&
-    (std::is_same_v<T, float> || std::is_same_v<T, double>)
-inverse_root_result inverse_pth_root(const L& la, tensor_view<const T, host_space> a, int p,
-                                     tensor_view<T, host_space> x, inverse_root_workspace<L, T>& ws,
-                                     const inverse_root_options& o = {}) {
+    (std::is_same_v<T, float> || std::is_same_v<T, double>)inverse_root_result
+    inverse_pth_root(const L& la, tensor_view<const T, host_space> a, int p, tensor_view<T, host_space> x,
+                     inverse_root_workspace<L, T>& ws, const inverse_root_options& o = {}) {
   using access = detail::linalg::root_access<L, T>;
   detail::linalg::check_root_args<T>(a, p, x, ws.n(), o);
   const std::size_t n = static_cast<std::size_t>(a.dim(0)), n2 = n * n;
@@ -531,10 +538,9 @@ inverse_root_result inverse_pth_root(const L& la, tensor_view<const T, host_spac
 /// The same for a non-const A view.
 template <class L, class T>
 requires linalg_backend<L> && std::is_same_v<typename L::space, host_space> &&
-    (std::is_same_v<T, float> || std::is_same_v<T, double>)
-inverse_root_result inverse_pth_root(const L& la, tensor_view<T, host_space> a, int p,
-                                     tensor_view<T, host_space> x, inverse_root_workspace<L, T>& ws,
-                                     const inverse_root_options& o = {}) {
+    (std::is_same_v<T, float> || std::is_same_v<T, double>)inverse_root_result
+    inverse_pth_root(const L& la, tensor_view<T, host_space> a, int p, tensor_view<T, host_space> x,
+                     inverse_root_workspace<L, T>& ws, const inverse_root_options& o = {}) {
   return inverse_pth_root(la, tensor_view<const T, host_space>(a), p, x, ws, o);
 }
 

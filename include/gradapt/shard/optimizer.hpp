@@ -42,7 +42,9 @@
 /// a device backend a chain with per-tensor sums (LAMB, LARS) needs whole tensors
 /// (`granularity::tensor`) and a chain with a global sum (a global-norm clip) is rejected on
 /// more than one rank: the exact cross-shard assembly runs on the host backend only. The
-/// device path compiles in the CUDA tests and has not run on a GPU.
+/// backend and the communicator must share one CUDA stream (`cuda{.stream = comm.stream()}`):
+/// the packing kernels and the collectives are ordered by it alone. The device path compiles
+/// in the CUDA tests and has not run on a GPU.
 /// Checkpoints: `save` writes this rank's shard (its pieces, keyed by parameter name and
 /// element range, with the plan); `load` restores a state on any world size from the archives
 /// of any other, reading only the old archives that overlap this rank's new shard.
@@ -274,9 +276,9 @@ class sharded_state {
   std::vector<std::string> names_;
   std::vector<std::vector<std::int64_t>> shapes_;
   std::vector<shard_unit> units_;
-  std::vector<char> split_;         ///< tensor t straddles ranks
-  std::vector<std::size_t> xbase_;  ///< first exchange row of tensor t (T + 1 entries)
-  gradapt::detail::optim::buffer_t<B, G> grad_;    ///< this rank's averaged gradient shard (capacity elements)
+  std::vector<char> split_;                      ///< tensor t straddles ranks
+  std::vector<std::size_t> xbase_;               ///< first exchange row of tensor t (T + 1 entries)
+  gradapt::detail::optim::buffer_t<B, G> grad_;  ///< this rank's averaged gradient shard (capacity elements)
   gradapt::detail::optim::buffer_t<B, M> master_;  ///< master values of the shard (when M is not V)
   std::vector<const void*> bound_;  ///< the parameters' value pointers the unit list points into
   gradapt::detail::optim::buffer_t<B, G> send_g_;  ///< reduce-scatter packing (world × round)
@@ -290,7 +292,7 @@ class sharded_state {
   std::vector<std::size_t> missing_;
   std::size_t next_ = 0, marked_ = 0;
   std::vector<std::vector<std::vector<piece>>> segments_;  ///< [bucket][rank]: pieces in the bucket
-  gradapt::detail::optim::buffer_t<B, G> bsend_, brecv_;  ///< stage 2 packing (world × bucket, bucket)
+  gradapt::detail::optim::buffer_t<B, G> bsend_, brecv_;   ///< stage 2 packing (world × bucket, bucket)
   param_list<M, G, typename B::space, Options> list_;
   chain_state_type st_;
 };
@@ -377,7 +379,8 @@ class sharded_optimizer {
     if constexpr (!std::is_same_v<Mt, V>) {
       s.master_ = b.template allocate<Mt>(cap);
       for (const piece& q : s.plan_.pieces(s.rank_))
-        b.apply(gradapt::detail::shard_k::copy_to{}, vec<space_of<B>, Mt>(s.master_.data() + q.shard_offset, q.length),
+        b.apply(gradapt::detail::shard_k::copy_to{},
+                vec<space_of<B>, Mt>(s.master_.data() + q.shard_offset, q.length),
                 vec<space_of<B>, const V>(params[q.tensor].value.data() + q.offset, q.length));
     }
     s.bucket_ = std::max<std::size_t>(1, std::min(o_.bucket_elements, cap));
@@ -423,17 +426,19 @@ class sharded_optimizer {
       const std::size_t len = std::min(s.bucket_, cap - p0);
       for (std::size_t r = 0; r < n; ++r) {
         G* dst = s.send_g_.data() + r * len;
-        b.apply(gradapt::detail::shard_k::set_zero{}, vec<Sp, G>(dst, len));  // alignment gaps and the last shard's tail
-        for_overlaps(s.plan_.pieces(static_cast<int>(r)), p0, len,
-                     [&](const piece& q, std::size_t a, std::size_t k) {
-                       b.apply(gradapt::detail::shard_k::copy_to{}, vec<Sp, G>(dst + (a - p0), k),
-                               vec<Sp, const G>(params[q.tensor].grad.data() + q.offset + (a - q.shard_offset), k));
-                     });
+        b.apply(gradapt::detail::shard_k::set_zero{},
+                vec<Sp, G>(dst, len));  // alignment gaps and the last shard's tail
+        for_overlaps(
+            s.plan_.pieces(static_cast<int>(r)), p0, len, [&](const piece& q, std::size_t a, std::size_t k) {
+              b.apply(gradapt::detail::shard_k::copy_to{}, vec<Sp, G>(dst + (a - p0), k),
+                      vec<Sp, const G>(params[q.tensor].grad.data() + q.offset + (a - q.shard_offset), k));
+            });
       }
       comm.reduce_scatter(vec<Sp, const G>(s.send_g_.data(), n * len), vec<Sp, G>(s.grad_.data() + p0, len),
                           reduce_op::sum);
     }
-    if (n > 1) b.apply(gradapt::detail::divide_by_ranks{static_cast<int>(n)}, vec<Sp, G>(s.grad_.data(), cap));
+    if (n > 1)
+      b.apply(gradapt::detail::divide_by_ranks{static_cast<int>(n)}, vec<Sp, G>(s.grad_.data(), cap));
 
     // 2. The chain over this rank's units.
     if constexpr (Chain::plan::max_terms > 0 && !Chain::plan::has_factored &&
@@ -442,7 +447,8 @@ class sharded_optimizer {
       opt_.step(b, s.list_, s.st_, args, a);
     } else {
       if constexpr (!std::same_as<typename B::space, host_space>)
-        gradapt::detail::require(n == 1 || !global_sum_active(), global_sum_problem(), " (rank ", s.rank_, ")");
+        gradapt::detail::require(n == 1 || !global_sum_active(), global_sum_problem(), " (rank ", s.rank_,
+                                 ")");
       opt_.step(b, s.list_, s.st_, args);
     }
 
@@ -453,7 +459,8 @@ class sharded_optimizer {
       for_overlaps(s.plan_.pieces(s.rank_), p0, len, [&](const piece& q, std::size_t a, std::size_t k) {
         V* dst = s.send_v_.data() + (a - p0);
         if constexpr (!std::is_same_v<M, V>)
-          b.apply(gradapt::detail::shard_k::copy_to{}, vec<Sp, V>(dst, k), vec<Sp, const M>(s.master_.data() + a, k));
+          b.apply(gradapt::detail::shard_k::copy_to{}, vec<Sp, V>(dst, k),
+                  vec<Sp, const M>(s.master_.data() + a, k));
         else
           b.apply(gradapt::detail::shard_k::copy_to{}, vec<Sp, V>(dst, k),
                   vec<Sp, const V>(params[q.tensor].value.data() + q.offset + (a - q.shard_offset), k));
@@ -462,11 +469,12 @@ class sharded_optimizer {
       for (std::size_t r = 0; r < n; ++r) {
         if (static_cast<int>(r) == s.rank_ && !master) continue;  // updated in place
         const V* src = s.recv_v_.data() + r * len;
-        for_overlaps(
-            s.plan_.pieces(static_cast<int>(r)), p0, len, [&](const piece& q, std::size_t a, std::size_t k) {
-              b.apply(gradapt::detail::shard_k::copy_to{}, vec<Sp, V>(params[q.tensor].value.data() + q.offset + (a - q.shard_offset), k),
-                      vec<Sp, const V>(src + (a - p0), k));
-            });
+        for_overlaps(s.plan_.pieces(static_cast<int>(r)), p0, len,
+                     [&](const piece& q, std::size_t a, std::size_t k) {
+                       b.apply(gradapt::detail::shard_k::copy_to{},
+                               vec<Sp, V>(params[q.tensor].value.data() + q.offset + (a - q.shard_offset), k),
+                               vec<Sp, const V>(src + (a - p0), k));
+                     });
       }
     }
 
@@ -495,7 +503,8 @@ class sharded_optimizer {
     s.ready_[t] = 1;
     ++s.marked_;
     --s.missing_[s.bplan_.where(t).bucket];
-    while (s.next_ < s.missing_.size() && s.missing_[s.next_] == 0) reduce_bucket(comm, b, params, s, s.next_++);
+    while (s.next_ < s.missing_.size() && s.missing_[s.next_] == 0)
+      reduce_bucket(comm, b, params, s, s.next_++);
   }
 
   /// Restores a state saved on any world size (`sharded_state::save` on each old rank) into
@@ -546,7 +555,8 @@ class sharded_optimizer {
     s.st_.set_steps(steps);
     if constexpr (!std::is_same_v<Mt, V>) {  // the model's parameters from the restored master values
       for (const piece& q : s.plan_.pieces(s.rank_))
-        b.apply(gradapt::detail::shard_k::copy_to{}, vec<space_of<B>, V>(params[q.tensor].value.data() + q.offset, q.length),
+        b.apply(gradapt::detail::shard_k::copy_to{},
+                vec<space_of<B>, V>(params[q.tensor].value.data() + q.offset, q.length),
                 vec<space_of<B>, const Mt>(s.master_.data() + q.shard_offset, q.length));
     }
     return s;
@@ -740,7 +750,8 @@ class sharded_optimizer {
     } else {
       return [&]<std::size_t... I>(std::index_sequence<I...>) {
         return (... || (Chain::plan::info_at(I).barrier && Chain::plan::info_at(I).global && stage_on<I>()));
-      }(std::make_index_sequence<Chain::plan::n>{});
+      }
+      (std::make_index_sequence<Chain::plan::n>{});
     }
   }
   template <std::size_t I>
@@ -963,7 +974,8 @@ class sharded_optimizer {
             if (a < e)
               b.copy(tensor_view<const Mt, host_space>::vector(mhost.data() + (a - q.offset),
                                                                static_cast<std::int64_t>(e - a)),
-                     vec<typename St::space, Mt>(s.master_.data() + mine.shard_offset + (a - mine.offset), e - a));
+                     vec<typename St::space, Mt>(s.master_.data() + mine.shard_offset + (a - mine.offset),
+                                                 e - a));
           }
       }
       rd.end();
