@@ -96,7 +96,8 @@ std::vector<ld> sym_power(const std::vector<ld>& a, std::size_t n, ld r, ld e) {
   jacobi_eigen(a, n, q, w);
   for (std::size_t i = 0; i < n; ++i)
     for (std::size_t j = 0; j < n; ++j)
-      for (std::size_t k = 0; k < n; ++k) out[i * n + j] += q[i * n + k] * std::pow(std::max(w[k], ld(0)) + r, e) * q[j * n + k];
+      for (std::size_t k = 0; k < n; ++k)
+        out[i * n + j] += q[i * n + k] * std::pow(std::max(w[k], ld(0)) + r, e) * q[j * n + k];
   return out;
 }
 
@@ -290,7 +291,8 @@ TEST_CASE("shampoo: statistics (sum or EMA) and roots follow their frequencies",
           }
       }
       const auto stat = st.statistic(0, 0, 0);
-      for (std::size_t i = 0; i < 9; ++i) CHECK(stat[i] == Approx(double(left[i])).epsilon(1e-13).margin(1e-15));
+      for (std::size_t i = 0; i < 9; ++i)
+        CHECK(stat[i] == Approx(double(left[i])).epsilon(1e-13).margin(1e-15));
       if (!stats_due) CHECK(std::equal(stat.begin(), stat.end(), stat_before.begin()));
       const auto root = st.root(0, 0, 0);
       CHECK(std::equal(root.begin(), root.end(), root_before.begin()) == !roots_due);
@@ -322,7 +324,8 @@ TEST_CASE("shampoo: plan merges small dims, drops size-1 dims and cuts blocks", 
   o.skip_preconditioning_dim_size_gt = 40;
   CHECK(gradapt::shampoo_plan(std::vector<std::int64_t>{50, 3}, o).diagonal);
   o.max_preconditioner_dim = 0;
-  CHECK_THROWS_WITH(gradapt::shampoo_plan(std::vector<std::int64_t>{4, 6}, o), Contains("max_preconditioner_dim"));
+  CHECK_THROWS_WITH(gradapt::shampoo_plan(std::vector<std::int64_t>{4, 6}, o),
+                    Contains("max_preconditioner_dim"));
   o = {};
   CHECK_THROWS_WITH(gradapt::shampoo_plan(std::vector<std::int64_t>{4, -6}, o), Contains("extent -6"));
   CHECK(gradapt::shampoo_plan(std::vector<std::int64_t>{4, 6}, o).merged == std::vector<std::int64_t>{24});
@@ -355,7 +358,8 @@ TEST_CASE("shampoo: a blocked tensor gives what its blocks give as tensors of th
       pv[j].resize(std::size_t(rs[j] * cs[j]));
       gv[j].resize(pv[j].size());
       for (std::int64_t i = 0; i < rs[j]; ++i)
-        for (std::int64_t k = 0; k < cs[j]; ++k) pv[j][std::size_t(i * cs[j] + k)] = big.p[std::size_t((r0[j] + i) * 7 + c0[j] + k)];
+        for (std::int64_t k = 0; k < cs[j]; ++k)
+          pv[j][std::size_t(i * cs[j] + k)] = big.p[std::size_t((r0[j] + i) * 7 + c0[j] + k)];
       parts.add("b" + std::to_string(j), tensor_view<double>(pv[j].data(), {rs[j], cs[j]}),
                 tensor_view<double>(gv[j].data(), {rs[j], cs[j]}));
     }
@@ -379,7 +383,8 @@ TEST_CASE("shampoo: a blocked tensor gives what its blocks give as tensors of th
 // ---- 3. diagonal fallback -------------------------------------------------------------------
 
 TEST_CASE("shampoo: 1-D and over-large tensors take the grafted AdaGrad or Adam step", "[shampoo]") {
-  for (auto graft : {shampoo_graft::adagrad, shampoo_graft::adam, shampoo_graft::rmsprop, shampoo_graft::sgd}) {
+  for (auto graft :
+       {shampoo_graft::adagrad, shampoo_graft::adam, shampoo_graft::rmsprop, shampoo_graft::sgd}) {
     shampoo_options o;
     o.lr = 0.01;
     o.graft = graft;
@@ -406,7 +411,8 @@ TEST_CASE("shampoo: 1-D and over-large tensors take the grafted AdaGrad or Adam 
         ld d = g;
         const ld b = 0.9L, eps = 1e-8L;
         if (graft == shampoo_graft::adagrad) ra[i] += g * g, d = g / (std::sqrt(ra[i]) + eps);
-        if (graft == shampoo_graft::rmsprop) ra[i] = b * ra[i] + (1 - b) * g * g, d = g / (std::sqrt(ra[i]) + eps);
+        if (graft == shampoo_graft::rmsprop)
+          ra[i] = b * ra[i] + (1 - b) * g * g, d = g / (std::sqrt(ra[i]) + eps);
         if (graft == shampoo_graft::adam)
           ra[i] = b * ra[i] + (1 - b) * g * g, d = g / (std::sqrt(ra[i] / (1 - std::pow(b, ld(t)))) + eps);
         rp[i] -= 0.01L * d;
@@ -420,7 +426,8 @@ TEST_CASE("shampoo: 1-D and over-large tensors take the grafted AdaGrad or Adam 
 // ---- 4. grafting norms ----------------------------------------------------------------------
 
 TEST_CASE("shampoo: each block's direction has the grafted method's norm", "[shampoo]") {
-  for (auto graft : {shampoo_graft::sgd, shampoo_graft::adagrad, shampoo_graft::rmsprop, shampoo_graft::adam}) {
+  for (auto graft :
+       {shampoo_graft::sgd, shampoo_graft::adagrad, shampoo_graft::rmsprop, shampoo_graft::adam}) {
     shampoo_options o;
     o.max_preconditioner_dim = 4;
     o.merge_small_dims = false;
@@ -439,9 +446,11 @@ TEST_CASE("shampoo: each block's direction has the grafted method's norm", "[sha
         const ld g = t.g[i], b = 0.95L, eps = 1e-6L;
         dg[i] = g;
         if (graft == shampoo_graft::adagrad) a[i] += g * g, dg[i] = g / (std::sqrt(a[i]) + eps);
-        if (graft == shampoo_graft::rmsprop) a[i] = b * a[i] + (1 - b) * g * g, dg[i] = g / (std::sqrt(a[i]) + eps);
+        if (graft == shampoo_graft::rmsprop)
+          a[i] = b * a[i] + (1 - b) * g * g, dg[i] = g / (std::sqrt(a[i]) + eps);
         if (graft == shampoo_graft::adam)
-          a[i] = b * a[i] + (1 - b) * g * g, dg[i] = g / (std::sqrt(a[i] / (1 - std::pow(b, ld(step)))) + eps);
+          a[i] = b * a[i] + (1 - b) * g * g,
+          dg[i] = g / (std::sqrt(a[i] / (1 - std::pow(b, ld(step)))) + eps);
       }
       const auto dir = st.direction(0);
       for (std::size_t j = 0; j < 4; ++j) {
@@ -500,7 +509,8 @@ TEST_CASE("shampoo: before start_preconditioning_step the step is the grafted me
 
 // ---- 6. failures ----------------------------------------------------------------------------
 
-TEST_CASE("shampoo: a NaN gradient keeps the previous roots, counts, and throws after N in a row", "[shampoo]") {
+TEST_CASE("shampoo: a NaN gradient keeps the previous roots, counts, and throws after N in a row",
+          "[shampoo]") {
   shampoo_options o;
   o.graft = shampoo_graft::sgd;
   o.max_consecutive_failures = 3;
@@ -526,14 +536,15 @@ TEST_CASE("shampoo: a NaN gradient keeps the previous roots, counts, and throws 
   CHECK(st.block(0, 0).consecutive_failures == 2);
   const std::vector<double> before = t.p;
   set(t.g, random_vector<double>(16, 72));
-  REQUIRE_THROWS_WITH(opt.step(backend, t.params, st),
-                      Contains("parameter 'w' block 0") && Contains("failed 3 times in a row") &&
-                          Contains("nonfinite_input"));
+  REQUIRE_THROWS_WITH(opt.step(backend, t.params, st), Contains("parameter 'w' block 0") &&
+                                                           Contains("failed 3 times in a row") &&
+                                                           Contains("nonfinite_input"));
   CHECK(std::memcmp(before.data(), t.p.data(), 16 * sizeof(double)) == 0);  // parameters unchanged
   REQUIRE_THROWS_WITH(opt.step(backend, t.params, st), Contains("restore a checkpoint"));
 }
 
-TEST_CASE("shampoo: a zero statistic with a relative ridge fails and the block takes the graft", "[shampoo]") {
+TEST_CASE("shampoo: a zero statistic with a relative ridge fails and the block takes the graft",
+          "[shampoo]") {
   shampoo_options o;
   o.graft = shampoo_graft::adagrad;
   one_tensor t({3, 4});
@@ -685,7 +696,8 @@ TEST_CASE("shampoo: every invalid option throws naming it", "[shampoo]") {
 
 // ---- 9. convergence -------------------------------------------------------------------------
 
-TEST_CASE("shampoo: an ill-conditioned quadratic converges in far fewer steps than grafted SGD", "[shampoo]") {
+TEST_CASE("shampoo: an ill-conditioned quadratic converges in far fewer steps than grafted SGD",
+          "[shampoo]") {
   // f(W) = ½ tr((W − W*)ᵀ A (W − W*) B), ∇f = A (W − W*) B, A and B SPD with spectra
   // 1..100 (rotated): the Hessian A ⊗ B has condition number 10⁴. Measured with OpenBLAS:
   // SGD 6595 steps, Shampoo 524 (a ratio of 12.6; the check asks for 5).

@@ -32,8 +32,8 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <cstddef>
 #include <concepts>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
@@ -75,11 +75,16 @@ enum class shampoo_graft : unsigned char {
 /// The name of a graft ("none", "sgd", "adagrad", "rmsprop", "adam").
 constexpr std::string_view to_string(shampoo_graft g) {
   switch (g) {
-    case shampoo_graft::none: return "none";
-    case shampoo_graft::sgd: return "sgd";
-    case shampoo_graft::adagrad: return "adagrad";
-    case shampoo_graft::rmsprop: return "rmsprop";
-    case shampoo_graft::adam: return "adam";
+    case shampoo_graft::none:
+      return "none";
+    case shampoo_graft::sgd:
+      return "sgd";
+    case shampoo_graft::adagrad:
+      return "adagrad";
+    case shampoo_graft::rmsprop:
+      return "rmsprop";
+    case shampoo_graft::adam:
+      return "adam";
   }
   return "unknown";
 }
@@ -167,8 +172,9 @@ struct shampoo_layout {
 inline shampoo_layout shampoo_plan(std::span<const std::int64_t> shape, const shampoo_options& o) {
   detail::require(o.max_preconditioner_dim >= 1, "shampoo_plan: max_preconditioner_dim is ",
                   o.max_preconditioner_dim, " (expected >= 1)");
-  detail::require(o.skip_preconditioning_dim_size_gt >= 1, "shampoo_plan: skip_preconditioning_dim_size_gt is ",
-                  o.skip_preconditioning_dim_size_gt, " (expected >= 1)");
+  detail::require(o.skip_preconditioning_dim_size_gt >= 1,
+                  "shampoo_plan: skip_preconditioning_dim_size_gt is ", o.skip_preconditioning_dim_size_gt,
+                  " (expected >= 1)");
   detail::require(shape.size() <= static_cast<std::size_t>(max_rank), "shampoo_plan: rank ", shape.size(),
                   " (expected 0 to ", max_rank, ")");
   for (const auto d : shape) detail::require(d >= 0, "shampoo_plan: extent ", d, " (expected >= 0)");
@@ -229,9 +235,14 @@ struct graft_kernel {
   C operator()(C g, C& a) const {
     switch (kind) {
       case shampoo_graft::none:
-      case shampoo_graft::sgd: return g;
-      case shampoo_graft::adagrad: a = a + g * g; return g / (std::sqrt(a) + eps);
-      case shampoo_graft::rmsprop: a = beta * a + one_minus_beta * (g * g); return g / (std::sqrt(a) + eps);
+      case shampoo_graft::sgd:
+        return g;
+      case shampoo_graft::adagrad:
+        a = a + g * g;
+        return g / (std::sqrt(a) + eps);
+      case shampoo_graft::rmsprop:
+        a = beta * a + one_minus_beta * (g * g);
+        return g / (std::sqrt(a) + eps);
       case shampoo_graft::adam:
         a = beta * a + one_minus_beta * (g * g);
         return g / (std::sqrt(a / bias) + eps);
@@ -289,7 +300,8 @@ template <class L, class B, class V, class G, class Options>
 class shampoo_state {
  public:
   using compute_type = compute_t<V>;  ///< element type of statistics, roots and directions
-  using tail_state_type = chain_state<sgd_chain, B, V, compute_type, compute_type>;  ///< the SGD chain's state
+  using tail_state_type =
+      chain_state<sgd_chain, B, V, compute_type, compute_type>;  ///< the SGD chain's state
 
   /// Kind and format version of the archive `save()` writes.
   static constexpr std::string_view archive_kind = "gradapt.shampoo";
@@ -297,12 +309,12 @@ class shampoo_state {
 
   /// What a block holds besides its matrices.
   struct block_info {
-    shampoo_layout::block range;            ///< offsets and extents in the merged shape
-    std::size_t factors = 0;                ///< k: statistics (and roots) of the block
-    int exponent = 0;                       ///< p of its roots
-    bool ready = false;                     ///< holds roots from a successful computation
+    shampoo_layout::block range;             ///< offsets and extents in the merged shape
+    std::size_t factors = 0;                 ///< k: statistics (and roots) of the block
+    int exponent = 0;                        ///< p of its roots
+    bool ready = false;                      ///< holds roots from a successful computation
     std::uint64_t consecutive_failures = 0;  ///< failed root computations since the last success
-    std::uint64_t failures = 0;             ///< failed root computations in all
+    std::uint64_t failures = 0;              ///< failed root computations in all
   };
 
   /// An empty state; `shampoo::init` creates a usable one.
@@ -408,8 +420,9 @@ class shampoo_state {
     detail::require(et == name(dtype_of_v<compute_type>), who, ": the checkpoint holds ", et,
                     " state but this state is ", name(dtype_of_v<compute_type>));
     const auto gr = r.get<std::string>("graft");
-    detail::require(gr == to_string(graft_), who, ": the checkpoint's graft is '", gr, "' but this state's is '",
-                    to_string(graft_), "' (restore with the same shampoo_options::graft)");
+    detail::require(gr == to_string(graft_), who, ": the checkpoint's graft is '", gr,
+                    "' but this state's is '", to_string(graft_),
+                    "' (restore with the same shampoo_options::graft)");
     const auto steps = r.get<std::uint64_t>("steps");
     detail::require(steps < std::numeric_limits<std::uint64_t>::max(), who, ": step count ", steps,
                     " cannot grow");
@@ -423,18 +436,20 @@ class shampoo_state {
       const auto& x = t_[t];
       const std::string sec = detail::archive_impl::join("tensor", "/", x.name);
       detail::require(r.has(detail::archive_impl::join(sec, "/", "index")), who,
-                      ": the checkpoint has no parameter '", x.name, "' (restore for the same parameter names)");
+                      ": the checkpoint has no parameter '", x.name,
+                      "' (restore for the same parameter names)");
       r.begin(sec);
       const auto index = r.get<std::uint64_t>("index");
-      detail::require(index == t, who, ": parameter '", x.name, "' is tensor ", index, " in the checkpoint but ",
-                      t, " here (restore for the same parameter order)");
+      detail::require(index == t, who, ": parameter '", x.name, "' is tensor ", index,
+                      " in the checkpoint but ", t, " here (restore for the same parameter order)");
       const auto shape = r.get_tensor<std::int64_t>("shape");
       detail::require(shape == x.shape, who, ": parameter '", x.name,
                       "' has another shape in the checkpoint (restore for the same parameter shapes)");
       const auto lay = r.get_tensor<std::int64_t>("layout");
-      detail::require(lay == layout_words(x.layout), who, ": parameter '", x.name,
-                      "' is cut into other blocks in the checkpoint (max_preconditioner_dim, merge_small_dims and "
-                      "skip_preconditioning_dim_size_gt must be those the checkpoint was written with)");
+      detail::require(
+          lay == layout_words(x.layout), who, ": parameter '", x.name,
+          "' is cut into other blocks in the checkpoint (max_preconditioner_dim, merge_small_dims and "
+          "skip_preconditioning_dim_size_gt must be those the checkpoint was written with)");
       next[t] = x.blocks;
       for (std::size_t j = 0; j < x.blocks.size(); ++j) {
         auto& bl = next[t][j];
@@ -442,7 +457,8 @@ class shampoo_state {
         for (std::size_t d = 0; d < bl.k; ++d) {
           const std::int64_t sh[2] = {bl.n[d], bl.n[d]};
           const auto nn = static_cast<std::size_t>(bl.n[d] * bl.n[d]);
-          const std::span<compute_type> s(bl.stats.data() + bl.off[d], nn), rt(bl.roots.data() + bl.off[d], nn);
+          const std::span<compute_type> s(bl.stats.data() + bl.off[d], nn),
+              rt(bl.roots.data() + bl.off[d], nn);
           r.get_tensor<compute_type>("stat" + std::to_string(d), s, sh);
           r.get_tensor<compute_type>("root" + std::to_string(d), rt, sh);
           require_finite(std::span<const compute_type>(s), x.name, j, "statistic", who);
@@ -452,8 +468,8 @@ class shampoo_state {
         bl.consecutive = r.get<std::uint64_t>("consecutive_failures");
         bl.failures = r.get<std::uint64_t>("failures");
         detail::require(bl.consecutive < max_failures_ && bl.consecutive <= bl.failures, who, ": parameter '",
-                        x.name, "' block ", j, " has ", bl.consecutive, " consecutive failures of ", bl.failures,
-                        " (expected fewer than max_consecutive_failures = ", max_failures_,
+                        x.name, "' block ", j, " has ", bl.consecutive, " consecutive failures of ",
+                        bl.failures, " (expected fewer than max_consecutive_failures = ", max_failures_,
                         " and no more than the total)");
         r.end();
       }
@@ -474,8 +490,9 @@ class shampoo_state {
       }
       for (const auto& n : r.names())
         if (n.rfind("tail/", 0) != 0) ++own;
-      detail::require(own == want, who, ": the checkpoint holds ", own, " fields outside 'tail' but this state has ",
-                      want, " (written for other parameters or another layout)");
+      detail::require(own == want, who, ": the checkpoint holds ", own,
+                      " fields outside 'tail' but this state has ", want,
+                      " (written for other parameters or another layout)");
     }
     r.begin("tail");
     tail_.load(b, r);  // all or nothing itself: throws before changing the chain's state
@@ -601,7 +618,8 @@ class shampoo {
     constexpr const char* w = "shampoo";
     const auto finite = [](double v) { return std::isfinite(v); };
     detail::require(finite(o.lr) && o.lr >= 0, w, ": lr is ", o.lr, " (expected finite and >= 0)");
-    detail::require(o.max_preconditioner_dim >= 1, w, ": max_preconditioner_dim is ", o.max_preconditioner_dim,
+    detail::require(o.max_preconditioner_dim >= 1, w, ": max_preconditioner_dim is ",
+                    o.max_preconditioner_dim,
                     " (expected >= 1: the largest side of a preconditioned block; 1024 is typical)");
     detail::require(o.skip_preconditioning_dim_size_gt >= 1, w, ": skip_preconditioning_dim_size_gt is ",
                     o.skip_preconditioning_dim_size_gt,
@@ -623,7 +641,8 @@ class shampoo {
                     " (expected a finite ridge >= 0)");
     detail::require(finite(r.tolerance) && r.tolerance >= 0, w, ": root.tolerance is ", r.tolerance,
                     " (expected finite and >= 0)");
-    detail::require(r.max_iterations >= 1, w, ": root.max_iterations is ", r.max_iterations, " (expected >= 1)");
+    detail::require(r.max_iterations >= 1, w, ": root.max_iterations is ", r.max_iterations,
+                    " (expected >= 1)");
     detail::require(r.max_error_ratio >= 1, w, ": root.max_error_ratio is ", r.max_error_ratio,
                     " (expected >= 1)");
     detail::require(r.max_error > 0, w, ": root.max_error is ", r.max_error, " (expected > 0)");
@@ -631,8 +650,9 @@ class shampoo {
                     " (expected >= 1)");
     detail::require(finite(r.power_tolerance) && r.power_tolerance >= 0, w, ": root.power_tolerance is ",
                     r.power_tolerance, " (expected finite and >= 0)");
-    detail::require(o.max_consecutive_failures >= 1, w,
-                    ": max_consecutive_failures is 0 (expected >= 1: failures in a row before the step throws)");
+    detail::require(
+        o.max_consecutive_failures >= 1, w,
+        ": max_consecutive_failures is 0 (expected >= 1: failures in a row before the step throws)");
     detail::require(o.graft <= shampoo_graft::adam, w, ": graft is ", int(o.graft),
                     " (expected none, sgd, adagrad, rmsprop or adam)");
     detail::require(finite(o.graft_beta2) && o.graft_beta2 >= 0 && o.graft_beta2 < 1, w, ": graft_beta2 is ",
@@ -695,7 +715,8 @@ class shampoo {
         max_roots = std::max(max_roots, mats);
         x.blocks.push_back(std::move(bl));
       }
-      st.list_.add(e.name, e.value, tensor_view<C, host_space>(x.dir.data(), e.value.shape()), e.flags, e.group);
+      st.list_.add(e.name, e.value, tensor_view<C, host_space>(x.dir.data(), e.value.shape()), e.flags,
+                   e.group);
     }
     for (auto* v : {&st.xb_, &st.ab_, &st.db_, &st.y0_, &st.y1_}) v->assign(max_block, C(0));
     st.rs_.assign(max_roots, C(0));
@@ -711,8 +732,8 @@ class shampoo {
   ///         block; the parameters are left unchanged, the statistics have advanced, and every
   ///         later step throws until `load` restores a checkpoint)
   template <optimizer_backend B, class L, element V, element G, class Options>
-  void step(const B& b, const param_list<V, G, host_space, Options>& params, shampoo_state<L, B, V, G, Options>& st,
-            const step_args& args = {}) const {
+  void step(const B& b, const param_list<V, G, host_space, Options>& params,
+            shampoo_state<L, B, V, G, Options>& st, const step_args& args = {}) const {
     using C = compute_t<V>;
     constexpr const char* who = "shampoo::step";
     detail::require(!st.failed_, who, ": the state stopped after a block's roots failed ", st.max_failures_,
@@ -724,24 +745,25 @@ class shampoo {
     for (std::size_t t = 0; t < params.size(); ++t) {
       const auto& e = params[t];
       const auto& x = st.t_[t];
-      detail::require(e.name == x.name && std::ranges::equal(e.value.shape(), x.shape), who, ": parameter ", t,
-                      " is '", e.name, "' of shape ", e.value.shape_string(), " but the state holds '", x.name,
-                      "' of another shape or name (create the state with init() for this list)");
+      detail::require(e.name == x.name && std::ranges::equal(e.value.shape(), x.shape), who, ": parameter ",
+                      t, " is '", e.name, "' of shape ", e.value.shape_string(), " but the state holds '",
+                      x.name, "' of another shape or name (create the state with init() for this list)");
       rebind = rebind || st.list_[t].value.data() != e.value.data();
     }
-    detail::require(params.group_count() == st.list_.group_count(), who, ": the list has ", params.group_count(),
-                    " groups but the state was created for ", st.list_.group_count());
+    detail::require(params.group_count() == st.list_.group_count(), who, ": the list has ",
+                    params.group_count(), " groups but the state was created for ", st.list_.group_count());
     if (rebind) rebind_values(st, params);
     for (std::size_t g = 0; g < params.group_count(); ++g) st.list_.options(g) = params.group(g).options;
     if (args.lr) {
-      detail::require(std::isfinite(*args.lr) && *args.lr >= 0, who, ": the step's learning rate is ", *args.lr,
-                      " (expected finite and >= 0; check the schedule)");
+      detail::require(std::isfinite(*args.lr) && *args.lr >= 0, who, ": the step's learning rate is ",
+                      *args.lr, " (expected finite and >= 0; check the schedule)");
     }
 
     const std::uint64_t t = st.steps_ + 1;
     const bool stats_due = (t - 1) % o_.statistics_frequency == 0;
     const bool preconditioning = t >= o_.start_preconditioning_step;
-    const bool roots_due = preconditioning && (t - o_.start_preconditioning_step) % o_.precondition_frequency == 0;
+    const bool roots_due =
+        preconditioning && (t - o_.start_preconditioning_step) % o_.precondition_frequency == 0;
     const double b2 = o_.graft_beta2;
     const detail::shampoo_impl::graft_kernel<C> gk{o_.graft, C(b2), C(1.0 - b2), C(o_.graft_epsilon),
                                                    C(1.0 - std::pow(b2, static_cast<double>(t)))};
@@ -751,7 +773,8 @@ class shampoo {
       const G* g = params[i].grad.data();
       const bool has_state = !x.graft.empty();
       if (x.layout.diagonal) {
-        for (std::size_t e = 0; e < x.size; ++e) x.dir[e] = gk(static_cast<C>(g[e]), has_state ? x.graft[e] : dummy);
+        for (std::size_t e = 0; e < x.size; ++e)
+          x.dir[e] = gk(static_cast<C>(g[e]), has_state ? x.graft[e] : dummy);
         continue;
       }
       for (std::size_t j = 0; j < x.blocks.size(); ++j)
@@ -774,7 +797,8 @@ class shampoo {
   static void rebind_values(St& st, const PL& params) {
     using C = typename St::compute_type;
     std::decay_t<decltype(st.list_)> list(params.group(0).options);
-    for (std::size_t g = 1; g < params.group_count(); ++g) list.add_group(params.group(g).name, params.group(g).options);
+    for (std::size_t g = 1; g < params.group_count(); ++g)
+      list.add_group(params.group(g).name, params.group(g).options);
     for (std::size_t t = 0; t < params.size(); ++t) {
       const auto& e = params[t];
       list.add(e.name, e.value, tensor_view<C, host_space>(st.t_[t].dir.data(), e.value.shape()), e.flags,
@@ -839,7 +863,8 @@ class shampoo {
         if (!r.ok()) bad = r.status, bad_factor = d;
       }
       if (bad == root_status::ok) {
-        std::copy(st.rs_.begin(), st.rs_.begin() + static_cast<std::ptrdiff_t>(bl.roots.size()), bl.roots.begin());
+        std::copy(st.rs_.begin(), st.rs_.begin() + static_cast<std::ptrdiff_t>(bl.roots.size()),
+                  bl.roots.begin());
         bl.ready = true;
         bl.consecutive = 0;
       } else {
@@ -850,12 +875,13 @@ class shampoo {
           for (std::size_t d = 0; d < k; ++d)
             where += (d ? ", " : "") + std::to_string(range.offset[d]) + ".." +
                      std::to_string(range.offset[d] + range.size[d]);
-          detail::fail("shampoo::step: parameter '", x.name, "' block ", j, " (indices [", where,
-                       "] of its merged shape): the inverse root failed ", bl.consecutive,
-                       " times in a row (last: factor ", bad_factor, ", ", to_string(bad),
-                       "); a non-finite gradient makes the statistics non-finite for good. The parameters are "
-                       "unchanged; restore a checkpoint with load() (and skip non-finite gradients, e.g. with the "
-                       "loss scaler), or raise root.epsilon / max_consecutive_failures");
+          detail::fail(
+              "shampoo::step: parameter '", x.name, "' block ", j, " (indices [", where,
+              "] of its merged shape): the inverse root failed ", bl.consecutive,
+              " times in a row (last: factor ", bad_factor, ", ", to_string(bad),
+              "); a non-finite gradient makes the statistics non-finite for good. The parameters are "
+              "unchanged; restore a checkpoint with load() (and skip non-finite gradients, e.g. with the "
+              "loss scaler), or raise root.epsilon / max_consecutive_failures");
         }
       }
     }
