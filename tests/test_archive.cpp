@@ -105,6 +105,27 @@ TEST_CASE("archive: the layout is little-endian and fixed", "[archive]") {
   REQUIRE(static_cast<unsigned>(b[8]) == 1);  // container format 1, little-endian
 }
 
+TEST_CASE("archive: a writer reused after finish() starts an archive with none of the earlier fields",
+          "[archive]") {
+  archive_writer w{"k", 1};
+  w.reserve(256);
+  w.put("a", std::uint64_t{1});
+  w.put("b", 2.5);
+  const auto first = w.finish();
+  w.put("a", std::uint64_t{7});  // the name is free again
+  const std::size_t before = w.size();
+  const auto second = w.finish();
+  REQUIRE(second.size() == before + 4);  // finish() adds only the CRC32C
+  archive_reader r1{first, "k", 1};
+  REQUIRE(r1.get<std::uint64_t>("a") == 1);
+  REQUIRE(r1.get<double>("b") == 2.5);
+  r1.finish();
+  archive_reader r2{second, "k", 1};
+  REQUIRE(r2.get<std::uint64_t>("a") == 7);
+  REQUIRE_FALSE(r2.has("b"));
+  r2.finish();
+}
+
 TEST_CASE("archive: misuse and mismatches are errors that say what to fix", "[archive]") {
   const auto bytes = sample();
   REQUIRE_THROWS_WITH((archive_reader{bytes, "gradapt.other", 2}), Contains("'gradapt.test' archive"));

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "cuda_test_support.cuh"
 #include "gradapt/linalg/cuda_linalg.cuh"
 
 using gradapt::cuda_buffer;
@@ -24,13 +25,10 @@ using dview = gradapt::tensor_view<T, device_space>;
 
 namespace {
 
+/// r × c elements drawn from [-1, 1) (the CUDA tests' generator).
 template <class T>
 std::vector<T> random_matrix(std::int64_t r, std::int64_t c, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<double> u(-1.0, 1.0);
-  std::vector<T> m(static_cast<std::size_t>(r * c));
-  for (auto& v : m) v = T(u(rng));
-  return m;
+  return gradapt_test::random_values<T>(static_cast<std::size_t>(r * c), seed, -1.0, 1.0);
 }
 
 template <class T>

@@ -113,6 +113,15 @@ class chain {
     return std::get<I>(stages_);
   }
 
+  /// True when a stage with a global sum over every tensor (clip_by_global_norm) is switched
+  /// on by its options: a step then needs the sum over the whole parameter list.
+  bool global_barrier_active() const {
+    const std::uint64_t m = current_mask();
+    for (std::size_t i = 0; i < plan::n; ++i)
+      if (plan::info[i].barrier && plan::info[i].global && (m >> i & 1u) != 0) return true;
+    return false;
+  }
+
   /// Pushes, in stage order, the options of every stage that names them (`option_fields()`)
   /// as doubles: what `train::data_parallel_step` agrees on across ranks at construction, so
   /// that ranks built with another momentum or b2 throw naming it. `out` has

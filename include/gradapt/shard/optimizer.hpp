@@ -447,8 +447,8 @@ class sharded_optimizer {
       opt_.step(b, s.list_, s.st_, args, a);
     } else {
       if constexpr (!std::same_as<typename B::space, host_space>)
-        gradapt::detail::require(n == 1 || !global_sum_active(), global_sum_problem(), " (rank ", s.rank_,
-                                 ")");
+        gradapt::detail::require(n == 1 || !opt_.global_barrier_active(), global_sum_problem(), " (rank ",
+                                 s.rank_, ")");
       opt_.step(b, s.list_, s.st_, args);
     }
 
@@ -709,7 +709,7 @@ class sharded_optimizer {
   std::string describe_cut_problem(const partition_plan& p, const PL& params) const {
     constexpr bool on_host = std::same_as<typename B::space, host_space>;
     if constexpr (!on_host)
-      if (p.world() > 1 && global_sum_active()) return global_sum_problem();
+      if (p.world() > 1 && opt_.global_barrier_active()) return global_sum_problem();
     for (int r = 0; r < p.world(); ++r)
       for (const piece& q : p.pieces(r)) {
         const std::size_t n = p.tensor_size(q.tensor);
@@ -743,25 +743,6 @@ class sharded_optimizer {
     return {};
   }
 
-  /// True when a stage with a global sum (clip_by_global_norm) is switched on.
-  bool global_sum_active() const {
-    if constexpr (!Chain::plan::any_global) {
-      return false;
-    } else {
-      return [&]<std::size_t... I>(std::index_sequence<I...>) {
-        return (... || (Chain::plan::info_at(I).barrier && Chain::plan::info_at(I).global && stage_on<I>()));
-      }
-      (std::make_index_sequence<Chain::plan::n>{});
-    }
-  }
-  template <std::size_t I>
-  bool stage_on() const {
-    using St = std::remove_cvref_t<decltype(opt_.template stage<I>())>;
-    if constexpr (gradapt::detail::optim::stage_traits<St>::optional)
-      return opt_.template stage<I>().enabled();
-    else
-      return true;
-  }
   static std::string global_sum_problem() {
     return "shard::sharded_optimizer: the chain's global sum (clip_by_global_norm, switched on) is "
            "assembled across shards on the host backend only: on this backend clip the gradients "
