@@ -33,21 +33,28 @@
 #include <array>
 #include <cmath>
 #include <concepts>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <exception>
 #include <functional>
 #include <initializer_list>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "gradapt/backend/concepts.hpp"
+#include "gradapt/comm/agree.hpp"
 #include "gradapt/core/archive.hpp"
+#include "gradapt/core/assign.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/dtype.hpp"
 #include "gradapt/core/error.hpp"
@@ -124,6 +131,17 @@ struct shampoo_options {
   /// A block whose roots fail this many root computations in a row (a non-finite statistic,
   /// no convergence, an eigensolver failure) makes the step throw (>= 1). Default 10.
   std::uint64_t max_consecutive_failures = 10;
+  /// Roots in a background host thread: 0 computes them inside the step at which they are due.
+  /// With s >= 1 that step t copies the statistics and starts their roots in the state's worker
+  /// thread; steps t .. t + s − 1 precondition with the roots they already have, and step t + s
+  /// installs the new ones (waiting for the thread if it has not finished). At most
+  /// precondition_frequency. Default 0.
+  std::uint64_t root_staleness = 0;
+  /// With root_staleness >= 1: true installs new roots at exactly step t + s, so a run's bits do
+  /// not depend on how fast the thread is; false installs them at the first step after the
+  /// thread has finished (at the latest t + s): fresher roots, but the step at which they take
+  /// effect depends on timing. The distributed step needs true. Default true.
+  bool deterministic_roots = true;
   /// The grafted method (step size of every block, and the diagonal tensors' method).
   /// Default adagrad.
   shampoo_graft graft = shampoo_graft::adagrad;
@@ -280,6 +298,152 @@ void for_runs(const std::vector<std::int64_t>& m, const shampoo_layout::block& b
   }
 }
 
+/// A block's roots: factor d of the block is an n[d] × n[d] matrix at offset off[d] of both
+/// `stats` and `out`. Computes them in order and stops at the first failure; returns its status
+/// and factor (`out` then holds the factors before it). `ws(n)` is the root workspace for size n.
+template <class L, class C, class Ws>
+std::pair<root_status, std::size_t> block_roots(const L& la, std::size_t k, int p, const std::int64_t* n,
+                                                const std::size_t* off, const C* stats, C* out, Ws&& ws,
+                                                const inverse_root_options& o) {
+  for (std::size_t d = 0; d < k; ++d) {
+    const auto r = inverse_pth_root(la, tensor_view<const C, host_space>(stats + off[d], {n[d], n[d]}), p,
+                                    tensor_view<C, host_space>(out + off[d], {n[d], n[d]}), ws(n[d]), o);
+    if (!r.ok()) return {r.status, d};
+  }
+  return {root_status::ok, 0};
+}
+
+/// Stands for "no communicator": the step computes every block's roots itself.
+struct no_comm {};
+
+/// One block's roots for the worker thread: from `in` (a copy of the statistics) into `out`.
+template <class C>
+struct root_task {
+  std::size_t k = 0;
+  int p = 0;
+  const std::int64_t* n = nullptr;
+  const std::size_t* off = nullptr;
+  const C* in = nullptr;
+  C* out = nullptr;
+  root_status status = root_status::ok;
+  std::size_t factor = 0;
+};
+
+/// A background host thread that computes roots (shampoo_options::root_staleness >= 1). The
+/// step hands it a list of tasks whose buffers stay untouched by the step until `wait` returns;
+/// the thread owns the root workspaces while it runs. Created at `init`, joined by the
+/// destructor (after the task list in flight, if any, is done).
+template <class L, class C>
+class root_worker {
+ public:
+  using workspace_t = inverse_root_workspace<L, C>;
+  root_worker(const L& la, const inverse_root_options& o,
+              std::vector<std::pair<std::int64_t, workspace_t*>> ws)
+      : la_(la), o_(o), ws_(std::move(ws)), thread_([this] { run(); }) {}
+  root_worker(const root_worker&) = delete;
+  root_worker& operator=(const root_worker&) = delete;
+  ~root_worker() {
+    {
+      std::lock_guard lock(m_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  /// Starts `tasks` (which must outlive the computation); the worker must be idle.
+  void start(std::span<root_task<C>> tasks) {
+    {
+      std::lock_guard lock(m_);
+      tasks_ = tasks;
+      busy_ = true;
+      error_ = nullptr;
+    }
+    cv_.notify_all();
+  }
+  /// True when no task list is in flight.
+  bool idle() {
+    std::lock_guard lock(m_);
+    return !busy_;
+  }
+  /// Waits for the task list in flight; rethrows an exception the computation raised.
+  void wait() {
+    std::unique_lock lock(m_);
+    cv_.wait(lock, [&] { return !busy_; });
+    if (error_) {
+      auto e = error_;
+      error_ = nullptr;
+      std::rethrow_exception(e);
+    }
+  }
+  /// Waits for the task list in flight and drops its outcome (a `load` replaces its inputs).
+  void discard() {
+    std::unique_lock lock(m_);
+    cv_.wait(lock, [&] { return !busy_; });
+    error_ = nullptr;
+  }
+
+ private:
+  void run() {
+    std::unique_lock lock(m_);
+    while (true) {
+      cv_.wait(lock, [&] { return stop_ || busy_; });
+      if (busy_) {
+        const auto tasks = tasks_;
+        lock.unlock();
+        std::exception_ptr err;
+        try {
+          for (auto& t : tasks) {
+            const auto [status, factor] = block_roots(
+                la_, t.k, t.p, t.n, t.off, t.in, t.out,
+                [&](std::int64_t n) -> workspace_t& { return find(n); }, o_);
+            t.status = status;
+            t.factor = factor;
+          }
+        } catch (...) {
+          err = std::current_exception();
+        }
+        lock.lock();
+        error_ = err;
+        busy_ = false;
+        cv_.notify_all();
+      } else if (stop_) {
+        return;
+      }
+    }
+  }
+  workspace_t& find(std::int64_t n) {
+    for (auto& [size, w] : ws_)
+      if (size == n) return *w;
+    detail::fail("shampoo: internal error: no root workspace for size ", n);
+  }
+
+  L la_;
+  inverse_root_options o_;
+  std::vector<std::pair<std::int64_t, workspace_t*>> ws_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::span<root_task<C>> tasks_;
+  bool busy_ = false, stop_ = false;
+  std::exception_ptr error_;
+  std::thread thread_;  // last: started after every other member exists
+};
+
+/// A 48-bit hash of the statistics' bytes (64-bit words, multiply-xorshift), for the check that
+/// every rank computes roots from the same statistics.
+template <class C>
+std::uint64_t hash_words(std::uint64_t h, const C* p, std::size_t n) {
+  const auto* b = reinterpret_cast<const unsigned char*>(p);
+  std::size_t bytes = n * sizeof(C), i = 0;
+  for (; i + 8 <= bytes; i += 8) {
+    std::uint64_t w;
+    std::memcpy(&w, b + i, 8);
+    h = (h ^ w) * 0x9E3779B97F4A7C15ull;
+    h ^= h >> 29;
+  }
+  for (; i < bytes; ++i) h = (h ^ b[i]) * 0x100000001B3ull;
+  return h;
+}
+
 }  // namespace detail::shampoo_impl
 
 class shampoo;
@@ -305,7 +469,7 @@ class shampoo_state {
 
   /// Kind and format version of the archive `save()` writes.
   static constexpr std::string_view archive_kind = "gradapt.shampoo";
-  static constexpr std::uint32_t archive_version = 1;  ///< see archive_kind
+  static constexpr std::uint32_t archive_version = 2;  ///< see archive_kind
 
   /// What a block holds besides its matrices.
   struct block_info {
@@ -322,8 +486,12 @@ class shampoo_state {
   /// Move-only (the internal parameter list points into the state's own buffers, which do
   /// not move). Duplicate a state through `save` and `load`.
   shampoo_state(shampoo_state&&) noexcept = default;
-  /// Move assignment.
+  /// Move assignment (waits for this state's roots in flight first).
   shampoo_state& operator=(shampoo_state&&) noexcept = default;
+  /// Waits for the roots in flight, if any.
+  ~shampoo_state() {
+    if (worker_) worker_->discard();
+  }
   /// Not copyable (see the move constructor).
   shampoo_state(const shampoo_state&) = delete;
   /// Not copyable.
@@ -362,6 +530,21 @@ class shampoo_state {
   /// The direction D of tensor t computed by the last step (what the SGD chain received as
   /// its gradient), in the tensor's element order.
   std::span<const compute_type> direction(std::size_t t) const { return tensor(t).dir; }
+  /// Block root computations this rank has run (each computes every factor of one block;
+  /// with the distributed step, only the blocks this rank owns).
+  std::uint64_t root_computations() const { return computed_; }
+  /// The rank that computes the roots of block j of tensor t under the last distributed step's
+  /// plan (0 before any distributed step).
+  /// @throws gradapt::error when t or j is out of range
+  int root_owner(std::size_t t, std::size_t j) const {
+    blk(t, j);
+    if (world_ == 0) return 0;
+    for (std::size_t i = 0; i < refs_.size(); ++i)
+      if (refs_[i].t == t && refs_[i].j == j) return owner_[i];
+    return 0;
+  }
+  /// The step whose statistics the roots in flight were started from (0: none in flight).
+  std::uint64_t roots_in_flight() const { return pending_step_; }
   /// The SGD chain's state (momentum buffer, its step count).
   const tail_state_type& tail_state() const { return tail_; }
 
@@ -372,6 +555,7 @@ class shampoo_state {
     w.put("element_type", name(dtype_of_v<compute_type>));
     w.put("graft", std::string(to_string(graft_)));
     w.put("steps", steps_);
+    w.put("roots_in_flight", pending_step_);
     w.put("tensors", static_cast<std::uint64_t>(t_.size()));
     for (std::size_t t = 0; t < t_.size(); ++t) {
       const auto& x = t_[t];
@@ -389,6 +573,11 @@ class shampoo_state {
           require_finite(r, x.name, j, "root");
           w.put_tensor<compute_type>("stat" + std::to_string(d), s, sh);
           w.put_tensor<compute_type>("root" + std::to_string(d), r, sh);
+          if (pending_step_ != 0) {
+            const std::span<const compute_type> c(bl.snap.data() + bl.off[d], s.size());
+            require_finite(c, x.name, j, "statistic copy for the roots in flight");
+            w.put_tensor<compute_type>("snap" + std::to_string(d), c, sh);
+          }
         }
         w.put("ready", bl.ready);
         w.put("consecutive_failures", bl.consecutive);
@@ -416,6 +605,10 @@ class shampoo_state {
   /// @throws gradapt::error naming the first field that does not match
   void load(const B& b, archive_reader& r) {
     constexpr const char* who = "shampoo state load";
+    if (worker_ && pending_step_ != 0 && !relaunch_) {  // the copies it reads may be replaced
+      worker_->discard();
+      relaunch_ = true;  // if the load fails, the same roots start again at the next step
+    }
     const auto et = r.get<std::string>("element_type");
     detail::require(et == name(dtype_of_v<compute_type>), who, ": the checkpoint holds ", et,
                     " state but this state is ", name(dtype_of_v<compute_type>));
@@ -426,6 +619,12 @@ class shampoo_state {
     const auto steps = r.get<std::uint64_t>("steps");
     detail::require(steps < std::numeric_limits<std::uint64_t>::max(), who, ": step count ", steps,
                     " cannot grow");
+    const auto in_flight = r.get<std::uint64_t>("roots_in_flight");
+    detail::require(
+        in_flight == 0 || (staleness_ > 0 && in_flight <= steps && in_flight + staleness_ > steps), who,
+        ": the checkpoint has roots in flight, started at step ", in_flight, " of ", steps,
+        ", which this state (root_staleness ", staleness_,
+        ") would not install at a later step; restore with the root_staleness it was written with");
     const auto count = r.get<std::uint64_t>("tensors");
     detail::require(count == t_.size(), who, ": the checkpoint holds ", count, " tensors but this state ",
                     t_.size(), " (restore for the same parameters)");
@@ -463,6 +662,11 @@ class shampoo_state {
           r.get_tensor<compute_type>("root" + std::to_string(d), rt, sh);
           require_finite(std::span<const compute_type>(s), x.name, j, "statistic", who);
           require_finite(std::span<const compute_type>(rt), x.name, j, "root", who);
+          if (in_flight != 0) {
+            const std::span<compute_type> c(bl.snap.data() + bl.off[d], nn);
+            r.get_tensor<compute_type>("snap" + std::to_string(d), c, sh);
+            require_finite(std::span<const compute_type>(c), x.name, j, "statistic copy", who);
+          }
         }
         bl.ready = r.get<bool>("ready");
         bl.consecutive = r.get<std::uint64_t>("consecutive_failures");
@@ -483,10 +687,10 @@ class shampoo_state {
         require_finite(std::span<const compute_type>(graft[t]), t_[t].name, 0, "graft state", who);
       }
     {  // an archive with fields this state would not read is rejected before anything changes
-      std::size_t want = 4 + (detail::shampoo_impl::graft_has_state(graft_) ? t_.size() : 0), own = 0;
+      std::size_t want = 5 + (detail::shampoo_impl::graft_has_state(graft_) ? t_.size() : 0), own = 0;
       for (const auto& x : t_) {
         want += 3;
-        for (const auto& bl : x.blocks) want += 2 * bl.k + 3;
+        for (const auto& bl : x.blocks) want += (in_flight != 0 ? 3 : 2) * bl.k + 3;
       }
       for (const auto& n : r.names())
         if (n.rfind("tail/", 0) != 0) ++own;
@@ -502,6 +706,7 @@ class shampoo_state {
         auto& bl = t_[t].blocks[j];
         bl.stats.swap(next[t][j].stats);
         bl.roots.swap(next[t][j].roots);
+        if (in_flight != 0) bl.snap.swap(next[t][j].snap);
         bl.ready = next[t][j].ready;
         bl.consecutive = next[t][j].consecutive;
         bl.failures = next[t][j].failures;
@@ -510,6 +715,8 @@ class shampoo_state {
     }
     steps_ = steps;
     failed_ = false;
+    pending_step_ = in_flight;
+    relaunch_ = in_flight != 0;
   }
 
   /// The state as one archive of kind "gradapt.shampoo".
@@ -528,6 +735,7 @@ class shampoo_state {
     std::array<std::int64_t, max_rank> n{};
     std::array<std::size_t, max_rank> off{};
     std::vector<C> stats, roots;
+    std::vector<C> snap, pend;  ///< root_staleness >= 1: statistics copied for the worker, its roots
     bool ready = false;
     std::uint64_t consecutive = 0, failures = 0;
   };
@@ -575,6 +783,9 @@ class shampoo_state {
     detail::fail("shampoo: internal error: no root workspace for size ", n);
   }
 
+  // Declared first so that a move assignment joins the old worker before anything it reads
+  // is replaced; the destructor waits for it before any member goes.
+  std::unique_ptr<detail::shampoo_impl::root_worker<L, C>> worker_;
   L la_{};
   shampoo_graft graft_ = shampoo_graft::none;
   std::uint64_t max_failures_ = 1;
@@ -585,6 +796,27 @@ class shampoo_state {
   std::vector<C> xb_, ab_, db_, y0_, y1_, rs_;  ///< block scratch: g, graft state, D_g, products, roots
   param_list<V, C, host_space, Options> list_;  ///< the parameters with the directions as gradients
   tail_state_type tail_;
+
+  struct ref_t {
+    std::size_t t = 0, j = 0;  ///< tensor and block
+    std::uint64_t cost = 0;    ///< Σ n_d³ of its factors
+    std::size_t words = 0;     ///< Σ n_d² (its roots' elements)
+  };
+  std::vector<ref_t> refs_;  ///< every preconditioned block, tensor by tensor
+  std::uint64_t staleness_ = 0;
+  bool deterministic_ = true;
+  // Roots in flight (root_staleness >= 1).
+  std::uint64_t pending_step_ = 0;  ///< the step that started them (0: none)
+  std::uint64_t pending_hash_ = 0;  ///< hash of the statistics they start from
+  bool relaunch_ = false;           ///< loaded with roots in flight: start them at the next step
+  std::vector<detail::shampoo_impl::root_task<C>> tasks_;
+  // Distributed roots: the plan for a world of world_ ranks (0: none yet).
+  int world_ = 0, rank_ = 0;
+  std::vector<int> owner_;        ///< rank computing each block of refs_
+  std::vector<std::size_t> pos_;  ///< offset of each block's words in its owner's chunk
+  std::size_t chunk_ = 0;         ///< words per rank in the exchange
+  std::vector<C> send_, recv_;
+  std::uint64_t computed_ = 0;  ///< root computations (blocks) this rank ran
 };
 
 /// Shampoo on the host (see the file comment and docs/algorithms/shampoo.md): block
@@ -653,6 +885,10 @@ class shampoo {
     detail::require(
         o.max_consecutive_failures >= 1, w,
         ": max_consecutive_failures is 0 (expected >= 1: failures in a row before the step throws)");
+    detail::require(o.root_staleness <= o.precondition_frequency, w, ": root_staleness is ", o.root_staleness,
+                    " but precondition_frequency is ", o.precondition_frequency,
+                    " (expected root_staleness <= precondition_frequency: the roots started at one due "
+                    "step are installed before the next one starts)");
     detail::require(o.graft <= shampoo_graft::adam, w, ": graft is ", int(o.graft),
                     " (expected none, sgd, adagrad, rmsprop or adam)");
     detail::require(finite(o.graft_beta2) && o.graft_beta2 >= 0 && o.graft_beta2 < 1, w, ": graft_beta2 is ",
@@ -720,24 +956,76 @@ class shampoo {
     }
     for (auto* v : {&st.xb_, &st.ab_, &st.db_, &st.y0_, &st.y1_}) v->assign(max_block, C(0));
     st.rs_.assign(max_roots, C(0));
+    st.staleness_ = o_.root_staleness;
+    st.deterministic_ = o_.deterministic_roots;
+    for (std::size_t t = 0; t < st.t_.size(); ++t)
+      for (std::size_t j = 0; j < st.t_[t].blocks.size(); ++j) {
+        auto& bl = st.t_[t].blocks[j];
+        typename St::ref_t ref{t, j, 0, bl.roots.size()};
+        for (std::size_t d = 0; d < bl.k; ++d) {
+          const auto n = static_cast<std::uint64_t>(bl.n[d]);
+          ref.cost += n * n * n;
+        }
+        st.refs_.push_back(ref);
+        if (o_.root_staleness > 0) {
+          bl.snap.assign(bl.stats.size(), C(0));
+          bl.pend.assign(bl.roots.size(), C(0));
+        }
+      }
+    if (o_.root_staleness > 0) {
+      st.tasks_.reserve(st.refs_.size());
+      std::vector<std::pair<std::int64_t, typename St::workspace_t*>> ws;
+      for (auto& [n, w] : st.ws_) ws.emplace_back(n, w.get());
+      st.worker_ = std::make_unique<detail::shampoo_impl::root_worker<L, C>>(la, o_.root, std::move(ws));
+    }
     st.tail_ = tail_.init(b, st.list_);
     return st;
   }
 
-  /// One step: the directions of every tensor (statistics, roots when due, grafting; see the
+  /// One step: the statistics, the roots when due (computed here, or started in the worker
+  /// thread and installed `root_staleness` steps later), every tensor's direction (see the
   /// file comment), then the SGD chain over them, which updates the parameters in place.
   /// @throws gradapt::error when `params` does not match the state (count, names, shapes), the
   ///         step's learning rate is not finite or negative, or a block's roots failed
   ///         `max_consecutive_failures` computations in a row (naming the parameter and the
-  ///         block; the parameters are left unchanged, the statistics have advanced, and every
-  ///         later step throws until `load` restores a checkpoint)
+  ///         block; the parameters and the graft state are left unchanged, the statistics have
+  ///         advanced, and every later step throws until `load` restores a checkpoint)
   template <optimizer_backend B, class L, element V, element G, class Options>
   void step(const B& b, const param_list<V, G, host_space, Options>& params,
             shampoo_state<L, B, V, G, Options>& st, const step_args& args = {}) const {
+    detail::shampoo_impl::no_comm none;
+    step_impl(none, b, params, st, args);
+  }
+
+  /// One step with the roots distributed over the ranks of `comm`: the blocks are assigned to
+  /// ranks by `lpt_assign` over their cost Σ n_d³ (deterministic: every rank derives the same
+  /// plan from the layout and the world size), each rank computes its own blocks' roots, and one
+  /// allgather gives every rank all of them, so each rank's root work falls as 1/N. Every rank
+  /// must call it at the same steps with the same (averaged) gradients; the result is the same
+  /// bits as `step(b, params, st, args)` on one rank. Checked across ranks: at the first call
+  /// on a world (one small allreduce) the layout, the step count and the root options; at every
+  /// exchange the step and a hash of the statistics the roots come from. A difference is a
+  /// gradapt::error on every rank. With root_staleness >= 1 each rank's worker thread computes
+  /// its blocks and the exchange happens at the installing step (deterministic_roots must be
+  /// true). The world may change between calls (the plan follows it; roots in flight restart
+  /// from their copied statistics under the new plan).
+  /// @throws gradapt::error as the step above, and for a disagreement across ranks
+  template <communicator Comm, optimizer_backend B, class L, element V, element G, class Options>
+  requires std::same_as<typename Comm::space, host_space>
+  void step(Comm& comm, const B& b, const param_list<V, G, host_space, Options>& params,
+            shampoo_state<L, B, V, G, Options>& st, const step_args& args = {}) const {
+    step_impl(comm, b, params, st, args);
+  }
+
+ private:
+  template <class Comm, class B, class L, class V, class G, class Options>
+  void step_impl(Comm& comm, const B& b, const param_list<V, G, host_space, Options>& params,
+                 shampoo_state<L, B, V, G, Options>& st, const step_args& args) const {
     using C = compute_t<V>;
+    constexpr bool dist = !std::is_same_v<Comm, detail::shampoo_impl::no_comm>;
     constexpr const char* who = "shampoo::step";
     detail::require(!st.failed_, who, ": the state stopped after a block's roots failed ", st.max_failures_,
-                    " times in a row; restore a checkpoint with load()");
+                    " times in a row or the ranks' statistics differed; restore a checkpoint with load()");
     detail::require(params.size() == st.t_.size(), who, ": the parameter list holds ", params.size(),
                     " tensors but the state was created for ", st.t_.size(),
                     " (create the state with init() for this list)");
@@ -752,18 +1040,52 @@ class shampoo {
     }
     detail::require(params.group_count() == st.list_.group_count(), who, ": the list has ",
                     params.group_count(), " groups but the state was created for ", st.list_.group_count());
-    if (rebind) rebind_values(st, params);
-    for (std::size_t g = 0; g < params.group_count(); ++g) st.list_.options(g) = params.group(g).options;
+    detail::require(st.staleness_ == o_.root_staleness && st.deterministic_ == o_.deterministic_roots, who,
+                    ": the state was created with root_staleness ", st.staleness_,
+                    " and deterministic_roots ", st.deterministic_, " but this optimizer has ",
+                    o_.root_staleness, " and ", o_.deterministic_roots,
+                    " (create the state with this optimizer's init())");
     if (args.lr) {
       detail::require(std::isfinite(*args.lr) && *args.lr >= 0, who, ": the step's learning rate is ",
                       *args.lr, " (expected finite and >= 0; check the schedule)");
     }
+    if constexpr (dist) {
+      detail::require(st.staleness_ == 0 || st.deterministic_, who,
+                      ": the distributed step installs roots at the same step on every rank; set "
+                      "deterministic_roots = true (root_staleness is ",
+                      st.staleness_, ")");
+      plan(comm, st);
+    }
+    if (rebind) rebind_values(st, params);
+    for (std::size_t g = 0; g < params.group_count(); ++g) st.list_.options(g) = params.group(g).options;
 
     const std::uint64_t t = st.steps_ + 1;
     const bool stats_due = (t - 1) % o_.statistics_frequency == 0;
     const bool preconditioning = t >= o_.start_preconditioning_step;
     const bool roots_due =
         preconditioning && (t - o_.start_preconditioning_step) % o_.precondition_frequency == 0;
+
+    if (st.relaunch_) launch(st, dist);
+    if (stats_due)
+      for (std::size_t i = 0; i < st.t_.size(); ++i)
+        for (std::size_t j = 0; j < st.t_[i].blocks.size(); ++j)
+          block_stats(st, st.t_[i], j, params[i].grad.data());
+    if (st.pending_step_ != 0 &&
+        (t == st.pending_step_ + st.staleness_ || (!st.deterministic_ && st.worker_->idle())))
+      finish_roots(comm, st);
+    if (roots_due) {
+      if (st.staleness_ == 0) {
+        compute_roots(comm, st, t);
+      } else {
+        for (const auto& r : st.refs_) {
+          auto& bl = st.t_[r.t].blocks[r.j];
+          std::copy(bl.stats.begin(), bl.stats.end(), bl.snap.begin());
+        }
+        st.pending_step_ = t;
+        launch(st, dist);
+      }
+    }
+
     const double b2 = o_.graft_beta2;
     const detail::shampoo_impl::graft_kernel<C> gk{o_.graft, C(b2), C(1.0 - b2), C(o_.graft_epsilon),
                                                    C(1.0 - std::pow(b2, static_cast<double>(t)))};
@@ -778,13 +1100,12 @@ class shampoo {
         continue;
       }
       for (std::size_t j = 0; j < x.blocks.size(); ++j)
-        block_step(st, x, j, g, gk, has_state, stats_due, roots_due, preconditioning);
+        block_direction(st, x, j, g, gk, has_state, preconditioning);
     }
     tail_.step(b, st.list_, st.tail_, args);
     st.steps_ = t;
   }
 
- private:
   template <class St, class L>
   static void add_workspace(St& st, const L& la, std::int64_t n, root_method method) {
     for (const auto& w : st.ws_)
@@ -807,17 +1128,261 @@ class shampoo {
     st.list_ = std::move(list);
   }
 
-  /// Block j of tensor x: gather, graft, statistics, roots (when due), direction, scatter.
+  /// The distributed plan for `comm`'s world: owners by lpt_assign over the blocks' costs, each
+  /// block's place in its owner's chunk; agreed across ranks once per world.
+  template <class Comm, class St>
+  void plan(Comm& comm, St& st) const {
+    const int n = comm.size(), me = comm.rank();
+    if (st.world_ == n && st.rank_ == me) return;
+    std::uint64_t words = 0, shape_hash = 0x84222325CBF29CE4ull;
+    std::vector<std::uint64_t> cost(st.refs_.size());
+    for (std::size_t i = 0; i < st.refs_.size(); ++i) {
+      const auto& r = st.refs_[i];
+      const auto& bl = st.t_[r.t].blocks[r.j];
+      cost[i] = r.cost;
+      words += r.words;
+      shape_hash = detail::shampoo_impl::hash_words(shape_hash, bl.n.data(), bl.k);
+    }
+    const agreed_value values[] = {
+        {"preconditioned blocks", static_cast<double>(st.refs_.size())},
+        {"root elements", static_cast<double>(words)},
+        {"block shapes (hash)", static_cast<double>(shape_hash >> 16)},
+        {"steps taken", static_cast<double>(st.steps_)},
+        {"roots in flight (starting step)", static_cast<double>(st.pending_step_)},
+        {"root_staleness", static_cast<double>(o_.root_staleness)},
+        {"statistics_frequency", static_cast<double>(o_.statistics_frequency)},
+        {"precondition_frequency", static_cast<double>(o_.precondition_frequency)},
+        {"start_preconditioning_step", static_cast<double>(o_.start_preconditioning_step)},
+        {"max_consecutive_failures", static_cast<double>(o_.max_consecutive_failures)},
+        {"root.method", static_cast<double>(o_.root.method)},
+        {"root.epsilon", o_.root.epsilon},
+        {"inverse_exponent_override", static_cast<double>(o_.inverse_exponent_override)},
+    };
+    agree_values(comm, "shampoo::step (distributed roots)", std::span<const agreed_value>(values));
+    if (st.pending_step_ != 0 && !st.relaunch_) {  // roots in flight under the old plan
+      st.worker_->discard();
+      st.relaunch_ = true;
+    }
+    std::vector<std::uint64_t> load(static_cast<std::size_t>(n), 0);
+    st.owner_ = lpt_assign(std::span<const std::uint64_t>(cost), n);
+    std::vector<std::size_t> fill(static_cast<std::size_t>(n), header_words);
+    st.pos_.assign(st.refs_.size(), 0);
+    for (std::size_t i = 0; i < st.refs_.size(); ++i) {
+      auto& f = fill[static_cast<std::size_t>(st.owner_[i])];
+      st.pos_[i] = f;
+      f += 2 + st.refs_[i].words;
+    }
+    st.chunk_ = *std::max_element(fill.begin(), fill.end());
+    st.send_.assign(st.chunk_, typename St::compute_type(0));
+    st.recv_.assign(st.chunk_ * static_cast<std::size_t>(n), typename St::compute_type(0));
+    st.world_ = n;
+    st.rank_ = me;
+  }
+
+  static constexpr std::size_t header_words = 4;  ///< step (2 × 24 bits), statistics hash (2 × 24 bits)
+
+  template <class St>
+  static bool owns(const St& st, std::size_t i, bool dist) {
+    return !dist || st.owner_[i] == st.rank_;
+  }
+
+  /// Starts the worker on this rank's blocks, from the statistics copied into `snap`.
+  template <class St>
+  static void launch(St& st, bool dist) {
+    st.relaunch_ = false;
+    st.tasks_.clear();
+    for (std::size_t i = 0; i < st.refs_.size(); ++i) {
+      if (!owns(st, i, dist)) continue;
+      auto& bl = st.t_[st.refs_[i].t].blocks[st.refs_[i].j];
+      st.tasks_.push_back({bl.k, bl.p, bl.n.data(), bl.off.data(), bl.snap.data(), bl.pend.data()});
+    }
+    st.pending_hash_ = dist ? stats_hash(st, true) : 0;
+    st.computed_ += st.tasks_.size();
+    st.worker_->start(std::span(st.tasks_));
+  }
+
+  /// Waits for the roots in flight and installs them (through the exchange when distributed).
+  template <class Comm, class St>
+  static void finish_roots(Comm& comm, St& st) {
+    constexpr bool dist = !std::is_same_v<Comm, detail::shampoo_impl::no_comm>;
+    const std::uint64_t from = st.pending_step_;
+    st.pending_step_ = 0;
+    st.worker_->wait();
+    std::size_t k = 0;
+    for (std::size_t i = 0; i < st.refs_.size(); ++i) {
+      if (!owns(st, i, dist)) continue;
+      const auto& task = st.tasks_[k++];
+      const auto& bl = st.t_[st.refs_[i].t].blocks[st.refs_[i].j];
+      if constexpr (dist) {
+        auto* w = st.send_.data() + st.pos_[i];
+        w[0] = static_cast<typename St::compute_type>(static_cast<int>(task.status));
+        w[1] = static_cast<typename St::compute_type>(task.factor);
+        std::copy(bl.pend.begin(), bl.pend.end(), w + 2);
+      } else {
+        install(st, i, task.status, task.factor, bl.pend.data(), -1);
+      }
+    }
+    if constexpr (dist) exchange(comm, st, from, st.pending_hash_);
+  }
+
+  /// Computes the due roots inside the step (root_staleness 0).
+  template <class Comm, class St>
+  void compute_roots(Comm& comm, St& st, std::uint64_t t) const {
+    constexpr bool dist = !std::is_same_v<Comm, detail::shampoo_impl::no_comm>;
+    const auto ws = [&](std::int64_t n) -> typename St::workspace_t& { return st.workspace(n); };
+    for (std::size_t i = 0; i < st.refs_.size(); ++i) {
+      if (!owns(st, i, dist)) continue;
+      const auto& bl = st.t_[st.refs_[i].t].blocks[st.refs_[i].j];
+      ++st.computed_;
+      if constexpr (dist) {
+        auto* w = st.send_.data() + st.pos_[i];
+        const auto [status, factor] = detail::shampoo_impl::block_roots(
+            st.la_, bl.k, bl.p, bl.n.data(), bl.off.data(), bl.stats.data(), w + 2, ws, o_.root);
+        w[0] = static_cast<typename St::compute_type>(static_cast<int>(status));
+        w[1] = static_cast<typename St::compute_type>(factor);
+      } else {
+        const auto [status, factor] = detail::shampoo_impl::block_roots(
+            st.la_, bl.k, bl.p, bl.n.data(), bl.off.data(), bl.stats.data(), st.rs_.data(), ws, o_.root);
+        install(st, i, status, factor, st.rs_.data(), -1);
+      }
+    }
+    if constexpr (dist) exchange(comm, st, t, stats_hash(st, false));
+  }
+
+  /// The hash of every block's statistics (or of their copies for the worker).
+  template <class St>
+  static std::uint64_t stats_hash(const St& st, bool snapshot) {
+    std::uint64_t h = 0xCBF29CE484222325ull;
+    for (const auto& r : st.refs_) {
+      const auto& bl = st.t_[r.t].blocks[r.j];
+      const auto& v = snapshot ? bl.snap : bl.stats;
+      h = detail::shampoo_impl::hash_words(h, v.data(), v.size());
+    }
+    return h;
+  }
+
+  /// Allgathers every rank's chunk (header, then per owned block its status, failing factor and
+  /// roots), checks the headers agree, and installs every block from its owner's chunk.
+  template <class Comm, class St>
+  static void exchange(Comm& comm, St& st, std::uint64_t step, std::uint64_t hash) {
+    using C = typename St::compute_type;
+    constexpr std::uint64_t mask = (1u << 24) - 1;
+    const std::uint64_t h = hash >> 16;
+    C* w = st.send_.data();
+    w[0] = static_cast<C>(step & mask);
+    w[1] = static_cast<C>((step >> 24) & mask);
+    w[2] = static_cast<C>(h & mask);
+    w[3] = static_cast<C>((h >> 24) & mask);
+    const auto len = static_cast<std::int64_t>(st.chunk_);
+    comm.allgather(tensor_view<const C, host_space>::vector(st.send_.data(), len),
+                   tensor_view<C, host_space>::vector(st.recv_.data(), len * st.world_));
+    const C* r0 = st.recv_.data();
+    for (int r = 1; r < st.world_; ++r) {
+      const C* rr = st.recv_.data() + static_cast<std::size_t>(r) * st.chunk_;
+      const auto word = [](const C* c, int i) {
+        return static_cast<std::uint64_t>(c[i]) | (static_cast<std::uint64_t>(c[i + 1]) << 24);
+      };
+      detail::require(word(rr, 0) == word(r0, 0), "shampoo::step on rank ", st.rank_, ": rank ", r,
+                      " exchanges roots started at step ", word(rr, 0), " but rank 0 at step ", word(r0, 0),
+                      " (every rank must call the distributed step at the same steps)");
+      if (word(rr, 2) != word(r0, 2)) {
+        st.failed_ = true;
+        detail::fail("shampoo::step on rank ", st.rank_, ": the statistics of rank ", r,
+                     " differ from rank 0's at step ", word(r0, 0),
+                     " (every rank must pass the same averaged gradients); restore a checkpoint with load()");
+      }
+    }
+    for (std::size_t i = 0; i < st.refs_.size(); ++i) {
+      const C* c = st.recv_.data() + static_cast<std::size_t>(st.owner_[i]) * st.chunk_ + st.pos_[i];
+      const auto code = static_cast<int>(c[0]);
+      detail::require(code >= 0 && code <= static_cast<int>(root_status::nonfinite_result),
+                      "shampoo::step: internal error: root status ", code, " from rank ", st.owner_[i]);
+      install(st, i, static_cast<root_status>(code), static_cast<std::size_t>(c[1]), c + 2, st.owner_[i]);
+    }
+  }
+
+  /// Installs block i's roots (or counts its failure; throws after max_consecutive_failures in a
+  /// row). `rank` names the rank that computed them (-1: this one, not distributed).
+  template <class St, class C>
+  static void install(St& st, std::size_t i, root_status status, std::size_t factor, const C* roots,
+                      int rank) {
+    const auto& ref = st.refs_[i];
+    auto& x = st.t_[ref.t];
+    auto& bl = x.blocks[ref.j];
+    if (status == root_status::ok) {
+      std::copy(roots, roots + bl.roots.size(), bl.roots.begin());
+      bl.ready = true;
+      bl.consecutive = 0;
+      return;
+    }
+    ++bl.failures;
+    if (++bl.consecutive < st.max_failures_) return;
+    st.failed_ = true;
+    const auto& range = x.layout.blocks[ref.j];
+    std::string where;
+    for (std::size_t d = 0; d < bl.k; ++d)
+      where += (d ? ", " : "") + std::to_string(range.offset[d]) + ".." +
+               std::to_string(range.offset[d] + range.size[d]);
+    detail::fail("shampoo::step: parameter '", x.name, "' block ", ref.j, " (indices [", where,
+                 "] of its merged shape): the inverse root failed ", bl.consecutive,
+                 " times in a row (last: factor ", factor, ", ", to_string(status),
+                 rank >= 0 ? ", computed on rank " + std::to_string(rank) : "",
+                 "); a non-finite gradient makes the statistics non-finite for good. The parameters are "
+                 "unchanged; restore a checkpoint with load() (and skip non-finite gradients, e.g. with the "
+                 "loss scaler), or raise root.epsilon / max_consecutive_failures");
+  }
+
+  /// Block j of tensor x: the gradient's statistics.
+  template <class St, class Tensor, class G>
+  void block_stats(St& st, Tensor& x, std::size_t j, const G* g) const {
+    using C = typename St::compute_type;
+    if (x.layout.diagonal) return;
+    auto& bl = x.blocks[j];
+    C* xb = st.xb_.data();
+    detail::shampoo_impl::for_runs(x.layout.merged, x.layout.blocks[j],
+                                   [&](std::size_t flat, std::size_t at, std::size_t run) {
+                                     for (std::size_t e = 0; e < run; ++e)
+                                       xb[at + e] = static_cast<C>(g[flat + e]);
+                                   });
+    const auto& la = st.la_;
+    using cview = tensor_view<const C, host_space>;
+    using mview = tensor_view<C, host_space>;
+    const double beta = o_.beta2, w = o_.beta2 == 1.0 ? 1.0 : 1.0 - o_.beta2;
+    for (std::size_t d = 0; d < bl.k; ++d) {
+      const std::int64_t n = bl.n[d];
+      const auto [a, c] = split(bl, d);
+      const mview s(bl.stats.data() + bl.off[d], {n, n});
+      if (a == 1) {
+        la.syrk(gram::rows, w, cview(xb, {n, c}), beta, s);
+      } else if (c == 1) {
+        la.syrk(gram::columns, w, cview(xb, {a, n}), beta, s);
+      } else {
+        for (std::int64_t q = 0; q < a; ++q)
+          la.syrk(gram::rows, w, cview(xb + q * n * c, {n, c}), q == 0 ? beta : 1.0, s);
+      }
+    }
+  }
+
+  /// Mode d of a block as a × n × c (a: the dimensions before d, c: after).
+  template <class Block>
+  static std::pair<std::int64_t, std::int64_t> split(const Block& bl, std::size_t d) {
+    std::int64_t a = 1, c = 1;
+    for (std::size_t e = 0; e < d; ++e) a *= bl.n[e];
+    for (std::size_t e = d + 1; e < bl.k; ++e) c *= bl.n[e];
+    return {a, c};
+  }
+
+  /// Block j of tensor x: gather, graft, direction (preconditioned when the block has roots),
+  /// scatter.
   template <class St, class Tensor, class G, class GK>
-  void block_step(St& st, Tensor& x, std::size_t j, const G* g, const GK& gk, bool has_state, bool stats_due,
-                  bool roots_due, bool preconditioning) const {
+  void block_direction(St& st, Tensor& x, std::size_t j, const G* g, const GK& gk, bool has_state,
+                       bool preconditioning) const {
     using C = typename St::compute_type;
     namespace si = detail::shampoo_impl;
     auto& bl = x.blocks[j];
     const auto& range = x.layout.blocks[j];
-    const std::size_t k = bl.k;
     std::size_t elems = 1;
-    for (std::size_t d = 0; d < k; ++d) elems *= static_cast<std::size_t>(bl.n[d]);
+    for (std::size_t d = 0; d < bl.k; ++d) elems *= static_cast<std::size_t>(bl.n[d]);
     C* xb = st.xb_.data();
     C* ab = st.ab_.data();
     C* db = st.db_.data();
@@ -827,67 +1392,9 @@ class shampoo {
     });
     C dummy = C(0);
     for (std::size_t e = 0; e < elems; ++e) db[e] = gk(xb[e], has_state ? ab[e] : dummy);
-    const auto& la = st.la_;
-    using cview = tensor_view<const C, host_space>;
-    using mview = tensor_view<C, host_space>;
-    // Mode d of the block as a × n × c (a: the dimensions before d, c: after).
-    const auto split = [&](std::size_t d) {
-      std::int64_t a = 1, c = 1;
-      for (std::size_t e = 0; e < d; ++e) a *= bl.n[e];
-      for (std::size_t e = d + 1; e < k; ++e) c *= bl.n[e];
-      return std::pair{a, c};
-    };
-    if (stats_due) {
-      const double beta = o_.beta2, w = o_.beta2 == 1.0 ? 1.0 : 1.0 - o_.beta2;
-      for (std::size_t d = 0; d < k; ++d) {
-        const std::int64_t n = bl.n[d];
-        const auto [a, c] = split(d);
-        const mview s(bl.stats.data() + bl.off[d], {n, n});
-        if (a == 1) {
-          la.syrk(gram::rows, w, cview(xb, {n, c}), beta, s);
-        } else if (c == 1) {
-          la.syrk(gram::columns, w, cview(xb, {a, n}), beta, s);
-        } else {
-          for (std::int64_t q = 0; q < a; ++q)
-            la.syrk(gram::rows, w, cview(xb + q * n * c, {n, c}), q == 0 ? beta : 1.0, s);
-        }
-      }
-    }
-    if (roots_due) {
-      root_status bad = root_status::ok;
-      std::size_t bad_factor = 0;
-      for (std::size_t d = 0; d < k && bad == root_status::ok; ++d) {
-        const std::int64_t n = bl.n[d];
-        const auto r = inverse_pth_root(la, cview(bl.stats.data() + bl.off[d], {n, n}), bl.p,
-                                        mview(st.rs_.data() + bl.off[d], {n, n}), st.workspace(n), o_.root);
-        if (!r.ok()) bad = r.status, bad_factor = d;
-      }
-      if (bad == root_status::ok) {
-        std::copy(st.rs_.begin(), st.rs_.begin() + static_cast<std::ptrdiff_t>(bl.roots.size()),
-                  bl.roots.begin());
-        bl.ready = true;
-        bl.consecutive = 0;
-      } else {
-        ++bl.failures;
-        if (++bl.consecutive >= o_.max_consecutive_failures) {
-          st.failed_ = true;
-          std::string where;
-          for (std::size_t d = 0; d < k; ++d)
-            where += (d ? ", " : "") + std::to_string(range.offset[d]) + ".." +
-                     std::to_string(range.offset[d] + range.size[d]);
-          detail::fail(
-              "shampoo::step: parameter '", x.name, "' block ", j, " (indices [", where,
-              "] of its merged shape): the inverse root failed ", bl.consecutive,
-              " times in a row (last: factor ", bad_factor, ", ", to_string(bad),
-              "); a non-finite gradient makes the statistics non-finite for good. The parameters are "
-              "unchanged; restore a checkpoint with load() (and skip non-finite gradients, e.g. with the "
-              "loss scaler), or raise root.epsilon / max_consecutive_failures");
-        }
-      }
-    }
     const C* out = db;
     if (preconditioning && bl.ready) {
-      C* y = product(st, bl, xb, split);
+      C* y = product(st, bl, xb);
       if (o_.graft != shampoo_graft::none) {  // ‖D_s‖ and ‖D_g‖ in double, in element order
         double ns = 0, ng = 0;
         for (std::size_t e = 0; e < elems; ++e) {
@@ -906,8 +1413,8 @@ class shampoo {
   }
 
   /// X ×₁ P_1 ×₂ … ×ₖ P_k into one of the product buffers; returns it.
-  template <class St, class Block, class C, class Split>
-  static C* product(St& st, const Block& bl, const C* xb, const Split& split) {
+  template <class St, class Block, class C>
+  static C* product(St& st, const Block& bl, const C* xb) {
     using cview = tensor_view<const C, host_space>;
     using mview = tensor_view<C, host_space>;
     const auto& la = st.la_;
@@ -916,7 +1423,7 @@ class shampoo {
     for (std::size_t d = 0; d < bl.k; ++d) {
       dst = d % 2 == 0 ? st.y0_.data() : st.y1_.data();
       const std::int64_t n = bl.n[d];
-      const auto [a, c] = split(d);
+      const auto [a, c] = split(bl, d);
       const cview p(bl.roots.data() + bl.off[d], {n, n});
       if (c == 1) {  // last dimension: Y = X·Pᵀ (P is symmetric up to rounding)
         la.gemm(transpose::none, transpose::yes, 1.0, cview(cur, {a, n}), p, 0.0, mview(dst, {a, n}));

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "gradapt/core/archive.hpp"
+#include "gradapt/core/assign.hpp"
 #include "gradapt/core/enum_name.hpp"
 #include "gradapt/core/error.hpp"
 
@@ -274,17 +275,9 @@ class partition_plan {
 
   void cut_tensors() {
     const auto n = static_cast<std::size_t>(world_);
-    std::vector<std::size_t> order(sizes_.size());
-    for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
-    std::stable_sort(order.begin(), order.end(),
-                     [&](std::size_t x, std::size_t y) { return sizes_[x] > sizes_[y]; });
     std::vector<std::size_t> load(n, 0);
-    std::vector<int> rank_of(sizes_.size(), 0);
-    for (const std::size_t t : order) {
-      const auto r = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
-      rank_of[t] = static_cast<int>(r);
-      load[r] += sizes_[t];
-    }
+    const std::vector<int> rank_of =
+        lpt_assign(std::span<const std::size_t>(sizes_), world_, std::span<std::size_t>(load));
     capacity_ = n > 0 ? *std::max_element(load.begin(), load.end()) : 0;
     for (std::size_t r = 0; r < n; ++r) {
       first_[r] = pieces_.size();
