@@ -161,6 +161,9 @@ if(GRADAPT_WITH_LAPACK)
   gradapt_add_test(test_linalg_root SOURCES test_linalg_root.cpp LIBS gradapt::linalg)
   # Shampoo (optim/shampoo.hpp) on gradapt::host with host_lapack.
   gradapt_add_test(test_shampoo SOURCES test_shampoo.cpp LIBS gradapt::linalg)
+  # Shampoo's roots over comm::threads ranks and in its background thread.
+  gradapt_add_test(test_shampoo_dist SOURCES test_shampoo_dist.cpp LIBS gradapt::linalg)
+  target_link_libraries(test_shampoo_dist PRIVATE Threads::Threads)
 endif()
 # cuda_linalg (cuBLAS + cuSOLVER) on the device: compiled with the CUDA tests' runner, skipped
 # at run time without a GPU (exit code 77).

@@ -637,7 +637,7 @@ TEST_CASE("shampoo: save/load continues bit for bit; bad archives throw and chan
     CHECK_THROWS_WITH(other.load(backend, bytes), Contains("no parameter 'v'"));
   }
   {  // a field this state does not read
-    gradapt::archive_writer w{"gradapt.shampoo", 1};
+    gradapt::archive_writer w{"gradapt.shampoo", 2};
     st.save(backend, w);
     w.put("extra", std::uint64_t{1});
     CHECK_THROWS_WITH(st3.load(backend, w.finish()), Contains("fields outside 'tail'"));
