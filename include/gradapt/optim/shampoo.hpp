@@ -26,8 +26,10 @@
 ///
 /// so weight decay, momentum and the learning rate (with its schedule through
 /// `step_args::lr` and the groups' `lr_scale` / `weight_decay`) are the chain stages every
-/// preset uses. docs/algorithms/shampoo.md describes the blocking, the roots, the failure
-/// handling and what is not built (roots distributed over ranks, asynchronous roots, CUDA).
+/// preset uses. With a communicator, `step(comm, ...)` divides the roots among the ranks and
+/// allgathers them; with `root_staleness >= 1` a background thread computes them while steps go
+/// on. docs/algorithms/shampoo.md describes the blocking, the roots, the failure handling, the
+/// distributed and asynchronous roots, and what is not built (CUDA).
 
 #include <algorithm>
 #include <array>
