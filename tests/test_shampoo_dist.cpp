@@ -407,7 +407,8 @@ TEST_CASE("shampoo distributed + async: one rank's bits, also when the world shr
   std::vector<decltype(opt.init(backend, la, models[0].params))> states;
   for (auto& m : models) states.push_back(opt.init(backend, la, m.params));
   int step = 0;
-  for (const auto& [n, count] : {std::pair{4, 4}, std::pair{2, 4}, std::pair{3, 4}}) {
+  for (const int n : {4, 2, 3}) {
+    const int count = 4;
     run_threads(n, quick, [&](threads& c) {
       const auto r = static_cast<std::size_t>(c.rank());
       for (int s = step; s < step + count; ++s) {
