@@ -60,6 +60,7 @@
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/dtype.hpp"
 #include "gradapt/core/error.hpp"
+#include "gradapt/core/owner_exchange.hpp"
 #include "gradapt/core/param_list.hpp"
 #include "gradapt/core/tensor_view.hpp"
 #include "gradapt/linalg/concepts.hpp"
@@ -430,22 +431,6 @@ class root_worker {
   std::thread thread_;  // last: started after every other member exists
 };
 
-/// A 48-bit hash of the statistics' bytes (64-bit words, multiply-xorshift), for the check that
-/// every rank computes roots from the same statistics.
-template <class C>
-std::uint64_t hash_words(std::uint64_t h, const C* p, std::size_t n) {
-  const auto* b = reinterpret_cast<const unsigned char*>(p);
-  std::size_t bytes = n * sizeof(C), i = 0;
-  for (; i + 8 <= bytes; i += 8) {
-    std::uint64_t w;
-    std::memcpy(&w, b + i, 8);
-    h = (h ^ w) * 0x9E3779B97F4A7C15ull;
-    h ^= h >> 29;
-  }
-  for (; i < bytes; ++i) h = (h ^ b[i]) * 0x100000001B3ull;
-  return h;
-}
-
 }  // namespace detail::shampoo_impl
 
 class shampoo;
@@ -540,9 +525,9 @@ class shampoo_state {
   /// @throws gradapt::error when t or j is out of range
   int root_owner(std::size_t t, std::size_t j) const {
     blk(t, j);
-    if (world_ == 0) return 0;
+    if (x_.world == 0) return 0;
     for (std::size_t i = 0; i < refs_.size(); ++i)
-      if (refs_[i].t == t && refs_[i].j == j) return owner_[i];
+      if (refs_[i].t == t && refs_[i].j == j) return x_.owner[i];
     return 0;
   }
   /// The step whose statistics the roots in flight were started from (0: none in flight).
@@ -812,13 +797,8 @@ class shampoo_state {
   std::uint64_t pending_hash_ = 0;  ///< hash of the statistics they start from
   bool relaunch_ = false;           ///< loaded with roots in flight: start them at the next step
   std::vector<detail::shampoo_impl::root_task<C>> tasks_;
-  // Distributed roots: the plan for a world of world_ ranks (0: none yet).
-  int world_ = 0, rank_ = 0;
-  std::vector<int> owner_;        ///< rank computing each block of refs_
-  std::vector<std::size_t> pos_;  ///< offset of each block's words in its owner's chunk
-  std::size_t chunk_ = 0;         ///< words per rank in the exchange
-  std::vector<C> send_, recv_;
-  std::uint64_t computed_ = 0;  ///< root computations (blocks) this rank ran
+  detail::owner_exchange<C> x_;  ///< distributed roots: plan and buffers (world 0: none yet)
+  std::uint64_t computed_ = 0;   ///< root computations (blocks) this rank ran
 };
 
 /// Shampoo on the host (see the file comment and docs/algorithms/shampoo.md): block
@@ -1135,15 +1115,17 @@ class shampoo {
   template <class Comm, class St>
   void plan(Comm& comm, St& st) const {
     const int n = comm.size(), me = comm.rank();
-    if (st.world_ == n && st.rank_ == me) return;
+    if (st.x_.planned_for(n, me)) return;
     std::uint64_t words = 0, shape_hash = 0x84222325CBF29CE4ull;
     std::vector<std::uint64_t> cost(st.refs_.size());
+    std::vector<std::size_t> size(st.refs_.size());
     for (std::size_t i = 0; i < st.refs_.size(); ++i) {
       const auto& r = st.refs_[i];
       const auto& bl = st.t_[r.t].blocks[r.j];
       cost[i] = r.cost;
+      size[i] = 2 + r.words;  // status, failing factor, roots
       words += r.words;
-      shape_hash = detail::shampoo_impl::hash_words(shape_hash, bl.n.data(), bl.k);
+      shape_hash = detail::hash_bytes(shape_hash, bl.n.data(), bl.k);
     }
     const agreed_value values[] = {
         {"preconditioned blocks", static_cast<double>(st.refs_.size())},
@@ -1165,27 +1147,12 @@ class shampoo {
       st.worker_->discard();
       st.relaunch_ = true;
     }
-    std::vector<std::uint64_t> load(static_cast<std::size_t>(n), 0);
-    st.owner_ = lpt_assign(std::span<const std::uint64_t>(cost), n);
-    std::vector<std::size_t> fill(static_cast<std::size_t>(n), header_words);
-    st.pos_.assign(st.refs_.size(), 0);
-    for (std::size_t i = 0; i < st.refs_.size(); ++i) {
-      auto& f = fill[static_cast<std::size_t>(st.owner_[i])];
-      st.pos_[i] = f;
-      f += 2 + st.refs_[i].words;
-    }
-    st.chunk_ = *std::max_element(fill.begin(), fill.end());
-    st.send_.assign(st.chunk_, typename St::compute_type(0));
-    st.recv_.assign(st.chunk_ * static_cast<std::size_t>(n), typename St::compute_type(0));
-    st.world_ = n;
-    st.rank_ = me;
+    st.x_.plan(cost, size, n, me);
   }
-
-  static constexpr std::size_t header_words = 4;  ///< step (2 × 24 bits), statistics hash (2 × 24 bits)
 
   template <class St>
   static bool owns(const St& st, std::size_t i, bool dist) {
-    return !dist || st.owner_[i] == st.rank_;
+    return !dist || st.x_.owns(i);
   }
 
   /// Starts the worker on this rank's blocks, from the statistics copied into `snap`.
@@ -1216,7 +1183,7 @@ class shampoo {
       const auto& task = st.tasks_[k++];
       const auto& bl = st.t_[st.refs_[i].t].blocks[st.refs_[i].j];
       if constexpr (dist) {
-        auto* w = st.send_.data() + st.pos_[i];
+        auto* w = st.x_.out(i);
         w[0] = static_cast<typename St::compute_type>(static_cast<int>(task.status));
         w[1] = static_cast<typename St::compute_type>(task.factor);
         std::copy(bl.pend.begin(), bl.pend.end(), w + 2);
@@ -1237,7 +1204,7 @@ class shampoo {
       const auto& bl = st.t_[st.refs_[i].t].blocks[st.refs_[i].j];
       ++st.computed_;
       if constexpr (dist) {
-        auto* w = st.send_.data() + st.pos_[i];
+        auto* w = st.x_.out(i);
         const auto [status, factor] = detail::shampoo_impl::block_roots(
             st.la_, bl.k, bl.p, bl.n.data(), bl.off.data(), bl.stats.data(), w + 2, ws, o_.root);
         w[0] = static_cast<typename St::compute_type>(static_cast<int>(status));
@@ -1258,7 +1225,7 @@ class shampoo {
     for (const auto& r : st.refs_) {
       const auto& bl = st.t_[r.t].blocks[r.j];
       const auto& v = snapshot ? bl.snap : bl.stats;
-      h = detail::shampoo_impl::hash_words(h, v.data(), v.size());
+      h = detail::hash_bytes(h, v.data(), v.size());
     }
     return h;
   }
@@ -1267,39 +1234,19 @@ class shampoo {
   /// roots), checks the headers agree, and installs every block from its owner's chunk.
   template <class Comm, class St>
   static void exchange(Comm& comm, St& st, std::uint64_t step, std::uint64_t hash) {
-    using C = typename St::compute_type;
-    constexpr std::uint64_t mask = (1u << 24) - 1;
-    const std::uint64_t h = hash >> 16;
-    C* w = st.send_.data();
-    w[0] = static_cast<C>(step & mask);
-    w[1] = static_cast<C>((step >> 24) & mask);
-    w[2] = static_cast<C>(h & mask);
-    w[3] = static_cast<C>((h >> 24) & mask);
-    const auto len = static_cast<std::int64_t>(st.chunk_);
-    comm.allgather(tensor_view<const C, host_space>::vector(st.send_.data(), len),
-                   tensor_view<C, host_space>::vector(st.recv_.data(), len * st.world_));
-    const C* r0 = st.recv_.data();
-    for (int r = 1; r < st.world_; ++r) {
-      const C* rr = st.recv_.data() + static_cast<std::size_t>(r) * st.chunk_;
-      const auto word = [](const C* c, int i) {
-        return static_cast<std::uint64_t>(c[i]) | (static_cast<std::uint64_t>(c[i + 1]) << 24);
-      };
-      detail::require(word(rr, 0) == word(r0, 0), "shampoo::step on rank ", st.rank_, ": rank ", r,
-                      " exchanges roots started at step ", word(rr, 0), " but rank 0 at step ", word(r0, 0),
-                      " (every rank must call the distributed step at the same steps)");
-      if (word(rr, 2) != word(r0, 2)) {
-        st.failed_ = true;
-        detail::fail("shampoo::step on rank ", st.rank_, ": the statistics of rank ", r,
-                     " differ from rank 0's at step ", word(r0, 0),
-                     " (every rank must pass the same averaged gradients); restore a checkpoint with load()");
-      }
+    const int differs = st.x_.run(comm, step, hash, "shampoo::step");
+    if (differs >= 0) {
+      st.failed_ = true;
+      detail::fail("shampoo::step on rank ", st.x_.rank, ": the statistics of rank ", differs,
+                   " differ from rank 0's at step ", step,
+                   " (every rank must pass the same averaged gradients); restore a checkpoint with load()");
     }
     for (std::size_t i = 0; i < st.refs_.size(); ++i) {
-      const C* c = st.recv_.data() + static_cast<std::size_t>(st.owner_[i]) * st.chunk_ + st.pos_[i];
+      const auto* c = st.x_.in(i);
       const auto code = static_cast<int>(c[0]);
       detail::require(code >= 0 && code <= static_cast<int>(root_status::nonfinite_result),
-                      "shampoo::step: internal error: root status ", code, " from rank ", st.owner_[i]);
-      install(st, i, static_cast<root_status>(code), static_cast<std::size_t>(c[1]), c + 2, st.owner_[i]);
+                      "shampoo::step: internal error: root status ", code, " from rank ", st.x_.owner[i]);
+      install(st, i, static_cast<root_status>(code), static_cast<std::size_t>(c[1]), c + 2, st.x_.owner[i]);
     }
   }
 
