@@ -164,6 +164,9 @@ if(GRADAPT_WITH_LAPACK)
   # Shampoo's roots over comm::threads ranks and in its background thread.
   gradapt_add_test(test_shampoo_dist SOURCES test_shampoo_dist.cpp LIBS gradapt::linalg)
   target_link_libraries(test_shampoo_dist PRIVATE Threads::Threads)
+  # K-FAC (optim/kfac.hpp): closed forms, long double references, comm::threads ranks.
+  gradapt_add_test(test_kfac SOURCES test_kfac.cpp LIBS gradapt::linalg)
+  target_link_libraries(test_kfac PRIVATE Threads::Threads)
 endif()
 # cuda_linalg (cuBLAS + cuSOLVER) on the device: compiled with the CUDA tests' runner, skipped
 # at run time without a GPU (exit code 77).
