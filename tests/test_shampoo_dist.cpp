@@ -444,6 +444,20 @@ TEST_CASE("shampoo distributed: disagreements and failures throw on every rank",
       RANK_REQUIRE_THROWS_WITH(opt.step(c, backend, m.params, st), Contains("restore a checkpoint"));
     });
   }
+  SECTION("one rank's input is invalid at a step that exchanges roots") {
+    run_threads(3, quick, [&](threads& c) {
+      model m;
+      const shampoo opt(o);
+      auto st = opt.init(backend, la, m.params);
+      m.grads(0);
+      opt.step(c, backend, m.params, st);  // step 1: plan, no roots
+      m.grads(1);
+      const double lr = c.rank() == 1 ? std::numeric_limits<double>::quiet_NaN() : 0.01;
+      RANK_REQUIRE_THROWS_WITH(
+          opt.step(c, backend, m.params, st, {.lr = lr}),
+          Contains(c.rank() == 1 ? "learning rate is nan" : "rank 1 passed invalid input"));
+    });
+  }
   SECTION("one rank's options differ") {
     run_threads(3, quick, [&](threads& c) {
       model m;

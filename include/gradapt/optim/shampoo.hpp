@@ -1008,44 +1008,60 @@ class shampoo {
     constexpr const char* who = "shampoo::step";
     detail::require(!st.failed_, who, ": the state stopped after a block's roots failed ", st.max_failures_,
                     " times in a row or the ranks' statistics differed; restore a checkpoint with load()");
-    detail::require(params.size() == st.t_.size(), who, ": the parameter list holds ", params.size(),
-                    " tensors but the state was created for ", st.t_.size(),
-                    " (create the state with init() for this list)");
+    // This rank's input errors travel through the agreement of a distributed step that
+    // communicates, so every rank throws instead of waiting in a collective for this one.
+    std::string bad;
     bool rebind = false;
-    for (std::size_t t = 0; t < params.size(); ++t) {
-      const auto& e = params[t];
-      const auto& x = st.t_[t];
-      detail::require(e.name == x.name && std::ranges::equal(e.value.shape(), x.shape), who, ": parameter ",
-                      t, " is '", e.name, "' of shape ", e.value.shape_string(), " but the state holds '",
-                      x.name, "' of another shape or name (create the state with init() for this list)");
-      rebind = rebind || st.list_[t].value.data() != e.value.data();
+    try {
+      detail::require(params.size() == st.t_.size(), who, ": the parameter list holds ", params.size(),
+                      " tensors but the state was created for ", st.t_.size(),
+                      " (create the state with init() for this list)");
+      for (std::size_t t = 0; t < params.size(); ++t) {
+        const auto& e = params[t];
+        const auto& x = st.t_[t];
+        detail::require(e.name == x.name && std::ranges::equal(e.value.shape(), x.shape), who, ": parameter ",
+                        t, " is '", e.name, "' of shape ", e.value.shape_string(), " but the state holds '",
+                        x.name, "' of another shape or name (create the state with init() for this list)");
+        rebind = rebind || st.list_[t].value.data() != e.value.data();
+      }
+      detail::require(params.group_count() == st.list_.group_count(), who, ": the list has ",
+                      params.group_count(), " groups but the state was created for ", st.list_.group_count());
+      detail::require(st.staleness_ == o_.root_staleness && st.deterministic_ == o_.deterministic_roots, who,
+                      ": the state was created with root_staleness ", st.staleness_,
+                      " and deterministic_roots ", st.deterministic_, " but this optimizer has ",
+                      o_.root_staleness, " and ", o_.deterministic_roots,
+                      " (create the state with this optimizer's init())");
+      if (args.lr) {
+        detail::require(std::isfinite(*args.lr) && *args.lr >= 0, who, ": the step's learning rate is ",
+                        *args.lr, " (expected finite and >= 0; check the schedule)");
+      }
+      if constexpr (dist)
+        detail::require(st.staleness_ == 0 || st.deterministic_, who,
+                        ": the distributed step installs roots at the same step on every rank; set "
+                        "deterministic_roots = true (root_staleness is ",
+                        st.staleness_, ")");
+    } catch (const error& e) {
+      bad = e.what();
     }
-    detail::require(params.group_count() == st.list_.group_count(), who, ": the list has ",
-                    params.group_count(), " groups but the state was created for ", st.list_.group_count());
-    detail::require(st.staleness_ == o_.root_staleness && st.deterministic_ == o_.deterministic_roots, who,
-                    ": the state was created with root_staleness ", st.staleness_,
-                    " and deterministic_roots ", st.deterministic_, " but this optimizer has ",
-                    o_.root_staleness, " and ", o_.deterministic_roots,
-                    " (create the state with this optimizer's init())");
-    if (args.lr) {
-      detail::require(std::isfinite(*args.lr) && *args.lr >= 0, who, ": the step's learning rate is ",
-                      *args.lr, " (expected finite and >= 0; check the schedule)");
-    }
-    if constexpr (dist) {
-      detail::require(st.staleness_ == 0 || st.deterministic_, who,
-                      ": the distributed step installs roots at the same step on every rank; set "
-                      "deterministic_roots = true (root_staleness is ",
-                      st.staleness_, ")");
-      plan(comm, st);
-    }
-    if (rebind) rebind_values(st, params);
-    for (std::size_t g = 0; g < params.group_count(); ++g) st.list_.options(g) = params.group(g).options;
-
     const std::uint64_t t = st.steps_ + 1;
     const bool stats_due = (t - 1) % o_.statistics_frequency == 0;
     const bool preconditioning = t >= o_.start_preconditioning_step;
     const bool roots_due =
         preconditioning && (t - o_.start_preconditioning_step) % o_.precondition_frequency == 0;
+    if constexpr (dist) {
+      const bool exchanges = (roots_due && st.staleness_ == 0) ||
+                             (st.pending_step_ != 0 && t == st.pending_step_ + st.staleness_) ||
+                             !st.x_.planned_for(comm.size(), comm.rank());
+      if (exchanges)
+        agree_values(comm, "shampoo::step", {{"step", static_cast<double>(t)}}, bad);
+      else if (!bad.empty())
+        throw error(bad);
+      plan(comm, st);
+    } else if (!bad.empty()) {
+      throw error(bad);
+    }
+    if (rebind) rebind_values(st, params);
+    for (std::size_t g = 0; g < params.group_count(); ++g) st.list_.options(g) = params.group(g).options;
 
     if (st.relaunch_) launch(st, dist);
     if (stats_due)
