@@ -2,7 +2,7 @@
 
 The package carries gradapt's own CMake package config (share/cmake/gradapt), so consumers use
 find_package(gradapt CONFIG REQUIRED COMPONENTS ...) exactly as with a plain CMake install;
-the optional engines (MPI, CUDA, NCCL, OpenMP) come from the system, found by that config.
+the optional engines (MPI, CUDA, NCCL, OpenMP, BLAS/LAPACK) come from the system, found by that config.
 The options say which engines the package is checked against when it is created: with an
 option on, `conan create` configures gradapt with that engine required, and test_package
 builds a consumer that links the matching gradapt:: component.
@@ -23,8 +23,13 @@ class GradaptConan(ConanFile):
     topics = ("distributed-training", "header-only", "mpi", "nccl", "cuda")
     package_type = "header-library"
     settings = "os", "arch", "compiler", "build_type"
-    options = {"with_mpi": [True, False], "with_cuda": [True, False], "with_nccl": [True, False]}
-    default_options = {"with_mpi": False, "with_cuda": False, "with_nccl": False}
+    options = {
+        "with_mpi": [True, False],
+        "with_cuda": [True, False],
+        "with_nccl": [True, False],
+        "with_linalg": [True, False],
+    }
+    default_options = {"with_mpi": False, "with_cuda": False, "with_nccl": False, "with_linalg": False}
     exports_sources = "CMakeLists.txt", "LICENSE", "cmake/*", "include/*"
     no_copy_source = True
 
@@ -52,6 +57,7 @@ class GradaptConan(ConanFile):
         tc.cache_variables["GRADAPT_WITH_MPI"] = bool(self.options.with_mpi)
         tc.cache_variables["GRADAPT_WITH_CUDA"] = bool(self.options.with_cuda)
         tc.cache_variables["GRADAPT_WITH_NCCL"] = bool(self.options.with_nccl)
+        tc.cache_variables["GRADAPT_WITH_LAPACK"] = bool(self.options.with_linalg)
         tc.generate()
 
     def build(self):

@@ -18,7 +18,16 @@ class GradaptTestConan(ConanFile):
     def generate(self):
         tc = CMakeToolchain(self)
         opts = self.dependencies["gradapt"].options
-        comps = [c for c, on in (("mpi", opts.with_mpi), ("cuda", opts.with_cuda), ("nccl", opts.with_nccl)) if on]
+        comps = [
+            c
+            for c, on in (
+                ("mpi", opts.with_mpi),
+                ("cuda", opts.with_cuda),
+                ("nccl", opts.with_nccl),
+                ("linalg", opts.with_linalg),
+            )
+            if on
+        ]
         tc.cache_variables["GRADAPT_TEST_COMPONENTS"] = ";".join(comps)
         tc.generate()
 

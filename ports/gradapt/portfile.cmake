@@ -13,6 +13,7 @@ vcpkg_check_features(OUT_FEATURE_OPTIONS FEATURE_OPTIONS
     mpi  GRADAPT_WITH_MPI
     cuda GRADAPT_WITH_CUDA
     nccl GRADAPT_WITH_NCCL
+    linalg GRADAPT_WITH_LAPACK
 )
 
 vcpkg_cmake_configure(
