@@ -39,20 +39,12 @@ using gradapt::tensor_view;
 using gradapt::comm::run_threads;
 using gradapt::comm::threads;
 using gradapt_test::ld;
+using gradapt_test::normal_vector;
 
 namespace {
 
 const gradapt::host_lapack la{};
 const gradapt::comm::threads_options quick{.timeout = std::chrono::seconds(30)};
-
-template <class T>
-std::vector<T> randn(std::size_t n, unsigned seed, double scale = 1.0) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<double> d(0.0, scale);
-  std::vector<T> v(n);
-  for (auto& x : v) x = T(d(rng));
-  return v;
-}
 
 template <class T>
 tensor_view<const T> mat(const std::vector<T>& v, std::int64_t r, std::int64_t c) {
@@ -61,7 +53,7 @@ tensor_view<const T> mat(const std::vector<T>& v, std::int64_t r, std::int64_t c
 
 // rows × out with orthonormal columns scaled by √rows: gᵀg / rows = I exactly up to rounding.
 std::vector<double> identity_g(std::int64_t rows, std::int64_t out, unsigned seed) {
-  auto g = randn<double>(static_cast<std::size_t>(rows * out), seed);
+  auto g = normal_vector<double>(static_cast<std::size_t>(rows * out), seed);
   for (std::int64_t c = 0; c < out; ++c) {  // modified Gram-Schmidt in long double
     for (std::int64_t p = 0; p < c; ++p) {
       ld dot = 0;
@@ -113,9 +105,9 @@ TEST_CASE("kfac: with G = I one undamped step is the Gauss-Newton step to the le
   for (const bool bias : {false, true}) {
     INFO("bias " << bias);
     const std::int64_t rows = 40, in = 6, out = 3, n = in + (bias ? 1 : 0);
-    const auto a = randn<double>(rows * in, 1);
-    const auto tgt = randn<double>(rows * out, 2);
-    auto w = randn<double>(out * in, 3), b = randn<double>(out, 4);
+    const auto a = normal_vector<double>(rows * in, 1);
+    const auto tgt = normal_vector<double>(rows * out, 2);
+    auto w = normal_vector<double>(out * in, 3), b = normal_vector<double>(out, 4);
     // ∇W = (1/rows) Σ (W a + b − t) aᵀ and ∇b = (1/rows) Σ (W a + b − t).
     std::vector<double> gw(out * in, 0), gb(out, 0);
     for (std::int64_t r = 0; r < rows; ++r)
@@ -161,8 +153,8 @@ TEST_CASE("kfac: with G = I one undamped step is the Gauss-Newton step to the le
 TEST_CASE("kfac: one step's factors and preconditioned gradient against long double", "[kfac]") {
   const std::int64_t rows = 12, in = 5, out = 4, n = in + 1;
   const double d = 0.9, lambda = 0.05;
-  const auto a = randn<double>(rows * in, 11), g = randn<double>(rows * out, 12);
-  const auto gw0 = randn<double>(out * in, 13), gb0 = randn<double>(out, 14);
+  const auto a = normal_vector<double>(rows * in, 11), g = normal_vector<double>(rows * out, 12);
+  const auto gw0 = normal_vector<double>(out * in, 13), gb0 = normal_vector<double>(out, 14);
   // Reference factors: d·I + (1 − d)·(1/rows)·xᵀx.
   auto fa = gram(with_ones(a, rows, in, true), rows, n);
   auto fg = gram(with_ones(g, rows, out, false), rows, out);
@@ -225,9 +217,10 @@ TEST_CASE("kfac: one step's factors and preconditioned gradient against long dou
 
 TEST_CASE("kfac: KL clipping scales every layer by min(1, sqrt(kl_clip / |sum lr^2 <V, M>|))", "[kfac]") {
   const kfac_layer layers[] = {{"a", 4, 3, true}, {"b", 3, 2, false}};
-  const auto a0 = randn<double>(8 * 4, 21), g0 = randn<double>(8 * 3, 22), a1 = randn<double>(8 * 3, 23),
-             g1 = randn<double>(8 * 2, 24);
-  const auto w0 = randn<double>(12, 25), b0 = randn<double>(3, 26), w1 = randn<double>(6, 27);
+  const auto a0 = normal_vector<double>(8 * 4, 21), g0 = normal_vector<double>(8 * 3, 22),
+             a1 = normal_vector<double>(8 * 3, 23), g1 = normal_vector<double>(8 * 2, 24);
+  const auto w0 = normal_vector<double>(12, 25), b0 = normal_vector<double>(3, 26),
+             w1 = normal_vector<double>(6, 27);
   const auto run = [&](double kl, double lr, std::vector<double>& w, std::vector<double>& b,
                        std::vector<double>& v) {
     const kfac kf({.damping = 0.01, .kl_clip = kl});
@@ -274,10 +267,11 @@ TEST_CASE("kfac: factor and inverse frequencies, micro-batch averaging, loss sca
     const bool factors = (t - 1) % 2 == 0;
     CHECK(kf.factor_update_due(st) == factors);
     if (factors) {
-      const auto a = randn<float>(5 * 3, 30 + unsigned(t)), g = randn<float>(5 * 2, 40 + unsigned(t));
+      const auto a = normal_vector<float>(5 * 3, 30 + unsigned(t)),
+                 g = normal_vector<float>(5 * 2, 40 + unsigned(t));
       kf.accumulate(st, 0, mat(a, 5, 3), mat(g, 5, 2));
     } else {
-      const auto a = randn<float>(5 * 3, 1);
+      const auto a = normal_vector<float>(5 * 3, 1);
       CHECK_THROWS_WITH(kf.accumulate(st, 0, mat(a, 5, 3), mat(a, 5, 2)),
                         Contains("does not update factors"));
     }
@@ -290,8 +284,8 @@ TEST_CASE("kfac: factor and inverse frequencies, micro-batch averaging, loss sca
   }
   // Two micro-batches average; g·s with loss_scale s gives g's factor (s a power of two: exact).
   const kfac k1({.factor_decay = 0.5});
-  const auto a = randn<double>(6 * 3, 50), g = randn<double>(6 * 2, 51), a2 = randn<double>(6 * 3, 52),
-             g2 = randn<double>(6 * 2, 53);
+  const auto a = normal_vector<double>(6 * 3, 50), g = normal_vector<double>(6 * 2, 51),
+             a2 = normal_vector<double>(6 * 3, 52), g2 = normal_vector<double>(6 * 2, 53);
   auto gs = g2;
   for (auto& x : gs) x *= 1024;
   auto s1 = k1.init<double>(la, layers), s2 = k1.init<double>(la, layers);
@@ -321,8 +315,9 @@ const kfac_layer model_layers[] = {
 // Rank r's a and g for layer l at step t.
 std::vector<float> shard(int t, int r, std::size_t l, bool is_g) {
   const auto& s = model_layers[l];
-  return randn<float>(static_cast<std::size_t>(5 * (is_g ? s.out : s.in)),
-                      1000u * unsigned(t) + 100u * unsigned(r) + 10u * unsigned(l) + (is_g ? 1u : 0u));
+  return normal_vector<float>(
+      static_cast<std::size_t>(5 * (is_g ? s.out : s.in)),
+      1000u * unsigned(t) + 100u * unsigned(r) + 10u * unsigned(l) + (is_g ? 1u : 0u));
 }
 
 struct grads_t {
@@ -331,9 +326,9 @@ struct grads_t {
   explicit grads_t(int t) {
     for (std::size_t l = 0; l < std::size(model_layers); ++l) {
       const auto& s = model_layers[l];
-      w.push_back(
-          randn<float>(static_cast<std::size_t>(s.out * s.in), 7000u + unsigned(t) * 10u + unsigned(l)));
-      b.push_back(s.bias ? randn<float>(static_cast<std::size_t>(s.out), 8000u + unsigned(t))
+      w.push_back(normal_vector<float>(static_cast<std::size_t>(s.out * s.in),
+                                       7000u + unsigned(t) * 10u + unsigned(l)));
+      b.push_back(s.bias ? normal_vector<float>(static_cast<std::size_t>(s.out), 8000u + unsigned(t))
                          : std::vector<float>());
     }
     for (std::size_t l = 0; l < w.size(); ++l)
@@ -466,8 +461,8 @@ TEST_CASE("kfac: a failing decomposition keeps the previous one and throws after
   auto st = kf.init<double>(la, layers);
   std::vector<double> w(6);
   const kfac_grad<double> grads[] = {{tensor_view<double>(w.data(), {2, 3})}};
-  auto a = randn<double>(15, 60);
-  const auto g = randn<double>(10, 61);
+  auto a = normal_vector<double>(15, 60);
+  const auto g = normal_vector<double>(10, 61);
   kf.accumulate(st, 0, mat(a, 5, 3), mat(g, 5, 2));
   kf.step(st, std::span(grads), 0.1);
   REQUIRE(st.ready(0));
@@ -487,7 +482,7 @@ TEST_CASE("kfac: a failing decomposition keeps the previous one and throws after
   }
   CHECK_THROWS_WITH(kf.step(st, std::span(grads), 0.1), Contains("restore a checkpoint"));
   st.load(saved);
-  kf.accumulate(st, 0, mat(randn<double>(15, 62), 5, 3), mat(g, 5, 2));
+  kf.accumulate(st, 0, mat(normal_vector<double>(15, 62), 5, 3), mat(g, 5, 2));
   CHECK_NOTHROW(kf.step(st, std::span(grads), 0.1));
 }
 
@@ -546,7 +541,8 @@ TEST_CASE("kfac: invalid options and input throw naming what is wrong", "[kfac]"
   CHECK_THROWS_WITH(kf.init<float>(la, zero), Contains("layer 'z' has in 0"));
   const kfac_layer layers[] = {{"fc", 3, 2, true}};
   auto st = kf.init<float>(la, layers);
-  const auto a = randn<float>(15, 1), g = randn<float>(10, 2), g4 = randn<float>(8, 3);
+  const auto a = normal_vector<float>(15, 1), g = normal_vector<float>(10, 2),
+             g4 = normal_vector<float>(8, 3);
   CHECK_THROWS_WITH(kf.accumulate(st, 1, mat(a, 5, 3), mat(g, 5, 2)), Contains("out of range"));
   CHECK_THROWS_WITH(kf.accumulate(st, 0, mat(a, 3, 5), mat(g, 5, 2)), Contains("takes a of rows × 3"));
   CHECK_THROWS_WITH(kf.accumulate(st, 0, mat(a, 5, 3), mat(g4, 4, 2)), Contains("a has 5 rows and g has 4"));

@@ -33,10 +33,10 @@
 #include <vector>
 
 #include "catch.hpp"
-#include "ld_linalg.hpp"
 #include "gradapt/backend/host.hpp"
 #include "gradapt/linalg/host_lapack.hpp"
 #include "gradapt/optim/shampoo.hpp"
+#include "ld_linalg.hpp"
 
 using Catch::Matchers::Contains;
 using gradapt::host;
@@ -48,21 +48,13 @@ using gradapt::tensor_view;
 using gradapt_test::jacobi_eigen;
 using gradapt_test::ld;
 using gradapt_test::matmul;
+using gradapt_test::normal_vector;
 using gradapt_test::sym_power;
 using gradapt_test::transpose;
 
 namespace {
 
 // ---- long double references --------------------------------------------------------------
-
-template <class T>
-std::vector<T> random_vector(std::size_t n, unsigned seed, double scale = 1.0) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<double> d(0.0, scale);
-  std::vector<T> v(n);
-  for (auto& x : v) x = T(d(rng));
-  return v;
-}
 
 // Copies src into dst in place: dst's buffer is what a param_list views, so it must not move.
 template <class T>
@@ -136,7 +128,7 @@ TEST_CASE("shampoo: one step equals L^(-1/4) G R^(-1/4) from a long double Jacob
     o.root.method = method;
     o.root.tolerance = 1e-12;
     one_tensor t({std::int64_t(m), std::int64_t(n)});
-    set(t.g, random_vector<double>(m * n, 11));
+    set(t.g, normal_vector<double>(m * n, 11));
     const shampoo opt(o);
     auto st = opt.init(backend, la, t.params);
     opt.step(backend, t.params, st);
@@ -158,7 +150,7 @@ TEST_CASE("shampoo: a 3-D tensor's direction is X ×1 P1 ×2 P2 ×3 P3 with p = 
   auto o = exact_options();
   o.root.epsilon = double(r);
   one_tensor t({std::int64_t(a), std::int64_t(b), std::int64_t(c)});
-  set(t.g, random_vector<double>(N, 5));
+  set(t.g, normal_vector<double>(N, 5));
   const shampoo opt(o);
   auto st = opt.init(backend, la, t.params);
   opt.step(backend, t.params, st);
@@ -213,7 +205,7 @@ TEST_CASE("shampoo: statistics (sum or EMA) and roots follow their frequencies",
     std::vector<ld> left(9, 0);  // the reference L
     std::vector<double> stat_before, root_before;
     for (int step = 1; step <= 5; ++step) {
-      set(t.g, random_vector<double>(12, 90 + unsigned(step)));
+      set(t.g, normal_vector<double>(12, 90 + unsigned(step)));
       stat_before.assign(st.statistic(0, 0, 0).begin(), st.statistic(0, 0, 0).end());
       root_before.assign(st.root(0, 0, 0).begin(), st.root(0, 0, 0).end());
       opt.step(backend, t.params, st);
@@ -285,7 +277,7 @@ TEST_CASE("shampoo: a blocked tensor gives what its blocks give as tensors of th
     o.start_preconditioning_step = 2;
     const shampoo opt(o);
     one_tensor big({6, 7});
-    set(big.p, random_vector<double>(42, 1));
+    set(big.p, normal_vector<double>(42, 1));
     auto sb = opt.init(backend, la, big.params);
     REQUIRE(sb.layout(0).blocks.size() == 4);
     const std::int64_t r0[4] = {0, 0, 4, 4}, c0[4] = {0, 4, 0, 4}, rs[4] = {4, 4, 2, 2}, cs[4] = {4, 3, 4, 3};
@@ -302,7 +294,7 @@ TEST_CASE("shampoo: a blocked tensor gives what its blocks give as tensors of th
     }
     auto sp = opt.init(backend, la, parts);
     for (int step = 0; step < 4; ++step) {
-      set(big.g, random_vector<double>(42, 100 + unsigned(step)));
+      set(big.g, normal_vector<double>(42, 100 + unsigned(step)));
       for (int j = 0; j < 4; ++j)
         for (std::int64_t i = 0; i < rs[j]; ++i)
           for (std::int64_t k = 0; k < cs[j]; ++k)
@@ -340,8 +332,8 @@ TEST_CASE("shampoo: 1-D and over-large tensors take the grafted AdaGrad or Adam 
     for (std::size_t i = 0; i < 10; ++i) rp[i] = 0.5L;
     for (std::size_t i = 10; i < 37; ++i) rp[i] = -0.25L;
     for (int t = 1; t <= 5; ++t) {
-      set(g1, random_vector<double>(10, unsigned(t)));
-      set(g2, random_vector<double>(27, 50 + unsigned(t)));
+      set(g1, normal_vector<double>(10, unsigned(t)));
+      set(g2, normal_vector<double>(27, 50 + unsigned(t)));
       opt.step(backend, params, st);
       for (std::size_t i = 0; i < 37; ++i) {
         const ld g = i < 10 ? g1[i] : g2[i - 10];
@@ -376,7 +368,7 @@ TEST_CASE("shampoo: each block's direction has the grafted method's norm", "[sha
     auto st = opt.init(backend, la, t.params);
     std::vector<ld> a(42, 0);
     for (int step = 1; step <= 3; ++step) {
-      set(t.g, random_vector<double>(42, 7 + unsigned(step), 0.1 * step));
+      set(t.g, normal_vector<double>(42, 7 + unsigned(step), 0.1 * step));
       opt.step(backend, t.params, st);
       std::vector<ld> dg(42);
       for (std::size_t i = 0; i < 42; ++i) {
@@ -421,7 +413,7 @@ TEST_CASE("shampoo: before start_preconditioning_step the step is the grafted me
   shampoo_options diag = o;
   diag.skip_preconditioning_dim_size_gt = 1;  // every tensor diagonal: the grafted optimizer
   one_tensor a({6, 5}), b({6, 5});
-  set(a.p, random_vector<double>(30, 3));
+  set(a.p, normal_vector<double>(30, 3));
   set(b.p, a.p);
   const shampoo sa(o), sb(diag);
   auto st_a = sa.init(backend, la, a.params);
@@ -429,7 +421,7 @@ TEST_CASE("shampoo: before start_preconditioning_step the step is the grafted me
   REQUIRE(!st_a.layout(0).diagonal);
   REQUIRE(st_b.layout(0).diagonal);
   for (int t = 1; t <= 4; ++t) {
-    set(a.g, random_vector<double>(30, 40 + unsigned(t)));
+    set(a.g, normal_vector<double>(30, 40 + unsigned(t)));
     set(b.g, a.g);
     sa.step(backend, a.params, st_a);
     sb.step(backend, b.params, st_b);
@@ -456,23 +448,23 @@ TEST_CASE("shampoo: a NaN gradient keeps the previous roots, counts, and throws 
   const shampoo opt(o);
   auto st = opt.init(backend, la, t.params);
   for (int s = 0; s < 2; ++s) {
-    set(t.g, random_vector<double>(16, 60 + unsigned(s)));
+    set(t.g, normal_vector<double>(16, 60 + unsigned(s)));
     opt.step(backend, t.params, st);
   }
   const std::vector<double> l0(st.root(0, 0, 0).begin(), st.root(0, 0, 0).end());
   const std::vector<double> r0(st.root(0, 0, 1).begin(), st.root(0, 0, 1).end());
-  set(t.g, random_vector<double>(16, 70));
+  set(t.g, normal_vector<double>(16, 70));
   t.g[5] = std::numeric_limits<double>::quiet_NaN();
   opt.step(backend, t.params, st);
   CHECK(std::equal(l0.begin(), l0.end(), st.root(0, 0, 0).begin()));
   CHECK(std::equal(r0.begin(), r0.end(), st.root(0, 0, 1).begin()));
   CHECK(st.block(0, 0).failures == 1);
   CHECK(st.block(0, 0).consecutive_failures == 1);
-  set(t.g, random_vector<double>(16, 71));
+  set(t.g, normal_vector<double>(16, 71));
   opt.step(backend, t.params, st);  // the summed statistic stays NaN
   CHECK(st.block(0, 0).consecutive_failures == 2);
   const std::vector<double> before = t.p;
-  set(t.g, random_vector<double>(16, 72));
+  set(t.g, normal_vector<double>(16, 72));
   REQUIRE_THROWS_WITH(opt.step(backend, t.params, st), Contains("parameter 'w' block 0") &&
                                                            Contains("failed 3 times in a row") &&
                                                            Contains("nonfinite_input"));
@@ -490,7 +482,7 @@ TEST_CASE("shampoo: a zero statistic with a relative ridge fails and the block t
   opt.step(backend, t.params, st);  // g = 0: S = 0, λ_max = 0, relative ridge 0: singular
   CHECK(!st.block(0, 0).ready);
   CHECK(st.block(0, 0).failures == 1);
-  set(t.g, random_vector<double>(12, 2));
+  set(t.g, normal_vector<double>(12, 2));
   opt.step(backend, t.params, st);
   CHECK(st.block(0, 0).ready);
   CHECK(st.block(0, 0).consecutive_failures == 0);
@@ -513,8 +505,8 @@ TEST_CASE("shampoo: save/load continues bit for bit; bad archives throw and chan
   params.add("bias", gradapt::host_view(bias), gradapt::host_view(gb));
   auto st = opt.init(backend, la, params);
   const auto grads = [&](int s) {
-    set(gw, random_vector<float>(30, 200 + unsigned(s)));
-    set(gb, random_vector<float>(5, 300 + unsigned(s)));
+    set(gw, normal_vector<float>(30, 200 + unsigned(s)));
+    set(gb, normal_vector<float>(5, 300 + unsigned(s)));
   };
   for (int s = 0; s < 3; ++s) {
     grads(s);
@@ -641,7 +633,7 @@ TEST_CASE("shampoo: an ill-conditioned quadratic converges in far fewer steps th
   const std::size_t n = 8;
   const auto spd = [&](unsigned seed) {
     std::vector<ld> q, w;
-    auto m = random_vector<double>(n * n, seed);
+    auto m = normal_vector<double>(n * n, seed);
     std::vector<ld> s(n * n);
     for (std::size_t i = 0; i < n; ++i)
       for (std::size_t j = 0; j < n; ++j) s[i * n + j] = ld(m[i * n + j]) + ld(m[j * n + i]);
@@ -657,7 +649,7 @@ TEST_CASE("shampoo: an ill-conditioned quadratic converges in far fewer steps th
     return a;
   };
   const auto A = spd(1), B = spd(2);
-  const auto wstar = random_vector<double>(n * n, 3);
+  const auto wstar = normal_vector<double>(n * n, 3);
   // Steps to f <= 1e-6·f(W0) from W0 = 0, or `cap` + 1 (diverged, or not there in `cap` steps).
   const auto run = [&](shampoo_options o, double lr, int cap) {
     o.lr = lr;
@@ -719,7 +711,7 @@ TEST_CASE("shampoo: groups, 16-bit gradients, moved buffers and thread counts", 
   o.weight_decay = 0.01;
   o.max_preconditioner_dim = 4;
   const shampoo opt(o);
-  const auto grads = [](int s) { return random_vector<float>(30, 500 + unsigned(s)); };
+  const auto grads = [](int s) { return normal_vector<float>(30, 500 + unsigned(s)); };
   // Reference: float gradients, one thread.
   std::vector<float> w0(30, 0.5f), g0(30), b0(3, 0.25f), gb0(3, 0.f);
   gradapt::param_list<float> ref;

@@ -1,10 +1,12 @@
 #pragma once
 // Long double dense linear algebra for test references, written from the textbook formulas and
 // independent of the library: a cyclic Jacobi eigensolver (Golub & Van Loan §8.5), powers of
-// symmetric matrices through it, products, transposes and a linear solve with partial pivoting.
+// symmetric matrices through it, products, transposes and a linear solve with partial pivoting;
+// and the normal random inputs the second-order tests (Shampoo, K-FAC) feed them.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <random>
 #include <vector>
 
 namespace gradapt_test {
@@ -63,8 +65,8 @@ inline std::vector<ld> sym_power(const std::vector<ld>& a, std::size_t n, ld r, 
 }
 
 // C (m × n) = A (m × k) · B (k × n).
-inline std::vector<ld> matmul(const std::vector<ld>& a, const std::vector<ld>& b, std::size_t m, std::size_t k,
-                       std::size_t n) {
+inline std::vector<ld> matmul(const std::vector<ld>& a, const std::vector<ld>& b, std::size_t m,
+                              std::size_t k, std::size_t n) {
   std::vector<ld> c(m * n, 0);
   for (std::size_t i = 0; i < m; ++i)
     for (std::size_t l = 0; l < k; ++l)
@@ -101,6 +103,16 @@ inline std::vector<ld> solve(std::vector<ld> s, std::vector<ld> b, std::size_t n
       x[k * m + c] = v / s[k * n + k];
     }
   return x;
+}
+
+// n values from N(0, scale²), mt19937(seed), converted to T.
+template <class T>
+std::vector<T> normal_vector(std::size_t n, unsigned seed, double scale = 1.0) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<double> d(0.0, scale);
+  std::vector<T> v(n);
+  for (auto& x : v) x = T(d(rng));
+  return v;
 }
 
 }  // namespace gradapt_test
