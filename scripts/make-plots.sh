@@ -12,23 +12,26 @@
 #   optimizer_memory -> optimizer_memory.svg, optimizer_memory.csv (docs/algorithms/adafactor-sm3.md)
 #   shampoo_digits   -> shampoo_digits_steps.svg, shampoo_digits_time.svg, shampoo_digits.csv
 #                                                  (docs/algorithms/shampoo.md; needs BLAS/LAPACK)
+#   kfac_digits      -> kfac_digits_steps.svg, kfac_digits_time.svg, kfac_digits.csv
+#                                                  (docs/algorithms/kfac.md; needs BLAS/LAPACK)
 #
-# Every example runs with its defaults, as the pages describe. All but goodput_adapt and
-# shampoo_digits are deterministic (fixed seeds, fixed reduction orders): with unchanged sources
+# Every example runs with its defaults, as the pages describe. All but goodput_adapt,
+# shampoo_digits and kfac_digits are deterministic (fixed seeds, fixed reduction orders): with unchanged sources
 # their files come out byte-identical to the committed ones. goodput_adapt is not: it times its
 # own steps and its batch-size decisions follow the measured times, so its two plots change from
 # run to run (and with the machine's load); the committed ones come from one run described in
-# goodput.md. shampoo_digits records the wall time of its steps: its time plot and the seconds
-# column of its CSV change from run to run, while its losses (the steps plot) are the same bits
-# for a given BLAS/LAPACK library, CPU and thread count (it runs with OPENBLAS_NUM_THREADS=1);
-# the committed files come from one run described in shampoo.md.
+# goodput.md. shampoo_digits and kfac_digits record the wall time of their steps: their time
+# plots and the seconds column of their CSVs change from run to run, while their losses and
+# accuracies (the steps plots) are the same bits for a given BLAS/LAPACK library, CPU and thread
+# count (they run with OPENBLAS_NUM_THREADS=1); the committed files come from one run each,
+# described in shampoo.md and kfac.md.
 #
 # Usage: scripts/make-plots.sh [--out DIR] [--build DIR] [--skip-timed]
 #   --out DIR     where the files go (default docs/algorithms/img). With another directory the
 #                 script also says, file by file, whether the result equals the committed one.
 #   --build DIR   build directory (default build/plots; configured if needed)
-#   --skip-timed  leave out goodput_adapt and shampoo_digits (their plots depend on timing;
-#                 goodput_adapt needs Eigen, shampoo_digits BLAS/LAPACK)
+#   --skip-timed  leave out goodput_adapt, shampoo_digits and kfac_digits (their plots depend
+#                 on timing; goodput_adapt needs Eigen, the other two BLAS/LAPACK)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -41,13 +44,13 @@ while [ $# -gt 0 ]; do
     --out) out=${2:?--out needs a directory}; shift 2 ;;
     --build) build=${2:?--build needs a directory}; shift 2 ;;
     --skip-timed) skip_timed=1; shift ;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
     *) echo "make-plots: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
 
 targets=(adascale_digits comm_strategies loss_scale_trace demo optimizer_memory)
-[ "$skip_timed" = 1 ] || targets+=(goodput_adapt shampoo_digits)
+[ "$skip_timed" = 1 ] || targets+=(goodput_adapt shampoo_digits kfac_digits)
 
 # Plain -O2 with debug info (the flags a consumer typically uses), without tests, benches, docs.
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGRADAPT_WITH_CUDA=OFF \
@@ -80,6 +83,8 @@ run optimizer_memory optimizer_memory.svg optimizer_memory.csv
 [ "$skip_timed" = 1 ] || run goodput_adapt goodput_adapt.svg noise_scale_digits.svg
 [ "$skip_timed" = 1 ] ||
   OPENBLAS_NUM_THREADS=1 run shampoo_digits shampoo_digits_steps.svg shampoo_digits_time.svg shampoo_digits.csv
+[ "$skip_timed" = 1 ] ||
+  OPENBLAS_NUM_THREADS=1 run kfac_digits kfac_digits_steps.svg kfac_digits_time.svg kfac_digits.csv
 
 echo "==== compared with the committed files (git HEAD)"
 for f in "${produced[@]}"; do
