@@ -72,6 +72,7 @@
 #include <gradapt/optim/shampoo.hpp>
 
 #include "common/check.hpp"
+#include "common/cli.hpp"
 #include "common/digits_mlp.hpp"
 #include "common/svg_plot.hpp"
 
@@ -295,46 +296,6 @@ constexpr const char* options[] = {"--data",         "--out",        "--ranks",
                                    "--async",        "--eval-every", "--grid",
                                    "--seed"};
 
-/// Every argument must be a known option followed by its value (a typo must not silently run
-/// the defaults).
-void check_args(int argc, char** argv) {
-  for (int i = 1; i < argc; i += 2) {
-    const bool known = std::any_of(std::begin(options), std::end(options),
-                                   [&](const char* o) { return std::strcmp(argv[i], o) == 0; });
-    if (!known) {
-      std::string list;
-      for (const char* o : options) list += std::string(" ") + o;
-      examples::fail("shampoo_digits: unknown argument '", argv[i], "' (options:", list,
-                     ", each followed by a value)");
-    }
-    examples::require(i + 1 < argc, "shampoo_digits: option ", argv[i], " needs a value");
-  }
-}
-
-std::string arg(int argc, char** argv, const char* name, const std::string& def) {
-  for (int i = 1; i + 1 < argc; i += 2)
-    if (std::strcmp(argv[i], name) == 0) return argv[i + 1];
-  return def;
-}
-
-/// A number from an option's text; throws naming the option when it is not one.
-template <class T>
-T parse(const std::string& text, const char* name) {
-  std::size_t used = 0;
-  T v{};
-  try {
-    if constexpr (std::is_floating_point_v<T>)
-      v = static_cast<T>(std::stod(text, &used));
-    else
-      v = static_cast<T>(std::stol(text, &used));
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  examples::require(used == text.size() && used > 0, "shampoo_digits: ", name, " is '", text,
-                    "' (expected a number)");
-  return v;
-}
-
 /// `--grid 1`: every method at every rate of the grid, final losses only; prints the table and
 /// each method's best rate.
 void grid(const dataset& d, const split& s, const config& c, const std::vector<method>& methods) {
@@ -360,24 +321,13 @@ void grid(const dataset& d, const split& s, const config& c, const std::vector<m
 
 int main(int argc, char** argv) {
   try {
-    check_args(argc, argv);
-    const dataset d = examples::digits::load(
-        arg(argc, argv, "--data", GRADAPT_EXAMPLES_DATA_DIR "/digits.csv"), "shampoo_digits");
-    const std::string out_dir = arg(argc, argv, "--out", ".");
+    const examples::cli cl(argc, argv, "shampoo_digits", options);
+    const dataset d =
+        examples::digits::load(cl.text("--data", GRADAPT_EXAMPLES_DATA_DIR "/digits.csv"), "shampoo_digits");
+    const std::string out_dir = cl.text("--out", ".");
     config c;
-    const auto num = [&](const char* name, double def) {
-      const std::string v = arg(argc, argv, name, "");
-      const double x = v.empty() ? def : parse<double>(v, name);
-      examples::require(std::isfinite(x) && x >= 0, "shampoo_digits: ", name, " is ", x,
-                        " (expected finite and >= 0)");
-      return x;
-    };
-    const auto count = [&](const char* name, long def, long min) {
-      const std::string v = arg(argc, argv, name, "");
-      const long x = v.empty() ? def : parse<long>(v, name);
-      examples::require(x >= min, "shampoo_digits: ", name, " is ", x, " (expected >= ", min, ")");
-      return x;
-    };
+    const auto num = [&](const char* name, double def) { return cl.number(name, def); };
+    const auto count = [&](const char* name, long def, long min) { return cl.count(name, def, min); };
     c.ranks = static_cast<int>(count("--ranks", c.ranks, 1));
     c.steps = count("--steps", c.steps, 1);
     c.batch = static_cast<int>(count("--batch", c.batch, 1));
