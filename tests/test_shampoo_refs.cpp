@@ -14,7 +14,9 @@
 //  - float: every element within float_margin times the peer's own float32-to-float64 distance
 //    (recorded in the file), and never looser than rtol_float_cap;
 //  - each deliberately wrong configuration of the peer (recorded distance) lands at least 10x
-//    outside the float tolerance, so both comparisons can fail.
+//    outside the float tolerance, so both comparisons can fail; the variants recorded as
+//    `sensitivity_double` (eigen roots in place of coupled Newton's, equal to within Newton's
+//    tolerance) land at least 10x outside the double tolerance.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -89,6 +91,7 @@ struct case_data {
   double scale = 0;         ///< largest |p_last - p_0| in the reference: the unit of differences
   double peer_float32 = 0;  ///< the peer's float32 run's distance from its float64 run
   std::vector<std::pair<double, std::string>> sensitivity;
+  std::vector<std::pair<double, std::string>> sensitivity_double;  ///< to be resolved in double only
   std::vector<tensor_spec> tensors;
   std::vector<result> results;
 
@@ -129,6 +132,11 @@ case_data load_case(const std::filesystem::path& file) {
       std::string label;
       ls >> v >> label;
       c.sensitivity.emplace_back(v, label);
+    } else if (key == "sensitivity_double") {
+      double v = 0;
+      std::string label;
+      ls >> v >> label;
+      c.sensitivity_double.emplace_back(v, label);
     } else if (key == "tensor") {
       tensor_spec t;
       int rank = 0;
@@ -289,8 +297,9 @@ double worst_difference(const case_data& c, const std::map<int, std::vector<std:
 // inputs, in other operation orders and with other eigensolvers (LAPACK here, torch.linalg.eigh
 // there); the coupled Newton roots run the same iteration to the same stopping rule. The
 // differences measured are rounding: at most 2.1e-14 (the full-matrix case, 288 x 288 roots),
-// 2.6e-15 elsewhere. 1e-10 leaves more than two orders of margin for other BLAS/LAPACK builds
-// and sits 1e7 inside the nearest wrong variant (2.2e-3).
+// 2.6e-15 elsewhere. 1e-10 leaves more than three orders of margin for other BLAS/LAPACK builds
+// and sits 7e5 inside the eigen root in place of coupled Newton's (7.4e-8), 2e7 inside the
+// nearest wrong variant (2.2e-3).
 constexpr double rtol_double = 1e-10;
 // float: gradapt's float run and the peer's float32 run each carry float32 rounding through the
 // trajectory, amplified by the roots' conditioning; the peer's own float32 run lands
@@ -317,6 +326,10 @@ TEST_CASE("shampoo matches DistributedShampoo reference trajectories", "[shampoo
     for (const auto& [d, label] : c.sensitivity) {
       INFO("wrong variant '" << label << "' lands " << d << " away (tolerance " << rtol_float << ")");
       REQUIRE(d > 10 * rtol_float);
+    }
+    for (const auto& [d, label] : c.sensitivity_double) {
+      INFO("variant '" << label << "' lands " << d << " away (double tolerance " << rtol_double << ")");
+      REQUIRE(d > 10 * rtol_double);
     }
     const double dd = worst_difference(c, run_case<double>(c));
     const double df = worst_difference(c, run_case<float>(c));

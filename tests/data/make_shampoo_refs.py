@@ -21,7 +21,9 @@ first step, the first preconditioned step, the 16th and the 32nd (every element)
                  all recorded steps): the size of float32 rounding over the trajectory, from
                  which the C++ test sets its float tolerance;
   sensitivity    how far deliberately wrong configurations of the peer land from the reference
-                 (in scale units), so the test can check its tolerances separate right from wrong.
+                 (in scale units), so the test can check its tolerances separate right from wrong;
+                 sensitivity_double: variants that only the double comparison is to resolve (the
+                 eigen root in place of coupled Newton, whose result is within Newton's tolerance).
 
 Option mapping (gradapt shampoo_options -> DistributedShampoo):
   lr                          -> lr; the peer keeps it in a float32 tensor, so every case uses a
@@ -69,10 +71,13 @@ Option mapping (gradapt shampoo_options -> DistributedShampoo):
                                  float64 (reference) or all float32 (peer_float32), and torch's
                                  default dtype the same (the peer's Adam graft forms 1 - beta^t as
                                  torch.tensor(1.0) - beta**t)
-Not matched, so not exercised: gradapt's relative ridge (eps * lambda_max; the peer's eigen root
-only takes an absolute one), statistics_frequency > 1, the peer's gradient EMA (betas[0] > 0) and
-bias-corrected statistics EMA, momentum dampening, L2 (coupled) weight decay, gradapt's
-forward merge on the peer's side (the script reshapes instead).
+Not matched, so not exercised: gradapt's relative ridge (eps * lambda_max, its default; the
+peer's eigen root only takes an absolute one, and its higher-order root's lambda_max is an upper
+bound rather than gradapt's power iteration), statistics_frequency > 1 (the peer updates every
+step), schedules with start_preconditioning_step % precondition_frequency != 0, the peer's
+gradient EMA (betas[0] > 0) and bias-corrected statistics EMA, momentum dampening, L2 (coupled)
+weight decay, the peer's merging from the last dimension (the script reshapes instead), and
+gradapt's inverse_exponent_override and skip_preconditioning_dim_size_gt.
 """
 
 import math
@@ -295,6 +300,9 @@ def cases():
         ("summed statistics", variant(c, beta2=1.0)),
         ("graft beta 0.95", variant(c, peer_graft=ds.RMSpropPreconditionerConfig(beta2=0.95, epsilon=1e-8))),
         ("epsilon 1e-3", variant(c, epsilon=1e-3)),
+        # The same roots to within Newton's tolerance: only the double comparison resolves them.
+        ("double: eigen roots", variant(c, root="eigen")),
+        ("double: newton tolerance 1e-8", variant(c, newton_tolerance=1e-8)),
     ]))
 
     # gradapt's default merging with max_preconditioner_dim 1024: m [12,10] and conv [8,4,3,3]
@@ -349,7 +357,10 @@ def main():
                  "peer_float32 %r" % max_scaled_diff(f32, ref, scale)]
         for label, w in wrong:
             d = max_scaled_diff(run_peer(w, tensors, torch.float64, [STEPS]), {STEPS: ref[STEPS]}, scale)
-            lines.append("sensitivity %r %s" % (d, label.replace(" ", "_")))
+            if label.startswith("double: "):
+                lines.append("sensitivity_double %r %s" % (d, label[len("double: "):].replace(" ", "_")))
+            else:
+                lines.append("sensitivity %r %s" % (d, label.replace(" ", "_")))
         for t in tensors:
             lines.append(t.line())
             merged = merged_shape(t.shape, c["max_preconditioner_dim"], c["merge_small_dims"])
