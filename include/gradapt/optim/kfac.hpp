@@ -85,7 +85,8 @@ concept kfac_grad_range = std::ranges::contiguous_range<const R> && std::ranges:
     is_kfac_grad<std::remove_cv_t<std::ranges::range_value_t<R>>>::value;
 }  // namespace detail
 
-/// Options of `gradapt::kfac` (defaults: kfac-pytorch's KFACPreconditioner).
+/// Options of `gradapt::kfac` (defaults: kfac-pytorch's KFACPreconditioner, except
+/// prediv_eigenvalues, which kfac-pytorch switches on; the results are the same either way).
 struct kfac_options {
   /// d of the running averages, in (0, 1]. Default 0.95.
   double factor_decay = 0.95;
