@@ -7,12 +7,21 @@
 # A finding (a crash, a sanitizer report, a rejected load that changed the state, or a save /
 # load round trip that is not the identity) fails the script; libFuzzer writes the input that
 # caused it to BUILD_DIR/crash-*.
+#
+# GRADAPT_FUZZ_STEP=build only compiles BUILD_DIR/fuzz_load; GRADAPT_FUZZ_STEP=run only runs the
+# one compiled before (scripts/test-all.sh compiles it while the presets build); unset, both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-60}
 out=${2:-build/fuzz}
+step=${GRADAPT_FUZZ_STEP:-all}
 mkdir -p "$out/corpus"
-clang++ -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-  -Iinclude -Itests/support tests/fuzz/fuzz_load.cpp -o "$out/fuzz_load"
+if [ "$step" != run ]; then
+  clang++ -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
+    -Iinclude -Itests/support tests/fuzz/fuzz_load.cpp -o "$out/fuzz_load"
+fi
+if [ "$step" = build ]; then
+  exit 0
+fi
 cd "$out"
 ./fuzz_load -max_total_time="$seconds" -max_len=4096 -seed=20261125 -print_final_stats=1 corpus
