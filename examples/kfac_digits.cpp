@@ -79,6 +79,7 @@
 #include "common/check.hpp"
 #include "common/cli.hpp"
 #include "common/digits_mlp.hpp"
+#include "common/digits_run.hpp"
 #include "common/svg_plot.hpp"
 
 #ifndef GRADAPT_EXAMPLES_DATA_DIR
@@ -87,8 +88,13 @@
 
 namespace {
 
+using examples::digits::allreduce_mean;
+using examples::digits::batch_of;
 using examples::digits::dataset;
+using examples::digits::evaluator;
 using examples::digits::mlp;
+using examples::digits::point;
+using examples::digits::split;
 using gradapt::comm::threads;
 namespace dg = examples::digits;
 
@@ -137,95 +143,12 @@ struct config {
   }
 };
 
-struct split {
-  std::vector<int> train, test;
-};
-
-struct point {
-  long step;
-  double seconds, loss, accuracy;
-};
-
-struct run_result {
+struct run_result : examples::digits::run_trace {
   std::string name;
   double lr = 0;
-  std::vector<point> points;
-  bool identical = false;            ///< all replicas bitwise equal at the last evaluation
   double seconds = 0;                ///< training steps' wall time on rank 0
   std::uint64_t decompositions = 0;  ///< K-FAC: layer decompositions, summed over the ranks
 };
-
-/// Evaluation on every rank's own slice of the data, outside the timed steps: rank r sums the
-/// losses of training examples r, r + N, ... and counts its correct held-out predictions; rank
-/// 0 adds the slices in rank order (the same bits on every run) and compares the replicas.
-class evaluator {
- public:
-  evaluator(const dataset& d, const split& s, int ranks, run_result& out)
-      : d_(d), s_(s), slots_(static_cast<std::size_t>(ranks)), out_(out) {}
-
-  /// Collective over `comm` (two barriers).
-  void record(threads& comm, mlp& m, long step, double seconds) {
-    const auto n = static_cast<std::size_t>(comm.size());
-    const auto r = static_cast<std::size_t>(comm.rank());
-    auto& mine = slots_[r];
-    mine.loss_sum = 0;
-    mine.correct = 0;
-    std::vector<int> idx;
-    for (std::size_t i = r; i < s_.train.size(); i += n) idx.push_back(s_.train[i]);
-    if (!idx.empty())
-      mine.loss_sum =
-          m.loss(d_, idx.data(), static_cast<int>(idx.size()), false) * static_cast<double>(idx.size());
-    for (std::size_t i = r; i < s_.test.size(); i += n)
-      if (m.predict(d_, s_.test[i]) == d_.y[static_cast<std::size_t>(s_.test[i])]) ++mine.correct;
-    mine.params.resize(mlp::n_params);
-    auto it = std::copy(m.w1.begin(), m.w1.end(), mine.params.begin());
-    it = std::copy(m.b1.begin(), m.b1.end(), it);
-    it = std::copy(m.w2.begin(), m.w2.end(), it);
-    std::copy(m.b2.begin(), m.b2.end(), it);
-    comm.barrier();
-    if (comm.rank() == 0) {
-      double loss = 0;
-      long correct = 0;
-      out_.identical = true;
-      for (const auto& s : slots_) {
-        loss += s.loss_sum;
-        correct += s.correct;
-        if (std::memcmp(s.params.data(), slots_[0].params.data(), mlp::n_params * sizeof(float)) != 0)
-          out_.identical = false;
-      }
-      loss /= static_cast<double>(s_.train.size());
-      out_.points.push_back(
-          {step, seconds, loss, static_cast<double>(correct) / static_cast<double>(s_.test.size())});
-    }
-    comm.barrier();
-  }
-
- private:
-  struct slot {
-    double loss_sum = 0;
-    long correct = 0;
-    std::vector<float> params;
-  };
-  const dataset& d_;
-  const split& s_;
-  std::vector<slot> slots_;
-  run_result& out_;
-};
-
-/// Fills idx with this rank's training examples of step t: the same stream for every run.
-void batch_of(const config& c, const split& s, long t, int rank, std::vector<int>& idx) {
-  const auto n = static_cast<long>(s.train.size());
-  for (int k = 0; k < c.batch; ++k)
-    idx[static_cast<std::size_t>(k)] =
-        s.train[static_cast<std::size_t>(((t * c.ranks + rank) * c.batch + k) % n)];
-}
-
-/// The gradient allreduce of data parallelism: sum over the flat gradient bucket, then / N.
-void allreduce_mean(threads& comm, const gradapt::host& backend, mlp& model) {
-  comm.allreduce(model.grad_bucket(), gradapt::reduce_op::sum);
-  const float inv = 1.0f / static_cast<float>(comm.size());
-  backend.apply_list([inv](float& g) { g *= inv; }, model.params.grads());
-}
 
 /// K-FAC's inputs for one batch: each layer's inputs a and the gradients g of each example's own
 /// loss with respect to the layer's pre-activations, rows = examples.
@@ -290,7 +213,7 @@ run_result train(const dataset& d, const split& s, const config& c, method m, do
       for (long t = 0; t < c.steps; ++t) {
         if (t % eval_every == 0) ev.record(comm, model, t, seconds);
         const auto t0 = std::chrono::steady_clock::now();
-        batch_of(c, s, t, comm.rank(), idx);
+        batch_of(c.batch, c.ranks, s, t, comm.rank(), idx);
         model.loss(d, idx.data(), c.batch, true);
         allreduce_mean(comm, backend, model);
         opt_step(c.lr_at(t, lr));
