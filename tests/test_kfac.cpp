@@ -8,7 +8,9 @@
 //  3. KL clipping scales by ν = min(1, √(kl_clip / |Σ lr²⟨V, M⟩|));
 //  4. frequencies, micro-batch averaging, the loss scale divided out of g;
 //  5. distributed over 1..4 comm::threads ranks, each with its own a and g: the bits of one rank
-//     accumulating every rank's batch in rank order; each decomposition computed once;
+//     accumulating every rank's batch in rank order; each decomposition computed once; the same
+//     under every grad_worker_fraction (1..6 ranks), with each decomposition held by g ranks;
+//     checkpoints of partly held decompositions; double decompositions over float factors;
 //  6. failures keep the previous decomposition, count, and throw after N in a row (naming the
 //     rank that computed it); checkpoints continue bit for bit; bad input and ranks that
 //     disagree throw on every rank.
@@ -451,6 +453,218 @@ TEST_CASE("kfac distributed: bad input and disagreements throw on every rank", "
       }
     });
   }
+}
+
+// ---- 5b. grad_worker_fraction (KAISA's modes) and the decomposition precision ------------------
+
+namespace {
+// Step t of a run: this rank's a and g (on factor-update steps), then the step on `grads`.
+template <class K, class S, class Step>
+void feed(const K& kf, S& s, int t, int rank, Step&& step) {
+  if (kf.factor_update_due(s))
+    for (std::size_t l = 0; l < std::size(model_layers); ++l) {
+      const auto a = shard(t, rank, l, false), g = shard(t, rank, l, true);
+      kf.accumulate(s, l, mat(a, 5, model_layers[l].in), mat(g, 5, model_layers[l].out));
+    }
+  step();
+}
+// One rank accumulating ranks [0, n)'s batches, steps [from, to): the gradients after each step.
+template <class K, class S>
+std::vector<std::vector<float>> reference(const K& kf, S& st, int n, int from, int to) {
+  std::vector<std::vector<float>> want;
+  for (int t = from; t < to; ++t) {
+    const bool due = kf.factor_update_due(st);
+    for (int r = 0; r < n && due; ++r)
+      for (std::size_t l = 0; l < std::size(model_layers); ++l) {
+        const auto a = shard(t, r, l, false), g = shard(t, r, l, true);
+        kf.accumulate(st, l, mat(a, 5, model_layers[l].in), mat(g, 5, model_layers[l].out));
+      }
+    grads_t gr(t);
+    kf.step(st, gr.views, 0.05);
+    want.push_back(gr.flat());
+  }
+  return want;
+}
+bool same_bits(const std::vector<float>& x, const std::vector<float>& y) {
+  return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
+}
+}  // namespace
+
+TEST_CASE(
+    "kfac distributed: every grad_worker_fraction gives one rank's bits; g ranks hold each decomposition",
+    "[kfac][dist]") {
+  const int steps = 7;
+  for (const auto method : {kfac_method::eigen, kfac_method::inverse})
+    for (const int n : {1, 2, 3, 4, 6}) {
+      kfac_options o{.factor_update_steps = 2, .inv_update_steps = 3, .damping = 0.003, .method = method};
+      const kfac ref(o);
+      auto st = ref.init<float>(la, model_layers);
+      const auto want = reference(ref, st, n, 0, steps);
+      for (int g = 1; g <= n; ++g) {
+        if (n % g != 0) continue;
+        INFO(n << " ranks, " << g << " grad workers, method " << int(method));
+        o.grad_worker_fraction = double(g) / double(n);
+        const kfac kf(o);
+        std::vector<std::size_t> bytes(static_cast<std::size_t>(n));
+        std::vector<int> held(static_cast<std::size_t>(n) * std::size(model_layers));
+        std::vector<std::uint64_t> computed(static_cast<std::size_t>(n));
+        run_threads(n, quick, [&](threads& c) {
+          auto s = kf.init<float>(la, model_layers);
+          for (int t = 0; t < steps; ++t) {
+            grads_t gr(t);
+            feed(kf, s, t, c.rank(), [&] { kf.step(c, s, gr.views, 0.05); });
+            RANK_CHECK(same_bits(gr.flat(), want[static_cast<std::size_t>(t)]));
+          }
+          RANK_CHECK(s.grad_workers() == g);
+          const auto me = static_cast<std::size_t>(c.rank());
+          bytes[me] = s.decomposition_bytes();
+          computed[me] = s.decompositions();
+          for (std::size_t l = 0; l < std::size(model_layers); ++l)
+            held[me * std::size(model_layers) + l] = s.holds(l) ? 1 : 0;
+        });
+        std::size_t total = 0;
+        std::uint64_t decs = 0;
+        for (int r = 0; r < n; ++r) {
+          total += bytes[static_cast<std::size_t>(r)];
+          decs += computed[static_cast<std::size_t>(r)];
+        }
+        CHECK(total == static_cast<std::size_t>(g) * st.decomposition_bytes());
+        CHECK(decs == st.decompositions());  // each decomposition computed once, on one rank
+        for (std::size_t l = 0; l < std::size(model_layers); ++l) {
+          int holders = 0;
+          for (int r = 0; r < n; ++r)
+            holders += held[static_cast<std::size_t>(r) * std::size(model_layers) + l];
+          CHECK(holders == g);
+        }
+      }
+    }
+}
+
+TEST_CASE("kfac distributed: grad_worker_fraction errors and disagreements throw on every rank",
+          "[kfac][dist]") {
+  SECTION("g that does not divide the ranks") {
+    const kfac kf({.grad_worker_fraction = 0.5});  // 3 ranks: g = round(1.5) = 2
+    run_threads(3, quick, [&](threads& c) {
+      auto s = kf.init<float>(la, model_layers);
+      grads_t gr(0);
+      feed(kf, s, 0, c.rank(), [&] {
+        RANK_REQUIRE_THROWS_WITH(kf.step(c, s, gr.views, 0.1),
+                                 Contains("2 grad workers per layer, which does not divide 3"));
+      });
+    });
+  }
+  for (const double f : {0.25, 0.5}) {
+    INFO("grad_worker_fraction " << f);
+    const kfac kf({.inv_update_steps = 3, .grad_worker_fraction = f});
+    run_threads(4, quick, [&](threads& c) {
+      auto s = kf.init<float>(la, model_layers);
+      for (int t = 0; t < 2; ++t) {
+        grads_t gr(t);
+        if (t == 1 && c.rank() == 3) gr.w[0][2] += 1.0f;  // rank 3 passes other gradients
+        feed(kf, s, t, c.rank(), [&] {
+          if (t == 0) {
+            kf.step(c, s, gr.views, 0.05);
+          } else {
+            // g = 1: every rank compares with rank 0; g = 2: ranks 1 and 3 see it, the others
+            // learn it from the agreement after the exchange.
+            const bool sees = f == 0.25 || c.rank() % 2 == 1;
+            RANK_REQUIRE_THROWS_WITH(kf.step(c, s, gr.views, 0.05),
+                                     Contains(sees ? "gradients of rank 3 differ" : "rank"));
+          }
+        });
+      }
+      RANK_REQUIRE_THROWS_WITH(kf.step(c, s, grads_t(2).views, 0.05), Contains("restore a checkpoint"));
+    });
+  }
+}
+
+TEST_CASE("kfac distributed: saves under grad_worker_fraction < 1 continue bitwise; another world recomputes",
+          "[kfac][dist]") {
+  const kfac_options base{.inv_update_steps = 3, .damping = 0.003};
+  kfac_options mo = base;
+  mo.grad_worker_fraction = 0.25;
+  const kfac mem(mo), full(base);
+  std::vector<std::vector<std::byte>> saves(4);
+  std::vector<std::vector<float>> want(4);
+  run_threads(4, quick, [&](threads& c) {
+    auto s = mem.init<float>(la, model_layers);
+    for (int t = 0; t < 6; ++t) {
+      grads_t gr(t);
+      feed(mem, s, t, c.rank(), [&] { mem.step(c, s, gr.views, 0.05); });
+      if (t == 1) saves[static_cast<std::size_t>(c.rank())] = s.save();  // decomposed at step 1 only
+      if (t >= 2) want[static_cast<std::size_t>(t - 2)] = gr.flat();
+    }
+  });
+  auto whole = full.init<float>(la, model_layers);
+  for (int t = 0; t < 2; ++t) reference(full, whole, 4, t, t + 1);
+  CHECK(saves[0].size() < whole.save().size());  // one rank holds some decompositions only
+  // The same world and fraction, each rank its own save: nothing recomputed.
+  run_threads(4, quick, [&](threads& c) {
+    auto s = mem.init<float>(la, model_layers);
+    s.load(saves[static_cast<std::size_t>(c.rank())]);
+    const auto before = s.decompositions();
+    for (int t = 2; t < 6; ++t) {
+      grads_t gr(t);
+      feed(mem, s, t, c.rank(), [&] { mem.step(c, s, gr.views, 0.05); });
+      RANK_CHECK(same_bits(gr.flat(), want[static_cast<std::size_t>(t - 2)]));
+    }
+    RANK_CHECK(s.decompositions() - before <= std::size(model_layers));  // step 4's, on this rank's layers
+  });
+  // Two ranks, every rank holding everything, from ranks 0 and 1's saves: the decompositions are
+  // recomputed from the stored factors at the next step, as one rank loading rank 0's save does.
+  auto one = full.init<float>(la, model_layers);
+  one.load(saves[0]);
+  const auto want2 = reference(full, one, 2, 2, 6);
+  run_threads(2, quick, [&](threads& c) {
+    auto s = full.init<float>(la, model_layers);
+    s.load(saves[static_cast<std::size_t>(c.rank())]);
+    for (int t = 2; t < 6; ++t) {
+      grads_t gr(t);
+      feed(full, s, t, c.rank(), [&] { full.step(c, s, gr.views, 0.05); });
+      RANK_CHECK(same_bits(gr.flat(), want2[static_cast<std::size_t>(t - 2)]));
+    }
+  });
+}
+
+TEST_CASE("kfac: decompositions in double over float factors", "[kfac]") {
+  const kfac kf({.inv_update_steps = 2});
+  auto ff = kf.init<float>(la, model_layers);
+  auto fd = kf.init<float, double>(la, model_layers);
+  auto dd = kf.init<double>(la, model_layers);
+  CHECK(fd.decomposition_bytes() == 2 * ff.decomposition_bytes());
+  std::vector<float> gf, gd;
+  for (int t = 0; t < 4; ++t) {
+    gf = reference(kf, fd, 1, t, t + 1)[0];
+    gd = reference(kf, dd, 1, t, t + 1)[0];
+    reference(kf, ff, 1, t, t + 1);
+  }
+  for (std::size_t l = 0; l < std::size(model_layers); ++l) {  // the factors are the float state's
+    CHECK(std::equal(fd.factor_a(l).begin(), fd.factor_a(l).end(), ff.factor_a(l).begin()));
+    CHECK(std::equal(fd.factor_g(l).begin(), fd.factor_g(l).end(), ff.factor_g(l).begin()));
+  }
+  double err = 0, scale = 0;  // float factors, double decompositions: float rounding of the factors only
+  for (std::size_t e = 0; e < gf.size(); ++e) {
+    err = std::max(err, std::fabs(double(gf[e]) - double(gd[e])));
+    scale = std::max(scale, std::fabs(double(gd[e])));
+  }
+  CHECK(err <= 1e-4 * scale);
+  // Distributed in double: one rank's bits.
+  auto one = kf.init<float, double>(la, model_layers);
+  const auto want = reference(kf, one, 3, 0, 4);
+  const kfac half({.inv_update_steps = 2, .grad_worker_fraction = 1.0 / 3.0});
+  run_threads(3, quick, [&](threads& c) {
+    auto s = half.init<float, double>(la, model_layers);
+    for (int t = 0; t < 4; ++t) {
+      grads_t gr(t);
+      feed(half, s, t, c.rank(), [&] { half.step(c, s, gr.views, 0.05); });
+      RANK_CHECK(same_bits(gr.flat(), want[static_cast<std::size_t>(t)]));
+    }
+  });
+  const auto bytes = fd.save();
+  auto back = kf.init<float, double>(la, model_layers);
+  back.load(bytes);
+  CHECK(back.save() == bytes);
+  CHECK_THROWS_WITH(ff.load(bytes), Contains("float64 decompositions"));
 }
 
 // ---- 6. failures, checkpoints, bad input ------------------------------------------------------

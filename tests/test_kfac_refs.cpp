@@ -241,7 +241,7 @@ std::map<std::string, double> run(const case_data& c) {
     REQUIRE(st.decompositions() - decompositions == (inverse ? c.layers.size() : 0));  // the peer's steps
 
     const auto bytes = st.save();
-    gradapt::archive_reader ar(bytes, "gradapt.kfac", 1);
+    gradapt::archive_reader ar(bytes, "gradapt.kfac", std::remove_cvref_t<decltype(st)>::archive_version);
     for (std::size_t i = 0; i < c.layers.size(); ++i) {
       const auto& l = c.layers[i];
       const int li = static_cast<int>(i);

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "gradapt/core/assign.hpp"
@@ -50,10 +51,16 @@ struct owner_exchange {
 
   /// Plans items of `cost` (for the assignment) and `words` (their size in the exchange).
   void plan(std::span<const std::uint64_t> cost, std::span<const std::size_t> words, int n, int r) {
-    owner = lpt_assign(cost, n);
+    plan_owners(lpt_assign(cost, n), words, n, r);
+  }
+  /// Plans items with the given owners (a rank in [0, n), or -1: the item is not exchanged) and
+  /// `words` (their size in the exchange).
+  void plan_owners(std::vector<int> owners, std::span<const std::size_t> words, int n, int r) {
+    owner = std::move(owners);
     std::vector<std::size_t> fill(static_cast<std::size_t>(n), header);
-    pos.assign(cost.size(), 0);
-    for (std::size_t i = 0; i < cost.size(); ++i) {
+    pos.assign(owner.size(), 0);
+    for (std::size_t i = 0; i < owner.size(); ++i) {
+      if (owner[i] < 0) continue;
       auto& f = fill[static_cast<std::size_t>(owner[i])];
       pos[i] = f;
       f += words[i];
@@ -66,6 +73,8 @@ struct owner_exchange {
   }
   /// True when this rank computes item i.
   bool owns(std::size_t i) const { return owner[i] == rank; }
+  /// Forgets the plan and frees the buffers.
+  void clear() { *this = owner_exchange{}; }
   /// Where this rank writes item i's words (it must own it).
   C* out(std::size_t i) { return send.data() + pos[i]; }
   /// Item i's words after `run`.

@@ -21,8 +21,12 @@
 ///     inverse:  V = (G + λI)⁻¹·M·(A + λI)⁻¹
 ///
 /// and with KL clipping every layer's V is scaled by ν = min(1, √(kl_clip / |Σ lr²·⟨V, M⟩|))
-/// (the sum over all layers). docs/algorithms/kfac.md has the options, the distributed mode
-/// and what is not built.
+/// (the sum over all layers). The factors are kept in C, the decompositions computed, kept and
+/// applied in D (both float or double; `kfac_state<L, C, D>`). Distributed, each layer's
+/// decomposition is computed on one rank and held by g = grad_worker_fraction · ranks of them,
+/// which precondition its gradient (KAISA's communication-optimal, hybrid and memory-optimal
+/// modes). docs/algorithms/kfac.md has the options, the distributed modes and what is not
+/// built.
 
 #include <algorithm>
 #include <array>
@@ -83,6 +87,21 @@ struct is_kfac_grad<kfac_grad<T>> : std::bool_constant<element<T>> {};
 template <class R>
 concept kfac_grad_range = std::ranges::contiguous_range<const R> && std::ranges::sized_range<const R> &&
     is_kfac_grad<std::remove_cv_t<std::ranges::range_value_t<R>>>::value;
+
+/// The two communicators of a hybrid plan (made by `split`), held by the state without its
+/// type: `tag` is the address of `kfac_comms_tag<Comm>`.
+struct kfac_comms_base {
+  virtual ~kfac_comms_base() = default;
+  const void* tag = nullptr;
+};
+template <class Comm>
+inline constexpr char kfac_comms_tag = 0;
+template <class Comm>
+struct kfac_comms final : kfac_comms_base {
+  kfac_comms(Comm g, Comm r) : group(std::move(g)), receivers(std::move(r)) { tag = &kfac_comms_tag<Comm>; }
+  Comm group;      ///< the grad workers of this rank's layers (ranks r / g equal)
+  Comm receivers;  ///< one rank of each group (ranks r mod g equal)
+};
 }  // namespace detail
 
 /// Options of `gradapt::kfac` (defaults: kfac-pytorch's KFACPreconditioner, except
@@ -106,23 +125,36 @@ struct kfac_options {
   /// A layer whose decomposition fails this many inverse updates in a row makes the step throw
   /// (>= 1). Default 10.
   std::uint64_t max_consecutive_failures = 10;
+  /// KAISA's grad_worker_fraction, in (0, 1]: on n ranks each layer has g = max(1,
+  /// round(fraction · n)) grad workers (g must divide n), the group of g consecutive ranks that
+  /// holds the rank decomposing it. They hold its decomposition and precondition its gradient.
+  /// 1: every rank holds every decomposition (communication-optimal); 1/n: only the decomposing
+  /// rank (memory-optimal; the preconditioned gradients are allgathered every step); in between,
+  /// hybrid. Every choice gives the same bits. Default 1.
+  double grad_worker_fraction = 1;
 };
 
 class kfac;
 
-/// The state of `gradapt::kfac` over linear-algebra backend L in element type C (float or
-/// double): per layer its factors A and G, the batch terms accumulated in this step, the
-/// decomposition (Q_A, d_A, Q_G, d_G, or the inverses; with prediv 1 / (d_G·d_Aᵀ + λ)), and its
-/// failure counters. Checkpoint: one archive of kind "gradapt.kfac" addressed by layer name
-/// (factors, decompositions, counters); the decompositions are stored, not recomputed.
-template <class L, class C>
+/// The state of `gradapt::kfac` over linear-algebra backend L, with factors in C and
+/// decompositions in D (each float or double): per layer its factors A and G, the batch terms
+/// accumulated in this step, the decomposition (Q_A, d_A, Q_G, d_G, or the inverses; with prediv
+/// 1 / (d_G·d_Aᵀ + λ)) where this rank holds it, and its failure counters.
+///
+/// Checkpoint: one archive of kind "gradapt.kfac" addressed by layer name (factors, the
+/// decompositions this rank holds, counters). Decompositions are stored, not recomputed: a
+/// rank that loads a checkpoint lacking a decomposition it must hold (a save from a rank that
+/// did not hold it, under grad_worker_fraction < 1 or another world) recomputes every
+/// decomposition from the stored factors at its next step, on every rank.
+template <class L, class C, class D = C>
 class kfac_state {
   static_assert(std::is_same_v<C, float> || std::is_same_v<C, double>, "kfac_state: C is float or double");
+  static_assert(std::is_same_v<D, float> || std::is_same_v<D, double>, "kfac_state: D is float or double");
 
  public:
   /// Kind and format version of the archive `save()` writes.
   static constexpr std::string_view archive_kind = "gradapt.kfac";
-  static constexpr std::uint32_t archive_version = 1;  ///< see archive_kind
+  static constexpr std::uint32_t archive_version = 2;  ///< see archive_kind
 
   kfac_state() = default;                       ///< an empty state; `kfac::init` creates a usable one
   kfac_state(kfac_state&&) noexcept = default;  ///< move
@@ -138,8 +170,19 @@ class kfac_state {
   std::span<const C> factor_a(std::size_t i) const { return at(i).a; }
   /// Layer i's factor G (out², row-major). @throws gradapt::error when i is out of range
   std::span<const C> factor_g(std::size_t i) const { return at(i).g; }
-  /// Whether layer i holds a decomposition from a successful inverse update.
+  /// Whether layer i has had a successful inverse update (on whichever rank computed it).
   bool ready(std::size_t i) const { return at(i).ready; }
+  /// Whether this rank is one of layer i's grad workers (holds its decomposition and
+  /// preconditions its gradient) under the last step's plan.
+  bool holds(std::size_t i) const { return at(i).held; }
+  /// Bytes of the decompositions this rank keeps.
+  std::size_t decomposition_bytes() const {
+    std::size_t b = 0;
+    for (const auto& x : l_) b += x.dec.size() * sizeof(D);
+    return b;
+  }
+  /// Grad workers per layer under the last distributed step's plan (1 before any).
+  int grad_workers() const { return group_; }
   /// Layer i's failed decompositions in a row and in all.
   std::pair<std::uint64_t, std::uint64_t> failures(std::size_t i) const {
     return {at(i).consecutive, at(i).failures};
@@ -149,7 +192,7 @@ class kfac_state {
   /// The rank that decomposes layer i under the last distributed step's plan (0 before any).
   int owner(std::size_t i) const {
     at(i);
-    return x_.world == 0 ? 0 : x_.owner[i];
+    return owner_.empty() ? 0 : owner_[i];
   }
   /// ν of the last step's KL clipping (1 when off or not clipped).
   double last_kl_scale() const { return nu_; }
@@ -158,6 +201,7 @@ class kfac_state {
   /// @throws gradapt::error when a factor or decomposition is not finite
   void save(archive_writer& w) const {
     w.put("element_type", name(dtype_of_v<C>));
+    w.put("decomposition_type", name(dtype_of_v<D>));
     w.put("method", std::string(method_ == kfac_method::eigen ? "eigen" : "inverse"));
     w.put("steps", steps_);
     w.put("layers", static_cast<std::uint64_t>(l_.size()));
@@ -170,21 +214,28 @@ class kfac_state {
       const std::int64_t sa[2] = {x.n, x.n}, sg[2] = {x.spec.out, x.spec.out};
       put(w, x, "A", x.a, sa);
       put(w, x, "G", x.g, sg);
-      put(w, x, "decomposition", x.dec, std::array<std::int64_t, 1>{static_cast<std::int64_t>(x.dec.size())});
+      const std::vector<D> none;
+      const auto& dec = x.have ? x.dec : none;
+      put(w, x, "decomposition", dec, std::array<std::int64_t, 1>{static_cast<std::int64_t>(dec.size())});
       w.put("ready", x.ready);
       w.put("consecutive_failures", x.consecutive);
       w.put("failures", x.failures);
       w.end();
     }
   }
-  /// Reads what `save(w)` wrote into a state created by `kfac::init` for the same layers and
-  /// method; all or nothing.
+  /// Reads what `save(w)` wrote into a state created by `kfac::init` for the same layers,
+  /// method and element types; all or nothing. The next step re-plans (and, distributed,
+  /// agrees the state across ranks).
   /// @throws gradapt::error naming the first field that does not match
   void load(archive_reader& r) {
     constexpr const char* who = "kfac state load";
     const auto et = r.get<std::string>("element_type");
     detail::require(et == name(dtype_of_v<C>), who, ": the checkpoint holds ", et, " factors but this state ",
                     name(dtype_of_v<C>));
+    const bool v1 = r.version() == 1;
+    const std::string dt = v1 ? et : r.get<std::string>("decomposition_type");
+    detail::require(dt == name(dtype_of_v<D>), who, ": the checkpoint holds ", dt,
+                    " decompositions but this state ", name(dtype_of_v<D>));
     const auto m = r.get<std::string>("method");
     detail::require(m == (method_ == kfac_method::eigen ? "eigen" : "inverse"), who,
                     ": the checkpoint's method is '", m, "' (restore with the same kfac_options::method)");
@@ -207,21 +258,28 @@ class kfac_state {
       const std::int64_t sa[2] = {x.n, x.n}, sg[2] = {x.spec.out, x.spec.out};
       get(r, x, "A", x.a, sa, who);
       get(r, x, "G", x.g, sg, who);
+      x.have = r.tensor_info("decomposition").elements != 0;
+      detail::require(!v1 || x.have, who, ": layer '", x.spec.name, "' has no decomposition");
+      x.dec.resize(x.have ? dec_size(x) : 0);
       get(r, x, "decomposition", x.dec, std::array<std::int64_t, 1>{static_cast<std::int64_t>(x.dec.size())},
           who);
       x.ready = r.get<bool>("ready");
+      if (v1) x.have = x.ready;
       x.consecutive = r.get<std::uint64_t>("consecutive_failures");
       x.failures = r.get<std::uint64_t>("failures");
       detail::require(x.consecutive < max_failures_ && x.consecutive <= x.failures, who, ": layer '",
                       x.spec.name, "' has ", x.consecutive, " consecutive failures of ", x.failures);
       r.end();
     }
-    detail::require(r.names().size() == 4 + 8 * l_.size(), who, ": the checkpoint holds ", r.names().size(),
-                    " fields but this state has ", 4 + 8 * l_.size());
+    const std::size_t fields = (v1 ? 4 : 5) + 8 * l_.size();
+    detail::require(r.names().size() == fields, who, ": the checkpoint holds ", r.names().size(),
+                    " fields but this state has ", fields);
     for (std::size_t i = 0; i < l_.size(); ++i) {
       l_[i].a.swap(next[i].a);
       l_[i].g.swap(next[i].g);
       l_[i].dec.swap(next[i].dec);
+      l_[i].have = next[i].have;
+      l_[i].held = true;
       l_[i].ready = next[i].ready;
       l_[i].consecutive = next[i].consecutive;
       l_[i].failures = next[i].failures;
@@ -230,6 +288,7 @@ class kfac_state {
     }
     steps_ = steps;
     failed_ = false;
+    world_ = 0;  // re-plan at the next step
   }
   /// The state as one archive of kind "gradapt.kfac".
   std::vector<std::byte> save() const { return save_archive(*this); }
@@ -240,33 +299,41 @@ class kfac_state {
   friend class kfac;
   struct layer_t {
     kfac_layer spec;
-    std::int64_t n = 0;       ///< in + bias
-    std::vector<C> a, g;      ///< the running factors
-    std::vector<C> ba, bg;    ///< this step's accumulated terms
-    std::vector<C> v;         ///< this step's preconditioned gradient (out × (in [+1]))
-    std::uint64_t count = 0;  ///< accumulate() calls this step
-    bool inited = false;      ///< the factors have had a first update
-    std::vector<C> dec;       ///< eigen: Q_A, d_A, Q_G, d_G (+ prediv); inverse: A⁻¹, G⁻¹
-    bool ready = false;
+    std::int64_t n = 0;         ///< in + bias
+    std::vector<C> a, g;        ///< the running factors
+    std::vector<C> ba, bg;      ///< this step's accumulated terms
+    std::vector<D> v;           ///< this step's preconditioned gradient (out × (in [+1])), g = n
+    std::uint64_t count = 0;    ///< accumulate() calls this step
+    bool inited = false;        ///< the factors have had a first update
+    std::vector<D> dec;         ///< eigen: Q_A, d_A, Q_G, d_G (+ prediv); inverse: A⁻¹, G⁻¹
+    bool held = true;           ///< this rank is a grad worker of the layer
+    bool have = false;          ///< dec holds a decomposition
+    bool ready = false;         ///< a decomposition succeeded (on any rank)
+    unsigned char outcome = 0;  ///< this step's decomposition: 0 none, 1 succeeded, 2 failed
     std::uint64_t consecutive = 0, failures = 0;
   };
+  std::size_t dec_size(const layer_t& x) const {
+    const auto na = static_cast<std::size_t>(x.n), ng = static_cast<std::size_t>(x.spec.out);
+    return method_ == kfac_method::inverse ? na * na + ng * ng
+                                           : na * na + na + ng * ng + ng + (prediv_ ? ng * na : 0);
+  }
   const layer_t& at(std::size_t i) const {
     detail::require(i < l_.size(), "kfac_state: layer ", i, " out of range (", l_.size(), " layers)");
     return l_[i];
   }
-  template <class Shape>
-  static void put(archive_writer& w, const layer_t& x, const char* field, const std::vector<C>& v,
+  template <class E, class Shape>
+  static void put(archive_writer& w, const layer_t& x, const char* field, const std::vector<E>& v,
                   const Shape& sh) {
-    for (const C e : v)
+    for (const E e : v)
       detail::require(std::isfinite(e), "kfac state save: ", field, " of layer '", x.spec.name,
                       "' is not finite (save the last good state)");
-    w.put_tensor<C>(field, std::span<const C>(v), sh);
+    w.put_tensor<E>(field, std::span<const E>(v), sh);
   }
-  template <class Shape>
-  static void get(archive_reader& r, const layer_t& x, const char* field, std::vector<C>& v, const Shape& sh,
+  template <class E, class Shape>
+  static void get(archive_reader& r, const layer_t& x, const char* field, std::vector<E>& v, const Shape& sh,
                   const char* who) {
-    r.get_tensor<C>(field, std::span<C>(v), sh);
-    for (const C e : v)
+    r.get_tensor<E>(field, std::span<E>(v), sh);
+    for (const E e : v)
       detail::require(std::isfinite(e), who, ": ", field, " of layer '", x.spec.name, "' is not finite");
   }
 
@@ -279,9 +346,16 @@ class kfac_state {
   double nu_ = 1;
   std::uint64_t computed_ = 0;
   std::vector<layer_t> l_;
-  std::vector<std::pair<std::int64_t, std::shared_ptr<detail::linalg::eigh_workspace_t<L, C>>>> ws_;
-  std::vector<C> scratch_, t1_, t2_, red_;  ///< a or g in C, products, M, the factor reduction
-  detail::owner_exchange<C> x_;
+  std::vector<std::pair<std::int64_t, std::shared_ptr<detail::linalg::eigh_workspace_t<L, D>>>> ws_;
+  std::vector<C> scratch_, gram_, red_;  ///< a or g in C, a Gram product, the factor reduction
+  std::vector<D> m_, tmp_, dtmp_;        ///< M, a product, a decomposition being computed
+  // The plan: world_ ranks (0: none yet), g = group_ grad workers per layer, owner_ decomposes.
+  int world_ = 0, rank_ = 0, group_ = 1;
+  bool force_ = false;  ///< recompute every decomposition at the next step
+  std::vector<int> owner_;
+  detail::owner_exchange<D> xd_;  ///< decompositions within a group of grad workers
+  detail::owner_exchange<D> xv_;  ///< preconditioned gradients across groups (g < n)
+  std::shared_ptr<detail::kfac_comms_base> comms_;
 };
 
 /// K-FAC on the host (see the file comment and docs/algorithms/kfac.md). Per step:
@@ -315,16 +389,28 @@ class kfac {
     detail::require(std::isfinite(o.kl_clip) && o.kl_clip >= 0, w, ": kl_clip is ", o.kl_clip,
                     " (expected finite and >= 0; 0 switches KL clipping off)");
     detail::require(o.max_consecutive_failures >= 1, w, ": max_consecutive_failures is 0 (expected >= 1)");
+    detail::require(
+        std::isfinite(o.grad_worker_fraction) && o.grad_worker_fraction > 0 && o.grad_worker_fraction <= 1, w,
+        ": grad_worker_fraction is ", o.grad_worker_fraction,
+        " (expected in (0, 1]: 1 communication-optimal, 1/ranks memory-optimal)");
   }
 
-  /// A state for `layers` with factors in C (float or double) on linear-algebra backend `la`.
+  /// Grad workers per layer on `ranks` ranks: max(1, round(grad_worker_fraction · ranks)).
+  int grad_workers(int ranks) const {
+    detail::require(ranks >= 1, "kfac::grad_workers: ranks is ", ranks, " (expected >= 1)");
+    const auto g = static_cast<long>(std::lround(o_.grad_worker_fraction * ranks));
+    return static_cast<int>(std::clamp(g, 1L, static_cast<long>(ranks)));
+  }
+
+  /// A state for `layers` with factors in C and decompositions in D (each float or double) on
+  /// linear-algebra backend `la`.
   /// @throws gradapt::error for an empty list, a layer with in or out < 1, or a repeated name
-  template <class C = float, linalg_backend L>
-  requires std::same_as<typename L::space, host_space> kfac_state<L, C> init(
+  template <class C = float, class D = C, linalg_backend L>
+  requires std::same_as<typename L::space, host_space> kfac_state<L, C, D> init(
       const L& la, std::span<const kfac_layer> layers)
   const {
     detail::require(!layers.empty(), "kfac::init: no layers (register at least one)");
-    kfac_state<L, C> st;
+    kfac_state<L, C, D> st;
     st.la_ = la;
     st.method_ = o_.method;
     st.prediv_ = o_.prediv_eigenvalues;
@@ -336,7 +422,7 @@ class kfac {
       for (std::size_t j = 0; j < i; ++j)
         detail::require(layers[j].name != s.name, "kfac::init: layer name '", s.name,
                         "' is registered twice (names address checkpoints)");
-      typename kfac_state<L, C>::layer_t x;
+      typename kfac_state<L, C, D>::layer_t x;
       x.spec = s;
       x.n = s.in + (s.bias ? 1 : 0);
       const auto na = static_cast<std::size_t>(x.n), ng = static_cast<std::size_t>(s.out);
@@ -344,11 +430,8 @@ class kfac {
       x.g.assign(ng * ng, C(0));
       x.ba.assign(na * na, C(0));
       x.bg.assign(ng * ng, C(0));
-      x.v.assign(ng * na, C(0));
-      x.dec.assign(o_.method == kfac_method::inverse
-                       ? na * na + ng * ng
-                       : na * na + na + ng * ng + ng + (o_.prediv_eigenvalues ? ng * na : 0),
-                   C(0));
+      x.v.assign(ng * na, D(0));
+      x.dec.assign(st.dec_size(x), D(0));
       workspace(st, la, x.n);
       workspace(st, la, s.out);
       st.l_.push_back(std::move(x));
@@ -357,8 +440,8 @@ class kfac {
   }
 
   /// Whether the state's next step updates the factors (the framework collects a and g then).
-  template <class L, class C>
-  bool factor_update_due(const kfac_state<L, C>& st) const {
+  template <class L, class C, class D>
+  bool factor_update_due(const kfac_state<L, C, D>& st) const {
     return st.steps_ % o_.factor_update_steps == 0;
   }
 
@@ -368,8 +451,8 @@ class kfac {
   /// @throws gradapt::error for an unknown layer, shapes that do not match its registration, a
   ///         row count that differs between a and g or is 0, a loss scale that is not finite
   ///         and > 0, or a step that does not update factors
-  template <class L, class C, element T>
-  void accumulate(kfac_state<L, C>& st, std::size_t i, tensor_view<const T, host_space> a,
+  template <class L, class C, class D, element T>
+  void accumulate(kfac_state<L, C, D>& st, std::size_t i, tensor_view<const T, host_space> a,
                   tensor_view<const T, host_space> g, double loss_scale = 1.0) const {
     constexpr const char* who = "kfac::accumulate";
     detail::require(i < st.l_.size(), who, ": layer ", i, " out of range (", st.l_.size(), " layers)");
@@ -397,15 +480,15 @@ class kfac {
       for (std::int64_t c = 0; c < s.in; ++c) sa[r * x.n + c] = static_cast<C>(a.data()[r * s.in + c]);
       if (s.bias) sa[r * x.n + s.in] = C(1);
     }
-    st.t1_.resize(std::max(x.a.size(), x.g.size()));
+    st.gram_.resize(std::max(x.a.size(), x.g.size()));
     la.syrk(gram::columns, 1.0 / double(rows), tensor_view<const C, host_space>(sa, {rows, x.n}), 0.0,
-            tensor_view<C, host_space>(st.t1_.data(), {x.n, x.n}));
-    for (std::size_t e = 0; e < x.ba.size(); ++e) x.ba[e] = x.count ? x.ba[e] + st.t1_[e] : st.t1_[e];
+            tensor_view<C, host_space>(st.gram_.data(), {x.n, x.n}));
+    for (std::size_t e = 0; e < x.ba.size(); ++e) x.ba[e] = x.count ? x.ba[e] + st.gram_[e] : st.gram_[e];
     for (std::int64_t e = 0; e < rows * s.out; ++e) sa[e] = static_cast<C>(g.data()[e]);
     la.syrk(gram::columns, 1.0 / (double(rows) * loss_scale * loss_scale),
             tensor_view<const C, host_space>(sa, {rows, s.out}), 0.0,
-            tensor_view<C, host_space>(st.t1_.data(), {s.out, s.out}));
-    for (std::size_t e = 0; e < x.bg.size(); ++e) x.bg[e] = x.count ? x.bg[e] + st.t1_[e] : st.t1_[e];
+            tensor_view<C, host_space>(st.gram_.data(), {s.out, s.out}));
+    for (std::size_t e = 0; e < x.bg.size(); ++e) x.bg[e] = x.count ? x.bg[e] + st.gram_[e] : st.gram_[e];
     ++x.count;
   }
 
@@ -414,23 +497,26 @@ class kfac {
   /// @throws gradapt::error for gradients that do not match the layers, a non-finite or negative
   ///         lr, a layer with no accumulate on a factor-update step, or a layer whose
   ///         decomposition failed max_consecutive_failures times in a row
-  template <class L, class C, class R>
+  template <class L, class C, class D, class R>
   requires detail::kfac_grad_range<R>
-  void step(kfac_state<L, C>& st, const R& grads, double lr) const {
-    detail::owner_exchange<C>* none = nullptr;
-    step_impl(none, st, as_span(grads), lr);
+  void step(kfac_state<L, C, D>& st, const R& grads, double lr) const {
+    step_impl(nullptr, st, as_span(grads), lr);
   }
 
   /// One step with the factors averaged over the ranks of `comm` (one allreduce of the upper
   /// triangles of every layer's new terms) and the decompositions divided among the ranks
-  /// (`lpt_assign` over (in+1)³ + out³, one allgather; every rank gets every decomposition).
-  /// Every rank passes its own a and g (its local batch) and the same averaged gradients. At the
-  /// first call on a world the layer list and the options are agreed across ranks; on a
-  /// factor-update step a layer with no accumulate on some ranks is an error on every rank.
-  /// @throws gradapt::error as the step above, and for a disagreement across ranks
-  template <communicator Comm, class L, class C, class R>
+  /// (`lpt_assign` over (in+1)³ + out³). Each decomposition goes to its layer's g grad workers
+  /// (one allgather within each group of g ranks, at inverse updates); with g < ranks the grad
+  /// workers precondition their layers and one allgather across the groups gives every rank
+  /// every preconditioned gradient, each step. Every rank passes its own a and g (its local
+  /// batch) and the same averaged gradients. The step, the lr and each rank's input errors are
+  /// agreed every step; the layer list and the options once per world; the factors at every
+  /// decomposition exchange, and the gradients at every exchange of preconditioned gradients.
+  /// @throws gradapt::error as the step above, and for a disagreement across ranks (on every
+  ///         rank), or a grad_worker_fraction whose g does not divide the ranks
+  template <communicator Comm, class L, class C, class D, class R>
   requires std::same_as<typename Comm::space, host_space> && detail::kfac_grad_range<R>
-  void step(Comm& comm, kfac_state<L, C>& st, const R& grads, double lr) const {
+  void step(Comm& comm, kfac_state<L, C, D>& st, const R& grads, double lr) const {
     step_impl(&comm, st, as_span(grads), lr);
   }
 
@@ -440,13 +526,12 @@ class kfac {
     using G = std::ranges::range_value_t<R>;
     return std::span<const G>(std::ranges::data(r), std::ranges::size(r));
   }
-  template <class St, class L>
-  static void workspace(St& st, const L& la, std::int64_t n) {
+  template <class L, class C, class D>
+  static void workspace(kfac_state<L, C, D>& st, const L& la, std::int64_t n) {
     for (const auto& w : st.ws_)
       if (w.first == n) return;
-    using C = std::remove_cvref_t<decltype(st.t1_[0])>;
     st.ws_.emplace_back(
-        n, std::make_shared<detail::linalg::eigh_workspace_t<L, C>>(la.template eigh_workspace<C>(n)));
+        n, std::make_shared<detail::linalg::eigh_workspace_t<L, D>>(la.template eigh_workspace<D>(n)));
   }
   template <class St>
   static auto& find_ws(St& st, std::int64_t n) {
@@ -454,13 +539,24 @@ class kfac {
       if (w.first == n) return *w.second;
     detail::fail("kfac: internal error: no eigensolver workspace for ", n);
   }
+  template <class St>
+  static std::uint64_t factor_hash(const St& st) {
+    std::uint64_t h = 0xCBF29CE484222325ull;
+    for (const auto& x : st.l_) {
+      h = detail::hash_bytes(h, x.a.data(), x.a.size());
+      h = detail::hash_bytes(h, x.g.data(), x.g.size());
+    }
+    return h;
+  }
 
-  template <class CommPtr, class L, class C, class T>
-  void step_impl(CommPtr comm, kfac_state<L, C>& st, std::span<const kfac_grad<T>> grads, double lr) const {
-    constexpr bool dist = !std::is_same_v<CommPtr, detail::owner_exchange<C>*>;
+  template <class CommPtr, class L, class C, class D, class T>
+  void step_impl(CommPtr comm, kfac_state<L, C, D>& st, std::span<const kfac_grad<T>> grads,
+                 double lr) const {
+    constexpr bool dist = !std::is_same_v<CommPtr, std::nullptr_t>;
     constexpr const char* who = "kfac::step";
     detail::require(!st.failed_, who, ": the state stopped after a layer's decomposition failed ",
-                    st.max_failures_, " times in a row or the ranks' factors differed; restore a checkpoint");
+                    st.max_failures_,
+                    " times in a row or the ranks' factors or gradients differed; restore a ", "checkpoint");
     // This rank's input errors travel through the per-step agreement of the distributed step, so
     // every rank throws instead of waiting in a collective for this one.
     std::string bad;
@@ -484,40 +580,176 @@ class kfac {
     }
     const std::uint64_t t = st.steps_ + 1;
     const bool factors_due = (t - 1) % o_.factor_update_steps == 0;
-    const bool inverse_due = (t - 1) % o_.inv_update_steps == 0;
+    bool inverse_due = (t - 1) % o_.inv_update_steps == 0;
     if constexpr (dist) {
-      if (factors_due || inverse_due || !st.x_.planned_for(comm->size(), comm->rank()))
-        agree_values(*comm, "kfac::step", {{"step", static_cast<double>(t)}, {"lr", lr}}, bad);
-      else if (!bad.empty())
-        throw error(bad);
-      plan(*comm, st);
-    } else if (!bad.empty()) {
-      throw error(bad);
+      const bool replan = !planned(*comm, st);
+      agree_values(*comm, "kfac::step",
+                   {{"step", static_cast<double>(t)},
+                    {"lr", lr},
+                    {"re-plans (1 after a load or a new world)", replan ? 1.0 : 0.0}},
+                   bad);
+      if (replan) plan(*comm, st);
+    } else {
+      if (!bad.empty()) throw error(bad);
+      if (!(st.world_ == 1 && st.rank_ == 0 && st.group_ == 1)) {
+        std::vector<double> missing = layout(st, 1, 0, 1);
+        st.comms_.reset();
+        st.force_ = std::any_of(missing.begin(), missing.end(), [](double m) { return m != 0; });
+      }
     }
+    if (st.force_) inverse_due = true;
+    st.force_ = false;
     if (factors_due) update_factors(comm, st, t);
-    if (inverse_due) decompose(comm, st, t);
-    // Precondition.
+    for (auto& x : st.l_) x.outcome = 0;
+    std::string differs;
+    if (inverse_due) differs = decompose(comm, st, t);
+    // The grad workers precondition their layers; with g < ranks the results are exchanged.
+    const bool exchange = st.group_ < st.world_;
+    for (std::size_t i = 0; i < st.l_.size(); ++i) {
+      auto& x = st.l_[i];
+      if (!x.held) continue;
+      if (exchange) {
+        D* out = st.xv_.out(i);
+        out[0] = D(x.outcome);
+        precondition(st, i, grads[i], out + 1);
+      } else {
+        precondition(st, i, grads[i], x.v.data());
+      }
+    }
+    if constexpr (dist) {
+      if (exchange) {
+        std::uint64_t h = 0x9E3779B97F4A7C15ull;
+        for (const auto& gr : grads) {
+          h = detail::hash_bytes(h, gr.weight.data(), gr.weight.size());
+          h = detail::hash_bytes(h, gr.bias.data(), gr.bias.size());
+        }
+        if (inverse_due) h ^= factor_hash(st);
+        auto* rc = receivers(*comm, st);
+        const int r = st.xv_.run(*rc, t, h, who);
+        if (r >= 0 && differs.empty())
+          differs = "kfac::step on rank " + std::to_string(st.rank_) + ": the gradients" +
+                    (inverse_due ? std::string(" or factors") : std::string()) + " of rank " +
+                    std::to_string(r * st.group_ + st.rank_ % st.group_) + " differ from rank " +
+                    std::to_string(st.rank_ % st.group_) + "'s at step " + std::to_string(t) +
+                    " (every rank must pass the same averaged gradients); restore a checkpoint with load()";
+        for (std::size_t i = 0; i < st.l_.size(); ++i)
+          st.l_[i].outcome = static_cast<unsigned char>(st.xv_.in(i)[0]);
+      }
+      // Within a hybrid plan a disagreement is seen by some groups only: one agreement over
+      // every rank makes it an error everywhere.
+      if (st.group_ > 1 && st.group_ < st.world_ && (inverse_due || exchange)) {
+        try {
+          agree_values(*comm, "kfac::step (after the exchanges)", {{"step", static_cast<double>(t)}},
+                       differs);
+        } catch (const error&) {
+          st.failed_ = true;  // the factors may have been updated: the state is not usable
+          throw;
+        }
+      }
+    }
+    if (!differs.empty()) {
+      st.failed_ = true;
+      throw error(differs);
+    }
+    count_outcomes(st);
     double vg = 0;
-    for (std::size_t i = 0; i < st.l_.size(); ++i) vg += precondition(st, i, grads[i], lr);
+    if (o_.kl_clip > 0)
+      for (std::size_t i = 0; i < st.l_.size(); ++i) vg += dot(st, i, grads[i], v_of(st, i)) * lr * lr;
     double nu = 1;
     if (o_.kl_clip > 0 && vg != 0) nu = std::min(1.0, std::sqrt(o_.kl_clip / std::fabs(vg)));
     st.nu_ = nu;
-    for (std::size_t i = 0; i < st.l_.size(); ++i) write_back(st, i, grads[i], nu);
+    for (std::size_t i = 0; i < st.l_.size(); ++i) write_v(st, i, grads[i], nu, v_of(st, i));
     st.steps_ = t;
+  }
+
+  template <class St>
+  static const auto* v_of(const St& st, std::size_t i) {
+    return st.group_ < st.world_ ? st.xv_.in(i) + 1 : st.l_[i].v.data();
+  }
+
+  template <class Comm, class St>
+  bool planned(const Comm& comm, const St& st) const {
+    if (st.world_ != comm.size() || st.rank_ != comm.rank() || st.group_ != grad_workers(comm.size()))
+      return false;
+    if (st.group_ == 1 || st.group_ == st.world_) return true;
+    return st.comms_ && st.comms_->tag == &detail::kfac_comms_tag<Comm>;
+  }
+  template <class Comm, class St>
+  static Comm* group_comm(Comm& comm, St& st) {
+    if (st.group_ == st.world_) return &comm;
+    return &static_cast<detail::kfac_comms<Comm>&>(*st.comms_).group;
+  }
+  template <class Comm, class St>
+  static Comm* receivers(Comm& comm, St& st) {
+    if (st.group_ == 1) return &comm;
+    return &static_cast<detail::kfac_comms<Comm>&>(*st.comms_).receivers;
+  }
+
+  /// The plan for n ranks and grad-worker groups of g: owners, what this rank holds, the two
+  /// exchanges. Returns per layer 1 where this rank must hold a decomposition it lacks.
+  template <class St>
+  static std::vector<double> layout(St& st, int n, int me, int g) {
+    const std::size_t count = st.l_.size();
+    if (n == 1) {
+      st.owner_.assign(count, 0);
+    } else {
+      std::vector<std::uint64_t> cost(count);
+      for (std::size_t i = 0; i < count; ++i) {
+        const auto na = static_cast<std::uint64_t>(st.l_[i].n),
+                   ng = static_cast<std::uint64_t>(st.l_[i].spec.out);
+        cost[i] = na * na * na + ng * ng * ng;
+      }
+      st.owner_ = lpt_assign(std::span<const std::uint64_t>(cost), n);
+    }
+    std::vector<double> missing(count, 0.0);
+    std::vector<int> in_group(count, -1), across(count, -1);
+    std::vector<std::size_t> dec_words(count), v_words(count);
+    for (std::size_t i = 0; i < count; ++i) {
+      auto& x = st.l_[i];
+      const int o = st.owner_[i];
+      x.held = me / g == o / g;
+      if (!x.held) {
+        x.dec.clear();
+        x.dec.shrink_to_fit();
+        x.have = false;
+      } else if (x.dec.size() != st.dec_size(x)) {
+        x.dec.assign(st.dec_size(x), 0);
+        x.have = false;
+      }
+      const auto v = static_cast<std::size_t>(x.spec.out * x.n);
+      if (g == n) {
+        x.v.resize(v);
+      } else {
+        x.v.clear();
+        x.v.shrink_to_fit();
+      }
+      if (x.held && x.ready && !x.have) missing[i] = 1;
+      in_group[i] = x.held ? o % g : -1;
+      across[i] = o / g;
+      dec_words[i] = 1 + st.dec_size(x);
+      v_words[i] = 1 + v;
+    }
+    if (g > 1)
+      st.xd_.plan_owners(std::move(in_group), dec_words, g, me % g);
+    else
+      st.xd_.clear();
+    if (g < n)
+      st.xv_.plan_owners(std::move(across), v_words, n / g, me / g);
+    else
+      st.xv_.clear();
+    st.world_ = n;
+    st.rank_ = me;
+    st.group_ = g;
+    return missing;
   }
 
   template <class Comm, class St>
   void plan(Comm& comm, St& st) const {
+    using D = std::remove_cvref_t<decltype(st.m_[0])>;
+    using C = std::remove_cvref_t<decltype(st.red_[0])>;
     const int n = comm.size(), me = comm.rank();
-    if (st.x_.planned_for(n, me)) return;
-    std::vector<std::uint64_t> cost(st.l_.size());
-    std::vector<std::size_t> words(st.l_.size());
     std::uint64_t h = 0x84222325CBF29CE4ull;
-    for (std::size_t i = 0; i < st.l_.size(); ++i) {
-      const auto& x = st.l_[i];
-      const auto na = static_cast<std::uint64_t>(x.n), ng = static_cast<std::uint64_t>(x.spec.out);
-      cost[i] = na * na * na + ng * ng * ng;
-      words[i] = 1 + x.dec.size();
+    for (const auto& x : st.l_) {
       const std::int64_t sh[3] = {x.spec.in, x.spec.out, x.spec.bias ? 1 : 0};
       h = detail::hash_bytes(h, sh, 3);
       h = detail::hash_bytes(h, x.spec.name.data(), x.spec.name.size());
@@ -526,6 +758,8 @@ class kfac {
         {"layers", static_cast<double>(st.l_.size())},
         {"layer names and shapes (hash)", static_cast<double>(h >> 16)},
         {"steps taken", static_cast<double>(st.steps_)},
+        {"factor element bytes", static_cast<double>(sizeof(C))},
+        {"decomposition element bytes", static_cast<double>(sizeof(D))},
         {"factor_decay", o_.factor_decay},
         {"factor_update_steps", static_cast<double>(o_.factor_update_steps)},
         {"inv_update_steps", static_cast<double>(o_.inv_update_steps)},
@@ -534,16 +768,31 @@ class kfac {
         {"prediv_eigenvalues", o_.prediv_eigenvalues ? 1.0 : 0.0},
         {"kl_clip", o_.kl_clip},
         {"max_consecutive_failures", static_cast<double>(o_.max_consecutive_failures)},
+        {"grad_worker_fraction", o_.grad_worker_fraction},
     };
     agree_values(comm, "kfac::step (distributed)", std::span<const agreed_value>(values));
-    st.x_.plan(cost, words, n, me);
+    const int g = grad_workers(n);
+    detail::require(n % g == 0, "kfac::step: grad_worker_fraction ", o_.grad_worker_fraction, " on ", n,
+                    " ranks gives ", g, " grad workers per layer, which does not divide ", n,
+                    " (choose a fraction whose g = round(fraction · ranks) divides the ranks)");
+    if (g > 1 && g < n)
+      st.comms_ = std::make_shared<detail::kfac_comms<Comm>>(comm.split(me / g, me), comm.split(me % g, me));
+    else
+      st.comms_.reset();
+    std::vector<double> missing = layout(st, n, me, g);
+    // A decomposition some grad worker lacks (after a load, or on a new world) is recomputed for
+    // every layer, on every rank.
+    comm.allreduce(
+        tensor_view<double, host_space>::vector(missing.data(), static_cast<std::int64_t>(missing.size())),
+        reduce_op::max);
+    st.force_ = std::any_of(missing.begin(), missing.end(), [](double m) { return m != 0; });
   }
 
   /// The running factors from this step's terms (averaged over the ranks when distributed).
   template <class CommPtr, class St>
   void update_factors(CommPtr comm, St& st, std::uint64_t t) const {
-    using C = std::remove_cvref_t<decltype(st.t1_[0])>;
-    constexpr bool dist = !std::is_same_v<CommPtr, detail::owner_exchange<C>*>;
+    using C = std::remove_cvref_t<decltype(st.red_[0])>;
+    constexpr bool dist = !std::is_same_v<CommPtr, std::nullptr_t>;
     if constexpr (dist) {
       // One buffer: per layer a flag (it had terms), then the upper triangles of A's and G's terms.
       std::size_t words = 0;
@@ -615,65 +864,60 @@ class kfac {
       }
   }
 
-  /// Every layer's decomposition (this rank's layers only when distributed, then exchanged).
+  /// The decompositions of this rank's layers, then (g > 1) exchanged within each group of grad
+  /// workers and installed where held. Each layer's outcome is left in `outcome` where held.
+  /// Returns a message when a group member's factors differ (empty otherwise).
   template <class CommPtr, class St>
-  void decompose(CommPtr comm, St& st, std::uint64_t t) const {
-    using C = std::remove_cvref_t<decltype(st.t1_[0])>;
-    constexpr bool dist = !std::is_same_v<CommPtr, detail::owner_exchange<C>*>;
+  std::string decompose(CommPtr comm, St& st, std::uint64_t t) const {
+    using D = std::remove_cvref_t<decltype(st.m_[0])>;
     for (std::size_t i = 0; i < st.l_.size(); ++i) {
-      if constexpr (dist)
-        if (!st.x_.owns(i)) continue;
+      if (st.owner_[i] != st.rank_) continue;
       auto& x = st.l_[i];
-      C* out = nullptr;
-      if constexpr (dist) {
-        out = st.x_.out(i) + 1;
+      if (st.group_ == 1) {
+        st.dtmp_.resize(st.dec_size(x));
+        const bool ok = decompose_layer(st, x, st.dtmp_.data());
+        install(x, ok, st.dtmp_.data());
       } else {
-        st.t2_.resize(x.dec.size());
-        out = st.t2_.data();
+        D* out = st.xd_.out(i);
+        out[0] = decompose_layer(st, x, out + 1) ? D(1) : D(0);
       }
-      const bool ok = decompose_layer(st, x, out);
       ++st.computed_;
-      if constexpr (dist) {
-        st.x_.out(i)[0] = ok ? C(1) : C(0);
-      } else {
-        install(st, i, ok, out, -1);
+    }
+    if constexpr (!std::is_same_v<CommPtr, std::nullptr_t>) {
+      if (st.group_ > 1) {
+        const int differs = st.xd_.run(*group_comm(*comm, st), t, factor_hash(st), "kfac::step");
+        if (differs >= 0)
+          return "kfac::step on rank " + std::to_string(st.rank_) + ": the factors of rank " +
+                 std::to_string(st.rank_ - st.rank_ % st.group_ + differs) + " differ from rank " +
+                 std::to_string(st.rank_ - st.rank_ % st.group_) + "'s at step " + std::to_string(t) +
+                 "; restore a checkpoint with load()";
+        for (std::size_t i = 0; i < st.l_.size(); ++i) {
+          auto& x = st.l_[i];
+          if (!x.held) continue;
+          const D* in = st.xd_.in(i);
+          install(x, in[0] == D(1), in + 1);
+        }
       }
     }
-    if constexpr (dist) {
-      std::uint64_t h = 0xCBF29CE484222325ull;
-      for (const auto& x : st.l_) {
-        h = detail::hash_bytes(h, x.a.data(), x.a.size());
-        h = detail::hash_bytes(h, x.g.data(), x.g.size());
-      }
-      const int differs = st.x_.run(*comm, t, h, "kfac::step");
-      if (differs >= 0) {
-        st.failed_ = true;
-        detail::fail("kfac::step on rank ", st.x_.rank, ": the factors of rank ", differs,
-                     " differ from rank 0's at step ", t, "; restore a checkpoint with load()");
-      }
-      for (std::size_t i = 0; i < st.l_.size(); ++i) {
-        const C* in = st.x_.in(i);
-        install(st, i, in[0] == C(1), in + 1, st.x_.owner[i]);
-      }
-    }
+    return {};
   }
 
   /// Layer x's decomposition into `out` (the layout of x.dec); false when a factor is not finite
   /// or the eigensolver fails.
-  template <class St, class X, class C>
-  bool decompose_layer(St& st, X& x, C* out) const {
+  template <class St, class X, class D>
+  bool decompose_layer(St& st, X& x, D* out) const {
     const std::int64_t na = x.n, ng = x.spec.out;
-    for (const C e : x.a)
+    for (const auto e : x.a)
       if (!std::isfinite(e)) return false;
-    for (const C e : x.g)
+    for (const auto e : x.g)
       if (!std::isfinite(e)) return false;
-    C* qa = out;
-    C* da = qa + na * na;
-    C* qg = da + na;
-    C* dg = qg + ng * ng;
+    D* qa = out;
+    D* da = qa + na * na;
+    D* qg = da + na;
+    D* dg = qg + ng * ng;
     // eigen layout: Q_A, d_A, Q_G, d_G (+ prediv); inverse: A⁻¹, G⁻¹ (built from the same
     // eigendecompositions in the scratch).
-    std::vector<C>& tmp = st.t1_;
+    std::vector<D>& tmp = st.tmp_;
     if (o_.method == kfac_method::inverse) {
       tmp.resize(static_cast<std::size_t>(na * na + na + ng * ng + ng));
       qa = tmp.data();
@@ -684,28 +928,28 @@ class kfac {
     std::copy(x.a.begin(), x.a.end(), qa);
     std::copy(x.g.begin(), x.g.end(), qg);
     const auto& la = st.la_;
-    if (!la.eigh(tensor_view<C, host_space>(qa, {na, na}), tensor_view<C, host_space>(da, {na}),
+    if (!la.eigh(tensor_view<D, host_space>(qa, {na, na}), tensor_view<D, host_space>(da, {na}),
                  find_ws(st, na)))
       return false;
-    if (!la.eigh(tensor_view<C, host_space>(qg, {ng, ng}), tensor_view<C, host_space>(dg, {ng}),
+    if (!la.eigh(tensor_view<D, host_space>(qg, {ng, ng}), tensor_view<D, host_space>(dg, {ng}),
                  find_ws(st, ng)))
       return false;
-    for (std::int64_t e = 0; e < na; ++e) da[e] = std::max(da[e], C(0));
-    for (std::int64_t e = 0; e < ng; ++e) dg[e] = std::max(dg[e], C(0));
+    for (std::int64_t e = 0; e < na; ++e) da[e] = std::max(da[e], D(0));
+    for (std::int64_t e = 0; e < ng; ++e) dg[e] = std::max(dg[e], D(0));
     for (std::int64_t e = 0; e < na * na; ++e)
       if (!std::isfinite(qa[e])) return false;
     for (std::int64_t e = 0; e < ng * ng; ++e)
       if (!std::isfinite(qg[e])) return false;
-    const C lambda = C(o_.damping);
+    const D lambda = D(o_.damping);
     if (o_.method == kfac_method::inverse) {
       // X⁻¹ = Q·diag(1 / (d + λ))·Qᵀ, one row of products at a time into `out`.
-      const auto inverse = [&](const C* q, const C* d, std::int64_t n, C* dst) {
+      const auto inverse = [&](const D* q, const D* d, std::int64_t n, D* dst) {
         for (std::int64_t r = 0; r < n; ++r)
           for (std::int64_t c = 0; c < n; ++c) {
             double s = 0;
             for (std::int64_t k = 0; k < n; ++k)
               s += double(q[r * n + k]) * double(q[c * n + k]) / (double(d[k]) + double(lambda));
-            dst[r * n + c] = C(s);
+            dst[r * n + c] = D(s);
           }
       };
       inverse(qa, da, na, out);
@@ -715,108 +959,124 @@ class kfac {
       return true;
     }
     if (o_.prediv_eigenvalues) {
-      C* pd = dg + ng;
+      D* pd = dg + ng;
       for (std::int64_t r = 0; r < ng; ++r)
-        for (std::int64_t c = 0; c < na; ++c) pd[r * na + c] = C(1) / (dg[r] * da[c] + lambda);
+        for (std::int64_t c = 0; c < na; ++c) pd[r * na + c] = D(1) / (dg[r] * da[c] + lambda);
       for (std::int64_t e = 0; e < ng * na; ++e)
         if (!std::isfinite(pd[e])) return false;
     }
     return true;
   }
 
-  template <class St, class C>
-  static void install(St& st, std::size_t i, bool ok, const C* dec, int rank) {
-    auto& x = st.l_[i];
-    if (ok) {
-      std::copy(dec, dec + x.dec.size(), x.dec.begin());
-      x.ready = true;
-      x.consecutive = 0;
-      return;
-    }
-    ++x.failures;
-    if (++x.consecutive < st.max_failures_) return;
-    st.failed_ = true;
-    detail::fail(
-        "kfac::step: layer '", x.spec.name, "': the decomposition failed ", x.consecutive, " times in a row",
-        rank >= 0 ? " (computed on rank " + std::to_string(rank) + ")" : std::string(),
-        "; a non-finite a or g makes the factors non-finite for good. The gradients are unchanged; restore a "
-        "checkpoint with load() (and skip non-finite steps, e.g. with the loss scaler), or raise "
-        "max_consecutive_failures");
+  /// Installs a held layer's decomposition (when it succeeded) and records the outcome.
+  template <class X, class D>
+  static void install(X& x, bool ok, const D* dec) {
+    x.outcome = ok ? 1 : 2;
+    if (!ok) return;
+    std::copy(dec, dec + x.dec.size(), x.dec.begin());
+    x.have = true;
   }
 
-  /// V for layer i into st.m_ segment; returns lr²·⟨V, M⟩.
-  template <class St, class T>
-  double precondition(St& st, std::size_t i, const kfac_grad<T>& gr, double lr) const {
-    using C = std::remove_cvref_t<decltype(st.t1_[0])>;
-    auto& x = st.l_[i];
-    const std::int64_t na = x.n, ng = x.spec.out, in = x.spec.in;
-    // M (out × n) into t2_, V into m_ (both sized for the largest layer).
-    const auto size = static_cast<std::size_t>(ng * na);
-    st.t2_.resize(std::max(st.t2_.size(), size));
-    st.t1_.resize(std::max(st.t1_.size(), size));
-    C* m = st.t2_.data();
-    C* v = x.v.data();
-    for (std::int64_t r = 0; r < ng; ++r) {
-      for (std::int64_t c = 0; c < in; ++c) m[r * na + c] = static_cast<C>(gr.weight.data()[r * in + c]);
-      if (x.spec.bias) m[r * na + in] = static_cast<C>(gr.bias.data()[r]);
-    }
-    if (!x.ready) {
-      std::copy(m, m + size, v);
-    } else {
-      const auto& la = st.la_;
-      using cv = tensor_view<const C, host_space>;
-      using mv = tensor_view<C, host_space>;
-      C* tmp = st.t1_.data();
-      if (o_.method == kfac_method::inverse) {
-        const C* ai = x.dec.data();
-        const C* gi = ai + na * na;
-        la.gemm(transpose::none, transpose::none, 1.0, cv(gi, {ng, ng}), cv(m, {ng, na}), 0.0,
-                mv(tmp, {ng, na}));
-        la.gemm(transpose::none, transpose::none, 1.0, cv(tmp, {ng, na}), cv(ai, {na, na}), 0.0,
-                mv(v, {ng, na}));
-      } else {
-        const C* qa = x.dec.data();
-        const C* da = qa + na * na;
-        const C* qg = da + na;
-        const C* dg = qg + ng * ng;
-        const C* pd = dg + ng;
-        // V1 = Q_Gᵀ·M·Q_A
-        la.gemm(transpose::yes, transpose::none, 1.0, cv(qg, {ng, ng}), cv(m, {ng, na}), 0.0,
-                mv(tmp, {ng, na}));
-        la.gemm(transpose::none, transpose::none, 1.0, cv(tmp, {ng, na}), cv(qa, {na, na}), 0.0,
-                mv(v, {ng, na}));
-        const C lambda = C(o_.damping);
-        for (std::int64_t r = 0; r < ng; ++r)
-          for (std::int64_t c = 0; c < na; ++c)
-            v[r * na + c] = o_.prediv_eigenvalues ? v[r * na + c] * pd[r * na + c]
-                                                  : v[r * na + c] / (dg[r] * da[c] + lambda);
-        // V = Q_G·V2·Q_Aᵀ
-        la.gemm(transpose::none, transpose::none, 1.0, cv(qg, {ng, ng}), cv(v, {ng, na}), 0.0,
-                mv(tmp, {ng, na}));
-        la.gemm(transpose::none, transpose::yes, 1.0, cv(tmp, {ng, na}), cv(qa, {na, na}), 0.0,
-                mv(v, {ng, na}));
+  /// Every layer's failure counters from this step's outcomes (the same on every rank); throws
+  /// for a layer that failed max_consecutive_failures times in a row.
+  template <class St>
+  static void count_outcomes(St& st) {
+    for (std::size_t i = 0; i < st.l_.size(); ++i) {
+      auto& x = st.l_[i];
+      if (x.outcome == 1) {
+        x.ready = true;
+        x.consecutive = 0;
+      } else if (x.outcome == 2) {
+        ++x.failures;
+        ++x.consecutive;
       }
     }
-    if (o_.kl_clip == 0) return 0;
-    double s = 0;  // ⟨V, M⟩ in double, in element order
-    for (std::size_t e = 0; e < size; ++e) s += double(v[e]) * double(m[e]);
-    return s * lr * lr;
+    for (std::size_t i = 0; i < st.l_.size(); ++i) {
+      const auto& x = st.l_[i];
+      if (x.outcome != 2 || x.consecutive < st.max_failures_) continue;
+      st.failed_ = true;
+      detail::fail(
+          "kfac::step: layer '", x.spec.name, "': the decomposition failed ", x.consecutive,
+          " times in a row",
+          st.world_ > 1 ? " (computed on rank " + std::to_string(st.owner_[i]) + ")" : std::string(),
+          "; a non-finite a or g makes the factors non-finite for good. The gradients are unchanged; "
+          "restore a checkpoint with load() (and skip non-finite steps, e.g. with the loss scaler), or "
+          "raise max_consecutive_failures");
+    }
   }
 
-  template <class St, class T, class C>
-  static void write_v(St& st, std::size_t i, const kfac_grad<T>& gr, double nu, const C* v) {
+  /// Layer i's preconditioned gradient V (out × (in [+1])) into `v`; M itself while this rank
+  /// holds no decomposition of the layer.
+  template <class St, class T, class D>
+  void precondition(St& st, std::size_t i, const kfac_grad<T>& gr, D* v) const {
+    auto& x = st.l_[i];
+    const std::int64_t na = x.n, ng = x.spec.out, in = x.spec.in;
+    const auto size = static_cast<std::size_t>(ng * na);
+    st.m_.resize(std::max(st.m_.size(), size));
+    st.tmp_.resize(std::max(st.tmp_.size(), size));
+    D* m = st.m_.data();
+    for (std::int64_t r = 0; r < ng; ++r) {
+      for (std::int64_t c = 0; c < in; ++c) m[r * na + c] = static_cast<D>(gr.weight.data()[r * in + c]);
+      if (x.spec.bias) m[r * na + in] = static_cast<D>(gr.bias.data()[r]);
+    }
+    if (!x.have) {
+      std::copy(m, m + size, v);
+      return;
+    }
+    const auto& la = st.la_;
+    using cv = tensor_view<const D, host_space>;
+    using mv = tensor_view<D, host_space>;
+    D* tmp = st.tmp_.data();
+    if (o_.method == kfac_method::inverse) {
+      const D* ai = x.dec.data();
+      const D* gi = ai + na * na;
+      la.gemm(transpose::none, transpose::none, 1.0, cv(gi, {ng, ng}), cv(m, {ng, na}), 0.0,
+              mv(tmp, {ng, na}));
+      la.gemm(transpose::none, transpose::none, 1.0, cv(tmp, {ng, na}), cv(ai, {na, na}), 0.0,
+              mv(v, {ng, na}));
+      return;
+    }
+    const D* qa = x.dec.data();
+    const D* da = qa + na * na;
+    const D* qg = da + na;
+    const D* dg = qg + ng * ng;
+    const D* pd = dg + ng;
+    // V1 = Q_Gᵀ·M·Q_A
+    la.gemm(transpose::yes, transpose::none, 1.0, cv(qg, {ng, ng}), cv(m, {ng, na}), 0.0, mv(tmp, {ng, na}));
+    la.gemm(transpose::none, transpose::none, 1.0, cv(tmp, {ng, na}), cv(qa, {na, na}), 0.0, mv(v, {ng, na}));
+    const D lambda = D(o_.damping);
+    for (std::int64_t r = 0; r < ng; ++r)
+      for (std::int64_t c = 0; c < na; ++c)
+        v[r * na + c] =
+            o_.prediv_eigenvalues ? v[r * na + c] * pd[r * na + c] : v[r * na + c] / (dg[r] * da[c] + lambda);
+    // V = Q_G·V2·Q_Aᵀ
+    la.gemm(transpose::none, transpose::none, 1.0, cv(qg, {ng, ng}), cv(v, {ng, na}), 0.0, mv(tmp, {ng, na}));
+    la.gemm(transpose::none, transpose::yes, 1.0, cv(tmp, {ng, na}), cv(qa, {na, na}), 0.0, mv(v, {ng, na}));
+  }
+
+  /// ⟨V, M⟩ of layer i in double, in element order (M as the decomposition type).
+  template <class St, class T, class D>
+  static double dot(const St& st, std::size_t i, const kfac_grad<T>& gr, const D* v) {
     const auto& x = st.l_[i];
     const std::int64_t na = x.n, ng = x.spec.out, in = x.spec.in;
-    const C s = C(nu);
+    double s = 0;
+    for (std::int64_t r = 0; r < ng; ++r) {
+      for (std::int64_t c = 0; c < in; ++c)
+        s += double(v[r * na + c]) * double(static_cast<D>(gr.weight.data()[r * in + c]));
+      if (x.spec.bias) s += double(v[r * na + in]) * double(static_cast<D>(gr.bias.data()[r]));
+    }
+    return s;
+  }
+
+  template <class St, class T, class D>
+  static void write_v(St& st, std::size_t i, const kfac_grad<T>& gr, double nu, const D* v) {
+    const auto& x = st.l_[i];
+    const std::int64_t na = x.n, ng = x.spec.out, in = x.spec.in;
+    const D s = D(nu);
     for (std::int64_t r = 0; r < ng; ++r) {
       for (std::int64_t c = 0; c < in; ++c) gr.weight.data()[r * in + c] = static_cast<T>(v[r * na + c] * s);
       if (x.spec.bias) gr.bias.data()[r] = static_cast<T>(v[r * na + in] * s);
     }
-  }
-
-  template <class St, class T>
-  static void write_back(St& st, std::size_t i, const kfac_grad<T>& gr, double nu) {
-    write_v(st, i, gr, nu, st.l_[i].v.data());
   }
 
   kfac_options o_;
