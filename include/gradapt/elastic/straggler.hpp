@@ -1,0 +1,240 @@
+#pragma once
+/// @file
+/// Straggler detection (Or et al., "Resource Elasticity in Distributed Deep Learning", MLSys
+/// 2020; KungFu's monitors, OSDI 2020): each rank's time-to-ready, measured before the
+/// collective that would hide it (an allreduce makes every rank's step as slow as the slowest,
+/// so a straggler shows only in the time before it), shared among the ranks, judged by robust
+/// statistics and a persistence filter.
+///
+/// Per step, rank r is *slow* when its time t_r exceeds both
+///
+///     m_r + z · max(1.4826 · MAD_r, floor · m_r)    and    min_ratio · m_r
+///
+/// where m_r and MAD_r are the median and the median absolute deviation of the OTHER ranks'
+/// times over the last `window` steps (leave-one-out: a straggler does not shift its own
+/// baseline, and two ranks compare with each other). A rank is *flagged* while it was slow in
+/// at least `persistence` of the last `window` steps; a single slow step (a pause, a page
+/// fault) raises nothing. docs/algorithms/elastic.md has the options, the costs and the tests.
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "gradapt/core/concepts.hpp"
+#include "gradapt/core/error.hpp"
+#include "gradapt/core/tensor_view.hpp"
+
+namespace gradapt::elastic {
+
+/// Options of `straggler_detector`; `validate` names the first invalid one.
+struct straggler_options {
+  /// W: steps of history each decision looks at (>= 2). Default 20.
+  std::size_t window = 20;
+  /// K: a rank is flagged while slow in at least K of the last W steps (1..W). Default 5.
+  std::size_t persistence = 5;
+  /// z: robust standard deviations above the other ranks' median (> 0). Default 4.
+  double threshold = 4.0;
+  /// A slow step is also at least this multiple of the other ranks' median (>= 1). Default 1.5.
+  double min_ratio = 1.5;
+  /// The spread is at least floor × median, so ranks with near-identical times do not turn
+  /// tiny differences into slow steps (>= 0). Default 0.05.
+  double floor = 0.05;
+};
+
+/// What one step changed: the flagged ranks after it, and the ranks raised and cleared by it
+/// (ascending rank order).
+struct straggler_report {
+  std::uint64_t step = 0;    ///< steps observed, this one included
+  std::vector<int> flagged;  ///< ranks flagged after this step
+  std::vector<int> raised;   ///< ranks flagged at this step and not before
+  std::vector<int> cleared;  ///< ranks flagged before this step and not after
+  std::vector<bool> slow;    ///< per rank: slow at this step
+};
+
+/// Flags ranks whose time-to-ready is persistently above the others' (see the file comment).
+/// Every rank keeps its own detector; `observe(comm, t)` gives every rank the same times, so
+/// every rank reaches the same decisions at the same step.
+class straggler_detector {
+ public:
+  /// A detector for `ranks` ranks.
+  /// @throws gradapt::error for ranks < 1 or an invalid option, naming it
+  explicit straggler_detector(int ranks, const straggler_options& o = {}) : o_(o), n_(ranks) {
+    validate(o_);
+    detail::require(ranks >= 1, "straggler_detector: ranks is ", ranks, " (expected >= 1)");
+    const auto n = static_cast<std::size_t>(ranks);
+    times_.assign(o_.window * n, 0.0);
+    slow_.assign(o_.window * n, 0);
+    count_.assign(n, 0);
+    flag_.assign(n, false);
+    rep_.slow.assign(n, false);
+  }
+
+  /// Throws gradapt::error naming the first invalid option.
+  static void validate(const straggler_options& o) {
+    constexpr const char* w = "straggler_options";
+    detail::require(o.window >= 2, w, ": window is ", o.window, " (expected >= 2 steps)");
+    detail::require(o.persistence >= 1 && o.persistence <= o.window, w, ": persistence is ", o.persistence,
+                    " (expected 1 to window = ", o.window, ")");
+    detail::require(std::isfinite(o.threshold) && o.threshold > 0, w, ": threshold is ", o.threshold,
+                    " (expected finite and > 0)");
+    detail::require(std::isfinite(o.min_ratio) && o.min_ratio >= 1, w, ": min_ratio is ", o.min_ratio,
+                    " (expected finite and >= 1)");
+    detail::require(std::isfinite(o.floor) && o.floor >= 0, w, ": floor is ", o.floor,
+                    " (expected finite and >= 0)");
+  }
+
+  /// The options.
+  const straggler_options& options() const { return o_; }
+  /// Ranks watched.
+  int ranks() const { return n_; }
+  /// Steps observed.
+  std::uint64_t steps() const { return steps_; }
+  /// The last step's report.
+  const straggler_report& report() const { return rep_; }
+  /// Whether rank r is flagged. @throws gradapt::error when r is out of range
+  bool flagged(int r) const { return flag_[idx(r)]; }
+  /// Median of rank r's own times over the window (0 before any step).
+  double typical_time(int r) const {
+    const auto i = idx(r);
+    const std::size_t filled = std::min<std::uint64_t>(steps_, o_.window);
+    scratch_.clear();
+    for (std::size_t s = 0; s < filled; ++s) scratch_.push_back(times_[s * static_cast<std::size_t>(n_) + i]);
+    return filled ? median(scratch_) : 0.0;
+  }
+
+  /// Records one step: every rank's time-to-ready in seconds (finite, >= 0), in rank order.
+  /// @throws gradapt::error for a count other than ranks() or a time that is not finite and
+  ///         >= 0 (nothing recorded)
+  const straggler_report& observe(std::span<const double> times) {
+    detail::require(times.size() == static_cast<std::size_t>(n_),
+                    "straggler_detector::observe: ", times.size(), " times for ", n_,
+                    " ranks (one per rank, in rank order)");
+    for (std::size_t r = 0; r < times.size(); ++r)
+      detail::require(std::isfinite(times[r]) && times[r] >= 0, "straggler_detector::observe: rank ", r,
+                      "'s time is ", times[r], " (expected finite seconds >= 0)");
+    const auto n = static_cast<std::size_t>(n_);
+    const std::size_t slot = static_cast<std::size_t>(steps_ % o_.window);
+    const std::size_t filled = static_cast<std::size_t>(std::min<std::uint64_t>(steps_ + 1, o_.window));
+    for (std::size_t r = 0; r < n; ++r) times_[slot * n + r] = times[r];
+    rep_.raised.clear();
+    rep_.cleared.clear();
+    rep_.flagged.clear();
+    for (std::size_t r = 0; r < n; ++r) {
+      bool slow = false;
+      if (n > 1) {
+        scratch_.clear();
+        for (std::size_t s = 0; s < filled; ++s)
+          for (std::size_t q = 0; q < n; ++q)
+            if (q != r) scratch_.push_back(times_[s * n + q]);
+        const double m = median(scratch_);
+        for (double& x : scratch_) x = std::fabs(x - m);
+        const double spread = std::max(1.4826 * median(scratch_), o_.floor * m);
+        slow = times[r] > m + o_.threshold * spread && times[r] > o_.min_ratio * m;
+      }
+      // The window's oldest mark leaves as the new one enters.
+      if (steps_ >= o_.window) count_[r] -= slow_[slot * n + r];
+      slow_[slot * n + r] = slow ? 1 : 0;
+      count_[r] += slow_[slot * n + r];
+      rep_.slow[r] = slow;
+      const bool now = count_[r] >= o_.persistence;
+      if (now && !flag_[r]) rep_.raised.push_back(static_cast<int>(r));
+      if (!now && flag_[r]) rep_.cleared.push_back(static_cast<int>(r));
+      flag_[r] = now;
+      if (now) rep_.flagged.push_back(static_cast<int>(r));
+    }
+    rep_.step = ++steps_;
+    return rep_;
+  }
+
+  /// Every rank passes its own time-to-ready (measured before the step's collective); one
+  /// allgather of two doubles per rank (the time and this detector's step count) gives every
+  /// rank every time, then `observe(times)`. A rank with an invalid time, or detectors at
+  /// different steps, is an error on every rank naming the rank.
+  /// @throws gradapt::error as observe(times), for a communicator of another size, or as above
+  template <communicator Comm>
+  requires std::same_as<typename Comm::space, host_space>
+  const straggler_report& observe(Comm& comm, double my_time) {
+    detail::require(comm.size() == n_, "straggler_detector::observe: the communicator has ", comm.size(),
+                    " ranks but the detector watches ", n_, " (make a detector for the new world)");
+    const double mine[2] = {my_time, static_cast<double>(steps_)};
+    all_.resize(2 * static_cast<std::size_t>(n_));
+    comm.allgather(tensor_view<const double, host_space>::vector(mine, 2),
+                   tensor_view<double, host_space>::vector(all_.data(), 2 * static_cast<std::int64_t>(n_)));
+    std::vector<double> times(static_cast<std::size_t>(n_));
+    for (int r = 0; r < n_; ++r) {
+      const auto i = static_cast<std::size_t>(r);
+      detail::require(all_[2 * i + 1] == all_[1], "straggler_detector::observe on rank ", comm.rank(),
+                      ": rank ", r, "'s detector has observed ", all_[2 * i + 1], " steps but rank 0's ",
+                      all_[1], " (every rank observes every step)");
+      times[i] = all_[2 * i];
+    }
+    return observe(times);
+  }
+
+  /// Per-rank batch sizes proportional to each rank's speed (1 / typical_time), each at least
+  /// `min_batch`, summing to `global_batch`; the remainder goes to the largest fractional
+  /// parts (ties to the lower rank). Equal shares before any step.
+  /// @throws gradapt::error when global_batch < ranks() · min_batch or min_batch < 1
+  std::vector<std::int64_t> rebalance(std::int64_t global_batch, std::int64_t min_batch = 1) const {
+    detail::require(min_batch >= 1 && global_batch >= min_batch * n_,
+                    "straggler_detector::rebalance: ", "global_batch ", global_batch, " cannot give ", n_,
+                    " ranks at least ", min_batch, " each (min_batch >= 1)");
+    const auto n = static_cast<std::size_t>(n_);
+    std::vector<double> speed(n, 1.0);
+    for (std::size_t r = 0; r < n && steps_ > 0; ++r) {
+      const double t = typical_time(static_cast<int>(r));
+      speed[r] = t > 0 ? 1.0 / t : 0.0;
+    }
+    double total = 0;
+    for (double s : speed) total += s;
+    if (!(total > 0) || !std::isfinite(total)) speed.assign(n, 1.0), total = double(n);
+    const std::int64_t spare = global_batch - min_batch * n_;
+    std::vector<std::int64_t> out(n);
+    std::vector<double> frac(n);
+    std::int64_t given = 0;
+    for (std::size_t r = 0; r < n; ++r) {
+      const double share = double(spare) * speed[r] / total;
+      out[r] = static_cast<std::int64_t>(std::floor(share));
+      frac[r] = share - double(out[r]);
+      given += out[r];
+    }
+    std::vector<std::size_t> order(n);
+    for (std::size_t r = 0; r < n; ++r) order[r] = r;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::size_t a, std::size_t b) { return frac[a] > frac[b]; });
+    for (std::size_t k = 0; given < spare; ++k, ++given) ++out[order[k % n]];
+    for (auto& b : out) b += min_batch;
+    return out;
+  }
+
+ private:
+  std::size_t idx(int r) const {
+    detail::require(r >= 0 && r < n_, "straggler_detector: rank ", r, " out of range (", n_, " ranks)");
+    return static_cast<std::size_t>(r);
+  }
+  static double median(std::vector<double>& v) {
+    const std::size_t h = v.size() / 2;
+    std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(h), v.end());
+    const double hi = v[h];
+    if (v.size() % 2) return hi;
+    const double lo = *std::max_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(h));
+    return lo + (hi - lo) / 2;
+  }
+
+  straggler_options o_;
+  int n_ = 1;
+  std::uint64_t steps_ = 0;
+  std::vector<double> times_;        ///< window × ranks, ring by step
+  std::vector<unsigned char> slow_;  ///< window × ranks: slow marks
+  std::vector<std::size_t> count_;   ///< per rank: slow marks in the window
+  std::vector<bool> flag_;
+  straggler_report rep_;
+  std::vector<double> all_;
+  mutable std::vector<double> scratch_;
+};
+
+}  // namespace gradapt::elastic

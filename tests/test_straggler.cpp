@@ -1,0 +1,173 @@
+// gradapt::elastic::straggler_detector (elastic/straggler.hpp):
+//  1. an injected 3× straggler (one rank of 2..8, jittered ±30%) is flagged within 20 steps of
+//     its onset in each of 20 seeded runs, and no other rank is;
+//  2. healthy runs raise nothing in 1,000 steps: ±30% uniform per-rank jitter, with and without
+//     rare single-step 3× pauses (0.5% of rank-steps);
+//  3. a rank that recovers is cleared once its slow steps leave the window;
+//  4. rebalance: batch sizes proportional to speed, exact sums, the remainder rule;
+//  5. observe(comm, t) on comm::threads ranks gives every rank the same decisions; an invalid
+//     time or detectors at different steps throw on every rank naming the rank; bad options.
+#include <cstdint>
+#include <random>
+#include <span>
+#include <vector>
+
+#include "catch.hpp"
+#include "gradapt/comm/threads.hpp"
+#include "gradapt/elastic/straggler.hpp"
+#include "rank_check.hpp"
+
+using Catch::Matchers::Contains;
+using gradapt::comm::run_threads;
+using gradapt::comm::threads;
+using gradapt::elastic::straggler_detector;
+using gradapt::elastic::straggler_options;
+
+namespace {
+const gradapt::comm::threads_options quick{.timeout = std::chrono::seconds(30)};
+
+// Per-rank step times: base × U[0.7, 1.3], times `slowdown` for rank `slow` from step `onset`,
+// and with probability `pause` a single-step 3× pause.
+struct sim {
+  int ranks;
+  std::mt19937_64 rng;
+  int slow = -1;
+  std::uint64_t onset = 0;
+  double slowdown = 3.0;
+  double pause = 0.0;
+  std::uint64_t step = 0;
+  std::vector<double> next() {
+    std::uniform_real_distribution<double> jitter(0.7, 1.3), u(0.0, 1.0);
+    std::vector<double> t(static_cast<std::size_t>(ranks));
+    for (int r = 0; r < ranks; ++r) {
+      double x = 0.25 * jitter(rng);
+      if (r == slow && step >= onset) x *= slowdown;
+      if (pause > 0 && u(rng) < pause) x *= 3.0;
+      t[static_cast<std::size_t>(r)] = x;
+    }
+    ++step;
+    return t;
+  }
+};
+}  // namespace
+
+TEST_CASE("straggler: an injected 3x straggler is flagged within 20 steps in every seeded run",
+          "[elastic][straggler]") {
+  for (unsigned seed = 1; seed <= 20; ++seed) {
+    const int ranks = 2 + static_cast<int>(seed % 7);  // 2..8
+    INFO("seed " << seed << ", " << ranks << " ranks");
+    sim s{ranks, std::mt19937_64(seed)};
+    s.slow = static_cast<int>(seed) % ranks;
+    s.onset = 100 + seed;
+    straggler_detector d(ranks);
+    std::int64_t raised_at = -1;
+    for (std::uint64_t t = 0; t < s.onset + 60; ++t) {
+      const auto& rep = d.observe(s.next());
+      for (int r : rep.raised) {
+        REQUIRE(r == s.slow);  // no other rank, and nothing before the onset
+        REQUIRE(t >= s.onset);
+        if (raised_at < 0) raised_at = static_cast<std::int64_t>(t);
+      }
+    }
+    REQUIRE(raised_at >= 0);
+    CHECK(raised_at - static_cast<std::int64_t>(s.onset) < 20);
+    CHECK(d.flagged(s.slow));
+  }
+}
+
+TEST_CASE("straggler: no flag in 1,000 healthy steps with 30% jitter, with or without rare pauses",
+          "[elastic][straggler]") {
+  for (const int ranks : {2, 3, 8})
+    for (const double pause : {0.0, 0.005})
+      for (unsigned seed = 1; seed <= 5; ++seed) {
+        INFO(ranks << " ranks, pause " << pause << ", seed " << seed);
+        sim s{ranks, std::mt19937_64(1000 + seed)};
+        s.pause = pause;
+        straggler_detector d(ranks);
+        std::size_t slow_steps = 0;
+        for (int t = 0; t < 1000; ++t) {
+          const auto& rep = d.observe(s.next());
+          CHECK(rep.flagged.empty());
+          for (bool x : rep.slow) slow_steps += x ? 1 : 0;
+        }
+        if (pause == 0) CHECK(slow_steps == 0);
+      }
+}
+
+TEST_CASE("straggler: a rank that recovers is cleared when its slow steps leave the window",
+          "[elastic][straggler]") {
+  const straggler_options o{.window = 10, .persistence = 3};
+  straggler_detector d(4, o);
+  std::vector<double> t(4, 1.0);
+  for (int s = 0; s < 10; ++s) d.observe(t);
+  t[2] = 3.0;
+  std::vector<int> raised, cleared;
+  for (int s = 0; s < 5; ++s) {
+    const auto& rep = d.observe(t);
+    if (!rep.raised.empty()) raised.push_back(s);
+  }
+  CHECK(raised == std::vector<int>{2});  // the third slow step
+  t[2] = 1.0;
+  int at = -1;
+  for (int s = 0; s < 12 && at < 0; ++s)
+    if (!d.observe(t).cleared.empty()) at = s;
+  // 5 slow marks in the window; cleared when fewer than 3 remain: after 8 healthy steps.
+  CHECK(at == 7);
+  CHECK_FALSE(d.flagged(2));
+}
+
+TEST_CASE("straggler: rebalance gives batches proportional to speed that sum exactly",
+          "[elastic][straggler]") {
+  straggler_detector d(4);
+  CHECK(d.rebalance(10) == std::vector<std::int64_t>{3, 3, 2, 2});  // equal shares before any step
+  const double times[] = {1.0, 1.0, 2.0, 1.0};
+  for (int s = 0; s < 3; ++s) d.observe(times);
+  CHECK(d.typical_time(2) == 2.0);
+  // spare 256 − 4 = 252 by speeds 1 : 1 : 0.5 : 1 → 72, 72, 36, 72 exactly.
+  CHECK(d.rebalance(256) == std::vector<std::int64_t>{73, 73, 37, 73});
+  // 257 − 4 = 253: 72.29, 72.29, 36.14, 72.29 → floors 252, one more to the lowest-ranked
+  // largest fraction (rank 0).
+  CHECK(d.rebalance(257) == std::vector<std::int64_t>{74, 73, 37, 73});
+  const auto b = d.rebalance(1000, 10);
+  std::int64_t sum = 0;
+  for (auto x : b) sum += x;
+  CHECK(sum == 1000);
+  CHECK_THROWS_WITH(d.rebalance(3), Contains("cannot give 4 ranks at least 1"));
+}
+
+TEST_CASE("straggler: observe over a communicator agrees on every rank; errors on every rank",
+          "[elastic][straggler]") {
+  run_threads(4, quick, [&](threads& c) {
+    straggler_detector d(4);
+    sim s{4, std::mt19937_64(7)};  // every rank draws the same stream and keeps its own time
+    s.slow = 1;
+    s.onset = 30;
+    std::vector<int> raised_at;
+    for (int t = 0; t < 60; ++t) {
+      const auto times = s.next();
+      const auto& rep = d.observe(c, times[static_cast<std::size_t>(c.rank())]);
+      if (!rep.raised.empty()) {
+        RANK_CHECK(rep.raised == std::vector<int>{1});
+        raised_at.push_back(t);
+      }
+    }
+    RANK_CHECK(raised_at.size() == 1);
+    RANK_CHECK(raised_at.at(0) >= 30);
+    RANK_CHECK(raised_at.at(0) < 50);
+    RANK_REQUIRE_THROWS_WITH(d.observe(c, c.rank() == 2 ? -1.0 : 1.0), Contains("rank 2's time is -1"));
+    straggler_detector other(4);
+    if (c.rank() != 3) other.observe(std::vector<double>(4, 1.0));
+    RANK_REQUIRE_THROWS_WITH(other.observe(c, 1.0), Contains("rank 3's detector has observed 0 steps"));
+  });
+  straggler_detector d(2);
+  CHECK_THROWS_WITH(d.observe(std::vector<double>{1.0}), Contains("1 times for 2 ranks"));
+  CHECK_THROWS_WITH(d.observe(std::vector<double>{1.0, NAN}), Contains("rank 1's time is nan"));
+  CHECK(d.steps() == 0);
+  CHECK_THROWS_WITH(straggler_detector(0), Contains("ranks is 0"));
+  CHECK_THROWS_WITH(straggler_detector(2, {.window = 1}), Contains("window is 1"));
+  CHECK_THROWS_WITH(straggler_detector(2, {.window = 4, .persistence = 5}), Contains("persistence is 5"));
+  CHECK_THROWS_WITH(straggler_detector(2, {.threshold = 0}), Contains("threshold is 0"));
+  CHECK_THROWS_WITH(straggler_detector(2, {.min_ratio = 0.5}), Contains("min_ratio is 0.5"));
+  CHECK_THROWS_WITH(straggler_detector(2, {.floor = -1}), Contains("floor is -1"));
+  CHECK_THROWS_WITH(d.flagged(2), Contains("rank 2 out of range"));
+}
