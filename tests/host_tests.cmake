@@ -182,6 +182,9 @@ if(GRADAPT_WITH_LAPACK)
   # K-FAC against kfac-pytorch's reference data (tests/data/make_kfac_refs.py).
   gradapt_add_test(test_kfac_refs SOURCES test_kfac_refs.cpp LIBS gradapt::linalg)
   target_compile_definitions(test_kfac_refs PRIVATE GRADAPT_KFAC_DATA="${PROJECT_SOURCE_DIR}/tests/data/kfac")
+  # K-FAC in the precondition slot of train::data_parallel_step (train/kfac_policy.hpp).
+  gradapt_add_test(test_train_kfac SOURCES test_train_kfac.cpp LIBS gradapt::linalg)
+  target_link_libraries(test_train_kfac PRIVATE Threads::Threads)
 endif()
 # cuda_linalg (cuBLAS + cuSOLVER) on the device: compiled with the CUDA tests' runner, skipped
 # at run time without a GPU (exit code 77).

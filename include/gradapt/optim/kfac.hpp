@@ -196,6 +196,12 @@ class kfac_state {
   }
   /// ν of the last step's KL clipping (1 when off or not clipped).
   double last_kl_scale() const { return nu_; }
+  /// Drops the a and g terms `accumulate` added since the last step, for a step that is not
+  /// taken (a loss-scaler overflow: its terms may not be finite). The factors, decompositions
+  /// and step count are unchanged; the step's factor update is due again on the next call.
+  void discard() {
+    for (auto& x : l_) x.count = 0;
+  }
 
   /// Writes the state into the open section of `w`. Call it between steps.
   /// @throws gradapt::error when a factor or decomposition is not finite

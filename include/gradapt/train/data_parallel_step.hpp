@@ -13,8 +13,12 @@
 ///              g ← Adasum_r(g_r) (`adasum_combine`); skipped on LocalSGD's local steps;
 ///  3. adapt:   noise-scale update (McCandlish et al. 2018) from those norms, AdaScale gain
 ///              r = (σ² + |G|²)/(σ²/S + |G|²) and progress τ ← τ + r (Johnson et al. 2020);
-///  4. optimizer step at lr = η · r (or η · √r), η = `step_settings::lr`;
-///  5. sync:    LocalSGD counts the step and averages the parameters when its schedule says so.
+///  4. precondition: the combined gradients rewritten in place at lr = η · r (or η · √r),
+///              η = `step_settings::lr` (`kfac_policy`: `kfac::step(comm, ...)`, whose KL
+///              clipping takes that lr); on a skipped step the preconditioner discards what was
+///              collected for it (K-FAC's accumulated a and g terms);
+///  5. optimizer step at that lr;
+///  6. sync:    LocalSGD counts the step and averages the parameters when its schedule says so.
 ///
 /// Each stage is a slot (see train/policies.hpp) whose policy is chosen by the values passed
 /// to `make_data_parallel_step`; a slot left out compiles to nothing. Hooks passed to the
@@ -34,9 +38,9 @@
 /// The step owns the optimizer state and the policies; it references (never copies) the
 /// communicator and the parameter list, which must outlive it. Checkpoints: `save()` writes the
 /// whole step's state (settings, counters, optimizer state, scaler, noise scale, AdaScale,
-/// LocalSGD, and a combiner's or hook's own state) into one byte vector and `load()` restores it
-/// exactly; the parameters themselves
-/// are the framework's and are saved by it.
+/// LocalSGD, the preconditioner's state, and a combiner's or hook's own state) into one byte
+/// vector and `load()` restores it exactly; the parameters themselves are the framework's and
+/// are saved by it.
 
 #include <cmath>
 #include <concepts>
@@ -106,6 +110,16 @@ struct schedule_of {
 template <class S>
 struct schedule_of<local_sgd_policy<S>> {
   using type = S;
+};
+
+/// The bound preconditioner of slot P (nothing when the slot is off).
+template <class P, class Comm, class B, class PL>
+struct preconditioner_of {
+  using type = bound_preconditioner_t<P, Comm, B, PL>;
+};
+template <class Comm, class B, class PL>
+struct preconditioner_of<no_preconditioner, Comm, B, PL> {
+  using type = nothing;
 };
 
 /// The runtime of the adapt slot: the estimator, AdaScale and the policy's options.
@@ -180,16 +194,19 @@ auto hook_tuple(A&& a) {
 /// @tparam Adapt  no_adascale | adascale_policy
 /// @tparam Sync   no_local_sgd | local_sgd_policy<Schedule>
 /// @tparam Hooks  std::tuple of hook objects, called in the order they were passed
+/// @tparam Precond no_preconditioner | kfac_policy<State> | a user's `precondition_policy`
 ///
 /// Construction is collective: the ranks agree with one small allreduce that they hold the
 /// same number of tensors with the same sizes (every rank throws the same gradapt::error
-/// otherwise), and an Adasum policy in hierarchical mode splits the communicator. `step()` is
+/// otherwise), a preconditioner's binding is checked with a second one (an error on one rank,
+/// such as a K-FAC mapping that does not fit, is thrown on every rank), and an Adasum policy
+/// in hierarchical mode splits the communicator. `step()` is
 /// collective. Hooks run on every rank with identical metrics and must act identically (a
 /// hook that throws on one rank only leaves the others in a collective: comm::threads then
 /// aborts them with comm::peer_failure). The steady-state step allocates nothing beyond what
 /// hooks do. Device memory (CUDA/NCCL) is not wired here yet: call the stages one by one.
 template <class Comm, class B, class PL, class Opt, class Scaler, class Combine, class Adapt, class Sync,
-          class Hooks>
+          class Hooks, class Precond = no_preconditioner>
 class data_parallel_step {
  public:
   using comm_type = Comm;                                          ///< the communicator
@@ -214,6 +231,10 @@ class data_parallel_step {
   static constexpr bool has_local_sgd = !std::is_same_v<Sync, no_local_sgd>;
   /// The sync slot holds a local_sgd_policy<fixed_period> (step_settings::period is live).
   static constexpr bool has_settable_period = has_local_sgd && std::is_same_v<schedule_type, fixed_period>;
+  /// The precondition slot holds a preconditioner (kfac_policy, a user's).
+  static constexpr bool has_preconditioner = !std::is_same_v<Precond, no_preconditioner>;
+  /// The precondition slot's policy bound to the step (`detail::nothing` when the slot is off).
+  using preconditioner_type = typename detail::preconditioner_of<Precond, Comm, B, PL>::type;
 
   static_assert(communicator<Comm> && backend<B>,
                 "train::data_parallel_step: Comm and B must model the concepts");
@@ -233,12 +254,21 @@ class data_parallel_step {
                 "train::data_parallel_step: adascale_policy needs the rank MEAN of the gradients and its "
                 "norms for the noise scale (combine_mean_with_norms), which this combiner (adasum_combine "
                 "or a user's) does not form; use allreduce_mean with AdaScale");
+  static_assert(!has_preconditioner || precondition_policy<Precond, Comm, B, PL>,
+                "train::data_parallel_step: the precondition slot's policy must model "
+                "train::precondition_policy (bind(comm, backend, params) && returning an object with "
+                "precondition(comm, backend, grads, lr) and discard())");
+  static_assert(!(has_preconditioner && has_local_sgd),
+                "train::data_parallel_step: a preconditioner (kfac_policy) cannot be combined with "
+                "local_sgd_policy: it needs the same combined gradient on every rank (K-FAC averages its "
+                "factors over the ranks and divides the decompositions among them), which LocalSGD's local "
+                "steps do not form; drop one of the two policies");
 
   /// Builds the step (collective; see the class comment). Prefer `make_data_parallel_step`.
   /// @throws gradapt::error when the parameter lists differ across ranks or are empty, a
   ///         setting or option is invalid, or AdaScale's initial scale is below 1
   data_parallel_step(Comm& comm, const B& b, const PL& params, Opt opt, step_settings settings, Scaler scaler,
-                     Combine combine, Adapt adapt, Sync sync, Hooks hooks)
+                     Combine combine, Adapt adapt, Sync sync, Hooks hooks, Precond precond = Precond())
       : comm_(&comm),
         backend_(b),
         params_(&params),
@@ -246,11 +276,24 @@ class data_parallel_step {
         scaler_(std::move(scaler)),
         settings_(settings),
         hooks_(std::move(hooks)) {
-    agree_on_construction(adapt, sync);
+    agree_on_construction(adapt, sync, precond);
     tensors_ = params.size();
     total_ = params.total_elements();
     state_ = opt_.init(backend_, params);
     combiner_.emplace(bind_combiner(combine, comm, backend_, params));
+    if constexpr (has_preconditioner) {
+      // A mapping error on one rank is thrown on every rank (the others name that rank).
+      std::string bad;
+      try {
+        pre_.emplace(std::move(precond).bind(comm, backend_, params));
+      } catch (const error& e) {
+        bad = e.what();
+      }
+      agree_values(comm, "train::data_parallel_step (binding the preconditioner)",
+                   std::span<const agreed_value>(), bad);
+    } else {
+      (void)precond;
+    }
     if constexpr (has_adascale) {
       detail::require(std::isfinite(adapt.base_batch) && adapt.base_batch > 0.0,
                       "train::adascale_policy: base_batch is ", adapt.base_batch,
@@ -329,6 +372,7 @@ class data_parallel_step {
       m.loss_scale = scaler_.scale();
       if (!ok) {
         m.found_inf = true;
+        if constexpr (has_preconditioner) pre_->discard();  // this step's collected terms
         return finish_step(m, call);
       }
     }
@@ -344,6 +388,9 @@ class data_parallel_step {
       gain = sync ? adapt_.ada.advance(adapt_.gns, adapt_.policy.base_batch) : adapt_.ada.advance(0.0, 0.0);
       if (adapt_.policy.scale_lr) lr = eta * adapt_.ada.lr_factor(gain);
     }
+    // The preconditioner sees the combined gradient (no local steps: see the static_assert) and
+    // the lr the optimizer steps at (K-FAC's KL clipping bounds lr²·⟨V, M⟩ at that lr).
+    if constexpr (has_preconditioner) pre_->precondition(*comm_, backend_, params_->grads(), lr);
     opt_.step(backend_, *params_, state_, step_args{.lr = lr});
 
     if constexpr (has_local_sgd) {
@@ -399,6 +446,11 @@ class data_parallel_step {
   const adascale& ada_scale() const requires has_adascale { return adapt_.ada; }
   /// The LocalSGD driver (sync slot on).
   const local_sgd<Comm, schedule_type>& local() const requires has_local_sgd { return *sync_.driver; }
+  /// The precondition slot's bound preconditioner (slot on). With `kfac_policy`, a
+  /// `kfac_preconditioner`: ask `factor_update_due()` and call `accumulate` before `step()`.
+  preconditioner_type& preconditioner() requires has_preconditioner { return *pre_; }
+  /// The bound preconditioner (read only).
+  const preconditioner_type& preconditioner() const requires has_preconditioner { return *pre_; }
   /// The combine slot's bound combiner (its state, e.g. an error-feedback residual).
   const combiner_type& combiner() const { return *combiner_; }
   /// The hooks, in the order they were passed.
@@ -408,9 +460,10 @@ class data_parallel_step {
 
   /// The whole state as one byte vector: a header (format, rank count, slots, parameter
   /// layout), the settings, the step counter and latest metrics, the optimizer state
-  /// (`chain_state::save`), and the states of the loss scaler, noise scale, AdaScale and
-  /// LocalSGD when those slots are on. Not collective. The parameters are not included (they
-  /// are the framework's buffers; save them with the framework). With LocalSGD the replicas and
+  /// (`chain_state::save`), and the states of the loss scaler, noise scale, AdaScale,
+  /// LocalSGD and the preconditioner (K-FAC's factors and decompositions) when those slots are
+  /// on. Not collective. The parameters are not included (they are the framework's buffers;
+  /// save them with the framework). With LocalSGD the replicas and
   /// their optimizer states differ between rounds: every rank saves its own.
   std::vector<std::byte> save() const {
     archive_writer w{archive_kind, archive_version};
@@ -455,7 +508,7 @@ class data_parallel_step {
  private:
   static std::uint64_t slot_mask() {
     return (has_loss_scaling ? 1u : 0u) | (has_custom_combine ? 2u : 0u) | (has_adascale ? 4u : 0u) |
-           (has_local_sgd ? 8u : 0u);
+           (has_local_sgd ? 8u : 0u) | (has_preconditioner ? 16u : 0u);
   }
 
   template <class F>
@@ -593,8 +646,8 @@ class data_parallel_step {
   /// the slot options and the optimizer's stage options (`agreed_options`) that must match, so
   /// that a rank built with another learning rate, momentum, batch, base batch or period
   /// throws with every other rank instead of drifting apart.
-  template <class A, class Y>
-  void agree_on_construction(const A& adapt, const Y& sync) {
+  template <class A, class Y, class P>
+  void agree_on_construction(const A& adapt, const Y& sync, const P& precond) {
     agreed_list<64> v;
     v.push("parameter tensors", static_cast<double>(params_->size()));
     v.push("parameter elements", static_cast<double>(params_->total_elements()));
@@ -602,6 +655,7 @@ class data_parallel_step {
     v.push("loss scaling on", has_loss_scaling ? 1.0 : 0.0);
     v.push("adascale on", has_adascale ? 1.0 : 0.0);
     v.push("local sgd on", has_local_sgd ? 1.0 : 0.0);
+    v.push("preconditioner on", has_preconditioner ? 1.0 : 0.0);
     v.push("step_settings::lr", settings_.lr);
     v.push("step_settings::local_batch", settings_.local_batch);
     v.push("step_settings::accumulation_steps", static_cast<double>(settings_.accumulation_steps));
@@ -614,6 +668,7 @@ class data_parallel_step {
     if constexpr (has_local_sgd)
       v.push("local_sgd_options::start_step", static_cast<double>(sync.options.start_step));
     if constexpr (requires { opt_.agreed_options(v); }) opt_.agreed_options(v);
+    if constexpr (requires { precond.agreed_options(v); }) precond.agreed_options(v);
     agree_values(*comm_, "train::data_parallel_step", v.view());
     detail::require(params_->size() > 0, "train::data_parallel_step on rank ", comm_->rank(),
                     ": the parameter list is empty (add the model's parameters before building the step)");
@@ -667,8 +722,8 @@ class data_parallel_step {
   }
 
   // Calls f(section, component) for every component with a state section of its own, in
-  // archive order: loss scaler, noise scale, AdaScale, LocalSGD, combiner, then the hooks
-  // that save state ("hook0", "hook1", ... by position). `self` is *this, const for save().
+  // archive order: loss scaler, noise scale, AdaScale, LocalSGD, combiner, preconditioner, then
+  // the hooks that save state ("hook0", "hook1", ... by position). `self` is *this, const for save().
   template <class Self, class F>
   static void for_each_section(Self& self, F&& f) {
     if constexpr (has_loss_scaling) f("loss_scaler", self.scaler_);
@@ -678,6 +733,7 @@ class data_parallel_step {
     }
     if constexpr (has_local_sgd) f("local_sgd", *self.sync_.driver);
     if constexpr (saves_state<combiner_type>) f("combine", *self.combiner_);
+    if constexpr (has_preconditioner && saves_state<preconditioner_type>) f("precondition", *self.pre_);
     std::size_t h = 0;
     self.for_each_hook([&](auto& hook) {
       if constexpr (saves_state<std::remove_cvref_t<decltype(hook)>>) f(hook_section(h).c_str(), hook);
@@ -717,7 +773,8 @@ class data_parallel_step {
     expect("ranks", "rank count", static_cast<std::uint64_t>(comm_->size()),
            "restore on as many ranks as saved");
     expect("slots",
-           "slot mask (1 loss scaling, 2 a combiner other than allreduce_mean, 4 AdaScale, 8 LocalSGD)",
+           "slot mask (1 loss scaling, 2 a combiner other than allreduce_mean, 4 AdaScale, 8 LocalSGD, 16 "
+           "a preconditioner)",
            slot_mask(), "restore into a step built with the same policies");
     expect("tensors", "tensor count", static_cast<std::uint64_t>(tensors_),
            "restore for the same parameters");
@@ -777,6 +834,10 @@ class data_parallel_step {
   optimizer_state_type state_;
   [[no_unique_address]] Scaler scaler_;
   std::optional<combiner_type> combiner_;  ///< bound after the ranks agree on the list
+  /// The bound preconditioner (bound after the ranks agree on the list; slot on).
+  [[no_unique_address]] std::conditional_t<has_preconditioner, std::optional<preconditioner_type>,
+                                           detail::nothing>
+      pre_;
   [[no_unique_address]] std::conditional_t<has_adascale, detail::adapt_runtime, detail::nothing> adapt_;
   [[no_unique_address]] std::conditional_t<has_local_sgd, detail::sync_runtime<Comm, schedule_type>,
                                            detail::nothing>
@@ -817,21 +878,26 @@ auto make_data_parallel_step(Comm& comm, const B& backend, const PL& params, Opt
                 "train::make_data_parallel_step: more than one adapt policy");
   static_assert(count_slot<slot::sync, Args...> <= 1,
                 "train::make_data_parallel_step: more than one sync policy");
+  static_assert(count_slot<slot::precondition, Args...> <= 1,
+                "train::make_data_parallel_step: more than one precondition policy");
   static_assert(
       count_slot<slot::none, Args...> == 0,
       "train::make_data_parallel_step: an argument is neither a policy (no_loss_scaling, loss_scaler, "
-      "allreduce_mean, adasum_combine, no_adascale, adascale_policy, no_local_sgd, local_sgd_policy, or "
-      "a type declaring `static constexpr train::policy_slot slot`) nor a hook (an object with "
-      "before_step, after_step, on_overflow or on_rescale)");
+      "allreduce_mean, adasum_combine, no_adascale, adascale_policy, no_local_sgd, local_sgd_policy, "
+      "no_preconditioner, kfac_policy, or a type declaring `static constexpr train::policy_slot slot`) "
+      "nor a hook (an object with before_step, after_step, on_overflow or on_rescale)");
   auto scaler = detail::pick<slot::scaler, no_loss_scaling>(args...);
   auto combine = detail::pick<slot::combine, allreduce_mean>(args...);
   auto adapt = detail::pick<slot::adapt, no_adascale>(args...);
   auto sync = detail::pick<slot::sync, no_local_sgd>(args...);
+  // Moved from an rvalue argument (a preconditioner may own move-only state, e.g. K-FAC's);
+  // pick moves only the argument filling this slot, hook_tuple only the hooks.
+  auto precond = detail::pick<slot::precondition, no_preconditioner>(std::forward<Args>(args)...);
   auto hooks = std::tuple_cat(detail::hook_tuple(std::forward<Args>(args))...);
   return data_parallel_step<Comm, B, PL, Opt, decltype(scaler), decltype(combine), decltype(adapt),
-                            decltype(sync), decltype(hooks)>(
+                            decltype(sync), decltype(hooks), decltype(precond)>(
       comm, backend, params, std::move(optimizer), settings, std::move(scaler), std::move(combine),
-      std::move(adapt), std::move(sync), std::move(hooks));
+      std::move(adapt), std::move(sync), std::move(hooks), std::move(precond));
 }
 
 }  // namespace gradapt::train

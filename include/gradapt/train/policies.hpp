@@ -6,25 +6,26 @@
 /// A data-parallel step is the recipe
 ///
 ///     unscale + overflow check (loss scaler)  →  local statistics  →  combine across ranks
-///     (allreduce-mean, or Adasum)  →  noise scale and AdaScale gain  →  optimizer step at
-///     lr × gain  →  LocalSGD averaging when due
+///     (allreduce-mean, or Adasum)  →  noise scale and AdaScale gain  →  preconditioner
+///     (K-FAC) at lr × gain  →  optimizer step at lr × gain  →  LocalSGD averaging when due
 ///
 /// Each stage is a *slot* filled by one policy value passed to `make_data_parallel_step`; a
 /// slot left out takes its "off" policy, which costs nothing (no member, no branch):
 ///
-/// | slot    | off (default)     | on                                                        |
-/// |---------|-------------------|-----------------------------------------------------------|
-/// | scaler  | `no_loss_scaling` | `gradapt::loss_scaler` (Micikevicius et al. 2018)         |
-/// | combine | `allreduce_mean`  | `adasum_combine` (Maleki et al. 2021), or a user's policy |
-/// | adapt   | `no_adascale`     | `adascale_policy` (McCandlish et al. 2018; Johnson 2020)  |
-/// | sync    | `no_local_sgd`    | `local_sgd_policy<Schedule>` (post-local SGD, Lin 2018)   |
+/// | slot         | off (default)       | on                                                        |
+/// |--------------|---------------------|-----------------------------------------------------------|
+/// | scaler       | `no_loss_scaling`   | `gradapt::loss_scaler` (Micikevicius et al. 2018)         |
+/// | combine      | `allreduce_mean`    | `adasum_combine` (Maleki et al. 2021), or a user's policy |
+/// | adapt        | `no_adascale`       | `adascale_policy` (McCandlish et al. 2018; Johnson 2020)  |
+/// | precondition | `no_preconditioner` | `kfac_policy<State>` (train/kfac_policy.hpp; K-FAC)       |
+/// | sync         | `no_local_sgd`      | `local_sgd_policy<Schedule>` (post-local SGD, Lin 2018)   |
 ///
 /// A policy names its slot (`static constexpr policy_slot slot = ...`, or a specialisation of
 /// `policy_traits` for a type that cannot be edited). The combine slot is open: any type that
 /// models `combine_policy` fills it, so a user's combiner (gradient compression, a
 /// sparsifier with error feedback, PowerSGD) plugs in without editing the library; see
 /// `combine_policy` for the contract and tests/test_train_policy.cpp for one written outside
-/// include/.
+/// include/. The precondition slot is open the same way (`precondition_policy`).
 ///
 /// Any other value passed to the factory is a *hook*: an object with one or more of the member
 /// functions `before_step`, `after_step`, `on_overflow`, `on_rescale` (detected at compile
@@ -58,7 +59,7 @@ namespace gradapt::train {
 // ---- the slots ------------------------------------------------------------------------------
 
 /// The slot a policy fills in `make_data_parallel_step`.
-enum class policy_slot : unsigned char { scaler, combine, adapt, sync };
+enum class policy_slot : unsigned char { scaler, combine, adapt, sync, precondition };
 
 /// Which slot a policy type fills: `T::slot` when T declares it. Specialise it (with a
 /// `static constexpr policy_slot slot`) for a type that cannot declare it.
@@ -238,6 +239,41 @@ struct adascale_policy {
   bool scale_lr = true;                                    ///< multiply the learning rate by the gain factor
 };
 
+/// Precondition slot, off: the optimizer steps on the combined gradients as they are.
+struct no_preconditioner {
+  static constexpr policy_slot slot = policy_slot::precondition;  ///< fills the precondition slot
+};
+
+/// The bound form of precondition policy P: `std::move(p).bind(comm, backend, params)` (P may
+/// own move-only state, e.g. K-FAC's factors, which move into the step).
+template <class P, class Comm, class B, class PL>
+using bound_preconditioner_t = decltype(std::declval<P&&>().bind(
+    std::declval<Comm&>(), std::declval<const B&>(), std::declval<const PL&>()));
+
+/// The precondition slot's contract. A precondition policy P declares `static constexpr
+/// policy_slot slot = policy_slot::precondition` and `bind(comm, backend, params) &&`, called
+/// once when the step is built (after the ranks agreed on the parameter list; an error it
+/// throws on any rank is thrown on every rank). The step calls the bound preconditioner c on
+/// every rank:
+///
+///     c.precondition(comm, backend, params.grads(), lr);  // after the combine: rewrites the
+///                                                        // combined gradients in place; lr is
+///                                                        // the one the optimizer steps at
+///     c.discard();                                       // on a skipped (overflow) step instead
+///
+/// Optional: `agreed_options(agreed_list<64>&) const` on P (values every rank must pass equal,
+/// checked with the step's construction agreement), and `save`/`load` on c (`saves_state`):
+/// its state in the step's checkpoint, section "precondition". The preconditioner sees the
+/// same combined gradient on every rank, so it cannot be combined with `local_sgd_policy`
+/// (a compile-time error).
+template <class P, class Comm, class B, class PL>
+concept precondition_policy = policy<P> && policy_traits<std::remove_cvref_t<P>>::slot ==
+                              policy_slot::precondition&& requires(bound_preconditioner_t<P, Comm, B, PL>& c,
+                                                                   Comm& comm, const B& b, const PL& params) {
+  c.precondition(comm, b, params.grads(), 1.0);
+  c.discard();
+};
+
 /// Sync slot, off: every step combines gradients.
 struct no_local_sgd {
   static constexpr policy_slot slot = policy_slot::sync;  ///< fills the sync slot
@@ -350,7 +386,7 @@ using gradapt::detail::message;
 using gradapt::detail::require;
 
 /// Which slot a value passed to the factory fills.
-enum class slot : unsigned char { scaler, combine, adapt, sync, hook, none };
+enum class slot : unsigned char { scaler, combine, adapt, sync, precondition, hook, none };
 
 template <class T>
 constexpr slot slot_of() {
@@ -364,6 +400,8 @@ constexpr slot slot_of() {
         return slot::adapt;
       case policy_slot::sync:
         return slot::sync;
+      case policy_slot::precondition:
+        return slot::precondition;
     }
     return slot::none;
   } else {
