@@ -238,7 +238,7 @@ class kfac_state {
     const auto et = r.get<std::string>("element_type");
     detail::require(et == name(dtype_of_v<C>), who, ": the checkpoint holds ", et, " factors but this state ",
                     name(dtype_of_v<C>));
-    const bool v1 = r.version() == 1;
+    const bool v1 = !r.has("decomposition_type");  // format 1: D = C, every decomposition stored
     const std::string dt = v1 ? et : r.get<std::string>("decomposition_type");
     detail::require(dt == name(dtype_of_v<D>), who, ": the checkpoint holds ", dt,
                     " decompositions but this state ", name(dtype_of_v<D>));
