@@ -65,6 +65,7 @@
 #include "gradapt/core/config.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/ops.hpp"
+#include "gradapt/core/owner_exchange.hpp"
 #include "gradapt/core/param_list.hpp"
 #include "gradapt/core/tensor_view.hpp"
 #include "gradapt/optim/chain.hpp"
@@ -77,6 +78,36 @@
 #include "gradapt/train/policies.hpp"
 
 namespace gradapt::train {
+
+/// How `data_parallel_step::restore` carries the settings from a checkpoint of N ranks to a
+/// world of M ranks (the learning-rate rules of Krizhevsky 2014 and Goyal et al. 2017; AdaScale,
+/// Johnson et al. 2020). On N = M every rule keeps the settings.
+enum class rescale_rule : unsigned char {
+  /// The same global batch: accumulation_steps × N / M (must be a whole number); lr kept.
+  keep_global_batch,
+  /// The global batch follows the ranks; lr × M / N.
+  linear_lr,
+  /// The global batch follows the ranks; lr × √(M / N).
+  sqrt_lr,
+  /// The global batch follows the ranks; lr kept, AdaScale's gain follows the new batch (needs
+  /// the adapt slot's adascale_policy).
+  adascale,
+};
+
+/// The rule's name ("keep_global_batch", ...), "unknown" for another value.
+inline const char* name(rescale_rule r) {
+  switch (r) {
+    case rescale_rule::keep_global_batch:
+      return "keep_global_batch";
+    case rescale_rule::linear_lr:
+      return "linear_lr";
+    case rescale_rule::sqrt_lr:
+      return "sqrt_lr";
+    case rescale_rule::adascale:
+      return "adascale";
+  }
+  return "unknown";
+}
 
 /// The state type an optimizer creates for backend B and parameter list PL.
 template <class O, class B, class PL>
@@ -490,6 +521,40 @@ class data_parallel_step {
   static constexpr std::string_view archive_kind = "gradapt.train_step";
   static constexpr std::uint32_t archive_version = 1;  ///< see archive_kind
 
+  /// Restores, on this step's world of M ranks, a state written by `save()` of a step with the
+  /// same slots, optimizer and parameter layout on any number N of ranks (Horovod Elastic's
+  /// commit / restore): the optimizer state, the loss scale, the noise-scale estimates,
+  /// AdaScale's progress, LocalSGD's counters, the preconditioner's state and the hooks' states
+  /// move unchanged; the settings follow `rule`. Collective: every rank passes the same bytes
+  /// (agreed by a hash, with the rule), so every rank resumes at the same step, or every rank
+  /// throws. The next steps are those of a step on M ranks holding that state. All or nothing:
+  /// on a throw the step's state is unchanged on every rank.
+  /// @throws gradapt::error naming the first field that does not match, a rule that does not
+  ///         apply (keep_global_batch with accumulation_steps × N not divisible by M; adascale
+  ///         without the adapt slot), or ranks that passed other bytes or another rule
+  void restore(std::span<const std::byte> bytes, rescale_rule rule) {
+    const std::vector<std::byte> backup = save();
+    std::string bad;
+    try {
+      load_impl(bytes, &rule);
+    } catch (const error& e) {
+      bad = e.what();
+      load_impl(backup, nullptr);
+    }
+    // (Not the archive's CRC32C: a CRC over bytes that end with their own CRC is a constant.)
+    const std::uint64_t hash = gradapt::detail::hash_bytes(0x9E3779B97F4A7C15ull, bytes.data(), bytes.size());
+    try {
+      agree_values(*comm_, "train::data_parallel_step::restore",
+                   {{"checkpoint (a 52-bit hash of its bytes)", static_cast<double>(hash >> 12)},
+                    {"checkpoint size in bytes", static_cast<double>(bytes.size())},
+                    {"rescale rule", static_cast<double>(rule)}},
+                   bad);
+    } catch (...) {
+      if (bad.empty()) load_impl(backup, nullptr);
+      throw;
+    }
+  }
+
   /// Restores a state written by `save()` of a step with the same slots, optimizer, rank
   /// count and parameter layout; the following steps are then bit for bit those of the run
   /// that saved it (given the same parameters and gradients). Not collective; call it on
@@ -498,9 +563,9 @@ class data_parallel_step {
   void load(std::span<const std::byte> bytes) {
     const std::vector<std::byte> backup = save();
     try {
-      load_impl(bytes);
+      load_impl(bytes, nullptr);
     } catch (...) {
-      load_impl(backup);
+      load_impl(backup, nullptr);
       throw;
     }
   }
@@ -762,7 +827,8 @@ class data_parallel_step {
 
   // Reads the archive into this step. Component loads validate their own sections and
   // commit one by one, so `load` restores a backup when anything throws.
-  void load_impl(std::span<const std::byte> bytes) {
+  // With `resize`, a checkpoint of another rank count is accepted and the settings follow the rule.
+  void load_impl(std::span<const std::byte> bytes, const rescale_rule* resize) {
     constexpr const char* fn = "train::data_parallel_step::load";
     archive_reader r{bytes, archive_kind, archive_version};
     const auto expect = [&](const char* field, const char* what, std::uint64_t want, const char* hint) {
@@ -770,8 +836,12 @@ class data_parallel_step {
       detail::require(got == want, fn, ": the checkpoint's ", what, " is ", got, " but this step's is ", want,
                       " (", hint, ")");
     };
-    expect("ranks", "rank count", static_cast<std::uint64_t>(comm_->size()),
-           "restore on as many ranks as saved");
+    const auto saved_ranks = r.get<std::uint64_t>("ranks");
+    const auto ranks = static_cast<std::uint64_t>(comm_->size());
+    detail::require(resize || saved_ranks == ranks, fn, ": the checkpoint's rank count is ", saved_ranks,
+                    " but this step's is ", ranks,
+                    " (restore on as many ranks as saved, or resize with restore(bytes, rescale_rule))");
+    detail::require(saved_ranks >= 1, fn, ": the checkpoint's rank count is 0");
     expect("slots",
            "slot mask (1 loss scaling, 2 a combiner other than allreduce_mean, 4 AdaScale, 8 LocalSGD, 16 "
            "a preconditioner)",
@@ -796,6 +866,7 @@ class data_parallel_step {
     detail::require(calls < std::numeric_limits<std::uint64_t>::max(), fn, ": step counter ", calls,
                     " cannot grow");
     const step_metrics m = get_metrics(r);
+    if (resize) s = rescaled(s, *resize, saved_ranks, ranks);
     if constexpr (!has_settable_period)
       detail::require(s.period == 0, fn, ": the checkpoint's period is ", s.period,
                       " but this step has no fixed LocalSGD period");
@@ -816,6 +887,38 @@ class data_parallel_step {
     settings_ = s;
     calls_ = calls;
     last_ = m;
+  }
+
+  // The settings of a checkpoint of n ranks on m ranks under `rule`.
+  static step_settings rescaled(step_settings s, rescale_rule rule, std::uint64_t n, std::uint64_t m) {
+    constexpr const char* fn = "train::data_parallel_step::restore";
+    switch (rule) {
+      case rescale_rule::keep_global_batch: {
+        const auto micro = static_cast<std::uint64_t>(s.accumulation_steps) * n;
+        detail::require(micro % m == 0, fn, ": keep_global_batch: ", s.accumulation_steps,
+                        " accumulation steps on ", n, " ranks are ", micro, " micro-batches per step, which ",
+                        m,
+                        " ranks cannot split evenly (choose linear_lr, sqrt_lr or adascale, or a world size "
+                        "dividing ",
+                        micro, ")");
+        detail::require(micro / m <= static_cast<std::uint64_t>(std::numeric_limits<int>::max()), fn,
+                        ": keep_global_batch: ", micro / m, " accumulation steps");
+        s.accumulation_steps = static_cast<int>(micro / m);
+        return s;
+      }
+      case rescale_rule::linear_lr:
+        s.lr = s.lr * double(m) / double(n);
+        return s;
+      case rescale_rule::sqrt_lr:
+        s.lr = s.lr * std::sqrt(double(m) / double(n));
+        return s;
+      case rescale_rule::adascale:
+        detail::require(has_adascale, fn,
+                        ": rescale_rule::adascale needs the adapt slot's adascale_policy (its gain follows "
+                        "the new global batch); choose another rule");
+        return s;
+    }
+    detail::fail(fn, ": rescale rule ", int(rule), " (expected a rescale_rule)");
   }
 
   template <class State>
