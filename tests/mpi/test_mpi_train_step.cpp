@@ -4,7 +4,8 @@
 //   bit in the parameters and the metrics: LAMB + loss scaling (fp16 gradients, an overflow on
 //   the last rank) + noise scale + AdaScale; AdamW + Adasum; SGD with momentum + LocalSGD.
 // - The parameters are identical on every rank after synchronous steps (allgathered, bitwise).
-// - A checkpoint taken mid-run and restored into a fresh step continues bit for bit.
+// - A checkpoint taken mid-run and restored into a fresh step continues bit for bit; one of N
+//   ranks restored on M ranks (sub-worlds of 1..size ranks) resumes alike on every rank.
 // - Lists, settings and options that differ across ranks make every rank throw; none hangs.
 //
 // The scenarios are shared with the threads tests: tests/support/scenarios/train_step.hpp and
@@ -89,5 +90,71 @@ TEST_CASE("mpi: settings and options that differ across ranks throw on every ran
     const std::string what = mpitest::error_of([&] { c.body(comm); });
     INFO(c.what << ": " << what);
     CHECK(what.find(c.expected(comm.rank())) != std::string::npos);
+  }
+}
+
+TEST_CASE("mpi: restore continues a checkpoint of N ranks on M ranks, every rank alike",
+          "[mpi][train][elastic]") {
+  mpi world;
+  const int w = world.size(), me = world.rank();
+  namespace train = gradapt::train;
+  const auto make = [](mpi& c, replica<float>& rep) {
+    return train::make_data_parallel_step(
+        c, gradapt::host{}, rep.params, make_opt_lamb(),
+        {.lr = 0.01, .local_batch = base_batch, .accumulation_steps = 60},  // 60 = lcm(1..5)
+        gradapt::loss_scaler({.init_scale = 1024.0, .growth_interval = 2}),
+        train::adascale_policy{.base_batch = base_batch});
+  };
+  for (int n = 1; n <= w; ++n) {
+    // The old world: ranks [0, n) take three steps; rank 0's checkpoint and parameters go to all.
+    mpi old_world = world.split(me < n ? 0 : 1, me);
+    std::vector<std::byte> bytes;
+    std::vector<float> params;
+    if (me < n) {
+      replica<float> rep;
+      auto step = make(old_world, rep);
+      for (int t = 1; t <= 3; ++t) {
+        rep.fill(me, static_cast<std::uint64_t>(t), step.loss_scale());
+        step.step({.loss = 1.0});
+      }
+      bytes = step.save();
+      params = rep.flat();
+    }
+    unsigned long long size = bytes.size(), count = params.size();
+    MPI_Bcast(&size, 1, MPI_UNSIGNED_LONG_LONG, 0, MPI_COMM_WORLD);
+    MPI_Bcast(&count, 1, MPI_UNSIGNED_LONG_LONG, 0, MPI_COMM_WORLD);
+    bytes.resize(size);
+    params.resize(count);
+    MPI_Bcast(bytes.data(), static_cast<int>(size), MPI_BYTE, 0, MPI_COMM_WORLD);
+    MPI_Bcast(params.data(), static_cast<int>(count), MPI_FLOAT, 0, MPI_COMM_WORLD);
+    for (int m = 1; m <= w; ++m) {
+      INFO(n << " -> " << m << " ranks");
+      mpi new_world = world.split(me < m ? 0 : 1, me);
+      std::vector<float> lo, hi;
+      int accumulation = 0;
+      std::uint64_t steps = 0;
+      if (me < m) {
+        replica<float> rep;
+        rep.set(params);
+        auto step = make(new_world, rep);
+        step.restore(bytes, train::rescale_rule::keep_global_batch);
+        accumulation = step.settings().accumulation_steps;
+        for (int t = 4; t <= 5; ++t) {
+          rep.fill(me, static_cast<std::uint64_t>(t), step.loss_scale());
+          step.step({.loss = 1.0});
+        }
+        steps = step.steps();
+        lo = hi = rep.flat();
+        MPI_Allreduce(MPI_IN_PLACE, lo.data(), static_cast<int>(lo.size()), MPI_FLOAT, MPI_MIN,
+                      new_world.native());
+        MPI_Allreduce(MPI_IN_PLACE, hi.data(), static_cast<int>(hi.size()), MPI_FLOAT, MPI_MAX,
+                      new_world.native());
+      }
+      if (me < m) {
+        CHECK(accumulation == 60 * n / m);
+        CHECK(steps == 5);
+        CHECK(lo == hi);  // every rank of the new world holds the same parameters
+      }
+    }
   }
 }
