@@ -164,7 +164,8 @@ class straggler_detector {
     all_.resize(2 * static_cast<std::size_t>(n_));
     comm.allgather(tensor_view<const double, host_space>::vector(mine, 2),
                    tensor_view<double, host_space>::vector(all_.data(), 2 * static_cast<std::int64_t>(n_)));
-    std::vector<double> times(static_cast<std::size_t>(n_));
+    auto& times = gathered_;
+    times.resize(static_cast<std::size_t>(n_));
     for (int r = 0; r < n_; ++r) {
       const auto i = static_cast<std::size_t>(r);
       detail::require(all_[2 * i + 1] == all_[1], "straggler_detector::observe on rank ", comm.rank(),
@@ -233,7 +234,7 @@ class straggler_detector {
   std::vector<std::size_t> count_;   ///< per rank: slow marks in the window
   std::vector<bool> flag_;
   straggler_report rep_;
-  std::vector<double> all_;
+  std::vector<double> all_, gathered_;  ///< observe(comm, t): the allgather, the times
   mutable std::vector<double> scratch_;
 };
 
