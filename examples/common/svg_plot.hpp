@@ -27,6 +27,8 @@ struct plot_options {
   int width = 760;
   int height = 460;
   bool log_y = false;
+  /// Vertical dashed lines at x, each labelled at the top of the frame (none by default).
+  std::vector<std::pair<double, std::string>> marks = {};
 };
 
 namespace detail {
@@ -60,6 +62,7 @@ inline void write_svg(const std::string& path, const std::vector<series>& all, c
       if (!std::isfinite(y) || (o.log_y && y <= 0)) continue;
       x0 = std::min(x0, x), x1 = std::max(x1, x), y0 = std::min(y0, ty(y)), y1 = std::max(y1, ty(y));
     }
+  for (const auto& [x, label] : o.marks) x0 = std::min(x0, x), x1 = std::max(x1, x);
   if (!(x1 > x0)) x1 = x0 + 1;
   if (!(y1 > y0)) y1 = y0 + 1;
   const double ml = 70, mr = 170, mt = 40, mb = 55;
@@ -85,6 +88,13 @@ inline void write_svg(const std::string& path, const std::vector<series>& all, c
   }
   svg << "<rect x='" << ml << "' y='" << mt << "' width='" << pw << "' height='" << ph
       << "' fill='none' stroke='#333'/>\n";
+  for (std::size_t k = 0; k < o.marks.size(); ++k) {
+    const double x = px(o.marks[k].first);
+    svg << "<line x1='" << x << "' y1='" << mt << "' x2='" << x << "' y2='" << mt + ph
+        << "' stroke='#555' stroke-dasharray='4,3'/><text x='" << x + 3 << "' y='"
+        << mt + 12 + 13.0 * double(k % 4) << "' font-size='11' fill='#333'>"
+        << detail::escape(o.marks[k].second) << "</text>\n";
+  }
   svg << "<text x='" << ml + pw / 2 << "' y='" << o.height - 12 << "' text-anchor='middle'>"
       << detail::escape(o.x_label) << "</text>\n";
   svg << "<text transform='translate(18," << mt + ph / 2 << ") rotate(-90)' text-anchor='middle'>"
