@@ -111,7 +111,7 @@ target_compile_definitions(test_optim_refs PRIVATE GRADAPT_OPTIM_DATA="${PROJECT
 gradapt_add_test(test_optim_chain SOURCES test_optim_chain.cpp)
 gradapt_add_test(test_optim_large_gradients SOURCES test_optim_large_gradients.cpp)
 gradapt_add_test(test_optim_chain_structure SOURCES test_optim_chain_structure.cpp)
-gradapt_add_test(test_clip SOURCES test_clip.cpp)
+gradapt_add_test(test_clip SOURCES test_clip.cpp GCC_NO_PCH)
 target_link_libraries(test_clip PRIVATE Threads::Threads)
 target_compile_definitions(test_clip PRIVATE GRADAPT_TEST_DATA_DIR="${PROJECT_SOURCE_DIR}/tests/data")
 gradapt_add_test(test_optim_simd SOURCES test_optim_simd.cpp)

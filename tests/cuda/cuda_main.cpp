@@ -1,8 +1,7 @@
 // Catch2 runner for the CUDA tests: exits with 77 (ctest SKIP_RETURN_CODE) when no CUDA
 // device is usable, so the tests build everywhere nvcc exists and skip on GPU-less machines.
 
-#define CATCH_CONFIG_RUNNER
-#include "catch.hpp"
+#include "catch_session.hpp"
 
 #include <cuda_runtime_api.h>
 
@@ -16,5 +15,5 @@ int main(int argc, char** argv) {
                 status != cudaSuccess ? cudaGetErrorString(status) : "cudaGetDeviceCount reports 0");
     return 77;
   }
-  return Catch::Session().run(argc, argv);
+  return gradapt_test::run_catch(argc, argv);
 }

@@ -2,8 +2,7 @@
 // Only rank 0 prints; another rank's report is captured and printed (prefixed with its rank)
 // only when that rank has a failure. The exit status is the maximum over all ranks, so a
 // failure on any rank fails every process and therefore mpirun and the ctest entry.
-#define CATCH_CONFIG_RUNNER
-#include "catch.hpp"
+#include "catch_session.hpp"
 
 #include <mpi.h>
 
@@ -25,19 +24,7 @@ int main(int argc, char** argv) {
 
   std::ostringstream captured;
   std::streambuf* const console = rank == 0 ? nullptr : std::cout.rdbuf(captured.rdbuf());
-  int result = 0;
-  {
-    Catch::Session session;
-    result = session.applyCommandLine(argc, argv);
-    if (result == 0) {
-      result = session.run();
-#if !GRADAPT_CATCH3
-      // Catch2 v2 returns the number of listed items for --list-* commands: not a failure.
-      const Catch::ConfigData& cfg = session.configData();
-      if (cfg.listTests || cfg.listTestNamesOnly || cfg.listTags || cfg.listReporters) result = 0;
-#endif
-    }
-  }
+  const int result = gradapt_test::run_catch_lists_ok(argc, argv);
   if (console != nullptr) std::cout.rdbuf(console);
   if (result != 0 && rank != 0) {
     std::istringstream lines(captured.str());

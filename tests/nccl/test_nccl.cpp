@@ -2,7 +2,6 @@
 // every operation for float, double, half and bfloat16, split, barrier and the error paths.
 // Compiled by the host compiler; nccl_nvcc_ops.cu runs the same header through nvcc.
 // Without a CUDA device the program prints why and exits 77, which ctest reports as skipped.
-#define CATCH_CONFIG_RUNNER
 #include "catch.hpp"
 
 #include <cuda_runtime_api.h>
@@ -17,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "catch_session.hpp"
 #include "gradapt/comm/nccl.hpp"
 #include "nccl_nvcc_ops.hpp"
 
@@ -279,11 +279,7 @@ int main(int argc, char** argv) {
     std::cerr << "gradapt NCCL tests: cudaStreamCreate failed\n";
     return 1;
   }
-  int result = 0;
-  {
-    Catch::Session session;
-    result = session.run(argc, argv);
-  }
+  const int result = gradapt_test::run_catch(argc, argv);
   cudaStreamDestroy(g_stream);
   ncclCommDestroy(g_handle);
   return result;
