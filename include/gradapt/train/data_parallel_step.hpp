@@ -457,6 +457,8 @@ class data_parallel_step {
   const step_metrics& metrics() const { return last_; }
   /// Calls of step() so far (taken and skipped).
   std::uint64_t steps() const { return calls_; }
+  /// The communicator the step runs on.
+  Comm& comm() const { return *comm_; }
 
   /// How often the replica check runs: on the first step that leaves the replicas identical
   /// and then every `every` such steps (0 turns it off). Default 1000: one extra read of the

@@ -1,0 +1,963 @@
+#pragma once
+/// @file
+/// Adaptation policies over a running data-parallel job (KungFu, Mai et al., OSDI 2020: monitors
+/// feeding policies whose actions every worker applies at the same point; Pollux, Qiao et al.,
+/// OSDI 2021: re-planning the batch for goodput).
+///
+/// `adaptive_job` wraps a `train::data_parallel_step` (held by reference) and calls its
+/// policies at the job's events: before training, before and after each epoch, after each
+/// step, after training, and after the framework moved the job to a world of another size. A
+/// policy is any object with one or more of the members
+///
+///     void before_train(const job_view&, job_action&);
+///     void before_epoch(const job_view&, job_action&);
+///     void after_step(const job_view&, job_action&);
+///     void after_epoch(const job_view&, job_action&);
+///     void after_train(const job_view&, job_action&);
+///     void on_world_change(const job_view&, job_action&);
+///
+/// detected at compile time. The `job_view` holds the monitors (the step's metrics and
+/// settings, the ranks, the epoch, every rank's time-to-ready and time inside the previous
+/// step, the throughput derived from them), identical on every rank; the `job_action` is what
+/// the policies ask for. Policies run in the order they were passed and share one job_action
+/// per event, so a later policy sees (and may overwrite) what an earlier one proposed.
+///
+/// After the policies of one event ran, the ranks vote: every field of the action (present or
+/// not, its value; a vector by its size and a hash) is agreed with one small allreduce
+/// (`gradapt::agree_values`). An action that differs between ranks is a gradapt::error on every
+/// rank naming the field, and nothing is applied. An agreed action writes its settings fields
+/// into `step.settings()` (they take effect at the next step on every rank) and adds its resize
+/// request (`drop_ranks`, `world_size`) to `decision()`, which the framework reads: only the
+/// framework can change the world, after which it restores the step and calls
+/// `world_changed()`.
+///
+/// Built-in policies: `straggler_policy` (detect, rebalance or drop slow ranks),
+/// `sync_switch_policy` (switch to LocalSGD's local steps while the throughput is low) and
+/// `goodput_policy` (Pollux's batch re-planning with `search_goodput`).
+/// docs/algorithms/elastic.md has the options, the costs and the tests.
+
+#include <algorithm>
+#include <cmath>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <limits>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "gradapt/comm/agree.hpp"
+#include "gradapt/core/archive.hpp"
+#include "gradapt/core/error.hpp"
+#include "gradapt/core/owner_exchange.hpp"
+#include "gradapt/elastic/straggler.hpp"
+#include "gradapt/optim/stage.hpp"
+#include "gradapt/scaling/goodput.hpp"
+#include "gradapt/train/policies.hpp"
+
+namespace gradapt::elastic {
+
+// ---- monitors and actions ---------------------------------------------------------------------
+
+/// What a policy sees: read-only monitors of the job, identical on every rank (the step agrees
+/// its metrics, settings and per-rank times across the ranks).
+struct job_view {
+  const train::step_metrics& metrics;    ///< the latest step's metrics (defaults before the first)
+  const train::step_settings& settings;  ///< the settings the next step runs with
+  int ranks = 1;                         ///< ranks in the current world
+  int rank = 0;                          ///< this rank
+  std::int64_t epoch = 0;                ///< the epoch of the latest begin_epoch (0 before)
+  std::uint64_t steps = 0;               ///< calls of step() in this job so far
+  /// Every rank's time-to-ready (seconds) of the latest step, in rank order; empty when the
+  /// framework passes no `step_args::ready_seconds`.
+  std::span<const double> rank_times{};
+  /// Every rank's time inside the previous call of `step()` (seconds); empty before the second
+  /// step or when no times are passed.
+  std::span<const double> rank_step_seconds{};
+  /// Examples in the latest step over all ranks (`step_metrics::global_batch`).
+  double global_batch = 0.0;
+  /// global_batch / max over ranks of (time-to-ready + time inside step()), examples per second;
+  /// NaN when either time is missing.
+  double throughput = std::numeric_limits<double>::quiet_NaN();
+};
+
+/// What the policies of one event ask for. Every field left empty asks for nothing.
+struct job_action {
+  std::optional<double> lr;               ///< step_settings::lr (finite, >= 0)
+  std::optional<double> local_batch;      ///< step_settings::local_batch (finite, > 0)
+  std::optional<int> accumulation_steps;  ///< step_settings::accumulation_steps (>= 1)
+  std::optional<std::int64_t> period;     ///< step_settings::period (>= 1)
+  std::optional<bool> synchronous;        ///< step_settings::synchronous
+  std::optional<std::vector<double>>
+      rank_batches;               ///< step_settings::rank_batches (one per rank, > 0; or empty)
+  std::vector<int> drop_ranks;    ///< ranks the framework should remove (resize request; distinct, in range)
+  std::optional<int> world_size;  ///< world size the framework should move to (resize request; >= 1)
+
+  /// True when no field is set.
+  bool empty() const {
+    return !lr && !local_batch && !accumulation_steps && !period && !synchronous && !rank_batches &&
+           drop_ranks.empty() && !world_size;
+  }
+};
+
+/// The resize requests the ranks agreed on since the last `world_changed()` (or
+/// `clear_decision()`): the framework reads it, resizes the world, restores the step and calls
+/// `world_changed()`.
+struct job_decision {
+  std::vector<int> drop_ranks;    ///< ranks to remove (ascending, distinct), in the current world's numbering
+  std::optional<int> world_size;  ///< the latest requested world size
+  std::uint64_t step = 0;         ///< the job's step count when the latest request was agreed
+
+  /// True when the framework is asked to change the world.
+  bool resize() const { return !drop_ranks.empty() || world_size.has_value(); }
+};
+
+// ---- policy detection -------------------------------------------------------------------------
+
+/// `p.before_train(view, action)`.
+template <class P>
+concept before_train_policy = requires(P& p, const job_view& v, job_action& a) {
+  p.before_train(v, a);
+};
+/// `p.before_epoch(view, action)`.
+template <class P>
+concept before_epoch_policy = requires(P& p, const job_view& v, job_action& a) {
+  p.before_epoch(v, a);
+};
+/// `p.after_step(view, action)`.
+template <class P>
+concept after_step_policy = requires(P& p, const job_view& v, job_action& a) {
+  p.after_step(v, a);
+};
+/// `p.after_epoch(view, action)`.
+template <class P>
+concept after_epoch_policy = requires(P& p, const job_view& v, job_action& a) {
+  p.after_epoch(v, a);
+};
+/// `p.after_train(view, action)`.
+template <class P>
+concept after_train_policy = requires(P& p, const job_view& v, job_action& a) {
+  p.after_train(v, a);
+};
+/// `p.on_world_change(view, action)`.
+template <class P>
+concept world_change_policy = requires(P& p, const job_view& v, job_action& a) {
+  p.on_world_change(v, a);
+};
+
+/// An adaptation policy: an object with at least one of the members above.
+template <class P>
+concept job_policy = before_train_policy<P> || before_epoch_policy<P> || after_step_policy<P> ||
+    after_epoch_policy<P> || after_train_policy<P> || world_change_policy<P>;
+
+/// The job's events, in the order a run meets them.
+enum class job_event : unsigned char {
+  before_train,
+  before_epoch,
+  after_step,
+  after_epoch,
+  after_train,
+  world_change
+};
+
+/// The event's name ("before_train", ...), "unknown" for another value.
+inline const char* name(job_event e) {
+  switch (e) {
+    case job_event::before_train:
+      return "before_train";
+    case job_event::before_epoch:
+      return "before_epoch";
+    case job_event::after_step:
+      return "after_step";
+    case job_event::after_epoch:
+      return "after_epoch";
+    case job_event::after_train:
+      return "after_train";
+    case job_event::world_change:
+      return "on_world_change";
+  }
+  return "unknown";
+}
+
+/// A step `adaptive_job` can drive: `train::data_parallel_step` has these members.
+template <class S>
+concept adaptive_step = requires(S& s, const S& cs, const step_args& args) {
+  s.step(args);
+  { cs.metrics() } -> std::convertible_to<const train::step_metrics&>;
+  { s.settings() } -> std::same_as<train::step_settings&>;
+  { cs.steps() } -> std::convertible_to<std::uint64_t>;
+  { s.comm().size() } -> std::convertible_to<int>;
+  { s.comm().rank() } -> std::convertible_to<int>;
+};
+
+namespace detail {
+
+using gradapt::detail::fail;
+using gradapt::detail::message;
+using gradapt::detail::require;
+
+/// Whether policy P has the hook of event E.
+template <job_event E, class P>
+constexpr bool has_hook() {
+  if constexpr (E == job_event::before_train)
+    return before_train_policy<P>;
+  else if constexpr (E == job_event::before_epoch)
+    return before_epoch_policy<P>;
+  else if constexpr (E == job_event::after_step)
+    return after_step_policy<P>;
+  else if constexpr (E == job_event::after_epoch)
+    return after_epoch_policy<P>;
+  else if constexpr (E == job_event::after_train)
+    return after_train_policy<P>;
+  else
+    return world_change_policy<P>;
+}
+
+template <job_event E, class P>
+void call_hook(P& p, const job_view& v, job_action& a) {
+  if constexpr (E == job_event::before_train)
+    p.before_train(v, a);
+  else if constexpr (E == job_event::before_epoch)
+    p.before_epoch(v, a);
+  else if constexpr (E == job_event::after_step)
+    p.after_step(v, a);
+  else if constexpr (E == job_event::after_epoch)
+    p.after_epoch(v, a);
+  else if constexpr (E == job_event::after_train)
+    p.after_train(v, a);
+  else
+    p.on_world_change(v, a);
+}
+
+/// A 52-bit hash of a vector's elements, exact in a double (0 for an empty vector).
+template <class T>
+double vector_hash(const std::vector<T>& v) {
+  if (v.empty()) return 0.0;
+  const std::uint64_t h = gradapt::detail::hash_bytes(0x9E3779B97F4A7C15ull, v.data(), v.size());
+  return static_cast<double>(h >> 12);
+}
+
+/// The operation name of an event's vote, for agree_values and its messages.
+constexpr std::string_view vote_name(job_event e) {
+  switch (e) {
+    case job_event::before_train:
+      return "gradapt::elastic::adaptive_job vote (before_train)";
+    case job_event::before_epoch:
+      return "gradapt::elastic::adaptive_job vote (before_epoch)";
+    case job_event::after_step:
+      return "gradapt::elastic::adaptive_job vote (after_step)";
+    case job_event::after_epoch:
+      return "gradapt::elastic::adaptive_job vote (after_epoch)";
+    case job_event::after_train:
+      return "gradapt::elastic::adaptive_job vote (after_train)";
+    case job_event::world_change:
+      return "gradapt::elastic::adaptive_job vote (on_world_change)";
+  }
+  return "gradapt::elastic::adaptive_job vote";
+}
+
+/// The settings type has a `synchronous` field.
+template <class S>
+concept has_synchronous = requires(S& s) {
+  s.synchronous = true;
+};
+/// The settings type has a `rank_batches` field.
+template <class S>
+concept has_rank_batches = requires(S& s) {
+  s.rank_batches = std::vector<double>{};
+};
+/// The metrics type has a `global_batch` field.
+template <class M>
+concept has_global_batch = requires(const M& m) {
+  static_cast<double>(m.global_batch);
+};
+
+/// This rank's error for an invalid action (empty when it is valid); sorts drop_ranks.
+template <class Settings>
+std::string check_action(job_action& a, int ranks, int rank, std::string_view where) {
+  const auto bad = [&](auto&&... what) { return message(where, " on rank ", rank, ": ", what...); };
+  if (a.lr && !(std::isfinite(*a.lr) && *a.lr >= 0.0))
+    return bad("job_action::lr is ", *a.lr, " (expected a finite learning rate >= 0)");
+  if (a.local_batch && !(std::isfinite(*a.local_batch) && *a.local_batch > 0.0))
+    return bad("job_action::local_batch is ", *a.local_batch, " (expected a finite number of examples > 0)");
+  if (a.accumulation_steps && *a.accumulation_steps < 1)
+    return bad("job_action::accumulation_steps is ", *a.accumulation_steps, " (expected >= 1)");
+  if (a.period && *a.period < 1)
+    return bad("job_action::period is ", *a.period,
+               " (expected K >= 1 local steps between averaging rounds)");
+  if (a.synchronous && !has_synchronous<Settings>)
+    return bad("job_action::synchronous is set but this step's settings have no synchronous field");
+  if (a.rank_batches) {
+    if (!has_rank_batches<Settings>)
+      return bad("job_action::rank_batches is set but this step's settings have no rank_batches field");
+    const auto& b = *a.rank_batches;
+    if (!b.empty() && b.size() != static_cast<std::size_t>(ranks))
+      return bad("job_action::rank_batches holds ", b.size(), " sizes for ", ranks,
+                 " ranks (one per rank in rank order, or none for local_batch everywhere)");
+    for (std::size_t r = 0; r < b.size(); ++r)
+      if (!(std::isfinite(b[r]) && b[r] > 0.0))
+        return bad("job_action::rank_batches[", r, "] is ", b[r],
+                   " (expected a finite number of examples > 0)");
+  }
+  std::sort(a.drop_ranks.begin(), a.drop_ranks.end());
+  for (std::size_t i = 0; i < a.drop_ranks.size(); ++i) {
+    const int r = a.drop_ranks[i];
+    if (r < 0 || r >= ranks)
+      return bad("job_action::drop_ranks holds rank ", r, " (expected 0 to ", ranks - 1, ")");
+    if (i > 0 && a.drop_ranks[i - 1] == r) return bad("job_action::drop_ranks holds rank ", r, " twice");
+  }
+  if (a.drop_ranks.size() >= static_cast<std::size_t>(ranks))
+    return bad("job_action::drop_ranks asks to drop all ", ranks, " ranks (at least one must stay)");
+  if (a.world_size && *a.world_size < 1)
+    return bad("job_action::world_size is ", *a.world_size, " (expected >= 1 ranks)");
+  return {};
+}
+
+/// Pushes the action's fields (presence and value; vectors by size and hash) for the vote.
+inline void push_action(agreed_list<24>& v, const job_action& a) {
+  const auto opt = [&](std::string_view set, std::string_view value, bool has, double x) {
+    v.push(set, has ? 1.0 : 0.0);
+    v.push(value, has ? x : 0.0);
+  };
+  opt("job_action::lr (set or not)", "job_action::lr", a.lr.has_value(), a.lr.value_or(0.0));
+  opt("job_action::local_batch (set or not)", "job_action::local_batch", a.local_batch.has_value(),
+      a.local_batch.value_or(0.0));
+  opt("job_action::accumulation_steps (set or not)", "job_action::accumulation_steps",
+      a.accumulation_steps.has_value(), static_cast<double>(a.accumulation_steps.value_or(0)));
+  opt("job_action::period (set or not)", "job_action::period", a.period.has_value(),
+      static_cast<double>(a.period.value_or(0)));
+  opt("job_action::synchronous (set or not)", "job_action::synchronous", a.synchronous.has_value(),
+      a.synchronous.value_or(false) ? 1.0 : 0.0);
+  v.push("job_action::rank_batches (set or not)", a.rank_batches ? 1.0 : 0.0);
+  v.push("job_action::rank_batches (size)",
+         a.rank_batches ? static_cast<double>(a.rank_batches->size()) : 0.0);
+  v.push("job_action::rank_batches (a hash of the values)",
+         a.rank_batches ? vector_hash(*a.rank_batches) : 0.0);
+  v.push("job_action::drop_ranks (size)", static_cast<double>(a.drop_ranks.size()));
+  v.push("job_action::drop_ranks (a hash of the ranks)", vector_hash(a.drop_ranks));
+  opt("job_action::world_size (set or not)", "job_action::world_size", a.world_size.has_value(),
+      static_cast<double>(a.world_size.value_or(0)));
+}
+
+inline double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t h = v.size() / 2;
+  return v.size() % 2 ? v[h] : v[h - 1] + (v[h] - v[h - 1]) / 2;
+}
+
+}  // namespace detail
+
+// ---- the driver -------------------------------------------------------------------------------
+
+/// Drives adaptation policies over a data-parallel step (see the file comment).
+///
+///     auto step = gradapt::train::make_data_parallel_step(comm, backend, params, opt, settings, ...);
+///     gradapt::elastic::adaptive_job job(step, gradapt::elastic::straggler_policy({...}),
+///                                        gradapt::elastic::sync_switch_policy({...}));
+///     job.begin_train();
+///     for (std::int64_t e = 0; e < epochs; ++e) {
+///       job.begin_epoch(e);
+///       for (...) {
+///         forward_backward();
+///         job.step({.loss = loss, .ready_seconds = seconds_since_the_step_began});
+///         if (job.decision().resize()) { /* commit, resize, restore, job.world_changed(); */ }
+///       }
+///       job.end_epoch(e);
+///     }
+///     job.end_train();
+///
+/// Every call is collective over the step's communicator. An event with no policy hook costs
+/// nothing; an event with one costs one `allreduce(max)` of 41 doubles (the vote). The job
+/// references the step, which must outlive it (or be rebound with `world_changed(step)`), and
+/// owns the policies.
+///
+/// @tparam Step     `train::data_parallel_step` (any type modelling `adaptive_step`)
+/// @tparam Policies policy types (`job_policy`), called in this order
+template <adaptive_step Step, class... Policies>
+class adaptive_job {
+  static_assert((job_policy<Policies> && ...),
+                "gradapt::elastic::adaptive_job: every policy needs at least one of the members "
+                "before_train, before_epoch, after_step, after_epoch, after_train, on_world_change, each "
+                "taking (const job_view&, job_action&)");
+
+ public:
+  /// The step type.
+  using step_type = Step;
+  /// The policies, in the order they run.
+  using policies_type = std::tuple<Policies...>;
+
+  /// A job over `step` (referenced) running `policies` (owned, in this order). Not collective.
+  explicit adaptive_job(Step& step, Policies... policies) : step_(&step), policies_(std::move(policies)...) {}
+
+  /// The before_train event (collective).
+  /// @throws gradapt::error on every rank when the ranks' actions differ, an action is invalid
+  ///         or a policy threw on some rank; nothing is applied then
+  void begin_train() { run<job_event::before_train>({}); }
+
+  /// Begins epoch `e` (>= 0) and runs the before_epoch event (collective).
+  /// @throws gradapt::error as begin_train, or when an epoch is still open or e < 0
+  void begin_epoch(std::int64_t e) {
+    std::string bad;
+    if (in_epoch_)
+      bad = detail::message(where(), ": begin_epoch(", e, ") while epoch ", epoch_,
+                            " is open (call end_epoch first)");
+    else if (e < 0)
+      bad = detail::message(where(), ": begin_epoch(", e, ") (expected an epoch >= 0)");
+    else {
+      epoch_ = e;
+      in_epoch_ = true;
+    }
+    run<job_event::before_epoch>(std::move(bad));
+  }
+
+  /// One training step (`step.step(args)`, collective) followed by the after_step event.
+  /// @return the step's metrics
+  /// @throws gradapt::error from the step, or as begin_train (the step has then been taken;
+  ///         the action is not applied)
+  const train::step_metrics& step(const step_args& args = {}) {
+    step_->step(args);
+    run<job_event::after_step>({});
+    return step_->metrics();
+  }
+
+  /// Runs the after_epoch event and closes epoch `e` (collective).
+  /// @throws gradapt::error as begin_train, or when `e` is not the open epoch
+  void end_epoch(std::int64_t e) {
+    std::string bad;
+    if (!in_epoch_ || e != epoch_)
+      bad = detail::message(
+          where(), ": end_epoch(", e, ") but ",
+          in_epoch_ ? "the open epoch is " + std::to_string(epoch_) : std::string("no epoch is open"),
+          " (call begin_epoch(e) and end_epoch(e) in pairs)");
+    run<job_event::after_epoch>(std::move(bad));
+    in_epoch_ = false;
+  }
+
+  /// The after_train event (collective).
+  /// @throws gradapt::error as begin_train
+  void end_train() { run<job_event::after_train>({}); }
+
+  /// The framework restored the step on a new world (`Step::restore`): clears the decision and
+  /// runs the on_world_change event on the new world (collective over the new communicator).
+  /// @throws gradapt::error as begin_train
+  void world_changed() {
+    decision_ = {};
+    run<job_event::world_change>({});
+  }
+  /// As world_changed(), with the job rebound to `step` (a step built for the new world).
+  void world_changed(Step& step) {
+    step_ = &step;
+    world_changed();
+  }
+
+  /// The resize requests agreed since the last world_changed() or clear_decision().
+  const job_decision& decision() const { return decision_; }
+  /// Forgets the resize requests (the framework declined them).
+  void clear_decision() { decision_ = {}; }
+  /// The action agreed and applied at the latest event that ran policies.
+  const job_action& last_action() const { return last_; }
+
+  /// The monitors as the policies see them now.
+  job_view view() const {
+    const auto& m = step_->metrics();
+    job_view v{.metrics = m, .settings = std::as_const(*step_).settings()};
+    v.ranks = step_->comm().size();
+    v.rank = step_->comm().rank();
+    v.epoch = epoch_;
+    v.steps = static_cast<std::uint64_t>(step_->steps());
+    if constexpr (requires { std::span<const double>(std::as_const(*step_).rank_times()); })
+      v.rank_times = std::as_const(*step_).rank_times();
+    if constexpr (requires { std::span<const double>(std::as_const(*step_).rank_step_seconds()); })
+      v.rank_step_seconds = std::as_const(*step_).rank_step_seconds();
+    if constexpr (detail::has_global_batch<train::step_metrics>)
+      v.global_batch = static_cast<double>(m.global_batch);
+    if (!v.rank_times.empty() && v.rank_times.size() == v.rank_step_seconds.size()) {
+      double slowest = 0.0;
+      for (std::size_t r = 0; r < v.rank_times.size(); ++r)
+        slowest = std::max(slowest, v.rank_times[r] + v.rank_step_seconds[r]);
+      if (slowest > 0.0 && v.global_batch > 0.0) v.throughput = v.global_batch / slowest;
+    }
+    return v;
+  }
+
+  /// The step.
+  Step& train_step() { return *step_; }
+  /// The step (read only).
+  const Step& train_step() const { return *step_; }
+  /// The policies, in the order they run.
+  policies_type& policies() { return policies_; }
+  /// The policies (read only).
+  const policies_type& policies() const { return policies_; }
+  /// Policy I.
+  template <std::size_t I>
+  auto& policy() {
+    return std::get<I>(policies_);
+  }
+  /// Policy I (read only).
+  template <std::size_t I>
+  const auto& policy() const {
+    return std::get<I>(policies_);
+  }
+
+  /// Kind and format version of the archive save_policies() writes.
+  static constexpr std::string_view archive_kind = "gradapt.elastic.policies";
+  static constexpr std::uint32_t archive_version = 1;  ///< see archive_kind
+
+  /// The state of every policy with `save(archive_writer&) const` / `load(archive_reader&)`
+  /// (`train::saves_state`), section "policy<i>" for the i-th policy. Not collective.
+  std::vector<std::byte> save_policies() const {
+    archive_writer w{archive_kind, archive_version};
+    w.put("policies", static_cast<std::uint64_t>(sizeof...(Policies)));
+    for_each_saved(*this, [&](const std::string& section, const auto& p) {
+      w.begin(section);
+      p.save(w);
+      w.end();
+    });
+    return w.finish();
+  }
+
+  /// Restores the policies' states written by save_policies() of a job with the same policy
+  /// types. Not collective (every rank loads the same bytes). All or nothing: on a throw every
+  /// policy's state is unchanged.
+  /// @throws gradapt::error naming what does not fit (archive, policy count, a policy's field)
+  void load_policies(std::span<const std::byte> bytes) {
+    const std::vector<std::byte> backup = save_policies();
+    try {
+      load_impl(bytes);
+    } catch (...) {
+      load_impl(backup);
+      throw;
+    }
+  }
+
+ private:
+  static constexpr const char* where() { return "gradapt::elastic::adaptive_job"; }
+
+  template <class Self, class F>
+  static void for_each_saved(Self& self, F&& f) {
+    std::size_t i = 0;
+    std::apply(
+        [&](auto&... p) {
+          (
+              [&] {
+                if constexpr (train::saves_state<std::remove_cvref_t<decltype(p)>>)
+                  f("policy" + std::to_string(i), p);
+                ++i;
+              }(),
+              ...);
+        },
+        self.policies_);
+  }
+
+  void load_impl(std::span<const std::byte> bytes) {
+    archive_reader r{bytes, archive_kind, archive_version};
+    const auto n = r.get<std::uint64_t>("policies");
+    detail::require(n == sizeof...(Policies), where(), "::load_policies: the archive holds ", n,
+                    " policies but this job has ", sizeof...(Policies),
+                    " (load into a job with the same policies in the same order)");
+    for_each_saved(*this, [&](const std::string& section, auto& p) {
+      r.begin(section);
+      p.load(r);
+      r.end();
+    });
+    r.finish();
+  }
+
+  template <job_event E>
+  void run(std::string bad) {
+    if constexpr (!(detail::has_hook<E, Policies>() || ...)) {
+      if (!bad.empty()) throw error(bad);
+    } else {
+      const job_view v = view();
+      job_action a;
+      if (bad.empty()) {
+        std::size_t i = 0;
+        try {
+          std::apply(
+              [&](auto&... p) {
+                (
+                    [&] {
+                      if constexpr (detail::has_hook<E, std::remove_cvref_t<decltype(p)>>())
+                        detail::call_hook<E>(p, v, a);
+                      ++i;
+                    }(),
+                    ...);
+              },
+              policies_);
+        } catch (const std::exception& e) {
+          bad = detail::message(where(), " on rank ", v.rank, ": policy ", i, "'s ", name(E),
+                                " threw: ", e.what());
+        }
+      }
+      if (bad.empty()) bad = detail::check_action<train::step_settings>(a, v.ranks, v.rank, where());
+      agreed_list<24> list;
+      list.push("the job's step count", static_cast<double>(v.steps));
+      list.push("the epoch", static_cast<double>(v.epoch));
+      detail::push_action(list, a);
+      agree_values(step_->comm(), detail::vote_name(E), list.view(), bad);
+      apply(a, v.steps);
+    }
+  }
+
+  void apply(job_action& a, std::uint64_t steps) {
+    train::step_settings& s = step_->settings();
+    if (a.lr) s.lr = *a.lr;
+    if (a.local_batch) s.local_batch = *a.local_batch;
+    if (a.accumulation_steps) s.accumulation_steps = *a.accumulation_steps;
+    if (a.period) s.period = *a.period;
+    if constexpr (detail::has_synchronous<train::step_settings>)
+      if (a.synchronous) s.synchronous = *a.synchronous;
+    if constexpr (detail::has_rank_batches<train::step_settings>)
+      if (a.rank_batches) s.rank_batches = *a.rank_batches;
+    if (!a.drop_ranks.empty()) {
+      std::vector<int> merged;
+      std::set_union(decision_.drop_ranks.begin(), decision_.drop_ranks.end(), a.drop_ranks.begin(),
+                     a.drop_ranks.end(), std::back_inserter(merged));
+      decision_.drop_ranks = std::move(merged);
+      decision_.step = steps;
+    }
+    if (a.world_size) {
+      decision_.world_size = a.world_size;
+      decision_.step = steps;
+    }
+    last_ = std::move(a);
+  }
+
+  Step* step_;
+  policies_type policies_;
+  std::int64_t epoch_ = 0;
+  bool in_epoch_ = false;
+  job_decision decision_;
+  job_action last_;
+};
+
+// ---- straggler_policy -------------------------------------------------------------------------
+
+/// What `straggler_policy` does when its detector raises a rank.
+enum class straggler_response : unsigned char {
+  report,     ///< nothing: the report is read with `straggler_policy::report()`
+  rebalance,  ///< per-rank batches proportional to each rank's speed (`job_action::rank_batches`)
+  drop,       ///< ask the framework to remove the flagged ranks (`job_action::drop_ranks`)
+};
+
+/// Options of `straggler_policy`; `straggler_policy::validate` names the first invalid one.
+struct straggler_policy_options {
+  straggler_response response = straggler_response::report;  ///< what to do on a raise
+  straggler_options detector{};                              ///< the detector's options
+  /// rebalance: examples per step over all ranks that the per-rank batches sum to (>= ranks ×
+  /// min_batch; required for rebalance).
+  std::int64_t global_batch = 0;
+  std::int64_t min_batch = 1;  ///< rebalance: the smallest batch a rank gets (>= 1)
+};
+
+/// Watches every rank's time-to-ready with a `straggler_detector` (after_step; the times come
+/// from the step's agreement, identical on every rank) and, when the detector raises a rank,
+/// reports it, rebalances the batches or asks for the rank to be dropped.
+///
+/// With `rebalance` the detector is fed each rank's time per example (time-to-ready / the
+/// rank's batch), so a rank keeps its speed after its batch shrinks and the shares do not
+/// oscillate. It proposes `straggler_detector::rebalance(global_batch, min_batch)` when a rank
+/// is raised or cleared, and once more `window` steps later, when the speeds (medians over the
+/// window) hold only steps after the change. With `drop` it proposes the flagged ranks as
+/// `drop_ranks` at every raise. The detector is not saved (it has no checkpoint): it restarts
+/// after a world change, and a policy loaded by load_policies has no state to restore.
+class straggler_policy {
+ public:
+  /// A policy with options `o`. @throws gradapt::error naming the first invalid option
+  explicit straggler_policy(const straggler_policy_options& o = {}) : o_(o) { validate(o_); }
+
+  /// Throws gradapt::error naming the first invalid option.
+  static void validate(const straggler_policy_options& o) {
+    straggler_detector::validate(o.detector);
+    detail::require(o.response == straggler_response::report || o.response == straggler_response::rebalance ||
+                        o.response == straggler_response::drop,
+                    "straggler_policy_options: response is ", int(o.response),
+                    " (expected report, rebalance or drop)");
+    detail::require(o.min_batch >= 1, "straggler_policy_options: min_batch is ", o.min_batch,
+                    " (expected >= 1)");
+    if (o.response == straggler_response::rebalance)
+      detail::require(o.global_batch >= o.min_batch, "straggler_policy_options: global_batch is ",
+                      o.global_batch,
+                      " (rebalance needs the examples per step over all ranks, >= ranks x min_batch)");
+  }
+
+  /// Observes the latest step's times and acts on a raise.
+  /// @throws gradapt::error when the step reported no per-rank times, or as the detector
+  void after_step(const job_view& v, job_action& a) {
+    detail::require(!v.rank_times.empty(),
+                    "straggler_policy: the step reported no per-rank times (pass step_args::ready_seconds on "
+                    "every rank)");
+    if (!det_ || det_->ranks() != v.ranks) det_.emplace(v.ranks, o_.detector);
+    const straggler_report* rep = nullptr;
+    if (o_.response == straggler_response::rebalance) {
+      per_example_.assign(v.rank_times.begin(), v.rank_times.end());
+      for (std::size_t r = 0; r < per_example_.size(); ++r) per_example_[r] /= batch_of(v, r);
+      rep = &det_->observe(per_example_);
+    } else {
+      rep = &det_->observe(v.rank_times);
+    }
+    switch (o_.response) {
+      case straggler_response::report:
+        break;
+      case straggler_response::rebalance: {
+        const bool changed = !rep->raised.empty() || !rep->cleared.empty();
+        if (changed || det_->steps() == settle_at_) {
+          const auto b = det_->rebalance(o_.global_batch, o_.min_batch);
+          a.rank_batches = std::vector<double>(b.begin(), b.end());
+          // Once more when the window holds only steps after the change.
+          settle_at_ = changed ? det_->steps() + o_.detector.window : 0;
+        }
+        break;
+      }
+      case straggler_response::drop:
+        if (!rep->raised.empty()) a.drop_ranks = rep->flagged;
+        break;
+    }
+  }
+
+  /// A fresh detector for the new world's size.
+  void on_world_change(const job_view& v, job_action&) {
+    det_.emplace(v.ranks, o_.detector);
+    settle_at_ = 0;
+  }
+
+  /// The options.
+  const straggler_policy_options& options() const { return o_; }
+  /// Whether a detector exists (after the first step or a world change).
+  bool watching() const { return det_.has_value(); }
+  /// The detector. @throws gradapt::error before the first step or world change
+  const straggler_detector& detector() const {
+    detail::require(det_.has_value(), "straggler_policy::detector: no step observed yet");
+    return *det_;
+  }
+  /// The detector's latest report. @throws gradapt::error before the first step or world change
+  const straggler_report& report() const { return detector().report(); }
+
+ private:
+  static double batch_of(const job_view& v, std::size_t r) {
+    if constexpr (detail::has_rank_batches<train::step_settings>)
+      if (v.settings.rank_batches.size() == static_cast<std::size_t>(v.ranks))
+        return v.settings.rank_batches[r];
+    return v.settings.local_batch;
+  }
+
+  straggler_policy_options o_;
+  std::optional<straggler_detector> det_;
+  std::vector<double> per_example_;
+  std::uint64_t settle_at_ = 0;  ///< rebalance: the detector step of the settled rebalance (0: none)
+};
+
+// ---- sync_switch_policy -----------------------------------------------------------------------
+
+/// Options of `sync_switch_policy`; `sync_switch_policy::validate` names the first invalid one.
+struct sync_switch_options {
+  /// Steps with a throughput whose median becomes the reference (>= 1), unless `reference` is set.
+  std::size_t warmup = 10;
+  /// The reference throughput in examples per second (> 0), or 0 to measure it over `warmup` steps.
+  double reference = 0.0;
+  /// Switch to local steps when the throughput is below fraction × reference (0 < fraction < 1).
+  double fraction = 0.8;
+  /// Switch back when the throughput is above fraction_back × reference (>= fraction, finite).
+  double fraction_back = 0.95;
+  /// Consecutive slow steps before switching to local steps (>= 1).
+  std::size_t patience = 5;
+};
+
+/// KungFu's adaptive synchronisation: while the job's throughput stays low (a congested
+/// network), take LocalSGD's local steps (`synchronous = false`: fewer collectives) and return
+/// to combining every step when it recovers. The reference is the median throughput of the
+/// first `warmup` steps that have one (or `options.reference`); after `patience` consecutive
+/// steps below fraction × reference it proposes `synchronous = false`, and on the first step
+/// above fraction_back × reference `synchronous = true`. Steps without a throughput (the first
+/// step: no time inside step() yet) are skipped. Deterministic from the agreed monitors. The
+/// mode it compares against is the step's `settings.synchronous` when the settings have it,
+/// else its own record of what it proposed. Saves its reference, warm-up samples and count.
+class sync_switch_policy {
+ public:
+  /// A policy with options `o`. @throws gradapt::error naming the first invalid option
+  explicit sync_switch_policy(const sync_switch_options& o = {}) : o_(o) {
+    validate(o_);
+    reference_ = o_.reference;
+  }
+
+  /// Throws gradapt::error naming the first invalid option.
+  static void validate(const sync_switch_options& o) {
+    constexpr const char* w = "sync_switch_options";
+    detail::require(o.warmup >= 1, w, ": warmup is ", o.warmup, " (expected >= 1 steps)");
+    detail::require(std::isfinite(o.reference) && o.reference >= 0.0, w, ": reference is ", o.reference,
+                    " (expected examples per second > 0, or 0 to measure it)");
+    detail::require(std::isfinite(o.fraction) && o.fraction > 0.0 && o.fraction < 1.0, w, ": fraction is ",
+                    o.fraction, " (expected 0 < fraction < 1)");
+    detail::require(std::isfinite(o.fraction_back) && o.fraction_back >= o.fraction, w, ": fraction_back is ",
+                    o.fraction_back, " (expected finite and >= fraction = ", o.fraction, ")");
+    detail::require(o.patience >= 1, w, ": patience is ", o.patience, " (expected >= 1 steps)");
+  }
+
+  /// Measures the reference, counts slow steps and proposes a switch.
+  /// @throws gradapt::error when the step reported no per-rank times
+  void after_step(const job_view& v, job_action& a) {
+    detail::require(!v.rank_times.empty(),
+                    "sync_switch_policy: the step reported no per-rank times, so the job has no throughput "
+                    "(pass step_args::ready_seconds on every rank)");
+    const double t = v.throughput;
+    if (!std::isfinite(t)) return;
+    if (!(reference_ > 0.0)) {
+      samples_.push_back(t);
+      if (samples_.size() == o_.warmup) {
+        reference_ = detail::median_of(samples_);
+        samples_.clear();
+      }
+      return;
+    }
+    bool sync = synchronous_;
+    if constexpr (detail::has_synchronous<train::step_settings>) sync = v.settings.synchronous;
+    if (sync) {
+      slow_ = t < o_.fraction * reference_ ? slow_ + 1 : 0;
+      if (slow_ >= o_.patience) {
+        a.synchronous = false;
+        synchronous_ = false;
+        slow_ = 0;
+      }
+    } else if (t > o_.fraction_back * reference_) {
+      a.synchronous = true;
+      synchronous_ = true;
+      slow_ = 0;
+    }
+  }
+
+  /// The options.
+  const sync_switch_options& options() const { return o_; }
+  /// The reference throughput (0 while warming up).
+  double reference() const { return reference_; }
+  /// Consecutive slow steps counted so far.
+  std::size_t slow_steps() const { return slow_; }
+
+  /// Writes the reference, the warm-up samples, the slow count and the mode.
+  void save(archive_writer& w) const {
+    w.put("reference", reference_);
+    w.put_tensor<double>("samples", std::span<const double>(samples_));
+    w.put("slow", static_cast<std::uint64_t>(slow_));
+    w.put("synchronous", synchronous_);
+  }
+  /// Reads what save wrote (all or nothing).
+  /// @throws gradapt::error when a field is missing or invalid
+  void load(archive_reader& r) {
+    const double ref = r.get<double>("reference");
+    std::vector<double> samples = r.get_tensor<double>("samples");
+    const auto slow = r.get<std::uint64_t>("slow");
+    const bool sync = r.get<bool>("synchronous");
+    detail::require(std::isfinite(ref) && ref >= 0.0, "sync_switch_policy::load: reference is ", ref,
+                    " (expected >= 0)");
+    detail::require(samples.size() < o_.warmup, "sync_switch_policy::load: ", samples.size(),
+                    " warm-up samples but warmup is ", o_.warmup);
+    reference_ = ref;
+    samples_ = std::move(samples);
+    slow_ = static_cast<std::size_t>(slow);
+    synchronous_ = sync;
+  }
+
+ private:
+  sync_switch_options o_;
+  double reference_ = 0.0;
+  std::vector<double> samples_;
+  std::size_t slow_ = 0;
+  bool synchronous_ = true;
+};
+
+// ---- goodput_policy ---------------------------------------------------------------------------
+
+/// Options of `goodput_policy`; `goodput_policy::validate` names the first invalid one.
+struct goodput_policy_options {
+  throughput_params model{};        ///< the step-time model (fitted by the user or by goodput_fit)
+  goodput_search_options search{};  ///< the ranges searched and the hysteresis
+  double base_batch = 0.0;          ///< M0, the global batch the learning rate was tuned for (> 0)
+  std::uint64_t every = 100;        ///< re-plan every this many steps (>= 1), and on every world change
+  /// Ranks per node (0: every rank on one node); the replicas span ceil(ranks / ranks_per_node) nodes.
+  int ranks_per_node = 0;
+};
+
+/// Pollux's co-adaptation: on every world change and every `every` steps, searches the
+/// micro-batch and accumulation steps of the highest predicted goodput at the current world
+/// size (`search_goodput` with the step's noise scale and the base batch) and, when the search
+/// switches (hysteresis), proposes `local_batch` and `accumulation_steps`. While the noise
+/// scale is undefined (NaN) or negative (too few samples) it does nothing. The step's
+/// `local_batch` must be a whole number of examples.
+class goodput_policy {
+ public:
+  /// A policy with options `o`. @throws gradapt::error naming the first invalid option
+  explicit goodput_policy(const goodput_policy_options& o) : o_(o) { validate(o_); }
+
+  /// Throws gradapt::error naming the first invalid option.
+  static void validate(const goodput_policy_options& o) {
+    constexpr const char* w = "goodput_policy_options";
+    gradapt::validate(o.model);
+    detail::require(std::isfinite(o.base_batch) && o.base_batch > 0.0, w, ": base_batch is ", o.base_batch,
+                    " (expected the positive global batch M0 the learning rate was tuned for)");
+    detail::require(o.every >= 1, w, ": every is ", o.every, " (expected >= 1 steps between re-plans)");
+    detail::require(o.ranks_per_node >= 0, w, ": ranks_per_node is ", o.ranks_per_node,
+                    " (expected >= 1, or 0 for one node)");
+    const auto& s = o.search;
+    detail::require(s.min_atomic_batch >= 1, w, ": search.min_atomic_batch is ", s.min_atomic_batch,
+                    " (expected >= 1)");
+    detail::require(s.max_atomic_batch >= s.min_atomic_batch, w, ": search.max_atomic_batch is ",
+                    s.max_atomic_batch, " (expected >= min_atomic_batch = ", s.min_atomic_batch,
+                    ": the largest micro-batch that fits in memory)");
+    detail::require(s.atomic_batch_step >= 1, w, ": search.atomic_batch_step is ", s.atomic_batch_step,
+                    " (expected >= 1)");
+    detail::require(s.min_accum_steps >= 1, w, ": search.min_accum_steps is ", s.min_accum_steps,
+                    " (expected >= 1)");
+    detail::require(s.max_accum_steps >= s.min_accum_steps, w, ": search.max_accum_steps is ",
+                    s.max_accum_steps, " (expected >= min_accum_steps = ", s.min_accum_steps, ")");
+    detail::require(!std::isnan(s.max_global_batch) && s.max_global_batch > 0.0, w,
+                    ": search.max_global_batch is ", s.max_global_batch, " (expected > 0, +inf for none)");
+    detail::require(std::isfinite(s.hysteresis) && s.hysteresis >= 0.0, w, ": search.hysteresis is ",
+                    s.hysteresis, " (expected finite and >= 0)");
+  }
+
+  /// Re-plans every `every` steps.
+  void after_step(const job_view& v, job_action& a) {
+    if (v.steps % o_.every == 0) plan(v, a);
+  }
+  /// Re-plans for the new world.
+  void on_world_change(const job_view& v, job_action& a) { plan(v, a); }
+
+  /// The options.
+  const goodput_policy_options& options() const { return o_; }
+  /// The latest search (none before the first re-plan with a defined noise scale).
+  const std::optional<goodput_search_result>& last_search() const { return last_; }
+  /// The number of nodes `ranks` replicas span under the options.
+  int nodes(int ranks) const {
+    return o_.ranks_per_node == 0 ? 1 : (ranks + o_.ranks_per_node - 1) / o_.ranks_per_node;
+  }
+
+ private:
+  void plan(const job_view& v, job_action& a) {
+    const double noise = v.metrics.noise_scale;
+    if (std::isnan(noise) || noise < 0.0) return;
+    const double m = v.settings.local_batch;
+    detail::require(m >= 1.0 && m == std::floor(m) && m <= double(std::numeric_limits<int>::max()),
+                    "goodput_policy: step_settings::local_batch is ", m,
+                    " (expected a whole number of examples >= 1 to search from)");
+    const goodput_config current{.atomic_batch = static_cast<int>(m),
+                                 .accum_steps = v.settings.accumulation_steps,
+                                 .replicas = v.ranks,
+                                 .nodes = nodes(v.ranks)};
+    last_ = search_goodput(o_.model, {.noise_scale = noise, .base_batch = o_.base_batch}, v.ranks,
+                           nodes(v.ranks), current, o_.search);
+    if (last_->switched) {
+      a.local_batch = static_cast<double>(last_->config.atomic_batch);
+      a.accumulation_steps = last_->config.accum_steps;
+    }
+  }
+
+  goodput_policy_options o_;
+  std::optional<goodput_search_result> last_;
+};
+
+}  // namespace gradapt::elastic
