@@ -143,6 +143,8 @@ gradapt_add_test(test_train_step SOURCES test_train_step.cpp)
 target_link_libraries(test_train_step PRIVATE Threads::Threads)
 gradapt_add_test(test_train_resize SOURCES test_train_resize.cpp)
 target_link_libraries(test_train_resize PRIVATE Threads::Threads)
+gradapt_add_test(test_train_hetero SOURCES test_train_hetero.cpp)
+target_link_libraries(test_train_hetero PRIVATE Threads::Threads)
 # Ranks that disagree: every rank throws, none hangs (bounded by the threads watchdog).
 gradapt_add_test(test_disagreement SOURCES test_disagreement.cpp)
 target_link_libraries(test_disagreement PRIVATE Threads::Threads)

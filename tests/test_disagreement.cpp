@@ -120,3 +120,41 @@ TEST_CASE("Adasum: another element type or mode on one rank is an error on every
                 }),
       "must call the same collective");
 }
+
+TEST_CASE("agree_values_and_share: every rank reads every rank's values; a bad value is an error everywhere",
+          "[comm][agree]") {
+  // 2 values from each of n ranks: 2n words beyond the agreement's own, past the 64-word stack
+  // buffer from n = 29 on (then in the caller's workspace, reused over the calls).
+  for (const int n : {1, 2, 5, 40}) {
+    INFO(n << " ranks");
+    std::vector<int> ok(static_cast<std::size_t>(n), 0);
+    gradapt::comm::run_threads(n, quick, [&](threads& comm) {
+      std::vector<double> shared(2 * static_cast<std::size_t>(n)), ws;
+      bool good = true;
+      for (int call = 0; call < 3; ++call) {
+        const double mine[2] = {comm.rank() * 1.5 - 7.0 + call, -1e300};
+        gradapt::agree_values_and_share(comm, "test share", {{{"call", double(call)}}},
+                                        std::span<const double>(mine), std::span<double>(shared), {}, &ws);
+        for (int r = 0; r < n; ++r)
+          good = good && shared[2 * std::size_t(r)] == r * 1.5 - 7.0 + call &&
+                 shared[2 * std::size_t(r) + 1] == -1e300;
+      }
+      ok[static_cast<std::size_t>(comm.rank())] = good ? 1 : 0;
+    });
+    CHECK(ok == std::vector<int>(static_cast<std::size_t>(n), 1));
+  }
+  const auto what = errors_of(3, [](threads& comm) {
+    std::vector<double> shared(3);
+    const double mine[1] = {comm.rank() == 1 ? std::nan("") : 1.0};
+    gradapt::agree_values_and_share(comm, "test share", {}, std::span<const double>(mine),
+                                    std::span<double>(shared));
+  });
+  require_all(what, "a shared value is nan", 1, "rank 1 passed invalid input");
+  const auto apart = errors_of(3, [](threads& comm) {
+    std::vector<double> shared(3);
+    const double mine[1] = {1.0};
+    gradapt::agree_values_and_share(comm, "test share", {{{"k", comm.rank() == 2 ? 2.0 : 1.0}}},
+                                    std::span<const double>(mine), std::span<double>(shared));
+  });
+  require_all(apart, "k is");
+}

@@ -96,17 +96,30 @@ void allreduce_host_values(C& comm, const B& b, std::span<double> v, reduce_op o
   }
 }
 
-/// agree_values with the allreduce(max) of its words done by `allreduce_max(span)`.
+/// agree_values with the allreduce(max) of its words done by `allreduce_max(span)`. With a
+/// non-empty `share` (k finite values of this rank), `shared` (k × ranks words) receives every
+/// rank's k values in rank order, carried by the same allreduce: each rank writes its own k
+/// words and -inf in the others', so the max is an allgather.
 template <class C, class R>
 void agree_values_with(C& comm, std::string_view who, std::span<const agreed_value> values,
-                       const std::string& local_error, R&& allreduce_max) {
+                       const std::string& local_error, R&& allreduce_max, std::span<const double> share = {},
+                       std::span<double> shared = {}, std::vector<double>* workspace = nullptr) {
   const double tag = detail::operation_tag(who);
   // On the stack for up to 30 values (checks on a step path allocate nothing).
-  const std::size_t words = 2 * (values.size() + 1) + 1;
+  const std::size_t base = 2 * (values.size() + 1) + 1;
+  const std::size_t words = base + shared.size();
   std::array<double, 64> small;
-  std::vector<double> large(words <= small.size() ? 0 : words);
+  std::vector<double> large;
+  std::vector<double>& heap = workspace ? *workspace : large;
+  if (words > small.size()) heap.resize(words);
   const std::span<double> v =
-      words <= small.size() ? std::span<double>(small.data(), words) : std::span<double>(large);
+      words <= small.size() ? std::span<double>(small.data(), words) : std::span<double>(heap.data(), words);
+  if (!shared.empty()) {
+    const std::size_t k = share.size();
+    const auto me = static_cast<std::size_t>(comm.rank());
+    for (std::size_t i = base; i < words; ++i) v[i] = -HUGE_VAL;
+    for (std::size_t j = 0; j < k; ++j) v[base + me * k + j] = share[j];
+  }
   v[0] = tag;
   v[1] = -tag;
   for (std::size_t i = 0; i < values.size(); ++i) {
@@ -117,11 +130,11 @@ void agree_values_with(C& comm, std::string_view who, std::span<const agreed_val
     v[2 * i + 3] = nan ? HUGE_VAL : -x;
   }
   // The lowest rank with invalid input, as -rank (or -inf when every rank's input is valid).
-  v[words - 1] = local_error.empty() ? -HUGE_VAL : -static_cast<double>(comm.rank());
+  v[base - 1] = local_error.empty() ? -HUGE_VAL : -static_cast<double>(comm.rank());
   allreduce_max(v);
   if (!local_error.empty()) throw error(local_error);
-  if (v[words - 1] != -HUGE_VAL)
-    detail::fail(who, " on rank ", comm.rank(), ": rank ", -v[words - 1],
+  if (v[base - 1] != -HUGE_VAL)
+    detail::fail(who, " on rank ", comm.rank(), ": rank ", -v[base - 1],
                  " passed invalid input (that rank's error says which)");
   if (v[0] != tag || v[1] != -tag)
     detail::fail(who, " on rank ", comm.rank(),
@@ -136,6 +149,7 @@ void agree_values_with(C& comm, std::string_view who, std::span<const agreed_val
                  detail::value_text(lo), " to ", detail::value_text(hi),
                  " across ranks (every rank must pass the same ", values[i].name, ")");
   }
+  for (std::size_t i = 0; i < shared.size(); ++i) shared[i] = v[base + i];
 }
 
 }  // namespace detail
@@ -155,6 +169,41 @@ void agree_values(C& comm, std::string_view who, std::span<const agreed_value> v
     comm.allreduce(tensor_view<double, host_space>::vector(v.data(), static_cast<std::int64_t>(v.size())),
                    reduce_op::max);
   });
+}
+
+/// agree_values that also shares this rank's `share` values (k finite numbers, the same k on
+/// every rank) with every rank, in the same allreduce: `shared` (k × comm.size() words) receives
+/// rank r's values at [r·k, r·k + k). Costs k × comm.size() more words than agree_values; a
+/// step that must agree anyway gathers per-rank measurements (times) at no extra collective.
+/// A value that is not finite is this rank's invalid input (an error on every rank, as
+/// `local_error`). k must be the same on every rank (the words of the allreduce). A
+/// `workspace` kept by the caller holds the words beyond a stack buffer of 64, so repeated
+/// calls allocate nothing.
+/// @throws gradapt::error as agree_values, or when shared.size() != k × comm.size()
+template <class C>
+requires std::same_as<typename C::space, host_space>
+void agree_values_and_share(C& comm, std::string_view who, std::span<const agreed_value> values,
+                            std::span<const double> share, std::span<double> shared,
+                            const std::string& local_error = {}, std::vector<double>* workspace = nullptr) {
+  detail::require(shared.size() == share.size() * static_cast<std::size_t>(comm.size()), who, " on rank ",
+                  comm.rank(), ": agree_values_and_share: ", shared.size(), " words for ", share.size(),
+                  " values from each of ", comm.size(), " ranks");
+  std::string bad = local_error;
+  std::vector<double> clean;
+  for (const double x : share) {
+    if (std::isfinite(x)) continue;
+    if (bad.empty())
+      bad = detail::message(who, " on rank ", comm.rank(), ": a shared value is ", x, " (expected finite)");
+    clean.assign(share.size(), 0.0);
+  }
+  if (!clean.empty()) share = clean;
+  detail::agree_values_with(
+      comm, who, values, bad,
+      [&](std::span<double> v) {
+        comm.allreduce(tensor_view<double, host_space>::vector(v.data(), static_cast<std::int64_t>(v.size())),
+                       reduce_op::max);
+      },
+      share, shared, workspace);
 }
 
 /// agree_values on any communicator: the values travel through a buffer of backend `b` in the

@@ -77,6 +77,15 @@ struct divide_by_ranks {
     g = g / static_cast<T>(n);
   }
 };
+
+/// g ← g · c in the element type (c rounded to it once): a rank's weight in a weighted mean.
+struct multiply_by {
+  double c;  ///< the factor
+  template <class T>
+  GRADAPT_HD void operator()(T& g) const {
+    g = g * static_cast<T>(c);
+  }
+};
 }  // namespace detail
 
 }  // namespace gradapt

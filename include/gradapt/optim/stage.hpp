@@ -152,6 +152,11 @@ struct step_args {
   /// This rank's training loss (the train step reports it in its metrics; LocalSGD's
   /// adaptive_period averages it over the ranks). NaN when not given; optimizers ignore it.
   double loss = std::numeric_limits<double>::quiet_NaN();
+  /// This rank's time-to-ready in seconds: its own work before the step (forward, backward,
+  /// data loading), measured before any collective hides it. The train step shares every
+  /// rank's time within its per-step agreement (`data_parallel_step::rank_times()`); every
+  /// rank gives it or none does. NaN when not given; optimizers ignore it.
+  double ready_seconds = std::numeric_limits<double>::quiet_NaN();
 };
 
 }  // namespace gradapt

@@ -5,12 +5,19 @@
 ///
 /// After the framework's backward pass, one call of `step()` runs, on every rank:
 ///
+///  0. agreement: one small allreduce checks the step number, the learning rate and the
+///              settings on every rank, and shares each rank's time-to-ready
+///              (`step_args::ready_seconds`) and previous step time (`rank_times()`,
+///              `rank_step_seconds()`);
+///
 ///  1. scaler:  g ← g / S_loss and the overflow check agreed by all ranks
 ///              (`loss_scaler::unscale`); an overflow skips the step (optimizer step count,
 ///              AdaScale progress and LocalSGD counters unchanged) and backs S_loss off;
 ///  2. combine: g ← (1/N) Σ_r g_r (`allreduce_mean`; with AdaScale on, through
 ///              `allreduce_with_norms`, which also yields Σ_r |g_r|² and |Σ_r g_r|²), or
-///              g ← Adasum_r(g_r) (`adasum_combine`); skipped on LocalSGD's local steps;
+///              g ← Adasum_r(g_r) (`adasum_combine`); skipped on LocalSGD's local steps
+///              (unless `step_settings::synchronous` pauses LocalSGD). With
+///              `step_settings::rank_batches` the mean is weighted by the ranks' examples;
 ///  3. adapt:   noise-scale update (McCandlish et al. 2018) from those norms, AdaScale gain
 ///              r = (σ² + |G|²)/(σ²/S + |G|²) and progress τ ← τ + r (Johnson et al. 2020);
 ///  4. precondition: the combined gradients rewritten in place at lr = η · r (or η · √r),
@@ -42,6 +49,7 @@
 /// vector and `load()` restores it exactly; the parameters themselves are the framework's and
 /// are saved by it.
 
+#include <chrono>
 #include <cmath>
 #include <concepts>
 #include <cstddef>
@@ -166,6 +174,7 @@ struct sync_runtime {
   local_sgd_options options;
   S schedule;
   std::optional<local_sgd<C, S>> driver;
+  bool was_synchronous = false;  ///< step_settings::synchronous at the latest step
 };
 
 /// Fingerprint of a list's tensor sizes (below 2^50, exact in a double).
@@ -357,6 +366,8 @@ class data_parallel_step {
                       settings_.period,
                       " but the sync slot holds no local_sgd_policy<fixed_period> (leave it 0)");
     check_lr("train::data_parallel_step");
+    check_rank_batches("train::data_parallel_step");
+    if constexpr (has_local_sgd) sync_.was_synchronous = settings_.synchronous;
     if constexpr (has_loss_scaling) last_.loss_scale = scaler_.scale();
   }
 
@@ -380,6 +391,9 @@ class data_parallel_step {
                     comm_->rank(), ": the parameter list now holds ", params_->size(), " tensors (",
                     params_->total_elements(), " elements) but the step was built for ", tensors_, " (",
                     total_, "); build a new step when the model changes");
+    const auto entered = std::chrono::steady_clock::now();
+    const double busy_before = busy_;
+    busy_ = -1.0;  // this call's time, known at its end
     const std::uint64_t call = calls_ + 1;
     for_each_hook([&](auto& h) {
       if constexpr (before_step_hook<std::remove_reference_t<decltype(h)>>) h.before_step(settings_, last_);
@@ -390,12 +404,17 @@ class data_parallel_step {
       bad = detail::message(fn, " on rank ", comm_->rank(), ": ",
                             in.lr ? "step_args::lr" : "step_settings::lr", " is ", eta,
                             " (expected a finite learning rate >= 0; set by the caller or a hook)");
-    agree_on_step(call, eta, bad);
+    const bool timed = !std::isnan(in.ready_seconds);
+    if (timed && !(std::isfinite(in.ready_seconds) && in.ready_seconds >= 0.0) && bad.empty())
+      bad = detail::message(fn, " on rank ", comm_->rank(), ": step_args::ready_seconds is ",
+                            in.ready_seconds, " (expected finite seconds >= 0, or NaN when not measured)");
+    agree_on_step(call, eta, timed ? in.ready_seconds : -1.0, busy_before, bad);
     apply_settings(call);
 
     step_metrics m;
     m.step = call;
     m.loss = in.loss;
+    m.global_batch = global_batch();
     if constexpr (has_adascale) m.scale = adapt_.ada.scale();
 
     if constexpr (has_loss_scaling) {
@@ -404,12 +423,21 @@ class data_parallel_step {
       if (!ok) {
         m.found_inf = true;
         if constexpr (has_preconditioner) pre_->discard();  // this step's collected terms
-        return finish_step(m, call);
+        return finish_step(m, call, entered);
       }
     }
 
     bool sync = true;
-    if constexpr (has_local_sgd) sync = sync_.driver->sync_gradients();
+    bool paused = false;  // LocalSGD paused by step_settings::synchronous
+    if constexpr (has_local_sgd) {
+      sync = sync_.driver->sync_gradients();
+      paused = settings_.synchronous && !sync;
+      // Entering a pause in LocalSGD's local phase: the replicas may differ, so they are
+      // averaged once (as a round would) before the synchronous steps.
+      if (paused && !sync_.was_synchronous) average_models(*comm_, backend_, params_->values());
+      sync_.was_synchronous = settings_.synchronous;
+      sync = sync || paused;
+    }
     m.synchronous = sync;
     if (sync) combine();
 
@@ -425,20 +453,24 @@ class data_parallel_step {
     opt_.step(backend_, *params_, state_, step_args{.lr = lr});
 
     if constexpr (has_local_sgd) {
-      local_sgd_result res;
-      if constexpr (schedule_type::uses_loss)
-        res = sync_.driver->step(*comm_, backend_, local_sgd_input{.loss = in.loss, .lr = lr},
-                                 params_->values());
-      else
-        res = sync_.driver->step(*comm_, backend_, params_->values());
-      m.averaged = res.averaged;
+      if (!paused) {
+        local_sgd_result res;
+        if constexpr (schedule_type::uses_loss)
+          res = sync_.driver->step(*comm_, backend_, local_sgd_input{.loss = in.loss, .lr = lr},
+                                   params_->values());
+        else
+          res = sync_.driver->step(*comm_, backend_, params_->values());
+        m.averaged = res.averaged;
+      }
+    } else {
+      (void)paused;
     }
 
     m.stepped = true;
     check_replicas(m);
     m.gain = gain;
     m.lr = lr;
-    return finish_step(m, call);
+    return finish_step(m, call, entered);
   }
 
   /// The factor to multiply the loss by before the backward pass (1 without loss scaling).
@@ -457,6 +489,14 @@ class data_parallel_step {
   const step_metrics& metrics() const { return last_; }
   /// Calls of step() so far (taken and skipped).
   std::uint64_t steps() const { return calls_; }
+  /// Every rank's time-to-ready (step_args::ready_seconds) at the latest step, in rank order,
+  /// the same on every rank (shared by the step's per-step agreement); empty when the ranks
+  /// gave none.
+  std::span<const double> rank_times() const { return rank_times_; }
+  /// Every rank's time in seconds inside its previous call of step() (its collectives, its
+  /// optimizer update and its waits for the other ranks), in rank order, the same on every
+  /// rank; shared at the latest step, empty at the first step after construction or a load.
+  std::span<const double> rank_step_seconds() const { return rank_busy_; }
   /// The communicator the step runs on.
   Comm& comm() const { return *comm_; }
 
@@ -509,9 +549,12 @@ class data_parallel_step {
     w.put("local_batch", settings_.local_batch);
     w.put("accumulation_steps", static_cast<std::int64_t>(settings_.accumulation_steps));
     w.put("period", settings_.period);
+    w.put("synchronous", settings_.synchronous);
+    w.put_tensor("rank_batches", std::span<const double>(settings_.rank_batches));
     w.end();
     w.put("calls", calls_);
     put_metrics(w, last_);
+    w.put("global_batch", last_.global_batch);
     w.begin("optimizer");
     state_.save(backend_, w);
     w.end();
@@ -521,7 +564,7 @@ class data_parallel_step {
 
   /// Kind and format version of the archive `save()` writes.
   static constexpr std::string_view archive_kind = "gradapt.train_step";
-  static constexpr std::uint32_t archive_version = 1;  ///< see archive_kind
+  static constexpr std::uint32_t archive_version = 2;  ///< see archive_kind
 
   /// Restores, on this step's world of M ranks, a state written by `save()` of a step with the
   /// same slots, optimizer and parameter layout on any number N of ranks (Horovod Elastic's
@@ -610,7 +653,8 @@ class data_parallel_step {
   // The end of call `call`, taken or skipped (m.found_inf): completes m with the counters,
   // records it as the latest metrics, runs the overflow hooks (skipped) and then the
   // after-step hooks, and returns the recorded metrics.
-  const step_metrics& finish_step(step_metrics& m, std::uint64_t call) {
+  const step_metrics& finish_step(step_metrics& m, std::uint64_t call,
+                                  std::chrono::steady_clock::time_point entered) {
     m.optimizer_steps = state_.steps();
     m.progress = progress();
     m.noise_scale = noise_scale_value();
@@ -623,13 +667,21 @@ class data_parallel_step {
     for_each_hook([&](auto& h) {
       if constexpr (after_step_hook<std::remove_reference_t<decltype(h)>>) h.after_step(settings_, last_);
     });
+    busy_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - entered).count();
     return last_;
   }
 
-  double adascale_scale() const {
-    return static_cast<double>(comm_->size()) * settings_.local_batch *
-           static_cast<double>(settings_.accumulation_steps) / adapt_policy_base_batch();
+  // Examples in one micro-batch over all ranks: Σ_r rank_batches[r], or N × local_batch.
+  double micro_batch_sum() const {
+    if (settings_.rank_batches.empty()) return static_cast<double>(comm_->size()) * settings_.local_batch;
+    double sum = 0.0;
+    for (const double b : settings_.rank_batches) sum += b;
+    return sum;
   }
+  double global_batch() const {
+    return micro_batch_sum() * static_cast<double>(settings_.accumulation_steps);
+  }
+  double adascale_scale() const { return global_batch() / adapt_policy_base_batch(); }
   double adapt_policy_base_batch() const {
     if constexpr (has_adascale)
       return adapt_.policy.base_batch;
@@ -637,14 +689,32 @@ class data_parallel_step {
       return 1.0;
   }
 
+  void check_rank_batches(const char* fn) const {
+    const auto& rb = settings_.rank_batches;
+    detail::require(rb.empty() || rb.size() == static_cast<std::size_t>(comm_->size()), fn,
+                    ": step_settings::rank_batches holds ", rb.size(), " batch sizes but the world has ",
+                    comm_->size(),
+                    " ranks (one per rank in rank order, or empty for local_batch everywhere)");
+    for (std::size_t r = 0; r < rb.size(); ++r)
+      detail::require(std::isfinite(rb[r]) && rb[r] > 0.0, fn, ": step_settings::rank_batches[", r, "] is ",
+                      rb[r], " (expected the positive number of examples in rank ", r, "'s micro-batch)");
+    if constexpr (has_custom_combine)
+      detail::require(rb.empty(), fn,
+                      ": step_settings::rank_batches is set but the combine slot holds a combiner other than "
+                      "allreduce_mean, which cannot weight the ranks by their batches (leave rank_batches "
+                      "empty or combine with allreduce_mean)");
+  }
+
   void check_batch(const char* fn) const {
+    check_rank_batches(fn);
+    detail::require(settings_.accumulation_steps >= 1, fn, ": step_settings::accumulation_steps is ",
+                    settings_.accumulation_steps, " (expected >= 1 micro-batches per step)");
+    if (!settings_.rank_batches.empty()) return;
     detail::require(
         std::isfinite(settings_.local_batch) && settings_.local_batch > 0.0, fn,
         ": step_settings::local_batch is ", settings_.local_batch,
         " (expected the positive number of examples in one rank's micro-batch; set by the caller or a "
         "hook)");
-    detail::require(settings_.accumulation_steps >= 1, fn, ": step_settings::accumulation_steps is ",
-                    settings_.accumulation_steps, " (expected >= 1 micro-batches per step)");
   }
 
   void check_lr(const char* fn) const {
@@ -685,6 +755,7 @@ class data_parallel_step {
   /// Validates the settings after the before_step hooks and applies batch and period changes.
   void apply_settings(std::uint64_t call) {
     constexpr const char* fn = "train::data_parallel_step::step";
+    check_rank_batches(fn);
     if constexpr (has_adascale) {
       check_batch(fn);
       const double s = adascale_scale();
@@ -744,16 +815,38 @@ class data_parallel_step {
   /// The per-step agreement (one small allreduce, before anything is unscaled or combined): the
   /// step number, this step's learning rate and the settings as the hooks left them, AdaScale's
   /// scale and the loss scale. `bad` is this rank's error for an invalid step_args::lr.
-  void agree_on_step(std::uint64_t call, double eta, const std::string& bad) {
-    agreed_list<8> v;
+  ///
+  /// The same allreduce shares two numbers of every rank (`agree_values_and_share`, 2N more
+  /// words): its time-to-ready (`ready`, step_args::ready_seconds; -1 when not given) and the
+  /// time it spent in the previous call of step() (`busy`; -1 before the first call).
+  void agree_on_step(std::uint64_t call, double eta, double ready, double busy, const std::string& bad) {
+    agreed_list<12> v;
     v.push("step", static_cast<double>(call));
     v.push("learning rate (step_args::lr or step_settings::lr)", bad.empty() ? eta : 0.0);
     v.push("step_settings::local_batch", settings_.local_batch);
     v.push("step_settings::accumulation_steps", static_cast<double>(settings_.accumulation_steps));
     v.push("step_settings::period", static_cast<double>(settings_.period));
+    v.push("step_settings::synchronous", settings_.synchronous ? 1.0 : 0.0);
+    v.push("step_settings::rank_batches (count)", static_cast<double>(settings_.rank_batches.size()));
+    v.push(
+        "step_settings::rank_batches (a 52-bit hash of the values)",
+        static_cast<double>(gradapt::detail::hash_bytes(0x9E3779B97F4A7C15ull, settings_.rank_batches.data(),
+                                                        settings_.rank_batches.size()) >>
+                            12));
+    v.push("step_args::ready_seconds given (1) or not (0)", ready >= 0.0 ? 1.0 : 0.0);
     if constexpr (has_adascale) v.push("AdaScale scale", adapt_.ada.scale());
     if constexpr (has_loss_scaling) v.push("loss scale", scaler_.scale());
-    agree_values(*comm_, "train::data_parallel_step::step", v.view(), bad);
+    const double mine[2] = {ready, busy};
+    shared_.resize(2 * static_cast<std::size_t>(comm_->size()));
+    agree_values_and_share(*comm_, "train::data_parallel_step::step", v.view(), std::span<const double>(mine),
+                           std::span<double>(shared_), bad, &agree_ws_);
+    const auto n = static_cast<std::size_t>(comm_->size());
+    rank_times_.clear();
+    rank_busy_.clear();
+    bool all_busy = true;
+    for (std::size_t r = 0; r < n; ++r) all_busy = all_busy && shared_[2 * r + 1] >= 0.0;
+    for (std::size_t r = 0; r < n && ready >= 0.0; ++r) rank_times_.push_back(shared_[2 * r]);
+    for (std::size_t r = 0; r < n && all_busy; ++r) rank_busy_.push_back(shared_[2 * r + 1]);
   }
 
   /// The replica check: after a step that leaves the replicas identical (a synchronous step,
@@ -774,15 +867,41 @@ class data_parallel_step {
 
   /// Stage 2 (and the statistics of stage 3): combine the gradients across the ranks through
   /// the combine slot's combiner.
+  ///
+  /// Heterogeneous batches (rank_batches set, N > 1): rank r first multiplies its gradient by
+  /// c_r = N e_r / Σ_q e_q (e_r its examples), so the mean of the c_r g_r is the example-weighted
+  /// mean Σ_r e_r g_r / Σ_r e_r. The noise scale then reads Σ_r |c_r g_r|² / Σ_r c_r², whose
+  /// expectation is |G|² + tr(Σ)/B_small with B_small = Σ_r e_r² / Σ_r e_r, and |mean|², with
+  /// B_big = Σ_r e_r (both unbiased two-batch inputs; equal batches give B_small = e).
   void combine() {
+    const int n = comm_->size();
+    const bool weighted = !settings_.rank_batches.empty() && n > 1;
+    double c2 = 0.0, e2 = 0.0;  // Σ_r c_r², Σ_r e_r² (weighted)
+    if (weighted) {
+      const double sum = micro_batch_sum();
+      for (const double b : settings_.rank_batches) {
+        const double c = static_cast<double>(n) * b / sum;
+        c2 += c * c;
+        e2 += b * b;
+      }
+      const double mine =
+          static_cast<double>(n) * settings_.rank_batches[static_cast<std::size_t>(comm_->rank())] / sum;
+      if (mine != 1.0) backend_.apply_list(gradapt::detail::multiply_by{mine}, params_->grads());
+    }
     if constexpr (has_adascale) {
-      const int n = comm_->size();
       if (n == 1) return;  // the mean of one rank is its gradient; no noise-scale sample
       const allreduce_norms norms = combiner_->combine_mean_with_norms(*comm_, backend_, params_->grads());
-      adapt_.gns.update(norms, n,
-                        noise_batch{.micro_batch = settings_.local_batch,
-                                    .accumulation_steps = settings_.accumulation_steps,
-                                    .loss_scale = 1.0});
+      if (weighted) {
+        const double acc = static_cast<double>(settings_.accumulation_steps);
+        const double p = static_cast<double>(n);
+        adapt_.gns.update(norms.sum_local_sq / c2, acc * e2 / micro_batch_sum(), norms.result_sq / (p * p),
+                          global_batch());
+      } else {
+        adapt_.gns.update(norms, n,
+                          noise_batch{.micro_batch = settings_.local_batch,
+                                      .accumulation_steps = settings_.accumulation_steps,
+                                      .loss_scale = 1.0});
+      }
     } else {
       combiner_->combine(*comm_, backend_, params_->grads());
     }
@@ -858,6 +977,10 @@ class data_parallel_step {
     s.local_batch = r.get<double>("local_batch");
     s.accumulation_steps = r.get<int>("accumulation_steps");
     s.period = r.get<std::int64_t>("period");
+    if (r.version() >= 2) {
+      s.synchronous = r.get<bool>("synchronous");
+      s.rank_batches = r.get_tensor<double>("rank_batches");
+    }
     r.end();
     detail::require(std::isfinite(s.lr) && s.lr >= 0.0, fn, ": the checkpoint's learning rate is ", s.lr,
                     " (expected finite and >= 0)");
@@ -867,7 +990,14 @@ class data_parallel_step {
     const auto calls = r.get<std::uint64_t>("calls");
     detail::require(calls < std::numeric_limits<std::uint64_t>::max(), fn, ": step counter ", calls,
                     " cannot grow");
-    const step_metrics m = get_metrics(r);
+    step_metrics m = get_metrics(r);
+    if (r.version() >= 2) m.global_batch = r.get<double>("global_batch");
+    detail::require(s.rank_batches.empty() || s.rank_batches.size() == saved_ranks, fn,
+                    ": the checkpoint's rank_batches holds ", s.rank_batches.size(), " sizes for ",
+                    saved_ranks, " ranks");
+    for (const double b : s.rank_batches)
+      detail::require(std::isfinite(b) && b > 0.0, fn, ": the checkpoint's rank_batches holds ", b,
+                      " (expected finite sizes > 0)");
     if (resize) s = rescaled(s, *resize, saved_ranks, ranks);
     if constexpr (!has_settable_period)
       detail::require(s.period == 0, fn, ": the checkpoint's period is ", s.period,
@@ -889,11 +1019,23 @@ class data_parallel_step {
     settings_ = s;
     calls_ = calls;
     last_ = m;
+    busy_ = -1.0;
+    rank_times_.clear();
+    rank_busy_.clear();
+    if constexpr (has_local_sgd) sync_.was_synchronous = settings_.synchronous;
   }
 
   // The settings of a checkpoint of n ranks on m ranks under `rule`.
   static step_settings rescaled(step_settings s, rescale_rule rule, std::uint64_t n, std::uint64_t m) {
     constexpr const char* fn = "train::data_parallel_step::restore";
+    if (n != m && !s.rank_batches.empty()) {
+      // Per-rank sizes do not carry to another world: their mean becomes every rank's local
+      // batch (the same global batch on n ranks), then the rule applies.
+      double sum = 0.0;
+      for (const double b : s.rank_batches) sum += b;
+      s.local_batch = sum / static_cast<double>(n);
+      s.rank_batches.clear();
+    }
     switch (rule) {
       case rescale_rule::keep_global_batch: {
         const auto micro = static_cast<std::uint64_t>(s.accumulation_steps) * n;
@@ -954,6 +1096,10 @@ class data_parallel_step {
   std::uint64_t calls_ = 0;
   std::size_t tensors_ = 0;
   std::size_t total_ = 0;
+  double busy_ = -1.0;                          ///< seconds in the latest call of step() (-1: none)
+  std::vector<double> shared_;                  ///< the per-step agreement's shared words
+  std::vector<double> agree_ws_;                ///< its allreduce words beyond 64
+  std::vector<double> rank_times_, rank_busy_;  ///< see rank_times(), rank_step_seconds()
   Hooks hooks_;
 };
 

@@ -43,6 +43,7 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "gradapt/combine/adasum.hpp"
 #include "gradapt/core/archive.hpp"
@@ -315,6 +316,16 @@ struct step_settings {
   /// `local_sgd_policy<fixed_period>`; 0 otherwise. A hook that sets another value changes the
   /// period from the next round on.
   std::int64_t period = 0;
+  /// Heterogeneous batches: examples in one micro-batch on each rank, in rank order (one
+  /// finite value > 0 per rank), or empty for `local_batch` on every rank. When set, the
+  /// combine forms the mean weighted by the ranks' examples, Σ_r b_r g_r / Σ_r b_r, and the
+  /// noise scale and AdaScale's S count Σ_r b_r (see train-step.md, "Heterogeneous batches");
+  /// it needs the default combiner (allreduce_mean). `local_batch` is then not read.
+  std::vector<double> rank_batches{};
+  /// With a `local_sgd_policy` in the sync slot: true combines the gradients at every step
+  /// and pauses LocalSGD (no local steps, no averaging rounds, its counters unchanged); false
+  /// follows its schedule. Without LocalSGD every step is synchronous and this is not read.
+  bool synchronous = false;
 };
 
 /// What one step did (passed to `after_step` and `on_overflow`; the previous step's metrics
@@ -333,6 +344,9 @@ struct step_metrics {
   bool stepped = false;      ///< the optimizer stepped
   bool synchronous = false;  ///< the gradients were combined across ranks this step
   bool averaged = false;     ///< LocalSGD averaged the parameters after this step
+  /// Examples behind this step's gradient over all ranks: Σ_r b_r × accumulation_steps, with
+  /// b_r = step_settings::rank_batches[r], or local_batch on every rank.
+  double global_batch = 0.0;
 
   /// The fields in the checkpoint (archive names and members), read by put_fields/get_fields.
   static constexpr auto archive_fields() {
