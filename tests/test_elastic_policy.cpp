@@ -66,6 +66,7 @@ struct fake_step {
     ran.push_back(s);
     m.step = calls;
     m.loss = a.loss;
+    m.synchronous = s.synchronous;  // as with a local_sgd_policy: false takes local steps
     m.global_batch =
         s.rank_batches.empty()
             ? s.local_batch * s.accumulation_steps * c->size()
@@ -219,7 +220,7 @@ TEST_CASE(
                                     [](const el::job_view&, el::job_action& a) {
                                       a.lr = 0.25;
                                       a.accumulation_steps = 2;
-                                      a.synchronous = false;
+                                      a.synchronous = true;
                                       a.world_size = 6;
                                     }},
                          propose_at{3, [](const el::job_view&, el::job_action& a) {
@@ -237,13 +238,13 @@ TEST_CASE(
     for (std::size_t k = 0; k < 3; ++k) {  // steps 1..3 ran before the action
       CHECK(r[k].lr == 0.1);
       CHECK(r[k].accumulation_steps == 1);
-      CHECK(r[k].synchronous);
+      CHECK(!r[k].synchronous);
       CHECK(r[k].rank_batches.empty());
     }
     for (std::size_t k = 3; k < 5; ++k) {
       CHECK(r[k].lr == 0.5);
       CHECK(r[k].accumulation_steps == 2);
-      CHECK(!r[k].synchronous);
+      CHECK(r[k].synchronous);
       CHECK(r[k].rank_batches == std::vector<double>{4, 4, 4, 20});
     }
   }
@@ -342,7 +343,11 @@ TEST_CASE("sync_switch_policy: local steps after `patience` slow steps, back on 
     };
     el::adaptive_job job(
         step, el::sync_switch_policy({.warmup = 4, .fraction = 0.8, .fraction_back = 0.95, .patience = 3}));
-    for (int t = 1; t <= 4; ++t) job.step();  // step 1 has no throughput: 2..4 are warm-up
+    RANK_CHECK(!step.s.synchronous);
+    job.step();  // step 1 has no throughput; the warm-up asks for synchronous steps
+    RANK_CHECK(step.s.synchronous);
+    RANK_CHECK(step.ran.back().synchronous == false);
+    for (int t = 2; t <= 4; ++t) job.step();  // 2..4 are warm-up samples
     RANK_CHECK(job.policy<0>().reference() == 0.0);
     job.step();  // step 5: the 4th sample
     RANK_CHECK(job.policy<0>().reference() == 32.0);
@@ -507,4 +512,38 @@ TEST_CASE("adaptive_job over train::data_parallel_step: per-rank times in the vi
       RANK_CHECK(seen[0].size() == static_cast<std::size_t>(n));
     });
   }
+}
+
+TEST_CASE("straggler_policy over train::data_parallel_step: the rebalanced batches reach the step",
+          "[elastic][policy][train][straggler]") {
+  run_threads(4, quick, [](threads& comm) {
+    std::vector<float> p(6, 1.0f), g(6, 0.0f);
+    gradapt::param_list<float, float> params;
+    params.add("w", gradapt::host_view(p), gradapt::host_view(g));
+    auto step = train::make_data_parallel_step(comm, gradapt::host{}, params, gradapt::sgd(),
+                                               {.lr = 0.01, .local_batch = 16.0});
+    el::adaptive_job job(
+        step, el::straggler_policy(
+                  {.response = el::straggler_response::rebalance, .global_batch = 64, .min_batch = 2}));
+    std::uint64_t raised_at = 0;
+    for (std::uint64_t t = 1; t <= 40 && raised_at == 0; ++t) {
+      // Rank 3 takes 3 ms per example, the others 1 ms (jittered), from step 10.
+      const auto& s = step.settings();
+      const double batch =
+          s.rank_batches.empty() ? s.local_batch : s.rank_batches[static_cast<std::size_t>(comm.rank())];
+      const double per = 1e-3 * jitter(3, t, comm.rank()) * (comm.rank() == 3 && t >= 10 ? 3.0 : 1.0);
+      for (auto& x : g) x = 0.01f * static_cast<float>(comm.rank() + 1);
+      job.step({.ready_seconds = batch * per});
+      if (!job.policy<0>().report().raised.empty()) raised_at = t;
+    }
+    RANK_REQUIRE(raised_at >= 10);
+    RANK_CHECK(job.policy<0>().report().raised == std::vector<int>{3});
+    const std::vector<double> b = step.settings().rank_batches;
+    RANK_REQUIRE(b.size() == 4);
+    RANK_CHECK(std::accumulate(b.begin(), b.end(), 0.0) == 64.0);
+    RANK_CHECK(b[3] < b[0]);
+    for (auto& x : g) x = 0.01f;
+    const auto& m = job.step({.ready_seconds = 1e-3});
+    RANK_CHECK(m.global_batch == 64.0);  // the step ran with the agreed per-rank batches
+  });
 }

@@ -194,6 +194,8 @@ concept adaptive_step = requires(S& s, const S& cs, const step_args& args) {
   { cs.steps() } -> std::convertible_to<std::uint64_t>;
   { s.comm().size() } -> std::convertible_to<int>;
   { s.comm().rank() } -> std::convertible_to<int>;
+  { cs.rank_times() } -> std::convertible_to<std::span<const double>>;
+  { cs.rank_step_seconds() } -> std::convertible_to<std::span<const double>>;
 };
 
 namespace detail {
@@ -262,25 +264,8 @@ constexpr std::string_view vote_name(job_event e) {
   return "gradapt::elastic::adaptive_job vote";
 }
 
-/// The settings type has a `synchronous` field.
-template <class S>
-concept has_synchronous = requires(S& s) {
-  s.synchronous = true;
-};
-/// The settings type has a `rank_batches` field.
-template <class S>
-concept has_rank_batches = requires(S& s) {
-  s.rank_batches = std::vector<double>{};
-};
-/// The metrics type has a `global_batch` field.
-template <class M>
-concept has_global_batch = requires(const M& m) {
-  static_cast<double>(m.global_batch);
-};
-
 /// This rank's error for an invalid action (empty when it is valid); sorts drop_ranks.
-template <class Settings>
-std::string check_action(job_action& a, int ranks, int rank, std::string_view where) {
+inline std::string check_action(job_action& a, int ranks, int rank, std::string_view where) {
   const auto bad = [&](auto&&... what) { return message(where, " on rank ", rank, ": ", what...); };
   if (a.lr && !(std::isfinite(*a.lr) && *a.lr >= 0.0))
     return bad("job_action::lr is ", *a.lr, " (expected a finite learning rate >= 0)");
@@ -291,11 +276,7 @@ std::string check_action(job_action& a, int ranks, int rank, std::string_view wh
   if (a.period && *a.period < 1)
     return bad("job_action::period is ", *a.period,
                " (expected K >= 1 local steps between averaging rounds)");
-  if (a.synchronous && !has_synchronous<Settings>)
-    return bad("job_action::synchronous is set but this step's settings have no synchronous field");
   if (a.rank_batches) {
-    if (!has_rank_batches<Settings>)
-      return bad("job_action::rank_batches is set but this step's settings have no rank_batches field");
     const auto& b = *a.rank_batches;
     if (!b.empty() && b.size() != static_cast<std::size_t>(ranks))
       return bad("job_action::rank_batches holds ", b.size(), " sizes for ", ranks,
@@ -471,12 +452,9 @@ class adaptive_job {
     v.rank = step_->comm().rank();
     v.epoch = epoch_;
     v.steps = static_cast<std::uint64_t>(step_->steps());
-    if constexpr (requires { std::span<const double>(std::as_const(*step_).rank_times()); })
-      v.rank_times = std::as_const(*step_).rank_times();
-    if constexpr (requires { std::span<const double>(std::as_const(*step_).rank_step_seconds()); })
-      v.rank_step_seconds = std::as_const(*step_).rank_step_seconds();
-    if constexpr (detail::has_global_batch<train::step_metrics>)
-      v.global_batch = static_cast<double>(m.global_batch);
+    v.rank_times = std::as_const(*step_).rank_times();
+    v.rank_step_seconds = std::as_const(*step_).rank_step_seconds();
+    v.global_batch = m.global_batch;
     if (!v.rank_times.empty() && v.rank_times.size() == v.rank_step_seconds.size()) {
       double slowest = 0.0;
       for (std::size_t r = 0; r < v.rank_times.size(); ++r)
@@ -595,7 +573,7 @@ class adaptive_job {
                                 " threw: ", e.what());
         }
       }
-      if (bad.empty()) bad = detail::check_action<train::step_settings>(a, v.ranks, v.rank, where());
+      if (bad.empty()) bad = detail::check_action(a, v.ranks, v.rank, where());
       agreed_list<24> list;
       list.push("the job's step count", static_cast<double>(v.steps));
       list.push("the epoch", static_cast<double>(v.epoch));
@@ -611,10 +589,8 @@ class adaptive_job {
     if (a.local_batch) s.local_batch = *a.local_batch;
     if (a.accumulation_steps) s.accumulation_steps = *a.accumulation_steps;
     if (a.period) s.period = *a.period;
-    if constexpr (detail::has_synchronous<train::step_settings>)
-      if (a.synchronous) s.synchronous = *a.synchronous;
-    if constexpr (detail::has_rank_batches<train::step_settings>)
-      if (a.rank_batches) s.rank_batches = *a.rank_batches;
+    if (a.synchronous) s.synchronous = *a.synchronous;
+    if (a.rank_batches) s.rank_batches = *a.rank_batches;
     if (!a.drop_ranks.empty()) {
       std::vector<int> merged;
       std::set_union(decision_.drop_ranks.begin(), decision_.drop_ranks.end(), a.drop_ranks.begin(),
@@ -650,8 +626,8 @@ enum class straggler_response : unsigned char {
 struct straggler_policy_options {
   straggler_response response = straggler_response::report;  ///< what to do on a raise
   straggler_options detector{};                              ///< the detector's options
-  /// rebalance: examples per step over all ranks that the per-rank batches sum to (>= ranks ×
-  /// min_batch; required for rebalance).
+  /// rebalance: the examples of one micro-batch over all ranks that the per-rank batches
+  /// (`step_settings::rank_batches`) sum to (>= ranks × min_batch; required for rebalance).
   std::int64_t global_batch = 0;
   std::int64_t min_batch = 1;  ///< rebalance: the smallest batch a rank gets (>= 1)
 };
@@ -741,9 +717,8 @@ class straggler_policy {
 
  private:
   static double batch_of(const job_view& v, std::size_t r) {
-    if constexpr (detail::has_rank_batches<train::step_settings>)
-      if (v.settings.rank_batches.size() == static_cast<std::size_t>(v.ranks))
-        return v.settings.rank_batches[r];
+    if (v.settings.rank_batches.size() == static_cast<std::size_t>(v.ranks))
+      return v.settings.rank_batches[r];
     return v.settings.local_batch;
   }
 
@@ -769,15 +744,19 @@ struct sync_switch_options {
   std::size_t patience = 5;
 };
 
-/// KungFu's adaptive synchronisation: while the job's throughput stays low (a congested
-/// network), take LocalSGD's local steps (`synchronous = false`: fewer collectives) and return
-/// to combining every step when it recovers. The reference is the median throughput of the
-/// first `warmup` steps that have one (or `options.reference`); after `patience` consecutive
-/// steps below fraction × reference it proposes `synchronous = false`, and on the first step
-/// above fraction_back × reference `synchronous = true`. Steps without a throughput (the first
-/// step: no time inside step() yet) are skipped. Deterministic from the agreed monitors. The
-/// mode it compares against is the step's `settings.synchronous` when the settings have it,
-/// else its own record of what it proposed. Saves its reference, warm-up samples and count.
+/// KungFu's adaptive synchronisation over a step with a `local_sgd_policy` in its sync slot:
+/// while the job's throughput stays low (a congested network), follow LocalSGD's schedule
+/// (`synchronous = false`: local steps, fewer collectives), and combine at every step
+/// (`synchronous = true`, LocalSGD paused) while it is high.
+///
+/// The reference throughput is the median of the first `warmup` synchronous steps that have a
+/// throughput (or `options.reference`); while it is measured the policy asks for
+/// `synchronous = true` when the settings hold false. Then, in synchronous mode, `patience`
+/// consecutive steps below fraction × reference propose `synchronous = false`; in local mode,
+/// the first step above fraction_back × reference proposes `synchronous = true`. The mode is
+/// the step's `settings.synchronous`. Steps without a throughput (the first step: no time
+/// inside step() yet) are skipped. Deterministic from the agreed monitors, so every rank
+/// proposes the same. Saves its reference, the warm-up samples and the slow count.
 class sync_switch_policy {
  public:
   /// A policy with options `o`. @throws gradapt::error naming the first invalid option
@@ -806,8 +785,9 @@ class sync_switch_policy {
                     "sync_switch_policy: the step reported no per-rank times, so the job has no throughput "
                     "(pass step_args::ready_seconds on every rank)");
     const double t = v.throughput;
-    if (!std::isfinite(t)) return;
     if (!(reference_ > 0.0)) {
+      if (!v.settings.synchronous) a.synchronous = true;  // the reference is a synchronous one
+      if (!std::isfinite(t) || !v.metrics.synchronous) return;
       samples_.push_back(t);
       if (samples_.size() == o_.warmup) {
         reference_ = detail::median_of(samples_);
@@ -815,18 +795,15 @@ class sync_switch_policy {
       }
       return;
     }
-    bool sync = synchronous_;
-    if constexpr (detail::has_synchronous<train::step_settings>) sync = v.settings.synchronous;
-    if (sync) {
+    if (!std::isfinite(t)) return;
+    if (v.settings.synchronous) {
       slow_ = t < o_.fraction * reference_ ? slow_ + 1 : 0;
       if (slow_ >= o_.patience) {
         a.synchronous = false;
-        synchronous_ = false;
         slow_ = 0;
       }
     } else if (t > o_.fraction_back * reference_) {
       a.synchronous = true;
-      synchronous_ = true;
       slow_ = 0;
     }
   }
@@ -838,12 +815,11 @@ class sync_switch_policy {
   /// Consecutive slow steps counted so far.
   std::size_t slow_steps() const { return slow_; }
 
-  /// Writes the reference, the warm-up samples, the slow count and the mode.
+  /// Writes the reference, the warm-up samples and the slow count.
   void save(archive_writer& w) const {
     w.put("reference", reference_);
     w.put_tensor<double>("samples", std::span<const double>(samples_));
     w.put("slow", static_cast<std::uint64_t>(slow_));
-    w.put("synchronous", synchronous_);
   }
   /// Reads what save wrote (all or nothing).
   /// @throws gradapt::error when a field is missing or invalid
@@ -851,7 +827,6 @@ class sync_switch_policy {
     const double ref = r.get<double>("reference");
     std::vector<double> samples = r.get_tensor<double>("samples");
     const auto slow = r.get<std::uint64_t>("slow");
-    const bool sync = r.get<bool>("synchronous");
     detail::require(std::isfinite(ref) && ref >= 0.0, "sync_switch_policy::load: reference is ", ref,
                     " (expected >= 0)");
     detail::require(samples.size() < o_.warmup, "sync_switch_policy::load: ", samples.size(),
@@ -859,7 +834,6 @@ class sync_switch_policy {
     reference_ = ref;
     samples_ = std::move(samples);
     slow_ = static_cast<std::size_t>(slow);
-    synchronous_ = sync;
   }
 
  private:
@@ -867,7 +841,6 @@ class sync_switch_policy {
   double reference_ = 0.0;
   std::vector<double> samples_;
   std::size_t slow_ = 0;
-  bool synchronous_ = true;
 };
 
 // ---- goodput_policy ---------------------------------------------------------------------------
