@@ -1,6 +1,6 @@
 // gradapt::elastic::adaptive_job and its policies (elastic/policy.hpp):
 //  1. policies are detected by their members; the events run in order with the view's epoch
-//     and step count;
+//     and step count; the documented example policy (step_decay) acts at its epochs;
 //  2. the vote: an action proposed on one rank only, or with other values on some rank, an
 //     invalid action, and a policy that throws on one rank are errors on every rank naming the
 //     field (or the rank), with the settings unchanged; agreed actions reach every rank's
@@ -107,6 +107,13 @@ struct recorder {
   void on_world_change(const el::job_view& v, el::job_action&) { note("on_world_change", v); }
 };
 
+// The example of elastic.md, "Writing a policy".
+struct step_decay {
+  void before_epoch(const el::job_view& v, el::job_action& a) const {
+    if (v.epoch > 0 && v.epoch % 3 == 0) a.lr = v.settings.lr / 2;
+  }
+};
+
 struct only_after_step {
   void after_step(const el::job_view&, el::job_action&) {}
 };
@@ -157,6 +164,22 @@ TEST_CASE("adaptive_job: events run the detected hooks in order", "[elastic][pol
   CHECK(r.epochs == std::vector<std::int64_t>{0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1});
   CHECK(r.steps == std::vector<std::uint64_t>{0, 0, 1, 2, 2, 2, 3, 4, 4, 4, 4});
   CHECK(step.calls == 4);
+}
+
+TEST_CASE("adaptive_job: the documented step_decay policy halves the lr every third epoch",
+          "[elastic][policy]") {
+  run_threads(2, quick, [](threads& comm) {
+    fake_step<threads> step(comm);
+    el::adaptive_job job(step, step_decay{});
+    std::vector<double> lrs;
+    for (std::int64_t e = 0; e < 7; ++e) {
+      job.begin_epoch(e);
+      job.step();
+      lrs.push_back(step.ran.back().lr);
+      job.end_epoch(e);
+    }
+    RANK_CHECK(lrs == std::vector<double>{0.1, 0.1, 0.1, 0.05, 0.05, 0.05, 0.025});
+  });
 }
 
 TEST_CASE("adaptive_job: an action proposed on one rank only is an error on every rank naming the field",
