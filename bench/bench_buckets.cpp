@@ -10,6 +10,10 @@
 //       bucketed   bucket::reducer (overlapping path): mark_ready of every gradient in
 //                  backward order, then wait(); includes packing, the mean and the write-back
 //       blocking   the same reducer with reducer_options::overlap = false
+//       in-place   the overlapping reducer over the same gradients held in a bucket::storage
+//                  (DDP's gradient_as_bucket_view): each bucket reduced in its own memory, no
+//                  packing or write-back copies, the mean formed in place
+//       in-place blocking   the same with overlap = false
 //       per-tensor one comm::mpi allreduce per gradient (148 calls)
 //     It prints median times, throughput (bytes of gradients per second) and the ratios to
 //     `single` (the reference: one message of the same size).
@@ -26,7 +30,8 @@
 //     communication = (backward + blocking reduction) - backward alone. The ratio
 //     exposed / non-overlapped communication is the share of communication that the overlap
 //     did not hide (the last bucket, which holds the token embedding, can only start when
-//     backward ends).
+//     backward ends). Each mode is measured with the copying reducers and with the in-place
+//     ones (gradients in a bucket::storage).
 // Compiled like a consumer's code: plain -O2, no -march.
 #include <mpi.h>
 
@@ -129,6 +134,16 @@ int main(int argc, char** argv) {
                                   .first_cap_bytes = static_cast<std::size_t>(a.first_mib * 1048576.0)});
     reducer<mpi, float> overlapped(comm, plan, views);
     reducer<mpi, float> blocking(comm, plan, views, {.overlap = false});
+    // The same gradients in the plan's bucket layout.
+    gradapt::bucket::storage<float> store(plan);
+    const auto store_views = store.views();
+    for (std::size_t t = 0; t < g.size(); ++t) std::copy(g[t].begin(), g[t].end(), store_views[t].data());
+    reducer<mpi, float> in_place(comm, plan, store_views);
+    reducer<mpi, float> in_place_blocking(comm, plan, store_views, {.overlap = false});
+    if (in_place.fused_elements() != 0 || overlapped.fused_elements() == 0) {
+      std::fprintf(stderr, "bench_buckets: expected the storage's buckets in place and the others copied\n");
+      MPI_Abort(MPI_COMM_WORLD, 1);
+    }
     std::vector<std::size_t> backward_order(g.size());
     for (std::size_t t = 0; t < g.size(); ++t) backward_order[t] = g.size() - 1 - t;
 
@@ -139,7 +154,7 @@ int main(int argc, char** argv) {
           comm.size(), g.size(), total, bytes / 1e6, plan.buckets().size(), a.cap_mib, a.first_mib, a.iters);
 
     // (a) throughput
-    std::vector<double> t_single, t_bucketed, t_blocking, t_per_tensor;
+    std::vector<double> t_single, t_bucketed, t_blocking, t_in_place, t_in_place_blocking, t_per_tensor;
     for (int it = 0; it < a.iters; ++it) {
       t_single.push_back(timed([&] { comm.allreduce(gradapt::host_view(single), gradapt::reduce_op::sum); }));
       t_bucketed.push_back(timed([&] {
@@ -150,10 +165,19 @@ int main(int argc, char** argv) {
         for (const auto t : backward_order) blocking.mark_ready(t);
         blocking.wait();
       }));
+      t_in_place.push_back(timed([&] {
+        for (const auto t : backward_order) in_place.mark_ready(t);
+        in_place.wait();
+      }));
+      t_in_place_blocking.push_back(timed([&] {
+        for (const auto t : backward_order) in_place_blocking.mark_ready(t);
+        in_place_blocking.wait();
+      }));
       t_per_tensor.push_back(timed([&] {
         for (const auto t : backward_order) comm.allreduce(views[t], gradapt::reduce_op::sum);
       }));
       for (auto& x : single) x = 1e-3f;  // keep the sums bounded
+      for (std::size_t t = 0; t < g.size(); ++t) std::copy(g[t].begin(), g[t].end(), store_views[t].data());
     }
     const double s = median(t_single);
     if (rank == 0) {
@@ -166,6 +190,8 @@ int main(int argc, char** argv) {
       row("single", t_single);
       row("bucketed", t_bucketed);
       row("blocking", t_blocking);
+      row("in-place", t_in_place);
+      row("in-pl. blk", t_in_place_blocking);
       row("per-tensor", t_per_tensor);
     }
 
@@ -204,27 +230,31 @@ int main(int argc, char** argv) {
           on_ready(backward_order[i]);
         }
       };
-      std::vector<double> alone, with_overlap, non_overlapped;
-      for (int it = 0; it < a.iters; ++it) {
-        alone.push_back(timed([&] { backward([](std::size_t) {}, [] {}); }));
-        with_overlap.push_back(timed([&] {
-          backward([&](std::size_t t) { overlapped.mark_ready(t); }, [&] { overlapped.progress(); });
-          overlapped.wait();
-        }));
-        non_overlapped.push_back(timed([&] {
-          backward([](std::size_t) {}, [] {});
-          for (const auto t : backward_order) blocking.mark_ready(t);
-          blocking.wait();
-        }));
-      }
-      if (rank == 0) {
-        const double b = median(alone), o = median(with_overlap), n = median(non_overlapped);
-        std::printf(
-            "  %-5s backward %8.1f ms | +overlapped wait %8.1f ms | +blocking after %8.1f ms | exposed %7.1f "
-            "ms"
-            " of %7.1f ms: exposed/non-overlapped comm %.3f, step time ratio %.3f\n",
-            mode_name(mode), 1e3 * b, 1e3 * o, 1e3 * n, 1e3 * (o - b), 1e3 * (n - b), (o - b) / (n - b),
-            o / n);
+      for (const bool in_memory : {false, true}) {
+        auto& over = in_memory ? in_place : overlapped;
+        auto& block = in_memory ? in_place_blocking : blocking;
+        std::vector<double> alone, with_overlap, non_overlapped;
+        for (int it = 0; it < a.iters; ++it) {
+          alone.push_back(timed([&] { backward([](std::size_t) {}, [] {}); }));
+          with_overlap.push_back(timed([&] {
+            backward([&](std::size_t t) { over.mark_ready(t); }, [&] { over.progress(); });
+            over.wait();
+          }));
+          non_overlapped.push_back(timed([&] {
+            backward([](std::size_t) {}, [] {});
+            for (const auto t : backward_order) block.mark_ready(t);
+            block.wait();
+          }));
+        }
+        if (rank == 0) {
+          const double b = median(alone), o = median(with_overlap), n = median(non_overlapped);
+          std::printf(
+              "  %-5s %-8s backward %8.1f ms | +overlapped wait %8.1f ms | +blocking after %8.1f ms | "
+              "exposed "
+              "%7.1f ms of %7.1f ms: exposed/non-overlapped comm %.3f, step time ratio %.3f\n",
+              mode_name(mode), in_memory ? "in-place" : "copying", 1e3 * b, 1e3 * o, 1e3 * n, 1e3 * (o - b),
+              1e3 * (n - b), (o - b) / (n - b), o / n);
+        }
       }
     }
   }

@@ -104,6 +104,60 @@ TEST_CASE("bucketed mean is bitwise the per-tensor allreduce and mean, any caps 
     }
 }
 
+TEST_CASE("gradients in a bucket::storage are reduced in place, bitwise as the copying path",
+          "[bucket][reducer]") {
+  const std::vector<std::size_t> sizes{37, 1, 0, 300, 64, 5, 1000, 2, 129};
+  for (int n = 1; n <= 4; ++n)
+    for (const std::size_t cap : {std::size_t{256}, std::size_t{1500}, std::size_t{1} << 20}) {
+      gradapt::comm::run_threads(n, quick, [&](threads& comm) {
+        const auto plan = bucket_plan::make(infos(sizes), {.cap_bytes = cap, .first_cap_bytes = cap / 2 + 1});
+        gradapt::bucket::storage<float> store(plan);
+        auto views = store.views();
+        // Tensor 3 in a separate allocation: its bucket is packed and copied, the others not.
+        std::vector<float> own(sizes[3]);
+        views[3] = gradapt::host_view(own);
+        reducer<threads, float> red(comm, plan, views);
+        std::size_t fused = 0;
+        for (std::size_t b = 0; b < plan.buckets().size(); ++b) {
+          const auto& k = plan.buckets()[b];
+          const bool has3 = std::find(k.tensors.begin(), k.tensors.end(), std::size_t{3}) != k.tensors.end();
+          const bool copies = has3 && k.tensors.size() > 1;  // a bucket of one tensor is always in place
+          RANK_REQUIRE(red.in_place(b) == !copies);
+          if (copies) fused = k.elements;
+        }
+        RANK_REQUIRE(red.fused_elements() == fused);
+        RANK_REQUIRE(store.elements() == std::accumulate(sizes.begin(), sizes.end(), std::size_t{0}));
+        for (int round = 0; round < 2; ++round) {
+          const auto fresh = grads_of(sizes, comm.rank(), round);
+          for (std::size_t t = 0; t < sizes.size(); ++t)
+            std::copy(fresh[t].begin(), fresh[t].end(), views[t].data());
+          auto want = fresh;
+          for (auto& w : want) {
+            comm.allreduce(gradapt::host_view(w), gradapt::reduce_op::sum);
+            for (auto& x : w) x = x / static_cast<float>(comm.size());
+          }
+          std::vector<std::size_t> order(sizes.size());
+          std::iota(order.begin(), order.end(), std::size_t{0});
+          std::shuffle(order.begin(), order.end(),
+                       std::mt19937(static_cast<unsigned>(comm.rank() * 7 + round)));
+          for (const std::size_t t : order) red.mark_ready(t);
+          red.wait();
+          for (std::size_t t = 0; t < sizes.size(); ++t)
+            RANK_REQUIRE((sizes[t] == 0 ||
+                          std::memcmp(views[t].data(), want[t].data(), sizes[t] * sizeof(float)) == 0));
+        }
+      });
+    }
+  // A storage hands out views of its own element type only.
+  const std::vector<tensor_info> mixed{{4, gradapt::dtype::float32}, {3, gradapt::dtype::float64}};
+  const auto plan = bucket_plan::make(mixed);
+  gradapt::bucket::storage<double> doubles(plan);
+  CHECK(doubles.view(1).size() == 3);
+  CHECK(doubles.elements() == 3);
+  CHECK_THROWS_WITH(doubles.view(0), Catch::Matchers::Contains("tensor 0 is in a bucket of float32"));
+  CHECK_THROWS_WITH(doubles.view(2), Catch::Matchers::Contains("out of range"));
+}
+
 TEST_CASE("reducer errors: marking twice or out of range, a missing gradient, plans that differ",
           "[bucket][reducer][validation]") {
   const std::vector<std::size_t> sizes{3, 4, 5};

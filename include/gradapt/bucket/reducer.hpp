@@ -9,7 +9,10 @@
 /// has been started. So ranks whose gradients become ready in different orders still enter
 /// the same collectives in the same order, and never wait in different ones. Each bucket's
 /// gradients are packed into its fused buffer and summed by one allreduce of it; the result
-/// is written back (g / N in the compute type when averaging). `wait()` starts what is left,
+/// is written back (g / N in the compute type when averaging). A bucket whose gradients
+/// already lie in memory in its layout (one buffer, each gradient at its offset: allocate them
+/// in a `bucket::storage`, as DDP's `gradient_as_bucket_view` does) is reduced in place: no
+/// fused buffer, no copies, the mean formed in place. `wait()` starts what is left,
 /// completes every bucket in plan order and ends the round; every gradient must have been
 /// marked ready by then.
 ///
@@ -122,9 +125,18 @@ class reducer {
                   {"reducer_options::overlap", opt_.overlap ? 1.0 : 0.0}},
                  bad);
     fused_.resize(plan_.buckets().size());
+    in_place_.assign(plan_.buckets().size(), 0);
     if constexpr (can_overlap) requests_.resize(plan_.buckets().size());
     missing_.resize(plan_.buckets().size());
-    for (std::size_t b = 0; b < fused_.size(); ++b) fused_[b].resize(plan_.buckets()[b].elements);
+    for (std::size_t b = 0; b < fused_.size(); ++b) {
+      const auto& k = plan_.buckets()[b];
+      const T* first = grads_[k.tensors[0]].data();
+      bool contiguous = k.offsets[0] == 0;
+      for (std::size_t i = 1; contiguous && i < k.tensors.size(); ++i)
+        contiguous = grads_[k.tensors[i]].data() == first + k.offsets[i];
+      in_place_[b] = contiguous ? 1 : 0;
+      if (!contiguous) fused_[b].resize(k.elements);
+    }
     ready_.assign(grads_.size(), 0);
     start_round();
   }
@@ -197,6 +209,20 @@ class reducer {
   [[nodiscard]] bool overlap() const noexcept { return can_overlap && opt_.overlap; }
   /// The plan.
   [[nodiscard]] const bucket_plan& plan() const noexcept { return plan_; }
+  /// Whether bucket b is reduced in place (its gradients lie in one buffer in its layout, e.g.
+  /// in a `bucket::storage`): no fused buffer and no copies.
+  /// @throws gradapt::error when b is out of range
+  [[nodiscard]] bool in_place(std::size_t b) const {
+    gradapt::detail::require(b < in_place_.size(), "bucket::reducer::in_place: bucket ", b, " of ",
+                             in_place_.size());
+    return in_place_[b] != 0;
+  }
+  /// Elements held in fused buffers (0 when every bucket is reduced in place).
+  [[nodiscard]] std::size_t fused_elements() const noexcept {
+    std::size_t n = 0;
+    for (const auto& f : fused_) n += f.size();
+    return n;
+  }
 
  private:
   template <class... A>
@@ -218,19 +244,28 @@ class reducer {
   /// Packs bucket b into its fused buffer and starts (or, blocking, runs) its allreduce.
   void start(std::size_t b) {
     if constexpr (can_overlap) requests_[b] = request_type{};  // an abandoned round's, completed first
-    const auto& k = plan_.buckets()[b];
-    auto& f = fused_[b];
-    for (std::size_t i = 0; i < k.tensors.size(); ++i) {
-      const auto& g = grads_[k.tensors[i]];
-      std::copy_n(g.data(), g.size(), f.data() + k.offsets[i]);
+    const auto buf = buffer(b);
+    if (!in_place_[b]) {
+      const auto& k = plan_.buckets()[b];
+      for (std::size_t i = 0; i < k.tensors.size(); ++i) {
+        const auto& g = grads_[k.tensors[i]];
+        std::copy_n(g.data(), g.size(), buf.data() + k.offsets[i]);
+      }
     }
     if constexpr (can_overlap)
       if (opt_.overlap) {
-        requests_[b] = comm_->iallreduce(host_view(f), reduce_op::sum);
+        requests_[b] = comm_->iallreduce(buf, reduce_op::sum);
         return;
       }
-    comm_->allreduce(host_view(f), reduce_op::sum);
+    comm_->allreduce(buf, reduce_op::sum);
     unpack(b);
+  }
+  /// Bucket b's collective buffer: the gradients' own memory in place, else its fused buffer.
+  tensor_view<T, host_space> buffer(std::size_t b) {
+    if (in_place_[b])
+      return tensor_view<T, host_space>::vector(grads_[plan_.buckets()[b].tensors[0]].data(),
+                                                static_cast<std::int64_t>(plan_.buckets()[b].elements));
+    return host_view(fused_[b]);
   }
   /// Writes bucket b's sum back into its gradients (times 1/N when averaging).
   void unpack(std::size_t b) {
@@ -238,6 +273,12 @@ class reducer {
     const auto& f = fused_[b];
     using C = compute_t<T>;
     const auto n = static_cast<C>(comm_->size());
+    if (in_place_[b]) {
+      if (!opt_.average) return;
+      T* g = grads_[k.tensors[0]].data();
+      for (std::size_t j = 0; j < k.elements; ++j) g[j] = static_cast<T>(static_cast<C>(g[j]) / n);
+      return;
+    }
     for (std::size_t i = 0; i < k.tensors.size(); ++i) {
       auto& g = grads_[k.tensors[i]];
       const T* src = f.data() + k.offsets[i];
@@ -255,12 +296,63 @@ class reducer {
   bucket_plan plan_;
   std::vector<tensor_view<T, host_space>> grads_;
   reducer_options opt_;
-  std::vector<std::vector<T>> fused_;
+  std::vector<std::vector<T>> fused_;  ///< per bucket; empty for a bucket reduced in place
+  std::vector<char> in_place_;         ///< per bucket: its gradients lie in its layout
   std::vector<std::size_t> missing_;
   std::vector<char> ready_;
   std::vector<request_type> requests_;  ///< per bucket (overlapping path only)
   std::size_t next_ = 0;                ///< buckets started in this round
   std::size_t done_ = 0;                ///< leading buckets whose collective completed
+};
+
+/// Gradient memory in a plan's bucket layout (PyTorch DDP's `gradient_as_bucket_view`): one
+/// buffer per bucket of element type T, each gradient a view at its offset. A framework that
+/// allocates its gradients here (writing each backward result into `view(t)`) lets
+/// `bucket::reducer` reduce every bucket in place, without the copy into a fused buffer and
+/// back (`reducer::in_place(b)` tells; bench/bench_buckets.cpp times the variant `in-place`).
+/// In place, the gradients of a started bucket are its collective's buffer until `wait()`
+/// returns: the framework must not read or write them in between.
+template <class T>
+requires element<T>
+class storage {
+ public:
+  /// Buffers (zero-filled) for the buckets of `plan` whose element type is T.
+  explicit storage(const bucket_plan& plan) : plan_(plan), buffers_(plan.buckets().size()) {
+    for (std::size_t b = 0; b < buffers_.size(); ++b)
+      if (plan_.buckets()[b].type == dtype_of_v<T>) buffers_[b].assign(plan_.buckets()[b].elements, T{});
+  }
+  /// Gradient t: a 1-D view of its elements in its bucket's buffer.
+  /// @throws gradapt::error when t is out of range or its bucket holds another element type
+  [[nodiscard]] tensor_view<T, host_space> view(std::size_t t) {
+    const location at = plan_.where(t);  // checks the range
+    const auto& k = plan_.buckets()[at.bucket];
+    gradapt::detail::require(k.type == dtype_of_v<T>, "bucket::storage<", name(dtype_of_v<T>),
+                             ">::view: tensor ", t, " is in a bucket of ", name(k.type),
+                             " (make a storage of that type for it)");
+    std::size_t i = 0;
+    while (k.tensors[i] != t) ++i;
+    const std::size_t end = i + 1 < k.tensors.size() ? k.offsets[i + 1] : k.elements;
+    return tensor_view<T, host_space>::vector(buffers_[at.bucket].data() + at.offset,
+                                              static_cast<std::int64_t>(end - at.offset));
+  }
+  /// Views of every gradient of type T in registration order (what `reducer` takes when the
+  /// whole plan is of type T).
+  /// @throws gradapt::error when a tensor's bucket holds another element type
+  [[nodiscard]] std::vector<tensor_view<T, host_space>> views() {
+    std::vector<tensor_view<T, host_space>> out;
+    for (std::size_t t = 0; t < plan_.tensors(); ++t) out.push_back(view(t));
+    return out;
+  }
+  /// Elements held (over the buckets of type T).
+  [[nodiscard]] std::size_t elements() const noexcept {
+    std::size_t n = 0;
+    for (const auto& v : buffers_) n += v.size();
+    return n;
+  }
+
+ private:
+  bucket_plan plan_;
+  std::vector<std::vector<T>> buffers_;
 };
 
 }  // namespace gradapt::bucket
