@@ -43,6 +43,9 @@
 
 #include "gradapt/train/data_parallel_step.hpp"
 
+#include "gradapt/elastic/policy.hpp"
+#include "gradapt/elastic/straggler.hpp"
+
 #include "gradapt/bucket/plan.hpp"
 #include "gradapt/bucket/reducer.hpp"
 #include "gradapt/shard/optimizer.hpp"
