@@ -13,6 +13,7 @@
 //
 // Every collective runs on every rank before any REQUIRE, so a failure on one rank cannot leave
 // the others waiting in a collective.
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <string>
@@ -20,6 +21,7 @@
 
 #include "catch.hpp"
 #include "gradapt/comm/mpi.hpp"
+#include "gradapt/elastic/policy.hpp"
 #include "mpi_test_support.hpp"
 #include "scenarios/disagreement.hpp"
 #include "scenarios/train_step.hpp"
@@ -156,5 +158,76 @@ TEST_CASE("mpi: restore continues a checkpoint of N ranks on M ranks, every rank
         CHECK(lo == hi);  // every rank of the new world holds the same parameters
       }
     }
+  }
+}
+
+TEST_CASE("mpi: rank_batches weight the mean by examples; every rank reads every rank's times",
+          "[mpi][train][elastic]") {
+  mpi comm;
+  const int n = comm.size(), me = comm.rank();
+  namespace train = gradapt::train;
+  // Rank r holds the mean of r + 1 examples whose gradient is (r + 1) · 0.5 in every element
+  // (exact in float): the example-weighted mean is Σ (r+1)² · 0.5 / Σ (r+1).
+  std::vector<double> batches;
+  double num = 0, den = 0;
+  for (int r = 0; r < n; ++r) {
+    batches.push_back(r + 1.0);
+    num += (r + 1.0) * (r + 1.0) * 0.5;
+    den += r + 1.0;
+  }
+  std::vector<float> p(16, 0.0f), g(16, 0.0f);
+  gradapt::param_list<float, float> params;
+  params.add("w", gradapt::host_view(p), gradapt::host_view(g));
+  auto step = train::make_data_parallel_step(comm, gradapt::host{}, params, gradapt::sgd({.lr = 1.0}),
+                                             {.lr = 1.0, .rank_batches = batches});
+  std::fill(g.begin(), g.end(), static_cast<float>((me + 1) * 0.5));
+  const auto& m = step.step({.ready_seconds = 0.125 * me});
+  CHECK(m.global_batch == den);
+  for (const float x : p) CHECK(std::fabs(-double(x) - num / den) <= 1e-6 * (num / den));
+  std::vector<float> lo = p, hi = p;
+  MPI_Allreduce(MPI_IN_PLACE, lo.data(), 16, MPI_FLOAT, MPI_MIN, comm.native());
+  MPI_Allreduce(MPI_IN_PLACE, hi.data(), 16, MPI_FLOAT, MPI_MAX, comm.native());
+  CHECK(lo == hi);
+  REQUIRE(step.rank_times().size() == static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) CHECK(step.rank_times()[static_cast<std::size_t>(r)] == 0.125 * r);
+  step.step({.ready_seconds = 1.0});
+  REQUIRE(step.rank_step_seconds().size() == static_cast<std::size_t>(n));
+  // rank_batches that differ on the last rank: an error on every rank.
+  if (n > 1) {
+    if (me == n - 1) step.settings().rank_batches.back() += 1.0;
+    CHECK_THROWS_WITH(step.step(), Catch::Matchers::Contains("rank_batches"));
+  }
+}
+
+namespace {
+// Proposes lr = 0.5 after every step on the ranks it is told to (all, or the last only).
+struct propose_lr {
+  bool last_only = false;
+  void after_step(const gradapt::elastic::job_view& v, gradapt::elastic::job_action& a) const {
+    if (!last_only || v.rank == v.ranks - 1) a.lr = 0.5;
+  }
+};
+}  // namespace
+
+TEST_CASE("mpi: an adaptive_job's vote applies an agreed action everywhere and rejects a partial one",
+          "[mpi][elastic]") {
+  mpi comm;
+  namespace train = gradapt::train;
+  std::vector<float> p(4, 1.0f), g(4, 0.25f);
+  gradapt::param_list<float, float> params;
+  params.add("w", gradapt::host_view(p), gradapt::host_view(g));
+  auto step =
+      train::make_data_parallel_step(comm, gradapt::host{}, params, gradapt::sgd({.lr = 0.1}), {.lr = 0.1});
+  {
+    gradapt::elastic::adaptive_job job(step, propose_lr{});
+    job.step();
+    CHECK(step.settings().lr == 0.5);
+    CHECK(job.step().lr == 0.5);
+  }
+  if (comm.size() > 1) {
+    step.settings().lr = 0.1;
+    gradapt::elastic::adaptive_job job(step, propose_lr{.last_only = true});
+    CHECK_THROWS_WITH(job.step(), Catch::Matchers::Contains("job_action::lr"));
+    CHECK(step.settings().lr == 0.1);  // nothing applied, on any rank
   }
 }
