@@ -14,13 +14,15 @@
 //                  (DDP's gradient_as_bucket_view): each bucket reduced in its own memory, no
 //                  packing or write-back copies, the mean formed in place
 //       in-place blocking   the same with overlap = false
+//       in-place sum        the in-place overlapping reducer with average = false: the sum,
+//                  the operation `single` performs (a framework that folds 1/N into its lr)
 //       per-tensor one comm::mpi allreduce per gradient (148 calls)
 //     It prints median times, throughput (bytes of gradients per second) and the ratios to
 //     `single` (the reference: one message of the same size).
 // (b) Overlap. A simulated backward pass produces the gradients in backward order; before
 //     each, the host waits until a deadline proportional to the elements produced so far (as
 //     while a GPU computes), for a total of `backward` times the median blocking reduction
-//     time of (a). Three ways to wait:
+//     time of (a) (`--backward 0` skips (b)). Three ways to wait:
 //       sleep      sleep_until the deadline (progress only inside mark_ready)
 //       spin       busy-wait on the clock (progress only inside mark_ready)
 //       poll       sleep in 100 us slices and call reducer::progress() between them
@@ -140,6 +142,7 @@ int main(int argc, char** argv) {
     for (std::size_t t = 0; t < g.size(); ++t) std::copy(g[t].begin(), g[t].end(), store_views[t].data());
     reducer<mpi, float> in_place(comm, plan, store_views);
     reducer<mpi, float> in_place_blocking(comm, plan, store_views, {.overlap = false});
+    reducer<mpi, float> in_place_sum(comm, plan, store_views, {.average = false});
     if (in_place.fused_elements() != 0 || overlapped.fused_elements() == 0) {
       std::fprintf(stderr, "bench_buckets: expected the storage's buckets in place and the others copied\n");
       MPI_Abort(MPI_COMM_WORLD, 1);
@@ -154,7 +157,8 @@ int main(int argc, char** argv) {
           comm.size(), g.size(), total, bytes / 1e6, plan.buckets().size(), a.cap_mib, a.first_mib, a.iters);
 
     // (a) throughput
-    std::vector<double> t_single, t_bucketed, t_blocking, t_in_place, t_in_place_blocking, t_per_tensor;
+    std::vector<double> t_single, t_bucketed, t_blocking, t_in_place, t_in_place_blocking, t_in_place_sum,
+        t_per_tensor;
     for (int it = 0; it < a.iters; ++it) {
       t_single.push_back(timed([&] { comm.allreduce(gradapt::host_view(single), gradapt::reduce_op::sum); }));
       t_bucketed.push_back(timed([&] {
@@ -172,6 +176,10 @@ int main(int argc, char** argv) {
       t_in_place_blocking.push_back(timed([&] {
         for (const auto t : backward_order) in_place_blocking.mark_ready(t);
         in_place_blocking.wait();
+      }));
+      t_in_place_sum.push_back(timed([&] {
+        for (const auto t : backward_order) in_place_sum.mark_ready(t);
+        in_place_sum.wait();
       }));
       t_per_tensor.push_back(timed([&] {
         for (const auto t : backward_order) comm.allreduce(views[t], gradapt::reduce_op::sum);
@@ -192,68 +200,71 @@ int main(int argc, char** argv) {
       row("blocking", t_blocking);
       row("in-place", t_in_place);
       row("in-pl. blk", t_in_place_blocking);
+      row("in-pl. sum", t_in_place_sum);
       row("per-tensor", t_per_tensor);
     }
 
-    // (b) overlap
-    double reduce_time = median(t_blocking);
-    MPI_Bcast(&reduce_time, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
-    const double backward_s = a.backward * reduce_time;
-    std::vector<double> cum(g.size() + 1, 0.0);  // deadline of each gradient, in backward order
-    {
-      std::size_t done = 0;
-      for (std::size_t i = 0; i < backward_order.size(); ++i) {
-        done += g[backward_order[i]].size();
-        cum[i] = backward_s * static_cast<double>(done) / static_cast<double>(total);
-      }
-    }
-    if (rank == 0)
-      std::printf("\n(b) overlap: simulated backward of %.1f ms (%.2f x the blocking reduction)\n",
-                  1e3 * backward_s, a.backward);
-    for (const wait_mode mode : {wait_mode::sleep, wait_mode::spin, wait_mode::poll}) {
-      const auto backward = [&](auto&& on_ready, auto&& poll) {
-        const auto start = clock_type::now();
+    // (b) overlap (skipped with --backward 0)
+    if (a.backward > 0) {
+      double reduce_time = median(t_blocking);
+      MPI_Bcast(&reduce_time, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+      const double backward_s = a.backward * reduce_time;
+      std::vector<double> cum(g.size() + 1, 0.0);  // deadline of each gradient, in backward order
+      {
+        std::size_t done = 0;
         for (std::size_t i = 0; i < backward_order.size(); ++i) {
-          const auto deadline =
-              start + std::chrono::duration_cast<clock_type::duration>(std::chrono::duration<double>(cum[i]));
-          if (mode == wait_mode::sleep) {
-            std::this_thread::sleep_until(deadline);
-          } else if (mode == wait_mode::spin) {
-            while (clock_type::now() < deadline) {
+          done += g[backward_order[i]].size();
+          cum[i] = backward_s * static_cast<double>(done) / static_cast<double>(total);
+        }
+      }
+      if (rank == 0)
+        std::printf("\n(b) overlap: simulated backward of %.1f ms (%.2f x the blocking reduction)\n",
+                    1e3 * backward_s, a.backward);
+      for (const wait_mode mode : {wait_mode::sleep, wait_mode::spin, wait_mode::poll}) {
+        const auto backward = [&](auto&& on_ready, auto&& poll) {
+          const auto start = clock_type::now();
+          for (std::size_t i = 0; i < backward_order.size(); ++i) {
+            const auto deadline = start + std::chrono::duration_cast<clock_type::duration>(
+                                              std::chrono::duration<double>(cum[i]));
+            if (mode == wait_mode::sleep) {
+              std::this_thread::sleep_until(deadline);
+            } else if (mode == wait_mode::spin) {
+              while (clock_type::now() < deadline) {
+              }
+            } else {
+              for (auto now = clock_type::now(); now < deadline; now = clock_type::now()) {
+                poll();
+                std::this_thread::sleep_until(std::min(deadline, now + std::chrono::microseconds(100)));
+              }
             }
-          } else {
-            for (auto now = clock_type::now(); now < deadline; now = clock_type::now()) {
-              poll();
-              std::this_thread::sleep_until(std::min(deadline, now + std::chrono::microseconds(100)));
-            }
+            on_ready(backward_order[i]);
           }
-          on_ready(backward_order[i]);
-        }
-      };
-      for (const bool in_memory : {false, true}) {
-        auto& over = in_memory ? in_place : overlapped;
-        auto& block = in_memory ? in_place_blocking : blocking;
-        std::vector<double> alone, with_overlap, non_overlapped;
-        for (int it = 0; it < a.iters; ++it) {
-          alone.push_back(timed([&] { backward([](std::size_t) {}, [] {}); }));
-          with_overlap.push_back(timed([&] {
-            backward([&](std::size_t t) { over.mark_ready(t); }, [&] { over.progress(); });
-            over.wait();
-          }));
-          non_overlapped.push_back(timed([&] {
-            backward([](std::size_t) {}, [] {});
-            for (const auto t : backward_order) block.mark_ready(t);
-            block.wait();
-          }));
-        }
-        if (rank == 0) {
-          const double b = median(alone), o = median(with_overlap), n = median(non_overlapped);
-          std::printf(
-              "  %-5s %-8s backward %8.1f ms | +overlapped wait %8.1f ms | +blocking after %8.1f ms | "
-              "exposed "
-              "%7.1f ms of %7.1f ms: exposed/non-overlapped comm %.3f, step time ratio %.3f\n",
-              mode_name(mode), in_memory ? "in-place" : "copying", 1e3 * b, 1e3 * o, 1e3 * n, 1e3 * (o - b),
-              1e3 * (n - b), (o - b) / (n - b), o / n);
+        };
+        for (const bool in_memory : {false, true}) {
+          auto& over = in_memory ? in_place : overlapped;
+          auto& block = in_memory ? in_place_blocking : blocking;
+          std::vector<double> alone, with_overlap, non_overlapped;
+          for (int it = 0; it < a.iters; ++it) {
+            alone.push_back(timed([&] { backward([](std::size_t) {}, [] {}); }));
+            with_overlap.push_back(timed([&] {
+              backward([&](std::size_t t) { over.mark_ready(t); }, [&] { over.progress(); });
+              over.wait();
+            }));
+            non_overlapped.push_back(timed([&] {
+              backward([](std::size_t) {}, [] {});
+              for (const auto t : backward_order) block.mark_ready(t);
+              block.wait();
+            }));
+          }
+          if (rank == 0) {
+            const double b = median(alone), o = median(with_overlap), n = median(non_overlapped);
+            std::printf(
+                "  %-5s %-8s backward %8.1f ms | +overlapped wait %8.1f ms | +blocking after %8.1f ms | "
+                "exposed "
+                "%7.1f ms of %7.1f ms: exposed/non-overlapped comm %.3f, step time ratio %.3f\n",
+                mode_name(mode), in_memory ? "in-place" : "copying", 1e3 * b, 1e3 * o, 1e3 * n, 1e3 * (o - b),
+                1e3 * (n - b), (o - b) / (n - b), o / n);
+          }
         }
       }
     }

@@ -11,6 +11,8 @@
 //               the mean and the write-back
 //   in-place    bucket::reducer over the same gradients held in a bucket::storage: each bucket
 //               reduced in its own memory, the mean formed in place
+//   in-pl. sum  the same with reducer_options::average = false: the sum, the operation
+//               `single` performs (a framework that folds 1/N into its learning rate)
 //   per-tensor  one allreduce per gradient (148 calls)
 // It prints median times and the throughput ratios to `single`. comm::threads sums in rank
 // order into each rank's buffer, so the ranks share the machine's cores and memory bandwidth:
@@ -105,7 +107,7 @@ int main(int argc, char** argv) {
       "%zu buckets (cap %.3g MiB, first %.3g MiB), %d iterations\n",
       a.ranks, infos.size(), total, bytes / 1e6, plan.buckets().size(), a.cap_mib, a.first_mib, a.iters);
 
-  std::vector<double> t_single, t_bucketed, t_in_place, t_per_tensor;
+  std::vector<double> t_single, t_bucketed, t_in_place, t_in_place_sum, t_per_tensor;
   bool layout_ok = true;
   gradapt::comm::run_threads(a.ranks, [&](threads& comm) {
     // The gradients, one allocation per tensor as a framework holds them, and the same values
@@ -129,11 +131,12 @@ int main(int argc, char** argv) {
     std::vector<float> single(total, 1e-3f);
     reducer<threads, float> copying(comm, plan, views);
     reducer<threads, float> in_place(comm, plan, store_views);
+    reducer<threads, float> in_place_sum(comm, plan, store_views, {.average = false});
     if (comm.rank() == 0) layout_ok = in_place.fused_elements() == 0 && copying.fused_elements() > 0;
     std::vector<std::size_t> backward_order(g.size());
     for (std::size_t t = 0; t < g.size(); ++t) backward_order[t] = g.size() - 1 - t;
 
-    std::vector<double> ts, tb, ti, tp;
+    std::vector<double> ts, tb, ti, tsum, tp;
     for (int it = 0; it < a.iters; ++it) {
       ts.push_back(timed(comm, [&] { comm.allreduce(gradapt::host_view(single), gradapt::reduce_op::sum); }));
       tb.push_back(timed(comm, [&] {
@@ -144,13 +147,18 @@ int main(int argc, char** argv) {
         for (const auto t : backward_order) in_place.mark_ready(t);
         in_place.wait();
       }));
+      tsum.push_back(timed(comm, [&] {
+        for (const auto t : backward_order) in_place_sum.mark_ready(t);
+        in_place_sum.wait();
+      }));
       tp.push_back(timed(comm, [&] {
         for (const auto t : backward_order) comm.allreduce(views[t], gradapt::reduce_op::sum);
       }));
       std::fill(single.begin(), single.end(), 1e-3f);  // keep the sums bounded
       refill();
     }
-    if (comm.rank() == 0) t_single = ts, t_bucketed = tb, t_in_place = ti, t_per_tensor = tp;
+    if (comm.rank() == 0)
+      t_single = ts, t_bucketed = tb, t_in_place = ti, t_in_place_sum = tsum, t_per_tensor = tp;
   });
   if (!layout_ok) {
     std::fprintf(stderr,
@@ -167,6 +175,7 @@ int main(int argc, char** argv) {
   row("single", t_single);
   row("bucketed", t_bucketed);
   row("in-place", t_in_place);
+  row("in-pl. sum", t_in_place_sum);
   row("per-tensor", t_per_tensor);
   return 0;
 }
