@@ -1,8 +1,10 @@
 // Elastic data-parallel training of the 64-32-10 ReLU MLP of the 8x8 handwritten digits
 // (examples/data/digits.csv, 1797 images: 1497 to train, 300 held out) on 8 in-process ranks
-// (comm::threads): one rank becomes 3x slower, gradapt::elastic::straggler_detector raises it,
-// and a drop policy commits the training state and continues on a world without that rank.
-// Two runs with the same seed are compared: A keeps the straggler, B drops it.
+// (comm::threads): one rank becomes 3x slower, gradapt::elastic::straggler_policy (an
+// adaptive_job policy around a straggler_detector) raises it, and in run B asks for it to be
+// dropped: the framework commits the training state and continues on a world without that rank.
+// Two runs with the same seed are compared: A keeps the straggler (the policy only reports),
+// B drops it.
 //
 // TIME IS SIMULATED AND DETERMINISTIC. The training itself is real (the composed step
 // gradapt::train::make_data_parallel_step with gradapt::sgd, momentum 0.9, lr 0.1 for 8 ranks,
@@ -13,14 +15,17 @@
 //       slow_q(k) = 3 (--slowdown) for node 2 (--slow-node) from step 40 (--onset) on, else 1,
 //       j = a jitter uniform in [0.7, 1.3] from a hash of (seed, k, q);
 //   communication of a step on n ranks = 3 a + 2 (n - 1) / n x bytes / bw
-//       three collectives of latency a = 0.5 ms each (--latency): the detector's allgather, the
-//       step's agreement and the gradient allreduce; bytes = 2410 float gradients = 9640 bytes,
+//       three collectives of latency a = 0.5 ms each (--latency): the step's agreement (which
+//       carries every rank's time-to-ready), the gradient allreduce and the policy's vote;
+//       bytes = 2410 float gradients = 9640 bytes,
 //       bw = 1.25 GB/s (--bandwidth), a ring allreduce's traffic; 0 on one rank;
 //   wall time of a step = max over the ranks of time-to-ready + communication;
 //   a resize (commit, end of the world, a new world, restore) = 1 s (--resize-cost).
 //
-// Every rank passes ITS time-to-ready to detector.observe(comm, t) before the step (whose
-// allreduce would hide it); the detector has its default options (window 20, persistence 5).
+// Every rank passes ITS time-to-ready to the step as step_args::ready_seconds (measured before
+// the step, whose allreduce would hide it); the step's agreement gives every rank every rank's
+// time, and the policy's detector (default options: window 20, persistence 5) reads them after
+// the step (adaptive_job::step).
 //
 // Ranks live on nodes 0..7; a world is a list of nodes and a node's rank is its index in that
 // list. Data: one fixed shuffle of the training set read as a stream; each step the world reads
@@ -29,15 +34,16 @@
 //
 // Events (steps counted from 1):
 //   step 40 (--onset): node 2 becomes 3x slower and stays so;
-//   run B only: at the step where the detector's report raises a rank, every rank finishes the
-//     step, commits (step.save() and the flat parameter vector, which the framework owns) and
-//     the world ends; a world without the raised nodes continues at the next step;
+//   run B only: at the step where the detector raises a rank, the ranks vote the policy's drop
+//     request into job.decision(); every rank finishes the step, commits (step.save() and the
+//     flat parameter vector, which the framework owns) and the world ends; a world without the
+//     dropped nodes continues at the next step;
 //   step 150 (--preempt): the last 2 nodes of the world (6 and 7) are preempted: the world
 //     commits before that step and a world without them continues;
 //   step 220 (--regrow): nodes 6 and 7 come back through the same commit/restore path.
 // So run A goes 8 -> 6 -> 8 ranks and run B 8 -> 7 -> 5 -> 7. A new world builds a fresh step
 // on the committed parameters, calls step.restore(bytes, rescale_rule::linear_lr) and makes a
-// fresh detector for its size. linear_lr because the local batch is fixed per rank (it is what
+// fresh job (and detector) for its size. linear_lr because the local batch is fixed per rank (it is what
 // a rank computes), so the global batch follows the ranks, and the linear scaling rule keeps
 // lr / global batch, i.e. the step per example seen, unchanged (keep_global_batch would need
 // accumulation_steps x 8 / 7, not a whole number).
@@ -80,7 +86,7 @@
 #include <string>
 #include <vector>
 
-#include <gradapt/elastic/straggler.hpp>
+#include <gradapt/elastic/policy.hpp>
 #include <gradapt/gradapt.hpp>
 #include <gradapt/optim/sgd.hpp>
 #include <gradapt/train/data_parallel_step.hpp>
@@ -239,7 +245,10 @@ run_result train(const dataset& d, const split& s, const config& c, bool policy)
           comm, backend, model.params, gradapt::sgd({.lr = c.lr, .momentum = c.momentum}),
           {.lr = c.lr, .local_batch = static_cast<double>(c.batch)});
       if (!committed.empty()) step.restore(committed, gradapt::train::rescale_rule::linear_lr);
-      gradapt::elastic::straggler_detector detect(n);
+      using gradapt::elastic::straggler_response;
+      gradapt::elastic::adaptive_job job(
+          step, gradapt::elastic::straggler_policy(
+                    {.response = policy ? straggler_response::drop : straggler_response::report}));
       ev.record(comm, model, first - 1, start_clock);  // the loss this world starts from
       if (r == 0) {
         restored_loss = trace.points.back().loss;
@@ -251,9 +260,11 @@ run_result train(const dataset& d, const split& s, const config& c, bool policy)
       long k = first;
       for (; k <= last; ++k) {
         dg::batch_of(c.batch, 1, s, base + (k - first) * n + r, 0, idx);
-        model.loss(d, idx.data(), c.batch, true);                     // this rank's gradient of its batch
-        const auto& report = detect.observe(comm, c.ready(k, node));  // before the step's allreduce
-        step.step();  // no step_args::loss: it differs by rank and would make the commits differ
+        model.loss(d, idx.data(), c.batch, true);  // this rank's gradient of its batch
+        // This rank's time-to-ready (simulated), shared by the step's agreement; no
+        // step_args::loss: it differs by rank and would make the commits differ.
+        job.step({.ready_seconds = c.ready(k, node)});
+        const auto& report = job.policy<0>().report();
         double slowest = 0;
         for (const int q : world) slowest = std::max(slowest, c.ready(k, q));
         const double dt = slowest + c.comm(n);
@@ -275,9 +286,10 @@ run_result train(const dataset& d, const split& s, const config& c, bool policy)
           out.rows.push_back(std::move(w));
           out.identical = out.identical && trace.identical;
         }
-        if (policy && !report.raised.empty()) {  // the same report on every rank
+        if (job.decision().resize()) {  // agreed by every rank (the policy's vote)
           if (r == 0)
-            for (const int x : report.raised) raised.push_back(world[static_cast<std::size_t>(x)]);
+            for (const int x : job.decision().drop_ranks)
+              raised.push_back(world[static_cast<std::size_t>(x)]);
           break;
         }
       }
