@@ -51,6 +51,23 @@ std::vector<tensor_info> infos(const std::vector<std::size_t>& sizes) {
   return v;
 }
 
+/// The per-tensor reference: each gradient allreduced and divided by the rank count.
+std::vector<std::vector<float>> per_tensor_mean(threads& comm, std::vector<std::vector<float>> g) {
+  for (auto& w : g) {
+    comm.allreduce(gradapt::host_view(w), gradapt::reduce_op::sum);
+    for (auto& x : w) x = x / static_cast<float>(comm.size());
+  }
+  return g;
+}
+
+/// A random order of the n gradients, its own for each rank and round.
+std::vector<std::size_t> shuffled(std::size_t n, unsigned seed) {
+  std::vector<std::size_t> order(n);
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::shuffle(order.begin(), order.end(), std::mt19937(seed));
+  return order;
+}
+
 /// Every rank's error message ("" when none), with the short watchdog.
 template <class F>
 std::vector<std::string> errors_of(int n, F&& body) {
@@ -73,16 +90,9 @@ TEST_CASE("bucketed mean is bitwise the per-tensor allreduce and mean, any caps 
           const auto fresh = grads_of(sizes, comm.rank(), round);  // into the reducer's buffers
           for (std::size_t t = 0; t < sizes.size(); ++t)
             std::copy(fresh[t].begin(), fresh[t].end(), g[t].begin());
-          auto want = g;
-          for (auto& w : want) {
-            comm.allreduce(gradapt::host_view(w), gradapt::reduce_op::sum);
-            for (auto& x : w) x = x / static_cast<float>(comm.size());
-          }
+          const auto want = per_tensor_mean(comm, g);
           // Each rank marks in its own order.
-          std::vector<std::size_t> order(sizes.size());
-          std::iota(order.begin(), order.end(), std::size_t{0});
-          std::shuffle(order.begin(), order.end(),
-                       std::mt19937(static_cast<unsigned>(comm.rank() * 31 + round)));
+          const auto order = shuffled(sizes.size(), static_cast<unsigned>(comm.rank() * 31 + round));
           std::vector<char> marked(sizes.size(), 0);
           for (const std::size_t t : order) {
             red.mark_ready(t);
@@ -131,16 +141,9 @@ TEST_CASE("gradients in a bucket::storage are reduced in place, bitwise as the c
           const auto fresh = grads_of(sizes, comm.rank(), round);
           for (std::size_t t = 0; t < sizes.size(); ++t)
             std::copy(fresh[t].begin(), fresh[t].end(), views[t].data());
-          auto want = fresh;
-          for (auto& w : want) {
-            comm.allreduce(gradapt::host_view(w), gradapt::reduce_op::sum);
-            for (auto& x : w) x = x / static_cast<float>(comm.size());
-          }
-          std::vector<std::size_t> order(sizes.size());
-          std::iota(order.begin(), order.end(), std::size_t{0});
-          std::shuffle(order.begin(), order.end(),
-                       std::mt19937(static_cast<unsigned>(comm.rank() * 7 + round)));
-          for (const std::size_t t : order) red.mark_ready(t);
+          const auto want = per_tensor_mean(comm, fresh);
+          for (const std::size_t t : shuffled(sizes.size(), static_cast<unsigned>(comm.rank() * 7 + round)))
+            red.mark_ready(t);
           red.wait();
           for (std::size_t t = 0; t < sizes.size(); ++t)
             RANK_REQUIRE((sizes[t] == 0 ||
