@@ -49,8 +49,11 @@
 #include "gpt2_shapes.hpp"
 #include "gradapt/bucket/reducer.hpp"
 #include "gradapt/comm/mpi.hpp"
+#include "timing.hpp"
 
 namespace {
+
+using gradapt_bench::median;
 
 using gradapt::bucket::bucket_plan;
 using gradapt::bucket::reducer;
@@ -79,12 +82,6 @@ args parse(int argc, char** argv) {
       a.backward = std::atof(v);
   }
   return a;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 /// Runs f on every rank after a barrier; the maximum over ranks of its wall time.

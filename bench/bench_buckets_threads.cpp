@@ -28,8 +28,11 @@
 #include "gpt2_shapes.hpp"
 #include "gradapt/bucket/reducer.hpp"
 #include "gradapt/comm/threads.hpp"
+#include "timing.hpp"
 
 namespace {
+
+using gradapt_bench::median;
 
 using gradapt::bucket::bucket_plan;
 using gradapt::bucket::reducer;
@@ -66,12 +69,6 @@ args parse(int argc, char** argv) {
     std::exit(2);
   }
   return a;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 /// Runs f on every rank after a barrier; the maximum over ranks of its wall time.

@@ -327,12 +327,6 @@ inline void push_action(agreed_list<24>& v, const job_action& a) {
       static_cast<double>(a.world_size.value_or(0)));
 }
 
-inline double median_of(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t h = v.size() / 2;
-  return v.size() % 2 ? v[h] : v[h - 1] + (v[h] - v[h - 1]) / 2;
-}
-
 }  // namespace detail
 
 // ---- the driver -------------------------------------------------------------------------------
@@ -791,7 +785,7 @@ class sync_switch_policy {
       if (!std::isfinite(t) || !v.metrics.synchronous) return;
       samples_.push_back(t);
       if (samples_.size() == o_.warmup) {
-        reference_ = detail::median_of(samples_);
+        reference_ = detail::median(samples_);  // cleared next
         samples_.clear();
       }
       return;

@@ -30,6 +30,21 @@
 
 namespace gradapt::elastic {
 
+namespace detail {
+using gradapt::detail::require;
+
+/// The median of v (the mean of the two middle values for an even count; v non-empty),
+/// reordering v. Shared by the detector and the policies (elastic/policy.hpp).
+inline double median(std::vector<double>& v) {
+  const std::size_t h = v.size() / 2;
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(h), v.end());
+  const double hi = v[h];
+  if (v.size() % 2) return hi;
+  const double lo = *std::max_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(h));
+  return lo + (hi - lo) / 2;
+}
+}  // namespace detail
+
 /// Options of `straggler_detector`; `validate` names the first invalid one.
 struct straggler_options {
   /// W: steps of history each decision looks at (>= 2). Default 20.
@@ -217,14 +232,7 @@ class straggler_detector {
     detail::require(r >= 0 && r < n_, "straggler_detector: rank ", r, " out of range (", n_, " ranks)");
     return static_cast<std::size_t>(r);
   }
-  static double median(std::vector<double>& v) {
-    const std::size_t h = v.size() / 2;
-    std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(h), v.end());
-    const double hi = v[h];
-    if (v.size() % 2) return hi;
-    const double lo = *std::max_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(h));
-    return lo + (hi - lo) / 2;
-  }
+  static double median(std::vector<double>& v) { return detail::median(v); }
 
   straggler_options o_;
   int n_ = 1;
