@@ -64,48 +64,25 @@ TEST_CASE("adafactor matches a long double re-computation of the paper's algorit
       {"not factored", {.lr = 0.02, .factored = false}},
       {"eps1 1e-3 added", {.lr = 0.02, .eps1 = 1e-3}},
   };
+  const auto start = shapes_mix();
   for (const auto& v : vs) {
     INFO(v.name);
-    const double d = run_compare(v.o, 5);
-    WARN(v.name << ": largest difference " << d << " of the movement");
-    REQUIRE(d <= 2e-5);
-    for (const int threads : {1, 3}) {
-      const double dt = run_compare(v.o, 5, threads);
-      WARN(v.name << ", on " << threads << " thread(s): largest difference " << dt << " of the movement");
-      REQUIRE(dt <= 2e-5);
+    const auto theirs = reference_run(v.o, 5);
+    for (const int threads : {2, 1, 3}) {
+      const double d = compare_runs(library_run(gradapt::adafactor(v.o), 5, threads), theirs, start);
+      WARN(v.name << ", on " << threads << " thread(s): largest difference " << d << " of the movement");
+      REQUIRE(d <= 2e-5);
     }
   }
 }
 
 TEST_CASE("adafactor's comparison separates plausible mistakes", "[optim][adafactor]") {
   // The reference run with one formula changed lands far outside the tolerance above.
-  auto o = gradapt::adafactor_options{.lr = 0.05};
-  auto mine = shapes_mix();
-  auto theirs = shapes_mix();
-  const auto start = shapes_mix();
-  host b{.threads = 2};
-  auto pl = list_of(mine);
-  gradapt::adafactor opt(o);
-  auto st = opt.init(b, pl);
+  const auto o = gradapt::adafactor_options{.lr = 0.05};
   auto wrong = o;
   wrong.decay_rate = 0.75;  // a slightly different β_t schedule
-  ref_opt ref{wrong, {}, 0};
-  ref.init(theirs);
-  for (int s = 1; s <= 4; ++s) {
-    for (std::size_t k = 0; k < mine.size(); ++k) {
-      fill_grad(mine[k], 77u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
-      fill_grad(theirs[k], 77u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
-    }
-    opt.step(b, pl, st);
-    ref.step(theirs);
-  }
-  double move = 0, err = 0;
-  for (std::size_t k = 0; k < mine.size(); ++k)
-    for (std::size_t i = 0; i < mine[k].size(); ++i) {
-      move = std::max(move, std::fabs(double(theirs[k].p[i]) - double(start[k].p[i])));
-      err = std::max(err, std::fabs(double(mine[k].p[i]) - double(theirs[k].p[i])));
-    }
-  REQUIRE(err / move > 100 * 2e-5);
+  const double d = compare_runs(library_run(gradapt::adafactor(o), 4), reference_run(wrong, 4), shapes_mix());
+  REQUIRE(d > 100 * 2e-5);
 }
 
 TEST_CASE("adafactor's first step on a factored matrix has a closed form", "[optim][adafactor]") {

@@ -2,7 +2,8 @@
 // Fixtures of the Adafactor tests: named tensors with shapes, gradients from a seed, a
 // param_list over them, a mix of shapes, and an independent long double re-computation of
 // Shazeer & Stern's algorithm (written from the paper and optax's/torch's documented formulas,
-// not from the library), with `run_compare` to run it side by side with gradapt.
+// not from the library), with `reference_run`, `library_run` and `compare_runs` to run it side
+// by side with gradapt.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -15,6 +16,7 @@
 #include "catch.hpp"
 #include "gradapt/backend/host.hpp"
 #include "gradapt/optim/adafactor.hpp"
+#include "run_compare.hpp"
 
 namespace adafactor_test {
 
@@ -83,19 +85,17 @@ struct ref_opt {
   std::vector<ref_tensor> ts;
   std::uint64_t t = 0;
 
-  static std::vector<std::size_t> strides(const std::vector<std::int64_t>& s) {
-    std::vector<std::size_t> st(s.size(), 1);
-    for (std::size_t k = s.size(); k-- > 1;) st[k - 1] = st[k] * static_cast<std::size_t>(s[k]);
-    return st;
-  }
-  // Index of element `flat` with axis `ax` removed (row-major over the remaining dims).
+  // Index of element `flat` with axis `ax` removed (row-major over the remaining dims): the
+  // digits of `flat` in the mixed radix of s, from the last axis, without the digit of ax.
   static std::size_t drop(const std::vector<std::int64_t>& s, std::size_t flat, std::size_t ax) {
-    const auto st = strides(s);
-    std::size_t out = 0;
-    for (std::size_t k = 0; k < s.size(); ++k) {
-      const std::size_t i = (flat / st[k]) % static_cast<std::size_t>(s[k]);
+    std::size_t out = 0, weight = 1;
+    for (std::size_t k = s.size(); k-- > 0;) {
+      const std::size_t d = static_cast<std::size_t>(s[k]);
+      const std::size_t i = flat % d;
+      flat /= d;
       if (k == ax) continue;
-      out = out * static_cast<std::size_t>(s[k]) + i;
+      out += i * weight;
+      weight *= d;
     }
     return out;
   }
@@ -223,46 +223,44 @@ inline std::vector<tensor> shapes_mix() {
           make("unit", {1, 300, 1}, 10)};
 }
 
-// Runs gradapt and the reference side by side for `steps` steps and returns the largest
-// |gradapt - ref| / (largest movement of the reference), so 1e-4 means "a 1e-4 fraction of
-// what the optimizer did".
-// `opt` is gradapt::adafactor(o) or a chain of the same stages.
-template <class Opt>
-double run_compare_with(const Opt& opt, const gradapt::adafactor_options& o, int steps, int threads = 2,
-                        std::vector<tensor> (*shapes)() = shapes_mix) {
-  auto mine = shapes();
+// The reference's parameters after `steps` steps from `shapes()`, with the gradients
+// fill_grad gives step s and tensor k (seed 1000 s + k).
+inline std::vector<tensor> reference_run(const gradapt::adafactor_options& o, int steps,
+                                         std::vector<tensor> (*shapes)() = shapes_mix) {
   auto theirs = shapes();
-  const auto start = shapes();
-  host b{.threads = threads};
-  auto pl = list_of(mine);
-  auto st = opt.init(b, pl);
   ref_opt ref{o, {}, 0};
   ref.init(theirs);
   for (int s = 1; s <= steps; ++s) {
-    for (std::size_t k = 0; k < mine.size(); ++k) {
-      fill_grad(mine[k], 1000u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
+    for (std::size_t k = 0; k < theirs.size(); ++k)
       fill_grad(theirs[k], 1000u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
-    }
-    opt.step(b, pl, st);
     ref.step(theirs);
   }
-  REQUIRE(st.steps() == static_cast<std::uint64_t>(steps));
-  double move = 0, err = 0, top = 0;
-  for (std::size_t k = 0; k < mine.size(); ++k)
-    for (std::size_t i = 0; i < mine[k].size(); ++i) {
-      REQUIRE(std::isfinite(mine[k].p[i]));
-      move = std::max(move, std::fabs(double(theirs[k].p[i]) - double(start[k].p[i])));
-      err = std::max(err, std::fabs(double(mine[k].p[i]) - double(theirs[k].p[i])));
-      top = std::max(top, std::fabs(double(theirs[k].p[i])));
-    }
-  REQUIRE(move > 0);
-  // Both sides round p to float every step: a few ulps of the largest |p| are allowed on top.
-  return std::max(0.0, err - 4 * std::ldexp(top, -23)) / move;
+  return theirs;
 }
 
-inline double run_compare(const gradapt::adafactor_options& o, int steps, int threads = 2,
-                          std::vector<tensor> (*shapes)() = shapes_mix) {
-  return run_compare_with(gradapt::adafactor(o), o, steps, threads, shapes);
+// gradapt's run on the same gradients as reference_run, on `threads` threads; `opt` is
+// gradapt::adafactor(o) or a chain of the same stages.
+template <class Opt>
+std::vector<tensor> library_run(const Opt& opt, int steps, int threads = 2,
+                                std::vector<tensor> (*shapes)() = shapes_mix) {
+  auto mine = shapes();
+  host b{.threads = threads};
+  auto pl = list_of(mine);
+  auto st = opt.init(b, pl);
+  for (int s = 1; s <= steps; ++s) {
+    for (std::size_t k = 0; k < mine.size(); ++k)
+      fill_grad(mine[k], 1000u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
+    opt.step(b, pl, st);
+  }
+  REQUIRE(st.steps() == static_cast<std::uint64_t>(steps));
+  return mine;
+}
+
+// How far gradapt's parameters land from the reference's, in units of the reference's
+// movement from `start` (run_compare::relative_difference).
+inline double compare_runs(const std::vector<tensor>& mine, const std::vector<tensor>& theirs,
+                           const std::vector<tensor>& start) {
+  return run_compare::relative_difference(mine, theirs, start);
 }
 
 }  // namespace adafactor_test

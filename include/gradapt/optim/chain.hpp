@@ -458,21 +458,22 @@ class chain {
     const std::size_t count = params.size();
     const detail::optim::pass_functor<plan, Pass, E, C, K> f{kernels, st.tconst_.data(), st.factors_.data(),
                                                              count};
-    constexpr std::size_t nargs = plan::args(Pass, E);
-    if constexpr (plan::is_final(Pass, E)) {
+    using table = detail::optim::pass_table<plan, Pass, E>;
+    constexpr std::size_t nargs = table::args;
+    if constexpr (table::final) {
       [&]<std::size_t... A>(std::index_sequence<A...>) {
-        b.apply_list(f, list<plan::arg_at(Pass, E, A)>(params, st)...);
+        b.apply_list(f, list<table::template arg<A>>(params, st)...);
       }
       (std::make_index_sequence<nargs>{});
     } else {
-      constexpr std::size_t h = plan::hi(Pass, E);
+      constexpr std::size_t h = table::hi;
       constexpr std::size_t terms = plan::info[h].terms;
-      constexpr std::size_t bn = plan::barrier_number(h, E);
+      constexpr std::size_t bn = table::template barrier_number<h>;
       const auto sums =
           tensor_view<double, space>::vector(st.sums_.data(), static_cast<std::int64_t>(count * terms));
       [&]<std::size_t... A>(std::index_sequence<A...>) {
         b.apply_reduce_list(f, detail::optim::per_tensor_arg(sums),
-                            list<plan::arg_at(Pass, E, A)>(params, st)...);
+                            list<table::template arg<A>>(params, st)...);
       }
       (std::make_index_sequence<nargs>{});
       const auto& k = detail::slot<h>(kernels);
@@ -570,8 +571,9 @@ class chain {
                             std::size_t slot, const double* tc, double* factors, double* sum) const {
     using C = compute_t<typename PL::value_type>;
     using space = typename B::space;
-    constexpr std::size_t nargs = plan::args(Pass, E);
-    constexpr bool final = plan::is_final(Pass, E);
+    using table = detail::optim::pass_table<plan, Pass, E>;
+    constexpr std::size_t nargs = table::args;
+    constexpr bool final = table::final;
     const auto& f = st.ft_[k];
     using FP = detail::optim::factored_pass<plan, Pass, E, C, K, Variant>;
     const FP fp{{kernels, tc, factors, 1}};
@@ -586,10 +588,10 @@ class chain {
     [&]<std::size_t... A>(std::index_sequence<A...>) {
       constexpr auto full = [](std::size_t a) { return (stage_on && a >= va) ? a + 1 : a; };
       if constexpr (final)
-        b.apply_factored(fp, f.d, fy, fx, one_view<plan::arg_at(Pass, E, full(A))>(params, st, k)...);
+        b.apply_factored(fp, f.d, fy, fx, one_view<table::template arg<full(A)>>(params, st, k)...);
       else
         b.apply_factored_sum(fp, f.d, fy, fx, tensor_view<double, space>::vector(sum, 1),
-                             one_view<plan::arg_at(Pass, E, full(A))>(params, st, k)...);
+                             one_view<table::template arg<full(A)>>(params, st, k)...);
     }
     (std::make_index_sequence<nargs - (stage_on ? 1 : 0)>{});
   }
@@ -602,7 +604,8 @@ class chain {
     using C = compute_t<typename PL::value_type>;
     using space = typename B::space;
     using S = typename St::state_element;
-    constexpr std::size_t nargs = plan::args(0, E);
+    using table = detail::optim::pass_table<plan, 0, E>;
+    constexpr std::size_t nargs = table::args;
     const double* tc = st.tconst_.data() + k * plan::total_slots;
     const auto& f = st.ft_[k];
     using FP = detail::optim::factored_pass<plan, 0, E, C, K, Variant>;
@@ -617,7 +620,7 @@ class chain {
         tensor_view<S, space>::vector(stage.column_maxima(f, w), static_cast<std::int64_t>(f.cols));
     [&]<std::size_t... A>(std::index_sequence<A...>) {
       constexpr auto full = [](std::size_t a) { return a >= va ? a + 1 : a; };
-      b.apply_factored_max(mp, f.d, fy, fx, my, mx, one_view<plan::arg_at(0, E, full(A))>(params, st, k)...);
+      b.apply_factored_max(mp, f.d, fy, fx, my, mx, one_view<table::template arg<full(A)>>(params, st, k)...);
     }
     (std::make_index_sequence<nargs - 1>{});
   }
@@ -627,14 +630,15 @@ class chain {
                    std::size_t slot) const {
     using C = compute_t<typename PL::value_type>;
     using space = typename B::space;
+    using table = detail::optim::pass_table<plan, Pass, E>;
     constexpr std::size_t nb = plan::barriers(E);
-    constexpr std::size_t nargs = plan::args(Pass, E);
-    constexpr bool final = plan::is_final(Pass, E);
+    constexpr std::size_t nargs = table::args;
+    constexpr bool final = table::final;
     const double* tc = st.tconst_.data() + k * plan::total_slots;
     double* factors = st.wfac_.data() + slot * nb;
     double* sum = st.wsum_.data() + slot * sum_stride;
     const auto& f = st.ft_[k];
-    constexpr bool premeasured = Pass == plan::param_squares_pass(E) && factored_sumsq_backend<B>;
+    constexpr bool premeasured = table::premeasure_squares && factored_sumsq_backend<B>;
     if (premeasured && f.factored) {
       sum += sum_stride - 1;  // Σp², measured in the statistics pass
     } else if (f.factored) {
@@ -646,18 +650,18 @@ class chain {
       const detail::optim::pass_functor<plan, Pass, E, C, K> pf{kernels, tc, factors, 1};
       [&]<std::size_t... A>(std::index_sequence<A...>) {
         if constexpr (final)
-          b.apply_list(pf, list<plan::arg_at(Pass, E, A)>(params, st).subspan(k, 1)...);
+          b.apply_list(pf, list<table::template arg<A>>(params, st).subspan(k, 1)...);
         else
           b.apply_reduce_list(pf,
                               detail::optim::per_tensor_arg(tensor_view<double, space>::vector(
-                                  sum, static_cast<std::int64_t>(plan::info[plan::hi(Pass, E)].terms))),
-                              list<plan::arg_at(Pass, E, A)>(params, st).subspan(k, 1)...);
+                                  sum, static_cast<std::int64_t>(plan::info[table::hi].terms))),
+                              list<table::template arg<A>>(params, st).subspan(k, 1)...);
       }
       (std::make_index_sequence<nargs>{});
     }
     if constexpr (!final) {
-      constexpr std::size_t h = plan::hi(Pass, E);
-      constexpr std::size_t bn = plan::barrier_number(h, E);
+      constexpr std::size_t h = table::hi;
+      constexpr std::size_t bn = table::template barrier_number<h>;
       const auto& kh = detail::slot<h>(kernels);
       using Kernel = std::remove_cvref_t<decltype(kh)>;
       b.apply_list(detail::optim::finalize_each<Kernel>{kh, sum, tc, plan::info[h].terms, plan::total_slots,

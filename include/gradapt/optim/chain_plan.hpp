@@ -329,6 +329,48 @@ struct plan {
   }
 };
 
+/// The plan's answers for pass `Pass` under mask E, each a constant evaluated once per (plan,
+/// pass, mask). The plan's queries loop over the stages (and call each other), and a compiler
+/// evaluates a constant expression afresh wherever it occurs, so the functors and the chain's
+/// pass drivers, instantiated for every value and argument type, read them from here. Every
+/// member is a scalar, so device code may read them (a non-scalar constexpr member is not
+/// usable there).
+template <class Plan, std::size_t Pass, std::uint64_t E>
+struct pass_table {
+  static constexpr bool final = Plan::is_final(Pass, E);
+  static constexpr bool needs_param = Plan::needs_param(Pass, E);
+  static constexpr bool needs_grad = Plan::needs_grad(Pass, E);
+  static constexpr std::size_t grad_arg = Plan::grad_arg(Pass, E);
+  static constexpr std::size_t args = Plan::args(Pass, E);
+  /// The barrier stage this pass measures (n for the final pass).
+  static constexpr std::size_t hi = Plan::hi(Pass, E);
+  static constexpr bool premeasure_squares = Pass == Plan::param_squares_pass(E);
+  template <std::size_t I>
+  static constexpr mode mode_of = Plan::mode_of(Pass, I, E);
+  template <std::size_t I>
+  static constexpr bool active = mode_of<I> == mode::replay || mode_of<I> == mode::update;
+  template <std::size_t I>
+  static constexpr std::size_t buffer_arg = Plan::buffer_arg(Pass, I, E);
+  template <std::size_t I>
+  static constexpr std::size_t barrier_number = Plan::barrier_number(I, E);
+  /// Backend argument A (host code: arg_desc is not a scalar).
+  template <std::size_t A>
+  static constexpr arg_desc arg = Plan::arg_at(Pass, E, A);
+};
+
+/// The plan's per-stage constants for stage I, each evaluated once (scalars, as in
+/// pass_table).
+template <class Plan, std::size_t I>
+struct stage_table {
+  static constexpr stage_spec spec = Plan::info_at(I);
+  static constexpr bool barrier = spec.barrier;
+  static constexpr bool global = spec.global;
+  static constexpr bool factored_state = spec.factored_state;
+  static constexpr std::size_t buffers = spec.buffers;
+  static constexpr std::size_t terms = spec.terms;
+  static constexpr std::size_t slot_offset = Plan::slot_offset(I);
+};
+
 /// Argument I of a pack of lvalues of one type (resolved at compile time: no addresses are
 /// stored, so the compiler keeps the values in registers).
 template <std::size_t I, class T, class... R>
@@ -352,24 +394,24 @@ struct pass_functor {
   const double* factors;  ///< barrier factors: [barrier number][tensor]
   std::size_t count;      ///< tensors
 
+  using table = pass_table<Plan, Pass, E>;
+
   template <std::size_t I, class V, class... A, std::size_t... J>
   GRADAPT_HD GRADAPT_INLINE void stage_step(V& u, const V& p, const double* tc, std::size_t t,
                                             std::index_sequence<J...>, A&... args) const {
-    // Every plan query is a constant expression (nothing of the plan is read at run time, so
-    // the same code compiles for the device).
-    constexpr mode m = Plan::mode_of(Pass, I, E);
-    if constexpr (FT && Plan::info_at(I).factored_state) {
+    // Every plan query is a constant (nothing of the plan is read at run time, so the same
+    // code compiles for the device).
+    using stage = stage_table<Plan, I>;
+    constexpr mode m = table::template mode_of<I>;
+    if constexpr (FT && stage::factored_state) {
       (void)u;
     } else if constexpr (m == mode::replay || m == mode::update) {
-      constexpr std::size_t soff = Plan::slot_offset(I);
-      constexpr std::size_t boff = Plan::buffer_arg(Pass, I, E);
-      constexpr bool barrier = Plan::info_at(I).barrier;
-      constexpr bool global = Plan::info_at(I).global;
+      constexpr std::size_t boff = table::template buffer_arg<I>;
       const auto& k = gradapt::detail::slot<I>(kernels);
-      const double* stc = tc + soff;
-      if constexpr (barrier) {
-        constexpr std::size_t b = Plan::barrier_number(I, E);
-        const double f = factors[b * count + (global ? 0 : t)];
+      const double* stc = tc + stage::slot_offset;
+      if constexpr (stage::barrier) {
+        constexpr std::size_t b = table::template barrier_number<I>;
+        const double f = factors[b * count + (stage::global ? 0 : t)];
         k.apply(u, p, static_cast<C>(f), stc);
       } else if constexpr (m == mode::update) {
         k.update(u, p, stc, nth<boff + J>(args...)...);
@@ -382,12 +424,12 @@ struct pass_functor {
   template <class V, class... A, std::size_t... I>
   GRADAPT_HD GRADAPT_INLINE void run_stages(V& u, const V& p, const double* tc, std::size_t t,
                                             std::index_sequence<I...>, A&... args) const {
-    (stage_step<I>(u, p, tc, t, std::make_index_sequence<Plan::info_at(I).buffers>{}, args...), ...);
+    (stage_step<I>(u, p, tc, t, std::make_index_sequence<stage_table<Plan, I>::buffers>{}, args...), ...);
   }
 
   template <class V, class... A>
   GRADAPT_HD GRADAPT_INLINE V& param(V& unused, A&... args) const {
-    if constexpr (Plan::needs_param(Pass, E))
+    if constexpr (table::needs_param)
       return nth<0>(args...);
     else
       return unused;
@@ -395,23 +437,22 @@ struct pass_functor {
 
   template <class V, class... A>
   GRADAPT_HD GRADAPT_INLINE auto operator()(tensor_index t, V& a0, A&... rest) const {
-    static_assert(1 + sizeof...(A) == Plan::args(Pass, E), "gradapt::chain: pass argument count mismatch");
+    static_assert(1 + sizeof...(A) == table::args, "gradapt::chain: pass argument count mismatch");
     V unused{};
     V& p = param(unused, a0, rest...);
     V u;
-    if constexpr (Plan::needs_grad(Pass, E))
-      u = nth<Plan::grad_arg(Pass, E)>(a0, rest...);
+    if constexpr (table::needs_grad)
+      u = nth<table::grad_arg>(a0, rest...);
     else
       u = V(C(0));
     constexpr std::size_t slots = Plan::total_slots;
     const double* tc = tconst + t.value * slots;
     run_stages(u, p, tc, t.value, std::make_index_sequence<Plan::n>{}, a0, rest...);
-    if constexpr (Plan::is_final(Pass, E)) {
+    if constexpr (table::final) {
       p = p + u;
     } else {
-      constexpr std::size_t h = Plan::hi(Pass, E);
-      constexpr std::size_t hoff = Plan::slot_offset(h);
-      return gradapt::detail::slot<h>(kernels).measure(u, p, tc + hoff);
+      constexpr std::size_t h = table::hi;
+      return gradapt::detail::slot<h>(kernels).measure(u, p, tc + stage_table<Plan, h>::slot_offset);
     }
   }
 };
@@ -428,10 +469,11 @@ struct factored_pass {
   using PF = pass_functor<Plan, Pass, E, C, K, true>;
   PF pf;
 
-  static constexpr bool stage_on = Plan::active(Pass, 0, E);
-  static constexpr std::size_t ga = Plan::grad_arg(Pass, E);
-  static constexpr std::size_t va = Plan::buffer_arg(Pass, 0, E);
-  static constexpr std::size_t full = Plan::args(Pass, E);
+  using table = pass_table<Plan, Pass, E>;
+  static constexpr bool stage_on = table::template active<0>;
+  static constexpr std::size_t ga = table::grad_arg;
+  static constexpr std::size_t va = table::template buffer_arg<0>;
+  static constexpr std::size_t full = table::args;
 
   template <std::size_t J, class V, class... A>
   GRADAPT_HD GRADAPT_INLINE V& pick(V& u0, V& dummy, A&... a) const {
@@ -446,7 +488,7 @@ struct factored_pass {
   }
   template <class V, std::size_t... J, class... A>
   GRADAPT_HD GRADAPT_INLINE auto call(V& u0, V& dummy, std::index_sequence<J...>, A&... a) const {
-    if constexpr (Plan::is_final(Pass, E))
+    if constexpr (table::final)
       pf(tensor_index{0}, pick<J>(u0, dummy, a...)...);
     else
       return pf(tensor_index{0}, pick<J>(u0, dummy, a...)...)[0];
