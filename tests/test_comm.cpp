@@ -4,14 +4,18 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "exact_values.hpp"
+#include "gradapt/backend/host.hpp"
 #include "gradapt/comm/single.hpp"
 #include "gradapt/comm/threads.hpp"
+#include "gradapt/core/ops.hpp"
 #include "rank_check.hpp"
 #include "scenarios/collective_disagreement.hpp"
 #include "scenarios/comm_ops.hpp"
@@ -337,4 +341,61 @@ TEST_CASE("single: a world of one", "[comm][single]") {
                            Catch::Matchers::Contains("receive buffer has 2 elements"));
   REQUIRE_THROWS_AS(c.exchange(1, cview(v), host_view(w)), gradapt::error);
   REQUIRE_THROWS_AS(c.split(-2, 0), gradapt::error);
+}
+
+TEMPLATE_TEST_CASE("threads: allreduce_mean has the bits of the sum followed by divide_by_ranks",
+                   "[comm][threads][mean]", float, double, gradapt::half, gradapt::bfloat16) {
+  static_assert(gradapt::mean_allreduce_communicator<threads_comm>);
+  static_assert(!gradapt::mean_allreduce_communicator<gradapt::comm::single>);
+  // Values that round in the sum and in the division (random magnitudes over several binades,
+  // signs mixed), sizes around the 8-element groups and the slices' edges, 1 to 6 ranks.
+  for (int n = 1; n <= 6; ++n)
+    for (const std::size_t size : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{8},
+                                   std::size_t{9}, std::size_t{61}, std::size_t{4099}}) {
+      INFO(n << " ranks, " << size << " elements");
+      run_threads(n, [&](threads_comm& c) {
+        std::mt19937 rng(static_cast<unsigned>(1000 * c.rank() + size));
+        std::uniform_real_distribution<double> mag(-4.0, 4.0);
+        std::vector<TestType> x(size);
+        for (auto& v : x) v = static_cast<TestType>((rng() % 2 ? 1.0 : -1.0) * std::exp2(mag(rng)) / 3.0);
+        auto want = x;
+        c.allreduce(host_view(want), reduce_op::sum);
+        gradapt::host{.threads = 1}.apply(gradapt::detail::divide_by_ranks{n}, host_view(want));
+        auto got = x;
+        c.allreduce_mean(host_view(got));
+        std::size_t differ = 0;
+        for (std::size_t i = 0; i < size; ++i)
+          differ += std::memcmp(&got[i], &want[i], sizeof(TestType)) != 0 ? 1 : 0;
+        RANK_REQUIRE(differ == 0);
+      });
+    }
+  // The mean is not the sum: with 3 ranks of ones it is exactly 1.
+  run_threads(3, [](threads_comm& c) {
+    std::vector<TestType> ones(9, static_cast<TestType>(1.0));
+    c.allreduce_mean(host_view(ones));
+    for (const auto v : ones) RANK_REQUIRE(static_cast<double>(gradapt::load(v)) == 1.0);
+  });
+}
+
+TEST_CASE("threads: allreduce_mean on some ranks and allreduce on others is an error on every rank",
+          "[comm][threads][mean][errors]") {
+  for (const int n : {2, 3}) {
+    std::vector<std::string> what(static_cast<std::size_t>(n));
+    run_threads(n, [&](threads_comm& c) {
+      std::vector<float> x(16, 1.0f);
+      try {
+        if (c.rank() == n - 1)
+          c.allreduce(host_view(x), reduce_op::sum);
+        else
+          c.allreduce_mean(host_view(x));
+      } catch (const gradapt::error& e) {
+        what[static_cast<std::size_t>(c.rank())] = e.what();
+      }
+    });
+    for (const auto& w : what) {
+      INFO(w);
+      REQUIRE(w.find("allreduce_mean") != std::string::npos);
+      REQUIRE(w.find("allreduce") != std::string::npos);
+    }
+  }
 }

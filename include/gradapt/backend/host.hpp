@@ -242,6 +242,17 @@ struct host {
     detail::host_impl::combine_sources<false>(count, source, out, n, op);
   }
 
+  /// The mean of `count` arrays in one pass: combine_sources with `reduce_op::sum`, each sum
+  /// rounded to T and then divided by `count` in compute_t<T> (the bits of the sum followed by
+  /// `apply(detail::divide_by_ranks{count}, out)`, without the second pass over memory). The
+  /// kernel of comm::threads' `allreduce_mean`.
+  template <element T, class Src>
+  requires std::is_invocable_r_v<const T*, const Src&, int>
+  static void combine_sources_mean(int count, const Src& source, T* out, std::size_t n) {
+    detail::require(count >= 1, "host backend combine_sources_mean: count is ", count, " (expected >= 1)");
+    detail::host_impl::combine_sources<false>(count, source, out, n, reduce_op::sum, std::true_type{});
+  }
+
   /// combine_sources with `reduce_op::sum` that also returns, in double, the sum over sources
   /// of |x_k|^2 and |out|^2 as stored, accumulated block by block (4096 elements, 8 lanes, the
   /// fixed tree) while each block is in cache, so the bits depend only on n and `count`.

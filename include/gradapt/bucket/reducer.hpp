@@ -23,10 +23,13 @@
 ///   Every `mark_ready` (and `progress()`) also tests the requests in flight, because MPI
 ///   libraries such as Open MPI move non-blocking collectives only inside MPI calls, and
 ///   writes back each leading bucket whose collective has completed; `wait()` waits the rest
-///   in plan order and writes them back.
+///   in plan order and writes them back. The last bucket in plan order can start only once
+///   every gradient is ready, when there is nothing left to overlap it with: it takes the
+///   blocking `allreduce` inside the call that starts it.
 /// - **Blocking** (`comm::single`, `comm::threads`, or `overlap = false`): a bucket is
 ///   reduced and written back inside the `mark_ready` call that completes it (or a later one,
-///   in plan order).
+///   in plan order). On a `mean_allreduce_communicator` (`comm::threads`) an averaging bucket
+///   is one `allreduce_mean`, which divides as it reduces.
 ///
 /// The result is element-wise the communicator's sum of the same elements: on `comm::threads`
 /// (rank order, one rounding) it is bitwise the per-tensor `allreduce` whatever the buckets.
@@ -51,11 +54,13 @@
 #include <utility>
 #include <vector>
 
+#include "gradapt/backend/host.hpp"
 #include "gradapt/bucket/plan.hpp"
 #include "gradapt/comm/agree.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/dtype.hpp"
 #include "gradapt/core/error.hpp"
+#include "gradapt/core/ops.hpp"
 #include "gradapt/core/tensor_view.hpp"
 
 namespace gradapt::bucket {
@@ -254,7 +259,21 @@ class reducer {
     }
     if constexpr (can_overlap)
       if (opt_.overlap) {
-        requests_[b] = comm_->iallreduce(buf, reduce_op::sum);
+        if (b + 1 < fused_.size()) {
+          requests_[b] = comm_->iallreduce(buf, reduce_op::sum);
+          return;
+        }
+        // The last bucket starts when every gradient is ready: nothing is left to overlap it
+        // with, so it takes the blocking allreduce (the MPI library's tuned algorithm, which
+        // can be twice as fast as its non-blocking one). Its request stays empty (complete),
+        // so it is written back in plan order after the buckets still in flight.
+        comm_->allreduce(buf, reduce_op::sum);
+        return;
+      }
+    if constexpr (mean_allreduce_communicator<Comm>)
+      if (opt_.average) {  // the division inside the collective: the same bits, one pass less
+        comm_->allreduce_mean(buf);
+        unpack(b, false);
         return;
       }
     comm_->allreduce(buf, reduce_op::sum);
@@ -267,23 +286,26 @@ class reducer {
                                                 static_cast<std::int64_t>(plan_.buckets()[b].elements));
     return host_view(fused_[b]);
   }
-  /// Writes bucket b's sum back into its gradients (times 1/N when averaging).
-  void unpack(std::size_t b) {
+  /// Writes bucket b's result back into its gradients, divided by N when averaging and
+  /// `divide` (false: the collective has divided already). The division is
+  /// detail::divide_by_ranks through the host backend's element loop (vectorised at plain
+  /// -O2), as the train step's allreduce_mean divides, so the bits are the same.
+  void unpack(std::size_t b, bool divide = true) {
     const auto& k = plan_.buckets()[b];
-    const auto& f = fused_[b];
-    using C = compute_t<T>;
-    const auto n = static_cast<C>(comm_->size());
+    const bool average = opt_.average && divide;
+    const host one{.threads = 1};  // a rank's own thread: the reducer runs inside a rank
+    const gradapt::detail::divide_by_ranks mean{comm_->size()};
     if (in_place_[b]) {
-      if (!opt_.average) return;
-      T* g = grads_[k.tensors[0]].data();
-      for (std::size_t j = 0; j < k.elements; ++j) g[j] = static_cast<T>(static_cast<C>(g[j]) / n);
+      if (average) one.apply(mean, buffer(b));
       return;
     }
+    const auto& f = fused_[b];
     for (std::size_t i = 0; i < k.tensors.size(); ++i) {
-      auto& g = grads_[k.tensors[i]];
+      const auto& g = grads_[k.tensors[i]];
       const T* src = f.data() + k.offsets[i];
-      if (opt_.average)  // as the train step's allreduce_mean: g / n in the compute type
-        for (std::size_t j = 0; j < g.size(); ++j) g.data()[j] = static_cast<T>(static_cast<C>(src[j]) / n);
+      if (average)
+        one.apply(mean, g,
+                  tensor_view<const T, host_space>::vector(src, static_cast<std::int64_t>(g.size())));
       else
         std::copy_n(src, g.size(), g.data());
     }

@@ -265,6 +265,16 @@ class threads {
     reduce_in_place<false>(buf, op);
   }
 
+  /// Mean over ranks, in place: the bits of `allreduce(buf, reduce_op::sum)` followed by
+  /// g / size() in the compute type (`detail::divide_by_ranks`, as the train step's
+  /// `allreduce_mean` and the bucket reducer divide), with the division done as each rank
+  /// reduces its slice, so the mean costs no more memory traffic than the sum. Every rank must
+  /// call allreduce_mean here (a rank calling allreduce instead is an error on every rank).
+  template <element T>
+  requires(!std::is_const_v<T>) void allreduce_mean(tensor_view<T, space> buf) {
+    reduce_in_place<false, true>(buf, reduce_op::sum);
+  }
+
   /// Sum over ranks, in place (exactly `allreduce(buf, reduce_op::sum)`), that also returns
   /// the squared norms the gradient noise scale needs, computed while the data is read anyway:
   /// the sum over ranks of |x_r|^2 of the inputs, and |sum_r x_r|^2 of the result as stored.
@@ -407,16 +417,16 @@ class threads {
   /// With `Norms`, the slice goes in blocks of the host backend's block size: right after a
   /// block is reduced, its inputs and its result are still in cache and their squared norms
   /// are taken with the host backend's block reduction; block values are added in order, and
-  /// each rank posts its two sums after the data for every rank to add in rank order.
-  template <bool Norms, class T>
+  /// each rank posts its two sums after the data for every rank to add in rank order. With
+  /// `Mean`, each sum is divided by the rank count as it is stored (combine_sources_mean).
+  template <bool Norms, bool Mean = false, class T>
   allreduce_norms reduce_in_place(tensor_view<T, space> buf, reduce_op op) {
     const std::size_t n = buf.size();
     const int p = size();
     const std::size_t data_bytes = (n * sizeof(T) + 63) / 64 * 64;
-    begin({{Norms ? detail::coll::allreduce_with_norms : detail::coll::allreduce, dtype_of_v<T>, op, 0,
-            count(n)},
-           nullptr,
-           buf.data()},
+    constexpr detail::coll kind = Norms ? detail::coll::allreduce_with_norms
+                                        : (Mean ? detail::coll::allreduce_mean : detail::coll::allreduce);
+    begin({{kind, dtype_of_v<T>, op, 0, count(n)}, nullptr, buf.data()},
           data_bytes + (Norms ? 2 * static_cast<std::size_t>(p) * sizeof(double) : 0));
     auto* out = reinterpret_cast<T*>(w_->scratch());
     const auto bounds = slice(n);
@@ -425,6 +435,8 @@ class threads {
     allreduce_norms mine;
     if constexpr (Norms)
       mine = gradapt::host::combine_sources_with_norms(p, src, out + lo, hi - lo);
+    else if constexpr (Mean)
+      gradapt::host::combine_sources_mean(p, src, out + lo, hi - lo);
     else
       gradapt::host::combine_sources(p, src, out + lo, hi - lo, op);
     allreduce_norms norms;

@@ -58,4 +58,16 @@ concept nonblocking_allreduce_communicator = communicator<C> &&
   { c.iallreduce(f, reduce_op::sum).test() } -> std::convertible_to<bool>;
 };
 
+/// A communicator with a blocking mean over ranks in one collective: `c.allreduce_mean(buf)`
+/// leaves in `buf` exactly the bits of `c.allreduce(buf, reduce_op::sum)` followed by
+/// g / size() in the compute type (detail::divide_by_ranks), without a second pass over the
+/// buffer. `comm::threads` has it; the bucket reducer and the train step's `allreduce_mean`
+/// use it when the communicator has it (and sum, then divide, otherwise).
+template <class C>
+concept mean_allreduce_communicator = communicator<C> &&
+    requires(C& c, tensor_view<float, typename C::space> f, tensor_view<double, typename C::space> d) {
+  c.allreduce_mean(f);
+  c.allreduce_mean(d);
+};
+
 }  // namespace gradapt

@@ -76,6 +76,11 @@ struct divide_by_ranks {
   GRADAPT_HD void operator()(T& g) const {
     g = g / static_cast<T>(n);
   }
+  /// g ← sum / n: the same division, writing elsewhere (a fused buffer's sum into a gradient).
+  template <class T>
+  GRADAPT_HD void operator()(T& g, const T& sum) const {
+    g = sum / static_cast<T>(n);
+  }
 };
 
 /// g ← g · c in the element type (c rounded to it once): a rank's weight in a weighted mean.

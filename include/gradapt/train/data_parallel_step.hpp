@@ -606,6 +606,9 @@ class data_parallel_step {
   /// every rank. All or nothing: on a throw the step's state is unchanged.
   /// @throws gradapt::error naming the first field that does not match
   void load(std::span<const std::byte> bytes) {
+    // A damaged, truncated or foreign archive is rejected by the reader (checksum, kind,
+    // version, index) before anything changes; only a later mismatch needs the backup.
+    (void)archive_reader{bytes, archive_kind, archive_version};
     const std::vector<std::byte> backup = save();
     try {
       load_impl(bytes, nullptr);

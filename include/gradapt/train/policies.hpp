@@ -47,6 +47,7 @@
 
 #include "gradapt/combine/adasum.hpp"
 #include "gradapt/core/archive.hpp"
+#include "gradapt/core/concepts.hpp"
 #include "gradapt/core/detail/archive_fields.hpp"
 #include "gradapt/core/ops.hpp"
 #include "gradapt/precision/loss_scaler.hpp"
@@ -155,13 +156,19 @@ concept mean_combiner = requires(C& c, Comm& comm, const B& b, const PL& params)
 struct allreduce_mean {
   static constexpr policy_slot slot = policy_slot::combine;  ///< fills the combine slot
 
-  /// g ← (1/N) Σ_r g_r for every tensor (nothing with one rank).
+  /// g ← (1/N) Σ_r g_r for every tensor (nothing with one rank): the sum, then g / N in the
+  /// compute type; in one collective per tensor when the communicator has `allreduce_mean`
+  /// (mean_allreduce_communicator: the same bits).
   template <class Comm, class B, class L>
   void combine(Comm& comm, const B& backend, const L& grads) const {
     const int n = comm.size();
     if (n == 1) return;
-    for (const auto& g : grads) comm.allreduce(g, reduce_op::sum);
-    backend.apply_list(gradapt::detail::divide_by_ranks{n}, grads);
+    if constexpr (mean_allreduce_communicator<Comm>) {
+      for (const auto& g : grads) comm.allreduce_mean(g);
+    } else {
+      for (const auto& g : grads) comm.allreduce(g, reduce_op::sum);
+      backend.apply_list(gradapt::detail::divide_by_ranks{n}, grads);
+    }
   }
   /// `combine`, returning Σ_r |g_r|² and |Σ_r g_r|² summed over the tensors.
   template <class Comm, class B, class L>

@@ -425,10 +425,24 @@ double reduce_list(const XS& xs, YGet ydata, std::span<double> out, int threads)
 /// x_1[i] op ... in compute_t<T>, rounded once (max propagates NaN). With `Norms`, also the sum
 /// over sources of |x_k|^2 and |out|^2 (as stored), in double, block by block (`block`
 /// elements, each block's values taken while it is in cache, blocks added in order).
-/// `src(k)` is source k's first element; `out` may not overlap a source.
-template <bool Norms, class T, class Src>
-allreduce_norms combine_sources(int p, const Src& src, T* out, std::size_t n, reduce_op op) {
+/// `src(k)` is source k's first element; `out` may not overlap a source. With `Mean` (sum
+/// only, without norms), out[i] is the sum rounded to T, divided by p in compute_t<T> and
+/// rounded again: exactly the sum followed by detail::divide_by_ranks{p}, in the same pass.
+template <bool Norms, class T, class Src, bool Mean = false>
+allreduce_norms combine_sources(int p, const Src& src, T* out, std::size_t n, reduce_op op,
+                                std::bool_constant<Mean> = {}) {
   using C = compute_t<T>;
+  static_assert(!(Norms && Mean), "combine_sources: the mean is formed without norms");
+  // The value stored for a combined `acc`: itself, or (with Mean) the stored sum over p.
+  const auto result = [p](C acc) {
+    if constexpr (Mean) {
+      T s;
+      store(s, acc);
+      return static_cast<C>(load(s) / static_cast<C>(p));
+    } else {
+      return acc;
+    }
+  };
   const auto combine_range = [&](std::size_t b, std::size_t e) {
     constexpr std::size_t g = 8;
     std::size_t i = b;
@@ -443,7 +457,7 @@ allreduce_norms combine_sources(int p, const Src& src, T* out, std::size_t n, re
           for (std::size_t l = 0; l < g; ++l) v[l] = load(xk[l]);
           for (std::size_t l = 0; l < g; ++l) acc[l] += v[l];
         }
-        for (std::size_t l = 0; l < g; ++l) store(out[i + l], acc[l]);
+        for (std::size_t l = 0; l < g; ++l) store(out[i + l], result(acc[l]));
       }
     }
     for (; i < e; ++i) {
@@ -457,7 +471,7 @@ allreduce_norms combine_sources(int p, const Src& src, T* out, std::size_t n, re
         else
           acc = v > acc ? v : acc;
       }
-      store(out[i], acc);
+      store(out[i], result(acc));
     }
   };
   allreduce_norms norms;

@@ -35,17 +35,19 @@ enum class coll : std::uint8_t {
   split,
   barrier,
   exchange,
-  iallreduce
+  iallreduce,
+  allreduce_mean
 };
 
 /// The last enumerator of `coll` (for range checks of values read back from a message).
-inline constexpr coll last_coll = coll::iallreduce;
+inline constexpr coll last_coll = coll::allreduce_mean;
 
 /// The collective's name ("allreduce", ...); "unknown" for a value outside the enumeration.
 constexpr std::string_view coll_name(coll c) {
   return gradapt::detail::enum_name(
-      c, std::array<std::string_view, 9>{"allreduce", "allreduce_with_norms", "broadcast", "allgather",
-                                         "reduce_scatter", "split", "barrier", "exchange", "iallreduce"});
+      c, std::array<std::string_view, 10>{"allreduce", "allreduce_with_norms", "broadcast", "allgather",
+                                          "reduce_scatter", "split", "barrier", "exchange", "iallreduce",
+                                          "allreduce_mean"});
 }
 
 /// What every rank must agree on when it enters one collective.
