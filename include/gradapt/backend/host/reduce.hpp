@@ -434,7 +434,7 @@ allreduce_norms combine_sources(int p, const Src& src, T* out, std::size_t n, re
   using C = compute_t<T>;
   static_assert(!(Norms && Mean), "combine_sources: the mean is formed without norms");
   // The value stored for a combined `acc`: itself, or (with Mean) the stored sum over p.
-  const auto result = [p](C acc) {
+  const auto result = [&](C acc) {
     if constexpr (Mean) {
       T s;
       store(s, acc);
