@@ -17,3 +17,16 @@ double consumer_step(std::vector<float>& w, std::vector<gradapt::bfloat16>& g, i
   });
   return total;
 }
+
+// binary16 parameters and gradients through AdamW and the loss scaler's fused unscale: the host
+// backend's 32-byte half stores and square roots (GCC, no -march) at every optimisation level.
+double consumer_half_step(std::vector<gradapt::half>& w, std::vector<gradapt::half>& g) {
+  gradapt::param_list<gradapt::half> params;
+  params.add("w", gradapt::host_view(w), gradapt::host_view(g));
+  const gradapt::host backend{.threads = 1};
+  const double nonfinite = gradapt::unscale_count_nonfinite(backend, params.grads(), 0.5f);
+  const gradapt::adamw opt({.lr = 1e-3});
+  auto state = opt.init(backend, params);
+  opt.step(backend, params, state);
+  return nonfinite;
+}

@@ -21,7 +21,9 @@ gradapt_add_test(test_hierarchical SOURCES test_hierarchical.cpp)
 target_link_libraries(test_hierarchical PRIVATE Threads::Threads)
 
 # A consumer that includes only <gradapt/gradapt.hpp> must compile warning-free with g++ and
-# clang++ at -Wall -Wextra -Wpedantic -Werror (no OpenMP, no -march).
+# clang++ at -Wall -Wextra -Wpedantic -Werror (no OpenMP, no -march): at -O2, and with g++ at
+# the other levels a consumer's build types use (-O0 and -Og for debugging, -O1, -Os), where GCC
+# inlines less around the host backend's AVX2 functions.
 foreach(_cxx g++ clang++)
   find_program(GRADAPT_${_cxx}_EXE NAMES ${_cxx})
   if(GRADAPT_${_cxx}_EXE)
@@ -31,6 +33,14 @@ foreach(_cxx g++ clang++)
               -o ${CMAKE_CURRENT_BINARY_DIR}/consumer_${_cxx}.o)
   endif()
 endforeach()
+if(GRADAPT_g++_EXE)
+  foreach(_level O0 Og O1 Os)
+    add_test(NAME consumer_g++_${_level}
+      COMMAND ${GRADAPT_g++_EXE} -std=c++20 -${_level} -Wall -Wextra -Wpedantic -Werror
+              -I${PROJECT_SOURCE_DIR}/include -c ${CMAKE_CURRENT_SOURCE_DIR}/consumer.cpp
+              -o ${CMAKE_CURRENT_BINARY_DIR}/consumer_g++_${_level}.o)
+  endforeach()
+endif()
 
 # The explicit vector path and the scalar fallback of the host reductions give the same bits.
 # (These path comparisons, here and for the optimizers below, run in the default preset only:

@@ -232,36 +232,49 @@ struct host {
 
   /// Element-wise combination of `count` arrays of `n` elements into `out`, in source order:
   /// `out[i] = x_0[i] op x_1[i] op ...` in compute_t<T>, rounded once; max propagates NaN.
-  /// `source(k)` returns source k's first element (`const T*`); `out` must not overlap a
-  /// source. Runs on the calling thread (a communicator calls it from every rank on its own
-  /// slice). The kernel of comm::threads' reductions.
-  template <element T, class Src>
-  requires std::is_invocable_r_v<const T*, const Src&, int>
-  static void combine_sources(int count, const Src& source, T* out, std::size_t n, reduce_op op) {
+  /// `source(k)` returns source k's first element (`const T*`); `out` may be one of the
+  /// sources (the same elements) but may not overlap one otherwise. Runs on the calling thread
+  /// (a communicator calls it from every rank on its own slice). The kernel of comm::threads'
+  /// reductions.
+  ///
+  /// `then(b, e)` (optional) is called in order for each block [b, e) of 4096 elements (the
+  /// last one shorter) as soon as `out[b, e)` is stored, while the block is still in cache:
+  /// comm::threads copies each block of a rank's slice into the other ranks' buffers there.
+  template <element T, class Src, class Then = detail::host_impl::no_block_hook>
+  requires std::is_invocable_r_v<const T*, const Src&, int> &&
+      std::is_invocable_v<const Then&, std::size_t, std::size_t>
+  static void combine_sources(int count, const Src& source, T* out, std::size_t n, reduce_op op,
+                              const Then& then = {}) {
     detail::require(count >= 1, "host backend combine_sources: count is ", count, " (expected >= 1)");
-    detail::host_impl::combine_sources<false>(count, source, out, n, op);
+    detail::host_impl::combine_sources<false>(count, source, out, n, op, std::false_type{}, then);
   }
 
   /// The mean of `count` arrays in one pass: combine_sources with `reduce_op::sum`, each sum
   /// rounded to T and then divided by `count` in compute_t<T> (the bits of the sum followed by
   /// `apply(detail::divide_by_ranks{count}, out)`, without the second pass over memory). The
-  /// kernel of comm::threads' `allreduce_mean`.
-  template <element T, class Src>
-  requires std::is_invocable_r_v<const T*, const Src&, int>
-  static void combine_sources_mean(int count, const Src& source, T* out, std::size_t n) {
+  /// kernel of comm::threads' `allreduce_mean`. `out` and `then` as for combine_sources.
+  template <element T, class Src, class Then = detail::host_impl::no_block_hook>
+  requires std::is_invocable_r_v<const T*, const Src&, int> &&
+      std::is_invocable_v<const Then&, std::size_t, std::size_t>
+  static void combine_sources_mean(int count, const Src& source, T* out, std::size_t n,
+                                   const Then& then = {}) {
     detail::require(count >= 1, "host backend combine_sources_mean: count is ", count, " (expected >= 1)");
-    detail::host_impl::combine_sources<false>(count, source, out, n, reduce_op::sum, std::true_type{});
+    detail::host_impl::combine_sources<false>(count, source, out, n, reduce_op::sum, std::true_type{}, then);
   }
 
   /// combine_sources with `reduce_op::sum` that also returns, in double, the sum over sources
   /// of |x_k|^2 and |out|^2 as stored, accumulated block by block (4096 elements, 8 lanes, the
   /// fixed tree) while each block is in cache, so the bits depend only on n and `count`.
-  template <element T, class Src>
-  requires std::is_invocable_r_v<const T*, const Src&, int>
-  static allreduce_norms combine_sources_with_norms(int count, const Src& source, T* out, std::size_t n) {
+  /// `out` and `then` as for combine_sources (`then` sees each block after its norms).
+  template <element T, class Src, class Then = detail::host_impl::no_block_hook>
+  requires std::is_invocable_r_v<const T*, const Src&, int> &&
+      std::is_invocable_v<const Then&, std::size_t, std::size_t>
+  static allreduce_norms combine_sources_with_norms(int count, const Src& source, T* out, std::size_t n,
+                                                    const Then& then = {}) {
     detail::require(count >= 1, "host backend combine_sources_with_norms: count is ", count,
                     " (expected >= 1)");
-    return detail::host_impl::combine_sources<true>(count, source, out, n, reduce_op::sum);
+    return detail::host_impl::combine_sources<true>(count, source, out, n, reduce_op::sum, std::false_type{},
+                                                    then);
   }
 
   /// Host work is synchronous: nothing to wait for.

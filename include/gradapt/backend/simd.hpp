@@ -147,8 +147,13 @@ inline constexpr std::size_t native_bytes = 16;
 /// `__attribute__((target("avx2")))` although the translation unit is not (GCC on x86-64: the
 /// square root of such a pack is written as inline assembly, which GCC accepts in any function
 /// that ends up inlined into an AVX function; Clang checks the operand size earlier, so it keeps
-/// the 16-byte path).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__AVX__)
+/// the 16-byte path). The AVX2 functions are marked `flatten`, so every call in them (lambdas,
+/// functors) is inlined at -Og, -O1 and -Os as well; GCC ignores `flatten` where it inlines
+/// nothing (-O0, -fno-inline: `__NO_INLINE__`), the assembly would stay in functions compiled
+/// without AVX ("impossible constraint in 'asm'"), and such builds take the 16-byte path, which
+/// gives the same bits. tests/consumer.cpp is compiled at each of these levels.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__AVX__) && \
+    !defined(__NO_INLINE__)
 #define GRADAPT_SIMD_AVX_ASM 1
 #else
 #define GRADAPT_SIMD_AVX_ASM 0
@@ -255,7 +260,9 @@ struct pack {
       return;
     }
 #endif
-    for (std::size_t l = 0; l < part_lanes; ++l) v[l] = s;
+    native r{};  // every lane is written; the zeroes keep GCC's -O1 -Wmaybe-uninitialized quiet
+    for (std::size_t l = 0; l < part_lanes; ++l) r[l] = s;
+    v = r;
   }
 
   /// Lane i (for tests and tails; not a fast path).

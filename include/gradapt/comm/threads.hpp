@@ -88,6 +88,7 @@ class threads_world {
         here_(static_cast<std::size_t>(n)),
         posts_(static_cast<std::size_t>(n)),
         chans_(static_cast<std::size_t>(n) * n),
+        norms_(2 * static_cast<std::size_t>(n)),
         split_worlds_(static_cast<std::size_t>(n)) {}
 
   int size() const { return n_; }
@@ -133,14 +134,15 @@ class threads_world {
     cv_.notify_all();
   }
 
-  void set_post(int rank, const post& p, std::size_t scratch_bytes) {
+  void set_post(int rank, const post& p) {
     std::lock_guard lk(m_);
     throw_if_aborted();
     posts_[static_cast<std::size_t>(rank)] = p;
-    if (scratch_.size() < scratch_bytes) scratch_.resize(scratch_bytes);
   }
   const post& posted(int rank) const { return posts_[static_cast<std::size_t>(rank)]; }
-  std::byte* scratch() { return scratch_.data(); }
+  /// Two doubles per rank, for allreduce_with_norms' partial sums (sized once: a rank may
+  /// still read them after the collective's last barrier, until it posts the next one).
+  double* norms() { return norms_.data(); }
 
   std::shared_ptr<threads_world>& split_slot(int rank) {
     return split_worlds_[static_cast<std::size_t>(rank)];
@@ -222,7 +224,7 @@ class threads_world {
   std::string abort_reason_;
   std::vector<post> posts_;
   std::vector<channel> chans_;
-  std::vector<std::byte> scratch_;
+  std::vector<double> norms_;
   std::vector<std::shared_ptr<threads_world>> split_worlds_;
 };
 
@@ -292,7 +294,7 @@ class threads {
     begin({{detail::coll::broadcast, dtype_of_v<T>, reduce_op::sum, root, count(buf.size())},
            nullptr,
            buf.data()},
-          0, args("broadcast").rank_range("root", root));
+          args("broadcast").rank_range("root", root));
     if (rank_ != root) std::copy_n(static_cast<const T*>(w_->posted(root).recv), buf.size(), buf.data());
     meet();
   }
@@ -304,7 +306,7 @@ class threads {
     begin({{detail::coll::allgather, dtype_of_v<T>, reduce_op::sum, 0, count(send.size())},
            send.data(),
            recv.data()},
-          0, args("allgather").gather<T>(send.data(), send.size(), recv.data(), recv.size()));
+          args("allgather").gather<T>(send.data(), send.size(), recv.data(), recv.size()));
     const std::size_t n = send.size();
     for (int k = 0; k < size(); ++k) {
       const auto* from = static_cast<const T*>(w_->posted(k).send);
@@ -320,7 +322,7 @@ class threads {
                                                     tensor_view<T, space> recv, reduce_op op) {
     begin(
         {{detail::coll::reduce_scatter, dtype_of_v<T>, op, 0, count(recv.size())}, send.data(), recv.data()},
-        0, args("reduce_scatter").scatter<T>(send.data(), send.size(), recv.data(), recv.size(), false));
+        args("reduce_scatter").scatter<T>(send.data(), send.size(), recv.data(), recv.size(), false));
     const std::size_t n = recv.size();
     const std::size_t off = static_cast<std::size_t>(rank_) * n;
     gradapt::host::combine_sources(
@@ -346,8 +348,7 @@ class threads {
   /// Ranks with equal `color` (>= 0) form a new world, ordered by (key, old rank).
   threads split(int color, int key) {
     const std::string bad = args("split").color(color);
-    begin({{detail::coll::split, dtype::float32, reduce_op::sum, 0, 0}, nullptr, nullptr, color, key}, 0,
-          bad);
+    begin({{detail::coll::split, dtype::float32, reduce_op::sum, 0, 0}, nullptr, nullptr, color, key}, bad);
     std::vector<int> members;
     for (int k = 0; k < size(); ++k)
       if (w_->posted(k).color == color) members.push_back(k);
@@ -367,7 +368,7 @@ class threads {
 
   /// Waits until every rank has arrived.
   void barrier() {
-    begin({{detail::coll::barrier, dtype::float32, reduce_op::sum, 0, 0}}, 0);
+    begin({{detail::coll::barrier, dtype::float32, reduce_op::sum, 0, 0}});
     // Nobody may post the next collective while a peer still checks this one's posts.
     meet();
   }
@@ -382,10 +383,10 @@ class threads {
   /// Posts this rank's arguments, waits for all ranks, and checks that their fingerprints
   /// agree; on a difference every rank throws the same kind of gradapt::error (the shared
   /// message of comm/detail/fingerprint.hpp), after a barrier so no rank reposts early.
-  void begin(detail::threads_world::post p, std::size_t scratch_bytes, const std::string& bad = {}) {
+  void begin(detail::threads_world::post p, const std::string& bad = {}) {
     p.valid = bad.empty();
     current_ = p.c.kind;
-    w_->set_post(rank_, p, scratch_bytes);
+    w_->set_post(rank_, p);
     meet();
     int invalid = -1;
     for (int k = 0; k < size() && invalid < 0; ++k)
@@ -412,44 +413,49 @@ class threads {
   /// Meets every rank of the world inside the current collective (the watchdog names it).
   void meet() { w_->barrier(rank_, detail::coll_name(current_)); }
 
-  /// Rank r reduces slice r of every rank's buffer into the shared scratch (in groups of 8
-  /// elements, so the compiler vectorises at plain -O2), then every rank copies the result out.
-  /// With `Norms`, the slice goes in blocks of the host backend's block size: right after a
-  /// block is reduced, its inputs and its result are still in cache and their squared norms
-  /// are taken with the host backend's block reduction; block values are added in order, and
-  /// each rank posts its two sums after the data for every rank to add in rank order. With
-  /// `Mean`, each sum is divided by the rank count as it is stored (combine_sources_mean).
+  /// Rank r reduces slice r of every rank's buffer (in groups of 8 elements, so the compiler
+  /// vectorises at plain -O2) into its own buffer, and copies each block of 4096 results into
+  /// the other ranks' buffers while the block is in cache: slice r of each buffer is read and
+  /// written by rank r alone, so no scratch buffer and no second pass over memory are needed,
+  /// and a barrier after the slices ends the collective. With `Norms`, the squared norms of
+  /// each block's inputs and result are taken with the host backend's block reduction while
+  /// the block is in cache; block values are added in order, and each rank posts its two sums
+  /// for every rank to add in rank order. With `Mean`, each sum is divided by the rank count
+  /// as it is stored (combine_sources_mean).
   template <bool Norms, bool Mean = false, class T>
   allreduce_norms reduce_in_place(tensor_view<T, space> buf, reduce_op op) {
     const std::size_t n = buf.size();
     const int p = size();
-    const std::size_t data_bytes = (n * sizeof(T) + 63) / 64 * 64;
     constexpr detail::coll kind = Norms ? detail::coll::allreduce_with_norms
                                         : (Mean ? detail::coll::allreduce_mean : detail::coll::allreduce);
-    begin({{kind, dtype_of_v<T>, op, 0, count(n)}, nullptr, buf.data()},
-          data_bytes + (Norms ? 2 * static_cast<std::size_t>(p) * sizeof(double) : 0));
-    auto* out = reinterpret_cast<T*>(w_->scratch());
+    begin({{kind, dtype_of_v<T>, op, 0, count(n)}, nullptr, buf.data()});
     const auto bounds = slice(n);
     const std::size_t lo = bounds.first, hi = bounds.second;
     const auto src = [&](int k) { return static_cast<const T*>(w_->posted(k).recv) + lo; };
+    T* const mine_out = buf.data() + lo;
+    const auto spread = [&](std::size_t b, std::size_t e) {
+      for (int k = 0; k < p; ++k) {
+        T* const to = static_cast<T*>(w_->posted(k).recv) + lo;
+        if (to != mine_out) std::copy(mine_out + b, mine_out + e, to + b);  // equal: ranks share a buffer
+      }
+    };
     allreduce_norms mine;
     if constexpr (Norms)
-      mine = gradapt::host::combine_sources_with_norms(p, src, out + lo, hi - lo);
+      mine = gradapt::host::combine_sources_with_norms(p, src, mine_out, hi - lo, spread);
     else if constexpr (Mean)
-      gradapt::host::combine_sources_mean(p, src, out + lo, hi - lo);
+      gradapt::host::combine_sources_mean(p, src, mine_out, hi - lo, spread);
     else
-      gradapt::host::combine_sources(p, src, out + lo, hi - lo, op);
+      gradapt::host::combine_sources(p, src, mine_out, hi - lo, op, spread);
     allreduce_norms norms;
-    auto* posted = reinterpret_cast<double*>(w_->scratch() + data_bytes);
+    double* posted = w_->norms();
     if constexpr (Norms) {
       posted[2 * rank_] = mine.sum_local_sq;
       posted[2 * rank_ + 1] = mine.result_sq;
     }
     meet();
-    std::copy_n(out, n, buf.data());
+    // The sums stay readable until every rank has posted its next collective (begin's barrier).
     if constexpr (Norms)
       for (int k = 0; k < p; ++k) norms.sum_local_sq += posted[2 * k], norms.result_sq += posted[2 * k + 1];
-    meet();
     return norms;
   }
 

@@ -169,18 +169,17 @@ GRADAPT_INLINE std::size_t apply_reduce_pack_groups(F& f, tensor_index t, std::s
 /// so one instruction handles 8 floats or 4 doubles. No FMA: every lane runs the same IEEE
 /// operations as the SSE2 and scalar paths, so the bits are the same.
 template <bool Indexed, class F, class... Ts, std::size_t... I>
-__attribute__((target("avx2"))) std::size_t apply_pack_groups_avx2(F& f, tensor_index t, std::size_t b,
-                                                                   std::size_t e,
-                                                                   std::index_sequence<I...> seq, Ts*... p) {
+__attribute__((target("avx2"), flatten)) std::size_t apply_pack_groups_avx2(F& f, tensor_index t,
+                                                                            std::size_t b, std::size_t e,
+                                                                            std::index_sequence<I...> seq,
+                                                                            Ts*... p) {
   using C = first_compute_t<Ts...>;
   return apply_pack_groups<Indexed, simd::pack<C, 32 / sizeof(C), 32>>(f, t, b, e, seq, p...);
 }
 template <bool Indexed, std::size_t K, class F, class... Ts, std::size_t... I>
-__attribute__((target("avx2"))) std::size_t apply_reduce_pack_groups_avx2(F& f, tensor_index t, std::size_t b,
-                                                                          std::size_t e,
-                                                                          double (&acc)[K][lanes],
-                                                                          std::index_sequence<I...> seq,
-                                                                          Ts*... p) {
+__attribute__((target("avx2"), flatten)) std::size_t apply_reduce_pack_groups_avx2(
+    F& f, tensor_index t, std::size_t b, std::size_t e, double (&acc)[K][lanes],
+    std::index_sequence<I...> seq, Ts*... p) {
   using C = first_compute_t<Ts...>;
   return apply_reduce_pack_groups<Indexed, K, simd::pack<C, 32 / sizeof(C), 32>>(f, t, b, e, acc, seq, p...);
 }

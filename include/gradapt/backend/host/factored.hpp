@@ -297,7 +297,7 @@ struct factored {
   /// `Loop::run<P>(args...)` compiled for AVX2: P holds 8 floats in one 32-byte register (no
   /// FMA, so the same bits as on 16-byte registers).
   template <class Loop, class... A>
-  __attribute__((target("avx2"))) static std::size_t run_packs_avx2(A&&... args) {
+  __attribute__((target("avx2"), flatten)) static std::size_t run_packs_avx2(A&&... args) {
     return Loop::template run<simd::pack<float, 8, 32>>(std::forward<A>(args)...);
   }
 #endif

@@ -146,12 +146,12 @@ GRADAPT_INLINE void reduce_block_pair_lanes(const T* xa, const T* ya, const T* x
 
 #if defined(GRADAPT_HOST_AVX2)
 template <rk K, class T>
-__attribute__((target("avx2"))) double reduce_block_avx2(const T* x, const T* y, std::size_t n) {
+__attribute__((target("avx2"), flatten)) double reduce_block_avx2(const T* x, const T* y, std::size_t n) {
   return reduce_block_lanes<K, T, 32>(x, y, n);
 }
 template <rk K, class T>
-__attribute__((target("avx2"))) void reduce_block_pair_avx2(const T* xa, const T* ya, const T* xb,
-                                                            const T* yb, double& ra, double& rb) {
+__attribute__((target("avx2"), flatten)) void reduce_block_pair_avx2(const T* xa, const T* ya, const T* xb,
+                                                                     const T* yb, double& ra, double& rb) {
   reduce_block_pair_lanes<K, T, 32>(xa, ya, xb, yb, ra, rb);
 }
 #endif
@@ -251,9 +251,8 @@ GRADAPT_INLINE std::pair<double, double> sum_with_squares_lanes(const float* con
 }
 
 #if defined(GRADAPT_HOST_AVX2)
-__attribute__((target("avx2"))) inline std::pair<double, double> sum_with_squares_avx2(const float* const* xs,
-                                                                                       int p, float* out,
-                                                                                       std::size_t n) {
+__attribute__((target("avx2"), flatten)) inline std::pair<double, double> sum_with_squares_avx2(
+    const float* const* xs, int p, float* out, std::size_t n) {
   return sum_with_squares_lanes<32>(xs, p, out, n);
 }
 #endif
@@ -421,16 +420,25 @@ double reduce_list(const XS& xs, YGet ydata, std::span<double> out, int threads)
   return total;
 }
 
+/// `combine_sources`' default block hook: nothing to do with a finished block.
+struct no_block_hook {
+  void operator()(std::size_t, std::size_t) const {}
+};
+
 /// Element-wise combination of `p` arrays of n elements, in source order: out[i] = x_0[i] op
 /// x_1[i] op ... in compute_t<T>, rounded once (max propagates NaN). With `Norms`, also the sum
 /// over sources of |x_k|^2 and |out|^2 (as stored), in double, block by block (`block`
 /// elements, each block's values taken while it is in cache, blocks added in order).
-/// `src(k)` is source k's first element; `out` may not overlap a source. With `Mean` (sum
-/// only, without norms), out[i] is the sum rounded to T, divided by p in compute_t<T> and
-/// rounded again: exactly the sum followed by detail::divide_by_ranks{p}, in the same pass.
-template <bool Norms, class T, class Src, bool Mean = false>
+/// `src(k)` is source k's first element; `out` may be one of the sources (the same elements:
+/// each group of elements is loaded from every source before it is stored) but may not
+/// overlap one otherwise. With `Mean` (sum only, without norms), out[i] is the sum rounded to
+/// T, divided by p in compute_t<T> and rounded again: exactly the sum followed by
+/// detail::divide_by_ranks{p}, in the same pass. `then(b, e)` is called, in order, for each
+/// block [b, e) of `block` elements (the last one shorter) once out[b, e) is stored, while it
+/// is in cache; with the default hook the sum runs as one loop.
+template <bool Norms, class T, class Src, bool Mean = false, class Then = no_block_hook>
 allreduce_norms combine_sources(int p, const Src& src, T* out, std::size_t n, reduce_op op,
-                                std::bool_constant<Mean> = {}) {
+                                std::bool_constant<Mean> = {}, const Then& then = {}) {
   using C = compute_t<T>;
   static_assert(!(Norms && Mean), "combine_sources: the mean is formed without norms");
   // The value stored for a combined `acc`: itself, or (with Mean) the stored sum over p.
@@ -475,8 +483,14 @@ allreduce_norms combine_sources(int p, const Src& src, T* out, std::size_t n, re
     }
   };
   allreduce_norms norms;
-  if constexpr (!Norms) {
+  if constexpr (!Norms && std::is_same_v<Then, no_block_hook>) {
     combine_range(0, n);
+  } else if constexpr (!Norms) {
+    for (std::size_t b = 0; b < n; b += block) {
+      const std::size_t e = std::min(n, b + block);
+      combine_range(b, e);
+      then(b, e);
+    }
   } else {
     for (std::size_t b = 0; b < n; b += block) {
       const std::size_t e = std::min(n, b + block);
@@ -490,15 +504,18 @@ allreduce_norms combine_sources(int p, const Src& src, T* out, std::size_t n, re
           const auto [l, r] = sum_with_squares(xs, p, out + b, e - b);
           norms.sum_local_sq += l;
           norms.result_sq += r;
+          then(b, e);
           continue;
         }
       }
 #endif
-      combine_range(b, e);
+      // The sources' squares first: `out` may be one of them.
       for (int k = 0; k < p; ++k)
         norms.sum_local_sq +=
             reduce_block<rk::sum_squares>(src(k) + b, static_cast<const T*>(nullptr), e - b);
+      combine_range(b, e);
       norms.result_sq += reduce_block<rk::sum_squares>(out + b, static_cast<const T*>(nullptr), e - b);
+      then(b, e);
     }
   }
   return norms;
