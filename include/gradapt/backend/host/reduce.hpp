@@ -435,7 +435,7 @@ struct no_block_hook {
 /// T, divided by p in compute_t<T> and rounded again: exactly the sum followed by
 /// detail::divide_by_ranks{p}, in the same pass. `then(b, e)` is called, in order, for each
 /// block [b, e) of `block` elements (the last one shorter) once out[b, e) is stored, while it
-/// is in cache; with the default hook the sum runs as one loop.
+/// is in cache.
 template <bool Norms, class T, class Src, bool Mean = false, class Then = no_block_hook>
 allreduce_norms combine_sources(int p, const Src& src, T* out, std::size_t n, reduce_op op,
                                 std::bool_constant<Mean> = {}, const Then& then = {}) {
@@ -483,9 +483,7 @@ allreduce_norms combine_sources(int p, const Src& src, T* out, std::size_t n, re
     }
   };
   allreduce_norms norms;
-  if constexpr (!Norms && std::is_same_v<Then, no_block_hook>) {
-    combine_range(0, n);
-  } else if constexpr (!Norms) {
+  if constexpr (!Norms) {
     for (std::size_t b = 0; b < n; b += block) {
       const std::size_t e = std::min(n, b + block);
       combine_range(b, e);
