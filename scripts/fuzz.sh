@@ -16,8 +16,10 @@ seconds=${1:-60}
 out=${2:-build/fuzz}
 step=${GRADAPT_FUZZ_STEP:-all}
 mkdir -p "$out/corpus"
+launcher=()
+[ -n "${GRADAPT_COMPILE_LOG:-}" ] && launcher=(scripts/compile-cpu.sh)
 if [ "$step" != run ]; then
-  clang++ -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
+  "${launcher[@]}" clang++ -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
     -Iinclude -Itests/support tests/fuzz/fuzz_load.cpp -o "$out/fuzz_load"
 fi
 if [ "$step" = build ]; then

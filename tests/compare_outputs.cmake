@@ -1,8 +1,15 @@
-# Runs programs A and B and fails unless their standard outputs are identical.
-execute_process(COMMAND ${A} OUTPUT_FILE ${OUT}/a.txt RESULT_VARIABLE ra)
+# Runs programs A and B and fails unless their standard outputs are identical (and, with
+# A_STDERR, unless A's standard error contains that text).
+execute_process(COMMAND ${A} OUTPUT_FILE ${OUT}/a.txt ERROR_VARIABLE ea RESULT_VARIABLE ra)
 execute_process(COMMAND ${B} OUTPUT_FILE ${OUT}/b.txt RESULT_VARIABLE rb)
 if(NOT ra EQUAL 0 OR NOT rb EQUAL 0)
   message(FATAL_ERROR "a program failed: ${A} -> ${ra}, ${B} -> ${rb}")
+endif()
+if(DEFINED A_STDERR)
+  string(FIND "${ea}" "${A_STDERR}" at)
+  if(at LESS 0)
+    message(FATAL_ERROR "${A} did not report '${A_STDERR}' on standard error; it reported: ${ea}")
+  endif()
 endif()
 file(READ ${OUT}/a.txt a)
 file(READ ${OUT}/b.txt b)

@@ -15,6 +15,8 @@
 #include "gradapt/adapters/eigen.hpp"
 #include "gradapt/backend/host.hpp"
 
+namespace gradapt_test_adapter_eigen {
+
 using Catch::Matchers::Contains;
 using gradapt::host_space;
 using gradapt::tensor_view;
@@ -281,3 +283,5 @@ TEST_CASE("Eigen views feed the host backend (reductions against long double)", 
   const Eigen::MatrixXd expect = Eigen::MatrixXd::Ones(37, 29) + 2.0 * m;
   REQUIRE(y == expect);
 }
+
+}  // namespace gradapt_test_adapter_eigen

@@ -14,6 +14,8 @@
 #include "gradapt/adapters/thrust.hpp"
 #include "gradapt/backend/host.hpp"
 
+namespace gradapt_test_adapter_thrust {
+
 static_assert(THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_CPP, "build this test with the CPP device system");
 
 using Catch::Matchers::Contains;
@@ -82,3 +84,5 @@ TEST_CASE("thrust_viewable: what view_of accepts at compile time", "[adapters][t
   STATIC_REQUIRE(!gradapt::thrust_viewable<thrust::host_vector<int>&>);   // not a gradapt element type
   STATIC_REQUIRE(!gradapt::thrust_viewable<std::vector<float>&>);         // use gradapt::host_view
 }
+
+}  // namespace gradapt_test_adapter_thrust

@@ -14,6 +14,8 @@
 #include "gradapt/adapters/torch.hpp"
 #include "gradapt/backend/host.hpp"
 
+namespace gradapt_test_adapter_torch {
+
 using Catch::Matchers::Contains;
 using gradapt::device_space;
 using gradapt::host_space;
@@ -119,3 +121,5 @@ TEST_CASE("torch views reject what they cannot alias, and say what was found", "
   REQUIRE(view_of<float>(c).shape_string() == "[4, 3]");
   REQUIRE(view_of<float>(c).data() != f.data_ptr<float>());
 }
+
+}  // namespace gradapt_test_adapter_torch

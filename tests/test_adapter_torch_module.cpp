@@ -17,6 +17,8 @@
 #include "gradapt/adapters/torch.hpp"
 #include "gradapt/backend/host.hpp"
 
+namespace gradapt_test_adapter_torch_module {
+
 using Catch::Matchers::Contains;
 
 namespace {
@@ -134,3 +136,5 @@ TEST_CASE("param_list_of: frozen parameters, flags, holders and errors", "[adapt
   REQUIRE_THROWS_WITH(gradapt::param_list_of<float>(m),
                       Contains("parameter 'fc2.weight' (gradient) is not contiguous"));
 }
+
+}  // namespace gradapt_test_adapter_torch_module

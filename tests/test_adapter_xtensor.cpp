@@ -18,6 +18,8 @@
 #include "gradapt/adapters/xtensor.hpp"
 #include "gradapt/backend/host.hpp"
 
+namespace gradapt_test_adapter_xtensor {
+
 using Catch::Matchers::Contains;
 using gradapt::host_space;
 using gradapt::tensor_view;
@@ -168,3 +170,5 @@ TEST_CASE("xt::noalias assignment updates the viewed memory in place", "[adapter
   REQUIRE(a.data() == v.data());
   for (std::size_t i = 0; i < 5; ++i) REQUIRE(v[i] == 2.0f * static_cast<float>(i) + 1.0f);
 }
+
+}  // namespace gradapt_test_adapter_xtensor

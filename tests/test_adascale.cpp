@@ -8,6 +8,8 @@
 #include "catch.hpp"
 #include "gradapt/scaling/adascale.hpp"
 
+namespace gradapt_test_adascale {
+
 using Catch::Matchers::Contains;
 using gradapt::adascale;
 using gradapt::adascale_state;
@@ -164,3 +166,5 @@ TEST_CASE("adascale: invalid input throws actionable errors", "[adascale]") {
   bad.last_gain = 0.5;
   REQUIRE_THROWS_WITH(ada.restore(bad), Contains("inconsistent state"));
 }
+
+}  // namespace gradapt_test_adascale

@@ -12,6 +12,8 @@
 //    of pairwise means), zero vectors are the identity.
 #include "adasum_fixtures.hpp"
 
+namespace gradapt_test_adasum {
+
 using namespace adasum_test;
 
 TEMPLATE_TEST_CASE("adasum: distributed result equals the serial tree bit for bit", "[adasum]", float, double,
@@ -278,3 +280,5 @@ TEMPLATE_TEST_CASE("adasum: hierarchical mode is the group mean followed by the 
       }
     }
 }
+
+}  // namespace gradapt_test_adasum

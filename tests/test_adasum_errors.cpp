@@ -6,6 +6,8 @@
 
 #include "alloc_counter.hpp"  // this executable's operator new counts allocations
 
+namespace gradapt_test_adasum_errors {
+
 using namespace adasum_test;
 
 TEST_CASE("adasum: lists that differ across ranks throw on every rank", "[adasum][errors]") {
@@ -192,3 +194,5 @@ TEST_CASE("adasum: param_list gradients and comm::single", "[adasum]") {
   ada.allreduce(gradapt::host{}, params.grads(), ws);
   for (std::size_t i = 0; i < g.size(); ++i) REQUIRE(g[i] == 0.5f * static_cast<float>(i));
 }
+
+}  // namespace gradapt_test_adasum_errors

@@ -12,6 +12,8 @@
 #include "gradapt/stats/gradient_noise_scale.hpp"
 #include "rank_check.hpp"
 
+namespace gradapt_test_allreduce_with_norms {
+
 using gradapt::host_view;
 using gradapt::comm::run_threads;
 
@@ -212,3 +214,5 @@ TEST_CASE("the fused fp32 sum-with-squares kernel: dispatched (AVX2 when present
   }
 }
 #endif
+
+}  // namespace gradapt_test_allreduce_with_norms

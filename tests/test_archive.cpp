@@ -10,6 +10,8 @@
 #include "gradapt/core/archive.hpp"
 #include "gradapt/core/crc32c.hpp"
 
+namespace gradapt_test_archive {
+
 using Catch::Matchers::Contains;
 using gradapt::archive_reader;
 using gradapt::archive_writer;
@@ -202,3 +204,5 @@ TEST_CASE("archive: a consistent archive with a lying length is rejected, not re
     }
   }
 }
+
+}  // namespace gradapt_test_archive

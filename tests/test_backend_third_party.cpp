@@ -45,6 +45,8 @@
 #include "gradapt/optim/sm3.hpp"
 #include "gradapt/train/data_parallel_step.hpp"
 
+namespace gradapt_test_backend_third_party {
+
 namespace thirdparty {
 
 using gradapt::host_space;
@@ -511,3 +513,5 @@ TEST_CASE("third-party backend: the composed train step against the host backend
     }
   }
 }
+
+}  // namespace gradapt_test_backend_third_party

@@ -11,6 +11,8 @@
 
 #include "gradapt/bucket/plan.hpp"
 
+namespace gradapt_test_bucket_plan {
+
 using gradapt::dtype;
 using gradapt::bucket::bucket_options;
 using gradapt::bucket::bucket_plan;
@@ -153,3 +155,5 @@ TEST_CASE("invalid plans are errors naming the tensor or option", "[bucket][vali
   const std::vector<tensor_info> none;
   REQUIRE(bucket_plan::make(none).buckets().empty());
 }
+
+}  // namespace gradapt_test_bucket_plan

@@ -18,6 +18,8 @@
 #include "rank_check.hpp"
 #include "rank_errors.hpp"
 
+namespace gradapt_test_bucket_reducer {
+
 using gradapt::bucket::bucket_plan;
 using gradapt::bucket::reducer;
 using gradapt::bucket::tensor_info;
@@ -205,3 +207,5 @@ TEST_CASE("reducer errors: marking twice or out of range, a missing gradient, pl
   REQUIRE_THAT(what[0], Catch::Matchers::Contains("gradient 2 has 6 elements but the plan gives it 5"));
   REQUIRE_THAT(what[1], Catch::Matchers::Contains("rank 0 passed invalid input"));
 }
+
+}  // namespace gradapt_test_bucket_reducer

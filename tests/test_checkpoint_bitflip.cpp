@@ -22,6 +22,8 @@
 #include "gradapt/sync/local_sgd.hpp"
 #include "gradapt/train/data_parallel_step.hpp"
 
+namespace gradapt_test_checkpoint_bitflip {
+
 namespace {
 
 using gradapt_test::model;
@@ -142,3 +144,5 @@ TEST_CASE("bit flips: the data-parallel train step", "[archive][checkpoint][trai
           good, [&](std::span<const std::byte> bad) { step.load(bad); }, [&] { return step.save(); });
   });
 }
+
+}  // namespace gradapt_test_checkpoint_bitflip

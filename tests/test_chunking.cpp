@@ -14,6 +14,8 @@
 #include "catch.hpp"
 #include "gradapt/core/error.hpp"
 
+namespace gradapt_test_chunking {
+
 namespace ck = gradapt::chunking;
 
 namespace {
@@ -266,3 +268,5 @@ TEST_CASE("chunked_tree_reduce: exact sums and the two-level order", "[chunking]
           4, 0.0, [](double a, std::size_t) { return a; }, [](double a, double b) { return a + b; }, 0),
       gradapt::error);
 }
+
+}  // namespace gradapt_test_chunking

@@ -24,6 +24,8 @@
 #include "gradapt/optim/clip.hpp"
 #include "rank_check.hpp"
 
+namespace gradapt_test_clip {
+
 #ifndef GRADAPT_TEST_DATA_DIR
 #define GRADAPT_TEST_DATA_DIR "tests/data"
 #endif
@@ -369,3 +371,5 @@ TEST_CASE("clip: sharded form over threads ranks equals the serial clip of the w
                                Contains("the local part is finite (another rank's is not)"));
   });
 }
+
+}  // namespace gradapt_test_clip

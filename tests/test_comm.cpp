@@ -20,6 +20,8 @@
 #include "scenarios/collective_disagreement.hpp"
 #include "scenarios/comm_ops.hpp"
 
+namespace gradapt_test_comm {
+
 using gradapt::host_view;
 using gradapt::reduce_op;
 using gradapt::tensor_view;
@@ -399,3 +401,5 @@ TEST_CASE("threads: allreduce_mean on some ranks and allreduce on others is an e
     }
   }
 }
+
+}  // namespace gradapt_test_comm

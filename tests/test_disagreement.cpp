@@ -18,6 +18,8 @@
 #include "rank_errors.hpp"
 #include "scenarios/disagreement.hpp"
 
+namespace gradapt_test_disagreement {
+
 using threads = gradapt::comm::threads;
 namespace train = gradapt::train;
 
@@ -158,3 +160,5 @@ TEST_CASE("agree_values_and_share: every rank reads every rank's values; a bad v
   });
   require_all(apart, "k is");
 }
+
+}  // namespace gradapt_test_disagreement

@@ -13,6 +13,8 @@
 #include "catch.hpp"
 #include "gradapt/core/dtype.hpp"
 
+namespace gradapt_test_dtype {
+
 using gradapt::bfloat16;
 using gradapt::half;
 
@@ -208,3 +210,5 @@ TEST_CASE("dtype traits", "[dtype]") {
   STATIC_REQUIRE(gradapt::size_of(gradapt::dtype::bfloat16) == 2);
   REQUIRE(gradapt::name(gradapt::dtype::float16) == "float16");
 }
+
+}  // namespace gradapt_test_dtype

@@ -34,6 +34,8 @@
 #include "gradapt/train/data_parallel_step.hpp"
 #include "rank_check.hpp"
 
+namespace gradapt_test_elastic_policy {
+
 using Catch::Matchers::Contains;
 using gradapt::comm::run_threads;
 using gradapt::comm::threads;
@@ -570,3 +572,5 @@ TEST_CASE("straggler_policy over train::data_parallel_step: the rebalanced batch
     RANK_CHECK(m.global_batch == 64.0);  // the step ran with the agreed per-rank batches
   });
 }
+
+}  // namespace gradapt_test_elastic_policy

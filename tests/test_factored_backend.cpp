@@ -13,6 +13,8 @@
 #include "catch.hpp"
 #include "gradapt/backend/host.hpp"
 
+namespace gradapt_test_factored_backend {
+
 using Catch::Matchers::Contains;
 using gradapt::host;
 using gradapt::tensor_view;
@@ -254,3 +256,5 @@ TEST_CASE("host apply_factored_max: the update and the row/column maxima of its 
                                 gradapt::host_view(std::as_const(x)), gradapt::host_view(y)),
       Contains("over_x 2 elements (expected A*X*B*C = 2 and A*B*Y*C = 3)"));
 }
+
+}  // namespace gradapt_test_factored_backend

@@ -5,6 +5,8 @@
 #include "catch.hpp"
 #include "gradapt/scaling/goodput.hpp"
 
+namespace gradapt_test_goodput {
+
 using Catch::Matchers::Contains;
 using gradapt::efficiency_params;
 using gradapt::goodput_config;
@@ -301,3 +303,5 @@ TEST_CASE("goodput: bad input throws gradapt::error with an actionable message",
   REQUIRE_THROWS_WITH(gradapt::search_goodput(p, e, 2, 1, cur, {.max_atomic_batch = 4}),
                       Contains("no configuration") && Contains("raise max_atomic_batch"));
 }
+
+}  // namespace gradapt_test_goodput

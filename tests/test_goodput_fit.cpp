@@ -8,6 +8,8 @@
 #include "catch.hpp"
 #include "gradapt/scaling/goodput_fit.hpp"
 
+namespace gradapt_test_goodput_fit {
+
 using Catch::Matchers::Contains;
 using gradapt::goodput_config;
 using gradapt::throughput_params;
@@ -173,3 +175,5 @@ TEST_CASE("goodput_fit: bad input throws gradapt::error", "[goodput_fit]") {
                       Contains("max_evaluations = 0"));
   REQUIRE_THROWS_WITH(gradapt::fit_throughput_params(ok, {.tolerance = -1}), Contains("tolerance = -1"));
 }
+
+}  // namespace gradapt_test_goodput_fit

@@ -24,6 +24,8 @@
 #include "rank_check.hpp"
 #include "scenarios/noise_scale.hpp"
 
+namespace gradapt_test_gradient_noise_scale {
+
 using Catch::Matchers::Contains;
 using gradapt::gradient_noise_scale;
 using gradapt::gradient_noise_scale_state;
@@ -414,3 +416,5 @@ TEST_CASE("gns: invalid input throws actionable errors", "[gns]") {
   REQUIRE_THROWS_WITH(gns.restore(bad), Contains("inconsistent state"));
   REQUIRE(gns.samples() == 0);  // nothing was half-applied
 }
+
+}  // namespace gradapt_test_gradient_noise_scale

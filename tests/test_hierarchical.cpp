@@ -24,6 +24,8 @@
 #include "rank_errors.hpp"
 #include "scenarios/hierarchical.hpp"
 
+namespace gradapt_test_hierarchical {
+
 using gradapt::reduce_op;
 using gradapt::comm::hierarchy;
 using gradapt::comm::threads;
@@ -309,3 +311,5 @@ TEST_CASE("hierarchy errors are thrown on every rank with a message that says wh
     });
   }
 }
+
+}  // namespace gradapt_test_hierarchical

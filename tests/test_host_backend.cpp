@@ -14,6 +14,8 @@
 #include "catch.hpp"
 #include "gradapt/backend/host.hpp"
 
+namespace gradapt_test_host_backend {
+
 using gradapt::host_view;
 using gradapt::reduction;
 using gradapt::tensor_view;
@@ -437,3 +439,5 @@ TEMPLATE_TEST_CASE(
     CHECK(std::fabs(static_cast<long double>(inside.sum_local_sq) - local) <= 1e-12L * local);
   }
 }
+
+}  // namespace gradapt_test_host_backend

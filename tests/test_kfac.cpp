@@ -31,6 +31,8 @@
 #include "ld_linalg.hpp"
 #include "rank_check.hpp"
 
+namespace gradapt_test_kfac {
+
 using Catch::Matchers::Contains;
 using gradapt::kfac;
 using gradapt::kfac_grad;
@@ -770,3 +772,5 @@ TEST_CASE("kfac: invalid options and input throw naming what is wrong", "[kfac]"
   CHECK_THROWS_WITH(kf.step(st, std::span(ok), -1.0), Contains("lr is -1"));
   CHECK_THROWS_WITH(kf.step(st, std::span(ok), 0.1), Contains("layer 'fc' got no a and g"));
 }
+
+}  // namespace gradapt_test_kfac

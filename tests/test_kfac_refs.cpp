@@ -39,6 +39,8 @@
 #include "gradapt/linalg/host_lapack.hpp"
 #include "gradapt/optim/kfac.hpp"
 
+namespace gradapt_test_kfac_refs {
+
 #ifndef GRADAPT_KFAC_DATA
 #error "define GRADAPT_KFAC_DATA as the path of tests/data/kfac"
 #endif
@@ -334,3 +336,5 @@ TEST_CASE("kfac matches kfac-pytorch's factors, decompositions and preconditione
     }
   }
 }
+
+}  // namespace gradapt_test_kfac_refs

@@ -19,6 +19,8 @@
 #include "catch.hpp"
 #include "gradapt/linalg/host_lapack.hpp"
 
+namespace gradapt_test_linalg {
+
 using Catch::Matchers::Contains;
 using gradapt::gram;
 using gradapt::host_lapack;
@@ -204,3 +206,5 @@ TEST_CASE("host_lapack: invalid shapes throw gradapt::error with the sizes", "[l
                       Contains("the workspace was made for 4 x 4 matrices"));
   REQUIRE_THROWS_WITH(la.eigh_workspace<double>(-1), Contains("expected n >= 0"));
 }
+
+}  // namespace gradapt_test_linalg

@@ -15,6 +15,8 @@
 #include "cuda_test_support.cuh"
 #include "gradapt/linalg/cuda_linalg.cuh"
 
+namespace gradapt_test_linalg_cuda {
+
 using gradapt::cuda_buffer;
 using gradapt::cuda_linalg;
 using gradapt::device_space;
@@ -160,3 +162,5 @@ TEST_CASE("cuda_linalg: invalid shapes throw gradapt::error", "[linalg][cuda]") 
   auto ws = la.eigh_workspace<float>(4);
   REQUIRE_THROWS_AS(la.eigh<float>(m(3, 3), dview<float>::vector(buf.data(), 3), ws), gradapt::error);
 }
+
+}  // namespace gradapt_test_linalg_cuda

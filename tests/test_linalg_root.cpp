@@ -22,6 +22,8 @@
 #include "gradapt/linalg/host_lapack.hpp"
 #include "gradapt/linalg/matrix_root.hpp"
 
+namespace gradapt_test_linalg_root {
+
 using Catch::Matchers::Contains;
 using gradapt::host_lapack;
 using gradapt::inverse_root_options;
@@ -417,3 +419,5 @@ TEST_CASE("inverse_pth_root: invalid arguments throw gradapt::error", "[linalg][
   REQUIRE_THROWS_WITH(call(2, {.power_tolerance = -1}), Contains("power_tolerance is -1"));
   REQUIRE_THROWS_WITH((inverse_root_workspace<host_lapack, double>(la, 0)), Contains("n is 0"));
 }
+
+}  // namespace gradapt_test_linalg_root

@@ -9,6 +9,8 @@
 #include "local_sgd_fixtures.hpp"
 #include "scenarios/average_models.hpp"
 
+namespace gradapt_test_local_sgd {
+
 using namespace local_sgd_test;
 
 // ---- average_models --------------------------------------------------------------------------
@@ -299,3 +301,5 @@ TEST_CASE("hierarchical_period: levels and groups follow the hand-derived tables
     }
   }
 }
+
+}  // namespace gradapt_test_local_sgd

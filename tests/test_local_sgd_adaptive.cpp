@@ -9,6 +9,8 @@
 
 #include "alloc_counter.hpp"  // this executable's operator new counts allocations
 
+namespace gradapt_test_local_sgd_adaptive {
+
 using namespace local_sgd_test;
 
 // ---- adaptive period -------------------------------------------------------------------------
@@ -575,3 +577,5 @@ TEST_CASE("local_sgd: lists that differ across ranks throw on every rank", "[loc
     });
   }
 }
+
+}  // namespace gradapt_test_local_sgd_adaptive

@@ -43,6 +43,8 @@ using gradapt::tensor_view;
 
 #include "alloc_counter.hpp"  // this executable's operator new counts allocations
 
+namespace gradapt_test_loss_scaler {
+
 namespace {
 
 constexpr double flt_max = static_cast<double>(std::numeric_limits<float>::max());
@@ -731,3 +733,5 @@ TEST_CASE("unscale: the pass functions reject bad arguments with the sizes named
   REQUIRE_THROWS_WITH(gradapt::unscale_flag_nonfinite(h, grads, 1.0f, tensor_view<float>{}),
                       Contains("the flag view is empty"));
 }
+
+}  // namespace gradapt_test_loss_scaler

@@ -42,6 +42,8 @@ static_assert(gradapt::factored_backend<gradapt::host>);
 
 #include "alloc_counter.hpp"  // this executable's operator new counts allocations
 
+namespace gradapt_test_optim_adafactor {
+
 using namespace adafactor_test;
 
 TEST_CASE("adafactor matches a long double re-computation of the paper's algorithm", "[optim][adafactor]") {
@@ -425,3 +427,5 @@ TEST_CASE("adafactor edge cases", "[optim][adafactor]") {
     REQUIRE(st.steps() == 0);
   }
 }
+
+}  // namespace gradapt_test_optim_adafactor

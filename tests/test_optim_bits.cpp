@@ -2,8 +2,9 @@
 // on 1, 2 and 3 threads) after a few steps on fixed
 // pseudo-random data (float, double, bfloat16 and half parameters; sizes that leave scalar
 // tails after the packs). Built twice, with the explicit pack path and with
-// -DGRADAPT_NO_VECTOR_EXTENSIONS (scalar functor calls); ctest compares the two outputs byte
-// for byte, because the two paths promise identical results.
+// -DGRADAPT_NO_VECTOR_EXTENSIONS (scalar functor calls); ctest compares the outputs byte for
+// byte, the pack build run as it is (AVX2 where the CPU has it) and with GRADAPT_HOST_AVX2=0
+// (16-byte packs), because the paths promise identical results.
 #include <cinttypes>
 #include <cstdint>
 #include <cstdio>
@@ -137,6 +138,15 @@ void all(const char* type) {
 }  // namespace
 
 int main() {
+  // The path this process runs (compare_outputs.cmake checks it where a test asks for one).
+#if defined(GRADAPT_HOST_AVX2)
+  std::fprintf(stderr, "host path: %s\n",
+               gradapt::simd::detail::cpu_has_avx2() ? "32-byte AVX2 packs" : "16-byte packs");
+#elif defined(GRADAPT_HOST_VECTOR)
+  std::fprintf(stderr, "host path: 16-byte packs\n");
+#else
+  std::fprintf(stderr, "host path: scalar\n");
+#endif
   std::vector<std::uint64_t> first;
   for (int threads : {1, 2, 3}) {
     const std::uint64_t h[] = {

@@ -11,6 +11,8 @@
 //    empty tensors, empty lists.
 #include "chain_fixtures.hpp"
 
+namespace gradapt_test_optim_chain {
+
 using namespace chain_test;
 
 // ---- every option against the long double reference ---------------------------------------------
@@ -361,3 +363,5 @@ TEST_CASE("empty tensors and empty lists", "[optim][edge]") {
   lars.step(b, params, sr);
   REQUIRE(p[0] != 1.0f);
 }
+
+}  // namespace gradapt_test_optim_chain

@@ -7,6 +7,8 @@
 //  - every error message names what is wrong.
 #include "chain_fixtures.hpp"
 
+namespace gradapt_test_optim_chain_structure {
+
 using namespace chain_test;
 
 // ---- pass structure ----------------------------------------------------------------------------
@@ -495,3 +497,5 @@ TEST_CASE("a stage declaring only its kernel takes the trait defaults", "[optim]
   for (std::size_t t = 0; t < a.p.size(); ++t)
     REQUIRE(std::memcmp(a.p[t].data(), b.p[t].data(), a.p[t].size() * sizeof(float)) == 0);
 }
+
+}  // namespace gradapt_test_optim_chain_structure

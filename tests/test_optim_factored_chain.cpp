@@ -32,6 +32,8 @@ static_assert(gradapt::factored_backend<gradapt::host>);
 
 #include "alloc_counter.hpp"  // this executable's operator new counts allocations
 
+namespace gradapt_test_optim_factored_chain {
+
 using namespace adafactor_test;
 
 // ---- gradapt::adafactor as a chain, and user chains starting with transform::scale_by_factored_rms --
@@ -451,3 +453,5 @@ using Q = gradapt::chain<tf::scale_by_factored_rms, tf::ema, tf::scale_by_param_
 constexpr std::uint64_t q_on = Q::mask_of(3);
 static_assert(!Q::measure_only(0, q_on) && Q::needs_grad(0, q_on));
 }  // namespace plan_checks
+
+}  // namespace gradapt_test_optim_factored_chain

@@ -49,6 +49,8 @@ using namespace adafactor_test;
 
 #include "gradapt/optim/sm3.hpp"
 
+namespace gradapt_test_optim_factored_refs {
+
 namespace {
 
 std::uint64_t splitmix64(std::uint64_t x) {
@@ -300,3 +302,5 @@ TEST_CASE("adafactor and sm3 match optax and torch.optim.Adafactor reference vec
   REQUIRE(torch_cases >= 2);
   REQUIRE(sm3_cases >= 2);
 }
+
+}  // namespace gradapt_test_optim_factored_refs

@@ -21,6 +21,8 @@
 #include "gradapt/optim/sgd.hpp"
 #include "gradapt/optim/sm3.hpp"
 
+namespace gradapt_test_optim_large_gradients {
+
 namespace {
 
 /// Steps `opt` three times with gradients of magnitude `g` (alternating signs per element) on
@@ -171,3 +173,5 @@ TEST_CASE("eps = 0 with eps_root = 0 is rejected where a zero gradient would giv
                       Catch::Matchers::Contains("lamb: eps and eps_root are both 0"));
   REQUIRE_NOTHROW(gradapt::adamw({.eps = 0.0, .eps_root = 1e-16}));
 }
+
+}  // namespace gradapt_test_optim_large_gradients

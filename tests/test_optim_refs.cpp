@@ -30,6 +30,8 @@
 #include "gradapt/optim/lars.hpp"
 #include "gradapt/optim/sgd.hpp"
 
+namespace gradapt_test_optim_refs {
+
 #ifndef GRADAPT_OPTIM_DATA
 #error "define GRADAPT_OPTIM_DATA as the path of tests/data/optim"
 #endif
@@ -359,3 +361,5 @@ TEST_CASE("optimizers match optax and PyTorch reference vectors", "[optim][refs]
     }
   }
 }
+
+}  // namespace gradapt_test_optim_refs

@@ -14,6 +14,8 @@
 #include "gradapt/backend/host.hpp"
 #include "gradapt/backend/simd.hpp"
 
+namespace gradapt_test_optim_simd {
+
 namespace simd = gradapt::simd;
 
 namespace {
@@ -270,3 +272,5 @@ TEST_CASE("host backend calls opted-in functors with packs, others with scalars;
     for (std::size_t i = 0; i < n; ++i) REQUIRE(bits(y1[i]) == bits(y2[i] + x[i]));
   }
 }
+
+}  // namespace gradapt_test_optim_simd

@@ -27,6 +27,8 @@
 #include "gradapt/optim/sm3.hpp"
 #include "run_compare.hpp"
 
+namespace gradapt_test_optim_sm3 {
+
 using Catch::Matchers::Contains;
 using gradapt::host;
 using gradapt::tensor_view;
@@ -509,3 +511,5 @@ TEST_CASE("sm3: a state saved for [16, 8] does not load into [8, 16]", "[sm3][ch
   REQUIRE_THROWS_WITH(st.load(b, sw.save(b)), Contains("parameter 'w' has another shape"));
   REQUIRE(st.steps() == 0);
 }
+
+}  // namespace gradapt_test_optim_sm3

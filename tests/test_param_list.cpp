@@ -4,6 +4,8 @@
 #include "catch.hpp"
 #include "gradapt/core/param_list.hpp"
 
+namespace gradapt_test_param_list {
+
 using gradapt::host_view;
 
 TEST_CASE("param_list views framework buffers without copies", "[param_list]") {
@@ -47,3 +49,5 @@ TEST_CASE("param_list rejects bad input with messages naming the tensor", "[para
   REQUIRE_THROWS_AS(params.add_group("default"), gradapt::error);
   REQUIRE_THROWS_AS(params.group(9), gradapt::error);
 }
+
+}  // namespace gradapt_test_param_list

@@ -38,6 +38,8 @@
 #include "gradapt/optim/shampoo.hpp"
 #include "ld_linalg.hpp"
 
+namespace gradapt_test_shampoo {
+
 using Catch::Matchers::Contains;
 using gradapt::host;
 using gradapt::host_lapack;
@@ -753,3 +755,5 @@ TEST_CASE("shampoo: groups, 16-bit gradients, moved buffers and thread counts", 
   CHECK(b0 == std::vector<float>(3, 0.25f));  // lr_scale 0: unchanged (its weight decay too)
   CHECK(b2 == std::vector<float>(3, 0.25f));
 }
+
+}  // namespace gradapt_test_shampoo

@@ -37,6 +37,8 @@
 #include "gradapt/optim/shampoo.hpp"
 #include "rank_check.hpp"
 
+namespace gradapt_test_shampoo_dist {
+
 using Catch::Matchers::Contains;
 using gradapt::host;
 using gradapt::host_lapack;
@@ -523,3 +525,5 @@ TEST_CASE("shampoo options: root_staleness is at most precondition_frequency", "
   m.grads(0);
   CHECK_THROWS_WITH(shampoo(base_options()).step(backend, m.params, st), Contains("root_staleness"));
 }
+
+}  // namespace gradapt_test_shampoo_dist

@@ -32,6 +32,8 @@
 #include "gradapt/linalg/host_lapack.hpp"
 #include "gradapt/optim/shampoo.hpp"
 
+namespace gradapt_test_shampoo_refs {
+
 #ifndef GRADAPT_SHAMPOO_DATA
 #error "define GRADAPT_SHAMPOO_DATA as the path of tests/data/shampoo"
 #endif
@@ -339,3 +341,5 @@ TEST_CASE("shampoo matches DistributedShampoo reference trajectories", "[shampoo
     CHECK(df <= rtol_float);
   }
 }
+
+}  // namespace gradapt_test_shampoo_refs

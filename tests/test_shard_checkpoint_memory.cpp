@@ -18,6 +18,8 @@
 
 #include "alloc_counter.hpp"
 
+namespace gradapt_test_shard_checkpoint_memory {
+
 namespace {
 
 using gradapt::comm::run_threads;
@@ -111,3 +113,5 @@ TEST_CASE("saving and resharding hold the shard plus at most one tensor's worth 
     }
   }
 }
+
+}  // namespace gradapt_test_shard_checkpoint_memory

@@ -25,6 +25,8 @@
 #include "rank_errors.hpp"
 #include "scenarios/sharded.hpp"
 
+namespace gradapt_test_shard_device_path {
+
 using Catch::Matchers::Contains;
 using gradapt::device_space;
 using gradapt::comm::run_threads;
@@ -146,3 +148,5 @@ TEST_CASE("the device path rejects what it cannot shard exactly, on every rank",
     RANK_REQUIRE(s.steps() == 1);
   });
 }
+
+}  // namespace gradapt_test_shard_device_path

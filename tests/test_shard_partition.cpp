@@ -16,6 +16,8 @@
 #include "gradapt/core/archive.hpp"
 #include "gradapt/shard/partition.hpp"
 
+namespace gradapt_test_shard_partition {
+
 using gradapt::shard::granularity;
 using gradapt::shard::partition_plan;
 using gradapt::shard::piece;
@@ -235,3 +237,5 @@ TEST_CASE("invalid plans are errors naming the option", "[shard][partition][vali
   const std::vector<std::size_t> huge{~std::size_t{0}, 2};
   REQUIRE_THROWS_WITH(partition_plan::make(huge, 2), Catch::Matchers::Contains("overflow"));
 }
+
+}  // namespace gradapt_test_shard_partition

@@ -23,6 +23,8 @@
 #include <xmmintrin.h>
 #endif
 
+namespace gradapt_test_simd_half {
+
 namespace simd = gradapt::simd;
 using gradapt::bfloat16;
 using gradapt::half;
@@ -418,3 +420,5 @@ TEST_CASE("host unscale of fp16 and bf16 gradients equals the scalar re-computat
       check_master(threads, inv);
     }
 }
+
+}  // namespace gradapt_test_simd_half

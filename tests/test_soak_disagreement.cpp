@@ -30,6 +30,8 @@
 #include "gradapt/comm/threads.hpp"
 #include "gradapt/sync/average_models.hpp"
 
+namespace gradapt_test_soak_disagreement {
+
 namespace {
 
 using threads = gradapt::comm::threads;
@@ -268,3 +270,5 @@ TEST_CASE("soak: ranks that disagree all throw, ranks that agree get the right r
   REQUIRE(agreed > 0);
   REQUIRE(disagreed > 0);
 }
+
+}  // namespace gradapt_test_soak_disagreement

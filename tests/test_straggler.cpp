@@ -17,6 +17,8 @@
 #include "gradapt/elastic/straggler.hpp"
 #include "rank_check.hpp"
 
+namespace gradapt_test_straggler {
+
 using Catch::Matchers::Contains;
 using gradapt::comm::run_threads;
 using gradapt::comm::threads;
@@ -171,3 +173,5 @@ TEST_CASE("straggler: observe over a communicator agrees on every rank; errors o
   CHECK_THROWS_WITH(straggler_detector(2, {.floor = -1}), Contains("floor is -1"));
   CHECK_THROWS_WITH(d.flagged(2), Contains("rank 2 out of range"));
 }
+
+}  // namespace gradapt_test_straggler

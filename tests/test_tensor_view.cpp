@@ -5,6 +5,8 @@
 #include "catch.hpp"
 #include "gradapt/core/tensor_view.hpp"
 
+namespace gradapt_test_tensor_view {
+
 using gradapt::tensor_view;
 
 TEST_CASE("tensor_view describes shape, size and type", "[tensor_view]") {
@@ -55,3 +57,5 @@ TEST_CASE("memory spaces are distinct types", "[tensor_view]") {
   STATIC_REQUIRE(gradapt::view_list<std::vector<tensor_view<float>>, gradapt::host_space>);
   STATIC_REQUIRE(!gradapt::view_list<std::vector<tensor_view<float>>, gradapt::device_space>);
 }
+
+}  // namespace gradapt_test_tensor_view

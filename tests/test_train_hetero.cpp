@@ -24,6 +24,8 @@
 #include "rank_errors.hpp"
 #include "scenarios/train_step.hpp"
 
+namespace gradapt_test_train_hetero {
+
 using Catch::Matchers::Contains;
 using threads = gradapt::comm::threads;
 namespace train = gradapt::train;
@@ -330,3 +332,5 @@ TEST_CASE("rank_batches in checkpoints: load keeps them, restore on another worl
     CHECK(fine == std::vector<int>(std::size_t(m), 1));
   }
 }
+
+}  // namespace gradapt_test_train_hetero

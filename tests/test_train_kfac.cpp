@@ -31,6 +31,8 @@
 #include "gradapt/train/kfac_policy.hpp"
 #include "rank_check.hpp"
 
+namespace gradapt_test_train_kfac {
+
 using Catch::Matchers::Contains;
 namespace train = gradapt::train;
 using gradapt::kfac;
@@ -391,3 +393,5 @@ TEST_CASE("kfac_policy: a mapping that does not fit throws naming the layer, on 
     }
   });
 }
+
+}  // namespace gradapt_test_train_kfac

@@ -29,6 +29,8 @@
 #include "gradapt/train/data_parallel_step.hpp"
 #include "rank_check.hpp"
 
+namespace gradapt_test_train_policy {
+
 using Catch::Matchers::Contains;
 namespace train = gradapt::train;
 using threads = gradapt::comm::threads;
@@ -296,3 +298,5 @@ TEST_CASE("step_args: one per-step input for optimizers and the train step", "[t
     RANK_REQUIRE_THROWS_WITH(sa.step({.lr = -1.0}), Contains("step_args::lr is -1"));
   });
 }
+
+}  // namespace gradapt_test_train_policy

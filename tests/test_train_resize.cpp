@@ -15,6 +15,8 @@
 #include "rank_check.hpp"
 #include "scenarios/train_step.hpp"
 
+namespace gradapt_test_train_resize {
+
 using Catch::Matchers::Contains;
 using threads = gradapt::comm::threads;
 namespace train = gradapt::train;
@@ -164,3 +166,5 @@ TEST_CASE("restore: disagreements and rules that do not apply throw on every ran
                              Contains("needs the adapt slot's adascale_policy"));
   });
 }
+
+}  // namespace gradapt_test_train_resize

@@ -41,6 +41,8 @@
 
 #include "alloc_counter.hpp"  // this executable's operator new counts allocations
 
+namespace gradapt_test_train_step {
+
 using Catch::Matchers::Contains;
 using gradapt::half;
 namespace train = gradapt::train;
@@ -493,3 +495,5 @@ TEST_CASE("LocalSGD with the adaptive period reads the loss passed to step()", "
     REQUIRE(rounds > (steps - 1) / 2);
   }
 }
+
+}  // namespace gradapt_test_train_step

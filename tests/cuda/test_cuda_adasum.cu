@@ -31,6 +31,8 @@
 #include "gradapt/comm/nccl.hpp"
 #endif
 
+namespace gradapt_test_cuda_adasum {
+
 using namespace gradapt_test;
 using gradapt::device_space;
 using gradapt::tensor_view;
@@ -350,3 +352,5 @@ TEST_CASE("cuda adasum: a list that differs across ranks throws on every rank", 
   ada.allreduce(gradapt::cuda{.stream = comm.stream()}, grads, ws);
 }
 #endif
+
+}  // namespace gradapt_test_cuda_adasum

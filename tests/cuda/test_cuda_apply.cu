@@ -8,6 +8,8 @@
 
 #include "cuda_test_support.cuh"
 
+namespace gradapt_test_cuda_apply {
+
 using namespace gradapt_test;
 using gradapt::compute_t;
 using gradapt::device_space;
@@ -168,3 +170,5 @@ TEST_CASE("cuda apply: empty views launch nothing", "[cuda][apply]") {
   gradapt::cuda{}.apply(axpy<float>{1.0f}, view(a), cview(b));
   GRADAPT_CUDA_CHECK(cudaDeviceSynchronize());
 }
+
+}  // namespace gradapt_test_cuda_apply

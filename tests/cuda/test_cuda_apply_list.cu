@@ -9,6 +9,8 @@
 
 #include "cuda_test_support.cuh"
 
+namespace gradapt_test_cuda_apply_list {
+
 using namespace gradapt_test;
 using gradapt::compute_t;
 using gradapt::device_space;
@@ -139,3 +141,5 @@ TEST_CASE("cuda apply_list: a launch carries dozens of tensors", "[cuda][apply_l
   STATIC_REQUIRE(batch_capacity<4, 16> >= 80);
   STATIC_REQUIRE(sizeof(tensor_batch<4, batch_capacity<4, 16>>) + 16 <= 4096);
 }
+
+}  // namespace gradapt_test_cuda_apply_list

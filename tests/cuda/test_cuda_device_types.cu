@@ -10,6 +10,8 @@
 
 #include "cuda_test_support.cuh"
 
+namespace gradapt_test_cuda_device_types {
+
 using namespace gradapt_test;
 
 static_assert(std::is_same_v<gradapt::cuda_type_t<gradapt::half>, __half>);
@@ -134,3 +136,5 @@ TEST_CASE("reinterpreted device pointers work with CUDA's half arithmetic", "[cu
   REQUIRE(static_cast<float>(got[3]) == 2000.0f);
   REQUIRE(got[4].bits == 0x7c00u);  // 80000 overflows to +inf
 }
+
+}  // namespace gradapt_test_cuda_device_types

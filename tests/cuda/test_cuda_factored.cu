@@ -35,6 +35,8 @@
 #include "gradapt/optim/adafactor.hpp"
 #include "gradapt/optim/sm3.hpp"
 
+namespace gradapt_test_cuda_factored {
+
 using namespace gradapt_test;
 using gradapt::device_space;
 using gradapt::host_space;
@@ -558,3 +560,5 @@ TEST_CASE("cuda sm3 (chain state) steps never wait for the host (they capture in
     step_captures(gradapt::sm3(o), mixed_with_empty);
   }
 }
+
+}  // namespace gradapt_test_cuda_factored

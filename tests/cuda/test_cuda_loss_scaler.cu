@@ -20,6 +20,8 @@
 #include "gradapt/optim/clip.hpp"
 #include "gradapt/precision/loss_scaler.hpp"
 
+namespace gradapt_test_cuda_loss_scaler {
+
 using namespace gradapt_test;
 using gradapt::device_space;
 using gradapt::host_space;
@@ -254,3 +256,5 @@ TEST_CASE("cuda clip_by_global_norm equals the host bit for bit on exactly summa
     }
   }
 }
+
+}  // namespace gradapt_test_cuda_loss_scaler

@@ -28,6 +28,8 @@
 #include "gradapt/optim/lars.hpp"
 #include "gradapt/optim/sgd.hpp"
 
+namespace gradapt_test_cuda_optim {
+
 using namespace gradapt_test;
 using gradapt::device_space;
 using gradapt::host_space;
@@ -382,3 +384,5 @@ TEST_CASE("cuda optimizer init sizes the workspace: the first step captures into
   step_captures(gradapt::lars({.weight_decay = 0.01}), false);
   step_captures(gradapt::sgd({.lr = 0.1, .momentum = 0.9, .nesterov = true}), false);
 }
+
+}  // namespace gradapt_test_cuda_optim

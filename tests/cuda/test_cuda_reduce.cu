@@ -13,6 +13,8 @@
 
 #include "cuda_test_support.cuh"
 
+namespace gradapt_test_cuda_reduce {
+
 using namespace gradapt_test;
 using gradapt::device_space;
 using gradapt::host_space;
@@ -372,3 +374,5 @@ TEST_CASE("cuda backend rejects host views at compile time", "[cuda]") {
   STATIC_REQUIRE(gradapt::backend<gradapt::cuda>);
   STATIC_REQUIRE(std::is_same_v<gradapt::cuda::space, device_space>);
 }
+
+}  // namespace gradapt_test_cuda_reduce

@@ -23,6 +23,8 @@
 #include "gradapt/optim/lamb.hpp"
 #include "gradapt/shard/optimizer.hpp"
 
+namespace gradapt_test_cuda_shard {
+
 using namespace gradapt_test;
 using gradapt::device_space;
 using gradapt::shard::granularity;
@@ -121,3 +123,5 @@ TEST_CASE("float master values for bfloat16 parameters on the CUDA backend", "[c
   sopt.step(comm, b, m.params, s);
   REQUIRE(s.state_bytes() >= 12 * (m.sizes[0] + m.sizes[3]));
 }
+
+}  // namespace gradapt_test_cuda_shard

@@ -15,6 +15,8 @@
 #include "cuda_test_support.cuh"
 #include "gradapt/adapters/thrust.hpp"
 
+namespace gradapt_test_cuda_thrust_adapter {
+
 using namespace gradapt_test;
 using Catch::Matchers::Contains;
 using gradapt::compute_t;
@@ -102,3 +104,5 @@ TEST_CASE("thrust adapter: device_ptr and universal_vector views, shapes", "[cud
   thrust::host_vector<float> hv(6);
   REQUIRE(view_of(hv, {2, 3}).shape_string() == "[2, 3]");
 }
+
+}  // namespace gradapt_test_cuda_thrust_adapter

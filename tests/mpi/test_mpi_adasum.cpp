@@ -25,6 +25,8 @@
 #include "gradapt/comm/threads.hpp"
 #include "mpi_test_support.hpp"
 
+namespace gradapt_test_mpi_adasum {
+
 using gradapt::tensor_view;
 
 namespace {
@@ -150,3 +152,5 @@ TEST_CASE("mpi adasum: lists that differ across ranks throw on every rank", "[mp
   ada.allreduce(gradapt::host{}, same_list, right);
   REQUIRE(x[0] == 1.0f);
 }
+
+}  // namespace gradapt_test_mpi_adasum

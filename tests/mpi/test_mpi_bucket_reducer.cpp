@@ -20,6 +20,8 @@
 #include "gradapt/comm/mpi.hpp"
 #include "mpi_test_support.hpp"
 
+namespace gradapt_test_mpi_bucket_reducer {
+
 using namespace mpitest;
 using gradapt::bucket::bucket_plan;
 using gradapt::bucket::reducer;
@@ -281,3 +283,5 @@ TEST_CASE("mpi reducer errors: marking twice or out of range, a missing gradient
   }
   still_works(c);
 }
+
+}  // namespace gradapt_test_mpi_bucket_reducer

@@ -16,6 +16,8 @@
 #include "mpi_test_support.hpp"
 #include "scenarios/collective_disagreement.hpp"
 
+namespace gradapt_test_mpi_errors {
+
 using namespace mpitest;
 
 namespace {
@@ -323,3 +325,5 @@ TEST_CASE("mpi engine errors carry MPI's own message", "[mpi][errors]") {
   }
   still_works(c);
 }
+
+}  // namespace gradapt_test_mpi_errors

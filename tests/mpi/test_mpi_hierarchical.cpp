@@ -14,6 +14,8 @@
 #include "mpi_test_support.hpp"
 #include "scenarios/hierarchical.hpp"
 
+namespace gradapt_test_mpi_hierarchical {
+
 using gradapt::comm::hierarchy;
 using namespace mpitest;
 
@@ -73,3 +75,5 @@ TEST_CASE("mpi hierarchy errors are thrown on every rank", "[mpi][hierarchical][
   hier_scenarios::disagreeing_counts(c);
   still_works(c);
 }
+
+}  // namespace gradapt_test_mpi_hierarchical

@@ -36,6 +36,8 @@
 #include "scenarios/average_models.hpp"
 #include "scenarios/disagreement.hpp"
 
+namespace gradapt_test_mpi_local_sgd {
+
 using namespace local_sgd_test;
 using namespace mpitest;
 
@@ -313,3 +315,5 @@ TEST_CASE("mpi local_sgd: a checkpoint restored mid-run continues bit for bit", 
           std::bit_cast<std::uint64_t>(lc.state().schedule.ema));
   REQUIRE(la.ring_bytes() == lc.ring_bytes());
 }
+
+}  // namespace gradapt_test_mpi_local_sgd

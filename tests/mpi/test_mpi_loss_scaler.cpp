@@ -16,6 +16,8 @@
 #include "gradapt/precision/loss_scaler.hpp"
 #include "scenarios/loss_scaler.hpp"
 
+namespace gradapt_test_mpi_loss_scaler {
+
 TEST_CASE("mpi: loss_scaler ranks agree on overflows of any rank", "[mpi][loss_scaler]") {
   gradapt::comm::mpi comm;
   // The last rank overflows on a pattern; rank 0 additionally on step 9 (two ranks at once).
@@ -61,3 +63,5 @@ TEST_CASE("mpi: sharded clip_by_global_norm equals the serial clip bit for bit",
   for (std::size_t k = 0; k < ids.size(); ++k)
     REQUIRE(std::memcmp(mine[k].data(), whole[ids[k]].data(), mine[k].size() * sizeof(float)) == 0);
 }
+
+}  // namespace gradapt_test_mpi_loss_scaler

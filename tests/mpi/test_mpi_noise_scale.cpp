@@ -12,6 +12,8 @@
 #include "gradapt/stats/gradient_noise_scale.hpp"
 #include "scenarios/noise_scale.hpp"
 
+namespace gradapt_test_mpi_noise_scale {
+
 namespace {
 
 // Rank r's local gradient at step k (already multiplied by the loss scale): a component every
@@ -45,3 +47,5 @@ TEST_CASE("mpi: data-parallel noise scale equals the serial two-batch form", "[m
   restored.restore(dp.state);
   REQUIRE(restored.b_simple().has_value());
 }
+
+}  // namespace gradapt_test_mpi_noise_scale

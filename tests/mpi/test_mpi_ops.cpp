@@ -14,6 +14,8 @@
 #include "gradapt/comm/mpi.hpp"
 #include "mpi_test_support.hpp"
 
+namespace gradapt_test_mpi_ops {
+
 using namespace mpitest;
 
 namespace {
@@ -220,3 +222,5 @@ TEST_CASE("mpi 16-bit reductions round back to the storage type", "[mpi]") {
   c.allreduce(view(g), reduce_op::sum);
   CHECK(value(g[0]) == 1.0);
 }
+
+}  // namespace gradapt_test_mpi_ops

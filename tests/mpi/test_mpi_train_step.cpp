@@ -26,6 +26,8 @@
 #include "scenarios/disagreement.hpp"
 #include "scenarios/train_step.hpp"
 
+namespace gradapt_test_mpi_train_step {
+
 using gradapt::half;
 using mpi = gradapt::comm::mpi;
 using namespace train_scenario;
@@ -231,3 +233,5 @@ TEST_CASE("mpi: an adaptive_job's vote applies an agreed action everywhere and r
     CHECK(step.settings().lr == 0.1);  // nothing applied, on any rank
   }
 }
+
+}  // namespace gradapt_test_mpi_train_step

@@ -21,6 +21,8 @@
 #include "gradapt/core/concepts.hpp"
 #include "mpi_test_support.hpp"
 
+namespace gradapt_test_mpi_vs_threads {
+
 using namespace mpitest;
 
 namespace {
@@ -112,3 +114,5 @@ TEMPLATE_TEST_CASE("threads and MPI communicators give identical results for the
     CHECK(values(mine[k].data) == values(from_mpi[k].data));
   }
 }
+
+}  // namespace gradapt_test_mpi_vs_threads

@@ -40,6 +40,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -124,10 +125,16 @@ GRADAPT_HD GRADAPT_INLINE double widen(double x) { return x; }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 namespace detail {
-/// Whether this CPU runs AVX2 code (checked once): the run-time choice of every function
+/// Whether the AVX2 paths run (decided once per process): the run-time choice of every function
 /// compiled with `__attribute__((target("avx2")))` (the host backend's loops, SM3's fused pass).
+/// True when this CPU runs AVX2 code, unless the environment variable `GRADAPT_HOST_AVX2` is
+/// `0`: then the 16-byte paths run, with the same bits (ctest's optim_sse_path_matches_scalar
+/// runs the optimizers' bit printer so).
 inline bool cpu_has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2");
+  static const bool yes = [] {
+    const char* env = std::getenv("GRADAPT_HOST_AVX2");
+    return __builtin_cpu_supports("avx2") && !(env != nullptr && env[0] == '0' && env[1] == '\0');
+  }();
   return yes;
 }
 }  // namespace detail
