@@ -8,16 +8,13 @@
 #include <vector>
 
 #include "gradapt/backend/host.hpp"
+#include "support/counter_random.hpp"
 
 namespace {
-std::uint64_t state = 0x9e3779b97f4a7c15ull;
+gradapt_test::splitmix64_stream rng{0x9e3779b97f4a7c15ull};
 double next() {  // splitmix64 -> [-1, 1) with a spread of magnitudes
-  std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  z ^= z >> 31;
-  const double u = static_cast<double>(z >> 11) * 0x1.0p-53;
-  return (2 * u - 1) * static_cast<double>(1u << (z & 15));
+  const std::uint64_t z = rng();
+  return gradapt_test::signed_unit(z) * static_cast<double>(1u << (z & 15));
 }
 void print(const char* what, std::size_t n, double v) {
   std::uint64_t b;

@@ -17,6 +17,7 @@
 #include "gradapt/comm/threads.hpp"
 #include "rank_check.hpp"
 #include "rank_errors.hpp"
+#include "scenarios/bucket_reducer.hpp"
 
 namespace gradapt_test_bucket_reducer {
 
@@ -29,45 +30,16 @@ namespace {
 
 const gradapt::comm::threads_options quick{.timeout = std::chrono::seconds(10)};
 
-/// Gradients of rank r at round k: sizes `sizes`, values from a seeded generator.
+using bucket_scenarios::infos;
+using bucket_scenarios::per_tensor_mean;
+using bucket_scenarios::shuffled;
+using bucket_scenarios::views_of;
+
+/// Gradients of rank r at round k: sizes `sizes`, normal values scaled by 1 + t.
 std::vector<std::vector<float>> grads_of(const std::vector<std::size_t>& sizes, int r, int k) {
-  std::mt19937 rng(static_cast<unsigned>(1000 * r + 17 * k + 3));
-  std::normal_distribution<float> d(0.0f, 1.0f);
-  std::vector<std::vector<float>> g(sizes.size());
-  for (std::size_t t = 0; t < sizes.size(); ++t) {
-    g[t].resize(sizes[t]);
-    for (auto& x : g[t]) x = d(rng) * (1.0f + static_cast<float>(t));
-  }
-  return g;
-}
-
-std::vector<gradapt::tensor_view<float>> views_of(std::vector<std::vector<float>>& g) {
-  std::vector<gradapt::tensor_view<float>> v;
-  for (auto& x : g) v.push_back(gradapt::host_view(x));
-  return v;
-}
-
-std::vector<tensor_info> infos(const std::vector<std::size_t>& sizes) {
-  std::vector<tensor_info> v;
-  for (const auto s : sizes) v.push_back({s});
-  return v;
-}
-
-/// The per-tensor reference: each gradient allreduced and divided by the rank count.
-std::vector<std::vector<float>> per_tensor_mean(threads& comm, std::vector<std::vector<float>> g) {
-  for (auto& w : g) {
-    comm.allreduce(gradapt::host_view(w), gradapt::reduce_op::sum);
-    for (auto& x : w) x = x / static_cast<float>(comm.size());
-  }
-  return g;
-}
-
-/// A random order of the n gradients, its own for each rank and round.
-std::vector<std::size_t> shuffled(std::size_t n, unsigned seed) {
-  std::vector<std::size_t> order(n);
-  std::iota(order.begin(), order.end(), std::size_t{0});
-  std::shuffle(order.begin(), order.end(), std::mt19937(seed));
-  return order;
+  return bucket_scenarios::seeded_grads(
+      sizes, r, k, std::normal_distribution<float>(0.0f, 1.0f),
+      [](float x, std::size_t t) { return x * (1.0f + static_cast<float>(t)); });
 }
 
 /// Every rank's error message ("" when none), with the short watchdog.
@@ -89,25 +61,19 @@ TEST_CASE("bucketed mean is bitwise the per-tensor allreduce and mean, any caps 
         auto g = grads_of(sizes, comm.rank(), 0);
         reducer<threads, float> red(comm, plan, views_of(g));
         for (int round = 0; round < 2; ++round) {
-          const auto fresh = grads_of(sizes, comm.rank(), round);  // into the reducer's buffers
-          for (std::size_t t = 0; t < sizes.size(); ++t)
-            std::copy(fresh[t].begin(), fresh[t].end(), g[t].begin());
-          const auto want = per_tensor_mean(comm, g);
-          // Each rank marks in its own order.
-          const auto order = shuffled(sizes.size(), static_cast<unsigned>(comm.rank() * 31 + round));
+          // Fresh gradients into the reducer's buffers; each rank marks in its own order.
           std::vector<char> marked(sizes.size(), 0);
-          for (const std::size_t t : order) {
-            red.mark_ready(t);
-            marked[t] = 1;
-            // Buckets are reduced in plan order: exactly the leading complete ones.
-            std::size_t lead = 0;
-            while (lead < plan.buckets().size() &&
-                   std::all_of(plan.buckets()[lead].tensors.begin(), plan.buckets()[lead].tensors.end(),
-                               [&](std::size_t u) { return marked[u] != 0; }))
-              ++lead;
-            RANK_REQUIRE(red.reduced() == lead);
-          }
-          red.wait();
+          const auto want = bucket_scenarios::mean_round(
+              comm, red, g, grads_of(sizes, comm.rank(), round), round, [&](std::size_t t) {
+                marked[t] = 1;
+                // Buckets are reduced in plan order: exactly the leading complete ones.
+                std::size_t lead = 0;
+                while (lead < plan.buckets().size() &&
+                       std::all_of(plan.buckets()[lead].tensors.begin(), plan.buckets()[lead].tensors.end(),
+                                   [&](std::size_t u) { return marked[u] != 0; }))
+                  ++lead;
+                RANK_REQUIRE(red.reduced() == lead);
+              });
           for (std::size_t t = 0; t < sizes.size(); ++t)
             RANK_REQUIRE(
                 (g[t].empty() || std::memcmp(g[t].data(), want[t].data(), g[t].size() * sizeof(float)) == 0));

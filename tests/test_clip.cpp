@@ -22,13 +22,10 @@
 #include "exact_values.hpp"
 #include "gradapt/gradapt.hpp"
 #include "gradapt/optim/clip.hpp"
+#include "peer_data.hpp"
 #include "rank_check.hpp"
 
 namespace gradapt_test_clip {
-
-#ifndef GRADAPT_TEST_DATA_DIR
-#define GRADAPT_TEST_DATA_DIR "tests/data"
-#endif
 
 using Catch::Matchers::Contains;
 using gradapt::bfloat16;
@@ -109,7 +106,7 @@ struct torch_case {
 };
 
 std::vector<torch_case> read_torch_cases() {
-  const std::string path = std::string(GRADAPT_TEST_DATA_DIR) + "/loss_scaler/torch_clip.txt";
+  const std::string path = gradapt_test::test_data_path("loss_scaler/torch_clip.txt");
   std::ifstream f(path);
   if (!f) FAIL("cannot open " << path);
   std::vector<torch_case> cases;

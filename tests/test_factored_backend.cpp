@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "factored_layout.hpp"
 #include "gradapt/backend/host.hpp"
 
 namespace gradapt_test_factored_backend {
@@ -40,18 +41,13 @@ TEST_CASE("host reduce_factored and apply_factored against plain loops", "[optim
                       gradapt::host_view(mx), gradapt::reduce_op::max);
     std::vector<ld> ry(oy.size(), 0), rx(ox.size(), 0);
     std::vector<double> qy(oy.size(), -1), qx(ox.size(), -1);
-    for (std::size_t a = 0; a < A; ++a)
-      for (std::size_t i = 0; i < X; ++i)
-        for (std::size_t bb = 0; bb < B; ++bb)
-          for (std::size_t j = 0; j < Y; ++j)
-            for (std::size_t c = 0; c < C; ++c) {
-              const double t = sq(0.0f, 0.0f, x[(((a * X + i) * B + bb) * Y + j) * C + c]);
-              const std::size_t iy = ((a * X + i) * B + bb) * C + c, ix = ((a * B + bb) * Y + j) * C + c;
-              ry[iy] += t;
-              rx[ix] += t;
-              qy[iy] = std::max(qy[iy], t);
-              qx[ix] = std::max(qx[ix], t);
-            }
+    gradapt_test::for_each_factored(d, [&](std::size_t e, std::size_t iy, std::size_t ix) {
+      const double t = sq(0.0f, 0.0f, x[e]);
+      ry[iy] += t;
+      rx[ix] += t;
+      qy[iy] = std::max(qy[iy], t);
+      qx[ix] = std::max(qx[ix], t);
+    });
     for (std::size_t k = 0; k < oy.size(); ++k) {
       REQUIRE(std::fabs(oy[k] - double(ry[k])) <= 1e-12 * double(ry[k]) + 1e-300);
       REQUIRE(my[k] == qy[k]);
@@ -73,16 +69,11 @@ TEST_CASE("host reduce_factored and apply_factored against plain loops", "[optim
         d, gradapt::host_view(std::as_const(rv)), gradapt::host_view(std::as_const(cv)),
         gradapt::host_view(y));
     ld want = 0;
-    for (std::size_t a = 0; a < A; ++a)
-      for (std::size_t i = 0; i < X; ++i)
-        for (std::size_t bb = 0; bb < B; ++bb)
-          for (std::size_t j = 0; j < Y; ++j)
-            for (std::size_t c = 0; c < C; ++c) {
-              const std::size_t e = (((a * X + i) * B + bb) * Y + j) * C + c;
-              const float v = x[e] * rv[((a * X + i) * B + bb) * C + c] * cv[((a * B + bb) * Y + j) * C + c];
-              REQUIRE(y[e] == v);
-              want += v;
-            }
+    gradapt_test::for_each_factored(d, [&](std::size_t e, std::size_t iy, std::size_t ix) {
+      const float v = x[e] * rv[iy] * cv[ix];
+      REQUIRE(y[e] == v);
+      want += v;
+    });
     REQUIRE(std::fabs(total - double(want)) <= 1e-9 * std::fabs(double(want)) + 1e-9);
     // apply_factored_sum: the same elements and the same sum, stored instead of returned.
     std::vector<float> y2 = x;
@@ -226,23 +217,17 @@ TEST_CASE("host apply_factored_max: the update and the row/column maxima of its 
       // Plain loops: the maxima (NaN if any term is NaN) and the update.
       std::vector<float> wy(ny, -INFINITY), wx(nx, -INFINITY);
       std::vector<bool> ny_nan(ny), nx_nan(nx);
-      for (std::size_t a = 0; a < A; ++a)
-        for (std::size_t i = 0; i < X; ++i)
-          for (std::size_t bb = 0; bb < B; ++bb)
-            for (std::size_t j = 0; j < Y; ++j)
-              for (std::size_t cc = 0; cc < C; ++cc) {
-                const std::size_t e = (((a * X + i) * B + bb) * Y + j) * C + cc;
-                const std::size_t yi = ((a * X + i) * B + bb) * C + cc, xi = ((a * B + bb) * Y + j) * C + cc;
-                const float t = x0[e] * x0[e] + std::min(r[yi], c[xi]);
-                if (t != t) {
-                  ny_nan[yi] = true;
-                  nx_nan[xi] = true;
-                }
-                wy[yi] = std::max(wy[yi], t);
-                wx[xi] = std::max(wx[xi], t);
-                const float want = 2.0f * x0[e] - r[yi];
-                REQUIRE(std::memcmp(&want, &y[e], sizeof want) == 0);
-              }
+      gradapt_test::for_each_factored(d, [&](std::size_t e, std::size_t yi, std::size_t xi) {
+        const float t = x0[e] * x0[e] + std::min(r[yi], c[xi]);
+        if (t != t) {
+          ny_nan[yi] = true;
+          nx_nan[xi] = true;
+        }
+        wy[yi] = std::max(wy[yi], t);
+        wx[xi] = std::max(wx[xi], t);
+        const float want = 2.0f * x0[e] - r[yi];
+        REQUIRE(std::memcmp(&want, &y[e], sizeof want) == 0);
+      });
       for (std::size_t k = 0; k < ny; ++k) REQUIRE((ny_nan[k] ? std::isnan(oy[k]) : oy[k] == wy[k]));
       for (std::size_t k = 0; k < nx; ++k) REQUIRE((nx_nan[k] ? std::isnan(ox[k]) : ox[k] == wx[k]));
       if (with_nan && n > 3)

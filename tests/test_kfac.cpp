@@ -348,6 +348,23 @@ struct grads_t {
     return v;
   }
 };
+// One rank accumulating ranks [0, n)'s batches, steps [from, to): the gradients after each step.
+template <class K, class S>
+std::vector<std::vector<float>> reference(const K& kf, S& st, int n, int from, int to) {
+  std::vector<std::vector<float>> want;
+  for (int t = from; t < to; ++t) {
+    const bool due = kf.factor_update_due(st);
+    for (int r = 0; r < n && due; ++r)
+      for (std::size_t l = 0; l < std::size(model_layers); ++l) {
+        const auto a = shard(t, r, l, false), g = shard(t, r, l, true);
+        kf.accumulate(st, l, mat(a, 5, model_layers[l].in), mat(g, 5, model_layers[l].out));
+      }
+    grads_t gr(t);
+    kf.step(st, gr.views, 0.05);
+    want.push_back(gr.flat());
+  }
+  return want;
+}
 }  // namespace
 
 TEST_CASE("kfac distributed: 1..4 ranks give one rank's bits over every rank's batches", "[kfac][dist]") {
@@ -355,19 +372,9 @@ TEST_CASE("kfac distributed: 1..4 ranks give one rank's bits over every rank's b
   const int steps = 5;
   for (int n = 1; n <= 4; ++n) {
     INFO(n << " ranks");
-    // One rank: every rank's batch accumulated in rank order.
+    // One rank: every rank's batch accumulated in rank order (factors are due on every step).
     auto st = kf.init<float>(la, model_layers);
-    std::vector<std::vector<float>> want;
-    for (int t = 0; t < steps; ++t) {
-      for (int r = 0; r < n; ++r)
-        for (std::size_t l = 0; l < std::size(model_layers); ++l) {
-          const auto a = shard(t, r, l, false), g = shard(t, r, l, true);
-          kf.accumulate(st, l, mat(a, 5, model_layers[l].in), mat(g, 5, model_layers[l].out));
-        }
-      grads_t gr(t);
-      kf.step(st, gr.views, 0.05);
-      want.push_back(gr.flat());
-    }
+    const auto want = reference(kf, st, n, 0, steps);
     std::vector<std::uint64_t> computed(static_cast<std::size_t>(n));
     run_threads(n, quick, [&](threads& c) {
       auto s = kf.init<float>(la, model_layers);
@@ -469,23 +476,6 @@ void feed(const K& kf, S& s, int t, int rank, Step&& step) {
       kf.accumulate(s, l, mat(a, 5, model_layers[l].in), mat(g, 5, model_layers[l].out));
     }
   step();
-}
-// One rank accumulating ranks [0, n)'s batches, steps [from, to): the gradients after each step.
-template <class K, class S>
-std::vector<std::vector<float>> reference(const K& kf, S& st, int n, int from, int to) {
-  std::vector<std::vector<float>> want;
-  for (int t = from; t < to; ++t) {
-    const bool due = kf.factor_update_due(st);
-    for (int r = 0; r < n && due; ++r)
-      for (std::size_t l = 0; l < std::size(model_layers); ++l) {
-        const auto a = shard(t, r, l, false), g = shard(t, r, l, true);
-        kf.accumulate(st, l, mat(a, 5, model_layers[l].in), mat(g, 5, model_layers[l].out));
-      }
-    grads_t gr(t);
-    kf.step(st, gr.views, 0.05);
-    want.push_back(gr.flat());
-  }
-  return want;
 }
 bool same_bits(const std::vector<float>& x, const std::vector<float>& y) {
   return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;

@@ -27,9 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
-#include <fstream>
 #include <map>
-#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -38,6 +36,7 @@
 #include "gradapt/core/archive.hpp"
 #include "gradapt/linalg/host_lapack.hpp"
 #include "gradapt/optim/kfac.hpp"
+#include "peer_data.hpp"
 
 namespace gradapt_test_kfac_refs {
 
@@ -47,11 +46,7 @@ namespace gradapt_test_kfac_refs {
 
 namespace {
 
-using gradapt::kfac;
-using gradapt::kfac_grad;
 using gradapt::kfac_layer;
-using gradapt::kfac_method;
-using gradapt::kfac_options;
 using gradapt::tensor_view;
 
 const char* const groups[] = {"factors", "decomposition", "gradient"};
@@ -76,78 +71,60 @@ struct case_data {
 };
 
 case_data load_case(const std::filesystem::path& file) {
-  std::ifstream in(file);
-  if (!in) throw std::runtime_error("cannot open " + file.string());
   case_data c;
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.empty() || line[0] == '#') continue;
-    std::istringstream ls(line);
-    std::string key;
-    ls >> key;
-    if (key == "case") {
-      ls >> c.name;
-    } else if (key == "source") {
-      std::getline(ls, c.source);
-    } else if (key == "opt") {
-      std::string kv;
-      while (ls >> kv) {
-        const auto eq = kv.find('=');
-        if (kv.substr(0, eq) == "method")
-          c.method = kv.substr(eq + 1);
-        else
-          c.opt[kv.substr(0, eq)] = std::stod(kv.substr(eq + 1));
-      }
-    } else if (key == "layers") {
-    } else if (key == "layer") {
-      kfac_layer l;
-      int bias = 0;
-      ls >> l.name >> l.in >> l.out >> bias;
-      l.bias = bias != 0;
-      c.layers.push_back(l);
-    } else if (key == "steps") {
-      std::string w;
-      ls >> c.steps >> w >> c.rows;
-    } else if (key == "float32") {
-      std::string g;
-      double d = 0;
-      ls >> g >> d;
-      c.float32[g] = d;
-    } else if (key == "sensitivity") {
-      std::string g, label;
-      double d = 0;
-      ls >> g >> d;
-      std::getline(ls >> std::ws, label);
-      c.wrong.emplace_back(g, d, label);
-    } else if (key == "step") {
-      int s = 0;
-      ls >> s;
-      if (s != static_cast<int>(c.step.size()) + 1) throw std::runtime_error("steps out of order: " + line);
-      c.step.emplace_back();
-    } else if (key == "end") {
-      break;
-    } else {
-      int layer = 0;
-      std::size_t n = 0;
-      ls >> layer >> n;
-      std::vector<double> v(n);
-      for (auto& x : v) ls >> x;
-      if (!ls || c.step.empty()) throw std::runtime_error("bad record: " + line.substr(0, 60));
-      c.step.back()[{key, layer}] = std::move(v);
-    }
-  }
+  const auto id =
+      gradapt_test::read_peer_records(file, [&](const std::string& key, std::istream& ls, auto& in) {
+        if (key == "opt") {
+          for (const auto& [k, v] : gradapt_test::peer_options(ls))
+            if (k == "method")
+              c.method = v;
+            else
+              c.opt[k] = std::stod(v);
+        } else if (key == "layers") {
+        } else if (key == "layer") {
+          kfac_layer l;
+          int bias = 0;
+          ls >> l.name >> l.in >> l.out >> bias;
+          l.bias = bias != 0;
+          c.layers.push_back(l);
+        } else if (key == "steps") {
+          std::string w;
+          ls >> c.steps >> w >> c.rows;
+        } else if (key == "float32") {
+          std::string g;
+          double d = 0;
+          ls >> g >> d;
+          c.float32[g] = d;
+        } else if (key == "sensitivity") {
+          std::string g, label;
+          double d = 0;
+          ls >> g >> d;
+          std::getline(ls >> std::ws, label);
+          c.wrong.emplace_back(g, d, label);
+        } else if (key == "step") {
+          int s = 0;
+          ls >> s;
+          if (s != static_cast<int>(c.step.size()) + 1)
+            throw std::runtime_error("steps out of order: " + in.line());
+          c.step.emplace_back();
+        } else {
+          int layer = 0;
+          std::size_t n = 0;
+          ls >> layer >> n;
+          std::vector<double> v(n);
+          for (auto& x : v) ls >> x;
+          if (!ls || c.step.empty()) throw std::runtime_error("bad record: " + in.line().substr(0, 60));
+          c.step.back()[{key, layer}] = std::move(v);
+        }
+      });
   if (c.step.size() != static_cast<std::size_t>(c.steps))
     throw std::runtime_error("short file " + file.string());
+  c.name = id.name;
+  c.source = id.source;
   return c;
 }
 
-std::vector<std::filesystem::path> case_files() {
-  std::vector<std::filesystem::path> files;
-  for (const auto& e : std::filesystem::directory_iterator(GRADAPT_KFAC_DATA))
-    if (e.path().extension() == ".txt") files.push_back(e.path());
-  std::sort(files.begin(), files.end());
-  return files;
-}
+std::vector<std::filesystem::path> case_files() { return gradapt_test::peer_case_files(GRADAPT_KFAC_DATA); }
 
 double matrix_dev(const std::vector<double>& x, const std::vector<double>& r) {
   double num = 0, den = 0;
@@ -176,13 +153,13 @@ double eigvec_dev(const std::vector<double>& x, const std::vector<double>& r, co
   return worst;
 }
 
-kfac_options options_of(const case_data& c) {
+gradapt::kfac_options options_of(const case_data& c) {
   const auto& o = c.opt;
   return {.factor_decay = o.at("factor_decay"),
           .factor_update_steps = static_cast<std::uint64_t>(o.at("factor_update_steps")),
           .inv_update_steps = static_cast<std::uint64_t>(o.at("inv_update_steps")),
           .damping = o.at("damping"),
-          .method = c.method == "eigen" ? kfac_method::eigen : kfac_method::inverse,
+          .method = c.method == "eigen" ? gradapt::kfac_method::eigen : gradapt::kfac_method::inverse,
           .prediv_eigenvalues = o.at("prediv") != 0.0,
           .kl_clip = o.at("kl_clip")};
 }
@@ -196,7 +173,7 @@ std::vector<C> as(const std::vector<double>& v) {
 template <class C>
 std::map<std::string, double> run(const case_data& c) {
   const gradapt::host_lapack la{};
-  const kfac kf(options_of(c));
+  const gradapt::kfac kf(options_of(c));
   auto st = kf.init<C>(la, std::span<const kfac_layer>(c.layers));
   const double lr = c.opt.at("lr");
   std::map<std::string, double> worst;
@@ -234,7 +211,7 @@ std::map<std::string, double> run(const case_data& c) {
         b.back()[static_cast<std::size_t>(r)] = C(m[static_cast<std::size_t>(r * n + l.in)]);
       }
     }
-    std::vector<kfac_grad<C>> grads;
+    std::vector<gradapt::kfac_grad<C>> grads;
     for (std::size_t i = 0; i < c.layers.size(); ++i)
       grads.push_back({tensor_view<C>(w[i].data(), {c.layers[i].out, c.layers[i].in}),
                        tensor_view<C>(b[i].data(), {c.layers[i].out})});

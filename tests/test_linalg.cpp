@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "eigh_errors.hpp"
 #include "gradapt/linalg/host_lapack.hpp"
 
 namespace gradapt_test_linalg {
@@ -149,23 +150,11 @@ TEMPLATE_TEST_CASE("host_lapack::eigh: ascending eigenvalues, A = Q·diag(w)·Q�
     auto ws = la.eigh_workspace<T>(n);
     REQUIRE(la.eigh<T>(tensor_view<T>(q.data(), {n, n}), gradapt::host_view(w), ws));
     REQUIRE(std::is_sorted(w.begin(), w.end()));
-    long double res = 0, anorm = 0, orth = 0;
-    for (std::int64_t i = 0; i < n; ++i)
-      for (std::int64_t j = 0; j < n; ++j) {
-        long double s = 0, o = 0;
-        for (std::int64_t l = 0; l < n; ++l) {
-          s += (long double)q[std::size_t(i * n + l)] * w[std::size_t(l)] * q[std::size_t(j * n + l)];
-          o += (long double)q[std::size_t(l * n + i)] * q[std::size_t(l * n + j)];  // (QᵀQ)_ij
-        }
-        const long double aij = a[std::size_t(i * n + j)];
-        res += (aij - s) * (aij - s);
-        anorm += aij * aij;
-        orth += (o - (i == j)) * (o - (i == j));
-      }
-    INFO("n " << n << " residual " << double(std::sqrt(res / anorm)) << " orthogonality "
-              << double(std::sqrt(orth)));
-    REQUIRE(std::sqrt(res) <= 4.0L * n * unit_roundoff<T>() * std::sqrt(anorm));
-    REQUIRE(std::sqrt(orth) <= 4.0L * n * unit_roundoff<T>());
+    const auto e = gradapt_test::eigh_errors_of(a, q, w, n);
+    INFO("n " << n << " residual " << double(std::sqrt(e.residual / e.anorm)) << " orthogonality "
+              << double(std::sqrt(e.orthogonality)));
+    REQUIRE(std::sqrt(e.residual) <= 4.0L * n * unit_roundoff<T>() * std::sqrt(e.anorm));
+    REQUIRE(std::sqrt(e.orthogonality) <= 4.0L * n * unit_roundoff<T>());
   }
 }
 

@@ -13,9 +13,8 @@
 
 #include "catch.hpp"
 #include "cuda_test_support.cuh"
+#include "eigh_errors.hpp"
 #include "gradapt/linalg/cuda_linalg.cuh"
-
-namespace gradapt_test_linalg_cuda {
 
 using gradapt::cuda_buffer;
 using gradapt::cuda_linalg;
@@ -134,21 +133,9 @@ TEMPLATE_TEST_CASE("cuda_linalg::eigh: ascending, A = Q·diag(w)·Qᵀ, Q orthog
   GRADAPT_CUDA_CHECK(cudaStreamSynchronize(la.stream()));
   const auto q = download(dq), w = download(dw);
   REQUIRE(std::is_sorted(w.begin(), w.end()));
-  long double res = 0, anorm = 0, orth = 0;
-  for (std::int64_t i = 0; i < n; ++i)
-    for (std::int64_t j = 0; j < n; ++j) {
-      long double s = 0, o = 0;
-      for (std::int64_t l = 0; l < n; ++l) {
-        s += (long double)q[std::size_t(i * n + l)] * w[std::size_t(l)] * q[std::size_t(j * n + l)];
-        o += (long double)q[std::size_t(l * n + i)] * q[std::size_t(l * n + j)];
-      }
-      const long double aij = a[std::size_t(i * n + j)];
-      res += (aij - s) * (aij - s);
-      anorm += aij * aij;
-      orth += (o - (i == j)) * (o - (i == j));
-    }
-  REQUIRE(std::sqrt(res) <= 4.0L * n * unit_roundoff<T>() * std::sqrt(anorm));
-  REQUIRE(std::sqrt(orth) <= 4.0L * n * unit_roundoff<T>());
+  const auto e = gradapt_test::eigh_errors_of(a, q, w, n);
+  REQUIRE(std::sqrt(e.residual) <= 4.0L * n * unit_roundoff<T>() * std::sqrt(e.anorm));
+  REQUIRE(std::sqrt(e.orthogonality) <= 4.0L * n * unit_roundoff<T>());
 }
 
 TEST_CASE("cuda_linalg: invalid shapes throw gradapt::error", "[linalg][cuda]") {
@@ -162,5 +149,3 @@ TEST_CASE("cuda_linalg: invalid shapes throw gradapt::error", "[linalg][cuda]") 
   auto ws = la.eigh_workspace<float>(4);
   REQUIRE_THROWS_AS(la.eigh<float>(m(3, 3), dview<float>::vector(buf.data(), 3), ws), gradapt::error);
 }
-
-}  // namespace gradapt_test_linalg_cuda

@@ -26,12 +26,9 @@
 #include "exact_values.hpp"
 #include "gradapt/gradapt.hpp"
 #include "gradapt/precision/loss_scaler.hpp"
+#include "peer_data.hpp"
 #include "rank_check.hpp"
 #include "scenarios/loss_scaler.hpp"
-
-#ifndef GRADAPT_TEST_DATA_DIR
-#define GRADAPT_TEST_DATA_DIR "tests/data"
-#endif
 
 using Catch::Matchers::Contains;
 using gradapt::bfloat16;
@@ -51,7 +48,7 @@ constexpr double flt_max = static_cast<double>(std::numeric_limits<float>::max()
 constexpr double flt_min = static_cast<double>(std::numeric_limits<float>::min());
 
 std::string data_path(const std::string& name) {
-  return std::string(GRADAPT_TEST_DATA_DIR) + "/loss_scaler/" + name;
+  return gradapt_test::test_data_path("loss_scaler/" + name);
 }
 
 std::ifstream open_data(const std::string& name) {

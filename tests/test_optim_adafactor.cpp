@@ -32,13 +32,7 @@
 #include "gradapt/optim/adamw.hpp"
 #include "gradapt/optim/clip.hpp"
 #include "gradapt/optim/sm3.hpp"
-
-using Catch::Matchers::Contains;
-using gradapt::host;
-using gradapt::tensor_view;
-using ld = long double;
-
-static_assert(gradapt::factored_backend<gradapt::host>);
+#include "optim_runs.hpp"
 
 #include "alloc_counter.hpp"  // this executable's operator new counts allocations
 
@@ -133,24 +127,9 @@ TEST_CASE("adafactor state of an n x m matrix takes n + m elements", "[optim][ad
     REQUIRE(st.buffer(1)[0].size() == 300 * 129);
     REQUIRE(st.state_elements() == 300 + 129 + 300 + 127 * 500 + 4 * 330 + pl.total_elements());
     // buffer 1 views the momentum: without decay p moves by exactly m (p ← p − m).
-    std::vector<std::vector<float>> before;
-    for (std::size_t t = 0; t < ts.size(); ++t) {
-      fill_grad(ts[t], 40 + unsigned(t));
-      before.push_back(ts[t].p);
-    }
-    gradapt::adafactor({.momentum = 0.9}).step(b, pl, st);
-    for (std::size_t t = 0; t < ts.size(); ++t) {
-      const auto m = st.buffer(1)[t];
-      REQUIRE(m.size() == ts[t].size());
-      std::size_t moved = 0;
-      for (std::size_t k = 0; k < m.size(); ++k) {
-        const float d = before[t][k] - ts[t].p[k];
-        const float mag = std::max(std::fabs(before[t][k]), std::fabs(ts[t].p[k]));
-        REQUIRE(std::fabs(m.data()[k] - d) <= 2 * std::numeric_limits<float>::epsilon() * mag);
-        moved += m.data()[k] != 0.0f ? 1 : 0;
-      }
-      REQUIRE(moved > m.size() / 2);
-    }
+    gradapt_test::require_momentum_step(
+        ts, 40, 1.0f, [&] { gradapt::adafactor({.momentum = 0.9}).step(b, pl, st); },
+        [&](std::size_t t) { return st.buffer(1)[t]; });
     REQUIRE_THROWS_WITH(st.buffer(7), Contains("index 7 out of range"));
   }
 }
@@ -164,54 +143,28 @@ TEST_CASE("adafactor is bitwise independent of the thread count", "[optim][adafa
     host b{.threads = th};
     gradapt::adafactor opt({.lr = 0.03, .momentum = 0.5});
     auto st = opt.init(b, pl);
-    for (int s = 1; s <= 3; ++s) {
-      for (std::size_t k = 0; k < ts.size(); ++k)
-        fill_grad(ts[k], 31u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
-      opt.step(b, pl, st);
-    }
-    std::vector<float> all;
-    for (auto& t : ts) all.insert(all.end(), t.p.begin(), t.p.end());
-    out.push_back(all);
+    gradapt_test::run_steps(ts, 31, 3, [&](std::vector<tensor>&) { opt.step(b, pl, st); });
+    out.push_back(gradapt_test::all_params(ts));
   }
-  for (std::size_t r = 1; r < out.size(); ++r)
-    for (std::size_t i = 0; i < out[0].size(); ++i)
-      REQUIRE(std::bit_cast<std::uint32_t>(out[r][i]) == std::bit_cast<std::uint32_t>(out[0][i]));
+  gradapt_test::require_same_bits(out);
 }
 
 TEST_CASE("adafactor save/restore continues bit-identically; the step allocates nothing",
           "[optim][adafactor]") {
   for (double mom : {0.0, 0.9}) {
-    auto a = shapes_mix();
-    auto pa = list_of(a);
     host b{.threads = 2};
     gradapt::adafactor opt({.lr = 0.02, .momentum = mom, .weight_decay = 1e-4});
-    auto sa = opt.init(b, pa);
-    for (int s = 1; s <= 3; ++s) {
-      for (std::size_t k = 0; k < a.size(); ++k)
-        fill_grad(a[k], 5u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
-      opt.step(b, pa, sa);
-    }
-    const auto bytes = sa.save(b);
-    // A second run restored from the checkpoint, parameters copied.
-    auto c = a;
-    auto pc = list_of(c);
-    auto sc = opt.init(b, pc);
-    sc.load(b, bytes);
-    REQUIRE(sc.steps() == 3);
-    for (int s = 4; s <= 6; ++s) {
-      for (std::size_t k = 0; k < a.size(); ++k) {
-        fill_grad(a[k], 5u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
-        fill_grad(c[k], 5u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
-      }
+    // Saved after 3 steps; a second run restored from the checkpoint, parameters copied.
+    gradapt_test::resumed_run run(opt, b, shapes_mix(), 5, 3);
+    const auto& bytes = run.bytes;
+    auto& sc = run.sc;
+    run.continue_to(6, [](auto&& step) {
       const long before = alloc_counter::in_process();
-      opt.step(b, pa, sa);
+      step();
       REQUIRE(alloc_counter::in_process() == before);
-      opt.step(b, pc, sc);
-    }
-    for (std::size_t k = 0; k < a.size(); ++k)
-      for (std::size_t i = 0; i < a[k].size(); ++i)
-        REQUIRE(std::bit_cast<std::uint32_t>(a[k].p[i]) == std::bit_cast<std::uint32_t>(c[k].p[i]));
-    REQUIRE(sa.save(b) == sc.save(b));
+    });
+    run.require_same_params();
+    REQUIRE(run.sa.save(b) == sc.save(b));
 
     // Bad checkpoints are rejected and leave the state as it was.
     auto bad = bytes;
@@ -225,7 +178,7 @@ TEST_CASE("adafactor save/restore continues bit-identically; the step allocates 
     auto po = list_of(other);
     auto so = opt.init(b, po);
     REQUIRE_THROWS_WITH(so.load(b, bytes), Contains("tensor count"));
-    auto sm = gradapt::adafactor({.momentum = mom > 0 ? 0.0 : 0.9}).init(b, pa);
+    auto sm = gradapt::adafactor({.momentum = mom > 0 ? 0.0 : 0.9}).init(b, run.pa);
     REQUIRE_THROWS_WITH(sm.load(b, bytes), Contains("active-stage mask"));
     REQUIRE(sc.steps() == 6);
   }
@@ -243,8 +196,7 @@ TEST_CASE("sm3's steady-state step allocates nothing (1 and 2 threads, with and 
       gradapt::sm3 opt({.lr = 0.05, .momentum = mom});
       auto sa = opt.init(b, pa);
       for (int s = 1; s <= 4; ++s) {
-        for (std::size_t k = 0; k < a.size(); ++k)
-          fill_grad(a[k], 11u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
+        gradapt_test::fill_step(a, 11, s);
         const long before = alloc_counter::in_process();
         opt.step(b, pa, sa);
         if (s > 1) REQUIRE(alloc_counter::in_process() == before);
@@ -298,14 +250,10 @@ TEST_CASE("adafactor edge cases", "[optim][adafactor]") {
     // Zero gradients: the statistics are eps1 (1e-30), y = 0, p unchanged. Zero weights: the
     // parameter scale is eps2.
     std::vector<tensor> ts = {make("w", {130, 140}, 1), make("v", {20}, 2)};
-    for (auto& t : ts) std::fill(t.g.begin(), t.g.end(), 0.0f);
-    const auto before = ts;
     auto pl = list_of(ts);
     gradapt::adafactor opt({.lr = 0.1});
     auto st = opt.init(b, pl);
-    opt.step(b, pl, st);
-    for (std::size_t k = 0; k < ts.size(); ++k) REQUIRE(ts[k].p == before[k].p);
-    for (auto& t : ts) std::fill(t.p.begin(), t.p.end(), 0.0f);
+    gradapt_test::require_zero_grads_keep_params(opt, b, ts, pl, st);  // then zero weights
     fill_grad(ts[0], 3);
     fill_grad(ts[1], 4);
     ref_opt ref{{.lr = 0.1}, {}, 0};

@@ -19,6 +19,7 @@
 #include "gradapt/optim/lars.hpp"
 #include "gradapt/optim/sgd.hpp"
 #include "gradapt/optim/sm3.hpp"
+#include "support/counter_random.hpp"
 
 namespace {
 
@@ -29,14 +30,10 @@ std::string tensor_name(std::size_t t) {
   return s;
 }
 
-std::uint64_t state = 0x243f6a8885a308d3ull;
+gradapt_test::splitmix64_stream rng{0x243f6a8885a308d3ull};
 double next() {  // splitmix64 -> [-1, 1) with a spread of magnitudes
-  std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  z ^= z >> 31;
-  const double u = static_cast<double>(z >> 11) * 0x1.0p-53;
-  return (2 * u - 1) * std::ldexp(1.0, static_cast<int>(z & 7) - 4);
+  const std::uint64_t z = rng();
+  return gradapt_test::signed_unit(z) * std::ldexp(1.0, static_cast<int>(z & 7) - 4);
 }
 
 template <class T>
@@ -88,7 +85,7 @@ void run(const char* name, const Opt& opt) {
 /// thread count must give the same hash.
 template <class Opt>
 std::uint64_t run_factored(const char* name, const Opt& opt, int threads) {
-  state = 0x13198a2e03707344ull;
+  rng.state = 0x13198a2e03707344ull;
   const std::vector<std::vector<std::int64_t>> shapes = {{300, 257}, {37, 45},    {130, 129}, {3, 140, 150},
                                                          {1000},     {129, 3000}, {5},        {128, 128, 2},
                                                          {700, 200}, {0},         {1, 130}};

@@ -22,13 +22,7 @@
 #include "gradapt/optim/adamw.hpp"
 #include "gradapt/optim/clip.hpp"
 #include "gradapt/optim/sm3.hpp"
-
-using Catch::Matchers::Contains;
-using gradapt::host;
-using gradapt::tensor_view;
-using ld = long double;
-
-static_assert(gradapt::factored_backend<gradapt::host>);
+#include "optim_runs.hpp"
 
 #include "alloc_counter.hpp"  // this executable's operator new counts allocations
 
@@ -93,49 +87,25 @@ TEST_CASE("adafactor is bitwise independent of the thread count, restores exactl
     const auto opt = gradapt::adafactor(o);
     auto st = opt.init(b, pl);
     for (int s = 1; s <= 3; ++s) {
-      for (std::size_t k = 0; k < ts.size(); ++k)
-        fill_grad(ts[k], 31u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
+      gradapt_test::fill_step(ts, 31, s);
       const long before = alloc_counter::in_process();
       opt.step(b, pl, st);
       if (s > 1) REQUIRE(alloc_counter::in_process() == before);
     }
-    std::vector<float> all;
-    for (auto& t : ts) all.insert(all.end(), t.p.begin(), t.p.end());
-    out.push_back(all);
+    out.push_back(gradapt_test::all_params(ts));
   }
-  for (std::size_t r = 1; r < out.size(); ++r)
-    for (std::size_t i = 0; i < out[0].size(); ++i)
-      REQUIRE(std::bit_cast<std::uint32_t>(out[r][i]) == std::bit_cast<std::uint32_t>(out[0][i]));
+  gradapt_test::require_same_bits(out);
 
   // Save after 3 steps, restore into a fresh state, continue: the same bits.
-  auto a = shapes_mix();
-  auto pa = list_of(a);
   host b{.threads = 2};
   const auto opt = gradapt::adafactor(o);
-  auto sa = opt.init(b, pa);
-  for (int s = 1; s <= 3; ++s) {
-    for (std::size_t k = 0; k < a.size(); ++k)
-      fill_grad(a[k], 5u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
-    opt.step(b, pa, sa);
-  }
-  const auto bytes = sa.save(b);
-  auto c = a;
-  auto pc = list_of(c);
-  auto sc = opt.init(b, pc);
-  sc.load(b, bytes);
-  REQUIRE(sc.steps() == 3);
-  for (int s = 4; s <= 5; ++s) {
-    for (std::size_t k = 0; k < a.size(); ++k) {
-      fill_grad(a[k], 5u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
-      fill_grad(c[k], 5u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
-    }
-    opt.step(b, pa, sa);
-    opt.step(b, pc, sc);
-  }
-  for (std::size_t k = 0; k < a.size(); ++k)
-    for (std::size_t i = 0; i < a[k].size(); ++i)
-      REQUIRE(std::bit_cast<std::uint32_t>(a[k].p[i]) == std::bit_cast<std::uint32_t>(c[k].p[i]));
-  REQUIRE(sa.save(b) == sc.save(b));
+  gradapt_test::resumed_run run(opt, b, shapes_mix(), 5, 3);
+  run.continue_to(5);
+  run.require_same_params();
+  const auto& bytes = run.bytes;
+  auto& pc = run.pc;
+  auto& sc = run.sc;
+  REQUIRE(run.sa.save(b) == sc.save(b));
   // A state whose tensors factor differently (min_dim 16 factors "small") rejects the bytes.
   auto other = gradapt::adafactor({.lr = 0.03, .min_dim_size_to_factor = 16, .momentum = 0.5});
   auto so = other.init(b, pc);

@@ -34,8 +34,8 @@ using namespace adafactor_test;
 
 // ---- reference vectors from optax and torch.optim.Adafactor (tests/data/optim_factored) -------
 // Written by tests/data/make_factored_refs.py (not run here) with make_optim_refs.py's
-// conventions: inputs from a counter-based generator reproduced below, samples of every tensor
-// after the first and the last step. A stored element must be within rtol of the case's
+// conventions: inputs from the counter-based generator reproduced bit for bit (read with
+// support/peer_data.hpp), samples of every tensor after the first and the last step. A stored element must be within rtol of the case's
 // movement scale (and within 1e-3 of its own tensor's movement plus 4 ulp), NaN where the
 // peer has NaN; the recorded sensitivities must exceed 10 rtol.
 #ifndef GRADAPT_FACTORED_DATA
@@ -43,143 +43,16 @@ using namespace adafactor_test;
 #endif
 
 #include <filesystem>
-#include <fstream>
 #include <map>
-#include <sstream>
 
 #include "gradapt/optim/sm3.hpp"
+#include "peer_data.hpp"
 
 namespace gradapt_test_optim_factored_refs {
 
 namespace {
 
-std::uint64_t splitmix64(std::uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  std::uint64_t z = x;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-std::vector<float> gen_values(std::uint64_t seed, std::size_t n, int log2_scale) {
-  std::vector<float> v(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    const std::uint64_t u = splitmix64(seed * 0x100000001B3ull + i);
-    const auto k = static_cast<std::int64_t>(u >> 40) - (std::int64_t{1} << 23);
-    v[i] = static_cast<float>(std::ldexp(static_cast<double>(k), log2_scale - 23));
-  }
-  return v;
-}
-
-double num(const std::string& s) {
-  if (s == "nan") return std::nan("");
-  if (s == "inf") return INFINITY;
-  if (s == "-inf") return -INFINITY;
-  return std::stod(s);
-}
-
-struct ref_spec {
-  std::string name;
-  std::vector<std::int64_t> shape;
-  std::uint64_t pseed = 0, gseed = 0;
-  int plog = 0, glog = 0;
-  bool zero_p = false, zero_g = false;
-  std::vector<std::tuple<int, std::size_t, float>> inject;
-  std::size_t size() const { return numel(shape); }
-  std::vector<float> param0() const {
-    return zero_p ? std::vector<float>(size(), 0.0f) : gen_values(pseed, size(), plog);
-  }
-  std::vector<float> grad(int step) const {
-    if (zero_g) return std::vector<float>(size(), 0.0f);
-    auto g = gen_values(gseed + 1000 * static_cast<std::uint64_t>(step), size(), glog);
-    for (const auto& [s, i, v] : inject)
-      if (s == step) g[i] = v;
-    return g;
-  }
-};
-
-struct ref_result {
-  int step = 0;
-  std::string tensor;
-  std::size_t stride = 1;
-  std::vector<double> sample;
-};
-
-struct ref_case {
-  std::string name, optimizer;
-  std::map<std::string, double> opt;
-  int steps = 0;
-  double scale = 0;
-  std::vector<double> sensitivity;
-  std::vector<ref_spec> tensors;
-  std::vector<ref_result> results;
-};
-
-ref_case load_ref(const std::filesystem::path& file) {
-  std::ifstream in(file);
-  REQUIRE(in.good());
-  ref_case c;
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.empty() || line[0] == '#') continue;
-    std::istringstream ls(line);
-    std::string key;
-    ls >> key;
-    if (key == "case") {
-      ls >> c.name;
-    } else if (key == "opt") {
-      ls >> c.optimizer;
-      std::string kv;
-      while (ls >> kv) c.opt[kv.substr(0, kv.find('='))] = num(kv.substr(kv.find('=') + 1));
-    } else if (key == "steps") {
-      ls >> c.steps;
-    } else if (key == "scale") {
-      std::string v;
-      ls >> v;
-      c.scale = num(v);
-    } else if (key == "sensitivity") {
-      std::string v;
-      ls >> v;
-      c.sensitivity.push_back(num(v));
-    } else if (key == "tensor") {
-      ref_spec t;
-      int rank = 0;
-      ls >> t.name >> rank;
-      t.shape.resize(static_cast<std::size_t>(rank));
-      for (auto& d : t.shape) ls >> d;
-      std::string flags, word;
-      ls >> t.pseed >> t.gseed >> t.plog >> t.glog >> flags;
-      t.zero_p = flags.find("zero_p") != std::string::npos;
-      t.zero_g = flags.find("zero_g") != std::string::npos;
-      while (ls >> word) {
-        REQUIRE(word == "inject");
-        int s = 0;
-        std::size_t i = 0;
-        std::string v;
-        ls >> s >> i >> v;
-        t.inject.emplace_back(s, i, static_cast<float>(num(v)));
-      }
-      c.tensors.push_back(t);
-    } else if (key == "result") {
-      ref_result r;
-      std::string w;
-      std::size_t count = 0;
-      ls >> r.step >> r.tensor >> w >> r.stride >> w >> count;
-      std::string values_line, v;
-      std::getline(in, values_line);
-      std::istringstream vs(values_line);
-      while (vs >> v) r.sample.push_back(num(v));
-      REQUIRE(r.sample.size() == count);
-      c.results.push_back(r);
-    } else if (key == "source") {
-    } else if (key == "end") {
-      break;
-    } else {
-      FAIL("unknown line in " << file << ": " << line);
-    }
-  }
-  return c;
-}
+using ref_case = gradapt_test::peer_optimizer_case;  // support/peer_data.hpp
 
 gradapt::adafactor_options adafactor_from(const std::map<std::string, double>& o) {
   gradapt::adafactor_options a;
@@ -234,19 +107,16 @@ std::map<int, std::vector<std::vector<float>>> run_ref_case(const Opt& opt, cons
 
 TEST_CASE("adafactor and sm3 match optax and torch.optim.Adafactor reference vectors",
           "[optim][refs][adafactor]") {
-  std::vector<std::filesystem::path> files;
-  for (const auto& e : std::filesystem::directory_iterator(GRADAPT_FACTORED_DATA))
-    if (e.path().extension() == ".txt") files.push_back(e.path());
-  std::sort(files.begin(), files.end());
+  const auto files = gradapt_test::peer_case_files(GRADAPT_FACTORED_DATA);
   REQUIRE(files.size() >= 8);
   constexpr double rtol = 1e-4;
   int adafactor_cases = 0, sm3_cases = 0, torch_cases = 0;
   for (const auto& file : files) {
-    const ref_case c = load_ref(file);
+    const ref_case c = gradapt_test::load_peer_optimizer_case(file);
     INFO("case " << c.name);
     REQUIRE(c.steps > 1);
     REQUIRE(c.scale > 0);
-    for (double d : c.sensitivity) REQUIRE(d > 10 * rtol);
+    for (const auto& [d, label] : c.sensitivity) REQUIRE(d > 10 * rtol);
     std::vector<std::pair<std::string, std::map<int, std::vector<std::vector<float>>>>> runs;
     if (c.optimizer == "adafactor") {
       runs.emplace_back("adafactor", run_ref_case(gradapt::adafactor(adafactor_from(c.opt)), c, 2));
@@ -279,10 +149,8 @@ TEST_CASE("adafactor and sm3 match optax and torch.optim.Adafactor reference vec
           const double v = got[k * r.stride];
           // The message is formed only for a failing element.
           bool ok = true;
-          if (std::isnan(want)) {
-            ok = std::isnan(v);
-          } else if (std::isinf(want)) {
-            ok = v == want;
+          if (const auto nonfinite = gradapt_test::peer_nonfinite_match(want, v)) {
+            ok = *nonfinite;
           } else {
             const double err = std::fabs(v - want);
             ok = err <= rtol * c.scale && err <= 1e-3 * own + 4 * std::ldexp(std::fabs(want), -23) + 1e-30;

@@ -4,8 +4,9 @@
 // Each case file names an optimizer and its options, a list of tensors (1-D, small and large
 // 2-D, 3-D, size-1 dims, rank 0, empty, zero weights, zero gradients, subnormal gradients,
 // injected inf/NaN) whose parameters and per-step gradients come from a counter-based
-// generator reproduced here bit for bit, and the peer's parameters after the first and the
-// last step. The test runs gradapt on the host backend with 1, 2 and 3 threads and checks:
+// generator reproduced bit for bit (support/counter_random.hpp, read by support/peer_data.hpp),
+// and the peer's parameters after the first and the last step. The test runs gradapt on the
+// host backend with 1, 2 and 3 threads and checks:
 //  - every stored element within a relative tolerance (NaN where the peer has NaN, infinities
 //    with their sign), and the float64 sum and sum of squares of every whole tensor;
 //  - that the tolerance is at least 10x tighter than the distance, recorded in the file, of
@@ -15,11 +16,8 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <map>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -29,6 +27,7 @@
 #include "gradapt/optim/lamb.hpp"
 #include "gradapt/optim/lars.hpp"
 #include "gradapt/optim/sgd.hpp"
+#include "peer_data.hpp"
 
 namespace gradapt_test_optim_refs {
 
@@ -38,169 +37,12 @@ namespace gradapt_test_optim_refs {
 
 namespace {
 
-// ---- the generator of make_optim_refs.py ------------------------------------------------------
+// ---- the case files (support/peer_data.hpp) --------------------------------------------------
 
-std::uint64_t splitmix64(std::uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  std::uint64_t z = x;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
+using case_data = gradapt_test::peer_optimizer_case;
+using gradapt_test::load_peer_optimizer_case;
 
-/// n values k * 2^(log2_scale - 23), k a signed 24-bit integer: exact in float.
-std::vector<float> values(std::uint64_t seed, std::size_t n, int log2_scale) {
-  std::vector<float> v(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    const std::uint64_t u = splitmix64(seed * 0x100000001B3ull + i);
-    const auto k = static_cast<std::int64_t>(u >> 40) - (std::int64_t{1} << 23);
-    v[i] = static_cast<float>(std::ldexp(static_cast<double>(k), log2_scale - 23));
-  }
-  return v;
-}
-
-struct injection {
-  int step;
-  std::size_t index;
-  float value;
-};
-
-struct tensor_spec {
-  std::string name;
-  std::vector<std::int64_t> shape;
-  std::uint64_t pseed = 0, gseed = 0;
-  int plog = 0, glog = 0;
-  bool zero_p = false, zero_g = false, no_wd = false, no_tr = false;
-  std::vector<injection> inject;
-
-  std::size_t size() const {
-    std::size_t n = 1;
-    for (auto d : shape) n *= static_cast<std::size_t>(d);
-    return n;
-  }
-  std::vector<float> param0() const {
-    return zero_p ? std::vector<float>(size(), 0.0f) : values(pseed, size(), plog);
-  }
-  std::vector<float> grad(int step) const {
-    if (zero_g) return std::vector<float>(size(), 0.0f);
-    auto g = values(gseed + 1000 * static_cast<std::uint64_t>(step), size(), glog);
-    for (const auto& j : inject)
-      if (j.step == step) g[j.index] = j.value;
-    return g;
-  }
-};
-
-struct result {
-  int step;
-  std::string tensor;
-  std::size_t stride = 1;
-  double sum = 0, sumsq = 0;
-  std::vector<double> sample;
-};
-
-struct case_data {
-  std::string name, source, optimizer;
-  std::map<std::string, double> opt;
-  int steps = 0;
-  double scale = 0;  ///< largest |p_last - p_0| in the reference: the unit of differences
-  std::vector<std::pair<double, std::string>> sensitivity;
-  std::vector<tensor_spec> tensors;
-  std::vector<result> results;
-};
-
-double parse_double(const std::string& s) {
-  if (s == "nan") return std::nan("");
-  if (s == "inf") return INFINITY;
-  if (s == "-inf") return -INFINITY;
-  std::size_t used = 0;
-  const double v = std::stod(s, &used);
-  if (used != s.size()) throw std::runtime_error("bad number '" + s + "'");
-  return v;
-}
-
-case_data load_case(const std::filesystem::path& file) {
-  std::ifstream in(file);
-  if (!in) throw std::runtime_error("cannot open " + file.string());
-  case_data c;
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.empty() || line[0] == '#') continue;
-    std::istringstream ls(line);
-    std::string key;
-    ls >> key;
-    if (key == "case") {
-      ls >> c.name;
-    } else if (key == "source") {
-      std::getline(ls, c.source);
-    } else if (key == "opt") {
-      ls >> c.optimizer;
-      std::string kv;
-      while (ls >> kv) {
-        const auto eq = kv.find('=');
-        c.opt[kv.substr(0, eq)] = parse_double(kv.substr(eq + 1));
-      }
-    } else if (key == "steps") {
-      ls >> c.steps;
-    } else if (key == "scale") {
-      std::string v;
-      ls >> v;
-      c.scale = parse_double(v);
-    } else if (key == "sensitivity") {
-      std::string v, label;
-      ls >> v >> label;
-      c.sensitivity.emplace_back(parse_double(v), label);
-    } else if (key == "tensor") {
-      tensor_spec t;
-      int rank = 0;
-      ls >> t.name >> rank;
-      t.shape.resize(static_cast<std::size_t>(rank));
-      for (auto& d : t.shape) ls >> d;
-      std::string flags;
-      ls >> t.pseed >> t.gseed >> t.plog >> t.glog >> flags;
-      t.zero_p = flags.find("zero_p") != std::string::npos;
-      t.zero_g = flags.find("zero_g") != std::string::npos;
-      t.no_wd = flags.find("no_wd") != std::string::npos;
-      t.no_tr = flags.find("no_tr") != std::string::npos;
-      std::string word;
-      while (ls >> word) {
-        if (word != "inject") throw std::runtime_error("unexpected '" + word + "' in " + line);
-        injection j{};
-        std::string v;
-        ls >> j.step >> j.index >> v;
-        j.value = static_cast<float>(parse_double(v));
-        t.inject.push_back(j);
-      }
-      c.tensors.push_back(t);
-    } else if (key == "result") {
-      result r;
-      std::string w, sum, sumsq;
-      std::size_t count = 0;
-      ls >> r.step >> r.tensor >> w >> r.stride >> w >> count >> w >> sum >> w >> sumsq;
-      r.sum = parse_double(sum);
-      r.sumsq = parse_double(sumsq);
-      std::string values_line;
-      std::getline(in, values_line);
-      std::istringstream vs(values_line);
-      std::string v;
-      while (vs >> v) r.sample.push_back(parse_double(v));
-      if (r.sample.size() != count) throw std::runtime_error("short value line for " + r.tensor);
-      c.results.push_back(r);
-    } else if (key == "end") {
-      break;
-    } else {
-      throw std::runtime_error("unknown line: " + line);
-    }
-  }
-  return c;
-}
-
-std::vector<std::filesystem::path> case_files() {
-  std::vector<std::filesystem::path> files;
-  for (const auto& e : std::filesystem::directory_iterator(GRADAPT_OPTIM_DATA))
-    if (e.path().extension() == ".txt") files.push_back(e.path());
-  std::sort(files.begin(), files.end());
-  return files;
-}
+std::vector<std::filesystem::path> case_files() { return gradapt_test::peer_case_files(GRADAPT_OPTIM_DATA); }
 
 // ---- running gradapt on a case -----------------------------------------------------------------
 
@@ -294,7 +136,7 @@ TEST_CASE("optimizers match optax and PyTorch reference vectors", "[optim][refs]
   const auto files = case_files();
   REQUIRE(files.size() >= 10);
   for (const auto& file : files) {
-    const case_data c = load_case(file);
+    const case_data c = load_peer_optimizer_case(file);
     INFO("case " << c.name << " (" << c.source << ")");
     REQUIRE(c.steps > 1);
     REQUIRE(!c.results.empty());
@@ -318,10 +160,8 @@ TEST_CASE("optimizers match optax and PyTorch reference vectors", "[optim][refs]
         // The message is formed only for a failing element (an INFO per element would cost
         // more than the comparison).
         bool ok = true;
-        if (std::isnan(want)) {
-          ok = std::isnan(got);
-        } else if (std::isinf(want)) {
-          ok = got == want;
+        if (const auto nonfinite = gradapt_test::peer_nonfinite_match(want, got)) {
+          ok = *nonfinite;
         } else {
           const double err = std::fabs(got - want) / c.scale;
           worst = std::max(worst, err);

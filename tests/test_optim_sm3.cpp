@@ -25,6 +25,7 @@
 #include "catch.hpp"
 #include "gradapt/backend/host.hpp"
 #include "gradapt/optim/sm3.hpp"
+#include "optim_runs.hpp"
 #include "run_compare.hpp"
 
 namespace gradapt_test_optim_sm3 {
@@ -157,11 +158,7 @@ std::vector<tensor> reference_run(const gradapt::sm3_options& o, int steps) {
   auto theirs = shapes_mix();
   ref_opt ref{o, {}};
   ref.init(theirs);
-  for (int s = 1; s <= steps; ++s) {
-    for (std::size_t k = 0; k < theirs.size(); ++k)
-      fill_grad(theirs[k], 100u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
-    ref.step(theirs);
-  }
+  gradapt_test::run_steps(theirs, 100, steps, [&](std::vector<tensor>& ts) { ref.step(ts); });
   return theirs;
 }
 
@@ -169,16 +166,7 @@ std::vector<tensor> reference_run(const gradapt::sm3_options& o, int steps) {
 // or a chain of the same stages.
 template <class Opt>
 std::vector<tensor> library_run(const Opt& opt, int steps, int threads = 2) {
-  auto mine = shapes_mix();
-  host b{.threads = threads};
-  auto pl = list_of(mine);
-  auto st = opt.init(b, pl);
-  for (int s = 1; s <= steps; ++s) {
-    for (std::size_t k = 0; k < mine.size(); ++k)
-      fill_grad(mine[k], 100u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
-    opt.step(b, pl, st);
-  }
-  return mine;
+  return gradapt_test::library_run_on(opt, shapes_mix(), 100, steps, threads);
 }
 
 }  // namespace
@@ -245,81 +233,43 @@ TEST_CASE("sm3 state takes the sum of the dims", "[optim][sm3]") {
   REQUIRE(sm.state_elements() == 429 + 300 + 37 + 1 + pl.total_elements());
   // buffer 1 holds the momentum (empty without it): p ← p − lr m with lr = 0.5.
   REQUIRE(st.buffer(1).empty());
-  std::vector<std::vector<float>> before;
-  for (std::size_t t = 0; t < ts.size(); ++t) {
-    fill_grad(ts[t], 50 + unsigned(t));
-    before.push_back(ts[t].p);
-  }
-  gradapt::sm3({.lr = 0.5}).step(b, pl, sm);
-  for (std::size_t t = 0; t < ts.size(); ++t) {
-    const auto m = sm.buffer(1)[t];
-    REQUIRE(m.size() == ts[t].size());
-    std::size_t moved = 0;
-    for (std::size_t k = 0; k < m.size(); ++k) {
-      const float d = before[t][k] - ts[t].p[k];
-      const float mag = std::max(std::fabs(before[t][k]), std::fabs(ts[t].p[k]));
-      REQUIRE(std::fabs(0.5f * m.data()[k] - d) <= 2 * std::numeric_limits<float>::epsilon() * mag);
-      moved += m.data()[k] != 0.0f ? 1 : 0;
-    }
-    REQUIRE(moved > m.size() / 2);
-  }
+  gradapt_test::require_momentum_step(
+      ts, 50, 0.5f, [&] { gradapt::sm3({.lr = 0.5}).step(b, pl, sm); },
+      [&](std::size_t t) { return sm.buffer(1)[t]; });
   REQUIRE_THROWS_WITH(sm.buffer(2), Contains("index 2 out of range"));
 }
 
 TEST_CASE("sm3 is deterministic across threads and restores exactly", "[optim][sm3]") {
   std::vector<std::vector<float>> out;
   for (int th : {1, 2}) {
-    auto ts = shapes_mix();
-    auto pl = list_of(ts);
     host b{.threads = th};
     gradapt::sm3 opt({.lr = 0.1});
-    auto st = opt.init(b, pl);
-    for (int s = 1; s <= 3; ++s) {
-      for (std::size_t k = 0; k < ts.size(); ++k)
-        fill_grad(ts[k], 7u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
-      opt.step(b, pl, st);
-    }
-    // save, continue in a copy and in the original
-    const auto bytes = st.save(b);
-    auto copy = ts;
-    auto pc = list_of(copy);
-    auto sc = opt.init(b, pc);
-    sc.load(b, bytes);
-    REQUIRE(sc.steps() == 3);
-    for (int s = 4; s <= 5; ++s) {
-      for (std::size_t k = 0; k < ts.size(); ++k) {
-        fill_grad(ts[k], 7u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
-        fill_grad(copy[k], 7u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
-      }
-      opt.step(b, pl, st);
-      opt.step(b, pc, sc);
-    }
-    REQUIRE(st.save(b) == sc.save(b));
+    // save after 3 steps, continue in a copy and in the original
+    gradapt_test::resumed_run run(opt, b, shapes_mix(), 7, 3);
+    run.continue_to(5);
+    const auto& bytes = run.bytes;
+    auto& sc = run.sc;
+    auto& ts = run.a;
+    REQUIRE(run.sa.save(b) == sc.save(b));
     auto bad = bytes;
     bad.erase(bad.end() - 4, bad.end());
     REQUIRE_THROWS_WITH(sc.load(b, bad), Contains("archive(gradapt.optimizer): checksum mismatch"));
-    auto sm = gradapt::sm3({.momentum = 0.0}).init(b, pl);
+    auto sm = gradapt::sm3({.momentum = 0.0}).init(b, run.pa);
     REQUIRE_THROWS_WITH(sm.load(b, bytes), Contains("active-stage mask"));
-    std::vector<float> all;
-    for (auto& t : ts) all.insert(all.end(), t.p.begin(), t.p.end());
-    out.push_back(all);
+    out.push_back(gradapt_test::all_params(ts));
   }
-  for (std::size_t i = 0; i < out[0].size(); ++i)
-    REQUIRE(std::bit_cast<std::uint32_t>(out[0][i]) == std::bit_cast<std::uint32_t>(out[1][i]));
+  gradapt_test::require_same_bits(out);
 }
 
 TEST_CASE("sm3 edge cases", "[optim][sm3]") {
   host b{.threads = 2};
   SECTION("zero gradients leave the parameters; zero weights move") {
     std::vector<tensor> ts = {make("w", {30, 20}, 1), make("v", {9}, 2)};
-    for (auto& t : ts) std::fill(t.g.begin(), t.g.end(), 0.0f);
-    const auto before = ts;
     auto pl = list_of(ts);
     gradapt::sm3 opt({.lr = 0.1});
     auto st = opt.init(b, pl);
-    opt.step(b, pl, st);  // a = 0 everywhere: u = 0 (the 0/0 = 0 convention)
-    for (std::size_t k = 0; k < ts.size(); ++k) REQUIRE(ts[k].p == before[k].p);
-    for (auto& t : ts) std::fill(t.p.begin(), t.p.end(), 0.0f);
+    // a = 0 everywhere: u = 0 (the 0/0 = 0 convention); then zero weights.
+    gradapt_test::require_zero_grads_keep_params(opt, b, ts, pl, st);
     fill_grad(ts[0], 4);
     opt.step(b, pl, st);
     REQUIRE(
@@ -409,8 +359,7 @@ TEST_CASE("sm3 gives the same bits on 1 to 3 threads (fused and two-pass paths),
       const gradapt::sm3 opt(o);
       auto sa = opt.init(b, pa);
       for (int s = 1; s <= 4; ++s) {
-        for (std::size_t k = 0; k < a.size(); ++k)
-          fill_grad(a[k], 13u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
+        gradapt_test::fill_step(a, 13, s);
         if (s == 3) {  // non-finite gradients, in a fused tensor and in the two-pass one
           a[2].g[5] = INFINITY;
           a[3].g[1000] = NAN;
@@ -441,35 +390,19 @@ TEST_CASE("sm3 gives the same bits on 1 to 3 threads (fused and two-pass paths),
       }
     REQUIRE(nans >= 2);
   }
-  // n + m accumulators for an n x m matrix; save, restore, continue: the same bits.
-  auto a = shapes_mix();
-  auto pa = list_of(a);
+  // n + m accumulators for an n x m matrix; save after 2 steps, restore, continue: the same bits.
   host b{.threads = 2};
   const gradapt::sm3 opt({.lr = 0.05});
-  auto sa = opt.init(b, pa);
-  REQUIRE(sa.buffer(0)[2].size() == 130 + 70);
-  REQUIRE(sa.buffer(0)[5].size() == 5 + 2 + 7 + 3);
-  for (int s = 1; s <= 2; ++s) {
-    for (std::size_t k = 0; k < a.size(); ++k)
-      fill_grad(a[k], 7u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
-    opt.step(b, pa, sa);
+  gradapt_test::resumed_run run(opt, b, shapes_mix(), 7, 2);
+  for (const auto* st : {&run.sa, &run.sc}) {
+    REQUIRE(st->buffer(0)[2].size() == 130 + 70);
+    REQUIRE(st->buffer(0)[5].size() == 5 + 2 + 7 + 3);
   }
-  const auto bytes = sa.save(b);
-  auto c = a;
-  auto pc = list_of(c);
-  auto sc = opt.init(b, pc);
-  sc.load(b, bytes);
-  for (int s = 3; s <= 4; ++s) {
-    for (std::size_t k = 0; k < a.size(); ++k) {
-      fill_grad(a[k], 7u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
-      fill_grad(c[k], 7u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
-    }
-    opt.step(b, pa, sa);
-    opt.step(b, pc, sc);
-  }
-  for (std::size_t k = 0; k < a.size(); ++k)
-    for (std::size_t i = 0; i < a[k].size(); ++i)
-      REQUIRE(std::bit_cast<std::uint32_t>(a[k].p[i]) == std::bit_cast<std::uint32_t>(c[k].p[i]));
+  run.continue_to(4);
+  run.require_same_params();
+  auto& a = run.a;
+  auto& pa = run.pa;
+  auto& sa = run.sa;
   // Invalid options name themselves; a user chain may put clipping after the covers.
   REQUIRE_THROWS_WITH(gradapt::sm3({.b2 = 0}), Contains("sm3: b2 is 0"));
   {  // a negative step learning rate: rejected before anything moves

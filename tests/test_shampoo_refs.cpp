@@ -4,7 +4,7 @@
 //
 // Each case file holds gradapt's options, the tensors (1-D, 2-D, a 2-D tensor cut into blocks,
 // a conv-shaped 4-D tensor, merged or not), whose parameters and per-step gradients come from
-// the counter-based generator of make_optim_refs.py reproduced here bit for bit, the block plan
+// the counter-based generator of tests/data/peer_refs.py reproduced bit for bit, the block plan
 // (merged shape, and the number of blocks the peer's own splitting gives), and the peer's
 // float64 parameters after the first step, the first preconditioned step, the middle and the
 // last (32nd) step. The test runs gradapt on the host backend with host_lapack and checks:
@@ -21,16 +21,16 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
-#include <fstream>
 #include <map>
-#include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "catch.hpp"
 #include "gradapt/backend/host.hpp"
 #include "gradapt/linalg/host_lapack.hpp"
 #include "gradapt/optim/shampoo.hpp"
+#include "peer_data.hpp"
 
 namespace gradapt_test_shampoo_refs {
 
@@ -40,51 +40,15 @@ namespace gradapt_test_shampoo_refs {
 
 namespace {
 
-// ---- the generator of make_optim_refs.py ------------------------------------------------------
+// ---- the case files (support/peer_data.hpp) --------------------------------------------------
 
-std::uint64_t splitmix64(std::uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  std::uint64_t z = x;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-/// n values k * 2^(log2_scale - 23), k a signed 24-bit integer: exact in float.
-std::vector<float> values(std::uint64_t seed, std::size_t n, int log2_scale) {
-  std::vector<float> v(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    const std::uint64_t u = splitmix64(seed * 0x100000001B3ull + i);
-    const auto k = static_cast<std::int64_t>(u >> 40) - (std::int64_t{1} << 23);
-    v[i] = static_cast<float>(std::ldexp(static_cast<double>(k), log2_scale - 23));
-  }
-  return v;
-}
-
-struct tensor_spec {
-  std::string name;
-  std::vector<std::int64_t> shape;
-  std::uint64_t pseed = 0, gseed = 0;
-  int plog = 0, glog = 0;
+struct tensor_spec : gradapt_test::peer_tensor {
+  explicit tensor_spec(gradapt_test::peer_tensor t) : peer_tensor(std::move(t)) {}
   std::vector<std::int64_t> merged;  ///< empty: the graft alone
   std::size_t blocks = 0;            ///< blocks the peer cuts the merged shape into
-
-  std::size_t size() const {
-    std::size_t n = 1;
-    for (auto d : shape) n *= static_cast<std::size_t>(d);
-    return n;
-  }
-  std::vector<float> param0() const { return values(pseed, size(), plog); }
-  std::vector<float> grad(int step) const {
-    return values(gseed + 1000 * static_cast<std::uint64_t>(step), size(), glog);
-  }
 };
 
-struct result {
-  int step = 0;
-  std::string tensor;
-  std::vector<double> values;
-};
+using result = gradapt_test::peer_result;  ///< every element (stride 1)
 
 struct case_data {
   std::string name;
@@ -105,88 +69,49 @@ struct case_data {
 };
 
 case_data load_case(const std::filesystem::path& file) {
-  std::ifstream in(file);
-  if (!in) throw std::runtime_error("cannot open " + file.string());
   case_data c;
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.empty() || line[0] == '#') continue;
-    std::istringstream ls(line);
-    std::string key;
-    ls >> key;
-    if (key == "case") {
-      ls >> c.name;
-    } else if (key == "source") {
-    } else if (key == "opt") {
-      std::string kv;
-      while (ls >> kv) {
-        const auto eq = kv.find('=');
-        c.opt[kv.substr(0, eq)] = kv.substr(eq + 1);
-      }
-    } else if (key == "steps") {
-      ls >> c.steps;
-    } else if (key == "scale") {
-      ls >> c.scale;
-    } else if (key == "peer_float32") {
-      ls >> c.peer_float32;
-    } else if (key == "sensitivity") {
-      double v = 0;
-      std::string label;
-      ls >> v >> label;
-      c.sensitivity.emplace_back(v, label);
-    } else if (key == "sensitivity_double") {
-      double v = 0;
-      std::string label;
-      ls >> v >> label;
-      c.sensitivity_double.emplace_back(v, label);
-    } else if (key == "tensor") {
-      tensor_spec t;
-      int rank = 0;
-      ls >> t.name >> rank;
-      t.shape.resize(static_cast<std::size_t>(rank));
-      for (auto& d : t.shape) ls >> d;
-      ls >> t.pseed >> t.gseed >> t.plog >> t.glog;
-      c.tensors.push_back(t);
-    } else if (key == "plan") {
-      std::string name, word;
-      int k = 0;
-      ls >> name >> k;
-      auto& t = c.tensors.at(c.tensors.size() - 1);
-      if (t.name != name) throw std::runtime_error("plan line for " + name + " after tensor " + t.name);
-      if (k == 0) {
-        ls >> word;  // "-"
-      } else {
-        t.merged.resize(static_cast<std::size_t>(k));
-        for (auto& d : t.merged) ls >> d;
-      }
-      ls >> word >> t.blocks;
-    } else if (key == "result") {
-      result r;
-      std::string w;
-      std::size_t count = 0;
-      ls >> r.step >> r.tensor >> w >> count;
-      std::string values_line;
-      std::getline(in, values_line);
-      std::istringstream vs(values_line);
-      double v = 0;
-      while (vs >> v) r.values.push_back(v);
-      if (r.values.size() != count) throw std::runtime_error("short value line for " + r.tensor);
-      c.results.push_back(std::move(r));
-    } else if (key == "end") {
-      break;
-    } else {
-      throw std::runtime_error("unknown line: " + line);
-    }
-  }
+  const auto id =
+      gradapt_test::read_peer_records(file, [&](const std::string& key, std::istream& ls, auto& in) {
+        if (key == "opt") {
+          for (auto& [k, v] : gradapt_test::peer_options(ls)) c.opt[k] = v;
+        } else if (key == "steps") {
+          ls >> c.steps;
+        } else if (key == "scale") {
+          ls >> c.scale;
+        } else if (key == "peer_float32") {
+          ls >> c.peer_float32;
+        } else if (key == "sensitivity" || key == "sensitivity_double") {
+          double v = 0;
+          std::string label;
+          ls >> v >> label;
+          (key == "sensitivity" ? c.sensitivity : c.sensitivity_double).emplace_back(v, label);
+        } else if (key == "tensor") {
+          c.tensors.emplace_back(gradapt_test::read_peer_tensor(ls, in.line()));
+        } else if (key == "plan") {
+          std::string name, word;
+          int k = 0;
+          ls >> name >> k;
+          auto& t = c.tensors.at(c.tensors.size() - 1);
+          if (t.name != name) throw std::runtime_error("plan line for " + name + " after tensor " + t.name);
+          if (k == 0) {
+            ls >> word;  // "-"
+          } else {
+            t.merged.resize(static_cast<std::size_t>(k));
+            for (auto& d : t.merged) ls >> d;
+          }
+          ls >> word >> t.blocks;
+        } else if (key == "result") {
+          c.results.push_back(gradapt_test::read_peer_result(in));
+        } else {
+          in.unknown();
+        }
+      });
+  c.name = id.name;
   return c;
 }
 
 std::vector<std::filesystem::path> case_files() {
-  std::vector<std::filesystem::path> files;
-  for (const auto& e : std::filesystem::directory_iterator(GRADAPT_SHAMPOO_DATA))
-    if (e.path().extension() == ".txt") files.push_back(e.path());
-  std::sort(files.begin(), files.end());
-  return files;
+  return gradapt_test::peer_case_files(GRADAPT_SHAMPOO_DATA);
 }
 
 gradapt::shampoo_graft graft_of(const std::string& s) {
@@ -284,9 +209,9 @@ double worst_difference(const case_data& c, const std::map<int, std::vector<std:
     std::size_t ti = 0;
     while (c.tensors.at(ti).name != r.tensor) ++ti;
     const auto& mine = ours.at(r.step)[ti];
-    REQUIRE(mine.size() == r.values.size());
+    REQUIRE(mine.size() == r.sample.size());
     for (std::size_t k = 0; k < mine.size(); ++k) {
-      const double err = std::fabs(mine[k] - r.values[k]) / c.scale;
+      const double err = std::fabs(mine[k] - r.sample[k]) / c.scale;
       if (!(err <= worst)) worst = err;  // NaN propagates
     }
   }

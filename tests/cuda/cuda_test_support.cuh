@@ -13,12 +13,20 @@
 #include <random>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "catch.hpp"
 #include "gradapt/backend/cuda.cuh"
+#include "thrown_message.hpp"
 
 namespace gradapt_test {
+
+// Names every CUDA test uses (each does `using namespace gradapt_test;`).
+using gradapt::compute_t;
+using gradapt::device_space;
+using gradapt::host_space;
+using gradapt::tensor_view;
 
 template <class T>
 using dvec = thrust::device_vector<T>;
@@ -78,15 +86,23 @@ std::vector<T> eighths(std::size_t n, std::uint64_t seed) {
   return v;
 }
 
-/// The message of the gradapt::error `fn` throws ("" if it throws nothing).
-template <class Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const gradapt::error& e) {
-    return e.what();
+/// The elements of `f` stored on the device as half (`dh`) and bfloat16 (`db`) have the bits of
+/// the host's conversions.
+inline void require_host_conversions(const std::vector<float>& f, const dvec<gradapt::half>& dh,
+                                     const dvec<gradapt::bfloat16>& db) {
+  const auto gh = to_host(dh);
+  const auto gb = to_host(db);
+  for (std::size_t i = 0; i < f.size(); ++i) {
+    INFO("float bits " << bits(f[i]));
+    REQUIRE(gh[i].bits == gradapt::detail::float_to_half_bits(f[i]));
+    REQUIRE(gb[i].bits == gradapt::detail::float_to_bfloat16_bits(f[i]));
   }
-  return "";
+}
+
+/// The message of the gradapt::error `fn` throws ("" if it throws nothing).
+template <class F>
+std::string error_of(F&& f) {
+  return gradapt_test::thrown_message(std::forward<F>(f), "");
 }
 
 /// Sizes that exercise chunk edges: empty, one element, around one and several chunks.

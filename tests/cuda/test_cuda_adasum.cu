@@ -1,10 +1,10 @@
 // Adasum (gradapt/combine/adasum.hpp) with the CUDA backend on device memory.
 //
-// Ranks are host threads on one GPU. `staged_comm` below is a device-space communicator for
-// tests only: every operation copies the device buffers to host memory, runs the
-// comm::threads operation there and copies the result back (comm::nccl needs one GPU per
+// Ranks are host threads on one GPU. `staged_comm` (support/staged_comm.cuh) is a device-space
+// communicator for tests only: every operation copies the device buffers to host memory, runs
+// the comm::threads operation there and copies the result back (comm::nccl needs one GPU per
 // rank). The backend runs on the legacy default stream, which orders those copies after the
-// kernels.
+// kernels. The long double reference is support/adasum_reference.hpp's.
 //
 // Checks: a long double re-computation of the tree within rounding (four element types, lists
 // with empty, one-element and multi-chunk tensors, 1 to 5 ranks, flat and hierarchical);
@@ -22,10 +22,12 @@
 #include <utility>
 #include <vector>
 
+#include "adasum_reference.hpp"
 #include "cuda_test_support.cuh"
 #include "gradapt/combine/adasum.hpp"
 #include "gradapt/comm/threads.hpp"
 #include "rank_check.hpp"
+#include "staged_comm.cuh"
 
 #if __has_include(<nccl.h>) && defined(GRADAPT_TEST_NCCL)
 #include "gradapt/comm/nccl.hpp"
@@ -34,136 +36,15 @@
 namespace gradapt_test_cuda_adasum {
 
 using namespace gradapt_test;
-using gradapt::device_space;
-using gradapt::tensor_view;
 
 namespace {
 
-template <class T>
-using tlist = std::vector<std::vector<T>>;
-using ldlist = std::vector<std::vector<long double>>;
-
-template <class T>
-std::vector<T> copy_to_host(tensor_view<const T, device_space> v) {
-  std::vector<T> h(v.size());
-  if (!h.empty()) GRADAPT_CUDA_CHECK(cudaMemcpy(h.data(), v.data(), v.bytes(), cudaMemcpyDeviceToHost));
-  return h;
-}
-template <class T>
-void copy_to_device(const std::vector<T>& h, tensor_view<T, device_space> v) {
-  if (!h.empty()) GRADAPT_CUDA_CHECK(cudaMemcpy(v.data(), h.data(), v.bytes(), cudaMemcpyHostToDevice));
-}
-
-}  // namespace
-
-// A named namespace: nvcc warns about unused members of classes in an anonymous one (the
-// concept requires operations Adasum does not call).
-namespace adasum_cuda_test {
-
-/// Device-space communicator over comm::threads, staging every buffer through host memory.
-class staged_comm {
- public:
-  using space = device_space;
-  explicit staged_comm(gradapt::comm::threads t) : t_(std::move(t)) {}
-  int rank() const { return t_.rank(); }
-  int size() const { return t_.size(); }
-
-  template <gradapt::element T>
-  requires(!std::is_const_v<T>) void allreduce(tensor_view<T, device_space> buf, gradapt::reduce_op op) {
-    auto h = copy_to_host<T>(buf);
-    t_.allreduce(gradapt::host_view(h), op);
-    copy_to_device(h, buf);
-  }
-  template <gradapt::element T>
-  requires(!std::is_const_v<T>) void broadcast(tensor_view<T, device_space> buf, int root) {
-    auto h = copy_to_host<T>(buf);
-    t_.broadcast(gradapt::host_view(h), root);
-    copy_to_device(h, buf);
-  }
-  template <gradapt::element T>
-  requires(!std::is_const_v<T>) void allgather(std::type_identity_t<tensor_view<const T, device_space>> send,
-                                               tensor_view<T, device_space> recv) {
-    const auto s = copy_to_host<T>(send);
-    std::vector<T> r(recv.size());
-    t_.allgather<T>(gradapt::host_view(s), gradapt::host_view(r));
-    copy_to_device(r, recv);
-  }
-  template <gradapt::element T>
-  requires(!std::is_const_v<T>) void reduce_scatter(
-      std::type_identity_t<tensor_view<const T, device_space>> send, tensor_view<T, device_space> recv,
-      gradapt::reduce_op op) {
-    const auto s = copy_to_host<T>(send);
-    std::vector<T> r(recv.size());
-    t_.reduce_scatter<T>(gradapt::host_view(s), gradapt::host_view(r), op);
-    copy_to_device(r, recv);
-  }
-  template <gradapt::element T>
-  requires(!std::is_const_v<T>) void exchange(int peer,
-                                              std::type_identity_t<tensor_view<const T, device_space>> send,
-                                              tensor_view<T, device_space> recv) {
-    const auto s = copy_to_host<T>(send);
-    std::vector<T> r(recv.size());
-    t_.exchange<T>(peer, gradapt::host_view(s), gradapt::host_view(r));
-    copy_to_device(r, recv);
-  }
-  staged_comm split(int color, int key) { return staged_comm(t_.split(color, key)); }
-  void barrier() { t_.barrier(); }
-
- private:
-  gradapt::comm::threads t_;
-};
-static_assert(gradapt::communicator<staged_comm>);
-
-}  // namespace adasum_cuda_test
-
-namespace {
-
-using adasum_cuda_test::staged_comm;
-
-template <class T>
-long double val(T x) {
-  return static_cast<long double>(gradapt::load(x));
-}
-template <class T>
-long double eps() {
-  if constexpr (std::is_same_v<T, double>) return std::numeric_limits<double>::epsilon() / 2;
-  if constexpr (std::is_same_v<T, float>) return std::numeric_limits<float>::epsilon() / 2;
-  if constexpr (std::is_same_v<T, gradapt::half>) return std::ldexp(1.0L, -11);
-  return std::ldexp(1.0L, -8);
-}
-
-int floor_pow2(int n) {
-  int p = 1;
-  while (2 * p <= n) p *= 2;
-  return p;
-}
-
-ldlist ld_combine(const ldlist& a, const ldlist& b) {
-  ldlist out = a;
-  for (std::size_t t = 0; t < a.size(); ++t) {
-    long double ab = 0, aa = 0, bb = 0;
-    for (std::size_t i = 0; i < a[t].size(); ++i) {
-      ab += a[t][i] * b[t][i];
-      aa += a[t][i] * a[t][i];
-      bb += b[t][i] * b[t][i];
-    }
-    const long double alpha = aa <= 0 ? 1.0L : 1.0L - ab / (2 * aa);
-    const long double beta = bb <= 0 ? 1.0L : 1.0L - ab / (2 * bb);
-    for (std::size_t i = 0; i < a[t].size(); ++i) out[t][i] = alpha * a[t][i] + beta * b[t][i];
-  }
-  return out;
-}
-
-template <class T>
-ldlist widen(const tlist<T>& l) {
-  ldlist out;
-  for (const auto& v : l) {
-    std::vector<long double> w;
-    for (T x : v) w.push_back(val(x));
-    out.push_back(w);
-  }
-  return out;
-}
+using adasum_test::eps;
+using adasum_test::ld_combine;
+using adasum_test::ldlist;
+using adasum_test::tlist;
+using adasum_test::val;
+using adasum_test::widen;
 
 /// The tree of docs/algorithms/adasum.md in long double (group means first when g > 1).
 template <class T>
@@ -182,13 +63,7 @@ ldlist ld_tree(const std::vector<tlist<T>>& in, int g = 1) {
       for (auto& x : t) x /= (last - first);
     v.push_back(m);
   }
-  const int q = static_cast<int>(v.size());
-  const int p = floor_pow2(q);
-  std::vector<ldlist> x(static_cast<std::size_t>(p));
-  for (int i = 0; i < p; ++i) x[i] = i + p < q ? ld_combine(v[i], v[i + p]) : v[i];
-  for (int width = p; width > 1; width /= 2)
-    for (int j = 0; j < width / 2; ++j) x[j] = ld_combine(x[2 * j], x[2 * j + 1]);
-  return x[0];
+  return adasum_test::ld_tree_of(v);
 }
 
 /// Runs Adasum on n device "ranks"; returns every rank's result (copied to the host).
@@ -235,12 +110,7 @@ bool close(const tlist<T>& got, const ldlist& want, const std::vector<tlist<T>>&
   int levels = 1;
   for (int p = static_cast<int>(in.size()); p > 1; p /= 2) ++levels;
   for (std::size_t t = 0; t < want.size(); ++t) {
-    long double scale = 0;
-    for (const auto& l : in) {
-      long double m = 0;
-      for (T x : l[t]) m = std::max(m, std::fabs(val(x)));
-      scale += m;
-    }
+    const long double scale = adasum_test::rank_scale(in, t);
     for (std::size_t i = 0; i < want[t].size(); ++i)
       if (!(std::fabs(val(got[t][i]) - want[t][i]) <= 8 * eps<T>() * (levels + 1) * scale)) return false;
   }

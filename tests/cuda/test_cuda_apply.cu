@@ -11,9 +11,6 @@
 namespace gradapt_test_cuda_apply {
 
 using namespace gradapt_test;
-using gradapt::compute_t;
-using gradapt::device_space;
-using gradapt::tensor_view;
 
 namespace {
 
@@ -145,13 +142,7 @@ TEST_CASE("cuda apply: 16-bit stores round to nearest even like the host", "[cud
   dvec<gradapt::half> dh(hx.size());
   dvec<gradapt::bfloat16> db(hx.size());
   gradapt::cuda{}.apply(convert{}, view(dh), view(db), cview(dx));
-  const auto gh = to_host(dh);
-  const auto gb = to_host(db);
-  for (std::size_t i = 0; i < hx.size(); ++i) {
-    INFO("x bits " << bits(hx[i]));
-    REQUIRE(gh[i].bits == gradapt::detail::float_to_half_bits(hx[i]));
-    REQUIRE(gb[i].bits == gradapt::detail::float_to_bfloat16_bits(hx[i]));
-  }
+  require_host_conversions(hx, dh, db);
 }
 
 TEST_CASE("cuda apply: size mismatch names the views and sizes", "[cuda][apply]") {

@@ -12,9 +12,6 @@
 namespace gradapt_test_cuda_apply_list {
 
 using namespace gradapt_test;
-using gradapt::compute_t;
-using gradapt::device_space;
-using gradapt::tensor_view;
 
 namespace {
 

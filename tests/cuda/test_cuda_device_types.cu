@@ -114,13 +114,7 @@ TEST_CASE("device stores round like the host for float patterns", "[cuda][types]
   store_all<<<blocks, 256>>>(thrust::raw_pointer_cast(df.data()), thrust::raw_pointer_cast(dh.data()),
                              thrust::raw_pointer_cast(db.data()), f.size());
   GRADAPT_CUDA_CHECK(cudaGetLastError());
-  const auto gh = to_host(dh);
-  const auto gb = to_host(db);
-  for (std::size_t i = 0; i < f.size(); ++i) {
-    INFO("float bits " << bits(f[i]));
-    REQUIRE(gh[i].bits == gradapt::detail::float_to_half_bits(f[i]));
-    REQUIRE(gb[i].bits == gradapt::detail::float_to_bfloat16_bits(f[i]));
-  }
+  require_host_conversions(f, dh, db);
 }
 
 TEST_CASE("reinterpreted device pointers work with CUDA's half arithmetic", "[cuda][types]") {

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "cuda_test_support.cuh"
+#include "factored_layout.hpp"
 #include "gradapt/backend/host.hpp"
 #include "gradapt/optim/adafactor.hpp"
 #include "gradapt/optim/sm3.hpp"
@@ -38,9 +39,6 @@
 namespace gradapt_test_cuda_factored {
 
 using namespace gradapt_test;
-using gradapt::device_space;
-using gradapt::host_space;
-using gradapt::tensor_view;
 
 static_assert(gradapt::factored_backend<gradapt::cuda>);
 static_assert(gradapt::factored_backend<gradapt::host>);
@@ -99,6 +97,29 @@ void fill_grads(std::vector<host_tensor>& ts, unsigned seed) {
   unsigned s = seed;
   for (auto& t : ts) t.g = random_values<float>(t.p.size(), s++, -0.125, 0.125);
 }
+
+/// Two device copies of the parameters of `h` (`pa`, `pb`) sharing one gradient buffer `dg`
+/// (a copy of the gradients of `h`), and the lists `a` over pa and `b` over pb.
+struct twin_lists {
+  std::vector<dvec<float>> pa, pb, dg;
+  gradapt::param_list<float, float, device_space> a, b;
+  explicit twin_lists(const std::vector<host_tensor>& h) {
+    for (const auto& t : h) {
+      pa.push_back(to_device(t.p));
+      pb.push_back(to_device(t.p));
+      dg.push_back(to_device(t.g));
+    }
+    for (std::size_t i = 0; i < h.size(); ++i) {
+      const auto shp = std::span<const std::int64_t>(h[i].shape);
+      a.add(h[i].name, tensor_view<float, device_space>(thrust::raw_pointer_cast(pa[i].data()), shp),
+            tensor_view<float, device_space>(thrust::raw_pointer_cast(dg[i].data()), shp));
+      b.add(h[i].name, tensor_view<float, device_space>(thrust::raw_pointer_cast(pb[i].data()), shp),
+            tensor_view<float, device_space>(thrust::raw_pointer_cast(dg[i].data()), shp));
+    }
+  }
+  twin_lists(const twin_lists&) = delete;
+  twin_lists& operator=(const twin_lists&) = delete;
+};
 
 /// The default of host_vs_device's `check`: nothing beyond the parameters.
 struct no_state_check {
@@ -175,21 +196,15 @@ TEST_CASE("cuda reduce_factored and apply_factored match host loops", "[cuda][fa
         mx(cv.size(), -INFINITY);
     std::vector<float> wyv(x.size());
     double wsum = 0;
-    for (std::size_t a = 0; a < A; ++a)
-      for (std::size_t i = 0; i < X; ++i)
-        for (std::size_t b = 0; b < B; ++b)
-          for (std::size_t j = 0; j < Y; ++j)
-            for (std::size_t c = 0; c < C; ++c) {
-              const std::size_t e = (((a * X + i) * B + b) * Y + j) * C + c;
-              const std::size_t iy = ((a * X + i) * B + b) * C + c, ix = ((a * B + b) * Y + j) * C + c;
-              const double t = square_term{}(rv[iy], cv[ix], x[e]);
-              wy[iy] += t;
-              wx[ix] += t;
-              my[iy] = std::max(my[iy], t);
-              mx[ix] = std::max(mx[ix], t);
-              wyv[e] = x[e] * rv[iy] * cv[ix];
-              wsum += wyv[e];
-            }
+    for_each_factored(d, [&](std::size_t e, std::size_t iy, std::size_t ix) {
+      const double t = square_term{}(rv[iy], cv[ix], x[e]);
+      wy[iy] += t;
+      wx[ix] += t;
+      my[iy] = std::max(my[iy], t);
+      mx[ix] = std::max(mx[ix], t);
+      wyv[e] = x[e] * rv[iy] * cv[ix];
+      wsum += wyv[e];
+    });
     auto dx = to_device(x);
     auto dr = to_device(rv);
     auto dc = to_device(cv);
@@ -248,20 +263,9 @@ TEST_CASE("cuda adafactor and sm3 follow the host backend", "[cuda][factored][op
 
 TEST_CASE("cuda adafactor checkpoints continue bit for bit", "[cuda][factored][optim]") {
   auto h = mixed(7);
-  std::vector<dvec<float>> dp, dg, dp2;
-  for (auto& t : h) {
-    dp.push_back(to_device(t.p));
-    dp2.push_back(to_device(t.p));
-    dg.push_back(to_device(t.g));
-  }
-  gradapt::param_list<float, float, device_space> a, b;
-  for (std::size_t i = 0; i < h.size(); ++i) {
-    const auto shp = std::span<const std::int64_t>(h[i].shape);
-    a.add(h[i].name, tensor_view<float, device_space>(thrust::raw_pointer_cast(dp[i].data()), shp),
-          tensor_view<float, device_space>(thrust::raw_pointer_cast(dg[i].data()), shp));
-    b.add(h[i].name, tensor_view<float, device_space>(thrust::raw_pointer_cast(dp2[i].data()), shp),
-          tensor_view<float, device_space>(thrust::raw_pointer_cast(dg[i].data()), shp));
-  }
+  twin_lists tw(h);
+  auto &dp = tw.pa, &dp2 = tw.pb, &dg = tw.dg;
+  auto &a = tw.a, &b = tw.b;
   gradapt::cuda cb{};
   gradapt::adafactor opt({.lr = 0.02, .momentum = 0.5});
   auto sa = opt.init(cb, a);
@@ -299,20 +303,9 @@ void step_captures(const Opt& opt, std::vector<host_tensor> (*shapes)(unsigned) 
                    bool warm_up = true) {
   auto h = shapes(11);
   fill_grads(h, 5);
-  std::vector<dvec<float>> pa, pb, dg;
-  for (auto& t : h) {
-    pa.push_back(to_device(t.p));
-    pb.push_back(to_device(t.p));
-    dg.push_back(to_device(t.g));
-  }
-  gradapt::param_list<float, float, device_space> a, b;
-  for (std::size_t i = 0; i < h.size(); ++i) {
-    const auto shp = std::span<const std::int64_t>(h[i].shape);
-    a.add(h[i].name, tensor_view<float, device_space>(thrust::raw_pointer_cast(pa[i].data()), shp),
-          tensor_view<float, device_space>(thrust::raw_pointer_cast(dg[i].data()), shp));
-    b.add(h[i].name, tensor_view<float, device_space>(thrust::raw_pointer_cast(pb[i].data()), shp),
-          tensor_view<float, device_space>(thrust::raw_pointer_cast(dg[i].data()), shp));
-  }
+  twin_lists tw(h);
+  auto &pa = tw.pa, &pb = tw.pb;
+  auto &a = tw.a, &b = tw.b;
   cudaStream_t stream = nullptr;
   REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
   gradapt::cuda cb{.stream = stream};

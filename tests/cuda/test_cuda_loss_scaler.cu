@@ -19,27 +19,13 @@
 #include "gradapt/comm/threads.hpp"
 #include "gradapt/optim/clip.hpp"
 #include "gradapt/precision/loss_scaler.hpp"
+#include "staged_comm.cuh"
 
 namespace gradapt_test_cuda_loss_scaler {
 
 using namespace gradapt_test;
-using gradapt::device_space;
-using gradapt::host_space;
-using gradapt::tensor_view;
 
 namespace {
-
-template <class T>
-std::vector<T> copy_to_host_view(tensor_view<const T, device_space> v) {
-  std::vector<T> h(v.size());
-  if (!h.empty()) GRADAPT_CUDA_CHECK(cudaMemcpy(h.data(), v.data(), v.bytes(), cudaMemcpyDeviceToHost));
-  return h;
-}
-
-template <class T>
-void copy_into_device(const std::vector<T>& h, tensor_view<T, device_space> v) {
-  if (!h.empty()) GRADAPT_CUDA_CHECK(cudaMemcpy(v.data(), h.data(), v.bytes(), cudaMemcpyHostToDevice));
-}
 
 /// A list on the host and its device copy, with views of both.
 template <class T>
@@ -84,67 +70,6 @@ std::vector<std::vector<T>> scaled_grads(const std::vector<std::size_t>& sizes, 
 }
 
 }  // namespace
-
-// A named namespace: nvcc warns about unused members of classes in an anonymous one (the
-// concept requires operations the loss scaler does not call).
-namespace loss_scaler_cuda_test {
-
-/// Device-space communicator over comm::threads, staging every buffer through host memory.
-class staged_comm {
- public:
-  using space = device_space;
-  explicit staged_comm(gradapt::comm::threads t) : t_(std::move(t)) {}
-  int rank() const { return t_.rank(); }
-  int size() const { return t_.size(); }
-  template <gradapt::element T>
-  requires(!std::is_const_v<T>) void allreduce(tensor_view<T, device_space> buf, gradapt::reduce_op op) {
-    auto h = copy_to_host_view<T>(buf);
-    t_.allreduce(gradapt::host_view(h), op);
-    copy_into_device(h, buf);
-  }
-  template <gradapt::element T>
-  requires(!std::is_const_v<T>) void broadcast(tensor_view<T, device_space> buf, int root) {
-    auto h = copy_to_host_view<T>(buf);
-    t_.broadcast(gradapt::host_view(h), root);
-    copy_into_device(h, buf);
-  }
-  template <gradapt::element T>
-  requires(!std::is_const_v<T>) void allgather(std::type_identity_t<tensor_view<const T, device_space>> send,
-                                               tensor_view<T, device_space> recv) {
-    const auto s = copy_to_host_view<T>(send);
-    std::vector<T> r(recv.size());
-    t_.allgather<T>(gradapt::host_view(s), gradapt::host_view(r));
-    copy_into_device(r, recv);
-  }
-  template <gradapt::element T>
-  requires(!std::is_const_v<T>) void reduce_scatter(
-      std::type_identity_t<tensor_view<const T, device_space>> send, tensor_view<T, device_space> recv,
-      gradapt::reduce_op op) {
-    const auto s = copy_to_host_view<T>(send);
-    std::vector<T> r(recv.size());
-    t_.reduce_scatter<T>(gradapt::host_view(s), gradapt::host_view(r), op);
-    copy_into_device(r, recv);
-  }
-  template <gradapt::element T>
-  requires(!std::is_const_v<T>) void exchange(int peer,
-                                              std::type_identity_t<tensor_view<const T, device_space>> send,
-                                              tensor_view<T, device_space> recv) {
-    const auto s = copy_to_host_view<T>(send);
-    std::vector<T> r(recv.size());
-    t_.exchange<T>(peer, gradapt::host_view(s), gradapt::host_view(r));
-    copy_into_device(r, recv);
-  }
-  staged_comm split(int color, int key) { return staged_comm(t_.split(color, key)); }
-  void barrier() { t_.barrier(); }
-
- private:
-  gradapt::comm::threads t_;
-};
-static_assert(gradapt::communicator<staged_comm>);
-
-}  // namespace loss_scaler_cuda_test
-
-using loss_scaler_cuda_test::staged_comm;
 
 TEMPLATE_TEST_CASE("cuda unscale: the flag pass equals the host's fused pass bit for bit",
                    "[cuda][loss_scaler]", float, gradapt::half, gradapt::bfloat16) {

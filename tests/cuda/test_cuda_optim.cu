@@ -31,9 +31,6 @@
 namespace gradapt_test_cuda_optim {
 
 using namespace gradapt_test;
-using gradapt::device_space;
-using gradapt::host_space;
-using gradapt::tensor_view;
 
 static_assert(gradapt::optimizer_backend<gradapt::cuda>);
 
@@ -141,30 +138,26 @@ TEST_CASE("cuda apply_reduce_list: per-tensor sums in the chunked-tree order, up
           "[cuda][apply_reduce]") {
   const auto sizes = list_sizes(403, 17);
   eighth_lists l(sizes);
-  auto &hy = l.hy, &hx = l.hx;
-  auto& dy = l.dy;
-  auto& ys = l.ys;
-  auto& xs = l.xs;
   dvec<double> per(2 * sizes.size());
   const gradapt::cuda b{};
-  b.apply_reduce_list(add_and_measure{}, view(per), ys, xs);
+  b.apply_reduce_list(add_and_measure{}, view(per), l.ys, l.xs);
   const auto got = to_host(per);
   for (std::size_t t = 0; t < sizes.size(); ++t) {
     std::vector<double> sq(sizes[t]);
-    for (std::size_t i = 0; i < sizes[t]; ++i) sq[i] = double(hx[t][i]) * hx[t][i];
+    for (std::size_t i = 0; i < sizes[t]; ++i) sq[i] = double(l.hx[t][i]) * l.hx[t][i];
     const double want = gradapt::chunking::chunked_tree_reduce(
         sizes[t], 0.0, [&](double a, std::size_t i) { return a + sq[i]; },
         [](double a, double c) { return a + c; });
     INFO("tensor " << t << " of size " << sizes[t]);
     REQUIRE(bits(got[2 * t]) == bits(want));
     REQUIRE(got[2 * t + 1] == double(sizes[t]));
-    const auto y = to_host(dy[t]);
-    for (std::size_t i = 0; i < sizes[t]; ++i) REQUIRE(bits(y[i]) == bits(hy[t][i] + hx[t][i]));
+    const auto y = to_host(l.dy[t]);
+    for (std::size_t i = 0; i < sizes[t]; ++i) REQUIRE(bits(y[i]) == bits(l.hy[t][i] + l.hx[t][i]));
   }
   // Size checks.
   dvec<double> wrong(3);
   REQUIRE(error_of([&] {
-            b.apply_reduce_list(add_and_measure{}, view(wrong), ys, xs);
+            b.apply_reduce_list(add_and_measure{}, view(wrong), l.ys, l.xs);
           }).find("per_tensor has 3 elements for 403 tensors x 2 values") != std::string::npos);
 }
 
@@ -341,17 +334,14 @@ TEST_CASE(
     "[cuda][workspace]") {
   const auto sizes = list_sizes(97, 31);
   eighth_lists l(sizes);
-  auto &hy = l.hy, &hx = l.hx;
-  auto& dy = l.dy;
-  auto& ys = l.ys;
-  auto& xs = l.xs;
   dvec<double> per(2 * sizes.size());
   cudaStream_t stream = nullptr;
   REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
   {
     const gradapt::cuda fresh{.stream = stream};  // its own, empty workspace
     REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) == cudaSuccess);
-    const std::string e = error_of([&] { fresh.apply_reduce_list(add_and_measure{}, view(per), ys, xs); });
+    const std::string e =
+        error_of([&] { fresh.apply_reduce_list(add_and_measure{}, view(per), l.ys, l.xs); });
     cudaGraph_t graph = nullptr;
     (void)cudaStreamEndCapture(stream, &graph);
     if (graph != nullptr) cudaGraphDestroy(graph);
@@ -364,15 +354,15 @@ TEST_CASE(
   std::size_t chunks = 0;
   for (const std::size_t n : sizes)
     chunks += gradapt::chunking::chunk_count(n, gradapt::chunking::chunk_elements);
-  REQUIRE(gradapt::cuda::workspace_bytes(xs, 2) ==
+  REQUIRE(gradapt::cuda::workspace_bytes(l.xs, 2) ==
           std::max(2 * chunks, chunks + sizes.size()) * sizeof(double));
-  b.reserve_for(xs, 2);
-  capture_and_launch(stream, [&] { b.apply_reduce_list(add_and_measure{}, view(per), ys, xs); });
+  b.reserve_for(l.xs, 2);
+  capture_and_launch(stream, [&] { b.apply_reduce_list(add_and_measure{}, view(per), l.ys, l.xs); });
   const auto got = to_host(per);
   for (std::size_t t = 0; t < sizes.size(); ++t) {
     REQUIRE(got[2 * t + 1] == double(sizes[t]));
-    const auto y = to_host(dy[t]);
-    for (std::size_t i = 0; i < sizes[t]; ++i) REQUIRE(bits(y[i]) == bits(hy[t][i] + hx[t][i]));
+    const auto y = to_host(l.dy[t]);
+    for (std::size_t i = 0; i < sizes[t]; ++i) REQUIRE(bits(y[i]) == bits(l.hy[t][i] + l.hx[t][i]));
   }
   cudaStreamDestroy(stream);
 }

@@ -16,10 +16,7 @@
 namespace gradapt_test_cuda_reduce {
 
 using namespace gradapt_test;
-using gradapt::device_space;
-using gradapt::host_space;
 using gradapt::reduction;
-using gradapt::tensor_view;
 namespace ck = gradapt::chunking;
 namespace ops = gradapt::detail::cuda_ops;
 

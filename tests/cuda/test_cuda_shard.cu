@@ -26,7 +26,6 @@
 namespace gradapt_test_cuda_shard {
 
 using namespace gradapt_test;
-using gradapt::device_space;
 using gradapt::shard::granularity;
 using gradapt::shard::sharded_optimizer;
 using gradapt::shard::sharded_options;

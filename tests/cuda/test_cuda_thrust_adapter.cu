@@ -19,10 +19,6 @@ namespace gradapt_test_cuda_thrust_adapter {
 
 using namespace gradapt_test;
 using Catch::Matchers::Contains;
-using gradapt::compute_t;
-using gradapt::device_space;
-using gradapt::host_space;
-using gradapt::tensor_view;
 using gradapt::view_of;
 
 static_assert(THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_CUDA,

@@ -6,10 +6,10 @@ Usage (not run by CI; the outputs under tests/data/optim/ are committed):
     python3 -m venv /tmp/refs && /tmp/refs/bin/pip install jax optax torch
     /tmp/refs/bin/python tests/data/make_optim_refs.py            # writes tests/data/optim/*.txt
 
-Inputs are not stored: parameters and gradients come from a counter-based generator that the
-C++ test reproduces bit for bit (splitmix64 of seed * 0x100000001b3 + i, the top 24 bits as a
-signed integer k, value = k * 2^-23 * scale with scale a power of two, so every value is exact
-in float32). Each file holds the case's optimizer and options, the tensors (shape, seeds,
+Inputs are not stored: parameters and gradients come from a counter-based generator
+(peer_refs.py) that the C++ test reproduces bit for bit (splitmix64 of seed * 0x100000001b3 + i,
+the top 24 bits as a signed integer k, value = k * 2^-23 * scale with scale a power of two, so
+every value is exact in float32). Each file holds the case's optimizer and options, the tensors (shape, seeds,
 scales, masks, injected inf/NaN), and the parameters after the first and the last step:
 every element for tensors up to 1024 elements, about 512 evenly strided elements of larger
 ones, plus the float64 sum and sum of squares of the whole tensor.
@@ -28,6 +28,9 @@ import sys
 import numpy as np
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peer_refs  # noqa: E402  (the generator, the tensor record, the writer)
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
@@ -37,71 +40,33 @@ OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "optim")
 SAMPLE_LIMIT = 1024  # tensors up to this size are stored whole
 SAMPLE_COUNT = 512   # larger ones: about this many evenly strided elements
 
-# ---- the generator (mirrored by tests/test_optim_refs.cpp) -------------------------------------
-
-MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+# ---- tensors (the generator: peer_refs.values, mirrored by tests/support/counter_random.hpp) ----
 
 
-def splitmix64(x):
-    with np.errstate(over="ignore"):
-        x = x + np.uint64(0x9E3779B97F4A7C15)
-        z = x
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
-
-
-def values(seed, n, log2_scale):
-    """n float32 values k * 2^(log2_scale - 23), k a signed 24-bit integer from the hash."""
-    i = np.arange(n, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        u = splitmix64(np.uint64(seed) * np.uint64(0x100000001B3) + i)
-    k = (u >> np.uint64(40)).astype(np.int64) - (1 << 23)
-    return (k.astype(np.float64) * 2.0 ** (log2_scale - 23)).astype(np.float32)
-
-
-# ---- tensors ----------------------------------------------------------------------------------
-
-
-class T:
+class T(peer_refs.Tensor):
     def __init__(self, name, shape, pseed, gseed, plog=0, glog=-3, zero_p=False, zero_g=False,
                  no_wd=False, no_tr=False, inject=()):
-        self.name, self.shape = name, tuple(shape)
-        self.pseed, self.gseed, self.plog, self.glog = pseed, gseed, plog, glog
+        super().__init__(name, shape, pseed, gseed, plog, glog)
         self.zero_p, self.zero_g, self.no_wd, self.no_tr = zero_p, zero_g, no_wd, no_tr
         self.inject = tuple(inject)  # (step, index, value)
-
-    @property
-    def size(self):
-        return int(np.prod(self.shape, dtype=np.int64))
 
     def param0(self):
         if self.zero_p:
             return np.zeros(self.shape, np.float32)
-        return values(self.pseed, self.size, self.plog).reshape(self.shape)
+        return self.flat_param0().reshape(self.shape)
 
     def grad(self, step):  # step is 1-based
         if self.zero_g:
             return np.zeros(self.shape, np.float32)
-        g = values(self.gseed + 1000 * step, self.size, self.glog)
+        g = self.flat_grad(step)
         for s, i, v in self.inject:
             if s == step:
                 g[i] = v
         return g.reshape(self.shape)
 
     def line(self):
-        flags = []
-        if self.zero_p:
-            flags.append("zero_p")
-        if self.zero_g:
-            flags.append("zero_g")
-        if self.no_wd:
-            flags.append("no_wd")
-        if self.no_tr:
-            flags.append("no_tr")
-        out = "tensor %s %d %s %d %d %d %d %s" % (
-            self.name, len(self.shape), " ".join(str(d) for d in self.shape), self.pseed, self.gseed,
-            self.plog, self.glog, ",".join(flags) if flags else "-")
+        flags = [f for f in ("zero_p", "zero_g", "no_wd", "no_tr") if getattr(self, f)]
+        out = "%s %s" % (super().line(), ",".join(flags) if flags else "-")
         return out + "".join(" inject %d %d %r" % (s, i, float(v)) for s, i, v in self.inject)
 
 
@@ -382,31 +347,34 @@ def max_scaled_diff(a, b, tensors, scale):
     return worst
 
 
+def case_lines(what, script, versions, name, source, opt, tensors, snaps, wrong):
+    """A case file of this script's format (make_factored_refs.py writes the same): the header,
+    the options, the movement scale, the wrong variants' distances, the tensors and the
+    records after each step of snaps."""
+    lines = peer_refs.header(what, script, versions) + [
+        "case " + name,
+        "source " + source,
+        "opt " + opt,
+        "steps %d" % STEPS]
+    scale = movement_scale(snaps[STEPS], tensors)
+    lines.append("scale %r" % scale)
+    for label, w in wrong:
+        d = max_scaled_diff(w(tensors)[STEPS], snaps[STEPS], tensors, scale)
+        lines.append("sensitivity %r %s" % (d, label.replace(" ", "_")))
+    lines += [t.line() for t in tensors]
+    for s in sorted(snaps):
+        lines += tensor_records(snaps[s], tensors, s)
+    lines.append("end")
+    return lines
+
+
 def main():
     os.makedirs(OUT, exist_ok=True)
-    versions = "numpy %s, jax %s, optax %s, torch %s, python %s" % (
-        np.__version__, jax.__version__, optax.__version__, torch.__version__, sys.version.split()[0])
+    versions = peer_refs.versions(("numpy", np.__version__), ("jax", jax.__version__), ("optax", optax.__version__),
+                                  ("torch", torch.__version__))
     for name, source, opt, tensors, run, wrong in cases():
-        snaps = run(tensors)
-        lines = ["# gradapt optimizer reference: generated by tests/data/make_optim_refs.py; do not edit",
-                 "# " + versions,
-                 "case " + name,
-                 "source " + source,
-                 "opt " + opt,
-                 "steps %d" % STEPS]
-        scale = movement_scale(snaps[STEPS], tensors)
-        lines.append("scale %r" % scale)
-        for label, w in wrong:
-            d = max_scaled_diff(w(tensors)[STEPS], snaps[STEPS], tensors, scale)
-            lines.append("sensitivity %r %s" % (d, label.replace(" ", "_")))
-        lines += [t.line() for t in tensors]
-        for s in sorted(snaps):
-            lines += tensor_records(snaps[s], tensors, s)
-        lines.append("end")
-        path = os.path.join(OUT, name + ".txt")
-        with open(path, "w") as f:
-            f.write("\n".join(lines) + "\n")
-        print("wrote", os.path.relpath(path), "(%d bytes)" % os.path.getsize(path))
+        lines = case_lines("optimizer", __file__, versions, name, source, opt, tensors, run(tensors), wrong)
+        peer_refs.write_case(OUT, name, lines)
 
 
 if __name__ == "__main__":

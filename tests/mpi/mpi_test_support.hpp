@@ -14,12 +14,14 @@
 #include <utility>
 #include <vector>
 
+#include "catch.hpp"
 #include "exact_values.hpp"
 #include "gradapt/comm/mpi.hpp"
 #include "gradapt/core/dtype.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/tensor_view.hpp"
 #include "scenarios/comm_ops.hpp"
+#include "thrown_message.hpp"
 
 namespace mpitest {
 
@@ -37,12 +39,15 @@ using gradapt::comm::mpi_options;
 /// any other exception propagates and fails the test).
 template <class F>
 std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const gradapt::error& e) {
-    return e.what();
-  }
-  return "no error";
+  return gradapt_test::thrown_message(std::forward<F>(f));
+}
+
+/// A sum over all ranks that must come out right after an error.
+inline void still_works(mpi& c) {
+  std::vector<float> x{1.0f, 2.0f};
+  c.allreduce(view(x), reduce_op::sum);
+  CHECK(x[0] == static_cast<float>(c.size()));
+  CHECK(x[1] == static_cast<float>(2 * c.size()));
 }
 
 /// Rank and size of MPI_COMM_WORLD.

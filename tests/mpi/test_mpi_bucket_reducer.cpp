@@ -19,6 +19,7 @@
 #include "gradapt/bucket/reducer.hpp"
 #include "gradapt/comm/mpi.hpp"
 #include "mpi_test_support.hpp"
+#include "scenarios/bucket_reducer.hpp"
 
 namespace gradapt_test_mpi_bucket_reducer {
 
@@ -34,38 +35,22 @@ std::string prefix(int rank) {
   return "gradapt: comm::mpi iallreduce on rank " + std::to_string(rank) + ": ";
 }
 
+/// mpitest::still_works, then a non-blocking sum.
 void still_works(mpi& c) {
-  std::vector<float> x{1.0f, 2.0f};
-  c.allreduce(view(x), reduce_op::sum);
-  CHECK(x[0] == static_cast<float>(c.size()));
-  CHECK(x[1] == static_cast<float>(2 * c.size()));
+  mpitest::still_works(c);
+  std::vector<float> x{static_cast<float>(c.size()), static_cast<float>(2 * c.size())};
   auto r = c.iallreduce(view(x), reduce_op::sum);
   r.wait();
   CHECK(x[0] == static_cast<float>(c.size() * c.size()));
 }
 
+using bucket_scenarios::infos;
+using bucket_scenarios::views_of;
+
 /// Integer-valued gradients of rank r at round k (every partial sum is exact in float).
 std::vector<std::vector<float>> int_grads(const std::vector<std::size_t>& sizes, int r, int k) {
-  std::mt19937 rng(static_cast<unsigned>(1000 * r + 17 * k + 3));
-  std::uniform_int_distribution<int> d(-64, 64);
-  std::vector<std::vector<float>> g(sizes.size());
-  for (std::size_t t = 0; t < sizes.size(); ++t) {
-    g[t].resize(sizes[t]);
-    for (auto& x : g[t]) x = static_cast<float>(d(rng));
-  }
-  return g;
-}
-
-std::vector<gradapt::tensor_view<float>> views_of(std::vector<std::vector<float>>& g) {
-  std::vector<gradapt::tensor_view<float>> v;
-  for (auto& x : g) v.push_back(gradapt::host_view(x));
-  return v;
-}
-
-std::vector<tensor_info> infos(const std::vector<std::size_t>& sizes) {
-  std::vector<tensor_info> v;
-  for (const auto s : sizes) v.push_back({s});
-  return v;
+  return bucket_scenarios::seeded_grads(sizes, r, k, std::uniform_int_distribution<int>(-64, 64),
+                                        [](int x, std::size_t) { return static_cast<float>(x); });
 }
 
 }  // namespace
@@ -194,19 +179,8 @@ TEST_CASE("mpi reducer: exactly the per-tensor allreduce and mean, any caps and 
       reducer<mpi, float> red(c, plan, views_of(g), {.overlap = overlap});
       CHECK(red.overlap() == overlap);
       for (int round = 0; round < 3; ++round) {
-        const auto fresh = int_grads(sizes, c.rank(), round);
-        for (std::size_t t = 0; t < sizes.size(); ++t)
-          std::copy(fresh[t].begin(), fresh[t].end(), g[t].begin());
-        auto want = g;
-        for (auto& w : want) {
-          c.allreduce(view(w), reduce_op::sum);
-          for (auto& x : w) x = x / static_cast<float>(c.size());
-        }
-        std::vector<std::size_t> order(sizes.size());
-        std::iota(order.begin(), order.end(), std::size_t{0});
-        std::shuffle(order.begin(), order.end(), std::mt19937(static_cast<unsigned>(c.rank() * 31 + round)));
-        for (const std::size_t t : order) red.mark_ready(t);
-        red.wait();
+        const auto want = bucket_scenarios::mean_round(c, red, g, int_grads(sizes, c.rank(), round), round,
+                                                       [](std::size_t) {});
         for (std::size_t t = 0; t < sizes.size(); ++t) CHECK(same_bits(g[t], want[t]));
         CHECK(red.started() == 0);  // a new round
       }

@@ -30,12 +30,17 @@ std::string prefix(const char* op, int rank) {
 // rank 1, every other rank names rank 0.
 int other_of(int r) { return r == 0 ? 1 : 0; }
 
-// A sum over all ranks that must come out right after an error.
-void still_works(mpi& c) {
-  std::vector<float> x{1.0f, 2.0f};
-  c.allreduce(view(x), reduce_op::sum);
-  CHECK(x[0] == static_cast<float>(c.size()));
-  CHECK(x[1] == static_cast<float>(2 * c.size()));
+// The message of `op` on rank r when every rank q passes 10 + q elements (o = other_of(r)).
+std::string size_mismatch(const char* op, int r, int o) {
+  return prefix(op, r) + "this rank passes " + std::to_string(10 + r) + " elements but rank " +
+         std::to_string(o) + " passes " + std::to_string(10 + o) +
+         " elements (every rank must pass the same size)";
+}
+
+// The message of `op` on rank r of p ranks given the out-of-range `arg` (root, peer) `value`.
+std::string out_of_range(const char* op, int r, const char* arg, int value, int p) {
+  return prefix(op, r) + arg + " " + std::to_string(value) + " is out of range (expected 0 to " +
+         std::to_string(p - 1) + ")";
 }
 
 }  // namespace
@@ -56,29 +61,18 @@ TEMPLATE_TEST_CASE(
   const auto n = static_cast<std::size_t>(10 + r);
 
   std::vector<T> x(n, make<T>(1));
-  CHECK(error_of([&] { c.allreduce(view(x), reduce_op::sum); }) ==
-        prefix("allreduce", r) + "this rank passes " + std::to_string(10 + r) + " elements but rank " +
-            std::to_string(o) + " passes " + std::to_string(10 + o) +
-            " elements (every rank must pass the same size)");
+  CHECK(error_of([&] { c.allreduce(view(x), reduce_op::sum); }) == size_mismatch("allreduce", r, o));
   CHECK(values(x) == std::vector<double>(n, 1.0));  // untouched
 
-  CHECK(error_of([&] { c.broadcast(view(x), 0); }) ==
-        prefix("broadcast", r) + "this rank passes " + std::to_string(10 + r) + " elements but rank " +
-            std::to_string(o) + " passes " + std::to_string(10 + o) +
-            " elements (every rank must pass the same size)");
+  CHECK(error_of([&] { c.broadcast(view(x), 0); }) == size_mismatch("broadcast", r, o));
 
   const auto p = static_cast<std::size_t>(c.size());
   std::vector<T> gathered(p * n);
-  CHECK(error_of([&] { c.allgather(cview(x), view(gathered)); }) ==
-        prefix("allgather", r) + "this rank passes " + std::to_string(10 + r) + " elements but rank " +
-            std::to_string(o) + " passes " + std::to_string(10 + o) +
-            " elements (every rank must pass the same size)");
+  CHECK(error_of([&] { c.allgather(cview(x), view(gathered)); }) == size_mismatch("allgather", r, o));
 
   std::vector<T> big(p * n, make<T>(1));
   CHECK(error_of([&] { c.reduce_scatter(cview(big), view(x), reduce_op::sum); }) ==
-        prefix("reduce_scatter", r) + "this rank passes " + std::to_string(10 + r) + " elements but rank " +
-            std::to_string(o) + " passes " + std::to_string(10 + o) +
-            " elements (every rank must pass the same size)");
+        size_mismatch("reduce_scatter", r, o));
   still_works(c);
 }
 
@@ -168,9 +162,7 @@ TEST_CASE("mpi broadcast root out of range", "[mpi][errors]") {
     const int p = c.size();
     std::vector<double> x(3, 1.0);
     for (const int root : {p, -1, p + 7}) {
-      CHECK(error_of([&] { c.broadcast(view(x), root); }) ==
-            prefix("broadcast", r) + "root " + std::to_string(root) + " is out of range (expected 0 to " +
-                std::to_string(p - 1) + ")");
+      CHECK(error_of([&] { c.broadcast(view(x), root); }) == out_of_range("broadcast", r, "root", root, p));
     }
     still_works(c);
   }
@@ -183,8 +175,7 @@ TEST_CASE("mpi exchange peer out of range", "[mpi][errors]") {
   std::vector<float> s(2, 1.0f), d(2);
   for (const int peer : {p, -1}) {
     CHECK(error_of([&] { c.exchange(peer, cview(s), view(d)); }) ==
-          prefix("exchange", r) + "peer " + std::to_string(peer) + " is out of range (expected 0 to " +
-              std::to_string(p - 1) + ")");
+          out_of_range("exchange", r, "peer", peer, p));
   }
   still_works(c);
 }

@@ -19,18 +19,6 @@ namespace gradapt_test_mpi_hierarchical {
 using gradapt::comm::hierarchy;
 using namespace mpitest;
 
-namespace {
-
-// A sum over all ranks that must come out right after an error.
-void still_works(mpi& c) {
-  std::vector<float> x{1.0f, 2.0f};
-  c.allreduce(view(x), reduce_op::sum);
-  CHECK(x[0] == static_cast<float>(c.size()));
-  CHECK(x[1] == static_cast<float>(2 * c.size()));
-}
-
-}  // namespace
-
 TEMPLATE_TEST_CASE("mpi hierarchical sum and max of integers equal the flat allreduce bit for bit",
                    "[mpi][hierarchical]", float, double, half, bfloat16) {
   mpi c;

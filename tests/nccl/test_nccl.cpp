@@ -14,11 +14,13 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "catch_session.hpp"
 #include "gradapt/comm/nccl.hpp"
 #include "nccl_nvcc_ops.hpp"
+#include "thrown_message.hpp"
 
 // Element types are spelled gradapt::half / gradapt::bfloat16: <nccl.h> pulls in CUDA's
 // <cuda_fp16.h>, which declares a global `half` (= __half) that a using-declaration would
@@ -107,14 +109,10 @@ class device_buffer {
   std::size_t n_ = 0;
 };
 
+/// The message of the gradapt::error f throws, or "no error".
 template <class F>
 std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const gradapt::error& e) {
-    return e.what();
-  }
-  return "no error";
+  return gradapt_test::thrown_message(std::forward<F>(f));
 }
 
 std::vector<nccl_options> option_sets() { return {nccl_options{}, nccl_options{.check_sizes = true}}; }

@@ -16,13 +16,17 @@
 #include "catch.hpp"
 #include "gradapt/backend/host.hpp"
 #include "gradapt/optim/adafactor.hpp"
+#include "optim_runs.hpp"
 #include "run_compare.hpp"
 
 namespace adafactor_test {
 
+using Catch::Matchers::Contains;
 using gradapt::host;
 using gradapt::tensor_view;
 using ld = long double;
+
+static_assert(gradapt::factored_backend<gradapt::host>);
 
 // ---- tensors ----------------------------------------------------------------------------------
 
@@ -230,11 +234,7 @@ inline std::vector<tensor> reference_run(const gradapt::adafactor_options& o, in
   auto theirs = shapes();
   ref_opt ref{o, {}, 0};
   ref.init(theirs);
-  for (int s = 1; s <= steps; ++s) {
-    for (std::size_t k = 0; k < theirs.size(); ++k)
-      fill_grad(theirs[k], 1000u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
-    ref.step(theirs);
-  }
+  gradapt_test::run_steps(theirs, 1000, steps, [&](std::vector<tensor>& ts) { ref.step(ts); });
   return theirs;
 }
 
@@ -243,17 +243,7 @@ inline std::vector<tensor> reference_run(const gradapt::adafactor_options& o, in
 template <class Opt>
 std::vector<tensor> library_run(const Opt& opt, int steps, int threads = 2,
                                 std::vector<tensor> (*shapes)() = shapes_mix) {
-  auto mine = shapes();
-  host b{.threads = threads};
-  auto pl = list_of(mine);
-  auto st = opt.init(b, pl);
-  for (int s = 1; s <= steps; ++s) {
-    for (std::size_t k = 0; k < mine.size(); ++k)
-      fill_grad(mine[k], 1000u * static_cast<unsigned>(s) + static_cast<unsigned>(k));
-    opt.step(b, pl, st);
-  }
-  REQUIRE(st.steps() == static_cast<std::uint64_t>(steps));
-  return mine;
+  return gradapt_test::library_run_on(opt, shapes(), 1000, steps, threads);
 }
 
 // How far gradapt's parameters land from the reference's, in units of the reference's

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "adasum_reference.hpp"
 #include "catch.hpp"
 #include "gradapt/backend/host.hpp"
 #include "gradapt/combine/adasum.hpp"
@@ -34,9 +35,6 @@ using gradapt::comm::threads;
 
 template <class T>
 using C_t = gradapt::compute_t<T>;
-template <class T>
-using tlist = std::vector<std::vector<T>>;  // one rank's tensors
-using ldlist = std::vector<std::vector<long double>>;
 
 template <class T>
 T from(long double v) {
@@ -45,25 +43,12 @@ T from(long double v) {
   return x;
 }
 template <class T>
-inline long double val(T x) {
-  return static_cast<long double>(gradapt::load(x));
-}
-template <class T>
 inline bool same_bits(T a, T b) {
   return std::memcmp(&a, &b, sizeof(T)) == 0;
 }
 template <class T>
 inline bool is_nan(T x) {
   return std::isnan(static_cast<double>(gradapt::load(x)));
-}
-
-/// Unit roundoff of T's significand.
-template <class T>
-inline long double eps() {
-  if constexpr (std::is_same_v<T, double>) return std::numeric_limits<double>::epsilon() / 2;
-  if constexpr (std::is_same_v<T, float>) return std::numeric_limits<float>::epsilon() / 2;
-  if constexpr (std::is_same_v<T, gradapt::half>) return std::ldexp(1.0L, -11);
-  return std::ldexp(1.0L, -8);  // bfloat16
 }
 
 /// `sizes.size()` tensors of random values in [-1, 1) rounded to T.
@@ -92,12 +77,6 @@ inline std::vector<std::size_t> sizes_of(const tlist<T>& l) {
   std::vector<std::size_t> s;
   for (const auto& v : l) s.push_back(v.size());
   return s;
-}
-
-inline int floor_pow2(int n) {
-  int p = 1;
-  while (2 * p <= n) p *= 2;
-  return p;
 }
 
 /// One rank's tensors in separate buffers or carved, adjacent, from one buffer.
@@ -200,46 +179,7 @@ struct serial {
   }
 };
 
-// ---- the long double reference -------------------------------------------------------------------
-template <class T>
-inline ldlist widen(const tlist<T>& l) {
-  ldlist out;
-  for (const auto& v : l) {
-    std::vector<long double> w;
-    for (T x : v) w.push_back(val(x));
-    out.push_back(std::move(w));
-  }
-  return out;
-}
-
-inline ldlist ld_combine(const ldlist& a, const ldlist& b, long double threshold) {
-  ldlist out = a;
-  for (std::size_t t = 0; t < a.size(); ++t) {
-    long double ab = 0, aa = 0, bb = 0;
-    for (std::size_t i = 0; i < a[t].size(); ++i) {
-      ab += a[t][i] * b[t][i];
-      aa += a[t][i] * a[t][i];
-      bb += b[t][i] * b[t][i];
-    }
-    const long double alpha = aa <= threshold ? 1.0L : 1.0L - ab / (2 * aa);
-    const long double beta = bb <= threshold ? 1.0L : 1.0L - ab / (2 * bb);
-    for (std::size_t i = 0; i < a[t].size(); ++i) out[t][i] = alpha * a[t][i] + beta * b[t][i];
-  }
-  return out;
-}
-
-template <class T>
-inline ldlist ld_tree(const std::vector<tlist<T>>& v, long double threshold = 0) {
-  const int n = static_cast<int>(v.size());
-  const int p = floor_pow2(n);
-  std::vector<ldlist> x(static_cast<std::size_t>(p));
-  for (int i = 0; i < p; ++i)
-    x[i] = i + p < n ? ld_combine(widen(v[i]), widen(v[i + p]), threshold) : widen(v[i]);
-  for (int width = p; width > 1; width /= 2)
-    for (int j = 0; j < width / 2; ++j) x[j] = ld_combine(x[2 * j], x[2 * j + 1], threshold);
-  return x[0];
-}
-
+// ---- the long double reference (widen, ld_combine, ld_tree: adasum_reference.hpp) ----------------
 /// Tree levels a rank count goes through (fold included).
 inline int levels_of(int n) {
   int l = 0;
@@ -338,13 +278,7 @@ inline double worst_ratio(const tlist<T>& got, const ldlist& want, const std::ve
   const int levels = levels_of(static_cast<int>(inputs.size()));
   double worst = 0;
   for (std::size_t t = 0; t < want.size(); ++t) {
-    long double scale = 0;
-    for (const auto& in : inputs) {
-      long double m = 0;
-      for (T x : in[t]) m = std::max(m, std::fabs(val(x)));
-      scale += m;
-    }
-    const long double tol = 8 * eps<T>() * (levels + 1) * scale + floor_abs;
+    const long double tol = 8 * eps<T>() * (levels + 1) * rank_scale(inputs, t) + floor_abs;
     for (std::size_t i = 0; i < want[t].size(); ++i) {
       const long double err = std::fabs(val(got[t][i]) - want[t][i]);
       if (!(err <= tol)) return std::numeric_limits<double>::infinity();

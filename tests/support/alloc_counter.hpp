@@ -2,8 +2,10 @@
 // The tests' allocation counter. It replaces the global unaligned operator new / delete family
 // (plain, array and nothrow new; every delete) and counts each allocation per thread and in the
 // whole process, and the heap bytes each thread holds (a block stays charged to the thread that
-// allocated it until it is freed, on whatever thread) with their peak. Include it in exactly ONE translation
-// unit of a test executable: it defines the replaceable functions.
+// allocated it until it is freed, on whatever thread) with their peak. The replaceable functions
+// are defined once per executable, in support/alloc_counter.cpp, which tests/CMakeLists.txt
+// links into every test executable whose sources include this header (in a test group, every
+// test of the group then runs on the counting functions, which forward to malloc and free).
 //
 // The whole family is replaced so that allocation and deallocation always pair (AddressSanitizer
 // checks the pairs); the functions are out of line so that GCC does not pair an inlined free()
@@ -92,7 +94,11 @@ inline constexpr std::size_t header = 2 * alignof(std::max_align_t);
   std::free(raw);
 }
 }  // namespace alloc_counter::detail
+#endif
 
+// The replacements themselves: compiled once per executable, by support/alloc_counter.cpp
+// (tests/CMakeLists.txt adds it to every test executable whose sources include this header).
+#if GRADAPT_TEST_ALLOC_COUNTER && defined(GRADAPT_TEST_ALLOC_COUNTER_DEFINITIONS)
 [[gnu::noinline]] void* operator new(std::size_t n) {
   if (void* p = alloc_counter::detail::counted_malloc(n)) return p;
   throw std::bad_alloc();

@@ -37,6 +37,7 @@
 /// docs/algorithms/elastic.md has the options, the costs and the tests.
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <concepts>
 #include <cstddef>
@@ -55,6 +56,7 @@
 
 #include "gradapt/comm/agree.hpp"
 #include "gradapt/core/archive.hpp"
+#include "gradapt/core/enum_name.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/owner_exchange.hpp"
 #include "gradapt/elastic/straggler.hpp"
@@ -169,21 +171,9 @@ enum class job_event : unsigned char {
 
 /// The event's name ("before_train", ...), "unknown" for another value.
 inline const char* name(job_event e) {
-  switch (e) {
-    case job_event::before_train:
-      return "before_train";
-    case job_event::before_epoch:
-      return "before_epoch";
-    case job_event::after_step:
-      return "after_step";
-    case job_event::after_epoch:
-      return "after_epoch";
-    case job_event::after_train:
-      return "after_train";
-    case job_event::world_change:
-      return "on_world_change";
-  }
-  return "unknown";
+  constexpr std::array<std::string_view, 6> names{"before_train", "before_epoch", "after_step",
+                                                  "after_epoch",  "after_train",  "on_world_change"};
+  return gradapt::detail::enum_name(e, names).data();  // the names are NUL-terminated literals
 }
 
 /// A step `adaptive_job` can drive: `train::data_parallel_step` has these members.
@@ -248,21 +238,14 @@ double vector_hash(const std::vector<T>& v) {
 
 /// The operation name of an event's vote, for agree_values and its messages.
 constexpr std::string_view vote_name(job_event e) {
-  switch (e) {
-    case job_event::before_train:
-      return "gradapt::elastic::adaptive_job vote (before_train)";
-    case job_event::before_epoch:
-      return "gradapt::elastic::adaptive_job vote (before_epoch)";
-    case job_event::after_step:
-      return "gradapt::elastic::adaptive_job vote (after_step)";
-    case job_event::after_epoch:
-      return "gradapt::elastic::adaptive_job vote (after_epoch)";
-    case job_event::after_train:
-      return "gradapt::elastic::adaptive_job vote (after_train)";
-    case job_event::world_change:
-      return "gradapt::elastic::adaptive_job vote (on_world_change)";
-  }
-  return "gradapt::elastic::adaptive_job vote";
+  constexpr std::array<std::string_view, 6> names{"gradapt::elastic::adaptive_job vote (before_train)",
+                                                  "gradapt::elastic::adaptive_job vote (before_epoch)",
+                                                  "gradapt::elastic::adaptive_job vote (after_step)",
+                                                  "gradapt::elastic::adaptive_job vote (after_epoch)",
+                                                  "gradapt::elastic::adaptive_job vote (after_train)",
+                                                  "gradapt::elastic::adaptive_job vote (on_world_change)"};
+  const auto i = static_cast<std::size_t>(e);
+  return i < names.size() ? names[i] : std::string_view("gradapt::elastic::adaptive_job vote");
 }
 
 /// This rank's error for an invalid action (empty when it is valid); sorts drop_ranks.

@@ -56,6 +56,10 @@ enum class gram : unsigned char {
 /// operand and both sizes. Results are those of the implementing library (see the model's own
 /// documentation for its determinism).
 namespace detail::linalg {
+/// The element types the linear-algebra operations serve: float and double.
+template <class T>
+concept real_scalar = std::is_same_v<T, float> || std::is_same_v<T, double>;
+
 /// The type of `la.template eigh_workspace<T>(n)` for a `const L& la`.
 template <class L, class T>
 using eigh_workspace_t = decltype(std::declval<const L&>().template eigh_workspace<T>(std::int64_t{}));

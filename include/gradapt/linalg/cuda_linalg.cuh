@@ -145,10 +145,8 @@ class cuda_linalg {
 
   /// The workspace `eigh` needs for n × n matrices of T (device memory, allocated here).
   /// @throws gradapt::error for n < 0, n beyond 32-bit integers, or a CUDA failure
-  template <class T>
-  requires(std::is_same_v<T, float> ||
-           std::is_same_v<T, double>) eigh_buffers<T> eigh_workspace(std::int64_t n)
-  const {
+  template <detail::linalg::real_scalar T>
+  eigh_buffers<T> eigh_workspace(std::int64_t n) const {
     detail::require(n >= 0, "cuda_linalg::eigh_workspace: n is ", n, " (expected n >= 0)");
     detail::linalg::require_blas_int(n, "cuda_linalg::eigh_workspace", "n");
     eigh_buffers<T> ws;
@@ -171,12 +169,9 @@ class cuda_linalg {
   /// C = alpha·op(A)·op(B) + beta·C for row-major device matrices (beta = 0: C is only
   /// written). Enqueued on `stream()`.
   /// @throws gradapt::error unless op(A) is m × k, op(B) k × n and C m × n, or when cuBLAS fails
-  template <class T>
-  requires(std::is_same_v<T, float> ||
-           std::is_same_v<T, double>) void gemm(transpose ta, transpose tb, double alpha,
-                                                tensor_view<const T, device_space> a,
-                                                tensor_view<const T, device_space> b, double beta,
-                                                tensor_view<T, device_space> c) const {
+  template <detail::linalg::real_scalar T>
+  void gemm(transpose ta, transpose tb, double alpha, tensor_view<const T, device_space> a,
+            tensor_view<const T, device_space> b, double beta, tensor_view<T, device_space> c) const {
     detail::linalg::check_gemm(ta, tb, a, b, c, "cuda_linalg::gemm");
     const int m = int(c.dim(0)), n = int(c.dim(1)), k = int(ta == transpose::none ? a.dim(1) : a.dim(0));
     if (m == 0 || n == 0) return;
@@ -196,10 +191,9 @@ class cuda_linalg {
   /// row-major device A; C must be symmetric when beta ≠ 0. One triangle is computed and
   /// mirrored, so both triangles hold the same bits. Enqueued on `stream()`.
   /// @throws gradapt::error unless A is a matrix and C is square of the Gram product's size
-  template <class T>
-  requires(std::is_same_v<T, float> ||
-           std::is_same_v<T, double>) void syrk(gram g, double alpha, tensor_view<const T, device_space> a,
-                                                double beta, tensor_view<T, device_space> c) const {
+  template <detail::linalg::real_scalar T>
+  void syrk(gram g, double alpha, tensor_view<const T, device_space> a, double beta,
+            tensor_view<T, device_space> c) const {
     detail::linalg::check_syrk(g, a, c, "cuda_linalg::syrk");
     const int n = int(c.dim(0)), k = int(g == gram::rows ? a.dim(1) : a.dim(0));
     if (n == 0) return;
@@ -222,10 +216,8 @@ class cuda_linalg {
   /// stream to read cuSOLVER's status; returns false when it reports a failure to converge.
   /// @throws gradapt::error unless A is n × n, w has n elements and ws was made for n, or when
   ///         a CUDA, cuBLAS or cuSOLVER call fails
-  template <class T>
-  requires(std::is_same_v<T, float> || std::is_same_v<T, double>) bool eigh(tensor_view<T, device_space> a,
-                                                                            tensor_view<T, device_space> w,
-                                                                            eigh_buffers<T>& ws) const {
+  template <detail::linalg::real_scalar T>
+  bool eigh(tensor_view<T, device_space> a, tensor_view<T, device_space> w, eigh_buffers<T>& ws) const {
     detail::linalg::check_eigh(a, w, ws.n(), "cuda_linalg::eigh");
     const int n = int(a.dim(0));
     if (n == 0) return true;

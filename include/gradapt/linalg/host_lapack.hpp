@@ -97,20 +97,17 @@ struct host_lapack {
 
   /// The workspace `eigh` needs for n × n matrices of T.
   /// @throws gradapt::error for n < 0 or n beyond 32-bit integers
-  template <class T>
-  requires(std::is_same_v<T, float> ||
-           std::is_same_v<T, double>) eigh_buffers<T> eigh_workspace(std::int64_t n)
-  const { return eigh_buffers<T>(n); }
+  template <detail::linalg::real_scalar T>
+  eigh_buffers<T> eigh_workspace(std::int64_t n) const {
+    return eigh_buffers<T>(n);
+  }
 
   /// C = alpha·op(A)·op(B) + beta·C for row-major matrices (beta = 0: C is only written).
   /// @throws gradapt::error unless A, B and C are rank-2 views with op(A) m × k, op(B) k × n
   ///         and C m × n
-  template <class T>
-  requires(std::is_same_v<T, float> ||
-           std::is_same_v<T, double>) void gemm(transpose ta, transpose tb, double alpha,
-                                                tensor_view<const T, host_space> a,
-                                                tensor_view<const T, host_space> b, double beta,
-                                                tensor_view<T, host_space> c) const {
+  template <detail::linalg::real_scalar T>
+  void gemm(transpose ta, transpose tb, double alpha, tensor_view<const T, host_space> a,
+            tensor_view<const T, host_space> b, double beta, tensor_view<T, host_space> c) const {
     detail::linalg::check_gemm(ta, tb, a, b, c, "host_lapack::gemm");
     const int m = static_cast<int>(c.dim(0)), n = static_cast<int>(c.dim(1));
     const int k = static_cast<int>(ta == transpose::none ? a.dim(1) : a.dim(0));
@@ -135,10 +132,9 @@ struct host_lapack {
   /// row-major A; C must be symmetric when beta ≠ 0. The library computes one triangle, which
   /// is then mirrored, so both triangles of C hold the same bits.
   /// @throws gradapt::error unless A is a matrix and C is square of the Gram product's size
-  template <class T>
-  requires(std::is_same_v<T, float> ||
-           std::is_same_v<T, double>) void syrk(gram g, double alpha, tensor_view<const T, host_space> a,
-                                                double beta, tensor_view<T, host_space> c) const {
+  template <detail::linalg::real_scalar T>
+  void syrk(gram g, double alpha, tensor_view<const T, host_space> a, double beta,
+            tensor_view<T, host_space> c) const {
     detail::linalg::check_syrk(g, a, c, "host_lapack::syrk");
     const int n = static_cast<int>(c.dim(0));
     const int k = static_cast<int>(g == gram::rows ? a.dim(1) : a.dim(0));
@@ -167,10 +163,8 @@ struct host_lapack {
   /// symmetric matrix A, whose lower triangle is read (LAPACK ?syevd, divide and conquer).
   /// Returns false when LAPACK reports that the algorithm failed to converge.
   /// @throws gradapt::error unless A is n × n, w has n elements and ws was made for n
-  template <class T>
-  requires(std::is_same_v<T, float> || std::is_same_v<T, double>) bool eigh(tensor_view<T, host_space> a,
-                                                                            tensor_view<T, host_space> w,
-                                                                            eigh_buffers<T>& ws) const {
+  template <detail::linalg::real_scalar T>
+  bool eigh(tensor_view<T, host_space> a, tensor_view<T, host_space> w, eigh_buffers<T>& ws) const {
     detail::linalg::check_eigh(a, w, ws.n(), "host_lapack::eigh");
     const int n = static_cast<int>(a.dim(0));
     if (n == 0) return true;

@@ -11,6 +11,7 @@
 /// gradapt::error. docs/algorithms/linalg.md describes both methods and their stopping rules.
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -23,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "gradapt/core/enum_name.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/tensor_view.hpp"
 #include "gradapt/linalg/concepts.hpp"
@@ -98,23 +100,9 @@ struct inverse_root_result {
 
 /// The name of a status, for messages and logs ("ok", "nonfinite_input", ...).
 constexpr std::string_view to_string(root_status s) {
-  switch (s) {
-    case root_status::ok:
-      return "ok";
-    case root_status::nonfinite_input:
-      return "nonfinite_input";
-    case root_status::not_symmetric:
-      return "not_symmetric";
-    case root_status::singular:
-      return "singular";
-    case root_status::not_converged:
-      return "not_converged";
-    case root_status::eigensolver_failed:
-      return "eigensolver_failed";
-    case root_status::nonfinite_result:
-      return "nonfinite_result";
-  }
-  return "unknown";
+  return detail::enum_name(
+      s, std::array<std::string_view, 7>{"ok", "nonfinite_input", "not_symmetric", "singular",
+                                         "not_converged", "eigensolver_failed", "nonfinite_result"});
 }
 
 namespace detail::linalg {
@@ -128,8 +116,8 @@ struct root_access;
 /// Each part is allocated by `reserve(method)` or by the first call that needs it, so steady
 /// calls allocate nothing; the double retry's part is allocated by the first retry.
 template <class L, class T>
-requires linalg_backend<L> &&
-    (std::is_same_v<T, float> || std::is_same_v<T, double>)class inverse_root_workspace {
+requires linalg_backend<L> && detail::linalg::real_scalar<T>
+class inverse_root_workspace {
  public:
   /// A workspace for n × n matrices on `la` (the backend is copied).
   /// @throws gradapt::error for n < 1
@@ -415,6 +403,30 @@ bool eigen_apply(const L& la, U* q, const U* w, std::size_t n, int p, double rid
   return true;
 }
 
+/// The eigen method of `inverse_pth_root` in precision U (T, or double for the retry of a
+/// float decomposition): copies the n × n matrix A into q, decomposes it into q·diag(w)·qᵀ and
+/// forms the root in x. Returns false, leaving r as it is, when the decomposition fails or
+/// gives non-finite values. Otherwise returns true with r.lambda_max and r.ridge set, and
+/// r.status `singular` when A + r·I is not positive definite (x then holds no root).
+template <class L, class T, class U, class W>
+bool eigen_root(const L& la, const T* a, std::size_t n, int p, const inverse_root_options& o,
+                std::vector<U>& q, std::vector<U>& w, W& ews, U* x, inverse_root_result& r) {
+  const std::size_t n2 = n * n;
+  const auto ni = static_cast<std::int64_t>(n);
+  std::copy(a, a + n2, q.data());
+  const bool solved = la.eigh(tensor_view<U, host_space>(q.data(), {ni, ni}), host_view(w), ews) &&
+                      all_finite(w.data(), n) && all_finite(q.data(), n2);
+  if (!solved) return false;
+  r.lambda_max = o.ridge == ridge_kind::relative ? std::max(double(w[n - 1]), 0.0) : 0.0;
+  if (o.ridge == ridge_kind::relative && !(r.lambda_max > 0)) {
+    r.status = root_status::singular;
+    return true;
+  }
+  r.ridge = o.ridge == ridge_kind::relative ? o.epsilon * r.lambda_max : o.epsilon;
+  if (!eigen_apply(la, q.data(), w.data(), n, p, r.ridge, x)) r.status = root_status::singular;
+  return true;
+}
+
 }  // namespace detail::linalg
 
 /// X = (A + r·I)^(-1/p) for a symmetric positive semi-definite n × n matrix A.
@@ -437,10 +449,10 @@ bool eigen_apply(const L& la, U* q, const U* w, std::size_t n, int p, double rid
 ///         made for another size, p < 1, or an option is out of range (ε < 0 or not finite,
 ///         tolerance < 0, max_iterations < 1, max_error_ratio < 1, max_error <= 0, ...)
 template <class L, class T>
-requires linalg_backend<L> && std::is_same_v<typename L::space, host_space> &&
-    (std::is_same_v<T, float> || std::is_same_v<T, double>)inverse_root_result
-    inverse_pth_root(const L& la, tensor_view<const T, host_space> a, int p, tensor_view<T, host_space> x,
-                     inverse_root_workspace<L, T>& ws, const inverse_root_options& o = {}) {
+requires linalg_backend<L> && std::is_same_v<typename L::space, host_space> && detail::linalg::real_scalar<T>
+    inverse_root_result inverse_pth_root(const L& la, tensor_view<const T, host_space> a, int p,
+                                         tensor_view<T, host_space> x, inverse_root_workspace<L, T>& ws,
+                                         const inverse_root_options& o = {}) {
   using access = detail::linalg::root_access<L, T>;
   detail::linalg::check_root_args<T>(a, p, x, ws.n(), o);
   const std::size_t n = static_cast<std::size_t>(a.dim(0)), n2 = n * n;
@@ -453,6 +465,15 @@ requires linalg_backend<L> && std::is_same_v<typename L::space, host_space> &&
     r.status = root_status::not_symmetric;
     return r;
   }
+
+  // Writes a computed root (n × n) to X unless it is not finite (overflow).
+  const auto accept = [&](const T* root) {
+    if (detail::linalg::all_finite(root, n2))
+      std::copy(root, root + n2, x.data());
+    else
+      r.status = root_status::nonfinite_result;
+    return r;
+  };
 
   if (o.method == root_method::coupled_newton) {
     auto& pool = access::newton(ws);
@@ -473,62 +494,23 @@ requires linalg_backend<L> && std::is_same_v<typename L::space, host_space> &&
     r.stop = res.stop;
     r.iterations = res.iterations;
     r.error = res.error;
-    if (r.ok() && !detail::linalg::all_finite(best, n2)) r.status = root_status::nonfinite_result;
-    if (r.ok()) std::copy(best, best + n2, x.data());
-    return r;
+    return r.ok() ? accept(best) : r;
   }
 
   auto [q, xs, w, ews] = access::eigen(ws);
-  const auto ni = static_cast<std::int64_t>(n);
-  std::copy(a.data(), a.data() + n2, q.data());
-  bool solved = la.eigh(tensor_view<T, host_space>(q.data(), {ni, ni}), host_view(w), ews) &&
-                detail::linalg::all_finite(w.data(), n) && detail::linalg::all_finite(q.data(), n2);
-  if (solved) {
-    r.lambda_max = o.ridge == ridge_kind::relative ? std::max(double(w[n - 1]), 0.0) : 0.0;
-    if (o.ridge == ridge_kind::relative && !(r.lambda_max > 0)) {
-      r.status = root_status::singular;
-      return r;
-    }
-    r.ridge = o.ridge == ridge_kind::relative ? o.epsilon * r.lambda_max : o.epsilon;
-    if (!detail::linalg::eigen_apply(la, q.data(), w.data(), n, p, r.ridge, xs.data())) {
-      r.status = root_status::singular;
-      return r;
-    }
-    if (!detail::linalg::all_finite(xs.data(), n2)) {
-      r.status = root_status::nonfinite_result;
-      return r;
-    }
-    std::copy(xs.begin(), xs.end(), x.data());
-    return r;
-  }
+  if (detail::linalg::eigen_root(la, a.data(), n, p, o, q, w, ews, xs.data(), r))
+    return r.ok() ? accept(xs.data()) : r;
   if constexpr (std::is_same_v<T, float>) {
     if (o.retry_in_double) {
       r.retried_in_double = true;
       auto [qd, xd, wd, ewsd] = access::eigen_double(ws);
-      std::copy(a.data(), a.data() + n2, qd.data());
-      const bool ok = la.eigh(tensor_view<double, host_space>(qd.data(), {ni, ni}), host_view(wd), ewsd) &&
-                      detail::linalg::all_finite(wd.data(), n) && detail::linalg::all_finite(qd.data(), n2);
-      if (!ok) {
+      if (!detail::linalg::eigen_root(la, a.data(), n, p, o, qd, wd, ewsd, xd.data(), r)) {
         r.status = root_status::eigensolver_failed;
         return r;
       }
-      r.lambda_max = o.ridge == ridge_kind::relative ? std::max(wd[n - 1], 0.0) : 0.0;
-      if (o.ridge == ridge_kind::relative && !(r.lambda_max > 0)) {
-        r.status = root_status::singular;
-        return r;
-      }
-      r.ridge = o.ridge == ridge_kind::relative ? o.epsilon * r.lambda_max : o.epsilon;
-      if (!detail::linalg::eigen_apply(la, qd.data(), wd.data(), n, p, r.ridge, xd.data())) {
-        r.status = root_status::singular;
-        return r;
-      }
+      if (!r.ok()) return r;
       for (std::size_t i = 0; i < n2; ++i) xs[i] = float(xd[i]);
-      if (!detail::linalg::all_finite(xs.data(), n2)) {
-        r.status = root_status::nonfinite_result;
-        return r;
-      }
-      std::copy(xs.begin(), xs.end(), x.data());
-      return r;
+      return accept(xs.data());
     }
   }
   r.status = root_status::eigensolver_failed;
@@ -537,10 +519,10 @@ requires linalg_backend<L> && std::is_same_v<typename L::space, host_space> &&
 
 /// The same for a non-const A view.
 template <class L, class T>
-requires linalg_backend<L> && std::is_same_v<typename L::space, host_space> &&
-    (std::is_same_v<T, float> || std::is_same_v<T, double>)inverse_root_result
-    inverse_pth_root(const L& la, tensor_view<T, host_space> a, int p, tensor_view<T, host_space> x,
-                     inverse_root_workspace<L, T>& ws, const inverse_root_options& o = {}) {
+requires linalg_backend<L> && std::is_same_v<typename L::space, host_space> && detail::linalg::real_scalar<T>
+    inverse_root_result inverse_pth_root(const L& la, tensor_view<T, host_space> a, int p,
+                                         tensor_view<T, host_space> x, inverse_root_workspace<L, T>& ws,
+                                         const inverse_root_options& o = {}) {
   return inverse_pth_root(la, tensor_view<const T, host_space>(a), p, x, ws, o);
 }
 

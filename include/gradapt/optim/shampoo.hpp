@@ -59,6 +59,7 @@
 #include "gradapt/core/assign.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/dtype.hpp"
+#include "gradapt/core/enum_name.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/owner_exchange.hpp"
 #include "gradapt/core/param_list.hpp"
@@ -84,19 +85,7 @@ enum class shampoo_graft : unsigned char {
 
 /// The name of a graft ("none", "sgd", "adagrad", "rmsprop", "adam").
 constexpr std::string_view to_string(shampoo_graft g) {
-  switch (g) {
-    case shampoo_graft::none:
-      return "none";
-    case shampoo_graft::sgd:
-      return "sgd";
-    case shampoo_graft::adagrad:
-      return "adagrad";
-    case shampoo_graft::rmsprop:
-      return "rmsprop";
-    case shampoo_graft::adam:
-      return "adam";
-  }
-  return "unknown";
+  return detail::enum_name(g, std::array<std::string_view, 5>{"none", "sgd", "adagrad", "rmsprop", "adam"});
 }
 
 /// Options of `gradapt::shampoo`, e.g. `gradapt::shampoo({.lr = 1e-3, .graft = shampoo_graft::adam})`.

@@ -26,7 +26,6 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
-#include <initializer_list>
 #include <limits>
 #include <span>
 #include <string>
@@ -41,6 +40,7 @@
 #include "gradapt/core/archive.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
+#include "gradapt/core/configured.hpp"
 #include "gradapt/core/detail/archive_fields.hpp"
 #include "gradapt/core/dtype.hpp"
 #include "gradapt/core/error.hpp"
@@ -442,20 +442,12 @@ void unscale_flag_nonfinite(const B& b, const L& grads, const LM& master, float 
 /// Errors are agreed on: invalid arguments on one rank (list length mismatch, say) make every
 /// rank throw, so no rank is left waiting in a collective. On any throw the scaler's state is
 /// unchanged (gradients of ranks with valid input may already be unscaled).
-class loss_scaler : public archived_state<loss_scaler, loss_scaler_state> {
+class loss_scaler : public archived_state<loss_scaler, loss_scaler_state>,
+                    public configured<loss_scaler, loss_scaler_options, loss_scaler_state> {
  public:
-  using options_type = loss_scaler_options;  ///< the hyperparameters (loss_scaler_options)
-  using state_type = loss_scaler_state;      ///< what state() returns and restore() takes (plain data)
-
-  /// `loss_scaler({})`: the default options (an exact match for the empty braces, which the
-  /// options constructor alone would leave ambiguous with the move constructor).
-  loss_scaler(std::initializer_list<loss_scaler_options> o)
-      : loss_scaler(detail::options_from(o, "loss_scaler")) {}
-  /// @throws gradapt::error when an option is out of range (the message names it).
-  explicit loss_scaler(loss_scaler_options options = {}) : opt_(validated(options)) {
-    st_.scale = opt_.init_scale;
-    st_.hysteresis_left = opt_.hysteresis;
-  }
+  /// `loss_scaler(options)` (throws gradapt::error when an option is out of range, naming it)
+  /// and `loss_scaler({})` (the default options).
+  using configured::configured;
 
   /// The validated options (init/min/max scale rounded to float).
   const loss_scaler_options& options() const { return opt_; }
@@ -592,6 +584,16 @@ class loss_scaler : public archived_state<loss_scaler, loss_scaler_state> {
   }
 
  private:
+  friend class configured<loss_scaler, loss_scaler_options, loss_scaler_state>;
+
+  static constexpr std::string_view name = "loss_scaler";
+
+  static loss_scaler_state start(const loss_scaler_options& o) {
+    loss_scaler_state s;
+    s.scale = o.init_scale;
+    s.hysteresis_left = o.hysteresis;
+    return s;
+  }
   static loss_scaler_options validated(const loss_scaler_options& in) {
     using detail::require;
     constexpr double fmax = static_cast<double>(std::numeric_limits<float>::max());
@@ -725,8 +727,6 @@ class loss_scaler : public archived_state<loss_scaler, loss_scaler_state> {
     return update(got[0] > 0.0);
   }
 
-  loss_scaler_options opt_;
-  loss_scaler_state st_;
   bool options_agreed_ = false;  ///< the options were agreed across ranks (host communicators)
 };
 

@@ -25,7 +25,6 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
-#include <initializer_list>
 #include <limits>
 #include <optional>
 #include <span>
@@ -39,6 +38,7 @@
 #include "gradapt/core/archive.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
+#include "gradapt/core/configured.hpp"
 #include "gradapt/core/detail/archive_fields.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/ops.hpp"
@@ -180,21 +180,13 @@ inline noise_scale_estimate two_batch_estimate(double small_sq, double b_small, 
 ///
 /// The state is a plain struct (`state()`, `restore()`); `save()` / `load()` carry it in a
 /// state archive and restore the estimator exactly.
-class gradient_noise_scale : public archived_state<gradient_noise_scale, gradient_noise_scale_state> {
+class gradient_noise_scale
+    : public archived_state<gradient_noise_scale, gradient_noise_scale_state>,
+      public configured<gradient_noise_scale, gradient_noise_scale_options, gradient_noise_scale_state> {
  public:
-  using options_type = gradient_noise_scale_options;  ///< the hyperparameters (gradient_noise_scale_options)
-  using state_type = gradient_noise_scale_state;  ///< what state() returns and restore() takes (plain data)
-
-  /// `gradient_noise_scale({})`: the default options (an exact match for the empty braces, which the
-  /// options constructor alone would leave ambiguous with the move constructor).
-  gradient_noise_scale(std::initializer_list<gradient_noise_scale_options> o)
-      : gradient_noise_scale(detail::options_from(o, "gradient_noise_scale")) {}
-  /// @throws gradapt::error when smoothing is outside [0, 1).
-  explicit gradient_noise_scale(gradient_noise_scale_options options = {}) : opt_(options) {
-    detail::require(std::isfinite(opt_.smoothing) && opt_.smoothing >= 0.0 && opt_.smoothing < 1.0,
-                    "gradient_noise_scale: smoothing is ", opt_.smoothing,
-                    " (expected 0 <= smoothing < 1; 0.99 is typical)");
-  }
+  /// `gradient_noise_scale(options)` (throws gradapt::error when smoothing is outside [0, 1))
+  /// and `gradient_noise_scale({})` (the default options).
+  using configured::configured;
 
   /// The options given at construction (fixed for the estimator's lifetime).
   const gradient_noise_scale_options& options() const { return opt_; }
@@ -414,8 +406,17 @@ class gradient_noise_scale : public archived_state<gradient_noise_scale, gradien
   void reset() { st_ = {}; }
 
  private:
-  gradient_noise_scale_options opt_;
-  gradient_noise_scale_state st_;
+  friend class configured<gradient_noise_scale, gradient_noise_scale_options, gradient_noise_scale_state>;
+
+  static constexpr std::string_view name = "gradient_noise_scale";
+
+  static gradient_noise_scale_options validated(const gradient_noise_scale_options& o) {
+    detail::require(std::isfinite(o.smoothing) && o.smoothing >= 0.0 && o.smoothing < 1.0,
+                    "gradient_noise_scale: smoothing is ", o.smoothing,
+                    " (expected 0 <= smoothing < 1; 0.99 is typical)");
+    return o;
+  }
+  static gradient_noise_scale_state start(const gradient_noise_scale_options&) { return {}; }
 };
 
 /// Noise scale per parameter group and globally, from a param_list's gradients.

@@ -30,9 +30,9 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <initializer_list>
 #include <limits>
 #include <optional>
+#include <string_view>
 
 #include "gradapt/comm/agree.hpp"
 #include "gradapt/core/archive.hpp"
@@ -96,25 +96,9 @@ class adaptive_period
   /// This schedule reads the rank-mean loss and learning rate at every round.
   static constexpr bool uses_loss = true;
 
-  /// `adaptive_period({})`: the default options (an exact match for the empty braces, which the
-  /// options constructor alone would leave ambiguous with the move constructor).
-  adaptive_period(std::initializer_list<adaptive_period_options> o)
-      : adaptive_period(detail::options_from(o, "adaptive_period")) {}
-  /// @throws gradapt::error when K_0 < 1, K_max < K_0 or smoothing is outside [0, 1).
-  explicit adaptive_period(adaptive_period_options options = {}) : whole_world_schedule(options) {
-    detail::require(opt_.initial_period >= 1, "adaptive_period: initial_period is ", opt_.initial_period,
-                    " (expected K_0 >= 1 local steps)");
-    detail::require(opt_.max_period >= 1, "adaptive_period: max_period is ", opt_.max_period,
-                    " (expected K_max >= 1 local steps)");
-    detail::require(opt_.max_period >= opt_.initial_period, "adaptive_period: max_period is ",
-                    opt_.max_period, " but initial_period is ", opt_.initial_period,
-                    " (expected K_max >= K_0)");
-    detail::require(std::isfinite(opt_.smoothing) && opt_.smoothing >= 0.0 && opt_.smoothing < 1.0,
-                    "adaptive_period: smoothing is ", opt_.smoothing,
-                    " (expected 0 <= smoothing < 1; 0 disables the EMA)");
-    st_.period = static_cast<std::uint64_t>(opt_.initial_period);
-    st_.next_due = st_.period;
-  }
+  /// `adaptive_period(options)` (throws gradapt::error when K_0 < 1, K_max < K_0 or smoothing
+  /// is outside [0, 1)) and `adaptive_period({})` (the default options).
+  using whole_world_schedule::whole_world_schedule;
 
   /// The options every rank must share, named for local_sgd's round agreement.
   template <std::size_t N>
@@ -217,6 +201,30 @@ class adaptive_period
                     "adaptive_period::load: reference loss ", s.reference_loss, " and learning rate ",
                     s.reference_lr, " (expected both positive and finite once set)");
     st_ = s;
+  }
+
+ private:
+  friend class configured<adaptive_period, adaptive_period_options, adaptive_period_state>;
+
+  static constexpr std::string_view name = "adaptive_period";
+
+  static adaptive_period_options validated(const adaptive_period_options& o) {
+    detail::require(o.initial_period >= 1, "adaptive_period: initial_period is ", o.initial_period,
+                    " (expected K_0 >= 1 local steps)");
+    detail::require(o.max_period >= 1, "adaptive_period: max_period is ", o.max_period,
+                    " (expected K_max >= 1 local steps)");
+    detail::require(o.max_period >= o.initial_period, "adaptive_period: max_period is ", o.max_period,
+                    " but initial_period is ", o.initial_period, " (expected K_max >= K_0)");
+    detail::require(std::isfinite(o.smoothing) && o.smoothing >= 0.0 && o.smoothing < 1.0,
+                    "adaptive_period: smoothing is ", o.smoothing,
+                    " (expected 0 <= smoothing < 1; 0 disables the EMA)");
+    return o;
+  }
+  static adaptive_period_state start(const adaptive_period_options& o) {
+    adaptive_period_state s;
+    s.period = static_cast<std::uint64_t>(o.initial_period);
+    s.next_due = s.period;
+    return s;
   }
 };
 

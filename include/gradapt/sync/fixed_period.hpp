@@ -12,7 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <initializer_list>
+#include <string_view>
 
 #include "gradapt/comm/agree.hpp"
 #include "gradapt/core/archive.hpp"
@@ -63,18 +63,9 @@ class fixed_period : public whole_world_schedule<fixed_period, fixed_period_opti
   /// This schedule does not read the training loss.
   static constexpr bool uses_loss = false;
 
-  /// `fixed_period({})`: the default options (an exact match for the empty braces, which the
-  /// options constructor alone would leave ambiguous with the move constructor).
-  fixed_period(std::initializer_list<fixed_period_options> o)
-      : fixed_period(detail::options_from(o, "fixed_period")) {}
-  /// @throws gradapt::error when period < 1 or warmup_rounds < 0.
-  explicit fixed_period(fixed_period_options options = {}) : whole_world_schedule(options) {
-    detail::require(opt_.period >= 1, "fixed_period: period is ", opt_.period,
-                    " (expected K >= 1 local steps between averaging rounds)");
-    detail::require(opt_.warmup_rounds >= 0, "fixed_period: warmup_rounds is ", opt_.warmup_rounds,
-                    " (expected >= 0 rounds at period 1)");
-    st_.next_due = period_of_round(0);
-  }
+  /// `fixed_period(options)` (throws gradapt::error when period < 1 or warmup_rounds < 0) and
+  /// `fixed_period({})` (the default options).
+  using whole_world_schedule::whole_world_schedule;
 
   /// The options every rank must share, named for local_sgd's round agreement.
   template <std::size_t N>
@@ -85,16 +76,7 @@ class fixed_period : public whole_world_schedule<fixed_period, fixed_period_opti
   }
 
   /// Local steps between round r − 1 and round r (see the class comment).
-  std::uint64_t period_of_round(std::uint64_t r) const {
-    const auto w = static_cast<std::uint64_t>(opt_.warmup_rounds);
-    const auto k = static_cast<std::uint64_t>(opt_.period);
-    if (r < w) return 1;
-    if (!opt_.ramp) return k;
-    const std::uint64_t j = r - w + 1;  // 1, 2, ...: period 2^j
-    if (j >= 63) return k;
-    const std::uint64_t p = std::uint64_t{1} << j;
-    return p < k ? p : k;
-  }
+  std::uint64_t period_of_round(std::uint64_t r) const { return period_of_round(opt_, r); }
 
   /// The period of the interval now running (the one that ends at the next round).
   std::uint64_t period() const { return period_of_round(st_.rounds); }
@@ -115,6 +97,34 @@ class fixed_period : public whole_world_schedule<fixed_period, fixed_period_opti
                     " local steps and ", s.rounds, " rounds (expected within the current period of ", p,
                     " steps ahead; was the state saved with other options?)");
     st_ = s;
+  }
+
+ private:
+  friend class configured<fixed_period, fixed_period_options, fixed_period_state>;
+
+  static constexpr std::string_view name = "fixed_period";
+
+  static fixed_period_options validated(const fixed_period_options& o) {
+    detail::require(o.period >= 1, "fixed_period: period is ", o.period,
+                    " (expected K >= 1 local steps between averaging rounds)");
+    detail::require(o.warmup_rounds >= 0, "fixed_period: warmup_rounds is ", o.warmup_rounds,
+                    " (expected >= 0 rounds at period 1)");
+    return o;
+  }
+  static fixed_period_state start(const fixed_period_options& o) {
+    fixed_period_state s;
+    s.next_due = period_of_round(o, 0);
+    return s;
+  }
+  static std::uint64_t period_of_round(const fixed_period_options& o, std::uint64_t r) {
+    const auto w = static_cast<std::uint64_t>(o.warmup_rounds);
+    const auto k = static_cast<std::uint64_t>(o.period);
+    if (r < w) return 1;
+    if (!o.ramp) return k;
+    const std::uint64_t j = r - w + 1;  // 1, 2, ...: period 2^j
+    if (j >= 63) return k;
+    const std::uint64_t p = std::uint64_t{1} << j;
+    return p < k ? p : k;
   }
 };
 

@@ -8,18 +8,23 @@
 #include <cstdint>
 
 #include "gradapt/core/archive.hpp"
+#include "gradapt/core/configured.hpp"
 
 namespace gradapt {
 
 /// CRTP base of a one-level averaging schedule built from `Options` whose complete state is
 /// the plain struct `State` (with a `next_due` member and `State::archive_fields()`).
-/// `Derived` validates the options in its constructor and provides `advance` and a validating
-/// `restore(const State&, std::uint64_t local_steps)`.
+/// `Derived` inherits the constructors of `configured` (`using whole_world_schedule::
+/// whole_world_schedule;`), provides what `configured` needs (`name`, `validated`, `start`),
+/// `advance` and a validating `restore(const State&, std::uint64_t local_steps)`.
 template <class Derived, class Options, class State>
-class whole_world_schedule {
+class whole_world_schedule : public configured<Derived, Options, State> {
+  using base = configured<Derived, Options, State>;
+
  public:
-  using options_type = Options;  ///< the hyperparameters
-  using state_type = State;      ///< what state() returns and restore() takes (plain data)
+  /// `T(options)` (throws gradapt::error naming an option out of range) and `T({})` (the
+  /// default options).
+  using base::base;
 
   /// The options this schedule was built with.
   const Options& options() const { return opt_; }
@@ -45,11 +50,8 @@ class whole_world_schedule {
   }
 
  protected:
-  /// Holds `options` (the derived constructor validates them) and a default state.
-  explicit whole_world_schedule(const Options& options) : opt_(options) {}
-
-  Options opt_;  ///< the options, validated by the derived constructor
-  State st_;     ///< the complete state
+  using base::opt_;
+  using base::st_;
 };
 
 }  // namespace gradapt

@@ -49,6 +49,7 @@
 /// vector and `load()` restores it exactly; the parameters themselves are the framework's and
 /// are saved by it.
 
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <concepts>
@@ -60,6 +61,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -71,6 +73,7 @@
 #include "gradapt/core/archive.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
+#include "gradapt/core/enum_name.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/ops.hpp"
 #include "gradapt/core/owner_exchange.hpp"
@@ -104,17 +107,8 @@ enum class rescale_rule : unsigned char {
 
 /// The rule's name ("keep_global_batch", ...), "unknown" for another value.
 inline const char* name(rescale_rule r) {
-  switch (r) {
-    case rescale_rule::keep_global_batch:
-      return "keep_global_batch";
-    case rescale_rule::linear_lr:
-      return "linear_lr";
-    case rescale_rule::sqrt_lr:
-      return "sqrt_lr";
-    case rescale_rule::adascale:
-      return "adascale";
-  }
-  return "unknown";
+  constexpr std::array<std::string_view, 4> names{"keep_global_batch", "linear_lr", "sqrt_lr", "adascale"};
+  return gradapt::detail::enum_name(r, names).data();  // the names are NUL-terminated literals
 }
 
 /// The state type an optimizer creates for backend B and parameter list PL.

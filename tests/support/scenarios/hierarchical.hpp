@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "exact_values.hpp"
@@ -17,6 +18,7 @@
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/tensor_view.hpp"
 #include "rank_check.hpp"
+#include "thrown_message.hpp"
 
 namespace hier_scenarios {
 
@@ -36,12 +38,7 @@ inline constexpr std::size_t sizes[] = {0, 1, 37, 1000};
 /// The message of the gradapt::error f throws, or "no error".
 template <class F>
 std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const gradapt::error& e) {
-    return e.what();
-  }
-  return "no error";
+  return gradapt_test::thrown_message(std::forward<F>(f));
 }
 
 /// The hierarchy's shape: nodes() × local_size() ranks, consistent with its communicators.
