@@ -47,9 +47,7 @@ namespace {
 constexpr double flt_max = static_cast<double>(std::numeric_limits<float>::max());
 constexpr double flt_min = static_cast<double>(std::numeric_limits<float>::min());
 
-std::string data_path(const std::string& name) {
-  return gradapt_test::test_data_path("loss_scaler/" + name);
-}
+std::string data_path(const std::string& name) { return gradapt_test::test_data_path("loss_scaler/" + name); }
 
 std::ifstream open_data(const std::string& name) {
   std::ifstream f(data_path(name));

@@ -35,9 +35,10 @@ using namespace adafactor_test;
 // ---- reference vectors from optax and torch.optim.Adafactor (tests/data/optim_factored) -------
 // Written by tests/data/make_factored_refs.py (not run here) with make_optim_refs.py's
 // conventions: inputs from the counter-based generator reproduced bit for bit (read with
-// support/peer_data.hpp), samples of every tensor after the first and the last step. A stored element must be within rtol of the case's
-// movement scale (and within 1e-3 of its own tensor's movement plus 4 ulp), NaN where the
-// peer has NaN; the recorded sensitivities must exceed 10 rtol.
+// support/peer_data.hpp), samples of every tensor after the first and the last step. A stored
+// element must be within rtol of the case's movement scale (and within 1e-3 of its own tensor's
+// movement plus 4 ulp), NaN where the peer has NaN; the recorded sensitivities must exceed
+// 10 rtol.
 #ifndef GRADAPT_FACTORED_DATA
 #error "define GRADAPT_FACTORED_DATA as the path of tests/data/optim_factored"
 #endif
