@@ -240,6 +240,69 @@ TEST_CASE("a state saved on N ranks loads on M ranks and continues bitwise as th
   reshard(clip_adam(), element_small_rounds, 5, 3);
 }
 
+TEST_CASE("factored statistics (Adafactor's rows and columns, SM3's covers) save and load on any world size",
+          "[shard]") {
+  // min_dim_size_to_factor 5 factors w0 [33, 129], w3 [64, 64] and w6 [130, 70] (not w5 [3, 5]);
+  // SM3 keeps covers for every matrix. Saved on 1 to 3 ranks, loaded on 1 to 4.
+  const auto small_threshold = gradapt::adafactor({.lr = 1e-2, .min_dim_size_to_factor = 5});
+  const auto sm3 = gradapt::sm3({.lr = 0.1, .momentum = 0.9});
+  for (const auto& [from, to] : {std::pair{1, 1}, {1, 4}, {2, 3}, {3, 1}}) {
+    INFO("from " << from << " to " << to);
+    reshard(small_threshold, tensor_cut, from, to);
+    reshard(sm3, tensor_cut, from, to);
+  }
+}
+
+TEST_CASE("a factored tensor at Adafactor's defaults saves, loads, and continues bitwise", "[shard]") {
+  // [256, 130] factors at the default min_dim_size_to_factor (128); [7, 13] does not.
+  for (const int n : {1, 2}) {
+    INFO("ranks " << n);
+    std::vector<std::vector<std::byte>> all(static_cast<std::size_t>(n));
+    run_threads(n, quick, [&](threads& comm) {
+      const gradapt::host b;
+      const std::vector<std::vector<std::int64_t>> shapes{{256, 130}, {7, 13}};
+      std::vector<std::vector<float>> p(2), g(2), q(2);
+      gradapt::param_list<float, float> a, c;
+      for (std::size_t t = 0; t < 2; ++t) {
+        const auto len = static_cast<std::size_t>(shapes[t][0] * shapes[t][1]);
+        p[t].resize(len);
+        g[t].resize(len);
+        for (std::size_t i = 0; i < len; ++i)
+          p[t][i] = static_cast<float>((i * 37 + t * 11) % 101) / 50.0f - 1.0f;
+        a.add("w" + std::to_string(t), gradapt::tensor_view<float>(p[t].data(), shapes[t]),
+              gradapt::tensor_view<float>(g[t].data(), shapes[t]));
+      }
+      const sharded_optimizer opt(gradapt::adafactor({.lr = 1e-2}), tensor_cut);
+      auto s = opt.init(comm, b, a);
+      const auto fill = [&](int k) {
+        for (std::size_t t = 0; t < 2; ++t)
+          for (std::size_t i = 0; i < g[t].size(); ++i)
+            g[t][i] =
+                static_cast<float>((i * 13 + static_cast<std::size_t>(k) * 7 + t) % 29) / 16.0f - 0.875f;
+      };
+      for (int k = 1; k <= 2; ++k) {
+        fill(k);
+        opt.step(comm, b, a, s);
+      }
+      all[static_cast<std::size_t>(comm.rank())] = s.save(b);
+      comm.barrier();  // every rank's archive written before any is read
+      q = p;
+      for (std::size_t t = 0; t < 2; ++t)
+        c.add("w" + std::to_string(t), gradapt::tensor_view<float>(q[t].data(), shapes[t]),
+              gradapt::tensor_view<float>(g[t].data(), shapes[t]));
+      auto restored = opt.load(
+          comm, b, c, [&](int r) { return std::span<const std::byte>(all.at(static_cast<std::size_t>(r))); });
+      RANK_REQUIRE(restored.steps() == 2);
+      for (int k = 3; k <= 4; ++k) {
+        fill(k);
+        opt.step(comm, b, a, s);
+        opt.step(comm, b, c, restored);
+      }
+      for (std::size_t t = 0; t < 2; ++t) RANK_REQUIRE(sharded_scenario::same_bits(p[t], q[t]));
+    });
+  }
+}
+
 TEST_CASE("sharded optimizer errors: every rank throws, naming the problem", "[shard]") {
   SECTION("a factored chain with a tensor cut across ranks") {
     const auto what = gradapt_test::errors_of(4, quick, [](threads& comm) {  // 4 ranks cut tensor 1

@@ -228,15 +228,26 @@ class sharded_state {
       for (std::size_t j = 0; j < chain_state_type::buffer_count(); ++j) {
         const auto bufs = st_.buffer(j);
         if (bufs.empty()) continue;
-        host.resize(q.length);
-        std::size_t at = 0;
+        // Element-wise buffers cover the piece unit by unit; a factored tensor's statistics
+        // (row and column sums, SM3's covers) belong to its one whole-tensor unit and are
+        // written whole, whatever their length.
+        host.clear();
+        std::size_t at = 0, units = 0;
+        bool factored = false;
         for_units_of(q, [&](std::size_t u) {
           const auto& v = bufs[u];
+          factored = factored || v.size() != units_[u].length;
+          host.resize(host.size() + v.size());
           b.copy(tensor_view<const S, space>(v), host_view(std::span<S>(host).subspan(at, v.size())));
           at += v.size();
+          ++units;
         });
-        gradapt::detail::require(at == q.length, "sharded optimizer save on rank ", rank_, ": the units of '",
-                                 names_[q.tensor], "' cover ", at, " of its ", q.length, " shard elements");
+        gradapt::detail::require(
+            factored ? units == 1 && q.offset == 0 && q.length == plan_.tensor_size(q.tensor)
+                     : at == q.length,
+            "sharded optimizer save on rank ", rank_, ": buffer ", j, " of '", names_[q.tensor], "' spans ",
+            at, " values over ", units, " units for its ", q.length, " shard elements",
+            factored ? " (a factored tensor's statistics need the whole tensor on one rank)" : "");
         for (const S& x : host)
           gradapt::detail::require(std::isfinite(static_cast<double>(static_cast<compute_t<S>>(x))),
                                    "sharded optimizer save on rank ", rank_, ": buffer ", j, " of '",
