@@ -304,7 +304,11 @@ class chain {
     detail::require(!st.failed_, "chain::step: the state holds non-finite values since a check after step ",
                     st.steps_, " (see chain_state::set_check_interval); restore a checkpoint with load()");
     refresh_constants(b, params, st, false);
-    const step_context ctx{st.steps_ + 1, args.lr};
+    // Field by field, the learning rate only when set: GCC 12 at -O1 warns that a copied
+    // empty std::optional's payload "may be used uninitialized" (-Wmaybe-uninitialized).
+    step_context ctx;
+    ctx.step = st.steps_ + 1;
+    if (args.lr.has_value()) ctx.lr = *args.lr;
     using C = compute_t<V>;
     const auto kernels = make_kernels<C>(ctx, std::index_sequence_for<Stages...>{});
     if (count > 0) {
