@@ -41,6 +41,18 @@ if(GRADAPT_g++_EXE)
 endif()
 endif()
 
+# Negative compile tests: every invalid slot combination of the composed step fails to compile
+# with a message naming both slots (tests/compile_fail/check.cmake reads the expected messages
+# from the source).
+if(GRADAPT_TEST_CONSUMERS)
+  foreach(_src train_slots)
+    add_test(NAME compile_fail_${_src}
+      COMMAND ${CMAKE_COMMAND} -DCXX=${CMAKE_CXX_COMPILER} -DINCLUDE=${PROJECT_SOURCE_DIR}/include
+              -DSOURCE=${CMAKE_CURRENT_SOURCE_DIR}/compile_fail/${_src}.cpp
+              -P ${CMAKE_CURRENT_SOURCE_DIR}/compile_fail/check.cmake)
+  endforeach()
+endif()
+
 # The explicit vector path and the scalar fallback of the host reductions give the same bits.
 # (These path comparisons, here and for the optimizers below, run in the default preset only:
 # GRADAPT_TEST_PATH_COMPARISONS is OFF in the sanitizer presets, whose other tests run the
@@ -138,6 +150,7 @@ endif()
 gradapt_add_test(test_train_step GROUP core SOURCES test_train_step.cpp)
 gradapt_add_test(test_train_resize GROUP core SOURCES test_train_resize.cpp)
 gradapt_add_test(test_train_hetero GROUP core SOURCES test_train_hetero.cpp)
+gradapt_add_test(test_train_zero GROUP core SOURCES test_train_zero.cpp)
 # Ranks that disagree: every rank throws, none hangs (bounded by the threads watchdog).
 gradapt_add_test(test_disagreement GROUP core SOURCES test_disagreement.cpp)
 # 10,000 random cases of ranks that call different collectives, types, ops, counts or options.

@@ -133,6 +133,23 @@ concept step_optimizer = requires(const O& o, const B& b, const PL& p) {
 
 namespace detail {
 
+/// The optimizer state the step holds: Opt's own state, or with a ZeRO state slot the
+/// sharded optimizer's state of this rank's shard.
+template <bool Sharded, class Opt, class Comm, class B, class PL>
+struct state_of {
+  using type = optimizer_state_t<Opt, B, PL>;
+};
+template <class Opt, class Comm, class B, class PL>
+struct state_of<true, Opt, Comm, B, PL> {
+  using type = std::remove_cvref_t<decltype(std::declval<const shard::sharded_optimizer<Opt>&>().init(
+      std::declval<Comm&>(), std::declval<const B&>(), std::declval<const PL&>()))>;
+};
+/// The ZeRO stage of a state policy (0: replicated).
+template <class P>
+inline constexpr int zero_stage_v = 0;
+template <int Stage>
+inline constexpr int zero_stage_v<zero_state<Stage>> = Stage;
+
 /// An empty member for a slot that is off.
 struct nothing {};
 
@@ -229,6 +246,7 @@ auto hook_tuple(A&& a) {
 /// @tparam Sync   no_local_sgd | local_sgd_policy<Schedule>
 /// @tparam Hooks  std::tuple of hook objects, called in the order they were passed
 /// @tparam Precond no_preconditioner | kfac_policy<State> | a user's `precondition_policy`
+/// @tparam StateP replicated_state | zero_state<1> | zero_state<2>
 ///
 /// Construction is collective: the ranks agree with one small allreduce that they hold the
 /// same number of tensors with the same sizes (every rank throws the same gradapt::error
@@ -240,14 +258,19 @@ auto hook_tuple(A&& a) {
 /// aborts them with comm::peer_failure). The steady-state step allocates nothing beyond what
 /// hooks do. Device memory (CUDA/NCCL) is not wired here yet: call the stages one by one.
 template <class Comm, class B, class PL, class Opt, class Scaler, class Combine, class Adapt, class Sync,
-          class Hooks, class Precond = no_preconditioner>
+          class Hooks, class Precond = no_preconditioner, class StateP = replicated_state>
 class data_parallel_step {
  public:
-  using comm_type = Comm;                                          ///< the communicator
-  using backend_type = B;                                          ///< the backend
-  using params_type = PL;                                          ///< the parameter list
-  using optimizer_type = Opt;                                      ///< the optimizer
-  using optimizer_state_type = optimizer_state_t<Opt, B, PL>;      ///< what Opt::init returns
+  using comm_type = Comm;      ///< the communicator
+  using backend_type = B;      ///< the backend
+  using params_type = PL;      ///< the parameter list
+  using optimizer_type = Opt;  ///< the optimizer
+  /// The ZeRO stage of the state slot (0: `replicated_state`).
+  static constexpr int zero_stage = detail::zero_stage_v<StateP>;
+  /// The state slot holds a `zero_state`: the optimizer state is sharded over the ranks.
+  static constexpr bool has_sharded_state = zero_stage != 0;
+  /// What Opt::init returns, or with `zero_state` this rank's `shard::sharded_state`.
+  using optimizer_state_type = typename detail::state_of<has_sharded_state, Opt, Comm, B, PL>::type;
   using value_type = typename PL::value_type;                      ///< parameter element type
   using grad_type = typename PL::grad_type;                        ///< gradient element type
   using schedule_type = typename detail::schedule_of<Sync>::type;  ///< LocalSGD schedule (sync slot on)
@@ -292,6 +315,29 @@ class data_parallel_step {
                 "train::data_parallel_step: the precondition slot's policy must model "
                 "train::precondition_policy (bind(comm, backend, params) && returning an object with "
                 "precondition(comm, backend, grads, lr) and discard())");
+  static_assert(std::is_same_v<StateP, replicated_state> || has_sharded_state,
+                "train::data_parallel_step: the state slot holds replicated_state, zero_state<1> or "
+                "zero_state<2>");
+  static_assert(!(has_sharded_state && has_custom_combine),
+                "train::data_parallel_step: the state slot's zero_state reduce-scatters the rank MEAN of "
+                "the gradients; the combine slot's adasum_combine (or a user's combiner) forms something "
+                "else: use allreduce_mean with zero_state, or replicated_state with this combiner");
+  static_assert(!(has_sharded_state && has_adascale),
+                "train::data_parallel_step: the state slot's zero_state does not yet report the local and "
+                "combined gradient norms that the adapt slot's adascale_policy needs: use replicated_state "
+                "with adascale_policy");
+  static_assert(!(has_sharded_state && has_local_sgd),
+                "train::data_parallel_step: the state slot's zero_state keeps one optimizer state spread "
+                "over the ranks, which needs the same averaged gradient on every rank at every step; the "
+                "sync slot's local_sgd_policy steps each replica alone: drop one of the two");
+  static_assert(!(has_sharded_state && has_preconditioner),
+                "train::data_parallel_step: the precondition slot's policy (kfac_policy) rewrites the whole "
+                "combined gradient on every rank, which the state slot's zero_state holds only as shards: "
+                "use replicated_state with a preconditioner");
+  static_assert(!(zero_stage == 2 && has_loss_scaling),
+                "train::data_parallel_step: the state slot's zero_state<2> reduce-scatters gradients during "
+                "the backward pass, before the scaler slot's loss_scaler can unscale them and check them "
+                "for overflow at step(): use zero_state<1> with loss scaling");
   static_assert(!(has_preconditioner && has_local_sgd),
                 "train::data_parallel_step: a preconditioner (kfac_policy) cannot be combined with "
                 "local_sgd_policy: it needs the same combined gradient on every rank (K-FAC averages its "
@@ -302,7 +348,8 @@ class data_parallel_step {
   /// @throws gradapt::error when the parameter lists differ across ranks or are empty, a
   ///         setting or option is invalid, or AdaScale's initial scale is below 1
   data_parallel_step(Comm& comm, const B& b, const PL& params, Opt opt, step_settings settings, Scaler scaler,
-                     Combine combine, Adapt adapt, Sync sync, Hooks hooks, Precond precond = Precond())
+                     Combine combine, Adapt adapt, Sync sync, Hooks hooks, Precond precond = Precond(),
+                     StateP state = StateP())
       : comm_(&comm),
         backend_(b),
         params_(&params),
@@ -313,7 +360,14 @@ class data_parallel_step {
     agree_on_construction(adapt, sync, precond);
     tensors_ = params.size();
     total_ = params.total_elements();
-    state_ = opt_.init(backend_, params);
+    if constexpr (has_sharded_state) {
+      sharded_.emplace(opt_, state.sharding);
+      state_.emplace(sharded_->init(comm, backend_, params));  // collective; agrees the options
+      if (!state.allow_empty_shards) check_empty_shards(state.sharding);
+    } else {
+      (void)state;
+      state_ = opt_.init(backend_, params);
+    }
     combiner_.emplace(bind_combiner(combine, comm, backend_, params));
     if constexpr (has_preconditioner) {
       // A mapping error on one rank is thrown on every rank (the others name that rank).
@@ -433,7 +487,11 @@ class data_parallel_step {
       sync = sync || paused;
     }
     m.synchronous = sync;
-    if (sync) combine();
+    if constexpr (has_sharded_state) {
+      if (zero_stage == 1) weight_for_mean();  // the sharded step reduce-scatters the mean
+    } else {
+      if (sync) combine();
+    }
 
     double lr = eta;
     double gain = 1.0;
@@ -444,7 +502,10 @@ class data_parallel_step {
     // The preconditioner sees the combined gradient (no local steps: see the static_assert) and
     // the lr the optimizer steps at (K-FAC's KL clipping bounds lr²·⟨V, M⟩ at that lr).
     if constexpr (has_preconditioner) pre_->precondition(*comm_, backend_, params_->grads(), lr);
-    opt_.step(backend_, *params_, state_, step_args{.lr = lr});
+    if constexpr (has_sharded_state)
+      sharded_->step(*comm_, backend_, *params_, *state_, step_args{.lr = lr});
+    else
+      opt_.step(backend_, *params_, state_, step_args{.lr = lr});
 
     if constexpr (has_local_sgd) {
       if (!paused) {
@@ -504,7 +565,27 @@ class data_parallel_step {
   /// The optimizer (its options).
   const Opt& optimizer() const { return opt_; }
   /// The optimizer's state (moments etc.), e.g. for inspection or averaging.
-  const optimizer_state_type& optimizer_state() const { return state_; }
+  const optimizer_state_type& optimizer_state() const { return st(); }
+  /// ZeRO stage 2: gradient t of this rank is final for this step (call it during the backward
+  /// pass, as the framework produces each gradient, in any order; every gradient once per
+  /// step). Full buckets are reduce-scattered at once; `step()` finishes the step. Collective
+  /// per bucket: every rank marks every gradient before `step()`.
+  /// @throws gradapt::error when t is out of range or already marked in this step
+  void mark_ready(std::size_t t) requires(zero_stage == 2) {
+    sharded_->mark_ready(*comm_, backend_, *params_, *state_, t);
+  }
+  /// ZeRO stage 2: gradient t's bucket has been reduce-scattered in this step, so its buffer
+  /// is not read again before the next step and may be reused.
+  bool released(std::size_t t) const requires(zero_stage == 2) { return state_->released(t); }
+  /// Bytes of optimizer state on this rank (also `step_metrics::state_bytes`).
+  std::uint64_t state_bytes() const {
+    if constexpr (has_sharded_state)
+      return state_->state_bytes();
+    else if constexpr (requires { state_.state_elements(); })
+      return state_.state_elements() * sizeof(typename optimizer_state_type::state_element);
+    else
+      return 0;
+  }
   /// The loss scaler (scaler slot on).
   const loss_scaler& scaler() const requires has_loss_scaling { return scaler_; }
   /// The noise-scale estimator (adapt slot on).
@@ -550,7 +631,12 @@ class data_parallel_step {
     put_metrics(w, last_);
     w.put("global_batch", last_.global_batch);
     w.begin("optimizer");
-    state_.save(backend_, w);
+    if constexpr (has_sharded_state) {  // this rank's shard, as the sharded optimizer saves it
+      const std::vector<std::byte> shard = state_->save(backend_);
+      w.put("shard", std::string_view(reinterpret_cast<const char*>(shard.data()), shard.size()));
+    } else {
+      state_.save(backend_, w);
+    }
     w.end();
     for_each_section(*this, [&](const char* section, const auto& st) { put_section(w, section, st); });
     return w.finish();
@@ -571,7 +657,7 @@ class data_parallel_step {
   /// @throws gradapt::error naming the first field that does not match, a rule that does not
   ///         apply (keep_global_batch with accumulation_steps × N not divisible by M; adascale
   ///         without the adapt slot), or ranks that passed other bytes or another rule
-  void restore(std::span<const std::byte> bytes, rescale_rule rule) {
+  void restore(std::span<const std::byte> bytes, rescale_rule rule) requires(!has_sharded_state) {
     const std::vector<std::byte> backup = save();
     std::string bad;
     try {
@@ -599,7 +685,15 @@ class data_parallel_step {
   /// that saved it (given the same parameters and gradients). Not collective; call it on
   /// every rank. All or nothing: on a throw the step's state is unchanged.
   /// @throws gradapt::error naming the first field that does not match
+  ///
+  /// With `zero_state` each rank's checkpoint holds its own shard: every rank loads its own
+  /// checkpoint of the same step on the same world size and options, and load is collective
+  /// (an error on one rank is thrown on every rank, and every rank keeps its state).
   void load(std::span<const std::byte> bytes) {
+    if constexpr (has_sharded_state) {
+      load_sharded(bytes);
+      return;
+    }
     // A damaged, truncated or foreign archive is rejected by the reader (checksum, kind,
     // version, index) before anything changes; only a later mismatch needs the backup.
     (void)archive_reader{bytes, archive_kind, archive_version};
@@ -615,7 +709,34 @@ class data_parallel_step {
  private:
   static std::uint64_t slot_mask() {
     return (has_loss_scaling ? 1u : 0u) | (has_custom_combine ? 2u : 0u) | (has_adascale ? 4u : 0u) |
-           (has_local_sgd ? 8u : 0u) | (has_preconditioner ? 16u : 0u);
+           (has_local_sgd ? 8u : 0u) | (has_preconditioner ? 16u : 0u) | (zero_stage == 1 ? 32u : 0u) |
+           (zero_stage == 2 ? 64u : 0u);
+  }
+
+  const optimizer_state_type& st() const {
+    if constexpr (has_sharded_state)
+      return *state_;
+    else
+      return state_;
+  }
+
+  // The partition is the same on every rank, so every rank finds the same empty ranks and
+  // throws the same error without a collective.
+  void check_empty_shards(const shard::sharded_options& o) const {
+    const auto& plan = state_->plan();
+    std::string empty;
+    int count = 0;
+    for (int r = 0; r < plan.world(); ++r)
+      if (plan.pieces(r).empty()) {
+        if (count < 8) empty += (count ? ", " : "") + std::to_string(r);
+        ++count;
+      }
+    detail::require(count == 0, "train::data_parallel_step: zero_state leaves ", count, " of ", plan.world(),
+                    " ranks without elements (ranks ", empty, count > 8 ? ", ..." : "", ") for ", total_,
+                    " elements in ", tensors_, " tensors at partition_options::alignment ",
+                    o.partition.alignment,
+                    ": lower the alignment (a chain without per-tensor or global sums takes any), use "
+                    "fewer ranks, or set zero_state::allow_empty_shards");
   }
 
   template <class F>
@@ -636,7 +757,7 @@ class data_parallel_step {
     if constexpr (has_adascale)
       return adapt_.ada.progress();
     else
-      return static_cast<double>(state_.steps());
+      return static_cast<double>(st().steps());
   }
 
   double noise_scale_value() const {
@@ -652,7 +773,8 @@ class data_parallel_step {
   // after-step hooks, and returns the recorded metrics.
   const step_metrics& finish_step(step_metrics& m, std::uint64_t call,
                                   std::chrono::steady_clock::time_point entered) {
-    m.optimizer_steps = state_.steps();
+    m.optimizer_steps = st().steps();
+    m.state_bytes = state_bytes();
     m.progress = progress();
     m.noise_scale = noise_scale_value();
     calls_ = call;
@@ -688,6 +810,11 @@ class data_parallel_step {
 
   void check_rank_batches(const char* fn) const {
     const auto& rb = settings_.rank_batches;
+    if constexpr (zero_stage == 2)
+      detail::require(rb.empty(), fn,
+                      ": step_settings::rank_batches is set but the state slot holds zero_state<2>, which "
+                      "reduces the gradients during the backward pass, before step() could weight them: use "
+                      "zero_state<1> with per-rank batch sizes");
     detail::require(rb.empty() || rb.size() == static_cast<std::size_t>(comm_->size()), fn,
                     ": step_settings::rank_batches holds ", rb.size(), " batch sizes but the world has ",
                     comm_->size(),
@@ -870,21 +997,33 @@ class data_parallel_step {
   /// mean Σ_r e_r g_r / Σ_r e_r. The noise scale then reads Σ_r |c_r g_r|² / Σ_r c_r², whose
   /// expectation is |G|² + tr(Σ)/B_small with B_small = Σ_r e_r² / Σ_r e_r, and |mean|², with
   /// B_big = Σ_r e_r (both unbiased two-batch inputs; equal batches give B_small = e).
-  void combine() {
+  // With rank_batches: g_r ← c_r g_r, c_r = N e_r / Σ_s e_s, so that the mean of the c_r g_r is
+  // the examples-weighted mean. Returns whether the batches are weighted and Σ_r c_r², Σ_r e_r².
+  struct weights {
+    bool weighted = false;
+    double c2 = 0.0, e2 = 0.0;
+  };
+  weights weight_for_mean() {
     const int n = comm_->size();
-    const bool weighted = !settings_.rank_batches.empty() && n > 1;
-    double c2 = 0.0, e2 = 0.0;  // Σ_r c_r², Σ_r e_r² (weighted)
-    if (weighted) {
+    weights w;
+    w.weighted = !settings_.rank_batches.empty() && n > 1;
+    if (w.weighted) {
       const double sum = micro_batch_sum();
       for (const double b : settings_.rank_batches) {
         const double c = static_cast<double>(n) * b / sum;
-        c2 += c * c;
-        e2 += b * b;
+        w.c2 += c * c;
+        w.e2 += b * b;
       }
       const double mine =
           static_cast<double>(n) * settings_.rank_batches[static_cast<std::size_t>(comm_->rank())] / sum;
       if (mine != 1.0) backend_.apply_list(gradapt::detail::multiply_by{mine}, params_->grads());
     }
+    return w;
+  }
+
+  void combine() {
+    const int n = comm_->size();
+    [[maybe_unused]] const auto [weighted, c2, e2] = weight_for_mean();
     if constexpr (has_adascale) {
       if (n == 1) return;  // the mean of one rank is its gradient; no noise-scale sample
       const allreduce_norms norms = combiner_->combine_mean_with_norms(*comm_, backend_, params_->grads());
@@ -946,7 +1085,7 @@ class data_parallel_step {
   // Reads the archive into this step. Component loads validate their own sections and
   // commit one by one, so `load` restores a backup when anything throws.
   // With `resize`, a checkpoint of another rank count is accepted and the settings follow the rule.
-  void load_impl(std::span<const std::byte> bytes, const rescale_rule* resize) {
+  void load_impl(std::span<const std::byte> bytes, const rescale_rule* resize, std::string* shard = nullptr) {
     constexpr const char* fn = "train::data_parallel_step::load";
     archive_reader r{bytes, archive_kind, archive_version};
     const auto expect = [&](const char* field, const char* what, std::uint64_t want, const char* hint) {
@@ -962,7 +1101,7 @@ class data_parallel_step {
     detail::require(saved_ranks >= 1, fn, ": the checkpoint's rank count is 0");
     expect("slots",
            "slot mask (1 loss scaling, 2 a combiner other than allreduce_mean, 4 AdaScale, 8 LocalSGD, 16 "
-           "a preconditioner)",
+           "a preconditioner, 32 zero_state<1>, 64 zero_state<2>)",
            slot_mask(), "restore into a step built with the same policies");
     expect("tensors", "tensor count", static_cast<std::uint64_t>(tensors_),
            "restore for the same parameters");
@@ -1003,7 +1142,12 @@ class data_parallel_step {
       detail::require(s.period >= 1, fn, ": the checkpoint's period is ", s.period, " (expected >= 1)");
     // Apply (component loads validate their own sections).
     r.begin("optimizer");
-    state_.load(backend_, r);
+    if constexpr (has_sharded_state) {
+      detail::require(shard != nullptr, fn, ": a sharded state loads through load()");
+      *shard = r.get<std::string>("shard");  // loaded by load_sharded, collectively
+    } else {
+      state_.load(backend_, r);
+    }
     r.end();
     if constexpr (has_local_sgd && has_settable_period) {
       if (s.period != sync_.schedule.options().period) {
@@ -1020,6 +1164,51 @@ class data_parallel_step {
     rank_times_.clear();
     rank_busy_.clear();
     if constexpr (has_local_sgd) sync_.was_synchronous = settings_.synchronous;
+  }
+
+  // load() with zero_state: the step's own sections on each rank, agreed, then the optimizer
+  // shard through the sharded optimizer's collective load; a failure anywhere restores the
+  // backup on every rank and throws on every rank.
+  void load_sharded(std::span<const std::byte> bytes) {
+    constexpr const char* fn = "train::data_parallel_step::load";
+    const std::vector<std::byte> backup = save();
+    const auto undo = [&] {
+      std::string ignored;
+      load_impl(backup, nullptr, &ignored);
+    };
+    std::string shard, bad;
+    try {
+      load_impl(bytes, nullptr, &shard);
+    } catch (const error& e) {
+      bad = detail::message(fn, " on rank ", comm_->rank(), ": ", e.what());
+      undo();
+    }
+    try {
+      agree_values(*comm_, fn, std::span<const agreed_value>(), bad);
+    } catch (...) {
+      if (bad.empty()) undo();
+      throw;
+    }
+    const int me = comm_->rank();
+    const std::span<const std::byte> mine(reinterpret_cast<const std::byte*>(shard.data()), shard.size());
+    try {
+      // This rank's checkpoint holds its own shard; on the same plan no other old rank's
+      // shard overlaps this rank's, and old rank 0's archive is read only for the plan, which
+      // every rank's archive holds.
+      state_ = sharded_->load(*comm_, backend_, *params_, [&](int r) -> std::span<const std::byte> {
+        detail::require(r == me || r == 0, fn, " on rank ", me,
+                        ": the checkpoint's partition differs from "
+                        "this step's (old rank ",
+                        r,
+                        "'s shard is needed); load a checkpoint saved with the "
+                        "same world size and zero_state options");
+        return mine;
+      });
+    } catch (...) {
+      undo();
+      throw;
+    }
+    last_.state_bytes = state_bytes();
   }
 
   // The settings of a checkpoint of n ranks on m ranks under `rule`.
@@ -1075,7 +1264,12 @@ class data_parallel_step {
   B backend_;
   const PL* params_;
   Opt opt_;
-  optimizer_state_type state_;
+  /// The sharded optimizer (state slot zero_state).
+  [[no_unique_address]] std::conditional_t<has_sharded_state, std::optional<shard::sharded_optimizer<Opt>>,
+                                           detail::nothing>
+      sharded_;
+  /// The optimizer state (with zero_state: this rank's shard, made by the collective init).
+  std::conditional_t<has_sharded_state, std::optional<optimizer_state_type>, optimizer_state_type> state_;
   [[no_unique_address]] Scaler scaler_;
   std::optional<combiner_type> combiner_;  ///< bound after the ranks agree on the list
   /// The bound preconditioner (bound after the ranks agree on the list; slot on).
@@ -1128,11 +1322,14 @@ auto make_data_parallel_step(Comm& comm, const B& backend, const PL& params, Opt
                 "train::make_data_parallel_step: more than one sync policy");
   static_assert(count_slot<slot::precondition, Args...> <= 1,
                 "train::make_data_parallel_step: more than one precondition policy");
+  static_assert(count_slot<slot::state, Args...> <= 1,
+                "train::make_data_parallel_step: more than one state policy");
   static_assert(
       count_slot<slot::none, Args...> == 0,
       "train::make_data_parallel_step: an argument is neither a policy (no_loss_scaling, loss_scaler, "
       "allreduce_mean, adasum_combine, no_adascale, adascale_policy, no_local_sgd, local_sgd_policy, "
-      "no_preconditioner, kfac_policy, or a type declaring `static constexpr train::policy_slot slot`) "
+      "no_preconditioner, kfac_policy, replicated_state, zero_state, or a type declaring `static constexpr "
+      "train::policy_slot slot`) "
       "nor a hook (an object with before_step, after_step, on_overflow or on_rescale)");
   auto scaler = detail::pick<slot::scaler, no_loss_scaling>(args...);
   auto combine = detail::pick<slot::combine, allreduce_mean>(args...);
@@ -1141,11 +1338,12 @@ auto make_data_parallel_step(Comm& comm, const B& backend, const PL& params, Opt
   // Moved from an rvalue argument (a preconditioner may own move-only state, e.g. K-FAC's);
   // pick moves only the argument filling this slot, hook_tuple only the hooks.
   auto precond = detail::pick<slot::precondition, no_preconditioner>(std::forward<Args>(args)...);
+  auto state = detail::pick<slot::state, replicated_state>(args...);
   auto hooks = std::tuple_cat(detail::hook_tuple(std::forward<Args>(args))...);
   return data_parallel_step<Comm, B, PL, Opt, decltype(scaler), decltype(combine), decltype(adapt),
-                            decltype(sync), decltype(hooks), decltype(precond)>(
+                            decltype(sync), decltype(hooks), decltype(precond), decltype(state)>(
       comm, backend, params, std::move(optimizer), settings, std::move(scaler), std::move(combine),
-      std::move(adapt), std::move(sync), std::move(hooks), std::move(precond));
+      std::move(adapt), std::move(sync), std::move(hooks), std::move(precond), std::move(state));
 }
 
 }  // namespace gradapt::train

@@ -19,6 +19,7 @@
 /// | adapt        | `no_adascale`       | `adascale_policy` (McCandlish et al. 2018; Johnson 2020)  |
 /// | precondition | `no_preconditioner` | `kfac_policy<State>` (train/kfac_policy.hpp; K-FAC)       |
 /// | sync         | `no_local_sgd`      | `local_sgd_policy<Schedule>` (post-local SGD, Lin 2018)   |
+/// | state        | `replicated_state`  | `zero_state<1>`, `zero_state<2>` (ZeRO, Rajbhandari 2020) |
 ///
 /// A policy names its slot (`static constexpr policy_slot slot = ...`, or a specialisation of
 /// `policy_traits` for a type that cannot be edited). The combine slot is open: any type that
@@ -52,6 +53,7 @@
 #include "gradapt/core/ops.hpp"
 #include "gradapt/precision/loss_scaler.hpp"
 #include "gradapt/scaling/adascale.hpp"
+#include "gradapt/shard/optimizer.hpp"
 #include "gradapt/stats/allreduce_with_norms.hpp"
 #include "gradapt/stats/gradient_noise_scale.hpp"
 #include "gradapt/sync/local_sgd.hpp"
@@ -61,7 +63,7 @@ namespace gradapt::train {
 // ---- the slots ------------------------------------------------------------------------------
 
 /// The slot a policy fills in `make_data_parallel_step`.
-enum class policy_slot : unsigned char { scaler, combine, adapt, sync, precondition };
+enum class policy_slot : unsigned char { scaler, combine, adapt, sync, precondition, state };
 
 /// Which slot a policy type fills: `T::slot` when T declares it. Specialise it (with a
 /// `static constexpr policy_slot slot`) for a type that cannot declare it.
@@ -303,6 +305,40 @@ struct local_sgd_policy {
 template <averaging_schedule S>
 local_sgd_policy(local_sgd_options, S) -> local_sgd_policy<S>;
 
+/// State slot, the default: every rank holds the optimizer's whole state and steps every
+/// parameter (plain data parallelism).
+struct replicated_state {
+  static constexpr policy_slot slot = policy_slot::state;  ///< fills the state slot
+};
+
+/// State slot: the optimizer state sharded over the ranks (`shard::sharded_optimizer`; ZeRO,
+/// Rajbhandari et al. 2020). Each rank keeps the state (and master values) of its shard of the
+/// elements: the gradients are reduce-scattered and averaged, each rank steps its shard, the
+/// parameters are allgathered. The same bits as the replicated step on the same gradients (see
+/// docs/algorithms/sharded-state.md for the partition rules a chain needs: Adafactor and SM3
+/// need `granularity::tensor`).
+///
+/// - `zero_state<1>`: the reduce-scatter runs inside `step()`.
+/// - `zero_state<2>`: the framework calls `data_parallel_step::mark_ready(t)` as each gradient
+///   is produced during the backward pass; full buckets are reduce-scattered at once (their
+///   gradient buffers are then free: `released(t)`) and `step()` finishes the step.
+template <int Stage>
+struct zero_state {
+  static_assert(Stage == 1 || Stage == 2,
+                "train::zero_state<Stage>: Stage is 1 (sharded optimizer state) or 2 (and gradients "
+                "reduce-scattered bucket by bucket during the backward pass); stage 3 (sharded "
+                "parameters) is not offered");
+  static constexpr policy_slot slot = policy_slot::state;  ///< fills the state slot
+  static constexpr int stage = Stage;                      ///< the ZeRO stage
+  /// The partition, round and bucket options (their defaults: element granularity cut at
+  /// multiples of 4096 elements, 2^20-element rounds, DDP's bucket sizes).
+  shard::sharded_options sharding{};
+  /// False (default): building the step throws, on every rank, when the partition leaves a
+  /// rank without elements (a small model at the default 4096-element alignment on many ranks);
+  /// true accepts such ranks (they hold no state and step nothing).
+  bool allow_empty_shards = false;
+};
+
 // ---- settings, metrics, hook events ------------------------------------------------------------
 
 /// What a hook may change. Values must be equal on every rank (hooks run on every rank and see
@@ -354,6 +390,10 @@ struct step_metrics {
   /// Examples behind this step's gradient over all ranks: Σ_r b_r × accumulation_steps, with
   /// b_r = step_settings::rank_batches[r], or local_batch on every rank.
   double global_batch = 0.0;
+  /// Bytes of optimizer state on this rank (the chain's state buffers, and master values when
+  /// kept): the whole state with `replicated_state`, this rank's shard with `zero_state`. Not
+  /// in the checkpoint (set again by every step and by load); differs by rank under ZeRO.
+  std::uint64_t state_bytes = 0;
 
   /// The fields in the checkpoint (archive names and members), read by put_fields/get_fields.
   static constexpr auto archive_fields() {
@@ -407,7 +447,7 @@ using gradapt::detail::message;
 using gradapt::detail::require;
 
 /// Which slot a value passed to the factory fills.
-enum class slot : unsigned char { scaler, combine, adapt, sync, precondition, hook, none };
+enum class slot : unsigned char { scaler, combine, adapt, sync, precondition, state, hook, none };
 
 template <class T>
 constexpr slot slot_of() {
@@ -423,6 +463,8 @@ constexpr slot slot_of() {
         return slot::sync;
       case policy_slot::precondition:
         return slot::precondition;
+      case policy_slot::state:
+        return slot::state;
     }
     return slot::none;
   } else {

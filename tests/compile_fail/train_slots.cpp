@@ -1,0 +1,36 @@
+// The composed step's invalid slot combinations: this file must NOT compile, and the
+// compiler's output must hold every line marked "expect:" below (tests/compile_fail/check.cmake,
+// ctest compile_fail_train_slots). Each function builds one combination that a static_assert of
+// train::data_parallel_step rejects, naming both slots.
+#include "gradapt/backend/host.hpp"
+#include "gradapt/comm/single.hpp"
+#include "gradapt/optim/sgd.hpp"
+#include "gradapt/train/data_parallel_step.hpp"
+
+namespace gt = gradapt::train;
+using list = gradapt::param_list<float, float>;
+
+// expect: the combine slot's adasum_combine (or a user's combiner) forms something else
+void zero_with_adasum(gradapt::comm::single& c, const gradapt::host& b, const list& p) {
+  (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::zero_state<1>{}, gt::adasum_combine{});
+}
+// expect: the adapt slot's adascale_policy needs: use replicated_state
+void zero_with_adascale(gradapt::comm::single& c, const gradapt::host& b, const list& p) {
+  (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::zero_state<1>{},
+                                    gt::adascale_policy{.base_batch = 32});
+}
+// expect: the sync slot's local_sgd_policy steps each replica alone
+void zero_with_local_sgd(gradapt::comm::single& c, const gradapt::host& b, const list& p) {
+  (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::zero_state<1>{},
+                                    gt::local_sgd_policy{{}, gradapt::fixed_period({.period = 4})});
+}
+// expect: before the scaler slot's loss_scaler can unscale them
+void zero2_with_loss_scaler(gradapt::comm::single& c, const gradapt::host& b, const list& p) {
+  (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::zero_state<2>{}, gradapt::loss_scaler());
+}
+// expect: more than one state policy
+void two_state_policies(gradapt::comm::single& c, const gradapt::host& b, const list& p) {
+  (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::zero_state<1>{}, gt::replicated_state{});
+}
+// expect: stage 3 (sharded parameters) is not offered
+[[maybe_unused]] gt::zero_state<3> stage_three;

@@ -1,0 +1,239 @@
+// The composed step's state slot on comm::threads, 1, 2, 3 and 5 ranks: zero_state<1> and
+// zero_state<2> (gradients marked ready in a different order on every rank) give the replicated
+// step's parameters bit for bit, for SGD, AdamW, LAMB, LARS (element granularity) and Adafactor
+// and SM3 (tensor granularity, factored tensors included), on full-mantissa gradients that
+// differ by rank; with the loss scaler (an overflow step skipped on every rank); the state bytes
+// per rank in the metrics; save and load mid-run continue bitwise; errors on every rank.
+#include "catch.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "gradapt/comm/threads.hpp"
+#include "gradapt/optim/adafactor.hpp"
+#include "gradapt/optim/adamw.hpp"
+#include "gradapt/optim/lamb.hpp"
+#include "gradapt/optim/lars.hpp"
+#include "gradapt/optim/sgd.hpp"
+#include "gradapt/optim/sm3.hpp"
+#include "gradapt/train/data_parallel_step.hpp"
+#include "rank_check.hpp"
+#include "rank_errors.hpp"
+#include "scenarios/sharded.hpp"
+
+using Catch::Matchers::Contains;
+using gradapt::comm::run_threads;
+using gradapt::comm::threads;
+using gradapt::train::make_data_parallel_step;
+using gradapt::train::replicated_state;
+using gradapt::train::zero_state;
+using sharded_scenario::model;
+using sharded_scenario::same_bits;
+
+namespace {
+
+const gradapt::comm::threads_options quick{.timeout = std::chrono::seconds(30)};
+const gradapt::shard::sharded_options tensor_cut{.partition = {.mode = gradapt::shard::granularity::tensor}};
+
+/// The parameters after `steps` composed steps on this rank's gradients (make_grads(rank, k):
+/// full-mantissa values that differ by rank), with the state slot `state`. Stage 2 marks the
+/// gradients in an order that depends on the rank and the step.
+template <class Opt, class State, class... Extra>
+std::vector<std::vector<float>> run(threads& comm, const Opt& opt, const State& state, int steps,
+                                    std::vector<std::uint64_t>* bytes = nullptr, Extra... extra) {
+  const gradapt::host b;
+  model<float> m;
+  auto step = make_data_parallel_step(comm, b, m.params, opt, {.lr = 1e-2}, state, extra...);
+  for (int k = 1; k <= steps; ++k) {
+    m.make_grads(comm.rank(), k);
+    if constexpr (decltype(step)::zero_stage == 2) {
+      std::vector<std::size_t> order(m.params.size());
+      std::iota(order.begin(), order.end(), std::size_t{0});
+      std::rotate(order.begin(), order.begin() + (comm.rank() + k) % static_cast<int>(order.size()),
+                  order.end());
+      if ((comm.rank() + k) % 2 == 1) std::reverse(order.begin(), order.end());
+      for (const std::size_t t : order) step.mark_ready(t);
+    }
+    const auto& met = step.step();
+    RANK_REQUIRE(met.stepped);
+    RANK_REQUIRE(met.state_bytes == step.state_bytes());
+    if (bytes != nullptr) bytes->push_back(met.state_bytes);
+  }
+  return m.p;
+}
+
+/// Replicated, zero_state<1> and zero_state<2> on 1, 2, 3 and 5 ranks (5 ranks leave one
+/// without elements at the default alignment, accepted here).
+template <class Opt>
+void all_states(const Opt& opt, const gradapt::shard::sharded_options& so) {
+  for (const int n : {1, 2, 3, 5}) {
+    INFO("ranks " << n);
+    run_threads(n, quick, [&](threads& comm) {
+      std::vector<std::uint64_t> whole, one, two;
+      const auto ref = run(comm, opt, replicated_state{}, 4, &whole);
+      const auto z1 = run(comm, opt, zero_state<1>{.sharding = so, .allow_empty_shards = true}, 4, &one);
+      const auto z2 = run(comm, opt, zero_state<2>{.sharding = so, .allow_empty_shards = true}, 4, &two);
+      for (std::size_t t = 0; t < ref.size(); ++t) {
+        RANK_REQUIRE(same_bits(ref[t], z1[t]));
+        RANK_REQUIRE(same_bits(ref[t], z2[t]));
+      }
+      // Every rank's shard of the state adds up to the replicated state.
+      double sum = static_cast<double>(one.back());  // exact: far below 2^53
+      comm.allreduce(gradapt::tensor_view<double>::vector(&sum, 1), gradapt::reduce_op::sum);
+      RANK_REQUIRE(sum == static_cast<double>(whole.back()));
+      RANK_REQUIRE(two.back() == one.back());
+    });
+  }
+}
+
+}  // namespace
+
+TEST_CASE("zero_state<1> and <2> give the replicated step's bits: SGD, AdamW, LAMB, LARS", "[train][zero]") {
+  all_states(gradapt::sgd({.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3}), {});
+  all_states(gradapt::adamw({.lr = 1e-2, .weight_decay = 0.01}), {});
+  all_states(gradapt::lamb({.lr = 1e-2, .weight_decay = 0.01}), {});
+  all_states(gradapt::lars({.lr = 0.1, .weight_decay = 1e-4, .momentum = 0.9}), {});
+}
+
+TEST_CASE("zero_state<1> and <2> give the replicated step's bits: Adafactor and SM3, factored",
+          "[train][zero]") {
+  all_states(gradapt::adafactor({.lr = 1e-2, .min_dim_size_to_factor = 5}), tensor_cut);
+  all_states(gradapt::sm3({.lr = 0.1, .momentum = 0.9}), tensor_cut);
+}
+
+TEST_CASE("zero_state<1> with the loss scaler: an overflow on one rank skips the step on every rank",
+          "[train][zero]") {
+  for (const int n : {1, 3}) {
+    INFO("ranks " << n);
+    run_threads(n, quick, [&](threads& comm) {
+      const gradapt::host b;
+      model<float> a, c;
+      const auto opt = gradapt::adamw({.lr = 1e-2});
+      auto rep = make_data_parallel_step(comm, b, a.params, opt, {.lr = 1e-2},
+                                         gradapt::loss_scaler({.init_scale = 1024}));
+      auto zero = make_data_parallel_step(comm, b, c.params, opt, {.lr = 1e-2},
+                                          gradapt::loss_scaler({.init_scale = 1024}), zero_state<1>{});
+      for (int k = 1; k <= 4; ++k) {
+        a.make_grads(comm.rank(), k);
+        c.make_grads(comm.rank(), k);
+        const bool overflow = k == 2 && comm.rank() == n - 1;
+        if (overflow) {
+          a.g[1][7] = std::numeric_limits<float>::infinity();
+          c.g[1][7] = std::numeric_limits<float>::infinity();
+        }
+        const auto& mr = rep.step();
+        const auto& mz = zero.step();
+        RANK_REQUIRE(mz.found_inf == (k == 2));
+        RANK_REQUIRE(mr.found_inf == mz.found_inf);
+        RANK_REQUIRE(mz.loss_scale == mr.loss_scale);
+        RANK_REQUIRE(mz.optimizer_steps == mr.optimizer_steps);
+      }
+      for (std::size_t t = 0; t < a.p.size(); ++t) RANK_REQUIRE(same_bits(a.p[t], c.p[t]));
+    });
+  }
+}
+
+TEST_CASE("zero_state: save and load mid-run continue bit for bit", "[train][zero]") {
+  for (const int n : {2, 3}) {
+    INFO("ranks " << n);
+    run_threads(n, quick, [&](threads& comm) {
+      const gradapt::host b;
+      const auto opt = gradapt::lamb({.lr = 1e-2, .weight_decay = 0.01});
+      model<float> a, c;
+      auto first = make_data_parallel_step(comm, b, a.params, opt, {.lr = 1e-2}, zero_state<1>{});
+      for (int k = 1; k <= 2; ++k) {
+        a.make_grads(comm.rank(), k);
+        first.step();
+      }
+      const auto saved = first.save();  // this rank's shard
+      c.p = a.p;
+      auto second = make_data_parallel_step(comm, b, c.params, opt, {.lr = 0.5}, zero_state<1>{});
+      second.load(saved);
+      RANK_REQUIRE(second.settings().lr == 1e-2);
+      RANK_REQUIRE(second.optimizer_state().steps() == 2);
+      RANK_REQUIRE(second.metrics().state_bytes == first.state_bytes());
+      for (int k = 3; k <= 5; ++k) {
+        a.make_grads(comm.rank(), k);
+        c.make_grads(comm.rank(), k);
+        first.step();
+        second.step();
+      }
+      for (std::size_t t = 0; t < a.p.size(); ++t) RANK_REQUIRE(same_bits(a.p[t], c.p[t]));
+    });
+  }
+}
+
+TEST_CASE("zero_state errors: every rank throws, naming the problem", "[train][zero]") {
+  SECTION("a partition that leaves ranks empty") {
+    // The model holds 38,769 elements cut at multiples of 4096 from each tensor's start: 12
+    // ranks leave some without elements (counted from the plan itself).
+    std::vector<std::size_t> sizes;
+    for (const auto& sh : sharded_scenario::shapes()) sizes.push_back(sharded_scenario::numel(sh));
+    const auto plan =
+        gradapt::shard::partition_plan::make(sizes, 12, gradapt::shard::sharded_options{}.partition);
+    int empty = 0;
+    for (int r = 0; r < 12; ++r) empty += plan.pieces(r).empty() ? 1 : 0;
+    REQUIRE(empty > 0);
+    const auto what = gradapt_test::errors_of(12, quick, [](threads& comm) {
+      const gradapt::host b;
+      model<float> m;
+      (void)make_data_parallel_step(comm, b, m.params, gradapt::sgd(), {.lr = 0.1}, zero_state<1>{});
+    });
+    for (const auto& w : what)
+      CHECK_THAT(w,
+                 Contains("zero_state leaves " + std::to_string(empty) + " of 12 ranks without elements") &&
+                     Contains("allow_empty_shards") && Contains("alignment 4096"));
+    run_threads(12, quick, [](threads& comm) {  // accepted when asked for
+      const gradapt::host b;
+      model<float> m;
+      auto step = make_data_parallel_step(comm, b, m.params, gradapt::sgd(), {.lr = 0.1},
+                                          zero_state<1>{.allow_empty_shards = true});
+      m.make_grads(comm.rank(), 1);
+      const bool stepped = step.step().stepped;  // (collective: not inside RANK_REQUIRE's lock)
+      RANK_REQUIRE(stepped);
+    });
+  }
+  SECTION("a damaged checkpoint on one rank") {
+    const auto what = gradapt_test::errors_of(3, quick, [](threads& comm) {
+      const gradapt::host b;
+      model<float> m;
+      auto step = make_data_parallel_step(comm, b, m.params, gradapt::adamw(), {.lr = 0.1}, zero_state<1>{});
+      m.make_grads(comm.rank(), 1);
+      step.step();
+      auto bytes = step.save();
+      if (comm.rank() == 1) bytes[bytes.size() / 2] ^= std::byte{1};
+      step.load(bytes);
+    });
+    CHECK_THAT(what[1], Contains("archive"));
+    for (const auto& w : what) CHECK_THAT(w, Contains("train::data_parallel_step::load"));
+  }
+  SECTION("ranks that differ in the sharding options") {
+    const auto what = gradapt_test::errors_of(2, quick, [](threads& comm) {
+      const gradapt::host b;
+      model<float> m;
+      gradapt::shard::sharded_options o;
+      if (comm.rank() == 1) o.bucket_elements = 1000;
+      (void)make_data_parallel_step(comm, b, m.params, gradapt::sgd(), {.lr = 0.1},
+                                    zero_state<1>{.sharding = o});
+    });
+    for (const auto& w : what) CHECK_THAT(w, Contains("bucket_elements"));
+  }
+  SECTION("zero_state<2>: a step before every gradient is marked") {
+    const auto what = gradapt_test::errors_of(2, quick, [](threads& comm) {
+      const gradapt::host b;
+      model<float> m;
+      auto step = make_data_parallel_step(comm, b, m.params, gradapt::sgd(), {.lr = 0.1}, zero_state<2>{});
+      m.make_grads(comm.rank(), 1);
+      for (std::size_t t = 0; t + 1 < m.params.size(); ++t) step.mark_ready(t);
+      step.step();
+    });
+    for (const auto& w : what) CHECK_THAT(w, Contains("gradient 7") || Contains("passed invalid input"));
+  }
+}
