@@ -108,34 +108,41 @@ TEST_CASE("zero_state<1> and <2> give the replicated step's bits: Adafactor and 
   all_states(gradapt::sm3({.lr = 0.1, .momentum = 0.9}), tensor_cut);
 }
 
-TEST_CASE("zero_state<1> with the loss scaler: an overflow on one rank skips the step on every rank",
+TEST_CASE("zero_state<1> and <2> with the loss scaler: an overflow on one rank skips the step on every rank",
           "[train][zero]") {
   for (const int n : {1, 3}) {
     INFO("ranks " << n);
     run_threads(n, quick, [&](threads& comm) {
       const gradapt::host b;
-      model<float> a, c;
+      model<float> a, c, d;
       const auto opt = gradapt::adamw({.lr = 1e-2});
-      auto rep = make_data_parallel_step(comm, b, a.params, opt, {.lr = 1e-2},
-                                         gradapt::loss_scaler({.init_scale = 1024}));
-      auto zero = make_data_parallel_step(comm, b, c.params, opt, {.lr = 1e-2},
-                                          gradapt::loss_scaler({.init_scale = 1024}), zero_state<1>{});
-      for (int k = 1; k <= 4; ++k) {
-        a.make_grads(comm.rank(), k);
-        c.make_grads(comm.rank(), k);
-        const bool overflow = k == 2 && comm.rank() == n - 1;
-        if (overflow) {
-          a.g[1][7] = std::numeric_limits<float>::infinity();
-          c.g[1][7] = std::numeric_limits<float>::infinity();
+      const auto scaler = gradapt::loss_scaler({.init_scale = 1024, .growth_interval = 2});
+      auto rep = make_data_parallel_step(comm, b, a.params, opt, {.lr = 1e-2}, scaler);
+      auto z1 = make_data_parallel_step(comm, b, c.params, opt, {.lr = 1e-2}, scaler, zero_state<1>{});
+      auto z2 = make_data_parallel_step(comm, b, d.params, opt, {.lr = 1e-2}, scaler,
+                                        zero_state<2>{.sharding = {.buckets = {.cap_bytes = 40000}}});
+      for (int k = 1; k <= 5; ++k) {
+        for (auto* m : {&a, &c, &d}) {
+          m->make_grads(comm.rank(), k);
+          for (auto& g : m->g)  // the scaled gradients of the backward pass (S is a power of 2)
+            for (auto& x : g) x *= static_cast<float>(rep.loss_scale());
+          if (k == 2 && comm.rank() == n - 1) m->g[1][7] = std::numeric_limits<float>::infinity();
         }
+        for (std::size_t t = d.params.size(); t-- > 0;) z2.mark_ready(t);  // the backward's order
         const auto& mr = rep.step();
-        const auto& mz = zero.step();
-        RANK_REQUIRE(mz.found_inf == (k == 2));
-        RANK_REQUIRE(mr.found_inf == mz.found_inf);
-        RANK_REQUIRE(mz.loss_scale == mr.loss_scale);
-        RANK_REQUIRE(mz.optimizer_steps == mr.optimizer_steps);
+        const auto& m1 = z1.step();
+        const auto& m2 = z2.step();
+        for (const auto* mz : {&m1, &m2}) {
+          RANK_REQUIRE(mz->found_inf == (k == 2));
+          RANK_REQUIRE(mr.found_inf == mz->found_inf);
+          RANK_REQUIRE(mz->loss_scale == mr.loss_scale);
+          RANK_REQUIRE(mz->optimizer_steps == mr.optimizer_steps);
+        }
       }
-      for (std::size_t t = 0; t < a.p.size(); ++t) RANK_REQUIRE(same_bits(a.p[t], c.p[t]));
+      for (std::size_t t = 0; t < a.p.size(); ++t) {
+        RANK_REQUIRE(same_bits(a.p[t], c.p[t]));
+        RANK_REQUIRE(same_bits(a.p[t], d.p[t]));
+      }
     });
   }
 }

@@ -24,10 +24,6 @@ void zero_with_local_sgd(gradapt::comm::single& c, const gradapt::host& b, const
   (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::zero_state<1>{},
                                     gt::local_sgd_policy{{}, gradapt::fixed_period({.period = 4})});
 }
-// expect: before the scaler slot's loss_scaler can unscale them
-void zero2_with_loss_scaler(gradapt::comm::single& c, const gradapt::host& b, const list& p) {
-  (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::zero_state<2>{}, gradapt::loss_scaler());
-}
 // expect: more than one state policy
 void two_state_policies(gradapt::comm::single& c, const gradapt::host& b, const list& p) {
   (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::zero_state<1>{}, gt::replicated_state{});

@@ -518,6 +518,20 @@ class loss_scaler : public archived_state<loss_scaler, loss_scaler_state>,
     return unscale_flagged(b, comm, grads, master, workspace);
   }
 
+  /// The collective half of `unscale` for gradients unscaled piece by piece elsewhere (for
+  /// example bucket by bucket during the backward pass, each piece through
+  /// `unscale_count_nonfinite(b, piece, inv_scale())`): agrees across ranks on whether any rank
+  /// counted a non-finite element (`found`, this rank's count) or failed (`local_error`, thrown
+  /// on this rank and named on the others), updates the scale, and returns true when the
+  /// optimizer should step. Collective over `comm` (one allreduce of three doubles, as unscale).
+  /// @throws gradapt::error on every rank when a rank passed a local error or called another
+  ///         collective; on an overflow at min_scale
+  template <communicator C>
+  requires std::same_as<typename C::space, host_space>
+  [[nodiscard]] bool decide(C& comm, double found, const std::string& local_error = {}) {
+    return update(agree(comm, found, local_error, "loss_scaler::decide"));
+  }
+
   /// Applies one step of the rule with an overflow decision made elsewhere (every rank must
   /// pass the same value). Returns !found_inf: whether the optimizer should step.
   /// @throws gradapt::error on an overflow at min_scale (state unchanged)

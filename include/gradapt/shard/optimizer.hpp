@@ -518,6 +518,19 @@ class sharded_optimizer {
       reduce_bucket(comm, b, params, s, s.next_++);
   }
 
+  /// Stage 2: ends this round without a step (a step skipped on every rank, after a loss
+  /// scaler's overflow): the marks are cleared and the next `mark_ready` starts a new round;
+  /// the gradient shard already reduced is not used. Not collective; every rank calls it.
+  template <class B, class V, class G, class M, class S, class Options>
+  void discard_round(sharded_state<Chain, B, V, G, M, S, Options>& s) const {
+    start_round(s);
+  }
+  /// Stage 2: gradients marked ready in this round so far.
+  template <class B, class V, class G, class M, class S, class Options>
+  std::size_t marked(const sharded_state<Chain, B, V, G, M, S, Options>& s) const {
+    return s.marked_;
+  }
+
   /// Restores a state saved on any world size (`sharded_state::save` on each old rank) into
   /// this rank's shard for `params` on this communicator. `archive(r)` returns the bytes old
   /// rank r saved, which must stay valid until the next call (a mapped file will do: nothing

@@ -334,10 +334,6 @@ class data_parallel_step {
                 "train::data_parallel_step: the precondition slot's policy (kfac_policy) rewrites the whole "
                 "combined gradient on every rank, which the state slot's zero_state holds only as shards: "
                 "use replicated_state with a preconditioner");
-  static_assert(!(zero_stage == 2 && has_loss_scaling),
-                "train::data_parallel_step: the state slot's zero_state<2> reduce-scatters gradients during "
-                "the backward pass, before the scaler slot's loss_scaler can unscale them and check them "
-                "for overflow at step(): use zero_state<1> with loss scaling");
   static_assert(!(has_preconditioner && has_local_sgd),
                 "train::data_parallel_step: a preconditioner (kfac_policy) cannot be combined with "
                 "local_sgd_policy: it needs the same combined gradient on every rank (K-FAC averages its "
@@ -364,6 +360,7 @@ class data_parallel_step {
       sharded_.emplace(opt_, state.sharding);
       state_.emplace(sharded_->init(comm, backend_, params));  // collective; agrees the options
       if (!state.allow_empty_shards) check_empty_shards(state.sharding);
+      if constexpr (zero_stage == 2 && has_loss_scaling) unscaled_.assign(params.size(), 0);
     } else {
       (void)state;
       state_ = opt_.init(backend_, params);
@@ -466,7 +463,21 @@ class data_parallel_step {
     if constexpr (has_adascale) m.scale = adapt_.ada.scale();
 
     if constexpr (has_loss_scaling) {
-      const bool ok = scaler_.unscale(backend_, *comm_, *params_);
+      bool ok = false;
+      if constexpr (zero_stage == 2) {  // unscaled gradient by gradient in mark_ready
+        const std::size_t marked = sharded_->marked(*state_);
+        std::string missing;
+        if (marked != tensors_)
+          missing = detail::message(fn, " on rank ", comm_->rank(), ": ", marked, " of ", tensors_,
+                                    " gradients were marked ready before step() (zero_state<2> needs "
+                                    "mark_ready(t) for every gradient in every step)");
+        ok = scaler_.decide(*comm_, nonfinite_, missing);
+        nonfinite_ = 0.0;
+        std::fill(unscaled_.begin(), unscaled_.end(), char{0});
+        if (!ok) sharded_->discard_round(*state_);
+      } else {
+        ok = scaler_.unscale(backend_, *comm_, *params_);
+      }
       m.loss_scale = scaler_.scale();
       if (!ok) {
         m.found_inf = true;
@@ -571,7 +582,19 @@ class data_parallel_step {
   /// step). Full buckets are reduce-scattered at once; `step()` finishes the step. Collective
   /// per bucket: every rank marks every gradient before `step()`.
   /// @throws gradapt::error when t is out of range or already marked in this step
+  /// With the loss scaler, the gradient is unscaled here (g ← g / S, its non-finite elements
+  /// counted) before its bucket is reduced; `step()` agrees on the count (one allreduce, as
+  /// `loss_scaler::unscale`) and skips the step on every rank after an overflow.
   void mark_ready(std::size_t t) requires(zero_stage == 2) {
+    if constexpr (has_loss_scaling) {
+      detail::require(t < tensors_, "train::data_parallel_step::mark_ready on rank ", comm_->rank(),
+                      ": gradient ", t, " is out of range (", tensors_, " gradients)");
+      detail::require(unscaled_[t] == 0, "train::data_parallel_step::mark_ready on rank ", comm_->rank(),
+                      ": gradient ", t, " ('", (*params_)[t].name,
+                      "') is already marked ready in this step (call step() to end it)");
+      unscaled_[t] = 1;
+      nonfinite_ += unscale_count_nonfinite(backend_, params_->grads().subspan(t, 1), scaler_.inv_scale());
+    }
     sharded_->mark_ready(*comm_, backend_, *params_, *state_, t);
   }
   /// ZeRO stage 2: gradient t's bucket has been reduce-scattered in this step, so its buffer
@@ -1208,6 +1231,10 @@ class data_parallel_step {
       undo();
       throw;
     }
+    if constexpr (zero_stage == 2 && has_loss_scaling) {
+      std::fill(unscaled_.begin(), unscaled_.end(), char{0});
+      nonfinite_ = 0.0;
+    }
     last_.state_bytes = state_bytes();
   }
 
@@ -1268,6 +1295,10 @@ class data_parallel_step {
   [[no_unique_address]] std::conditional_t<has_sharded_state, std::optional<shard::sharded_optimizer<Opt>>,
                                            detail::nothing>
       sharded_;
+  /// zero_state<2> with the loss scaler: the gradients unscaled in this step (by mark_ready)
+  /// and the non-finite elements counted.
+  std::vector<char> unscaled_;
+  double nonfinite_ = 0.0;
   /// The optimizer state (with zero_state: this rank's shard, made by the collective init).
   std::conditional_t<has_sharded_state, std::optional<optimizer_state_type>, optimizer_state_type> state_;
   [[no_unique_address]] Scaler scaler_;
