@@ -3,11 +3,13 @@
 // step's parameters bit for bit, for SGD, AdamW, LAMB, LARS (element granularity) and Adafactor
 // and SM3 (tensor granularity, factored tensors included), on full-mantissa gradients that
 // differ by rank; with the loss scaler (an overflow step skipped on every rank); the state bytes
-// per rank in the metrics; save and load mid-run continue bitwise; errors on every rank.
+// per rank in the metrics; AdaScale's gain from the shards' norms (to rounding); save and load
+// mid-run continue bitwise; errors on every rank.
 #include "catch.hpp"
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -143,6 +145,49 @@ TEST_CASE("zero_state<1> and <2> with the loss scaler: an overflow on one rank s
         RANK_REQUIRE(same_bits(a.p[t], c.p[t]));
         RANK_REQUIRE(same_bits(a.p[t], d.p[t]));
       }
+    });
+  }
+}
+
+TEST_CASE("zero_state<1> and <2> with AdaScale: the gain and the parameters of the replicated step",
+          "[train][zero]") {
+  // The noise scale's norms come from the shards (Σ over ranks of Σ ḡ² per shard) rather than
+  // from one pass over the whole averaged gradient: equal to rounding, so the gain and the
+  // parameters are compared to a tolerance, against the replicated step's own values.
+  for (const int n : {2, 3}) {
+    INFO("ranks " << n);
+    run_threads(n, quick, [&](threads& comm) {
+      const gradapt::host b;
+      model<float> a, c, d;
+      const auto opt = gradapt::lamb({.lr = 1e-2, .weight_decay = 0.01});
+      const gradapt::train::adascale_policy ada{.base_batch = 8};
+      const gradapt::train::step_settings set{.lr = 1e-2, .local_batch = 8};
+      auto rep = make_data_parallel_step(comm, b, a.params, opt, set, ada);
+      auto z1 = make_data_parallel_step(comm, b, c.params, opt, set, ada, zero_state<1>{});
+      auto z2 = make_data_parallel_step(comm, b, d.params, opt, set, ada, zero_state<2>{});
+      for (int k = 1; k <= 6; ++k) {
+        a.make_grads(comm.rank(), k);
+        c.make_grads(comm.rank(), k);
+        d.make_grads(comm.rank(), k);
+        for (std::size_t t = 0; t < d.params.size(); ++t) z2.mark_ready(t);
+        const auto mr = rep.step();
+        const auto m1 = z1.step();
+        const auto m2 = z2.step();
+        for (const auto* mz : {&m1, &m2}) {
+          RANK_REQUIRE(mr.gain > 1.0);  // the gradients differ by rank: there is noise to see
+          RANK_REQUIRE(std::abs(mz->gain - mr.gain) <= 1e-9 * mr.gain);
+          RANK_REQUIRE(std::abs(mz->noise_scale - mr.noise_scale) <= 1e-6 * std::abs(mr.noise_scale));
+          RANK_REQUIRE(std::abs(mz->progress - mr.progress) <= 1e-9 * mr.progress);
+        }
+      }
+      double worst = 0.0;
+      for (std::size_t t = 0; t < a.p.size(); ++t)
+        for (std::size_t i = 0; i < a.p[t].size(); ++i)
+          for (const auto* q : {&c, &d})
+            worst = std::max(worst, std::abs(static_cast<double>(q->p[t][i]) - a.p[t][i]) /
+                                        (std::abs(static_cast<double>(a.p[t][i])) + 1e-3));
+      INFO("largest relative parameter difference " << worst);
+      RANK_REQUIRE(worst <= 1e-5);
     });
   }
 }

@@ -14,11 +14,6 @@ using list = gradapt::param_list<float, float>;
 void zero_with_adasum(gradapt::comm::single& c, const gradapt::host& b, const list& p) {
   (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::zero_state<1>{}, gt::adasum_combine{});
 }
-// expect: the adapt slot's adascale_policy needs: use replicated_state
-void zero_with_adascale(gradapt::comm::single& c, const gradapt::host& b, const list& p) {
-  (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::zero_state<1>{},
-                                    gt::adascale_policy{.base_batch = 32});
-}
 // expect: the sync slot's local_sgd_policy steps each replica alone
 void zero_with_local_sgd(gradapt::comm::single& c, const gradapt::host& b, const list& p) {
   (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::zero_state<1>{},

@@ -302,6 +302,7 @@ class sharded_state {
   std::vector<char> ready_;
   std::vector<std::size_t> missing_;
   std::size_t next_ = 0, marked_ = 0;
+  bool reduced_ = false;                                   ///< `reduce` ran for this step
   std::vector<std::vector<std::vector<piece>>> segments_;  ///< [bucket][rank]: pieces in the bucket
   gradapt::detail::optim::buffer_t<B, G> bsend_, brecv_;   ///< stage 2 packing (world × bucket, bucket)
   param_list<M, G, typename B::space, Options> list_;
@@ -405,22 +406,21 @@ class sharded_optimizer {
     return s;
   }
 
-  /// One step: reduce-scatter and average the gradients of `params`, step this rank's shard,
-  /// allgather the parameters. Collective.
-  /// @throws gradapt::error when `params` does not match the state or the communicator is not
-  ///         the one the state was made for; on every rank when a rank's state shard holds a
-  ///         non-finite value at a check (naming the ranks)
+  /// The first part of `step`, for a caller that needs the averaged gradient shard before the
+  /// update (its norm: `gradient_sum_squares`): reduce-scatters and averages the gradients of
+  /// `params` into this rank's gradient shard (with stage 2, finishes the round that
+  /// `mark_ready` reduced). The next `step` then skips its reduction. Collective.
+  /// @throws gradapt::error as `step`; when called twice before a step
   template <class Comm, class B, element V, element G, class M, class S, class Options>
   requires communicator<Comm> && optimizer_backend<B> && std::same_as<typename Comm::space, typename B::space>
-  void step(Comm& comm, const B& b, const param_list<V, G, typename B::space, Options>& params,
-            sharded_state<Chain, B, V, G, M, S, Options>& s, const step_args& args = {}) const {
+  void reduce(Comm& comm, const B& b, const param_list<V, G, typename B::space, Options>& params,
+              sharded_state<Chain, B, V, G, M, S, Options>& s) const {
     using Sp = space_of<B>;
-    check_fit(comm, params, s, "step");
+    check_fit(comm, params, s, "reduce");
+    gradapt::detail::require(!s.reduced_, "shard::sharded_optimizer::reduce on rank ", s.rank_,
+                             ": the gradients of this step are already reduced (call step() next)");
     const auto n = static_cast<std::size_t>(comm.size());
     const std::size_t cap = s.plan_.shard_capacity();
-    rebind_if_moved(s, params);
-    for (std::size_t g = 0; g < params.group_count(); ++g) s.list_.options(g) = params.group(g).options;
-
     // 1. Reduce-scatter in rounds of shard positions [p0, p0 + len), unless mark_ready
     //    reduced every bucket during the backward pass.
     const bool staged = s.marked_ != 0;
@@ -450,6 +450,42 @@ class sharded_optimizer {
     }
     if (n > 1)
       b.apply(gradapt::detail::divide_by_ranks{static_cast<int>(n)}, vec<Sp, G>(s.grad_.data(), cap));
+    s.reduced_ = true;
+  }
+
+  /// Σ g² over this rank's averaged gradient shard (after `reduce`), in double: the ranks'
+  /// values add up to |ḡ|², the squared norm of the averaged gradient (summed in another order
+  /// than one pass over the whole gradient, so equal to it to rounding). Host memory.
+  template <class B, class V, class G, class M, class S, class Options>
+  requires std::same_as<typename B::space, host_space>
+  double gradient_sum_squares(const B& b, const sharded_state<Chain, B, V, G, M, S, Options>& s) const {
+    gradapt::detail::require(s.reduced_, "shard::sharded_optimizer::gradient_sum_squares on rank ", s.rank_,
+                             ": the gradients of this step are not reduced yet (call reduce() first)");
+    double sum = 0.0;
+    for (const piece& q : s.plan_.pieces(s.rank_))
+      sum += b.reduce(reduction::sum_squares,
+                      tensor_view<const G, host_space>::vector(s.grad_.data() + q.shard_offset,
+                                                               static_cast<std::int64_t>(q.length)));
+    return sum;
+  }
+
+  /// One step: reduce-scatter and average the gradients of `params` (unless `reduce` did),
+  /// step this rank's shard, allgather the parameters. Collective.
+  /// @throws gradapt::error when `params` does not match the state or the communicator is not
+  ///         the one the state was made for; on every rank when a rank's state shard holds a
+  ///         non-finite value at a check (naming the ranks)
+  template <class Comm, class B, element V, element G, class M, class S, class Options>
+  requires communicator<Comm> && optimizer_backend<B> && std::same_as<typename Comm::space, typename B::space>
+  void step(Comm& comm, const B& b, const param_list<V, G, typename B::space, Options>& params,
+            sharded_state<Chain, B, V, G, M, S, Options>& s, const step_args& args = {}) const {
+    using Sp = space_of<B>;
+    if (!s.reduced_) reduce(comm, b, params, s);
+    s.reduced_ = false;
+    check_fit(comm, params, s, "step");
+    const auto n = static_cast<std::size_t>(comm.size());
+    const std::size_t cap = s.plan_.shard_capacity();
+    rebind_if_moved(s, params);
+    for (std::size_t g = 0; g < params.group_count(); ++g) s.list_.options(g) = params.group(g).options;
 
     // 2. The chain over this rank's units.
     if constexpr (Chain::plan::max_terms > 0 && !Chain::plan::has_factored &&
@@ -524,6 +560,7 @@ class sharded_optimizer {
   template <class B, class V, class G, class M, class S, class Options>
   void discard_round(sharded_state<Chain, B, V, G, M, S, Options>& s) const {
     start_round(s);
+    s.reduced_ = false;
   }
   /// Stage 2: gradients marked ready in this round so far.
   template <class B, class V, class G, class M, class S, class Options>

@@ -322,10 +322,6 @@ class data_parallel_step {
                 "train::data_parallel_step: the state slot's zero_state reduce-scatters the rank MEAN of "
                 "the gradients; the combine slot's adasum_combine (or a user's combiner) forms something "
                 "else: use allreduce_mean with zero_state, or replicated_state with this combiner");
-  static_assert(!(has_sharded_state && has_adascale),
-                "train::data_parallel_step: the state slot's zero_state does not yet report the local and "
-                "combined gradient norms that the adapt slot's adascale_policy needs: use replicated_state "
-                "with adascale_policy");
   static_assert(!(has_sharded_state && has_local_sgd),
                 "train::data_parallel_step: the state slot's zero_state keeps one optimizer state spread "
                 "over the ranks, which needs the same averaged gradient on every rank at every step; the "
@@ -474,7 +470,10 @@ class data_parallel_step {
         ok = scaler_.decide(*comm_, nonfinite_, missing);
         nonfinite_ = 0.0;
         std::fill(unscaled_.begin(), unscaled_.end(), char{0});
-        if (!ok) sharded_->discard_round(*state_);
+        if (!ok) {
+          sharded_->discard_round(*state_);
+          local_sq_ = 0.0;
+        }
       } else {
         ok = scaler_.unscale(backend_, *comm_, *params_);
       }
@@ -499,7 +498,7 @@ class data_parallel_step {
     }
     m.synchronous = sync;
     if constexpr (has_sharded_state) {
-      if (zero_stage == 1) weight_for_mean();  // the sharded step reduce-scatters the mean
+      reduce_sharded();
     } else {
       if (sync) combine();
     }
@@ -595,6 +594,8 @@ class data_parallel_step {
       unscaled_[t] = 1;
       nonfinite_ += unscale_count_nonfinite(backend_, params_->grads().subspan(t, 1), scaler_.inv_scale());
     }
+    if constexpr (has_adascale)
+      if (t < tensors_) local_sq_ += backend_.reduce(reduction::sum_squares, (*params_)[t].grad);
     sharded_->mark_ready(*comm_, backend_, *params_, *state_, t);
   }
   /// ZeRO stage 2: gradient t's bucket has been reduce-scattered in this step, so its buffer
@@ -1044,6 +1045,34 @@ class data_parallel_step {
     return w;
   }
 
+  // zero_state: the sharded optimizer's reduction (its step then skips it). With AdaScale, the
+  // noise scale's inputs come from this rank's local gradient (Σ g_r², taken at step() for
+  // stage 1, gradient by gradient in mark_ready for stage 2) and its averaged gradient shard
+  // (Σ ḡ² over the shard), added over the ranks by one allreduce of two doubles.
+  void reduce_sharded() {
+    [[maybe_unused]] const weights w = zero_stage == 1 ? weight_for_mean() : weights{};
+    if constexpr (has_adascale) {
+      const int n = comm_->size();
+      if (n == 1) return;  // the mean of one rank is its gradient; no noise-scale sample
+      double local = local_sq_;
+      if constexpr (zero_stage == 1)
+        local = backend_.reduce(reduction::sum_squares, params_->grads(), std::span<double>());
+      local_sq_ = 0.0;
+      sharded_->reduce(*comm_, backend_, *params_, *state_);
+      double sums[2] = {local, sharded_->gradient_sum_squares(backend_, *state_)};
+      comm_->allreduce(tensor_view<double, host_space>::vector(sums, 2), reduce_op::sum);
+      if (w.weighted) {
+        const double acc = static_cast<double>(settings_.accumulation_steps);
+        adapt_.gns.update(sums[0] / w.c2, acc * w.e2 / micro_batch_sum(), sums[1], global_batch());
+      } else {
+        adapt_.gns.update_reduced(sums[0] / static_cast<double>(n), sums[1], n,
+                                  noise_batch{.micro_batch = settings_.local_batch,
+                                              .accumulation_steps = settings_.accumulation_steps,
+                                              .loss_scale = 1.0});
+      }
+    }
+  }
+
   void combine() {
     const int n = comm_->size();
     [[maybe_unused]] const auto [weighted, c2, e2] = weight_for_mean();
@@ -1235,6 +1264,7 @@ class data_parallel_step {
       std::fill(unscaled_.begin(), unscaled_.end(), char{0});
       nonfinite_ = 0.0;
     }
+    local_sq_ = 0.0;
     last_.state_bytes = state_bytes();
   }
 
@@ -1299,6 +1329,7 @@ class data_parallel_step {
   /// and the non-finite elements counted.
   std::vector<char> unscaled_;
   double nonfinite_ = 0.0;
+  double local_sq_ = 0.0;  ///< zero_state<2> with AdaScale: Σ g² of the gradients marked so far
   /// The optimizer state (with zero_state: this rank's shard, made by the collective init).
   std::conditional_t<has_sharded_state, std::optional<optimizer_state_type>, optimizer_state_type> state_;
   [[no_unique_address]] Scaler scaler_;
