@@ -55,7 +55,7 @@ std::vector<std::vector<float>> run(threads& comm, const Opt& opt, const State& 
   auto step = make_data_parallel_step(comm, b, m.params, opt, {.lr = 1e-2}, state, extra...);
   for (int k = 1; k <= steps; ++k) {
     m.make_grads(comm.rank(), k);
-    if constexpr (decltype(step)::zero_stage == 2) {
+    if constexpr (decltype(step)::marks_gradients) {
       std::vector<std::size_t> order(m.params.size());
       std::iota(order.begin(), order.end(), std::size_t{0});
       std::rotate(order.begin(), order.begin() + (comm.rank() + k) % static_cast<int>(order.size()),
@@ -108,6 +108,73 @@ TEST_CASE("zero_state<1> and <2> give the replicated step's bits: Adafactor and 
           "[train][zero]") {
   all_states(gradapt::adafactor({.lr = 1e-2, .min_dim_size_to_factor = 5}), tensor_cut);
   all_states(gradapt::sm3({.lr = 0.1, .momentum = 0.9}), tensor_cut);
+}
+
+TEST_CASE("bucket_reduce gives the one-buffer step's bits: SGD, AdamW, LAMB, Adafactor", "[train][buckets]") {
+  // Buckets of about 20 KB (several per step) and DDP's defaults (one or two here), gradients
+  // marked in a rank- and step-dependent order.
+  const gradapt::train::bucket_reduce small{.buckets = {.cap_bytes = 20000, .first_cap_bytes = 4000}};
+  const auto check = [&](const auto& opt) {
+    for (const int n : {1, 2, 3, 5}) {
+      INFO("ranks " << n);
+      run_threads(n, quick, [&](threads& comm) {
+        const auto ref = run(comm, opt, replicated_state{}, 4);
+        const auto a = run(comm, opt, replicated_state{}, 4, nullptr, small);
+        const auto b = run(comm, opt, replicated_state{}, 4, nullptr, gradapt::train::bucket_reduce{});
+        for (std::size_t t = 0; t < ref.size(); ++t) {
+          RANK_REQUIRE(same_bits(ref[t], a[t]));
+          RANK_REQUIRE(same_bits(ref[t], b[t]));
+        }
+      });
+    }
+  };
+  check(gradapt::sgd({.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3}));
+  check(gradapt::adamw({.lr = 1e-2, .weight_decay = 0.01}));
+  check(gradapt::lamb({.lr = 1e-2, .weight_decay = 0.01}));
+  check(gradapt::adafactor({.lr = 1e-2, .min_dim_size_to_factor = 5}));
+}
+
+TEST_CASE(
+    "bucket_reduce with the loss scaler and AdaScale: overflow skipped everywhere, the gain to rounding",
+    "[train][buckets]") {
+  for (const int n : {2, 3}) {
+    INFO("ranks " << n);
+    run_threads(n, quick, [&](threads& comm) {
+      const gradapt::host b;
+      model<float> a, c;
+      const auto opt = gradapt::lamb({.lr = 1e-2});
+      const auto scaler = gradapt::loss_scaler({.init_scale = 1024, .growth_interval = 2});
+      const gradapt::train::adascale_policy ada{.base_batch = 8};
+      const gradapt::train::step_settings set{.lr = 1e-2, .local_batch = 8};
+      auto rep = make_data_parallel_step(comm, b, a.params, opt, set, scaler, ada);
+      auto buc = make_data_parallel_step(comm, b, c.params, opt, set, scaler, ada,
+                                         gradapt::train::bucket_reduce{.buckets = {.cap_bytes = 30000}});
+      for (int k = 1; k <= 6; ++k) {
+        for (auto* m : {&a, &c}) {
+          m->make_grads(comm.rank(), k);
+          for (auto& g : m->g)
+            for (auto& x : g) x *= static_cast<float>(rep.loss_scale());
+          if (k == 2 && comm.rank() == 0) m->g[3][5] = std::numeric_limits<float>::quiet_NaN();
+        }
+        for (std::size_t t = c.params.size(); t-- > 0;) buc.mark_ready(t);
+        const auto mr = rep.step();
+        const auto mb = buc.step();
+        RANK_REQUIRE(mb.found_inf == (k == 2));
+        RANK_REQUIRE(mr.found_inf == mb.found_inf);
+        RANK_REQUIRE(mb.loss_scale == mr.loss_scale);
+        if (k != 2) {
+          RANK_REQUIRE(mr.gain > 1.0);
+          RANK_REQUIRE(std::abs(mb.gain - mr.gain) <= 1e-9 * mr.gain);
+        }
+      }
+      double worst = 0.0;
+      for (std::size_t t = 0; t < a.p.size(); ++t)
+        for (std::size_t i = 0; i < a.p[t].size(); ++i)
+          worst = std::max(worst, std::abs(static_cast<double>(c.p[t][i]) - a.p[t][i]) /
+                                      (std::abs(static_cast<double>(a.p[t][i])) + 1e-3));
+      RANK_REQUIRE(worst <= 1e-5);
+    });
+  }
 }
 
 TEST_CASE("zero_state<1> and <2> with the loss scaler: an overflow on one rank skips the step on every rank",

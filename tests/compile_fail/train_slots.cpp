@@ -19,6 +19,19 @@ void zero_with_local_sgd(gradapt::comm::single& c, const gradapt::host& b, const
   (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::zero_state<1>{},
                                     gt::local_sgd_policy{{}, gradapt::fixed_period({.period = 4})});
 }
+// expect: for buckets with sharded state use zero_state<2> (its sharding.buckets) without bucket_reduce
+void buckets_with_zero(gradapt::comm::single& c, const gradapt::host& b, const list& p) {
+  (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::zero_state<1>{}, gt::bucket_reduce{});
+}
+// expect: the reduce slot's bucket_reduce forms the rank MEAN bucket by bucket
+void buckets_with_adasum(gradapt::comm::single& c, const gradapt::host& b, const list& p) {
+  (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::bucket_reduce{}, gt::adasum_combine{});
+}
+// expect: use one_buffer_reduce with LocalSGD
+void buckets_with_local_sgd(gradapt::comm::single& c, const gradapt::host& b, const list& p) {
+  (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::bucket_reduce{},
+                                    gt::local_sgd_policy{{}, gradapt::fixed_period({.period = 4})});
+}
 // expect: more than one state policy
 void two_state_policies(gradapt::comm::single& c, const gradapt::host& b, const list& p) {
   (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::zero_state<1>{}, gt::replicated_state{});

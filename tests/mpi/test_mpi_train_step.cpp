@@ -7,7 +7,8 @@
 // - A checkpoint taken mid-run and restored into a fresh step continues bit for bit; one of N
 //   ranks restored on M ranks (sub-worlds of 1..size ranks) resumes alike on every rank.
 // - Lists, settings and options that differ across ranks make every rank throw; none hangs.
-// - The state slot's zero_state<1> and <2> give the replicated step's bits.
+// - The state slot's zero_state<1> and <2>, and the reduce slot's bucket_reduce, give the
+//   replicated step's bits.
 //
 // The scenarios are shared with the threads tests: tests/support/scenarios/train_step.hpp and
 // disagreement.hpp.
@@ -63,7 +64,7 @@ TEST_CASE("mpi: the composed step equals the stages by hand", "[mpi][train]") {
   if (comm.size() >= 2) REQUIRE(std::isfinite(a.metrics.back().noise_scale));
 }
 
-TEST_CASE("mpi: the state slot's zero_state<1> and <2> give the replicated step's bits",
+TEST_CASE("mpi: zero_state<1> and <2>, and bucket_reduce (overlapped), give the replicated step's bits",
           "[mpi][train][zero]") {
   // The gradients differ by rank and lie on a grid of 2^-12 below 16 in magnitude, so their sums
   // are exact in any order: this checks the state slot's wiring over MPI (the scaler's overflow
@@ -74,16 +75,18 @@ TEST_CASE("mpi: the state slot's zero_state<1> and <2> give the replicated step'
   const int n = comm.size(), r = comm.rank();
   const auto opt = gradapt::lamb({.lr = 1e-2, .weight_decay = 0.01});
   const auto scaler = gradapt::loss_scaler({.init_scale = 256.0, .growth_interval = 2});
-  sharded_scenario::model<float> a, c, d;
+  sharded_scenario::model<float> a, c, d, e;
   auto rep = train::make_data_parallel_step(comm, b, a.params, opt, {.lr = 1e-2}, scaler);
   auto z1 = train::make_data_parallel_step(comm, b, c.params, opt, {.lr = 1e-2}, scaler,
                                            train::zero_state<1>{.allow_empty_shards = true});
   auto z2 = train::make_data_parallel_step(
       comm, b, d.params, opt, {.lr = 1e-2}, scaler,
       train::zero_state<2>{.sharding = {.buckets = {.cap_bytes = 40000}}, .allow_empty_shards = true});
-  std::vector<train::step_metrics> mr, m1, m2;
+  auto bu = train::make_data_parallel_step(comm, b, e.params, opt, {.lr = 1e-2}, scaler,
+                                           train::bucket_reduce{.buckets = {.cap_bytes = 40000}});
+  std::vector<train::step_metrics> mr, m1, m2, mb;
   for (int k = 1; k <= 5; ++k) {
-    for (auto* m : {&a, &c, &d}) {
+    for (auto* m : {&a, &c, &d, &e}) {
       m->make_grads(r, k);
       for (auto& g : m->g)
         for (auto& x : g)
@@ -91,23 +94,28 @@ TEST_CASE("mpi: the state slot's zero_state<1> and <2> give the replicated step'
               static_cast<float>(rep.loss_scale());
       if (k == 3 && r == n - 1) m->g[4][11] = std::numeric_limits<float>::infinity();
     }
-    for (std::size_t i = 0; i < d.params.size(); ++i)
+    for (std::size_t i = 0; i < d.params.size(); ++i) {
       z2.mark_ready((i + static_cast<std::size_t>(r) * 3) % d.params.size());
+      bu.mark_ready((i + static_cast<std::size_t>(r) * 5) % e.params.size());
+    }
     mr.push_back(rep.step());
     m1.push_back(z1.step());
     m2.push_back(z2.step());
+    mb.push_back(bu.step());
   }
   double bytes = static_cast<double>(z1.state_bytes());
   comm.allreduce(gradapt::host_view(std::span<double>(&bytes, 1)), gradapt::reduce_op::sum);
   for (std::size_t t = 0; t < a.p.size(); ++t) {
     REQUIRE(sharded_scenario::same_bits(a.p[t], c.p[t]));
     REQUIRE(sharded_scenario::same_bits(a.p[t], d.p[t]));
+    REQUIRE(sharded_scenario::same_bits(a.p[t], e.p[t]));
   }
   for (std::size_t k = 0; k < mr.size(); ++k) {
     REQUIRE(m1[k].found_inf == (k == 2));
     REQUIRE(m2[k].found_inf == (k == 2));
     REQUIRE(m1[k].loss_scale == mr[k].loss_scale);
     REQUIRE(m2[k].loss_scale == mr[k].loss_scale);
+    REQUIRE(mb[k].found_inf == (k == 2));
   }
   REQUIRE(bytes == static_cast<double>(rep.state_bytes()));
 }

@@ -247,6 +247,7 @@ auto hook_tuple(A&& a) {
 /// @tparam Hooks  std::tuple of hook objects, called in the order they were passed
 /// @tparam Precond no_preconditioner | kfac_policy<State> | a user's `precondition_policy`
 /// @tparam StateP replicated_state | zero_state<1> | zero_state<2>
+/// @tparam ReduceP one_buffer_reduce | bucket_reduce
 ///
 /// Construction is collective: the ranks agree with one small allreduce that they hold the
 /// same number of tensors with the same sizes (every rank throws the same gradapt::error
@@ -258,7 +259,8 @@ auto hook_tuple(A&& a) {
 /// aborts them with comm::peer_failure). The steady-state step allocates nothing beyond what
 /// hooks do. Device memory (CUDA/NCCL) is not wired here yet: call the stages one by one.
 template <class Comm, class B, class PL, class Opt, class Scaler, class Combine, class Adapt, class Sync,
-          class Hooks, class Precond = no_preconditioner, class StateP = replicated_state>
+          class Hooks, class Precond = no_preconditioner, class StateP = replicated_state,
+          class ReduceP = one_buffer_reduce>
 class data_parallel_step {
  public:
   using comm_type = Comm;      ///< the communicator
@@ -269,6 +271,11 @@ class data_parallel_step {
   static constexpr int zero_stage = detail::zero_stage_v<StateP>;
   /// The state slot holds a `zero_state`: the optimizer state is sharded over the ranks.
   static constexpr bool has_sharded_state = zero_stage != 0;
+  /// The reduce slot holds `bucket_reduce`: gradients reduced bucket by bucket as they are marked.
+  static constexpr bool has_buckets = std::is_same_v<ReduceP, bucket_reduce>;
+  /// The framework marks each gradient ready during its backward pass (`mark_ready`):
+  /// `zero_state<2>` or `bucket_reduce`.
+  static constexpr bool marks_gradients = zero_stage == 2 || has_buckets;
   /// What Opt::init returns, or with `zero_state` this rank's `shard::sharded_state`.
   using optimizer_state_type = typename detail::state_of<has_sharded_state, Opt, Comm, B, PL>::type;
   using value_type = typename PL::value_type;                      ///< parameter element type
@@ -318,6 +325,20 @@ class data_parallel_step {
   static_assert(std::is_same_v<StateP, replicated_state> || has_sharded_state,
                 "train::data_parallel_step: the state slot holds replicated_state, zero_state<1> or "
                 "zero_state<2>");
+  static_assert(std::is_same_v<ReduceP, one_buffer_reduce> || has_buckets,
+                "train::data_parallel_step: the reduce slot holds one_buffer_reduce or bucket_reduce");
+  static_assert(!(has_buckets && has_sharded_state),
+                "train::data_parallel_step: the reduce slot's bucket_reduce averages whole gradients on "
+                "every rank; the state slot's zero_state reduce-scatters them into shards: for buckets with "
+                "sharded state use zero_state<2> (its sharding.buckets) without bucket_reduce");
+  static_assert(!(has_buckets && has_custom_combine),
+                "train::data_parallel_step: the reduce slot's bucket_reduce forms the rank MEAN bucket by "
+                "bucket; the combine slot's adasum_combine (or a user's combiner) forms something else: use "
+                "one_buffer_reduce with this combiner");
+  static_assert(!(has_buckets && has_local_sgd),
+                "train::data_parallel_step: the reduce slot's bucket_reduce reduces every gradient the "
+                "framework marks, while the sync slot's local_sgd_policy skips the reduction on local "
+                "steps: use one_buffer_reduce with LocalSGD");
   static_assert(!(has_sharded_state && has_custom_combine),
                 "train::data_parallel_step: the state slot's zero_state reduce-scatters the rank MEAN of "
                 "the gradients; the combine slot's adasum_combine (or a user's combiner) forms something "
@@ -341,7 +362,7 @@ class data_parallel_step {
   ///         setting or option is invalid, or AdaScale's initial scale is below 1
   data_parallel_step(Comm& comm, const B& b, const PL& params, Opt opt, step_settings settings, Scaler scaler,
                      Combine combine, Adapt adapt, Sync sync, Hooks hooks, Precond precond = Precond(),
-                     StateP state = StateP())
+                     StateP state = StateP(), ReduceP reduce = ReduceP())
       : comm_(&comm),
         backend_(b),
         params_(&params),
@@ -356,11 +377,20 @@ class data_parallel_step {
       sharded_.emplace(opt_, state.sharding);
       state_.emplace(sharded_->init(comm, backend_, params));  // collective; agrees the options
       if (!state.allow_empty_shards) check_empty_shards(state.sharding);
-      if constexpr (zero_stage == 2 && has_loss_scaling) unscaled_.assign(params.size(), 0);
     } else {
       (void)state;
       state_ = opt_.init(backend_, params);
     }
+    if constexpr (has_buckets) {  // collective: the ranks agree on the plan and options
+      std::vector<bucket::tensor_info> infos(params.size());
+      std::vector<tensor_view<grad_type, host_space>> grads(params.grads().begin(), params.grads().end());
+      for (std::size_t t = 0; t < infos.size(); ++t) infos[t] = {grads[t].size(), dtype_of_v<grad_type>};
+      reducer_.emplace(comm, bucket::bucket_plan::make(infos, reduce.buckets), std::move(grads),
+                       bucket::reducer_options{.average = true, .overlap = reduce.overlap});
+    } else {
+      (void)reduce;
+    }
+    if constexpr (marks_gradients && has_loss_scaling) unscaled_.assign(params.size(), 0);
     combiner_.emplace(bind_combiner(combine, comm, backend_, params));
     if constexpr (has_preconditioner) {
       // A mapping error on one rank is thrown on every rank (the others name that rank).
@@ -460,19 +490,23 @@ class data_parallel_step {
 
     if constexpr (has_loss_scaling) {
       bool ok = false;
-      if constexpr (zero_stage == 2) {  // unscaled gradient by gradient in mark_ready
-        const std::size_t marked = sharded_->marked(*state_);
+      if constexpr (marks_gradients) {  // unscaled gradient by gradient in mark_ready
         std::string missing;
-        if (marked != tensors_)
-          missing = detail::message(fn, " on rank ", comm_->rank(), ": ", marked, " of ", tensors_,
-                                    " gradients were marked ready before step() (zero_state<2> needs "
-                                    "mark_ready(t) for every gradient in every step)");
+        if (marks_ != tensors_)
+          missing = detail::message(fn, " on rank ", comm_->rank(), ": ", marks_, " of ", tensors_,
+                                    " gradients were marked ready before step() (",
+                                    has_buckets ? "bucket_reduce" : "zero_state<2>",
+                                    " needs mark_ready(t) for every gradient in every step)");
         ok = scaler_.decide(*comm_, nonfinite_, missing);
         nonfinite_ = 0.0;
         std::fill(unscaled_.begin(), unscaled_.end(), char{0});
-        if (!ok) {
-          sharded_->discard_round(*state_);
+        if (!ok) {  // the round ends without a step on every rank
+          if constexpr (has_buckets)
+            reducer_->wait();
+          else
+            sharded_->discard_round(*state_);
           local_sq_ = 0.0;
+          marks_ = 0;
         }
       } else {
         ok = scaler_.unscale(backend_, *comm_, *params_);
@@ -497,11 +531,12 @@ class data_parallel_step {
       sync = sync || paused;
     }
     m.synchronous = sync;
-    if constexpr (has_sharded_state) {
+    if constexpr (has_sharded_state)
       reduce_sharded();
-    } else {
-      if (sync) combine();
-    }
+    else if constexpr (has_buckets)
+      reduce_buckets();
+    else if (sync)
+      combine();
 
     double lr = eta;
     double gain = 1.0;
@@ -576,15 +611,16 @@ class data_parallel_step {
   const Opt& optimizer() const { return opt_; }
   /// The optimizer's state (moments etc.), e.g. for inspection or averaging.
   const optimizer_state_type& optimizer_state() const { return st(); }
-  /// ZeRO stage 2: gradient t of this rank is final for this step (call it during the backward
-  /// pass, as the framework produces each gradient, in any order; every gradient once per
-  /// step). Full buckets are reduce-scattered at once; `step()` finishes the step. Collective
-  /// per bucket: every rank marks every gradient before `step()`.
+  /// ZeRO stage 2 or `bucket_reduce`: gradient t of this rank is final for this step (call it
+  /// during the backward pass, as the framework produces each gradient, in any order; every
+  /// gradient once per step). Full buckets are reduced (reduce-scattered with ZeRO) at once, or
+  /// started without waiting over `comm::mpi` with `bucket_reduce::overlap`; `step()` finishes
+  /// the step. Collective per bucket: every rank marks every gradient before `step()`.
   /// @throws gradapt::error when t is out of range or already marked in this step
   /// With the loss scaler, the gradient is unscaled here (g ← g / S, its non-finite elements
   /// counted) before its bucket is reduced; `step()` agrees on the count (one allreduce, as
   /// `loss_scaler::unscale`) and skips the step on every rank after an overflow.
-  void mark_ready(std::size_t t) requires(zero_stage == 2) {
+  void mark_ready(std::size_t t) requires marks_gradients {
     if constexpr (has_loss_scaling) {
       detail::require(t < tensors_, "train::data_parallel_step::mark_ready on rank ", comm_->rank(),
                       ": gradient ", t, " is out of range (", tensors_, " gradients)");
@@ -596,7 +632,11 @@ class data_parallel_step {
     }
     if constexpr (has_adascale)
       if (t < tensors_) local_sq_ += backend_.reduce(reduction::sum_squares, (*params_)[t].grad);
-    sharded_->mark_ready(*comm_, backend_, *params_, *state_, t);
+    if constexpr (has_buckets)
+      reducer_->mark_ready(t);
+    else
+      sharded_->mark_ready(*comm_, backend_, *params_, *state_, t);
+    ++marks_;
   }
   /// ZeRO stage 2: gradient t's bucket has been reduce-scattered in this step, so its buffer
   /// is not read again before the next step and may be reused.
@@ -734,7 +774,7 @@ class data_parallel_step {
   static std::uint64_t slot_mask() {
     return (has_loss_scaling ? 1u : 0u) | (has_custom_combine ? 2u : 0u) | (has_adascale ? 4u : 0u) |
            (has_local_sgd ? 8u : 0u) | (has_preconditioner ? 16u : 0u) | (zero_stage == 1 ? 32u : 0u) |
-           (zero_stage == 2 ? 64u : 0u);
+           (zero_stage == 2 ? 64u : 0u) | (has_buckets ? 128u : 0u);
   }
 
   const optimizer_state_type& st() const {
@@ -834,11 +874,12 @@ class data_parallel_step {
 
   void check_rank_batches(const char* fn) const {
     const auto& rb = settings_.rank_batches;
-    if constexpr (zero_stage == 2)
-      detail::require(rb.empty(), fn,
-                      ": step_settings::rank_batches is set but the state slot holds zero_state<2>, which "
-                      "reduces the gradients during the backward pass, before step() could weight them: use "
-                      "zero_state<1> with per-rank batch sizes");
+    if constexpr (marks_gradients)
+      detail::require(
+          rb.empty(), fn, ": step_settings::rank_batches is set but ",
+          has_buckets ? "the reduce slot holds bucket_reduce" : "the state slot holds zero_state<2>",
+          ", which reduces the gradients during the backward pass, before step() could weight "
+          "them: reduce at step() (one_buffer_reduce, zero_state<1>) with per-rank batch sizes");
     detail::require(rb.empty() || rb.size() == static_cast<std::size_t>(comm_->size()), fn,
                     ": step_settings::rank_batches holds ", rb.size(), " batch sizes but the world has ",
                     comm_->size(),
@@ -1045,11 +1086,32 @@ class data_parallel_step {
     return w;
   }
 
+  // bucket_reduce: completes the buckets (the gradients then hold the rank mean). With AdaScale,
+  // Σ_r |g_r|² from the marks (each gradient read as it was marked) and |ḡ|² from one read of
+  // the averaged gradients, the local sums added over the ranks by one allreduce of a double.
+  void reduce_buckets() {
+    reducer_->wait();
+    marks_ = 0;
+    if constexpr (has_adascale) {
+      const int n = comm_->size();
+      double local = local_sq_;
+      local_sq_ = 0.0;
+      if (n == 1) return;  // the mean of one rank is its gradient; no noise-scale sample
+      const double global = backend_.reduce(reduction::sum_squares, params_->grads(), std::span<double>());
+      comm_->allreduce(tensor_view<double, host_space>::vector(&local, 1), reduce_op::sum);
+      adapt_.gns.update_reduced(local / static_cast<double>(n), global, n,
+                                noise_batch{.micro_batch = settings_.local_batch,
+                                            .accumulation_steps = settings_.accumulation_steps,
+                                            .loss_scale = 1.0});
+    }
+  }
+
   // zero_state: the sharded optimizer's reduction (its step then skips it). With AdaScale, the
   // noise scale's inputs come from this rank's local gradient (Σ g_r², taken at step() for
   // stage 1, gradient by gradient in mark_ready for stage 2) and its averaged gradient shard
   // (Σ ḡ² over the shard), added over the ranks by one allreduce of two doubles.
   void reduce_sharded() {
+    marks_ = 0;
     [[maybe_unused]] const weights w = zero_stage == 1 ? weight_for_mean() : weights{};
     if constexpr (has_adascale) {
       const int n = comm_->size();
@@ -1153,7 +1215,7 @@ class data_parallel_step {
     detail::require(saved_ranks >= 1, fn, ": the checkpoint's rank count is 0");
     expect("slots",
            "slot mask (1 loss scaling, 2 a combiner other than allreduce_mean, 4 AdaScale, 8 LocalSGD, 16 "
-           "a preconditioner, 32 zero_state<1>, 64 zero_state<2>)",
+           "a preconditioner, 32 zero_state<1>, 64 zero_state<2>, 128 bucket_reduce)",
            slot_mask(), "restore into a step built with the same policies");
     expect("tensors", "tensor count", static_cast<std::uint64_t>(tensors_),
            "restore for the same parameters");
@@ -1216,6 +1278,10 @@ class data_parallel_step {
     rank_times_.clear();
     rank_busy_.clear();
     if constexpr (has_local_sgd) sync_.was_synchronous = settings_.synchronous;
+    std::fill(unscaled_.begin(), unscaled_.end(), char{0});  // a load starts a step afresh
+    nonfinite_ = 0.0;
+    local_sq_ = 0.0;
+    marks_ = 0;
   }
 
   // load() with zero_state: the step's own sections on each rank, agreed, then the optimizer
@@ -1260,11 +1326,6 @@ class data_parallel_step {
       undo();
       throw;
     }
-    if constexpr (zero_stage == 2 && has_loss_scaling) {
-      std::fill(unscaled_.begin(), unscaled_.end(), char{0});
-      nonfinite_ = 0.0;
-    }
-    local_sq_ = 0.0;
     last_.state_bytes = state_bytes();
   }
 
@@ -1329,7 +1390,12 @@ class data_parallel_step {
   /// and the non-finite elements counted.
   std::vector<char> unscaled_;
   double nonfinite_ = 0.0;
-  double local_sq_ = 0.0;  ///< zero_state<2> with AdaScale: Σ g² of the gradients marked so far
+  double local_sq_ = 0.0;  ///< marks with AdaScale: Σ g² of the gradients marked so far
+  std::size_t marks_ = 0;  ///< gradients marked ready in this step (zero_state<2>, bucket_reduce)
+  /// The bucket reducer (reduce slot bucket_reduce).
+  [[no_unique_address]] std::conditional_t<has_buckets, std::optional<bucket::reducer<Comm, grad_type>>,
+                                           detail::nothing>
+      reducer_;
   /// The optimizer state (with zero_state: this rank's shard, made by the collective init).
   std::conditional_t<has_sharded_state, std::optional<optimizer_state_type>, optimizer_state_type> state_;
   [[no_unique_address]] Scaler scaler_;
@@ -1386,11 +1452,14 @@ auto make_data_parallel_step(Comm& comm, const B& backend, const PL& params, Opt
                 "train::make_data_parallel_step: more than one precondition policy");
   static_assert(count_slot<slot::state, Args...> <= 1,
                 "train::make_data_parallel_step: more than one state policy");
+  static_assert(count_slot<slot::reduce, Args...> <= 1,
+                "train::make_data_parallel_step: more than one reduce policy");
   static_assert(
       count_slot<slot::none, Args...> == 0,
       "train::make_data_parallel_step: an argument is neither a policy (no_loss_scaling, loss_scaler, "
       "allreduce_mean, adasum_combine, no_adascale, adascale_policy, no_local_sgd, local_sgd_policy, "
-      "no_preconditioner, kfac_policy, replicated_state, zero_state, or a type declaring `static constexpr "
+      "no_preconditioner, kfac_policy, replicated_state, zero_state, one_buffer_reduce, bucket_reduce, or a "
+      "type declaring `static constexpr "
       "train::policy_slot slot`) "
       "nor a hook (an object with before_step, after_step, on_overflow or on_rescale)");
   auto scaler = detail::pick<slot::scaler, no_loss_scaling>(args...);
@@ -1401,11 +1470,14 @@ auto make_data_parallel_step(Comm& comm, const B& backend, const PL& params, Opt
   // pick moves only the argument filling this slot, hook_tuple only the hooks.
   auto precond = detail::pick<slot::precondition, no_preconditioner>(std::forward<Args>(args)...);
   auto state = detail::pick<slot::state, replicated_state>(args...);
+  auto reduce = detail::pick<slot::reduce, one_buffer_reduce>(args...);
   auto hooks = std::tuple_cat(detail::hook_tuple(std::forward<Args>(args))...);
   return data_parallel_step<Comm, B, PL, Opt, decltype(scaler), decltype(combine), decltype(adapt),
-                            decltype(sync), decltype(hooks), decltype(precond), decltype(state)>(
-      comm, backend, params, std::move(optimizer), settings, std::move(scaler), std::move(combine),
-      std::move(adapt), std::move(sync), std::move(hooks), std::move(precond), std::move(state));
+                            decltype(sync), decltype(hooks), decltype(precond), decltype(state),
+                            decltype(reduce)>(comm, backend, params, std::move(optimizer), settings,
+                                              std::move(scaler), std::move(combine), std::move(adapt),
+                                              std::move(sync), std::move(hooks), std::move(precond),
+                                              std::move(state), std::move(reduce));
 }
 
 }  // namespace gradapt::train

@@ -20,6 +20,7 @@
 /// | precondition | `no_preconditioner` | `kfac_policy<State>` (train/kfac_policy.hpp; K-FAC)       |
 /// | sync         | `no_local_sgd`      | `local_sgd_policy<Schedule>` (post-local SGD, Lin 2018)   |
 /// | state        | `replicated_state`  | `zero_state<1>`, `zero_state<2>` (ZeRO, Rajbhandari 2020) |
+/// | reduce       | `one_buffer_reduce` | `bucket_reduce` (buckets overlapped with the backward)    |
 ///
 /// A policy names its slot (`static constexpr policy_slot slot = ...`, or a specialisation of
 /// `policy_traits` for a type that cannot be edited). The combine slot is open: any type that
@@ -46,6 +47,8 @@
 #include <utility>
 #include <vector>
 
+#include "gradapt/bucket/plan.hpp"
+#include "gradapt/bucket/reducer.hpp"
 #include "gradapt/combine/adasum.hpp"
 #include "gradapt/core/archive.hpp"
 #include "gradapt/core/concepts.hpp"
@@ -63,7 +66,7 @@ namespace gradapt::train {
 // ---- the slots ------------------------------------------------------------------------------
 
 /// The slot a policy fills in `make_data_parallel_step`.
-enum class policy_slot : unsigned char { scaler, combine, adapt, sync, precondition, state };
+enum class policy_slot : unsigned char { scaler, combine, adapt, sync, precondition, state, reduce };
 
 /// Which slot a policy type fills: `T::slot` when T declares it. Specialise it (with a
 /// `static constexpr policy_slot slot`) for a type that cannot declare it.
@@ -339,6 +342,23 @@ struct zero_state {
   bool allow_empty_shards = false;
 };
 
+/// Reduce slot, the default: the combine slot's combiner runs over all gradients at `step()`.
+struct one_buffer_reduce {
+  static constexpr policy_slot slot = policy_slot::reduce;  ///< fills the reduce slot
+};
+
+/// Reduce slot: the gradients averaged bucket by bucket as the backward pass produces them
+/// (`bucket::reducer`, PyTorch DDP's Reducer): the framework calls
+/// `data_parallel_step::mark_ready(t)` for each gradient, in any order (different per rank);
+/// each full bucket is reduced at once (over `comm::mpi` with a non-blocking allreduce that
+/// overlaps the rest of the backward pass) and `step()` completes the rest. With the
+/// replicated state; `zero_state<2>` has buckets of its own.
+struct bucket_reduce {
+  static constexpr policy_slot slot = policy_slot::reduce;  ///< fills the reduce slot
+  bucket::bucket_options buckets{};                         ///< bucket sizes (DDP's defaults)
+  bool overlap = true;  ///< start buckets without waiting where the communicator can (MPI)
+};
+
 // ---- settings, metrics, hook events ------------------------------------------------------------
 
 /// What a hook may change. Values must be equal on every rank (hooks run on every rank and see
@@ -447,7 +467,7 @@ using gradapt::detail::message;
 using gradapt::detail::require;
 
 /// Which slot a value passed to the factory fills.
-enum class slot : unsigned char { scaler, combine, adapt, sync, precondition, state, hook, none };
+enum class slot : unsigned char { scaler, combine, adapt, sync, precondition, state, reduce, hook, none };
 
 template <class T>
 constexpr slot slot_of() {
@@ -465,6 +485,8 @@ constexpr slot slot_of() {
         return slot::precondition;
       case policy_slot::state:
         return slot::state;
+      case policy_slot::reduce:
+        return slot::reduce;
     }
     return slot::none;
   } else {
