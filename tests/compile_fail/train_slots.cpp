@@ -10,11 +10,11 @@
 namespace gt = gradapt::train;
 using list = gradapt::param_list<float, float>;
 
-// expect: the combine slot's adasum_combine (or a user's combiner) forms something else
+// expect: the combine slot's adasum_combine (or a user's combiner) forms something else: use allreduce_mean
 void zero_with_adasum(gradapt::comm::single& c, const gradapt::host& b, const list& p) {
   (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::zero_state<1>{}, gt::adasum_combine{});
 }
-// expect: the sync slot's local_sgd_policy steps each replica alone
+// expect: the sync slot's local_sgd_policy steps each replica alone on its local steps
 void zero_with_local_sgd(gradapt::comm::single& c, const gradapt::host& b, const list& p) {
   (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::zero_state<1>{},
                                     gt::local_sgd_policy{{}, gradapt::fixed_period({.period = 4})});
@@ -23,16 +23,17 @@ void zero_with_local_sgd(gradapt::comm::single& c, const gradapt::host& b, const
 void buckets_with_zero(gradapt::comm::single& c, const gradapt::host& b, const list& p) {
   (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::zero_state<1>{}, gt::bucket_reduce{});
 }
-// expect: the reduce slot's bucket_reduce forms the rank MEAN bucket by bucket
+// expect: the combine slot's adasum_combine (or a user's combiner) forms something else: use allreduce_mean
 void buckets_with_adasum(gradapt::comm::single& c, const gradapt::host& b, const list& p) {
   (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::bucket_reduce{}, gt::adasum_combine{});
 }
-// expect: use one_buffer_reduce with LocalSGD
+// expect: the sync slot's local_sgd_policy steps each replica alone on its local steps
 void buckets_with_local_sgd(gradapt::comm::single& c, const gradapt::host& b, const list& p) {
   (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::bucket_reduce{},
                                     gt::local_sgd_policy{{}, gradapt::fixed_period({.period = 4})});
 }
-// expect: more than one state policy
+// expect: more than one policy for one slot
+// expect: slot::state
 void two_state_policies(gradapt::comm::single& c, const gradapt::host& b, const list& p) {
   (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::zero_state<1>{}, gt::replicated_state{});
 }

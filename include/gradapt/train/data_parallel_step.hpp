@@ -223,6 +223,16 @@ auto pick(A0&& a0, A&&... a) {
 template <slot K, class... A>
 inline constexpr int count_slot = ((slot_v<A> == K ? 1 : 0) + ... + 0);
 
+/// True when at most one of the arguments A fills slot K; otherwise a compile-time error whose
+/// instantiation names the slot (K).
+template <slot K, class... A>
+constexpr bool at_most_one() {
+  static_assert(count_slot<K, A...> <= 1,
+                "train::make_data_parallel_step: more than one policy for one slot (the slot is this "
+                "instantiation's K)");
+  return true;
+}
+
 template <class A>
 auto hook_tuple(A&& a) {
   if constexpr (slot_v<A> == slot::hook)
@@ -322,40 +332,30 @@ class data_parallel_step {
                 "train::data_parallel_step: the precondition slot's policy must model "
                 "train::precondition_policy (bind(comm, backend, params) && returning an object with "
                 "precondition(comm, backend, grads, lr) and discard())");
-  static_assert(std::is_same_v<StateP, replicated_state> || has_sharded_state,
+  static_assert((std::is_same_v<StateP, replicated_state> || has_sharded_state) &&
+                    (std::is_same_v<ReduceP, one_buffer_reduce> || has_buckets),
                 "train::data_parallel_step: the state slot holds replicated_state, zero_state<1> or "
-                "zero_state<2>");
-  static_assert(std::is_same_v<ReduceP, one_buffer_reduce> || has_buckets,
-                "train::data_parallel_step: the reduce slot holds one_buffer_reduce or bucket_reduce");
+                "zero_state<2>, and the reduce slot one_buffer_reduce or bucket_reduce");
+  // The slot combinations that cannot work, each message naming both slots.
+  static_assert(!((has_sharded_state || has_buckets) && has_custom_combine),
+                "train::data_parallel_step: the state slot's zero_state and the reduce slot's bucket_reduce "
+                "form the rank MEAN of the gradients (reduce-scattered, or bucket by bucket); the combine "
+                "slot's adasum_combine (or a user's combiner) forms something else: use allreduce_mean "
+                "with them, or replicated_state and one_buffer_reduce with this combiner");
+  static_assert(!(has_local_sgd && (has_sharded_state || has_buckets || has_preconditioner)),
+                "train::data_parallel_step: the sync slot's local_sgd_policy steps each replica alone on its "
+                "local steps, with no combined gradient, while the state slot's zero_state (one state "
+                "spread over the ranks), the reduce slot's bucket_reduce (every marked gradient reduced) "
+                "and a precondition slot's policy (K-FAC averages its factors over the ranks) need the "
+                "same combined gradient on every rank at every step: drop one of the two");
   static_assert(!(has_buckets && has_sharded_state),
                 "train::data_parallel_step: the reduce slot's bucket_reduce averages whole gradients on "
                 "every rank; the state slot's zero_state reduce-scatters them into shards: for buckets with "
                 "sharded state use zero_state<2> (its sharding.buckets) without bucket_reduce");
-  static_assert(!(has_buckets && has_custom_combine),
-                "train::data_parallel_step: the reduce slot's bucket_reduce forms the rank MEAN bucket by "
-                "bucket; the combine slot's adasum_combine (or a user's combiner) forms something else: use "
-                "one_buffer_reduce with this combiner");
-  static_assert(!(has_buckets && has_local_sgd),
-                "train::data_parallel_step: the reduce slot's bucket_reduce reduces every gradient the "
-                "framework marks, while the sync slot's local_sgd_policy skips the reduction on local "
-                "steps: use one_buffer_reduce with LocalSGD");
-  static_assert(!(has_sharded_state && has_custom_combine),
-                "train::data_parallel_step: the state slot's zero_state reduce-scatters the rank MEAN of "
-                "the gradients; the combine slot's adasum_combine (or a user's combiner) forms something "
-                "else: use allreduce_mean with zero_state, or replicated_state with this combiner");
-  static_assert(!(has_sharded_state && has_local_sgd),
-                "train::data_parallel_step: the state slot's zero_state keeps one optimizer state spread "
-                "over the ranks, which needs the same averaged gradient on every rank at every step; the "
-                "sync slot's local_sgd_policy steps each replica alone: drop one of the two");
   static_assert(!(has_sharded_state && has_preconditioner),
                 "train::data_parallel_step: the precondition slot's policy (kfac_policy) rewrites the whole "
                 "combined gradient on every rank, which the state slot's zero_state holds only as shards: "
                 "use replicated_state with a preconditioner");
-  static_assert(!(has_preconditioner && has_local_sgd),
-                "train::data_parallel_step: a preconditioner (kfac_policy) cannot be combined with "
-                "local_sgd_policy: it needs the same combined gradient on every rank (K-FAC averages its "
-                "factors over the ranks and divides the decompositions among them), which LocalSGD's local "
-                "steps do not form; drop one of the two policies");
 
   /// Builds the step (collective; see the class comment). Prefer `make_data_parallel_step`.
   /// @throws gradapt::error when the parameter lists differ across ranks or are empty, a
@@ -1440,20 +1440,11 @@ auto make_data_parallel_step(Comm& comm, const B& backend, const PL& params, Opt
                 "train::make_data_parallel_step: the fourth argument must be an optimizer with the chain "
                 "interface (gradapt::sgd, adamw, lamb, lars, adafactor, sm3 or a gradapt::chain), "
                 "e.g. gradapt::lamb({.lr = 1e-3}) rather than a gradapt::lamb_options");
-  static_assert(count_slot<slot::scaler, Args...> <= 1,
-                "train::make_data_parallel_step: more than one scaler policy");
-  static_assert(count_slot<slot::combine, Args...> <= 1,
-                "train::make_data_parallel_step: more than one combine policy");
-  static_assert(count_slot<slot::adapt, Args...> <= 1,
-                "train::make_data_parallel_step: more than one adapt policy");
-  static_assert(count_slot<slot::sync, Args...> <= 1,
-                "train::make_data_parallel_step: more than one sync policy");
-  static_assert(count_slot<slot::precondition, Args...> <= 1,
-                "train::make_data_parallel_step: more than one precondition policy");
-  static_assert(count_slot<slot::state, Args...> <= 1,
-                "train::make_data_parallel_step: more than one state policy");
-  static_assert(count_slot<slot::reduce, Args...> <= 1,
-                "train::make_data_parallel_step: more than one reduce policy");
+  static_assert(
+      (detail::at_most_one<slot::scaler, Args...>() && detail::at_most_one<slot::combine, Args...>() &&
+       detail::at_most_one<slot::adapt, Args...>() && detail::at_most_one<slot::sync, Args...>() &&
+       detail::at_most_one<slot::precondition, Args...>() && detail::at_most_one<slot::state, Args...>() &&
+       detail::at_most_one<slot::reduce, Args...>()));
   static_assert(
       count_slot<slot::none, Args...> == 0,
       "train::make_data_parallel_step: an argument is neither a policy (no_loss_scaling, loss_scaler, "
