@@ -253,7 +253,6 @@ TEST_CASE("zero_state<1> and <2> with AdaScale: the gain and the parameters of t
           for (const auto* q : {&c, &d})
             worst = std::max(worst, std::abs(static_cast<double>(q->p[t][i]) - a.p[t][i]) /
                                         (std::abs(static_cast<double>(a.p[t][i])) + 1e-3));
-      INFO("largest relative parameter difference " << worst);
       RANK_REQUIRE(worst <= 1e-5);
     });
   }
