@@ -355,3 +355,22 @@ TEST_CASE("zero_state errors: every rank throws, naming the problem", "[train][z
     for (const auto& w : what) CHECK_THAT(w, Contains("gradient 7") || Contains("passed invalid input"));
   }
 }
+
+TEST_CASE("loss_scaler::decide: a count that is not finite and >= 0 on one rank is an error on every rank",
+          "[train][zero]") {
+  for (const double bad : {-1.0, std::numeric_limits<double>::quiet_NaN()}) {
+    const auto what = gradapt_test::errors_of(3, quick, [bad](threads& comm) {
+      auto scaler = gradapt::loss_scaler({.init_scale = 1024});
+      (void)scaler.decide(comm, comm.rank() == 1 ? bad : 0.0);
+    });
+    CHECK_THAT(what[1], Contains("loss_scaler::decide on rank 1: found is") && Contains("finite and >= 0"));
+    CHECK_THAT(what[0], Contains("other rank(s) passed invalid input"));
+    CHECK_THAT(what[2], Contains("other rank(s) passed invalid input"));
+  }
+  run_threads(2, quick, [](threads& comm) {  // a valid count decides as unscale would
+    auto scaler = gradapt::loss_scaler({.init_scale = 1024});
+    const bool step = scaler.decide(comm, comm.rank() == 0 ? 3.0 : 0.0);
+    RANK_REQUIRE(!step);
+    RANK_REQUIRE(scaler.scale() == 512.0);
+  });
+}

@@ -524,12 +524,16 @@ class loss_scaler : public archived_state<loss_scaler, loss_scaler_state>,
   /// counted a non-finite element (`found`, this rank's count) or failed (`local_error`, thrown
   /// on this rank and named on the others), updates the scale, and returns true when the
   /// optimizer should step. Collective over `comm` (one allreduce of three doubles, as unscale).
-  /// @throws gradapt::error on every rank when a rank passed a local error or called another
-  ///         collective; on an overflow at min_scale
+  /// @throws gradapt::error on every rank when a rank passed a local error or a `found` that is
+  ///         not a finite count >= 0, or called another collective; on an overflow at min_scale
   template <communicator C>
   requires std::same_as<typename C::space, host_space>
   [[nodiscard]] bool decide(C& comm, double found, const std::string& local_error = {}) {
-    return update(agree(comm, found, local_error, "loss_scaler::decide"));
+    std::string err = local_error;
+    if (err.empty() && !(std::isfinite(found) && found >= 0.0))
+      err = detail::message("loss_scaler::decide on rank ", comm.rank(), ": found is ", found,
+                            " (expected this rank's count of non-finite gradient elements, finite and >= 0)");
+    return update(agree(comm, found, err, "loss_scaler::decide"));
   }
 
   /// Applies one step of the rule with an overflow decision made elsewhere (every rank must
