@@ -318,6 +318,15 @@ TEST_CASE("zero_state errors: every rank throws, naming the problem", "[train][z
       RANK_REQUIRE(stepped);
     });
   }
+  SECTION("ranks that differ in allow_empty_shards") {
+    const auto what = gradapt_test::errors_of(2, quick, [](threads& comm) {
+      const gradapt::host b;
+      model<float> m;
+      (void)make_data_parallel_step(comm, b, m.params, gradapt::sgd(), {.lr = 0.1},
+                                    zero_state<1>{.allow_empty_shards = comm.rank() == 1});
+    });
+    for (const auto& w : what) CHECK_THAT(w, Contains("zero_state::allow_empty_shards"));
+  }
   SECTION("a damaged checkpoint on one rank") {
     const auto what = gradapt_test::errors_of(3, quick, [](threads& comm) {
       const gradapt::host b;

@@ -376,7 +376,7 @@ class data_parallel_step {
     if constexpr (has_sharded_state) {
       sharded_.emplace(opt_, state.sharding);
       state_.emplace(sharded_->init(comm, backend_, params));  // collective; agrees the options
-      if (!state.allow_empty_shards) check_empty_shards(state.sharding);
+      check_empty_shards(state);
     } else {
       (void)state;
       state_ = opt_.init(backend_, params);
@@ -784,23 +784,28 @@ class data_parallel_step {
       return state_;
   }
 
-  // The partition is the same on every rank, so every rank finds the same empty ranks and
-  // throws the same error without a collective.
-  void check_empty_shards(const shard::sharded_options& o) const {
+  // The partition is the same on every rank, so every rank finds the same empty ranks; the
+  // ranks agree on allow_empty_shards (one small allreduce), so a rank that allows them and one
+  // that does not both throw instead of one of them going on alone.
+  void check_empty_shards(const StateP& o) const {
     const auto& plan = state_->plan();
-    std::string empty;
+    std::string empty, bad;
     int count = 0;
     for (int r = 0; r < plan.world(); ++r)
       if (plan.pieces(r).empty()) {
         if (count < 8) empty += (count ? ", " : "") + std::to_string(r);
         ++count;
       }
-    detail::require(count == 0, "train::data_parallel_step: zero_state leaves ", count, " of ", plan.world(),
-                    " ranks without elements (ranks ", empty, count > 8 ? ", ..." : "", ") for ", total_,
-                    " elements in ", tensors_, " tensors at partition_options::alignment ",
-                    o.partition.alignment,
-                    ": lower the alignment (a chain without per-tensor or global sums takes any), use "
-                    "fewer ranks, or set zero_state::allow_empty_shards");
+    if (count != 0 && !o.allow_empty_shards)
+      bad =
+          detail::message("train::data_parallel_step: zero_state leaves ", count, " of ", plan.world(),
+                          " ranks without elements (ranks ", empty, count > 8 ? ", ..." : "", ") for ",
+                          total_, " elements in ", tensors_, " tensors at partition_options::alignment ",
+                          o.sharding.partition.alignment,
+                          ": lower the alignment (a chain without per-tensor or global sums takes any), use "
+                          "fewer ranks, or set zero_state::allow_empty_shards");
+    agree_values(*comm_, "train::data_parallel_step",
+                 {{"zero_state::allow_empty_shards", o.allow_empty_shards ? 1.0 : 0.0}}, bad);
   }
 
   template <class F>
