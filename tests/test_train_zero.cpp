@@ -327,6 +327,17 @@ TEST_CASE("zero_state errors: every rank throws, naming the problem", "[train][z
     });
     for (const auto& w : what) CHECK_THAT(w, Contains("zero_state::allow_empty_shards"));
   }
+  SECTION("ranks whose state slots differ") {
+    const auto what = gradapt_test::errors_of(2, quick, [](threads& comm) {
+      const gradapt::host b;
+      model<float> m;
+      if (comm.rank() == 0)
+        (void)make_data_parallel_step(comm, b, m.params, gradapt::sgd(), {.lr = 0.1}, zero_state<1>{});
+      else
+        (void)make_data_parallel_step(comm, b, m.params, gradapt::sgd(), {.lr = 0.1}, zero_state<2>{});
+    });
+    for (const auto& w : what) CHECK_THAT(w, Contains("state slot"));
+  }
   SECTION("a damaged checkpoint on one rank") {
     const auto what = gradapt_test::errors_of(3, quick, [](threads& comm) {
       const gradapt::host b;

@@ -988,6 +988,8 @@ class data_parallel_step {
     v.push("adascale on", has_adascale ? 1.0 : 0.0);
     v.push("local sgd on", has_local_sgd ? 1.0 : 0.0);
     v.push("preconditioner on", has_preconditioner ? 1.0 : 0.0);
+    v.push("state slot (0 replicated_state, 1 or 2 zero_state<stage>)", static_cast<double>(zero_stage));
+    v.push("reduce slot bucket_reduce on", has_buckets ? 1.0 : 0.0);
     v.push("step_settings::lr", settings_.lr);
     v.push("step_settings::local_batch", settings_.local_batch);
     v.push("step_settings::accumulation_steps", static_cast<double>(settings_.accumulation_steps));
