@@ -12,9 +12,11 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <mutex>
 #include <numeric>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -288,6 +290,101 @@ TEST_CASE("zero_state: save and load mid-run continue bit for bit", "[train][zer
   }
 }
 
+namespace {
+
+/// Composed steps k0..k1 on this rank: gradients identical on every rank with sums exact in
+/// any order (`same`: the mean is the same on any world size) or full-mantissa and different
+/// per rank, times the loss scale (a power of 2), marked in the backward's order.
+template <class Step>
+void advance(Step& step, model<float>& m, int rank, int k0, int k1, bool same) {
+  for (int k = k0; k <= k1; ++k) {
+    m.make_grads(rank, k, same);
+    for (auto& g : m.g)
+      for (auto& x : g) x *= static_cast<float>(step.loss_scale());
+    if constexpr (Step::marks_gradients)
+      for (std::size_t t = m.params.size(); t-- > 0;) step.mark_ready(t);
+    const bool stepped = step.step().stepped;  // (not inside RANK_REQUIRE, which holds a lock)
+    RANK_REQUIRE(stepped);
+  }
+}
+
+/// restore() of an N-rank checkpoint on M ranks against an uninterrupted M-rank run from the
+/// same state. Three steps on gradients whose mean is the same on any world size leave the same
+/// state on N and on M ranks (the parameters are checked equal), so the M-rank run that took
+/// them is the reference: it is given the restored settings (the rule's) by hand, and both take
+/// five more steps on gradients that differ by rank. The parameters, the loss scale and the
+/// whole checkpoint must then agree bit for bit.
+template <class Opt, class State>
+void restore_against_uninterrupted(const Opt& opt, const State& state) {
+  using gradapt::train::rescale_rule;
+  const gradapt::host b;
+  const auto make = [&](threads& comm, model<float>& m) {
+    return make_data_parallel_step(comm, b, m.params, opt, {.lr = 1e-2, .accumulation_steps = 60}, state,
+                                   gradapt::loss_scaler({.init_scale = 1024, .growth_interval = 2}));
+  };
+  const std::pair<int, int> worlds[] = {{1, 3}, {2, 5}, {3, 2}, {5, 1}, {4, 4}, {2, 3}};
+  const rescale_rule rules[] = {rescale_rule::keep_global_batch, rescale_rule::linear_lr, rescale_rule::sqrt_lr};
+  for (std::size_t i = 0; i < std::size(worlds); ++i) {
+    const int n = worlds[i].first, m = worlds[i].second;  // (not a structured binding: lambdas capture them)
+    const rescale_rule rule = rules[i % std::size(rules)];
+    INFO(n << " -> " << m << " ranks, " << gradapt::train::name(rule));
+    std::vector<std::vector<std::byte>> saved(static_cast<std::size_t>(n));
+    std::vector<std::vector<float>> at3;
+    run_threads(n, quick, [&](threads& comm) {
+      model<float> a;
+      auto step = make(comm, a);
+      advance(step, a, comm.rank(), 1, 3, true);
+      saved[static_cast<std::size_t>(comm.rank())] = step.save();
+      if (comm.rank() == 0) at3 = a.p;
+    });
+    run_threads(m, quick, [&](threads& comm) {
+      model<float> ref, got;
+      auto reference = make(comm, ref);
+      advance(reference, ref, comm.rank(), 1, 3, true);
+      for (std::size_t t = 0; t < at3.size(); ++t) RANK_REQUIRE(same_bits(ref.p[t], at3[t]));
+      got.p = at3;  // the framework restores its parameters itself
+      auto resumed = make(comm, got);
+      resumed.restore([&](int r) { return std::span<const std::byte>(saved[static_cast<std::size_t>(r)]); },
+                      rule);
+      RANK_REQUIRE(resumed.steps() == 3);
+      RANK_REQUIRE(resumed.loss_scale() == reference.loss_scale());
+      const double ratio = double(m) / double(n);
+      const auto& s = resumed.settings();
+      RANK_REQUIRE(s.accumulation_steps == (rule == rescale_rule::keep_global_batch ? 60 * n / m : 60));
+      RANK_REQUIRE(s.lr == (rule == rescale_rule::linear_lr ? 1e-2 * ratio
+                            : rule == rescale_rule::sqrt_lr ? 1e-2 * std::sqrt(ratio)
+                                                            : 1e-2));
+      reference.settings() = s;
+      advance(reference, ref, comm.rank(), 4, 8, false);
+      advance(resumed, got, comm.rank(), 4, 8, false);
+      for (std::size_t t = 0; t < ref.p.size(); ++t) RANK_REQUIRE(same_bits(ref.p[t], got.p[t]));
+      RANK_REQUIRE(resumed.loss_scale() == reference.loss_scale());
+      RANK_REQUIRE(resumed.state_bytes() == reference.state_bytes());
+      const bool same_checkpoint = resumed.save() == reference.save();
+      RANK_REQUIRE(same_checkpoint);
+    });
+  }
+}
+
+}  // namespace
+
+TEST_CASE("restore N -> M: every state slot continues as an uninterrupted M-rank run, bit for bit",
+          "[train][zero][elastic]") {
+  SECTION("LAMB (norms across shards), replicated, zero_state<1> and <2>") {
+    const auto opt = gradapt::lamb({.lr = 1e-2, .weight_decay = 0.01});
+    restore_against_uninterrupted(opt, replicated_state{});
+    restore_against_uninterrupted(opt, zero_state<1>{.allow_empty_shards = true});
+    restore_against_uninterrupted(opt, zero_state<2>{.allow_empty_shards = true});
+  }
+  SECTION("Adafactor and SM3, factored, whole tensors per rank") {
+    const auto ada = gradapt::adafactor({.lr = 1e-2, .min_dim_size_to_factor = 5});
+    const auto sm3 = gradapt::sm3({.lr = 0.1, .momentum = 0.9});
+    restore_against_uninterrupted(ada, replicated_state{});
+    restore_against_uninterrupted(ada, zero_state<1>{.sharding = tensor_cut, .allow_empty_shards = true});
+    restore_against_uninterrupted(sm3, zero_state<2>{.sharding = tensor_cut, .allow_empty_shards = true});
+  }
+}
+
 TEST_CASE("zero_state errors: every rank throws, naming the problem", "[train][zero]") {
   SECTION("a partition that leaves ranks empty") {
     // The model holds 38,769 elements cut at multiples of 4096 from each tensor's start: 12
@@ -351,6 +448,65 @@ TEST_CASE("zero_state errors: every rank throws, naming the problem", "[train][z
     });
     CHECK_THAT(what[1], Contains("archive"));
     for (const auto& w : what) CHECK_THAT(w, Contains("train::data_parallel_step::load"));
+  }
+  SECTION("restore from the old ranks' checkpoints: one damaged, of another step, or a source that throws") {
+    // Three old ranks' checkpoints after steps 1 and 2, restored on two new ranks.
+    std::vector<std::vector<std::byte>> one(3), two(3);
+    run_threads(3, quick, [&](threads& comm) {
+      const gradapt::host b;
+      model<float> m;
+      auto step = make_data_parallel_step(comm, b, m.params, gradapt::adamw(), {.lr = 0.1}, zero_state<1>{});
+      for (int k = 1; k <= 2; ++k) {
+        m.make_grads(comm.rank(), k);
+        step.step();
+        (k == 1 ? one : two)[static_cast<std::size_t>(comm.rank())] = step.save();
+      }
+    });
+    const auto restore_on_two = [&](const std::function<std::span<const std::byte>(int, int)>& source) {
+      return gradapt_test::errors_of(2, quick, [&](threads& comm) {
+        const gradapt::host b;
+        model<float> m;
+        auto step = make_data_parallel_step(comm, b, m.params, gradapt::adamw(), {.lr = 0.1}, zero_state<1>{});
+        const auto before = step.save();
+        try {
+          step.restore([&](int r) { return source(comm.rank(), r); }, gradapt::train::rescale_rule::linear_lr);
+        } catch (const gradapt::error&) {
+          const bool unchanged = step.steps() == 0 && step.save() == before && step.settings().lr == 0.1;
+          RANK_REQUIRE(unchanged);
+          throw;
+        }
+      });
+    };
+    // The rank that read the bad checkpoint names it; every other rank names that rank.
+    const auto named = [](const std::vector<std::string>& what, const std::string& why) {
+      int naming = 0;
+      for (const auto& w : what) {
+        CHECK_THAT(w, Contains("restore") || Contains("sharded_optimizer::load"));
+        naming += w.find(why) != std::string::npos ? 1 : 0;
+      }
+      CHECK(naming >= 1);
+    };
+    std::vector<std::byte> damaged = two[2];
+    damaged[damaged.size() / 3] ^= std::byte{4};
+    named(restore_on_two([&](int, int r) -> std::span<const std::byte> { return r == 2 ? damaged : two[r]; }),
+          "old rank 2's checkpoint: archive");
+    named(restore_on_two([&](int, int r) -> std::span<const std::byte> { return r == 1 ? one[r] : two[r]; }),
+          "old rank 1's checkpoint is of step 1 but old rank 0's of step 2");
+    const auto what = restore_on_two([&](int me, int r) -> std::span<const std::byte> {
+      if (me == 1) throw gradapt::error("the file of old rank " + std::to_string(r) + " is missing");
+      return two[r];
+    });
+    CHECK_THAT(what[1], Contains("the file of old rank 0 is missing"));
+    CHECK_THAT(what[0], Contains("rank 1"));
+    run_threads(2, quick, [&](threads& comm) {  // the intact checkpoints restore
+      const gradapt::host b;
+      model<float> m;
+      auto step = make_data_parallel_step(comm, b, m.params, gradapt::adamw(), {.lr = 0.1}, zero_state<1>{});
+      step.restore([&](int r) { return std::span<const std::byte>(two[static_cast<std::size_t>(r)]); },
+                   gradapt::train::rescale_rule::linear_lr);
+      RANK_REQUIRE(step.steps() == 2);
+      RANK_REQUIRE(step.settings().lr == 0.1 * 2.0 / 3.0);
+    });
   }
   SECTION("ranks that differ in the sharding options") {
     const auto what = gradapt_test::errors_of(2, quick, [](threads& comm) {

@@ -54,11 +54,7 @@ struct threads_options {
 
 namespace detail {
 
-/// `what` without a leading "gradapt: " (to embed one message in another).
-inline std::string_view without_prefix(std::string_view what) {
-  constexpr std::string_view prefix = "gradapt: ";
-  return what.substr(0, prefix.size()) == prefix ? what.substr(prefix.size()) : what;
-}
+using gradapt::detail::without_prefix;
 
 /// Shared state of one in-process world. Internal: use comm::threads.
 class threads_world {

@@ -45,6 +45,12 @@ void require(bool cond, Args&&... args) {
   if (!cond) fail(std::forward<Args>(args)...);
 }
 
+/// `what` without a leading "gradapt: " (to embed one message in another).
+inline std::string_view without_prefix(std::string_view what) {
+  constexpr std::string_view prefix = "gradapt: ";
+  return what.substr(0, prefix.size()) == prefix ? what.substr(prefix.size()) : what;
+}
+
 /// Rethrows `e` as raised by `who`: "gradapt: <who>: <message>", where the message is e's
 /// without its "gradapt: " prefix, and a leading "<stage>: <name>" found in `renames` is
 /// replaced by the public option name it stands for. The presets use it so that an option an
@@ -53,9 +59,7 @@ void require(bool cond, Args&&... args) {
 [[noreturn]] inline void rethrow_in(
     std::string_view who, const error& e,
     std::initializer_list<std::pair<std::string_view, std::string_view>> renames = {}) {
-  std::string_view m = e.what();
-  constexpr std::string_view prefix = "gradapt: ";
-  if (m.substr(0, prefix.size()) == prefix) m.remove_prefix(prefix.size());
+  const std::string_view m = without_prefix(e.what());
   if (m.substr(0, who.size()) == who && m.substr(who.size(), 2) == ": ") throw error(message(m));
   for (const auto& [inner, outer] : renames)
     if (m.substr(0, inner.size()) == inner) throw error(message(who, ": ", outer, m.substr(inner.size())));

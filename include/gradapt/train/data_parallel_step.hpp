@@ -721,7 +721,10 @@ class data_parallel_step {
   /// @throws gradapt::error naming the first field that does not match, a rule that does not
   ///         apply (keep_global_batch with accumulation_steps × N not divisible by M; adascale
   ///         without the adapt slot), or ranks that passed other bytes or another rule
-  void restore(std::span<const std::byte> bytes, rescale_rule rule) requires(!has_sharded_state) {
+  void restore(std::span<const std::byte> bytes, rescale_rule rule) {
+    static_assert(!has_sharded_state,
+                  "train::data_parallel_step::restore: with zero_state the state is in every old rank's "
+                  "checkpoint; pass them as restore(archive_source, rule)");
     const std::vector<std::byte> backup = save();
     std::string bad;
     try {
@@ -730,17 +733,41 @@ class data_parallel_step {
       bad = e.what();
       load_impl(backup, nullptr);
     }
-    // (Not the archive's CRC32C: a CRC over bytes that end with their own CRC is a constant.)
-    const std::uint64_t hash = gradapt::detail::hash_bytes(0x9E3779B97F4A7C15ull, bytes.data(), bytes.size());
-    try {
-      agree_values(*comm_, "train::data_parallel_step::restore",
-                   {{"checkpoint (a 52-bit hash of its bytes)", static_cast<double>(hash >> 12)},
-                    {"checkpoint size in bytes", static_cast<double>(bytes.size())},
-                    {"rescale rule", static_cast<double>(rule)}},
-                   bad);
-    } catch (...) {
-      if (bad.empty()) load_impl(backup, nullptr);
-      throw;
+    agree_on_restore(bytes, rule, bad, [&] { load_impl(backup, nullptr); });
+  }
+
+  /// Old rank r's checkpoint (the bytes its `save()` wrote), for `restore(archive_source, rule)`.
+  /// The bytes must stay valid until the next call.
+  using archive_source = std::function<std::span<const std::byte>(int old_rank)>;
+
+  /// Restores, on this step's world of M ranks, the checkpoints `save()` wrote on each of N
+  /// ranks, for every state slot: `archive(r)` returns old rank r's bytes. With
+  /// `replicated_state` it is `restore(archive(0), rule)`. With `zero_state` (any N, M, stage
+  /// and sharding options) the step's own sections come from old rank 0's checkpoint, agreed
+  /// across the ranks by a hash as above, and each new rank reads its new shard of the
+  /// optimizer state from the old ranks' checkpoints that overlap it (old rank 0's for the
+  /// plan, then only those), as `shard::sharded_optimizer::load` does. The continuation is
+  /// then that of an M-rank run holding the same state. Collective and all or nothing: an error
+  /// anywhere (a damaged or missing checkpoint of any old rank, checkpoints of different steps
+  /// or world sizes, a rule that does not apply, the callback's own exception) is thrown on
+  /// every rank, and every rank keeps its state.
+  void restore(const archive_source& archive, rescale_rule rule) {
+    if constexpr (has_sharded_state) {
+      restore_sharded(archive, rule);
+    } else {
+      std::span<const std::byte> bytes;
+      std::string bad;
+      try {
+        bytes = archive(0);
+      } catch (const std::exception& e) {
+        bad = detail::message("train::data_parallel_step::restore on rank ", comm_->rank(),
+                              ": the archive source threw for old rank 0: ", gradapt::detail::without_prefix(e.what()));
+      }
+      if (bad.empty()) {
+        restore(bytes, rule);
+      } else {
+        agree_on_restore({}, rule, bad, [] {});
+      }
     }
   }
 
@@ -1206,7 +1233,8 @@ class data_parallel_step {
   // Reads the archive into this step. Component loads validate their own sections and
   // commit one by one, so `load` restores a backup when anything throws.
   // With `resize`, a checkpoint of another rank count is accepted and the settings follow the rule.
-  void load_impl(std::span<const std::byte> bytes, const rescale_rule* resize, std::string* shard = nullptr) {
+  void load_impl(std::span<const std::byte> bytes, const rescale_rule* resize, std::string* shard = nullptr,
+                 std::uint64_t* old_ranks = nullptr) {
     constexpr const char* fn = "train::data_parallel_step::load";
     archive_reader r{bytes, archive_kind, archive_version};
     const auto expect = [&](const char* field, const char* what, std::uint64_t want, const char* hint) {
@@ -1285,6 +1313,7 @@ class data_parallel_step {
     rank_times_.clear();
     rank_busy_.clear();
     if constexpr (has_local_sgd) sync_.was_synchronous = settings_.synchronous;
+    if (old_ranks != nullptr) *old_ranks = saved_ranks;
     std::fill(unscaled_.begin(), unscaled_.end(), char{0});  // a load starts a step afresh
     nonfinite_ = 0.0;
     local_sq_ = 0.0;
@@ -1305,7 +1334,7 @@ class data_parallel_step {
     try {
       load_impl(bytes, nullptr, &shard);
     } catch (const error& e) {
-      bad = detail::message(fn, " on rank ", comm_->rank(), ": ", e.what());
+      bad = detail::message(fn, " on rank ", comm_->rank(), ": ", gradapt::detail::without_prefix(e.what()));
       undo();
     }
     try {
@@ -1322,11 +1351,9 @@ class data_parallel_step {
       // every rank's archive holds.
       state_ = sharded_->load(*comm_, backend_, *params_, [&](int r) -> std::span<const std::byte> {
         detail::require(r == me || r == 0, fn, " on rank ", me,
-                        ": the checkpoint's partition differs from "
-                        "this step's (old rank ",
-                        r,
-                        "'s shard is needed); load a checkpoint saved with the "
-                        "same world size and zero_state options");
+                        ": the checkpoint's partition differs from this step's (old rank ", r,
+                        "'s shard is needed); load a checkpoint saved with the same world size and "
+                        "zero_state options, or restore(archive_source, rule) from every old rank's");
         return mine;
       });
     } catch (...) {
@@ -1334,6 +1361,91 @@ class data_parallel_step {
       throw;
     }
     last_.state_bytes = state_bytes();
+  }
+
+  // restore's agreement: every rank passed the same checkpoint bytes and rule, or every rank
+  // throws (`bad`: this rank's error; `undo` puts the state back where it was changed).
+  template <class Undo>
+  void agree_on_restore(std::span<const std::byte> bytes, rescale_rule rule, const std::string& bad, Undo undo) {
+    // (Not the archive's CRC32C: a CRC over bytes that end with their own CRC is a constant.)
+    const std::uint64_t hash = gradapt::detail::hash_bytes(0x9E3779B97F4A7C15ull, bytes.data(), bytes.size());
+    try {
+      agree_values(*comm_, "train::data_parallel_step::restore",
+                   {{"checkpoint (a 52-bit hash of its bytes)", static_cast<double>(hash >> 12)},
+                    {"checkpoint size in bytes", static_cast<double>(bytes.size())},
+                    {"rescale rule", static_cast<double>(rule)}},
+                   bad);
+    } catch (...) {
+      if (bad.empty()) undo();
+      throw;
+    }
+  }
+
+  // restore() with zero_state: the step's sections from old rank 0's checkpoint (agreed), then
+  // the new shard through the sharded optimizer's collective load from the old ranks'
+  // checkpoints that overlap it.
+  void restore_sharded(const archive_source& archive, rescale_rule rule) {
+    constexpr const char* fn = "train::data_parallel_step::restore";
+    const std::vector<std::byte> backup = save();
+    const auto undo = [&] {
+      std::string ignored;
+      load_impl(backup, nullptr, &ignored);
+    };
+    const int me = comm_->rank();
+    std::vector<std::string> shards(1);
+    std::span<const std::byte> first;
+    std::string bad;
+    std::uint64_t old_ranks = 0;
+    try {
+      first = archive(0);
+      load_impl(first, &rule, shards.data(), &old_ranks);
+    } catch (const std::exception& e) {  // also what the archive source throws
+      bad = detail::message(fn, " on rank ", me, ": old rank 0's checkpoint: ", gradapt::detail::without_prefix(e.what()));
+      undo();
+      first = {};
+    }
+    agree_on_restore(first, rule, bad, undo);
+    shards.resize(static_cast<std::size_t>(old_ranks));
+    std::vector<char> read(shards.size(), char{0});
+    read[0] = 1;
+    try {
+      state_ = sharded_->load(*comm_, backend_, *params_, [&](int r) -> std::span<const std::byte> {
+        detail::require(r >= 0 && static_cast<std::uint64_t>(r) < old_ranks, fn, " on rank ", me,
+                        ": old rank ", r, " is outside the checkpoint's world of ", old_ranks, " ranks");
+        const auto i = static_cast<std::size_t>(r);
+        if (read[i] == 0) {
+          shards[i] = shard_in(archive(r), r, old_ranks);
+          read[i] = 1;
+        }
+        return {reinterpret_cast<const std::byte*>(shards[i].data()), shards[i].size()};
+      });
+    } catch (...) {  // thrown on every rank by the sharded optimizer's agreement
+      undo();
+      throw;
+    }
+    last_.state_bytes = state_bytes();
+  }
+
+  // Old rank r's shard from its checkpoint, which must be of the same world size and step as
+  // old rank 0's (already read into this step).
+  std::string shard_in(std::span<const std::byte> bytes, int r, std::uint64_t old_ranks) const {
+    constexpr const char* fn = "train::data_parallel_step::restore";
+    std::uint64_t n = 0, calls = 0;
+    std::string shard;
+    try {
+      archive_reader rd{bytes, archive_kind, archive_version};
+      n = rd.get<std::uint64_t>("ranks");
+      calls = rd.get<std::uint64_t>("calls");
+      rd.begin("optimizer");
+      shard = rd.get<std::string>("shard");
+    } catch (const error& e) {
+      detail::fail(fn, ": old rank ", r, "'s checkpoint: ", gradapt::detail::without_prefix(e.what()));
+    }
+    detail::require(n == old_ranks, fn, ": old rank ", r, "'s checkpoint was saved on ", n,
+                    " ranks but old rank 0's on ", old_ranks, " (checkpoints of different runs)");
+    detail::require(calls == calls_, fn, ": old rank ", r, "'s checkpoint is of step ", calls,
+                    " but old rank 0's of step ", calls_, " (checkpoints of different steps)");
+    return shard;
   }
 
   // The settings of a checkpoint of n ranks on m ranks under `rule`.
