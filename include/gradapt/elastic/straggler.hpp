@@ -34,7 +34,7 @@ namespace detail {
 using gradapt::detail::require;
 
 /// The median of v (the mean of the two middle values for an even count; v non-empty),
-/// reordering v. Shared by the detector and the policies (elastic/policy.hpp).
+/// reordering v. Shared by the detector and the policies (elastic/builtin_policies.hpp).
 inline double median(std::vector<double>& v) {
   const std::size_t h = v.size() / 2;
   std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(h), v.end());

@@ -50,12 +50,10 @@
 /// of any other, reading only the old archives that overlap this rank's new shard.
 
 #include <algorithm>
-#include <cmath>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
-#include <limits>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -74,25 +72,10 @@
 #include "gradapt/core/param_list.hpp"
 #include "gradapt/core/tensor_view.hpp"
 #include "gradapt/optim/chain.hpp"
+#include "gradapt/shard/detail/checkpoint_read.hpp"
+#include "gradapt/shard/detail/packing.hpp"
 #include "gradapt/shard/partition.hpp"
-
-namespace gradapt::detail::shard_k {
-/// dst = src in the compute type: a value copy (a 16-bit signalling NaN becomes quiet), or
-/// master values rounded to the parameters' type to nearest even.
-struct copy_to {
-  template <class C>
-  GRADAPT_HD void operator()(C& dst, const C& src) const {
-    dst = src;
-  }
-};
-/// x = 0.
-struct set_zero {
-  template <class C>
-  GRADAPT_HD void operator()(C& x) const {
-    x = C(0);
-  }
-};
-}  // namespace gradapt::detail::shard_k
+#include "gradapt/shard/state.hpp"
 
 namespace gradapt::shard {
 
@@ -115,198 +98,6 @@ struct sharded_options {
   /// Stage 2 (`mark_ready`): the gradient buckets reduce-scattered during the backward pass
   /// (DDP's rule: reverse registration order, a smaller first bucket).
   bucket::bucket_options buckets{};
-};
-
-template <class Chain>
-class sharded_optimizer;
-
-/// One contiguous range of a tensor that the shard's chain sees as one list entry.
-struct shard_unit {
-  std::size_t tensor = 0;    ///< logical tensor
-  std::size_t offset = 0;    ///< first element within the tensor
-  std::size_t length = 0;    ///< elements
-  std::size_t position = 0;  ///< position in this rank's shard buffer
-  std::size_t exchange = 0;  ///< row of the sums exchanged across ranks
-};
-
-/// The state of a `sharded_optimizer` on one rank: the plan, this rank's gradient shard,
-/// the chain state of its shard (and master values), and the packing buffers.
-/// Created by `sharded_optimizer::init` or `load`, advanced by `step`. Move-only.
-template <class Chain, class B, class V, class G, class M, class S, class Options>
-class sharded_state {
- public:
-  /// The chain state of this rank's shard.
-  using chain_state_type = typename Chain::template state_type<B, M, G, S>;
-  using backend_type = B;           ///< the backend the state's buffers belong to
-  using space = typename B::space;  ///< the memory space of the buffers and views
-  using value_type = V;             ///< the parameters' element type
-  using gradient_type = G;          ///< the gradients' element type
-  using master_type = M;            ///< the shard's value type (V, or wider master values)
-
-  /// Move-only: the shard's list and chain state point into the state's own buffers.
-  sharded_state(sharded_state&&) noexcept = default;
-  /// Move assignment (the views stay valid: the buffers do not move).
-  sharded_state& operator=(sharded_state&&) noexcept = default;
-  sharded_state(const sharded_state&) = delete;
-  sharded_state& operator=(const sharded_state&) = delete;
-
-  /// The partition plan.
-  const partition_plan& plan() const { return plan_; }
-  /// This state's rank.
-  int rank() const { return rank_; }
-  /// Steps taken.
-  std::uint64_t steps() const { return st_.steps(); }
-  /// The chain state of this rank's shard (its buffers cover the shard only).
-  const chain_state_type& shard_state() const { return st_; }
-  /// The list entries the shard's chain steps: whole tensors, or ranges of a tensor that
-  /// straddles ranks (one per reduction block when the chain has barrier stages).
-  std::span<const shard_unit> units() const { return units_; }
-  /// Bytes of optimizer state on this rank: the chain's state buffers over the shard plus
-  /// the master values (when M is not V).
-  std::size_t state_bytes() const { return st_.state_elements() * sizeof(S) + master_.size() * sizeof(M); }
-  /// Bytes of this rank's gradient shard (the averaged gradients the chain reads).
-  std::size_t gradient_bytes() const { return grad_.size() * sizeof(G); }
-  /// Bytes of the packing buffers of the reduce-scatter and allgather rounds (and of stage
-  /// 2's buckets) and the sums exchanged for straddling tensors.
-  std::size_t workspace_bytes() const {
-    return (send_g_.size() + bsend_.size() + brecv_.size()) * sizeof(G) + send_v_.size() * sizeof(V) +
-           recv_v_.size() * sizeof(V) + (xsums_.size() + logical_.size() + rows_.size()) * sizeof(double);
-  }
-  /// The gradient buckets of stage 2 (`mark_ready`).
-  const bucket::bucket_plan& buckets() const { return bplan_; }
-  /// True when gradient t's bucket has been reduce-scattered in this round: its buffer is
-  /// not read again before the next `mark_ready(t)` and may be reused.
-  bool released(std::size_t t) const {
-    gradapt::detail::require(t < ready_.size(), "sharded optimizer released: gradient ", t,
-                             " is out of range (", ready_.size(), " gradients)");
-    return bplan_.where(t).bucket < next_;
-  }
-
-  /// Kind and format version of the archive `save()` writes.
-  static constexpr std::string_view archive_kind = "gradapt.sharded_optimizer";
-  static constexpr std::uint32_t archive_version = 1;  ///< see archive_kind
-
-  /// This rank's shard as an archive: the plan, the rank, the chain's element type, stage
-  /// layout and step count, and per piece of the plan its parameter name, tensor index, element
-  /// range and the state of every active buffer (and the master values) over that range.
-  /// Holds the archive (reserved at its final size) and one piece's buffer besides: the
-  /// shard plus at most one tensor's worth of state.
-  /// @throws gradapt::error when a state value is not finite
-  std::vector<std::byte> save(const B& b) const {
-    archive_writer w(archive_kind, archive_version);
-    w.begin("plan");
-    plan_.save(w);
-    w.end();
-    w.put("rank", static_cast<std::uint64_t>(rank_));
-    w.put("element_type", name(dtype_of_v<S>));
-    w.put("master_type", name(dtype_of_v<M>));
-    w.put("stages", static_cast<std::uint64_t>(chain_state_type::plan::n));
-    w.put("buffers", static_cast<std::uint64_t>(chain_state_type::buffer_count()));
-    w.put("active_stages", st_.active_stages());
-    w.put("steps", st_.steps());
-    const auto mine = plan_.pieces(rank_);
-    w.put("pieces", static_cast<std::uint64_t>(mine.size()));
-    // The archive's size is known up front: reserving it keeps one copy of the shard.
-    std::size_t bytes = w.size() + 4;
-    for (std::size_t i = 0; i < mine.size(); ++i) {
-      const std::size_t fields = 4 + 2 * chain_state_type::buffer_count() + 1;  // with name slack
-      bytes += fields * (64 + names_[mine[i].tensor].size()) + 2 * names_[mine[i].tensor].size();
-      for (std::size_t j = 0; j < chain_state_type::buffer_count(); ++j)
-        if (!st_.buffer(j).empty()) bytes += mine[i].length * sizeof(S);
-      if (master_.size() != 0) bytes += mine[i].length * sizeof(M);
-    }
-    w.reserve(bytes);
-    std::vector<S> host;
-    std::vector<M> mhost;
-    for (std::size_t i = 0; i < mine.size(); ++i) {
-      const piece& q = mine[i];
-      w.begin(gradapt::detail::archive_impl::join("piece", "/", std::to_string(i)));
-      w.put("name", names_[q.tensor]);
-      w.put("tensor", static_cast<std::uint64_t>(q.tensor));
-      w.put("offset", static_cast<std::uint64_t>(q.offset));
-      w.put("length", static_cast<std::uint64_t>(q.length));
-      for (std::size_t j = 0; j < chain_state_type::buffer_count(); ++j) {
-        const auto bufs = st_.buffer(j);
-        if (bufs.empty()) continue;
-        // Element-wise buffers cover the piece unit by unit; a factored tensor's statistics
-        // (row and column sums, SM3's covers) belong to its one whole-tensor unit and are
-        // written whole, whatever their length.
-        host.clear();
-        std::size_t at = 0, units = 0;
-        bool factored = false;
-        for_units_of(q, [&](std::size_t u) {
-          const auto& v = bufs[u];
-          factored = factored || v.size() != units_[u].length;
-          host.resize(host.size() + v.size());
-          b.copy(tensor_view<const S, space>(v), host_view(std::span<S>(host).subspan(at, v.size())));
-          at += v.size();
-          ++units;
-        });
-        gradapt::detail::require(
-            factored ? units == 1 && q.offset == 0 && q.length == plan_.tensor_size(q.tensor)
-                     : at == q.length,
-            "sharded optimizer save on rank ", rank_, ": buffer ", j, " of '", names_[q.tensor], "' spans ",
-            at, " values over ", units, " units for its ", q.length, " shard elements",
-            factored ? " (a factored tensor's statistics need the whole tensor on one rank)" : "");
-        for (const S& x : host)
-          gradapt::detail::require(std::isfinite(static_cast<double>(static_cast<compute_t<S>>(x))),
-                                   "sharded optimizer save on rank ", rank_, ": buffer ", j, " of '",
-                                   names_[q.tensor], "' holds a non-finite value (save the last good state)");
-        w.put_tensor<S>(gradapt::detail::archive_impl::join("buffer", "", std::to_string(j)), host);
-      }
-      if (master_.size() != 0) {
-        mhost.resize(q.length);
-        b.copy(tensor_view<const M, space>::vector(master_.data() + q.shard_offset,
-                                                   static_cast<std::int64_t>(q.length)),
-               host_view(std::span<M>(mhost)));
-        w.put_tensor<M>("master", mhost);
-      }
-      w.end();
-    }
-    return std::move(w).finish();
-  }
-
- private:
-  template <class>
-  friend class sharded_optimizer;
-  sharded_state() = default;
-
-  /// Calls f(u) for each unit of piece q, in element order.
-  template <class F>
-  void for_units_of(const piece& q, F&& f) const {
-    for (std::size_t u = 0; u < units_.size(); ++u)
-      if (units_[u].tensor == q.tensor && units_[u].offset >= q.offset &&
-          units_[u].offset < q.offset + q.length)
-        f(u);
-  }
-
-  partition_plan plan_ = partition_plan::make(std::span<const std::size_t>(), 1);
-  int rank_ = 0;
-  std::uint64_t check_interval_ = 100;
-  std::size_t bucket_ = 0;
-  std::vector<std::string> names_;
-  std::vector<std::vector<std::int64_t>> shapes_;
-  std::vector<shard_unit> units_;
-  std::vector<char> split_;                      ///< tensor t straddles ranks
-  std::vector<std::size_t> xbase_;               ///< first exchange row of tensor t (T + 1 entries)
-  gradapt::detail::optim::buffer_t<B, G> grad_;  ///< this rank's averaged gradient shard (capacity elements)
-  gradapt::detail::optim::buffer_t<B, M> master_;  ///< master values of the shard (when M is not V)
-  std::vector<const void*> bound_;  ///< the parameters' value pointers the unit list points into
-  gradapt::detail::optim::buffer_t<B, G> send_g_;  ///< reduce-scatter packing (world × round)
-  gradapt::detail::optim::buffer_t<B, V> send_v_;  ///< allgather packing (round)
-  gradapt::detail::optim::buffer_t<B, V> recv_v_;  ///< allgather packing (world × round)
-  std::vector<double> xsums_, logical_, rows_;
-  // Stage 2: the bucket plan, this round's ready marks, the buckets still missing gradients,
-  // the next bucket to reduce, and each bucket's per-rank segments (rank-major).
-  bucket::bucket_plan bplan_ = bucket::bucket_plan::make(std::span<const bucket::tensor_info>());
-  std::vector<char> ready_;
-  std::vector<std::size_t> missing_;
-  std::size_t next_ = 0, marked_ = 0;
-  bool reduced_ = false;                                   ///< `reduce` ran for this step
-  std::vector<std::vector<std::vector<piece>>> segments_;  ///< [bucket][rank]: pieces in the bucket
-  gradapt::detail::optim::buffer_t<B, G> bsend_, brecv_;   ///< stage 2 packing (world × bucket, bucket)
-  param_list<M, G, typename B::space, Options> list_;
-  chain_state_type st_;
 };
 
 /// A chain optimizer whose state is sharded over the ranks (see the file comment).
@@ -439,7 +230,7 @@ class sharded_optimizer {
         G* dst = s.send_g_.data() + r * len;
         b.apply(gradapt::detail::shard_k::set_zero{},
                 vec<Sp, G>(dst, len));  // alignment gaps and the last shard's tail
-        for_overlaps(
+        gradapt::detail::shard_k::for_overlaps(
             s.plan_.pieces(static_cast<int>(r)), p0, len, [&](const piece& q, std::size_t a, std::size_t k) {
               b.apply(gradapt::detail::shard_k::copy_to{}, vec<Sp, G>(dst + (a - p0), k),
                       vec<Sp, const G>(params[q.tensor].grad.data() + q.offset + (a - q.shard_offset), k));
@@ -490,7 +281,8 @@ class sharded_optimizer {
     // 2. The chain over this rank's units.
     if constexpr (Chain::plan::max_terms > 0 && !Chain::plan::has_factored &&
                   std::same_as<typename B::space, host_space>) {
-      assembly<Comm, S> a{&comm, &s.units_, &s.split_, &s.xbase_, &s.xsums_, &s.logical_, &s.rows_};
+      gradapt::detail::shard_k::assembly<Comm, S> a{&comm,     &s.units_,   &s.split_, &s.xbase_,
+                                                    &s.xsums_, &s.logical_, &s.rows_};
       opt_.step(b, s.list_, s.st_, args, a);
     } else {
       if constexpr (!std::same_as<typename B::space, host_space>)
@@ -503,25 +295,26 @@ class sharded_optimizer {
     const bool master = !std::is_same_v<M, V>;
     for (std::size_t p0 = 0; p0 < cap; p0 += s.bucket_) {
       const std::size_t len = std::min(s.bucket_, cap - p0);
-      for_overlaps(s.plan_.pieces(s.rank_), p0, len, [&](const piece& q, std::size_t a, std::size_t k) {
-        V* dst = s.send_v_.data() + (a - p0);
-        if constexpr (!std::is_same_v<M, V>)
-          b.apply(gradapt::detail::shard_k::copy_to{}, vec<Sp, V>(dst, k),
-                  vec<Sp, const M>(s.master_.data() + a, k));
-        else
-          b.apply(gradapt::detail::shard_k::copy_to{}, vec<Sp, V>(dst, k),
-                  vec<Sp, const V>(params[q.tensor].value.data() + q.offset + (a - q.shard_offset), k));
-      });
+      gradapt::detail::shard_k::for_overlaps(
+          s.plan_.pieces(s.rank_), p0, len, [&](const piece& q, std::size_t a, std::size_t k) {
+            V* dst = s.send_v_.data() + (a - p0);
+            if constexpr (!std::is_same_v<M, V>)
+              b.apply(gradapt::detail::shard_k::copy_to{}, vec<Sp, V>(dst, k),
+                      vec<Sp, const M>(s.master_.data() + a, k));
+            else
+              b.apply(gradapt::detail::shard_k::copy_to{}, vec<Sp, V>(dst, k),
+                      vec<Sp, const V>(params[q.tensor].value.data() + q.offset + (a - q.shard_offset), k));
+          });
       comm.allgather(vec<Sp, const V>(s.send_v_.data(), len), vec<Sp, V>(s.recv_v_.data(), n * len));
       for (std::size_t r = 0; r < n; ++r) {
         if (static_cast<int>(r) == s.rank_ && !master) continue;  // updated in place
         const V* src = s.recv_v_.data() + r * len;
-        for_overlaps(s.plan_.pieces(static_cast<int>(r)), p0, len,
-                     [&](const piece& q, std::size_t a, std::size_t k) {
-                       b.apply(gradapt::detail::shard_k::copy_to{},
-                               vec<Sp, V>(params[q.tensor].value.data() + q.offset + (a - q.shard_offset), k),
-                               vec<Sp, const V>(src + (a - p0), k));
-                     });
+        gradapt::detail::shard_k::for_overlaps(
+            s.plan_.pieces(static_cast<int>(r)), p0, len, [&](const piece& q, std::size_t a, std::size_t k) {
+              b.apply(gradapt::detail::shard_k::copy_to{},
+                      vec<Sp, V>(params[q.tensor].value.data() + q.offset + (a - q.shard_offset), k),
+                      vec<Sp, const V>(src + (a - p0), k));
+            });
       }
     }
 
@@ -604,8 +397,8 @@ class sharded_optimizer {
                                  params[t].value.size(), " here");
       bool have = false;
       for (int r = 0; r < old.world(); ++r) {
-        if (!overlaps_any(old.pieces(r), s.plan_.pieces(s.rank_))) continue;
-        read_rank(b, s, old, r, archive(r), params, have, steps);
+        if (!gradapt::detail::shard_k::overlaps_any(old.pieces(r), s.plan_.pieces(s.rank_))) continue;
+        gradapt::detail::shard_k::checkpoint_reader::read_rank(b, s, old, r, archive(r), params, have, steps);
       }
       if (!have) steps = steps0;
     } catch (const std::exception& e) {  // also what the archive callback throws
@@ -630,7 +423,7 @@ class sharded_optimizer {
   /// A one-dimensional view of n elements at p in space Sp.
   template <class Sp, class T>
   static tensor_view<T, Sp> vec(T* p, std::size_t n) {
-    return tensor_view<T, Sp>::vector(p, static_cast<std::int64_t>(n));
+    return gradapt::detail::shard_k::vec<Sp, T>(p, n);
   }
 
   /// Stage 2's bucket plan over the gradients and each bucket's per-rank segments, and the
@@ -713,56 +506,6 @@ class sharded_optimizer {
               vec<Sp, const Gt>(s.brecv_.data() + at, q.length));
       at += q.length;
     }
-  }
-
-  /// The sums of the shard's list tensors → the logical tensors' sums (see the file comment).
-  template <class Comm, class S>
-  struct assembly {
-    static constexpr bool active = true;
-    Comm* comm;
-    const std::vector<shard_unit>* units;
-    const std::vector<char>* split;
-    const std::vector<std::size_t>* xbase;
-    std::vector<double>* x;
-    std::vector<double>* logical;
-    std::vector<double>* rows;
-    gradapt::detail::optim::assembled_sums operator()(const double* sums, std::size_t count,
-                                                      std::size_t terms, bool global) {
-      const std::size_t ntensors = xbase->size() - 1;
-      const std::size_t nx = xbase->back();
-      x->assign(nx * terms, 0.0);
-      for (std::size_t i = 0; i < count; ++i)
-        for (std::size_t k = 0; k < terms; ++k) (*x)[(*units)[i].exchange * terms + k] = sums[i * terms + k];
-      comm->allreduce(host_view(*x), reduce_op::sum);
-      logical->assign(ntensors * terms, 0.0);
-      for (std::size_t t = 0; t < ntensors; ++t)
-        for (std::size_t u = (*xbase)[t]; u < (*xbase)[t + 1]; ++u)
-          for (std::size_t k = 0; k < terms; ++k) (*logical)[t * terms + k] += (*x)[u * terms + k];
-      if (global) return {logical->data(), ntensors};
-      rows->resize(count * terms);
-      for (std::size_t i = 0; i < count; ++i)
-        for (std::size_t k = 0; k < terms; ++k)
-          (*rows)[i * terms + k] = (*logical)[(*units)[i].tensor * terms + k];
-      return {rows->data(), count};
-    }
-  };
-
-  /// Calls f(piece, first shard position, count) for every part of `pieces` inside shard
-  /// positions [p0, p0 + len).
-  template <class F>
-  static void for_overlaps(std::span<const piece> pieces, std::size_t p0, std::size_t len, F&& f) {
-    for (const piece& q : pieces) {
-      const std::size_t a = std::max(p0, q.shard_offset), e = std::min(p0 + len, q.shard_offset + q.length);
-      if (a < e) f(q, a, e - a);
-    }
-  }
-
-  static bool overlaps_any(std::span<const piece> a, std::span<const piece> b) {
-    for (const piece& x : a)
-      for (const piece& y : b)
-        if (x.tensor == y.tensor && x.offset < y.offset + y.length && y.offset < x.offset + x.length)
-          return true;
-    return false;
   }
 
   /// Empty when the plan suits the chain on backend B; else what is wrong, naming the tensor.
@@ -933,139 +676,6 @@ class sharded_optimizer {
                              s.st_.steps(),
                              "; the parameters have been updated and the state cannot recover: restore a "
                              "checkpoint with load(), and clip or rescale the gradients");
-  }
-
-  /// Copies what old rank `r`'s archive holds of this rank's new pieces.
-  template <class B, class St, class PL>
-  void read_rank(const B& b, St& s, const partition_plan& old, int r, std::span<const std::byte> bytes,
-                 const PL& params, bool& have, std::uint64_t& steps) const {
-    using Cs = typename St::chain_state_type;
-    using Se = typename Cs::state_element;
-    using Mt = typename St::master_type;
-    archive_reader rd(bytes, St::archive_kind, St::archive_version);
-    rd.begin("plan");
-    const partition_plan again = partition_plan::load(rd);
-    rd.end();
-    gradapt::detail::require(again == old, "sharded optimizer load: old rank ", r,
-                             "'s archive was written with another partition plan than old rank 0's");
-    gradapt::detail::require(rd.get<std::uint64_t>("rank") == static_cast<std::uint64_t>(r),
-                             "sharded optimizer load: archive(", r, ") holds rank ",
-                             rd.get<std::uint64_t>("rank"), "'s shard");
-    const auto et = rd.get<std::string>("element_type");
-    gradapt::detail::require(et == name(dtype_of_v<Se>), "sharded optimizer load: the checkpoint holds ", et,
-                             " state but this state is ", name(dtype_of_v<Se>));
-    const auto mt = rd.get<std::string>("master_type");
-    gradapt::detail::require(mt == name(dtype_of_v<Mt>),
-                             "sharded optimizer load: the checkpoint's master type is ", mt,
-                             " but this state's is ", name(dtype_of_v<Mt>));
-    gradapt::detail::require(
-        rd.get<std::uint64_t>("stages") == Cs::plan::n &&
-            rd.get<std::uint64_t>("buffers") == Cs::buffer_count(),
-        "sharded optimizer load: the checkpoint was written by another optimizer (stage or "
-        "buffer count differs)");
-    gradapt::detail::require(
-        rd.get<std::uint64_t>("active_stages") == s.st_.active_stages(),
-        "sharded optimizer load: the checkpoint's active stages differ from this state's "
-        "(same optimizer options, e.g. momentum on or off)");
-    const auto k = rd.get<std::uint64_t>("steps");
-    gradapt::detail::require(k < std::numeric_limits<std::uint64_t>::max(),
-                             "sharded optimizer load: step count ", k, " cannot grow");
-    gradapt::detail::require(!have || k == steps, "sharded optimizer load: old rank ", r, " saved step ", k,
-                             " but another old rank saved step ", steps, " (archives of different steps)");
-    have = true;
-    steps = k;
-    const auto np = rd.get<std::uint64_t>("pieces");
-    const auto pieces = old.pieces(r);
-    gradapt::detail::require(np == pieces.size(), "sharded optimizer load: old rank ", r, "'s archive holds ",
-                             np, " pieces but its plan gives ", pieces.size());
-    std::vector<Se> host;
-    std::vector<Mt> mhost;
-    for (std::size_t i = 0; i < pieces.size(); ++i) {
-      const piece& q = pieces[i];
-      rd.begin(gradapt::detail::archive_impl::join("piece", "/", std::to_string(i)));
-      const auto nm = rd.get<std::string>("name");
-      gradapt::detail::require(nm == params[q.tensor].name, "sharded optimizer load: tensor ", q.tensor,
-                               " is '", nm, "' in the checkpoint but '", params[q.tensor].name, "' here");
-      gradapt::detail::require(
-          rd.get<std::uint64_t>("tensor") == q.tensor && rd.get<std::uint64_t>("offset") == q.offset &&
-              rd.get<std::uint64_t>("length") == q.length,
-          "sharded optimizer load: old rank ", r, "'s piece ", i, " ('", nm, "') does not match its plan");
-      const bool wanted = overlaps_any(std::span<const piece>(&q, 1), s.plan_.pieces(s.rank_));
-      for (std::size_t j = 0; j < Cs::buffer_count(); ++j) {
-        const auto bufs = s.st_.buffer(j);
-        if (bufs.empty()) continue;
-        const std::string field = gradapt::detail::archive_impl::join("buffer", "", std::to_string(j));
-        read_field(rd, field, host);
-        if (!wanted) continue;
-        for (const Se& x : host)
-          gradapt::detail::require(
-              std::isfinite(static_cast<double>(static_cast<compute_t<Se>>(x))),
-              "sharded optimizer load: buffer ", j, " of '", nm,
-              "' holds a non-finite value (a checkpoint of a diverged run cannot be resumed)");
-        copy_into_units(b, s, q, j, std::span<const Se>(host));
-      }
-      if constexpr (!std::is_same_v<Mt, typename PL::value_type>) {
-        read_field(rd, "master", mhost);
-        gradapt::detail::require(mhost.size() == q.length, "sharded optimizer load: piece '", nm, "' has ",
-                                 mhost.size(), " master values for ", q.length, " elements");
-        if (wanted)
-          for (const piece& mine : s.plan_.pieces(s.rank_)) {
-            if (mine.tensor != q.tensor) continue;
-            const std::size_t a = std::max(mine.offset, q.offset),
-                              e = std::min(mine.offset + mine.length, q.offset + q.length);
-            if (a < e)
-              b.copy(tensor_view<const Mt, host_space>::vector(mhost.data() + (a - q.offset),
-                                                               static_cast<std::int64_t>(e - a)),
-                     vec<typename St::space, Mt>(s.master_.data() + mine.shard_offset + (a - mine.offset),
-                                                 e - a));
-          }
-      }
-      rd.end();
-    }
-    rd.finish();
-  }
-
-  /// Reads tensor field `name` into `out`, which holds one field at a time: a buffer that
-  /// must grow is released first, so reading never holds two pieces' values.
-  template <class T>
-  static void read_field(archive_reader& rd, std::string_view name, std::vector<T>& out) {
-    const archive_tensor_info info = rd.tensor_info(name);
-    const auto n = static_cast<std::size_t>(info.elements);
-    if (n > out.capacity()) {
-      out.clear();
-      out.shrink_to_fit();
-      out.reserve(n);
-    }
-    out.resize(n);
-    rd.get_tensor<T>(name, std::span<T>(out), info.shape);
-  }
-
-  /// Copies buffer j's values of old piece q (host, element-indexed from q.offset; for a
-  /// factored tensor, its whole statistics) into the units of this rank that overlap it.
-  template <class B, class St, class T>
-  static void copy_into_units(const B& b, St& s, const piece& q, std::size_t j, std::span<const T> data) {
-    const auto bufs = s.st_.buffer(j);
-    for (std::size_t u = 0; u < s.units_.size(); ++u) {
-      const shard_unit& x = s.units_[u];
-      if (x.tensor != q.tensor) continue;
-      const auto& v = bufs[u];
-      if (v.size() != x.length) {  // a factored tensor's statistics: whole on both sides
-        gradapt::detail::require(data.size() == v.size(), "sharded optimizer load: buffer ", j, " of tensor ",
-                                 q.tensor, " holds ", data.size(), " values but this state keeps ", v.size(),
-                                 " (same factoring options)");
-        b.copy(tensor_view<const T, host_space>::vector(data.data(), static_cast<std::int64_t>(data.size())),
-               v);
-        continue;
-      }
-      gradapt::detail::require(data.size() == q.length, "sharded optimizer load: buffer ", j, " of tensor ",
-                               q.tensor, " holds ", data.size(), " values for ", q.length, " elements");
-      const std::size_t a = std::max(x.offset, q.offset),
-                        e = std::min(x.offset + x.length, q.offset + q.length);
-      if (a >= e) continue;
-      b.copy(tensor_view<const T, host_space>::vector(data.data() + (a - q.offset),
-                                                      static_cast<std::int64_t>(e - a)),
-             vec<typename St::space, T>(v.data() + (a - x.offset), e - a));
-    }
   }
 
   Chain opt_;

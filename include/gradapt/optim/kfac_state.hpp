@@ -1,0 +1,275 @@
+#pragma once
+/// @file
+/// `kfac_state`, the state of `gradapt::kfac` (kfac.hpp): per layer the running factors A and G,
+/// the terms accumulated in a step, the decomposition this rank holds and the failure counters;
+/// the distributed plan it records; and its checkpoint (`save` and `load`).
+
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "gradapt/core/archive.hpp"
+#include "gradapt/core/dtype.hpp"
+#include "gradapt/core/error.hpp"
+#include "gradapt/core/owner_exchange.hpp"
+#include "gradapt/linalg/concepts.hpp"
+#include "gradapt/optim/kfac_options.hpp"
+
+namespace gradapt {
+
+namespace detail {
+/// The two communicators of a hybrid plan (made by `split`), held by the state without its
+/// type: `tag` is the address of `kfac_comms_tag<Comm>`.
+struct kfac_comms_base {
+  virtual ~kfac_comms_base() = default;
+  const void* tag = nullptr;
+};
+template <class Comm>
+inline constexpr char kfac_comms_tag = 0;
+template <class Comm>
+struct kfac_comms final : kfac_comms_base {
+  kfac_comms(Comm g, Comm r) : group(std::move(g)), receivers(std::move(r)) { tag = &kfac_comms_tag<Comm>; }
+  Comm group;      ///< the grad workers of this rank's layers (ranks r / g equal)
+  Comm receivers;  ///< one rank of each group (ranks r mod g equal)
+};
+}  // namespace detail
+
+class kfac;
+
+/// The state of `gradapt::kfac` over linear-algebra backend L, with factors in C and
+/// decompositions in D (each float or double): per layer its factors A and G, the batch terms
+/// accumulated in this step, the decomposition (Q_A, d_A, Q_G, d_G, or the inverses; with prediv
+/// 1 / (d_G·d_Aᵀ + λ)) where this rank holds it, and its failure counters.
+///
+/// Checkpoint: one archive of kind "gradapt.kfac" addressed by layer name (factors, the
+/// decompositions this rank holds, counters). Decompositions are stored, not recomputed: a
+/// rank that loads a checkpoint lacking a decomposition it must hold (a save from a rank that
+/// did not hold it, under grad_worker_fraction < 1 or another world) recomputes every
+/// decomposition from the stored factors at its next step, on every rank.
+template <class L, class C, class D = C>
+class kfac_state {
+  static_assert(std::is_same_v<C, float> || std::is_same_v<C, double>, "kfac_state: C is float or double");
+  static_assert(std::is_same_v<D, float> || std::is_same_v<D, double>, "kfac_state: D is float or double");
+
+ public:
+  /// Kind and format version of the archive `save()` writes.
+  static constexpr std::string_view archive_kind = "gradapt.kfac";
+  static constexpr std::uint32_t archive_version = 2;  ///< see archive_kind
+
+  kfac_state() = default;                       ///< an empty state; `kfac::init` creates a usable one
+  kfac_state(kfac_state&&) noexcept = default;  ///< move
+  kfac_state& operator=(kfac_state&&) noexcept = default;  ///< move
+
+  /// Steps taken.
+  std::uint64_t steps() const { return steps_; }
+  /// Registered layers.
+  std::size_t layers() const { return l_.size(); }
+  /// Layer i's registration. @throws gradapt::error when i is out of range
+  const kfac_layer& layer(std::size_t i) const { return at(i).spec; }
+  /// Layer i's factor A ((in [+1])², row-major). @throws gradapt::error when i is out of range
+  std::span<const C> factor_a(std::size_t i) const { return at(i).a; }
+  /// Layer i's factor G (out², row-major). @throws gradapt::error when i is out of range
+  std::span<const C> factor_g(std::size_t i) const { return at(i).g; }
+  /// Whether layer i has had a successful inverse update (on whichever rank computed it).
+  bool ready(std::size_t i) const { return at(i).ready; }
+  /// Whether this rank is one of layer i's grad workers (holds its decomposition and
+  /// preconditions its gradient) under the last step's plan.
+  bool holds(std::size_t i) const { return at(i).held; }
+  /// Bytes of the decompositions this rank keeps.
+  std::size_t decomposition_bytes() const {
+    std::size_t b = 0;
+    for (const auto& x : l_) b += x.dec.size() * sizeof(D);
+    return b;
+  }
+  /// Grad workers per layer under the last distributed step's plan (1 before any).
+  int grad_workers() const { return group_; }
+  /// Layer i's failed decompositions in a row and in all.
+  std::pair<std::uint64_t, std::uint64_t> failures(std::size_t i) const {
+    return {at(i).consecutive, at(i).failures};
+  }
+  /// Decompositions this rank computed (one per layer per inverse update it owns).
+  std::uint64_t decompositions() const { return computed_; }
+  /// The rank that decomposes layer i under the last distributed step's plan (0 before any).
+  int owner(std::size_t i) const {
+    at(i);
+    return owner_.empty() ? 0 : owner_[i];
+  }
+  /// ν of the last step's KL clipping (1 when off or not clipped).
+  double last_kl_scale() const { return nu_; }
+  /// Drops the a and g terms `accumulate` added since the last step, for a step that is not
+  /// taken (a loss-scaler overflow: its terms may not be finite). The factors, decompositions
+  /// and step count are unchanged; the step's factor update is due again on the next call.
+  void discard() {
+    for (auto& x : l_) x.count = 0;
+  }
+
+  /// Writes the state into the open section of `w`. Call it between steps.
+  /// @throws gradapt::error when a factor or decomposition is not finite
+  void save(archive_writer& w) const {
+    w.put("element_type", name(dtype_of_v<C>));
+    w.put("decomposition_type", name(dtype_of_v<D>));
+    w.put("method", std::string(method_ == kfac_method::eigen ? "eigen" : "inverse"));
+    w.put("steps", steps_);
+    w.put("layers", static_cast<std::uint64_t>(l_.size()));
+    for (std::size_t i = 0; i < l_.size(); ++i) {
+      const auto& x = l_[i];
+      w.begin(detail::archive_impl::join("layer", "/", x.spec.name));
+      w.put("index", static_cast<std::uint64_t>(i));
+      const std::int64_t shape[3] = {x.spec.in, x.spec.out, x.spec.bias ? 1 : 0};
+      w.put_tensor<std::int64_t>("shape", shape);
+      const std::int64_t sa[2] = {x.n, x.n}, sg[2] = {x.spec.out, x.spec.out};
+      put(w, x, "A", x.a, sa);
+      put(w, x, "G", x.g, sg);
+      const std::vector<D> none;
+      const auto& dec = x.have ? x.dec : none;
+      put(w, x, "decomposition", dec, std::array<std::int64_t, 1>{static_cast<std::int64_t>(dec.size())});
+      w.put("ready", x.ready);
+      w.put("consecutive_failures", x.consecutive);
+      w.put("failures", x.failures);
+      w.end();
+    }
+  }
+  /// Reads what `save(w)` wrote into a state created by `kfac::init` for the same layers,
+  /// method and element types; all or nothing. The next step re-plans (and, distributed,
+  /// agrees the state across ranks).
+  /// @throws gradapt::error naming the first field that does not match
+  void load(archive_reader& r) {
+    constexpr const char* who = "kfac state load";
+    const auto et = r.get<std::string>("element_type");
+    detail::require(et == name(dtype_of_v<C>), who, ": the checkpoint holds ", et, " factors but this state ",
+                    name(dtype_of_v<C>));
+    const bool v1 = !r.has("decomposition_type");  // format 1: D = C, every decomposition stored
+    const std::string dt = v1 ? et : r.get<std::string>("decomposition_type");
+    detail::require(dt == name(dtype_of_v<D>), who, ": the checkpoint holds ", dt,
+                    " decompositions but this state ", name(dtype_of_v<D>));
+    const auto m = r.get<std::string>("method");
+    detail::require(m == (method_ == kfac_method::eigen ? "eigen" : "inverse"), who,
+                    ": the checkpoint's method is '", m, "' (restore with the same kfac_options::method)");
+    const auto steps = r.get<std::uint64_t>("steps");
+    const auto count = r.get<std::uint64_t>("layers");
+    detail::require(count == l_.size(), who, ": the checkpoint holds ", count, " layers but this state ",
+                    l_.size());
+    std::vector<layer_t> next = l_;
+    for (std::size_t i = 0; i < l_.size(); ++i) {
+      auto& x = next[i];
+      const std::string sec = detail::archive_impl::join("layer", "/", x.spec.name);
+      detail::require(r.has(detail::archive_impl::join(sec, "/", "index")), who,
+                      ": the checkpoint has no layer '", x.spec.name, "'");
+      r.begin(sec);
+      detail::require(r.get<std::uint64_t>("index") == i, who, ": layer '", x.spec.name,
+                      "' has another position in the checkpoint");
+      const auto shape = r.get_tensor<std::int64_t>("shape");
+      detail::require(shape == std::vector<std::int64_t>{x.spec.in, x.spec.out, x.spec.bias ? 1 : 0}, who,
+                      ": layer '", x.spec.name, "' has another shape or bias in the checkpoint");
+      const std::int64_t sa[2] = {x.n, x.n}, sg[2] = {x.spec.out, x.spec.out};
+      get(r, x, "A", x.a, sa, who);
+      get(r, x, "G", x.g, sg, who);
+      x.have = r.tensor_info("decomposition").elements != 0;
+      detail::require(!v1 || x.have, who, ": layer '", x.spec.name, "' has no decomposition");
+      x.dec.resize(x.have ? dec_size(x) : 0);
+      get(r, x, "decomposition", x.dec, std::array<std::int64_t, 1>{static_cast<std::int64_t>(x.dec.size())},
+          who);
+      x.ready = r.get<bool>("ready");
+      if (v1) x.have = x.ready;
+      x.consecutive = r.get<std::uint64_t>("consecutive_failures");
+      x.failures = r.get<std::uint64_t>("failures");
+      detail::require(x.consecutive < max_failures_ && x.consecutive <= x.failures, who, ": layer '",
+                      x.spec.name, "' has ", x.consecutive, " consecutive failures of ", x.failures);
+      r.end();
+    }
+    const std::size_t fields = (v1 ? 4 : 5) + 8 * l_.size();
+    detail::require(r.names().size() == fields, who, ": the checkpoint holds ", r.names().size(),
+                    " fields but this state has ", fields);
+    for (std::size_t i = 0; i < l_.size(); ++i) {
+      l_[i].a.swap(next[i].a);
+      l_[i].g.swap(next[i].g);
+      l_[i].dec.swap(next[i].dec);
+      l_[i].have = next[i].have;
+      l_[i].held = true;
+      l_[i].ready = next[i].ready;
+      l_[i].consecutive = next[i].consecutive;
+      l_[i].failures = next[i].failures;
+      l_[i].count = 0;
+      l_[i].inited = true;
+    }
+    steps_ = steps;
+    failed_ = false;
+    world_ = 0;  // re-plan at the next step
+  }
+  /// The state as one archive of kind "gradapt.kfac".
+  std::vector<std::byte> save() const { return save_archive(*this); }
+  /// Restores a state written by `save()` (all or nothing).
+  void load(std::span<const std::byte> bytes) { load_archive(*this, bytes); }
+
+ private:
+  friend class kfac;
+  struct layer_t {
+    kfac_layer spec;
+    std::int64_t n = 0;         ///< in + bias
+    std::vector<C> a, g;        ///< the running factors
+    std::vector<C> ba, bg;      ///< this step's accumulated terms
+    std::vector<D> v;           ///< this step's preconditioned gradient (out × (in [+1])), g = n
+    std::uint64_t count = 0;    ///< accumulate() calls this step
+    bool inited = false;        ///< the factors have had a first update
+    std::vector<D> dec;         ///< eigen: Q_A, d_A, Q_G, d_G (+ prediv); inverse: A⁻¹, G⁻¹
+    bool held = true;           ///< this rank is a grad worker of the layer
+    bool have = false;          ///< dec holds a decomposition
+    bool ready = false;         ///< a decomposition succeeded (on any rank)
+    unsigned char outcome = 0;  ///< this step's decomposition: 0 none, 1 succeeded, 2 failed
+    std::uint64_t consecutive = 0, failures = 0;
+  };
+  std::size_t dec_size(const layer_t& x) const {
+    const auto na = static_cast<std::size_t>(x.n), ng = static_cast<std::size_t>(x.spec.out);
+    return method_ == kfac_method::inverse ? na * na + ng * ng
+                                           : na * na + na + ng * ng + ng + (prediv_ ? ng * na : 0);
+  }
+  const layer_t& at(std::size_t i) const {
+    detail::require(i < l_.size(), "kfac_state: layer ", i, " out of range (", l_.size(), " layers)");
+    return l_[i];
+  }
+  template <class E, class Shape>
+  static void put(archive_writer& w, const layer_t& x, const char* field, const std::vector<E>& v,
+                  const Shape& sh) {
+    for (const E e : v)
+      detail::require(std::isfinite(e), "kfac state save: ", field, " of layer '", x.spec.name,
+                      "' is not finite (save the last good state)");
+    w.put_tensor<E>(field, std::span<const E>(v), sh);
+  }
+  template <class E, class Shape>
+  static void get(archive_reader& r, const layer_t& x, const char* field, std::vector<E>& v, const Shape& sh,
+                  const char* who) {
+    r.get_tensor<E>(field, std::span<E>(v), sh);
+    for (const E e : v)
+      detail::require(std::isfinite(e), who, ": ", field, " of layer '", x.spec.name, "' is not finite");
+  }
+
+  L la_{};
+  kfac_method method_ = kfac_method::eigen;
+  bool prediv_ = false;
+  std::uint64_t max_failures_ = 1;
+  std::uint64_t steps_ = 0;
+  bool failed_ = false;
+  double nu_ = 1;
+  std::uint64_t computed_ = 0;
+  std::vector<layer_t> l_;
+  std::vector<std::pair<std::int64_t, std::shared_ptr<detail::linalg::eigh_workspace_t<L, D>>>> ws_;
+  std::vector<C> scratch_, gram_, red_;  ///< a or g in C, a Gram product, the factor reduction
+  std::vector<D> m_, tmp_, dtmp_;        ///< M, a product, a decomposition being computed
+  // The plan: world_ ranks (0: none yet), g = group_ grad workers per layer, owner_ decomposes.
+  int world_ = 0, rank_ = 0, group_ = 1;
+  bool force_ = false;  ///< recompute every decomposition at the next step
+  std::vector<int> owner_;
+  detail::owner_exchange<D> xd_;  ///< decompositions within a group of grad workers
+  detail::owner_exchange<D> xv_;  ///< preconditioned gradients across groups (g < n)
+  std::shared_ptr<detail::kfac_comms_base> comms_;
+};
+
+}  // namespace gradapt
