@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "gradapt/comm/hierarchical.hpp"
 #include "gradapt/comm/threads.hpp"
 #include "gradapt/optim/adafactor.hpp"
 #include "gradapt/optim/adamw.hpp"
@@ -71,6 +72,17 @@ std::vector<std::vector<float>> run(threads& comm, const Opt& opt, const State& 
     if (bytes != nullptr) bytes->push_back(met.state_bytes);
   }
   return m.p;
+}
+
+/// The largest |y - x| / (|x| + 1e-3) over every element of two models' parameters.
+inline double worst_relative(const std::vector<std::vector<float>>& x,
+                             const std::vector<std::vector<float>>& y) {
+  double worst = 0.0;
+  for (std::size_t t = 0; t < x.size(); ++t)
+    for (std::size_t i = 0; i < x[t].size(); ++i)
+      worst = std::max(worst, std::abs(static_cast<double>(y[t][i]) - x[t][i]) /
+                                  (std::abs(static_cast<double>(x[t][i])) + 1e-3));
+  return worst;
 }
 
 /// Replicated, zero_state<1> and zero_state<2> on 1, 2, 3 and 5 ranks (5 ranks leave one
@@ -169,11 +181,7 @@ TEST_CASE(
           RANK_REQUIRE(std::abs(mb.gain - mr.gain) <= 1e-9 * mr.gain);
         }
       }
-      double worst = 0.0;
-      for (std::size_t t = 0; t < a.p.size(); ++t)
-        for (std::size_t i = 0; i < a.p[t].size(); ++i)
-          worst = std::max(worst, std::abs(static_cast<double>(c.p[t][i]) - a.p[t][i]) /
-                                      (std::abs(static_cast<double>(a.p[t][i])) + 1e-3));
+      const double worst = worst_relative(a.p, c.p);
       RANK_REQUIRE(worst <= 1e-5);
     });
   }
@@ -308,6 +316,19 @@ void advance(Step& step, model<float>& m, int rank, int k0, int k1, bool same) {
   }
 }
 
+/// What each of n ranks throws while building an SGD step on the model with the policies that
+/// `policies(comm, build)` passes to `build(...)` (they may differ by rank).
+template <class F>
+std::vector<std::string> construction_errors(int n, F policies) {
+  return gradapt_test::errors_of(n, quick, [&](threads& comm) {
+    const gradapt::host b;
+    model<float> m;
+    policies(comm, [&](auto... p) {
+      (void)make_data_parallel_step(comm, b, m.params, gradapt::sgd(), {.lr = 0.1}, p...);
+    });
+  });
+}
+
 /// restore() of an N-rank checkpoint on M ranks against an uninterrupted M-rank run from the
 /// same state. Three steps on gradients whose mean is the same on any world size leave the same
 /// state on N and on M ranks (the parameters are checked equal), so the M-rank run that took
@@ -323,7 +344,8 @@ void restore_against_uninterrupted(const Opt& opt, const State& state) {
                                    gradapt::loss_scaler({.init_scale = 1024, .growth_interval = 2}));
   };
   const std::pair<int, int> worlds[] = {{1, 3}, {2, 5}, {3, 2}, {5, 1}, {4, 4}, {2, 3}};
-  const rescale_rule rules[] = {rescale_rule::keep_global_batch, rescale_rule::linear_lr, rescale_rule::sqrt_lr};
+  const rescale_rule rules[] = {rescale_rule::keep_global_batch, rescale_rule::linear_lr,
+                                rescale_rule::sqrt_lr};
   for (std::size_t i = 0; i < std::size(worlds); ++i) {
     const int n = worlds[i].first, m = worlds[i].second;  // (not a structured binding: lambdas capture them)
     const rescale_rule rule = rules[i % std::size(rules)];
@@ -385,6 +407,114 @@ TEST_CASE("restore N -> M: every state slot continues as an uninterrupted M-rank
   }
 }
 
+TEST_CASE("hierarchical_reduce: the hierarchy's sum over N, then the optimizer, bit for bit",
+          "[train][hierarchical]") {
+  // (world size, group size): groups of 2 and 3, one group of all ranks, one rank per group,
+  // and grouping by host name (one host: one group).
+  const std::pair<int, int> worlds[] = {{4, 2}, {6, 3}, {3, 3}, {3, 1}, {2, 0}, {1, 0}};
+  for (const auto& world : worlds) {
+    const int n = world.first, g = world.second;  // (not a structured binding: the lambda captures them)
+    INFO(n << " ranks, group_size " << g);
+    run_threads(n, quick, [&](threads& comm) {
+      const gradapt::host b;
+      const auto opt = gradapt::lamb({.lr = 1e-2, .weight_decay = 0.01});
+      model<float> a, c;
+      auto step =
+          make_data_parallel_step(comm, b, a.params, opt, {.lr = 1e-2},
+                                  gradapt::train::hierarchical_reduce{.hierarchy = {.group_size = g}});
+      gradapt::comm::hierarchy<threads> h(comm, {.group_size = g});
+      auto st = opt.init(b, c.params);
+      for (int k = 1; k <= 4; ++k) {
+        a.make_grads(comm.rank(), k);
+        c.make_grads(comm.rank(), k);
+        const bool stepped = step.step().stepped;
+        if (n > 1) {  // the sequence the slot stands for, written out
+          for (const auto& t : c.params.grads()) h.allreduce(t, gradapt::reduce_op::sum);
+          b.apply_list(gradapt::detail::divide_by_ranks{n}, c.params.grads());
+        }
+        opt.step(b, c.params, st, {.lr = 1e-2});
+        RANK_REQUIRE(stepped);
+      }
+      for (std::size_t t = 0; t < a.p.size(); ++t) RANK_REQUIRE(same_bits(a.p[t], c.p[t]));
+    });
+  }
+}
+
+TEST_CASE(
+    "hierarchical_reduce with the loss scaler, AdaScale and LocalSGD: a flat reduction's bits where sums are "
+    "exact",
+    "[train][hierarchical]") {
+  // Gradients rounded to multiples of 2^-6 (at most 2^4 in magnitude): every partial sum over up
+  // to 6 ranks is exact in float, so the hierarchy's order gives the flat allreduce's bits.
+  const auto exact_grads = [](model<float>& m, int rank, int k, double scale) {
+    m.make_grads(rank, k);
+    for (auto& t : m.g)
+      for (auto& x : t) x = static_cast<float>(std::round(static_cast<double>(x) * 64.0) / 64.0 * scale);
+  };
+  const gradapt::train::hierarchical_reduce hier{.hierarchy = {.group_size = 2}};
+  for (const int n : {2, 4, 6}) {
+    INFO(n << " ranks");
+    run_threads(n, quick, [&](threads& comm) {
+      const gradapt::host b;
+      const auto opt = gradapt::adamw({.lr = 1e-2});
+      const auto scaler = gradapt::loss_scaler({.init_scale = 256, .growth_interval = 2});
+      const gradapt::train::local_sgd_policy local{{.start_step = 3}, gradapt::fixed_period({.period = 2})};
+      const gradapt::train::adascale_policy ada{.base_batch = 8};
+      const gradapt::train::step_settings set{.lr = 1e-2, .local_batch = 8};
+      {  // the loss scaler (an overflow on one rank) and LocalSGD: bit for bit
+        model<float> a, c;
+        auto flat = make_data_parallel_step(comm, b, a.params, opt, set, scaler, local);
+        auto tree = make_data_parallel_step(comm, b, c.params, opt, set, scaler, local, hier);
+        for (int k = 1; k <= 8; ++k) {
+          exact_grads(a, comm.rank(), k, flat.loss_scale());
+          exact_grads(c, comm.rank(), k, tree.loss_scale());
+          if (k == 2 && comm.rank() == n - 1) a.g[1][3] = c.g[1][3] = std::numeric_limits<float>::infinity();
+          const auto mf = flat.step();
+          const auto mt = tree.step();
+          RANK_REQUIRE(mt.found_inf == (k == 2));
+          RANK_REQUIRE(mt.found_inf == mf.found_inf);
+          RANK_REQUIRE(mt.averaged == mf.averaged);
+        }
+        for (std::size_t t = 0; t < a.p.size(); ++t) RANK_REQUIRE(same_bits(a.p[t], c.p[t]));
+      }
+      {  // AdaScale: the norms summed in another order, so the gain to rounding
+        model<float> a, c;
+        auto flat = make_data_parallel_step(comm, b, a.params, opt, set, ada);
+        auto tree = make_data_parallel_step(comm, b, c.params, opt, set, ada, hier);
+        for (int k = 1; k <= 5; ++k) {
+          exact_grads(a, comm.rank(), k, 1.0);
+          exact_grads(c, comm.rank(), k, 1.0);
+          const double gf = flat.step().gain;
+          const double gt = tree.step().gain;
+          RANK_REQUIRE(gt > 1.0);
+          RANK_REQUIRE(std::abs(gt - gf) <= 1e-12 * gf);
+        }
+        const double worst = worst_relative(a.p, c.p);
+        RANK_REQUIRE(worst <= 1e-6);
+      }
+    });
+  }
+}
+
+TEST_CASE("hierarchical_reduce errors: every rank throws, naming the option", "[train][hierarchical]") {
+  SECTION("a group size that does not divide the world") {
+    const auto what = construction_errors(3, [](threads&, auto build) {
+      build(gradapt::train::hierarchical_reduce{.hierarchy = {.group_size = 2}});
+    });
+    for (const auto& w : what) CHECK_THAT(w, Contains("group_size"));
+  }
+  SECTION("ranks whose reduce slots differ") {
+    const auto what = construction_errors(2, [](threads& comm, auto build) {
+      if (comm.rank() == 0)
+        build(gradapt::train::hierarchical_reduce{});
+      else
+        build();
+    });
+    for (const auto& w : what)
+      CHECK_THAT(w, Contains("reduce slot (0 one_buffer_reduce, 1 bucket_reduce, 2 hierarchical_reduce)"));
+  }
+}
+
 TEST_CASE("zero_state errors: every rank throws, naming the problem", "[train][zero]") {
   SECTION("a partition that leaves ranks empty") {
     // The model holds 38,769 elements cut at multiples of 4096 from each tensor's start: 12
@@ -396,11 +526,7 @@ TEST_CASE("zero_state errors: every rank throws, naming the problem", "[train][z
     int empty = 0;
     for (int r = 0; r < 12; ++r) empty += plan.pieces(r).empty() ? 1 : 0;
     REQUIRE(empty > 0);
-    const auto what = gradapt_test::errors_of(12, quick, [](threads& comm) {
-      const gradapt::host b;
-      model<float> m;
-      (void)make_data_parallel_step(comm, b, m.params, gradapt::sgd(), {.lr = 0.1}, zero_state<1>{});
-    });
+    const auto what = construction_errors(12, [](threads&, auto build) { build(zero_state<1>{}); });
     for (const auto& w : what)
       CHECK_THAT(w,
                  Contains("zero_state leaves " + std::to_string(empty) + " of 12 ranks without elements") &&
@@ -416,22 +542,16 @@ TEST_CASE("zero_state errors: every rank throws, naming the problem", "[train][z
     });
   }
   SECTION("ranks that differ in allow_empty_shards") {
-    const auto what = gradapt_test::errors_of(2, quick, [](threads& comm) {
-      const gradapt::host b;
-      model<float> m;
-      (void)make_data_parallel_step(comm, b, m.params, gradapt::sgd(), {.lr = 0.1},
-                                    zero_state<1>{.allow_empty_shards = comm.rank() == 1});
-    });
+    const auto what = construction_errors(
+        2, [](threads& comm, auto build) { build(zero_state<1>{.allow_empty_shards = comm.rank() == 1}); });
     for (const auto& w : what) CHECK_THAT(w, Contains("zero_state::allow_empty_shards"));
   }
   SECTION("ranks whose state slots differ") {
-    const auto what = gradapt_test::errors_of(2, quick, [](threads& comm) {
-      const gradapt::host b;
-      model<float> m;
+    const auto what = construction_errors(2, [](threads& comm, auto build) {
       if (comm.rank() == 0)
-        (void)make_data_parallel_step(comm, b, m.params, gradapt::sgd(), {.lr = 0.1}, zero_state<1>{});
+        build(zero_state<1>{});
       else
-        (void)make_data_parallel_step(comm, b, m.params, gradapt::sgd(), {.lr = 0.1}, zero_state<2>{});
+        build(zero_state<2>{});
     });
     for (const auto& w : what) CHECK_THAT(w, Contains("state slot"));
   }
@@ -466,10 +586,12 @@ TEST_CASE("zero_state errors: every rank throws, naming the problem", "[train][z
       return gradapt_test::errors_of(2, quick, [&](threads& comm) {
         const gradapt::host b;
         model<float> m;
-        auto step = make_data_parallel_step(comm, b, m.params, gradapt::adamw(), {.lr = 0.1}, zero_state<1>{});
+        auto step =
+            make_data_parallel_step(comm, b, m.params, gradapt::adamw(), {.lr = 0.1}, zero_state<1>{});
         const auto before = step.save();
         try {
-          step.restore([&](int r) { return source(comm.rank(), r); }, gradapt::train::rescale_rule::linear_lr);
+          step.restore([&](int r) { return source(comm.rank(), r); },
+                       gradapt::train::rescale_rule::linear_lr);
         } catch (const gradapt::error&) {
           const bool unchanged = step.steps() == 0 && step.save() == before && step.settings().lr == 0.1;
           RANK_REQUIRE(unchanged);
@@ -509,15 +631,86 @@ TEST_CASE("zero_state errors: every rank throws, naming the problem", "[train][z
     });
   }
   SECTION("ranks that differ in the sharding options") {
-    const auto what = gradapt_test::errors_of(2, quick, [](threads& comm) {
-      const gradapt::host b;
-      model<float> m;
+    const auto what = construction_errors(2, [](threads& comm, auto build) {
       gradapt::shard::sharded_options o;
       if (comm.rank() == 1) o.bucket_elements = 1000;
-      (void)make_data_parallel_step(comm, b, m.params, gradapt::sgd(), {.lr = 0.1},
-                                    zero_state<1>{.sharding = o});
+      build(zero_state<1>{.sharding = o});
     });
     for (const auto& w : what) CHECK_THAT(w, Contains("bucket_elements"));
+  }
+  SECTION("one rank misses, repeats or misplaces a mark: every rank throws, none waits, the next step runs") {
+    // Small buckets (several per step) and blocking collectives (comm::threads): ranks that
+    // marked everything wait in a bucket's allreduce for the rank at fault, which step() joins.
+    const gradapt::train::bucket_reduce small{.buckets = {.cap_bytes = 20000, .first_cap_bytes = 4000}};
+    const auto scaler = gradapt::loss_scaler({.init_scale = 1024, .growth_interval = 1000});
+    enum class fault { missing, twice, out_of_range };
+    const auto check = [&](auto make, fault f, const char* why) {
+      const auto what = gradapt_test::errors_of(3, quick, [&](threads& comm) {
+        const gradapt::host b;
+        model<float> m;
+        auto step = make(comm, b, m);
+        for (int k = 1; k <= 2; ++k) {
+          m.make_grads(comm.rank(), k);
+          for (std::size_t t = m.params.size(); t-- > 0;) {
+            const bool at_fault = k == 1 && comm.rank() == 1 && t == 3;
+            if (at_fault && f == fault::missing) continue;
+            step.mark_ready(t);
+            if (at_fault && f == fault::twice) step.mark_ready(t);
+            if (at_fault && f == fault::out_of_range) step.mark_ready(m.params.size() + 2);
+          }
+          if (k == 1) {
+            bool threw = false;
+            try {
+              step.step();
+            } catch (const gradapt::error&) {
+              threw = true;
+            }
+            RANK_REQUIRE(threw);
+            RANK_REQUIRE(step.steps() == 0);
+          } else {
+            const bool stepped = step.step().stepped;  // the marks started afresh
+            RANK_REQUIRE(stepped);
+            throw gradapt::error(std::string("recovered: ") + why);
+          }
+        }
+      });
+      CHECK_THAT(what[1], Contains("recovered"));
+      for (const auto& w : what) CHECK_THAT(w, Contains("recovered"));
+    };
+    for (const fault f : {fault::missing, fault::twice, fault::out_of_range}) {
+      check(
+          [&](threads& comm, const gradapt::host& b, model<float>& m) {
+            return make_data_parallel_step(comm, b, m.params, gradapt::adamw(), {.lr = 0.1}, small);
+          },
+          f, "buckets");
+      check(
+          [&](threads& comm, const gradapt::host& b, model<float>& m) {
+            return make_data_parallel_step(comm, b, m.params, gradapt::adamw(), {.lr = 0.1}, small, scaler);
+          },
+          f, "buckets and scaler");
+      check(
+          [&](threads& comm, const gradapt::host& b, model<float>& m) {
+            return make_data_parallel_step(comm, b, m.params, gradapt::adamw(), {.lr = 0.1},
+                                           zero_state<2>{.sharding = {.buckets = {.cap_bytes = 40000}}});
+          },
+          f, "zero_state<2>");
+    }
+    // What the ranks say: the rank at fault names the gradient, the others name that rank.
+    const auto what = gradapt_test::errors_of(3, quick, [&](threads& comm) {
+      const gradapt::host b;
+      model<float> m;
+      auto step = make_data_parallel_step(comm, b, m.params, gradapt::adamw(), {.lr = 0.1}, small);
+      m.make_grads(comm.rank(), 1);
+      for (std::size_t t = m.params.size(); t-- > 0;)
+        if (!(comm.rank() == 1 && t == 3)) step.mark_ready(t);
+      step.step();
+    });
+    CHECK_THAT(
+        what[1],
+        Contains(
+            "7 of 8 gradients were marked ready before step(), the first missing being gradient 3 ('w3')"));
+    CHECK_THAT(what[0], Contains("rank 1"));
+    CHECK_THAT(what[2], Contains("rank 1"));
   }
   SECTION("zero_state<2>: a step before every gradient is marked") {
     const auto what = gradapt_test::errors_of(2, quick, [](threads& comm) {

@@ -87,161 +87,9 @@
 #include "gradapt/stats/gradient_noise_scale.hpp"
 #include "gradapt/sync/local_sgd.hpp"
 #include "gradapt/train/policies.hpp"
+#include "gradapt/train/step_traits.hpp"
 
 namespace gradapt::train {
-
-/// How `data_parallel_step::restore` carries the settings from a checkpoint of N ranks to a
-/// world of M ranks (the learning-rate rules of Krizhevsky 2014 and Goyal et al. 2017; AdaScale,
-/// Johnson et al. 2020). On N = M every rule keeps the settings.
-enum class rescale_rule : unsigned char {
-  /// The same global batch: accumulation_steps × N / M (must be a whole number); lr kept.
-  keep_global_batch,
-  /// The global batch follows the ranks; lr × M / N.
-  linear_lr,
-  /// The global batch follows the ranks; lr × √(M / N).
-  sqrt_lr,
-  /// The global batch follows the ranks; lr kept, AdaScale's gain follows the new batch (needs
-  /// the adapt slot's adascale_policy).
-  adascale,
-};
-
-/// The rule's name ("keep_global_batch", ...), "unknown" for another value.
-inline const char* name(rescale_rule r) {
-  constexpr std::array<std::string_view, 4> names{"keep_global_batch", "linear_lr", "sqrt_lr", "adascale"};
-  return gradapt::detail::enum_name(r, names).data();  // the names are NUL-terminated literals
-}
-
-/// The state type an optimizer creates for backend B and parameter list PL.
-template <class O, class B, class PL>
-using optimizer_state_t = std::remove_cvref_t<decltype(std::declval<const O&>().init(
-    std::declval<const B&>(), std::declval<const PL&>()))>;
-
-/// An optimizer with the chain interface (gradapt::lamb, adamw, sgd, lars, any gradapt::chain):
-/// `init(backend, params)` creates a state; `step(backend, params, state, step_args)` steps;
-/// the state counts steps and saves to / loads from bytes.
-template <class O, class B, class PL>
-concept step_optimizer = requires(const O& o, const B& b, const PL& p) {
-  o.init(b, p);
-}
-&&requires(const O& o, const B& b, const PL& p, optimizer_state_t<O, B, PL>& st,
-           const optimizer_state_t<O, B, PL>& cst, std::span<const std::byte> bytes) {
-  o.step(b, p, st, step_args{});
-  { cst.save(b) } -> std::same_as<std::vector<std::byte>>;
-  st.load(b, bytes);
-  { cst.steps() } -> std::convertible_to<std::uint64_t>;
-};
-
-namespace detail {
-
-/// The optimizer state the step holds: Opt's own state, or with a ZeRO state slot the
-/// sharded optimizer's state of this rank's shard.
-template <bool Sharded, class Opt, class Comm, class B, class PL>
-struct state_of {
-  using type = optimizer_state_t<Opt, B, PL>;
-};
-template <class Opt, class Comm, class B, class PL>
-struct state_of<true, Opt, Comm, B, PL> {
-  using type = std::remove_cvref_t<decltype(std::declval<const shard::sharded_optimizer<Opt>&>().init(
-      std::declval<Comm&>(), std::declval<const B&>(), std::declval<const PL&>()))>;
-};
-/// The ZeRO stage of a state policy (0: replicated).
-template <class P>
-inline constexpr int zero_stage_v = 0;
-template <int Stage>
-inline constexpr int zero_stage_v<zero_state<Stage>> = Stage;
-
-/// An empty member for a slot that is off.
-struct nothing {};
-
-template <class T>
-struct schedule_of {
-  using type = fixed_period;  // unused placeholder when the sync slot is off
-};
-template <class S>
-struct schedule_of<local_sgd_policy<S>> {
-  using type = S;
-};
-
-/// The bound preconditioner of slot P (nothing when the slot is off).
-template <class P, class Comm, class B, class PL>
-struct preconditioner_of {
-  using type = bound_preconditioner_t<P, Comm, B, PL>;
-};
-template <class Comm, class B, class PL>
-struct preconditioner_of<no_preconditioner, Comm, B, PL> {
-  using type = nothing;
-};
-
-/// The runtime of the adapt slot: the estimator, AdaScale and the policy's options.
-struct adapt_runtime {
-  adascale_policy policy;
-  gradient_noise_scale gns;
-  adascale ada;
-};
-
-/// The runtime of the sync slot: the driver (rebuilt when a fixed period changes).
-template <class C, class S>
-struct sync_runtime {
-  local_sgd_options options;
-  S schedule;
-  std::optional<local_sgd<C, S>> driver;
-  bool was_synchronous = false;  ///< step_settings::synchronous at the latest step
-};
-
-/// Fingerprint of a list's tensor sizes (below 2^50, exact in a double).
-template <class L>
-double fingerprint(const L& list) {
-  std::uint64_t h = 1469598103ULL;
-  std::uint64_t t = 0;
-  for (const auto& v : list) {
-    h = (h * 1099511ULL + (++t) * 7919ULL + static_cast<std::uint64_t>(v.size())) % (std::uint64_t{1} << 50);
-  }
-  return static_cast<double>(h);
-}
-
-template <class H>
-decltype(auto) unwrap(H& h) {
-  if constexpr (std::is_same_v<std::unwrap_reference_t<H>, H>)
-    return (h);
-  else
-    return h.get();
-}
-
-template <slot K, class Default>
-Default pick() {
-  return Default{};
-}
-template <slot K, class Default, class A0, class... A>
-auto pick(A0&& a0, A&&... a) {
-  if constexpr (slot_v<A0> == K)
-    return std::remove_cvref_t<A0>(std::forward<A0>(a0));
-  else
-    return pick<K, Default>(std::forward<A>(a)...);
-}
-
-/// How many of the arguments A fill slot K.
-template <slot K, class... A>
-inline constexpr int count_slot = ((slot_v<A> == K ? 1 : 0) + ... + 0);
-
-/// True when at most one of the arguments A fills slot K; otherwise a compile-time error whose
-/// instantiation names the slot (K).
-template <slot K, class... A>
-constexpr bool at_most_one() {
-  static_assert(count_slot<K, A...> <= 1,
-                "train::make_data_parallel_step: more than one policy for one slot (the slot is this "
-                "instantiation's K)");
-  return true;
-}
-
-template <class A>
-auto hook_tuple(A&& a) {
-  if constexpr (slot_v<A> == slot::hook)
-    return std::tuple<std::remove_cvref_t<A>>(std::forward<A>(a));
-  else
-    return std::tuple<>();
-}
-
-}  // namespace detail
 
 /// One data-parallel step composed from policies; build it with `make_data_parallel_step`
 /// (the template arguments are deduced from the policies and hooks passed there).
@@ -257,7 +105,7 @@ auto hook_tuple(A&& a) {
 /// @tparam Hooks  std::tuple of hook objects, called in the order they were passed
 /// @tparam Precond no_preconditioner | kfac_policy<State> | a user's `precondition_policy`
 /// @tparam StateP replicated_state | zero_state<1> | zero_state<2>
-/// @tparam ReduceP one_buffer_reduce | bucket_reduce
+/// @tparam ReduceP one_buffer_reduce | bucket_reduce | hierarchical_reduce
 ///
 /// Construction is collective: the ranks agree with one small allreduce that they hold the
 /// same number of tensors with the same sizes (every rank throws the same gradapt::error
@@ -283,6 +131,8 @@ class data_parallel_step {
   static constexpr bool has_sharded_state = zero_stage != 0;
   /// The reduce slot holds `bucket_reduce`: gradients reduced bucket by bucket as they are marked.
   static constexpr bool has_buckets = std::is_same_v<ReduceP, bucket_reduce>;
+  /// The reduce slot's `hierarchical_reduce`: the mean through Horovod's hierarchical allreduce.
+  static constexpr bool has_hierarchy = std::is_same_v<ReduceP, hierarchical_reduce>;
   /// The framework marks each gradient ready during its backward pass (`mark_ready`):
   /// `zero_state<2>` or `bucket_reduce`.
   static constexpr bool marks_gradients = zero_stage == 2 || has_buckets;
@@ -333,9 +183,9 @@ class data_parallel_step {
                 "train::precondition_policy (bind(comm, backend, params) && returning an object with "
                 "precondition(comm, backend, grads, lr) and discard())");
   static_assert((std::is_same_v<StateP, replicated_state> || has_sharded_state) &&
-                    (std::is_same_v<ReduceP, one_buffer_reduce> || has_buckets),
+                    (std::is_same_v<ReduceP, one_buffer_reduce> || has_buckets || has_hierarchy),
                 "train::data_parallel_step: the state slot holds replicated_state, zero_state<1> or "
-                "zero_state<2>, and the reduce slot one_buffer_reduce or bucket_reduce");
+                "zero_state<2>, and the reduce slot one_buffer_reduce, bucket_reduce or hierarchical_reduce");
   // The slot combinations that cannot work, each message naming both slots.
   static_assert(!((has_sharded_state || has_buckets) && has_custom_combine),
                 "train::data_parallel_step: the state slot's zero_state and the reduce slot's bucket_reduce "
@@ -348,6 +198,18 @@ class data_parallel_step {
                 "spread over the ranks), the reduce slot's bucket_reduce (every marked gradient reduced) "
                 "and a precondition slot's policy (K-FAC averages its factors over the ranks) need the "
                 "same combined gradient on every rank at every step: drop one of the two");
+  static_assert(!(has_hierarchy && has_custom_combine),
+                "train::data_parallel_step: the reduce slot's hierarchical_reduce forms the rank MEAN in "
+                "three steps (inside groups, across them, inside again); the combine slot's adasum_combine "
+                "(or a user's combiner) forms something else: use allreduce_mean with it (Adasum has a "
+                "hierarchical mode of its own, adasum_options)");
+  static_assert(!(has_hierarchy && has_sharded_state),
+                "train::data_parallel_step: the state slot's zero_state reduce-scatters the gradients "
+                "over the whole world into shards; the reduce slot's hierarchical_reduce allreduces whole "
+                "gradients: use one of the two");
+  static_assert(!has_hierarchy || std::is_same_v<typename Comm::space, host_space>,
+                "train::data_parallel_step: the reduce slot's hierarchical_reduce runs on a host "
+                "communicator (comm::hierarchy); on a device communicator use one_buffer_reduce");
   static_assert(!(has_buckets && has_sharded_state),
                 "train::data_parallel_step: the reduce slot's bucket_reduce averages whole gradients on "
                 "every rank; the state slot's zero_state reduce-scatters them into shards: for buckets with "
@@ -362,85 +224,7 @@ class data_parallel_step {
   ///         setting or option is invalid, or AdaScale's initial scale is below 1
   data_parallel_step(Comm& comm, const B& b, const PL& params, Opt opt, step_settings settings, Scaler scaler,
                      Combine combine, Adapt adapt, Sync sync, Hooks hooks, Precond precond = Precond(),
-                     StateP state = StateP(), ReduceP reduce = ReduceP())
-      : comm_(&comm),
-        backend_(b),
-        params_(&params),
-        opt_(std::move(opt)),
-        scaler_(std::move(scaler)),
-        settings_(settings),
-        hooks_(std::move(hooks)) {
-    agree_on_construction(adapt, sync, precond);
-    tensors_ = params.size();
-    total_ = params.total_elements();
-    if constexpr (has_sharded_state) {
-      sharded_.emplace(opt_, state.sharding);
-      state_.emplace(sharded_->init(comm, backend_, params));  // collective; agrees the options
-      check_empty_shards(state);
-    } else {
-      (void)state;
-      state_ = opt_.init(backend_, params);
-    }
-    if constexpr (has_buckets) {  // collective: the ranks agree on the plan and options
-      std::vector<bucket::tensor_info> infos(params.size());
-      std::vector<tensor_view<grad_type, host_space>> grads(params.grads().begin(), params.grads().end());
-      for (std::size_t t = 0; t < infos.size(); ++t) infos[t] = {grads[t].size(), dtype_of_v<grad_type>};
-      reducer_.emplace(comm, bucket::bucket_plan::make(infos, reduce.buckets), std::move(grads),
-                       bucket::reducer_options{.average = true, .overlap = reduce.overlap});
-    } else {
-      (void)reduce;
-    }
-    if constexpr (marks_gradients && has_loss_scaling) unscaled_.assign(params.size(), 0);
-    combiner_.emplace(bind_combiner(combine, comm, backend_, params));
-    if constexpr (has_preconditioner) {
-      // A mapping error on one rank is thrown on every rank (the others name that rank).
-      std::string bad;
-      try {
-        pre_.emplace(std::move(precond).bind(comm, backend_, params));
-      } catch (const error& e) {
-        bad = e.what();
-      }
-      agree_values(comm, "train::data_parallel_step (binding the preconditioner)",
-                   std::span<const agreed_value>(), bad);
-    } else {
-      (void)precond;
-    }
-    if constexpr (has_adascale) {
-      detail::require(std::isfinite(adapt.base_batch) && adapt.base_batch > 0.0,
-                      "train::adascale_policy: base_batch is ", adapt.base_batch,
-                      " (expected the positive number of examples the learning rate was tuned for)");
-      adapt_.policy = adapt;
-      check_batch("train::data_parallel_step");
-      const double s0 = adascale_scale();
-      check_scale(s0, "train::data_parallel_step");
-      adapt_.gns = gradient_noise_scale(adapt.noise);
-      adapt_.ada = adascale({.scale = s0, .sqrt_gain = adapt.sqrt_gain});
-      last_.scale = s0;
-    } else {
-      (void)adapt;
-    }
-    if constexpr (has_local_sgd) {
-      sync_.options = sync.options;
-      sync_.schedule = sync.schedule;
-      if constexpr (has_settable_period) {
-        if (settings_.period == 0)
-          settings_.period = sync.schedule.options().period;
-        else
-          sync_.schedule = with_period(settings_.period);
-      }
-      sync_.driver.emplace(comm, sync_.options, sync_.schedule);
-    } else {
-      (void)sync;
-    }
-    if constexpr (!has_settable_period)
-      detail::require(settings_.period == 0, "train::data_parallel_step: step_settings::period is ",
-                      settings_.period,
-                      " but the sync slot holds no local_sgd_policy<fixed_period> (leave it 0)");
-    check_lr("train::data_parallel_step");
-    check_rank_batches("train::data_parallel_step");
-    if constexpr (has_local_sgd) sync_.was_synchronous = settings_.synchronous;
-    if constexpr (has_loss_scaling) last_.loss_scale = scaler_.scale();
-  }
+                     StateP state = StateP(), ReduceP reduce = ReduceP());
 
   /// Movable (the optimizer state and the workspaces move with it), not copyable.
   data_parallel_step(data_parallel_step&&) = default;
@@ -479,7 +263,18 @@ class data_parallel_step {
     if (timed && !(std::isfinite(in.ready_seconds) && in.ready_seconds >= 0.0) && bad.empty())
       bad = detail::message(fn, " on rank ", comm_->rank(), ": step_args::ready_seconds is ",
                             in.ready_seconds, " (expected finite seconds >= 0, or NaN when not measured)");
-    agree_on_step(call, eta, timed ? in.ready_seconds : -1.0, busy_before, bad);
+    if constexpr (marks_gradients) {
+      std::string marks = complete_marks();  // every rank's bucket collectives run, none waits
+      if (bad.empty()) bad = std::move(marks);
+      try {
+        agree_on_step(call, eta, timed ? in.ready_seconds : -1.0, busy_before, bad);
+      } catch (...) {
+        abandon_round();
+        throw;
+      }
+    } else {
+      agree_on_step(call, eta, timed ? in.ready_seconds : -1.0, busy_before, bad);
+    }
     apply_settings(call);
 
     step_metrics m;
@@ -491,23 +286,9 @@ class data_parallel_step {
     if constexpr (has_loss_scaling) {
       bool ok = false;
       if constexpr (marks_gradients) {  // unscaled gradient by gradient in mark_ready
-        std::string missing;
-        if (marks_ != tensors_)
-          missing = detail::message(fn, " on rank ", comm_->rank(), ": ", marks_, " of ", tensors_,
-                                    " gradients were marked ready before step() (",
-                                    has_buckets ? "bucket_reduce" : "zero_state<2>",
-                                    " needs mark_ready(t) for every gradient in every step)");
-        ok = scaler_.decide(*comm_, nonfinite_, missing);
+        ok = scaler_.decide(*comm_, nonfinite_, std::string());
         nonfinite_ = 0.0;
-        std::fill(unscaled_.begin(), unscaled_.end(), char{0});
-        if (!ok) {  // the round ends without a step on every rank
-          if constexpr (has_buckets)
-            reducer_->wait();
-          else
-            sharded_->discard_round(*state_);
-          local_sq_ = 0.0;
-          marks_ = 0;
-        }
+        if (!ok) abandon_round();  // the round ends without a step on every rank
       } else {
         ok = scaler_.unscale(backend_, *comm_, *params_);
       }
@@ -616,27 +397,30 @@ class data_parallel_step {
   /// gradient once per step). Full buckets are reduced (reduce-scattered with ZeRO) at once, or
   /// started without waiting over `comm::mpi` with `bucket_reduce::overlap`; `step()` finishes
   /// the step. Collective per bucket: every rank marks every gradient before `step()`.
-  /// @throws gradapt::error when t is out of range or already marked in this step
   /// With the loss scaler, the gradient is unscaled here (g ← g / S, its non-finite elements
   /// counted) before its bucket is reduced; `step()` agrees on the count (one allreduce, as
   /// `loss_scaler::unscale`) and skips the step on every rank after an overflow.
+  ///
+  /// A mark out of range or repeated in the step, and a gradient left unmarked at `step()`, are
+  /// errors on every rank, thrown by `step()` (the rank at fault names the gradient, the others
+  /// name that rank): `mark_ready` itself does not throw for them, and `step()` first marks what
+  /// this rank left unmarked, so that every rank runs the same bucket collectives and none is
+  /// left waiting in one. The round then ends without a step; mark every gradient again.
   void mark_ready(std::size_t t) requires marks_gradients {
-    if constexpr (has_loss_scaling) {
-      detail::require(t < tensors_, "train::data_parallel_step::mark_ready on rank ", comm_->rank(),
-                      ": gradient ", t, " is out of range (", tensors_, " gradients)");
-      detail::require(unscaled_[t] == 0, "train::data_parallel_step::mark_ready on rank ", comm_->rank(),
-                      ": gradient ", t, " ('", (*params_)[t].name,
-                      "') is already marked ready in this step (call step() to end it)");
-      unscaled_[t] = 1;
-      nonfinite_ += unscale_count_nonfinite(backend_, params_->grads().subspan(t, 1), scaler_.inv_scale());
+    if (t >= tensors_ || marked_[t] != 0) {
+      if (mark_error_.empty())
+        mark_error_ = t >= tensors_
+                          ? detail::message("train::data_parallel_step::mark_ready on rank ", comm_->rank(),
+                                            ": gradient ", t, " is out of range (", tensors_, " gradients)")
+                          : detail::message("train::data_parallel_step::mark_ready on rank ", comm_->rank(),
+                                            ": gradient ", t, " ('", (*params_)[t].name,
+                                            "') was marked ready twice in this step");
+      return;
     }
-    if constexpr (has_adascale)
-      if (t < tensors_) local_sq_ += backend_.reduce(reduction::sum_squares, (*params_)[t].grad);
-    if constexpr (has_buckets)
-      reducer_->mark_ready(t);
-    else
-      sharded_->mark_ready(*comm_, backend_, *params_, *state_, t);
-    ++marks_;
+    if constexpr (has_loss_scaling)
+      nonfinite_ += unscale_count_nonfinite(backend_, params_->grads().subspan(t, 1), scaler_.inv_scale());
+    if constexpr (has_adascale) local_sq_ += backend_.reduce(reduction::sum_squares, (*params_)[t].grad);
+    forward_mark(t);
   }
   /// ZeRO stage 2: gradient t's bucket has been reduce-scattered in this step, so its buffer
   /// is not read again before the next step and may be reused.
@@ -677,34 +461,7 @@ class data_parallel_step {
   /// on. Not collective. The parameters are not included (they are the framework's buffers;
   /// save them with the framework). With LocalSGD the replicas and
   /// their optimizer states differ between rounds: every rank saves its own.
-  std::vector<std::byte> save() const {
-    archive_writer w{archive_kind, archive_version};
-    w.put("ranks", static_cast<std::uint64_t>(comm_->size()));
-    w.put("slots", slot_mask());
-    w.put("tensors", static_cast<std::uint64_t>(tensors_));
-    w.put("elements", static_cast<std::uint64_t>(total_));
-    w.begin("settings");
-    w.put("lr", settings_.lr);
-    w.put("local_batch", settings_.local_batch);
-    w.put("accumulation_steps", static_cast<std::int64_t>(settings_.accumulation_steps));
-    w.put("period", settings_.period);
-    w.put("synchronous", settings_.synchronous);
-    w.put_tensor("rank_batches", std::span<const double>(settings_.rank_batches));
-    w.end();
-    w.put("calls", calls_);
-    put_metrics(w, last_);
-    w.put("global_batch", last_.global_batch);
-    w.begin("optimizer");
-    if constexpr (has_sharded_state) {  // this rank's shard, as the sharded optimizer saves it
-      const std::vector<std::byte> shard = state_->save(backend_);
-      w.put("shard", std::string_view(reinterpret_cast<const char*>(shard.data()), shard.size()));
-    } else {
-      state_.save(backend_, w);
-    }
-    w.end();
-    for_each_section(*this, [&](const char* section, const auto& st) { put_section(w, section, st); });
-    return w.finish();
-  }
+  std::vector<std::byte> save() const;
 
   /// Kind and format version of the archive `save()` writes.
   static constexpr std::string_view archive_kind = "gradapt.train_step";
@@ -721,20 +478,7 @@ class data_parallel_step {
   /// @throws gradapt::error naming the first field that does not match, a rule that does not
   ///         apply (keep_global_batch with accumulation_steps × N not divisible by M; adascale
   ///         without the adapt slot), or ranks that passed other bytes or another rule
-  void restore(std::span<const std::byte> bytes, rescale_rule rule) {
-    static_assert(!has_sharded_state,
-                  "train::data_parallel_step::restore: with zero_state the state is in every old rank's "
-                  "checkpoint; pass them as restore(archive_source, rule)");
-    const std::vector<std::byte> backup = save();
-    std::string bad;
-    try {
-      load_impl(bytes, &rule);
-    } catch (const error& e) {
-      bad = e.what();
-      load_impl(backup, nullptr);
-    }
-    agree_on_restore(bytes, rule, bad, [&] { load_impl(backup, nullptr); });
-  }
+  void restore(std::span<const std::byte> bytes, rescale_rule rule);
 
   /// Old rank r's checkpoint (the bytes its `save()` wrote), for `restore(archive_source, rule)`.
   /// The bytes must stay valid until the next call.
@@ -751,25 +495,7 @@ class data_parallel_step {
   /// anywhere (a damaged or missing checkpoint of any old rank, checkpoints of different steps
   /// or world sizes, a rule that does not apply, the callback's own exception) is thrown on
   /// every rank, and every rank keeps its state.
-  void restore(const archive_source& archive, rescale_rule rule) {
-    if constexpr (has_sharded_state) {
-      restore_sharded(archive, rule);
-    } else {
-      std::span<const std::byte> bytes;
-      std::string bad;
-      try {
-        bytes = archive(0);
-      } catch (const std::exception& e) {
-        bad = detail::message("train::data_parallel_step::restore on rank ", comm_->rank(),
-                              ": the archive source threw for old rank 0: ", gradapt::detail::without_prefix(e.what()));
-      }
-      if (bad.empty()) {
-        restore(bytes, rule);
-      } else {
-        agree_on_restore({}, rule, bad, [] {});
-      }
-    }
-  }
+  void restore(const archive_source& archive, rescale_rule rule);
 
   /// Restores a state written by `save()` of a step with the same slots, optimizer, rank
   /// count and parameter layout; the following steps are then bit for bit those of the run
@@ -780,22 +506,7 @@ class data_parallel_step {
   /// With `zero_state` each rank's checkpoint holds its own shard: every rank loads its own
   /// checkpoint of the same step on the same world size and options, and load is collective
   /// (an error on one rank is thrown on every rank, and every rank keeps its state).
-  void load(std::span<const std::byte> bytes) {
-    if constexpr (has_sharded_state) {
-      load_sharded(bytes);
-      return;
-    }
-    // A damaged, truncated or foreign archive is rejected by the reader (checksum, kind,
-    // version, index) before anything changes; only a later mismatch needs the backup.
-    (void)archive_reader{bytes, archive_kind, archive_version};
-    const std::vector<std::byte> backup = save();
-    try {
-      load_impl(bytes, nullptr);
-    } catch (...) {
-      load_impl(backup, nullptr);
-      throw;
-    }
-  }
+  void load(std::span<const std::byte> bytes);
 
  private:
   static std::uint64_t slot_mask() {
@@ -814,26 +525,7 @@ class data_parallel_step {
   // The partition is the same on every rank, so every rank finds the same empty ranks; the
   // ranks agree on allow_empty_shards (one small allreduce), so a rank that allows them and one
   // that does not both throw instead of one of them going on alone.
-  void check_empty_shards(const StateP& o) const {
-    const auto& plan = state_->plan();
-    std::string empty, bad;
-    int count = 0;
-    for (int r = 0; r < plan.world(); ++r)
-      if (plan.pieces(r).empty()) {
-        if (count < 8) empty += (count ? ", " : "") + std::to_string(r);
-        ++count;
-      }
-    if (count != 0 && !o.allow_empty_shards)
-      bad =
-          detail::message("train::data_parallel_step: zero_state leaves ", count, " of ", plan.world(),
-                          " ranks without elements (ranks ", empty, count > 8 ? ", ..." : "", ") for ",
-                          total_, " elements in ", tensors_, " tensors at partition_options::alignment ",
-                          o.sharding.partition.alignment,
-                          ": lower the alignment (a chain without per-tensor or global sums takes any), use "
-                          "fewer ranks, or set zero_state::allow_empty_shards");
-    agree_values(*comm_, "train::data_parallel_step",
-                 {{"zero_state::allow_empty_shards", o.allow_empty_shards ? 1.0 : 0.0}}, bad);
-  }
+  void check_empty_shards(const StateP& o) const;
 
   template <class F>
   void for_each_hook(F&& f) {
@@ -904,53 +596,13 @@ class data_parallel_step {
       return 1.0;
   }
 
-  void check_rank_batches(const char* fn) const {
-    const auto& rb = settings_.rank_batches;
-    if constexpr (marks_gradients)
-      detail::require(
-          rb.empty(), fn, ": step_settings::rank_batches is set but ",
-          has_buckets ? "the reduce slot holds bucket_reduce" : "the state slot holds zero_state<2>",
-          ", which reduces the gradients during the backward pass, before step() could weight "
-          "them: reduce at step() (one_buffer_reduce, zero_state<1>) with per-rank batch sizes");
-    detail::require(rb.empty() || rb.size() == static_cast<std::size_t>(comm_->size()), fn,
-                    ": step_settings::rank_batches holds ", rb.size(), " batch sizes but the world has ",
-                    comm_->size(),
-                    " ranks (one per rank in rank order, or empty for local_batch everywhere)");
-    for (std::size_t r = 0; r < rb.size(); ++r)
-      detail::require(std::isfinite(rb[r]) && rb[r] > 0.0, fn, ": step_settings::rank_batches[", r, "] is ",
-                      rb[r], " (expected the positive number of examples in rank ", r, "'s micro-batch)");
-    if constexpr (has_custom_combine)
-      detail::require(rb.empty(), fn,
-                      ": step_settings::rank_batches is set but the combine slot holds a combiner other than "
-                      "allreduce_mean, which cannot weight the ranks by their batches (leave rank_batches "
-                      "empty or combine with allreduce_mean)");
-  }
+  void check_rank_batches(const char* fn) const;
 
-  void check_batch(const char* fn) const {
-    check_rank_batches(fn);
-    detail::require(settings_.accumulation_steps >= 1, fn, ": step_settings::accumulation_steps is ",
-                    settings_.accumulation_steps, " (expected >= 1 micro-batches per step)");
-    if (!settings_.rank_batches.empty()) return;
-    detail::require(
-        std::isfinite(settings_.local_batch) && settings_.local_batch > 0.0, fn,
-        ": step_settings::local_batch is ", settings_.local_batch,
-        " (expected the positive number of examples in one rank's micro-batch; set by the caller or a "
-        "hook)");
-  }
+  void check_batch(const char* fn) const;
 
-  void check_lr(const char* fn) const {
-    detail::require(std::isfinite(settings_.lr) && settings_.lr >= 0.0, fn, ": step_settings::lr is ",
-                    settings_.lr, " (expected a finite learning rate >= 0; set by the caller or a hook)");
-  }
+  void check_lr(const char* fn) const;
 
-  void check_scale(double s, const char* fn) const {
-    detail::require(
-        std::isfinite(s) && s >= 1.0, fn, ": AdaScale's scale S = ranks ", comm_->size(), " x local_batch ",
-        settings_.local_batch, " x accumulation_steps ", settings_.accumulation_steps, " / base_batch ",
-        adapt_policy_base_batch(), " = ", s,
-        " is below 1 (expected the step's batch to be at least the base batch: lower base_batch or "
-        "raise the batch)");
-  }
+  void check_scale(double s, const char* fn) const;
 
   fixed_period with_period(std::int64_t k) const requires has_settable_period {
     fixed_period_options o = sync_.schedule.options();
@@ -974,31 +626,7 @@ class data_parallel_step {
   }
 
   /// Validates the settings after the before_step hooks and applies batch and period changes.
-  void apply_settings(std::uint64_t call) {
-    constexpr const char* fn = "train::data_parallel_step::step";
-    check_rank_batches(fn);
-    if constexpr (has_adascale) {
-      check_batch(fn);
-      const double s = adascale_scale();
-      if (s != adapt_.ada.scale()) {
-        check_scale(s, fn);
-        const rescale_event e{adapt_.ada.scale(), s, call};
-        adapt_.ada.set_scale(s);
-        for_each_hook([&](auto& h) {
-          if constexpr (rescale_hook<std::remove_reference_t<decltype(h)>>) h.on_rescale(settings_, e);
-        });
-      }
-    }
-    if constexpr (has_settable_period) {
-      detail::require(settings_.period >= 1, fn, ": step_settings::period is ", settings_.period,
-                      " (expected K >= 1 local steps between averaging rounds)");
-      if (settings_.period != sync_.schedule.options().period) change_period(settings_.period);
-    } else {
-      detail::require(settings_.period == 0, fn, ": step_settings::period is ", settings_.period,
-                      " but the sync slot holds no local_sgd_policy<fixed_period> (leave it 0)");
-    }
-    check_lr(fn);
-  }
+  void apply_settings(std::uint64_t call);
 
   /// The construction agreement (gradapt::agree_values, one small allreduce): the parameter
   /// list (tensor count, element count, a size fingerprint), which slots are on, the settings,
@@ -1006,34 +634,7 @@ class data_parallel_step {
   /// that a rank built with another learning rate, momentum, batch, base batch or period
   /// throws with every other rank instead of drifting apart.
   template <class A, class Y, class P>
-  void agree_on_construction(const A& adapt, const Y& sync, const P& precond) {
-    agreed_list<64> v;
-    v.push("parameter tensors", static_cast<double>(params_->size()));
-    v.push("parameter elements", static_cast<double>(params_->total_elements()));
-    v.push("parameter shapes (fingerprint)", detail::fingerprint(params_->grads()));
-    v.push("loss scaling on", has_loss_scaling ? 1.0 : 0.0);
-    v.push("adascale on", has_adascale ? 1.0 : 0.0);
-    v.push("local sgd on", has_local_sgd ? 1.0 : 0.0);
-    v.push("preconditioner on", has_preconditioner ? 1.0 : 0.0);
-    v.push("state slot (0 replicated_state, 1 or 2 zero_state<stage>)", static_cast<double>(zero_stage));
-    v.push("reduce slot bucket_reduce on", has_buckets ? 1.0 : 0.0);
-    v.push("step_settings::lr", settings_.lr);
-    v.push("step_settings::local_batch", settings_.local_batch);
-    v.push("step_settings::accumulation_steps", static_cast<double>(settings_.accumulation_steps));
-    v.push("step_settings::period", static_cast<double>(settings_.period));
-    if constexpr (has_adascale) {
-      v.push("adascale_policy::base_batch", adapt.base_batch);
-      v.push("adascale_policy::sqrt_gain", adapt.sqrt_gain ? 1.0 : 0.0);
-      v.push("adascale_policy::scale_lr", adapt.scale_lr ? 1.0 : 0.0);
-    }
-    if constexpr (has_local_sgd)
-      v.push("local_sgd_options::start_step", static_cast<double>(sync.options.start_step));
-    if constexpr (requires { opt_.agreed_options(v); }) opt_.agreed_options(v);
-    if constexpr (requires { precond.agreed_options(v); }) precond.agreed_options(v);
-    agree_values(*comm_, "train::data_parallel_step", v.view());
-    detail::require(params_->size() > 0, "train::data_parallel_step on rank ", comm_->rank(),
-                    ": the parameter list is empty (add the model's parameters before building the step)");
-  }
+  void agree_on_construction(const A& adapt, const Y& sync, const P& precond);
 
   /// The per-step agreement (one small allreduce, before anything is unscaled or combined): the
   /// step number, this step's learning rate and the settings as the hooks left them, AdaScale's
@@ -1042,35 +643,7 @@ class data_parallel_step {
   /// The same allreduce shares two numbers of every rank (`agree_values_and_share`, 2N more
   /// words): its time-to-ready (`ready`, step_args::ready_seconds; -1 when not given) and the
   /// time it spent in the previous call of step() (`busy`; -1 before the first call).
-  void agree_on_step(std::uint64_t call, double eta, double ready, double busy, const std::string& bad) {
-    agreed_list<12> v;
-    v.push("step", static_cast<double>(call));
-    v.push("learning rate (step_args::lr or step_settings::lr)", bad.empty() ? eta : 0.0);
-    v.push("step_settings::local_batch", settings_.local_batch);
-    v.push("step_settings::accumulation_steps", static_cast<double>(settings_.accumulation_steps));
-    v.push("step_settings::period", static_cast<double>(settings_.period));
-    v.push("step_settings::synchronous", settings_.synchronous ? 1.0 : 0.0);
-    v.push("step_settings::rank_batches (count)", static_cast<double>(settings_.rank_batches.size()));
-    v.push(
-        "step_settings::rank_batches (a 52-bit hash of the values)",
-        static_cast<double>(gradapt::detail::hash_bytes(0x9E3779B97F4A7C15ull, settings_.rank_batches.data(),
-                                                        settings_.rank_batches.size()) >>
-                            12));
-    v.push("step_args::ready_seconds given (1) or not (0)", ready >= 0.0 ? 1.0 : 0.0);
-    if constexpr (has_adascale) v.push("AdaScale scale", adapt_.ada.scale());
-    if constexpr (has_loss_scaling) v.push("loss scale", scaler_.scale());
-    const double mine[2] = {ready, busy};
-    shared_.resize(2 * static_cast<std::size_t>(comm_->size()));
-    agree_values_and_share(*comm_, "train::data_parallel_step::step", v.view(), std::span<const double>(mine),
-                           std::span<double>(shared_), bad, &agree_ws_);
-    const auto n = static_cast<std::size_t>(comm_->size());
-    rank_times_.clear();
-    rank_busy_.clear();
-    bool all_busy = true;
-    for (std::size_t r = 0; r < n; ++r) all_busy = all_busy && shared_[2 * r + 1] >= 0.0;
-    for (std::size_t r = 0; r < n && ready >= 0.0; ++r) rank_times_.push_back(shared_[2 * r]);
-    for (std::size_t r = 0; r < n && all_busy; ++r) rank_busy_.push_back(shared_[2 * r + 1]);
-  }
+  void agree_on_step(std::uint64_t call, double eta, double ready, double busy, const std::string& bad);
 
   /// The replica check: after a step that leaves the replicas identical (a synchronous step,
   /// or a LocalSGD averaging round), on the first such step and then every
@@ -1078,15 +651,7 @@ class data_parallel_step {
   /// deterministic reduction) is agreed across ranks. Replicas that drifted apart (other
   /// optimizer options on one rank, a hook that changed something on one rank only, a
   /// combiner that returns different gradients) are an error on every rank.
-  void check_replicas(const step_metrics& m) {
-    if (replica_every_ == 0 || !(m.synchronous || m.averaged)) return;
-    if (replica_checks_++ % replica_every_ != 0) return;
-    const double sum = backend_.reduce(reduction::sum, params_->values(), std::span<double>());
-    agree_values(*comm_, "train::data_parallel_step replica check",
-                 {{"the sum of the parameters after the step (the replicas differ: optimizer options, a "
-                   "hook or the combiner differ across ranks)",
-                   sum}});
-  }
+  void check_replicas(const step_metrics& m);
 
   /// Stage 2 (and the statistics of stage 3): combine the gradients across the ranks through
   /// the combine slot's combiner.
@@ -1102,400 +667,78 @@ class data_parallel_step {
     bool weighted = false;
     double c2 = 0.0, e2 = 0.0;
   };
-  weights weight_for_mean() {
-    const int n = comm_->size();
-    weights w;
-    w.weighted = !settings_.rank_batches.empty() && n > 1;
-    if (w.weighted) {
-      const double sum = micro_batch_sum();
-      for (const double b : settings_.rank_batches) {
-        const double c = static_cast<double>(n) * b / sum;
-        w.c2 += c * c;
-        w.e2 += b * b;
-      }
-      const double mine =
-          static_cast<double>(n) * settings_.rank_batches[static_cast<std::size_t>(comm_->rank())] / sum;
-      if (mine != 1.0) backend_.apply_list(gradapt::detail::multiply_by{mine}, params_->grads());
-    }
-    return w;
-  }
+  weights weight_for_mean();
 
   // bucket_reduce: completes the buckets (the gradients then hold the rank mean). With AdaScale,
   // Σ_r |g_r|² from the marks (each gradient read as it was marked) and |ḡ|² from one read of
   // the averaged gradients, the local sums added over the ranks by one allreduce of a double.
-  void reduce_buckets() {
-    reducer_->wait();
-    marks_ = 0;
-    if constexpr (has_adascale) {
-      const int n = comm_->size();
-      double local = local_sq_;
-      local_sq_ = 0.0;
-      if (n == 1) return;  // the mean of one rank is its gradient; no noise-scale sample
-      const double global = backend_.reduce(reduction::sum_squares, params_->grads(), std::span<double>());
-      comm_->allreduce(tensor_view<double, host_space>::vector(&local, 1), reduce_op::sum);
-      adapt_.gns.update_reduced(local / static_cast<double>(n), global, n,
-                                noise_batch{.micro_batch = settings_.local_batch,
-                                            .accumulation_steps = settings_.accumulation_steps,
-                                            .loss_scale = 1.0});
-    }
-  }
+  void reduce_buckets();
 
   // zero_state: the sharded optimizer's reduction (its step then skips it). With AdaScale, the
   // noise scale's inputs come from this rank's local gradient (Σ g_r², taken at step() for
   // stage 1, gradient by gradient in mark_ready for stage 2) and its averaged gradient shard
   // (Σ ḡ² over the shard), added over the ranks by one allreduce of two doubles.
-  void reduce_sharded() {
-    marks_ = 0;
-    [[maybe_unused]] const weights w = zero_stage == 1 ? weight_for_mean() : weights{};
-    if constexpr (has_adascale) {
-      const int n = comm_->size();
-      if (n == 1) return;  // the mean of one rank is its gradient; no noise-scale sample
-      double local = local_sq_;
-      if constexpr (zero_stage == 1)
-        local = backend_.reduce(reduction::sum_squares, params_->grads(), std::span<double>());
-      local_sq_ = 0.0;
-      sharded_->reduce(*comm_, backend_, *params_, *state_);
-      double sums[2] = {local, sharded_->gradient_sum_squares(backend_, *state_)};
-      comm_->allreduce(tensor_view<double, host_space>::vector(sums, 2), reduce_op::sum);
-      if (w.weighted) {
-        const double acc = static_cast<double>(settings_.accumulation_steps);
-        adapt_.gns.update(sums[0] / w.c2, acc * w.e2 / micro_batch_sum(), sums[1], global_batch());
-      } else {
-        adapt_.gns.update_reduced(sums[0] / static_cast<double>(n), sums[1], n,
-                                  noise_batch{.micro_batch = settings_.local_batch,
-                                              .accumulation_steps = settings_.accumulation_steps,
-                                              .loss_scale = 1.0});
-      }
-    }
-  }
+  void reduce_sharded();
 
-  void combine() {
-    const int n = comm_->size();
-    [[maybe_unused]] const auto [weighted, c2, e2] = weight_for_mean();
-    if constexpr (has_adascale) {
-      if (n == 1) return;  // the mean of one rank is its gradient; no noise-scale sample
-      const allreduce_norms norms = combiner_->combine_mean_with_norms(*comm_, backend_, params_->grads());
-      if (weighted) {
-        const double acc = static_cast<double>(settings_.accumulation_steps);
-        const double p = static_cast<double>(n);
-        adapt_.gns.update(norms.sum_local_sq / c2, acc * e2 / micro_batch_sum(), norms.result_sq / (p * p),
-                          global_batch());
-      } else {
-        adapt_.gns.update(norms, n,
-                          noise_batch{.micro_batch = settings_.local_batch,
-                                      .accumulation_steps = settings_.accumulation_steps,
-                                      .loss_scale = 1.0});
-      }
-    } else {
-      combiner_->combine(*comm_, backend_, params_->grads());
-    }
-  }
+  void combine();
+
+  // zero_state<2> and bucket_reduce: gradient t marked (this rank's bucket collectives go on).
+  void forward_mark(std::size_t t);
+  // At step(): marks what this rank left unmarked (so that every rank runs the same bucket
+  // collectives) and returns this rank's marking error ("" when every gradient was marked once).
+  std::string complete_marks();
+  // After an error agreed on every rank or an overflow: the round ends without a step (its
+  // bucket collectives completed) and the marks start afresh.
+  void abandon_round();
+
+  // hierarchical_reduce: Σ_r g_r through the hierarchy, tensor by tensor, then g / N as
+  // allreduce_mean divides; with `Norms`, Σ_r |g_r|² (one allreduce of a double) and |Σ_r g_r|².
+  template <bool Norms>
+  allreduce_norms hierarchical_mean();
 
   // Calls f(section, component) for every component with a state section of its own, in
   // archive order: loss scaler, noise scale, AdaScale, LocalSGD, combiner, preconditioner, then
   // the hooks that save state ("hook0", "hook1", ... by position). `self` is *this, const for save().
   template <class Self, class F>
-  static void for_each_section(Self& self, F&& f) {
-    if constexpr (has_loss_scaling) f("loss_scaler", self.scaler_);
-    if constexpr (has_adascale) {
-      f("noise_scale", self.adapt_.gns);
-      f("adascale", self.adapt_.ada);
-    }
-    if constexpr (has_local_sgd) f("local_sgd", *self.sync_.driver);
-    if constexpr (saves_state<combiner_type>) f("combine", *self.combiner_);
-    if constexpr (has_preconditioner && saves_state<preconditioner_type>) f("precondition", *self.pre_);
-    std::size_t h = 0;
-    self.for_each_hook([&](auto& hook) {
-      if constexpr (saves_state<std::remove_cvref_t<decltype(hook)>>) f(hook_section(h).c_str(), hook);
-      ++h;
-    });
-  }
+  static void for_each_section(Self& self, F&& f);
 
   template <class State>
-  static void put_section(archive_writer& w, const char* section, const State& st) {
-    w.begin(section);
-    st.save(w);
-    w.end();
-  }
+  static void put_section(archive_writer& w, const char* section, const State& st);
 
-  static void put_metrics(archive_writer& w, const step_metrics& m) {
-    w.begin("metrics");
-    put_fields(w, m, step_metrics::archive_fields());
-    w.end();
-  }
-  static step_metrics get_metrics(archive_reader& r) {
-    r.begin("metrics");
-    const step_metrics m = get_fields(r, step_metrics::archive_fields());
-    r.end();
-    return m;
-  }
+  static void put_metrics(archive_writer& w, const step_metrics& m);
+  static step_metrics get_metrics(archive_reader& r);
 
   // Reads the archive into this step. Component loads validate their own sections and
   // commit one by one, so `load` restores a backup when anything throws.
   // With `resize`, a checkpoint of another rank count is accepted and the settings follow the rule.
   void load_impl(std::span<const std::byte> bytes, const rescale_rule* resize, std::string* shard = nullptr,
-                 std::uint64_t* old_ranks = nullptr) {
-    constexpr const char* fn = "train::data_parallel_step::load";
-    archive_reader r{bytes, archive_kind, archive_version};
-    const auto expect = [&](const char* field, const char* what, std::uint64_t want, const char* hint) {
-      const auto got = r.get<std::uint64_t>(field);
-      detail::require(got == want, fn, ": the checkpoint's ", what, " is ", got, " but this step's is ", want,
-                      " (", hint, ")");
-    };
-    const auto saved_ranks = r.get<std::uint64_t>("ranks");
-    const auto ranks = static_cast<std::uint64_t>(comm_->size());
-    detail::require(resize || saved_ranks == ranks, fn, ": the checkpoint's rank count is ", saved_ranks,
-                    " but this step's is ", ranks,
-                    " (restore on as many ranks as saved, or resize with restore(bytes, rescale_rule))");
-    detail::require(saved_ranks >= 1, fn, ": the checkpoint's rank count is 0");
-    expect("slots",
-           "slot mask (1 loss scaling, 2 a combiner other than allreduce_mean, 4 AdaScale, 8 LocalSGD, 16 "
-           "a preconditioner, 32 zero_state<1>, 64 zero_state<2>, 128 bucket_reduce)",
-           slot_mask(), "restore into a step built with the same policies");
-    expect("tensors", "tensor count", static_cast<std::uint64_t>(tensors_),
-           "restore for the same parameters");
-    expect("elements", "element count", static_cast<std::uint64_t>(total_),
-           "restore for the same parameters");
-    step_settings s;
-    r.begin("settings");
-    s.lr = r.get<double>("lr");
-    s.local_batch = r.get<double>("local_batch");
-    s.accumulation_steps = r.get<int>("accumulation_steps");
-    s.period = r.get<std::int64_t>("period");
-    if (r.version() >= 2) {
-      s.synchronous = r.get<bool>("synchronous");
-      s.rank_batches = r.get_tensor<double>("rank_batches");
-    }
-    r.end();
-    detail::require(std::isfinite(s.lr) && s.lr >= 0.0, fn, ": the checkpoint's learning rate is ", s.lr,
-                    " (expected finite and >= 0)");
-    detail::require(std::isfinite(s.local_batch) && s.local_batch > 0.0 && s.accumulation_steps >= 1, fn,
-                    ": the checkpoint's batch settings are local_batch ", s.local_batch,
-                    ", accumulation_steps ", s.accumulation_steps, " (expected finite > 0 and >= 1)");
-    const auto calls = r.get<std::uint64_t>("calls");
-    detail::require(calls < std::numeric_limits<std::uint64_t>::max(), fn, ": step counter ", calls,
-                    " cannot grow");
-    step_metrics m = get_metrics(r);
-    if (r.version() >= 2) m.global_batch = r.get<double>("global_batch");
-    detail::require(s.rank_batches.empty() || s.rank_batches.size() == saved_ranks, fn,
-                    ": the checkpoint's rank_batches holds ", s.rank_batches.size(), " sizes for ",
-                    saved_ranks, " ranks");
-    for (const double b : s.rank_batches)
-      detail::require(std::isfinite(b) && b > 0.0, fn, ": the checkpoint's rank_batches holds ", b,
-                      " (expected finite sizes > 0)");
-    if (resize) s = rescaled(s, *resize, saved_ranks, ranks);
-    if constexpr (!has_settable_period)
-      detail::require(s.period == 0, fn, ": the checkpoint's period is ", s.period,
-                      " but this step has no fixed LocalSGD period");
-    if constexpr (has_local_sgd && has_settable_period)
-      detail::require(s.period >= 1, fn, ": the checkpoint's period is ", s.period, " (expected >= 1)");
-    // Apply (component loads validate their own sections).
-    r.begin("optimizer");
-    if constexpr (has_sharded_state) {
-      detail::require(shard != nullptr, fn, ": a sharded state loads through load()");
-      *shard = r.get<std::string>("shard");  // loaded by load_sharded, collectively
-    } else {
-      state_.load(backend_, r);
-    }
-    r.end();
-    if constexpr (has_local_sgd && has_settable_period) {
-      if (s.period != sync_.schedule.options().period) {
-        sync_.schedule = with_period(s.period);
-        sync_.driver.emplace(*comm_, sync_.options, sync_.schedule);
-      }
-    }
-    for_each_section(*this, [&](const char* section, auto& st) { load_section(r, section, st); });
-    r.finish();
-    settings_ = s;
-    calls_ = calls;
-    last_ = m;
-    busy_ = -1.0;
-    rank_times_.clear();
-    rank_busy_.clear();
-    if constexpr (has_local_sgd) sync_.was_synchronous = settings_.synchronous;
-    if (old_ranks != nullptr) *old_ranks = saved_ranks;
-    std::fill(unscaled_.begin(), unscaled_.end(), char{0});  // a load starts a step afresh
-    nonfinite_ = 0.0;
-    local_sq_ = 0.0;
-    marks_ = 0;
-  }
+                 std::uint64_t* old_ranks = nullptr);
 
   // load() with zero_state: the step's own sections on each rank, agreed, then the optimizer
   // shard through the sharded optimizer's collective load; a failure anywhere restores the
   // backup on every rank and throws on every rank.
-  void load_sharded(std::span<const std::byte> bytes) {
-    constexpr const char* fn = "train::data_parallel_step::load";
-    const std::vector<std::byte> backup = save();
-    const auto undo = [&] {
-      std::string ignored;
-      load_impl(backup, nullptr, &ignored);
-    };
-    std::string shard, bad;
-    try {
-      load_impl(bytes, nullptr, &shard);
-    } catch (const error& e) {
-      bad = detail::message(fn, " on rank ", comm_->rank(), ": ", gradapt::detail::without_prefix(e.what()));
-      undo();
-    }
-    try {
-      agree_values(*comm_, fn, std::span<const agreed_value>(), bad);
-    } catch (...) {
-      if (bad.empty()) undo();
-      throw;
-    }
-    const int me = comm_->rank();
-    const std::span<const std::byte> mine(reinterpret_cast<const std::byte*>(shard.data()), shard.size());
-    try {
-      // This rank's checkpoint holds its own shard; on the same plan no other old rank's
-      // shard overlaps this rank's, and old rank 0's archive is read only for the plan, which
-      // every rank's archive holds.
-      state_ = sharded_->load(*comm_, backend_, *params_, [&](int r) -> std::span<const std::byte> {
-        detail::require(r == me || r == 0, fn, " on rank ", me,
-                        ": the checkpoint's partition differs from this step's (old rank ", r,
-                        "'s shard is needed); load a checkpoint saved with the same world size and "
-                        "zero_state options, or restore(archive_source, rule) from every old rank's");
-        return mine;
-      });
-    } catch (...) {
-      undo();
-      throw;
-    }
-    last_.state_bytes = state_bytes();
-  }
+  void load_sharded(std::span<const std::byte> bytes);
 
   // restore's agreement: every rank passed the same checkpoint bytes and rule, or every rank
   // throws (`bad`: this rank's error; `undo` puts the state back where it was changed).
   template <class Undo>
-  void agree_on_restore(std::span<const std::byte> bytes, rescale_rule rule, const std::string& bad, Undo undo) {
-    // (Not the archive's CRC32C: a CRC over bytes that end with their own CRC is a constant.)
-    const std::uint64_t hash = gradapt::detail::hash_bytes(0x9E3779B97F4A7C15ull, bytes.data(), bytes.size());
-    try {
-      agree_values(*comm_, "train::data_parallel_step::restore",
-                   {{"checkpoint (a 52-bit hash of its bytes)", static_cast<double>(hash >> 12)},
-                    {"checkpoint size in bytes", static_cast<double>(bytes.size())},
-                    {"rescale rule", static_cast<double>(rule)}},
-                   bad);
-    } catch (...) {
-      if (bad.empty()) undo();
-      throw;
-    }
-  }
+  void agree_on_restore(std::span<const std::byte> bytes, rescale_rule rule, const std::string& bad,
+                        Undo undo);
 
   // restore() with zero_state: the step's sections from old rank 0's checkpoint (agreed), then
   // the new shard through the sharded optimizer's collective load from the old ranks'
   // checkpoints that overlap it.
-  void restore_sharded(const archive_source& archive, rescale_rule rule) {
-    constexpr const char* fn = "train::data_parallel_step::restore";
-    const std::vector<std::byte> backup = save();
-    const auto undo = [&] {
-      std::string ignored;
-      load_impl(backup, nullptr, &ignored);
-    };
-    const int me = comm_->rank();
-    std::vector<std::string> shards(1);
-    std::span<const std::byte> first;
-    std::string bad;
-    std::uint64_t old_ranks = 0;
-    try {
-      first = archive(0);
-      load_impl(first, &rule, shards.data(), &old_ranks);
-    } catch (const std::exception& e) {  // also what the archive source throws
-      bad = detail::message(fn, " on rank ", me, ": old rank 0's checkpoint: ", gradapt::detail::without_prefix(e.what()));
-      undo();
-      first = {};
-    }
-    agree_on_restore(first, rule, bad, undo);
-    shards.resize(static_cast<std::size_t>(old_ranks));
-    std::vector<char> read(shards.size(), char{0});
-    read[0] = 1;
-    try {
-      state_ = sharded_->load(*comm_, backend_, *params_, [&](int r) -> std::span<const std::byte> {
-        detail::require(r >= 0 && static_cast<std::uint64_t>(r) < old_ranks, fn, " on rank ", me,
-                        ": old rank ", r, " is outside the checkpoint's world of ", old_ranks, " ranks");
-        const auto i = static_cast<std::size_t>(r);
-        if (read[i] == 0) {
-          shards[i] = shard_in(archive(r), r, old_ranks);
-          read[i] = 1;
-        }
-        return {reinterpret_cast<const std::byte*>(shards[i].data()), shards[i].size()};
-      });
-    } catch (...) {  // thrown on every rank by the sharded optimizer's agreement
-      undo();
-      throw;
-    }
-    last_.state_bytes = state_bytes();
-  }
+  void restore_sharded(const archive_source& archive, rescale_rule rule);
 
   // Old rank r's shard from its checkpoint, which must be of the same world size and step as
   // old rank 0's (already read into this step).
-  std::string shard_in(std::span<const std::byte> bytes, int r, std::uint64_t old_ranks) const {
-    constexpr const char* fn = "train::data_parallel_step::restore";
-    std::uint64_t n = 0, calls = 0;
-    std::string shard;
-    try {
-      archive_reader rd{bytes, archive_kind, archive_version};
-      n = rd.get<std::uint64_t>("ranks");
-      calls = rd.get<std::uint64_t>("calls");
-      rd.begin("optimizer");
-      shard = rd.get<std::string>("shard");
-    } catch (const error& e) {
-      detail::fail(fn, ": old rank ", r, "'s checkpoint: ", gradapt::detail::without_prefix(e.what()));
-    }
-    detail::require(n == old_ranks, fn, ": old rank ", r, "'s checkpoint was saved on ", n,
-                    " ranks but old rank 0's on ", old_ranks, " (checkpoints of different runs)");
-    detail::require(calls == calls_, fn, ": old rank ", r, "'s checkpoint is of step ", calls,
-                    " but old rank 0's of step ", calls_, " (checkpoints of different steps)");
-    return shard;
-  }
+  std::string shard_in(std::span<const std::byte> bytes, int r, std::uint64_t old_ranks) const;
 
   // The settings of a checkpoint of n ranks on m ranks under `rule`.
-  static step_settings rescaled(step_settings s, rescale_rule rule, std::uint64_t n, std::uint64_t m) {
-    constexpr const char* fn = "train::data_parallel_step::restore";
-    if (n != m && !s.rank_batches.empty()) {
-      // Per-rank sizes do not carry to another world: their mean becomes every rank's local
-      // batch (the same global batch on n ranks), then the rule applies.
-      double sum = 0.0;
-      for (const double b : s.rank_batches) sum += b;
-      s.local_batch = sum / static_cast<double>(n);
-      s.rank_batches.clear();
-    }
-    switch (rule) {
-      case rescale_rule::keep_global_batch: {
-        const auto micro = static_cast<std::uint64_t>(s.accumulation_steps) * n;
-        detail::require(micro % m == 0, fn, ": keep_global_batch: ", s.accumulation_steps,
-                        " accumulation steps on ", n, " ranks are ", micro, " micro-batches per step, which ",
-                        m,
-                        " ranks cannot split evenly (choose linear_lr, sqrt_lr or adascale, or a world size "
-                        "dividing ",
-                        micro, ")");
-        detail::require(micro / m <= static_cast<std::uint64_t>(std::numeric_limits<int>::max()), fn,
-                        ": keep_global_batch: ", micro / m, " accumulation steps");
-        s.accumulation_steps = static_cast<int>(micro / m);
-        return s;
-      }
-      case rescale_rule::linear_lr:
-        s.lr = s.lr * double(m) / double(n);
-        return s;
-      case rescale_rule::sqrt_lr:
-        s.lr = s.lr * std::sqrt(double(m) / double(n));
-        return s;
-      case rescale_rule::adascale:
-        detail::require(has_adascale, fn,
-                        ": rescale_rule::adascale needs the adapt slot's adascale_policy (its gain follows "
-                        "the new global batch); choose another rule");
-        return s;
-    }
-    detail::fail(fn, ": rescale rule ", int(rule), " (expected a rescale_rule)");
-  }
+  static step_settings rescaled(step_settings s, rescale_rule rule, std::uint64_t n, std::uint64_t m);
 
   template <class State>
-  static void load_section(archive_reader& r, const char* section, State& st) {
-    detail::require(!r.names(section).empty(), "train::data_parallel_step::load: the checkpoint has no ",
-                    section, " state (written by a step with other policies?)");
-    r.begin(section);
-    st.load(r);
-    r.end();
-  }
+  static void load_section(archive_reader& r, const char* section, State& st);
 
   Comm* comm_;
   B backend_;
@@ -1505,13 +748,18 @@ class data_parallel_step {
   [[no_unique_address]] std::conditional_t<has_sharded_state, std::optional<shard::sharded_optimizer<Opt>>,
                                            detail::nothing>
       sharded_;
-  /// zero_state<2> with the loss scaler: the gradients unscaled in this step (by mark_ready)
-  /// and the non-finite elements counted.
-  std::vector<char> unscaled_;
+  /// zero_state<2> or bucket_reduce: the gradients marked in this step (with the loss scaler,
+  /// unscaled), the first marking error, and with the scaler the non-finite elements counted.
+  std::vector<char> marked_;
+  std::string mark_error_;
   double nonfinite_ = 0.0;
   double local_sq_ = 0.0;  ///< marks with AdaScale: Σ g² of the gradients marked so far
   std::size_t marks_ = 0;  ///< gradients marked ready in this step (zero_state<2>, bucket_reduce)
   /// The bucket reducer (reduce slot bucket_reduce).
+  /// The groups and their communicators (reduce slot hierarchical_reduce).
+  [[no_unique_address]] std::conditional_t<has_hierarchy, std::optional<comm::hierarchy<Comm>>,
+                                           detail::nothing>
+      hier_;
   [[no_unique_address]] std::conditional_t<has_buckets, std::optional<bucket::reducer<Comm, grad_type>>,
                                            detail::nothing>
       reducer_;
@@ -1568,7 +816,8 @@ auto make_data_parallel_step(Comm& comm, const B& backend, const PL& params, Opt
       count_slot<slot::none, Args...> == 0,
       "train::make_data_parallel_step: an argument is neither a policy (no_loss_scaling, loss_scaler, "
       "allreduce_mean, adasum_combine, no_adascale, adascale_policy, no_local_sgd, local_sgd_policy, "
-      "no_preconditioner, kfac_policy, replicated_state, zero_state, one_buffer_reduce, bucket_reduce, or a "
+      "no_preconditioner, kfac_policy, replicated_state, zero_state, one_buffer_reduce, bucket_reduce, "
+      "hierarchical_reduce, or a "
       "type declaring `static constexpr "
       "train::policy_slot slot`) "
       "nor a hook (an object with before_step, after_step, on_overflow or on_rescale)");
@@ -1591,3 +840,16 @@ auto make_data_parallel_step(Comm& comm, const B& backend, const PL& params, Opt
 }
 
 }  // namespace gradapt::train
+
+// The member bodies of the construction and agreements, the checkpoint and the reduction (out of the class by
+// concern), written against these two names.
+#define GRADAPT_TRAIN_STEP_TEMPLATE                                                                         \
+  template <class Comm, class B, class PL, class Opt, class Scaler, class Combine, class Adapt, class Sync, \
+            class Hooks, class Precond, class StateP, class ReduceP>
+#define GRADAPT_TRAIN_STEP \
+  data_parallel_step<Comm, B, PL, Opt, Scaler, Combine, Adapt, Sync, Hooks, Precond, StateP, ReduceP>
+#include "gradapt/train/detail/step_checkpoint.hpp"
+#include "gradapt/train/detail/step_reduce.hpp"
+#include "gradapt/train/detail/step_setup.hpp"
+#undef GRADAPT_TRAIN_STEP
+#undef GRADAPT_TRAIN_STEP_TEMPLATE

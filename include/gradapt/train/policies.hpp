@@ -20,7 +20,8 @@
 /// | precondition | `no_preconditioner` | `kfac_policy<State>` (train/kfac_policy.hpp; K-FAC)       |
 /// | sync         | `no_local_sgd`      | `local_sgd_policy<Schedule>` (post-local SGD, Lin 2018)   |
 /// | state        | `replicated_state`  | `zero_state<1>`, `zero_state<2>` (ZeRO, Rajbhandari 2020) |
-/// | reduce       | `one_buffer_reduce` | `bucket_reduce` (buckets overlapped with the backward)    |
+/// | reduce       | `one_buffer_reduce` | `bucket_reduce` (buckets overlapped with the backward),   |
+///  |              |                     | `hierarchical_reduce` (Horovod's hierarchical allreduce)  |
 ///
 /// A policy names its slot (`static constexpr policy_slot slot = ...`, or a specialisation of
 /// `policy_traits` for a type that cannot be edited). The combine slot is open: any type that
@@ -50,6 +51,7 @@
 #include "gradapt/bucket/plan.hpp"
 #include "gradapt/bucket/reducer.hpp"
 #include "gradapt/combine/adasum.hpp"
+#include "gradapt/comm/hierarchical.hpp"
 #include "gradapt/core/archive.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/detail/archive_fields.hpp"
@@ -357,6 +359,19 @@ struct bucket_reduce {
   static constexpr policy_slot slot = policy_slot::reduce;  ///< fills the reduce slot
   bucket::bucket_options buckets{};                         ///< bucket sizes (DDP's defaults)
   bool overlap = true;  ///< start buckets without waiting where the communicator can (MPI)
+};
+
+/// Reduce slot: Horovod's hierarchical allreduce (`comm::hierarchy`): the world cut into equal
+/// groups (the ranks of one host, or `hierarchy.group_size` consecutive ranks), each gradient
+/// reduce-scattered inside its group, its block allreduced across the groups and allgathered
+/// inside the group, so that only 1/L of the buffer (L ranks per group) crosses groups; then
+/// divided by the rank count. With the replicated state and the mean (`allreduce_mean`), on
+/// a host communicator with `split`. The sum's order is the hierarchy's (groups, then across
+/// them), not the flat allreduce's: the same bits on every rank, and a flat reduction's bits
+/// where every partial sum is exact.
+struct hierarchical_reduce {
+  static constexpr policy_slot slot = policy_slot::reduce;  ///< fills the reduce slot
+  comm::hierarchy_options hierarchy{};                      ///< the groups (agreed across ranks)
 };
 
 // ---- settings, metrics, hook events ------------------------------------------------------------
