@@ -33,6 +33,8 @@
 #include "rank_errors.hpp"
 #include "scenarios/sharded.hpp"
 
+namespace gradapt_test_train_zero {
+
 using Catch::Matchers::Contains;
 using gradapt::comm::run_threads;
 using gradapt::comm::threads;
@@ -743,3 +745,5 @@ TEST_CASE("loss_scaler::decide: a count that is not finite and >= 0 on one rank 
     RANK_REQUIRE(scaler.scale() == 512.0);
   });
 }
+
+}  // namespace gradapt_test_train_zero
