@@ -841,13 +841,15 @@ auto make_data_parallel_step(Comm& comm, const B& backend, const PL& params, Opt
 
 }  // namespace gradapt::train
 
-// The member bodies of the construction and agreements, the checkpoint and the reduction (out of the class by
-// concern), written against these two names.
+// The member bodies of the construction and agreements, the checkpoint and the reduction (out
+// of the class by concern), written against these two names.
+/// @cond
 #define GRADAPT_TRAIN_STEP_TEMPLATE                                                                         \
   template <class Comm, class B, class PL, class Opt, class Scaler, class Combine, class Adapt, class Sync, \
             class Hooks, class Precond, class StateP, class ReduceP>
 #define GRADAPT_TRAIN_STEP \
   data_parallel_step<Comm, B, PL, Opt, Scaler, Combine, Adapt, Sync, Hooks, Precond, StateP, ReduceP>
+/// @endcond
 #include "gradapt/train/detail/step_checkpoint.hpp"
 #include "gradapt/train/detail/step_reduce.hpp"
 #include "gradapt/train/detail/step_setup.hpp"
