@@ -66,7 +66,10 @@ std::vector<std::vector<float>> run(threads& comm, const Opt& opt, const State& 
       std::rotate(order.begin(), order.begin() + (comm.rank() + k) % static_cast<int>(order.size()),
                   order.end());
       if ((comm.rank() + k) % 2 == 1) std::reverse(order.begin(), order.end());
-      for (const std::size_t t : order) step.mark_ready(t);
+      for (const std::size_t t : order) {
+        step.mark_ready(t);
+        if constexpr (decltype(step)::has_buckets) step.progress();  // as a backward's gap would
+      }
     }
     const auto& met = step.step();
     RANK_REQUIRE(met.stepped);

@@ -422,6 +422,12 @@ class data_parallel_step {
     if constexpr (has_adascale) local_sq_ += backend_.reduce(reduction::sum_squares, (*params_)[t].grad);
     forward_mark(t);
   }
+  /// `bucket_reduce`: lets the bucket collectives in flight advance (`bucket::reducer::progress`:
+  /// over `comm::mpi` each outstanding request is tested, which moves Open MPI's non-blocking
+  /// allreduce on). `mark_ready` does this too; a framework whose backward pass leaves long
+  /// gaps between gradients can call it while it waits (docs/algorithms/buckets.md measures
+  /// the exposed communication with and without it). Not collective.
+  void progress() requires has_buckets { reducer_->progress(); }
   /// ZeRO stage 2: gradient t's bucket has been reduce-scattered in this step, so its buffer
   /// is not read again before the next step and may be reused.
   bool released(std::size_t t) const requires(zero_stage == 2) { return state_->released(t); }
@@ -541,7 +547,7 @@ class data_parallel_step {
     return s;
   }
 
-  double progress() const {
+  double progress_value() const {
     if constexpr (has_adascale)
       return adapt_.ada.progress();
     else
@@ -563,7 +569,7 @@ class data_parallel_step {
                                   std::chrono::steady_clock::time_point entered) {
     m.optimizer_steps = st().steps();
     m.state_bytes = state_bytes();
-    m.progress = progress();
+    m.progress = progress_value();
     m.noise_scale = noise_scale_value();
     calls_ = call;
     last_ = m;
