@@ -7,8 +7,8 @@
 // - A checkpoint taken mid-run and restored into a fresh step continues bit for bit; one of N
 //   ranks restored on M ranks (sub-worlds of 1..size ranks) resumes alike on every rank.
 // - Lists, settings and options that differ across ranks make every rank throw; none hangs.
-// - The state slot's zero_state<1> and <2>, and the reduce slot's bucket_reduce, give the
-//   replicated step's bits.
+// - The state slot's zero_state<1> and <2>, and the reduce slot's bucket_reduce and
+//   hierarchical_reduce (two "hosts" of two ranks on 4 ranks), give the replicated step's bits.
 //
 // The scenarios are shared with the threads tests: tests/support/scenarios/train_step.hpp and
 // disagreement.hpp.
@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "gradapt/comm/hierarchical.hpp"
 #include "gradapt/comm/mpi.hpp"
 #include "gradapt/elastic/policy.hpp"
 #include "mpi_test_support.hpp"
@@ -64,8 +65,10 @@ TEST_CASE("mpi: the composed step equals the stages by hand", "[mpi][train]") {
   if (comm.size() >= 2) REQUIRE(std::isfinite(a.metrics.back().noise_scale));
 }
 
-TEST_CASE("mpi: zero_state<1> and <2>, and bucket_reduce (overlapped), give the replicated step's bits",
-          "[mpi][train][zero]") {
+TEST_CASE(
+    "mpi: zero_state<1> and <2>, bucket_reduce (overlapped) and hierarchical_reduce give the replicated "
+    "step's bits",
+    "[mpi][train][zero]") {
   // The gradients differ by rank and lie on a grid of 2^-12 below 16 in magnitude, so their sums
   // are exact in any order: this checks the state slot's wiring over MPI (the scaler's overflow
   // on one rank, stage 2's marks in a rank-dependent order, the state bytes), not MPI's
@@ -75,7 +78,7 @@ TEST_CASE("mpi: zero_state<1> and <2>, and bucket_reduce (overlapped), give the 
   const int n = comm.size(), r = comm.rank();
   const auto opt = gradapt::lamb({.lr = 1e-2, .weight_decay = 0.01});
   const auto scaler = gradapt::loss_scaler({.init_scale = 256.0, .growth_interval = 2});
-  sharded_scenario::model<float> a, c, d, e;
+  sharded_scenario::model<float> a, c, d, e, f;
   auto rep = train::make_data_parallel_step(comm, b, a.params, opt, {.lr = 1e-2}, scaler);
   auto z1 = train::make_data_parallel_step(comm, b, c.params, opt, {.lr = 1e-2}, scaler,
                                            train::zero_state<1>{.allow_empty_shards = true});
@@ -84,9 +87,15 @@ TEST_CASE("mpi: zero_state<1> and <2>, and bucket_reduce (overlapped), give the 
       train::zero_state<2>{.sharding = {.buckets = {.cap_bytes = 40000}}, .allow_empty_shards = true});
   auto bu = train::make_data_parallel_step(comm, b, e.params, opt, {.lr = 1e-2}, scaler,
                                            train::bucket_reduce{.buckets = {.cap_bytes = 40000}});
-  std::vector<train::step_metrics> mr, m1, m2, mb;
+  // Even worlds: groups of two ranks named as hosts ("node0", "node1", ...: two nodes on 4
+  // ranks); odd ones: one rank per group.
+  gradapt::comm::hierarchy_options groups{.group_size = 1};
+  if (n % 2 == 0) groups = {.host = "node" + std::to_string(r / 2)};
+  auto hi = train::make_data_parallel_step(comm, b, f.params, opt, {.lr = 1e-2}, scaler,
+                                           train::hierarchical_reduce{.hierarchy = groups});
+  std::vector<train::step_metrics> mr, m1, m2, mb, mh;
   for (int k = 1; k <= 5; ++k) {
-    for (auto* m : {&a, &c, &d, &e}) {
+    for (auto* m : {&a, &c, &d, &e, &f}) {
       m->make_grads(r, k);
       for (auto& g : m->g)
         for (auto& x : g)
@@ -102,6 +111,7 @@ TEST_CASE("mpi: zero_state<1> and <2>, and bucket_reduce (overlapped), give the 
     m1.push_back(z1.step());
     m2.push_back(z2.step());
     mb.push_back(bu.step());
+    mh.push_back(hi.step());
   }
   double bytes = static_cast<double>(z1.state_bytes());
   comm.allreduce(gradapt::host_view(std::span<double>(&bytes, 1)), gradapt::reduce_op::sum);
@@ -109,6 +119,7 @@ TEST_CASE("mpi: zero_state<1> and <2>, and bucket_reduce (overlapped), give the 
     REQUIRE(sharded_scenario::same_bits(a.p[t], c.p[t]));
     REQUIRE(sharded_scenario::same_bits(a.p[t], d.p[t]));
     REQUIRE(sharded_scenario::same_bits(a.p[t], e.p[t]));
+    REQUIRE(sharded_scenario::same_bits(a.p[t], f.p[t]));
   }
   for (std::size_t k = 0; k < mr.size(); ++k) {
     REQUIRE(m1[k].found_inf == (k == 2));
@@ -116,6 +127,7 @@ TEST_CASE("mpi: zero_state<1> and <2>, and bucket_reduce (overlapped), give the 
     REQUIRE(m1[k].loss_scale == mr[k].loss_scale);
     REQUIRE(m2[k].loss_scale == mr[k].loss_scale);
     REQUIRE(mb[k].found_inf == (k == 2));
+    REQUIRE(mh[k].found_inf == (k == 2));
   }
   REQUIRE(bytes == static_cast<double>(rep.state_bytes()));
 }
