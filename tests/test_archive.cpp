@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "catch.hpp"
@@ -73,6 +74,11 @@ TEST_CASE("archive: every field type round-trips bit for bit", "[archive]") {
   REQUIRE(r.get<double>("scale") == 0.1);
   REQUIRE(r.get<bool>("flag"));
   REQUIRE(r.get<std::string>("label") == "adamw");
+  const auto label = r.get<std::string_view>("label");  // in place: a view into the bytes
+  REQUIRE(label == "adamw");
+  REQUIRE(reinterpret_cast<const std::byte*>(label.data()) > bytes.data());
+  REQUIRE(reinterpret_cast<const std::byte*>(label.data()) + label.size() <= bytes.data() + bytes.size());
+  REQUIRE_THROWS_AS(r.get<std::string_view>("count"), gradapt::error);  // a u64, not a string
   REQUIRE(r.names("buffers") == std::vector<std::string>{"buffers/m/layer.weight", "buffers/v"});
   r.begin("buffers");
   REQUIRE(r.names() == std::vector<std::string>{"m/layer.weight", "v"});

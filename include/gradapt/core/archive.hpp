@@ -393,7 +393,8 @@ class archive_reader {
   archive_field type(std::string_view name) const { return at(name).type; }
 
   /// Reads a scalar field as T: unsigned integers from u64, signed from i64, float and double
-  /// from f64 (a float must hold the value exactly), bool, std::string.
+  /// from f64 (a float must hold the value exactly), bool, std::string, or std::string_view (a
+  /// view into the archive's bytes, valid while they are: a nested archive read in place).
   /// @throws gradapt::error when the field is missing, has another type, or its value does
   ///         not fit T
   template <class T>
@@ -428,13 +429,12 @@ class archive_reader {
       mark(f);
       return static_cast<T>(v);
     } else {
-      static_assert(std::is_same_v<T, std::string>,
-                    "archive_reader::get: read integers, floats, bool or std::string");
+      static_assert(std::is_same_v<T, std::string> || std::is_same_v<T, std::string_view>,
+                    "archive_reader::get: read integers, floats, bool, std::string or std::string_view");
       expect(f, archive_field::string);
       const std::uint64_t n = ai::get_le<std::uint64_t>(bytes_.data() + f.offset);
       mark(f);
-      return std::string(reinterpret_cast<const char*>(bytes_.data() + f.offset + 8),
-                         static_cast<std::size_t>(n));
+      return T(reinterpret_cast<const char*>(bytes_.data() + f.offset + 8), static_cast<std::size_t>(n));
     }
   }
 

@@ -717,8 +717,8 @@ class data_parallel_step {
   // Reads the archive into this step. Component loads validate their own sections and
   // commit one by one, so `load` restores a backup when anything throws.
   // With `resize`, a checkpoint of another rank count is accepted and the settings follow the rule.
-  void load_impl(std::span<const std::byte> bytes, const rescale_rule* resize, std::string* shard = nullptr,
-                 std::uint64_t* old_ranks = nullptr);
+  void load_impl(std::span<const std::byte> bytes, const rescale_rule* resize,
+                 std::string_view* shard = nullptr, std::uint64_t* old_ranks = nullptr);
 
   // load() with zero_state: the step's own sections on each rank, agreed, then the optimizer
   // shard through the sharded optimizer's collective load; a failure anywhere restores the
@@ -736,9 +736,9 @@ class data_parallel_step {
   // checkpoints that overlap it.
   void restore_sharded(const archive_source& archive, rescale_rule rule);
 
-  // Old rank r's shard from its checkpoint, which must be of the same world size and step as
-  // old rank 0's (already read into this step).
-  std::string shard_in(std::span<const std::byte> bytes, int r, std::uint64_t old_ranks) const;
+  // Old rank r's shard, a view into its checkpoint's bytes, which must be of the same world
+  // size and step as old rank 0's (already read into this step).
+  std::string_view shard_in(std::span<const std::byte> bytes, int r, std::uint64_t old_ranks) const;
 
   // The settings of a checkpoint of n ranks on m ranks under `rule`.
   static step_settings rescaled(step_settings s, rescale_rule rule, std::uint64_t n, std::uint64_t m);

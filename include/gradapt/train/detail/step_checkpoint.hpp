@@ -153,7 +153,7 @@ step_metrics GRADAPT_TRAIN_STEP::get_metrics(archive_reader& r) {
 
 GRADAPT_TRAIN_STEP_TEMPLATE
 void GRADAPT_TRAIN_STEP::load_impl(std::span<const std::byte> bytes, const rescale_rule* resize,
-                                   std::string* shard, std::uint64_t* old_ranks) {
+                                   std::string_view* shard, std::uint64_t* old_ranks) {
   constexpr const char* fn = "train::data_parallel_step::load";
   archive_reader r{bytes, archive_kind, archive_version};
   const auto expect = [&](const char* field, const char* what, std::uint64_t want, const char* hint) {
@@ -210,7 +210,7 @@ void GRADAPT_TRAIN_STEP::load_impl(std::span<const std::byte> bytes, const resca
   r.begin("optimizer");
   if constexpr (has_sharded_state) {
     detail::require(shard != nullptr, fn, ": a sharded state loads through load()");
-    *shard = r.get<std::string>("shard");  // loaded by load_sharded, collectively
+    *shard = r.get<std::string_view>("shard");  // loaded by load_sharded, collectively
   } else {
     state_.load(backend_, r);
   }
@@ -243,10 +243,11 @@ void GRADAPT_TRAIN_STEP::load_sharded(std::span<const std::byte> bytes) {
   constexpr const char* fn = "train::data_parallel_step::load";
   const std::vector<std::byte> backup = save();
   const auto undo = [&] {
-    std::string ignored;
+    std::string_view ignored;
     load_impl(backup, nullptr, &ignored);
   };
-  std::string shard, bad;
+  std::string_view shard;
+  std::string bad;
   try {
     load_impl(bytes, nullptr, &shard);
   } catch (const error& e) {
@@ -302,17 +303,17 @@ void GRADAPT_TRAIN_STEP::restore_sharded(const archive_source& archive, rescale_
   constexpr const char* fn = "train::data_parallel_step::restore";
   const std::vector<std::byte> backup = save();
   const auto undo = [&] {
-    std::string ignored;
+    std::string_view ignored;
     load_impl(backup, nullptr, &ignored);
   };
   const int me = comm_->rank();
-  std::vector<std::string> shards(1);
   std::span<const std::byte> first;
+  std::string_view first_shard;  // read again below, where the sharded load asks for old rank 0
   std::string bad;
   std::uint64_t old_ranks = 0;
   try {
     first = archive(0);
-    load_impl(first, &rule, shards.data(), &old_ranks);
+    load_impl(first, &rule, &first_shard, &old_ranks);
   } catch (const std::exception& e) {  // also what the archive source throws
     bad = detail::message(fn, " on rank ", me,
                           ": old rank 0's checkpoint: ", gradapt::detail::without_prefix(e.what()));
@@ -320,19 +321,14 @@ void GRADAPT_TRAIN_STEP::restore_sharded(const archive_source& archive, rescale_
     first = {};
   }
   agree_on_restore(first, rule, bad, undo);
-  shards.resize(static_cast<std::size_t>(old_ranks));
-  std::vector<char> read(shards.size(), char{0});
-  read[0] = 1;
   try {
+    // Old rank r's shard is read in place from its checkpoint (a view into the bytes the
+    // source returned, used by the sharded load before it asks for the next old rank).
     state_ = sharded_->load(*comm_, backend_, *params_, [&](int r) -> std::span<const std::byte> {
       detail::require(r >= 0 && static_cast<std::uint64_t>(r) < old_ranks, fn, " on rank ", me, ": old rank ",
                       r, " is outside the checkpoint's world of ", old_ranks, " ranks");
-      const auto i = static_cast<std::size_t>(r);
-      if (read[i] == 0) {
-        shards[i] = shard_in(archive(r), r, old_ranks);
-        read[i] = 1;
-      }
-      return {reinterpret_cast<const std::byte*>(shards[i].data()), shards[i].size()};
+      const std::string_view v = shard_in(archive(r), r, old_ranks);
+      return {reinterpret_cast<const std::byte*>(v.data()), v.size()};
     });
   } catch (...) {  // thrown on every rank by the sharded optimizer's agreement
     undo();
@@ -342,17 +338,17 @@ void GRADAPT_TRAIN_STEP::restore_sharded(const archive_source& archive, rescale_
 }
 
 GRADAPT_TRAIN_STEP_TEMPLATE
-std::string GRADAPT_TRAIN_STEP::shard_in(std::span<const std::byte> bytes, int r,
-                                         std::uint64_t old_ranks) const {
+std::string_view GRADAPT_TRAIN_STEP::shard_in(std::span<const std::byte> bytes, int r,
+                                              std::uint64_t old_ranks) const {
   constexpr const char* fn = "train::data_parallel_step::restore";
   std::uint64_t n = 0, calls = 0;
-  std::string shard;
+  std::string_view shard;
   try {
     archive_reader rd{bytes, archive_kind, archive_version};
     n = rd.get<std::uint64_t>("ranks");
     calls = rd.get<std::uint64_t>("calls");
     rd.begin("optimizer");
-    shard = rd.get<std::string>("shard");
+    shard = rd.get<std::string_view>("shard");
   } catch (const error& e) {
     detail::fail(fn, ": old rank ", r, "'s checkpoint: ", gradapt::detail::without_prefix(e.what()));
   }
