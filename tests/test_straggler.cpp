@@ -7,9 +7,12 @@
 //  4. rebalance: batch sizes proportional to speed, exact sums, the remainder rule;
 //  5. observe(comm, t) on comm::threads ranks gives every rank the same decisions; an invalid
 //     time or detectors at different steps throw on every rank naming the rank; bad options.
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "catch.hpp"
@@ -135,6 +138,65 @@ TEST_CASE("straggler: rebalance gives batches proportional to speed that sum exa
   for (auto x : b) sum += x;
   CHECK(sum == 1000);
   CHECK_THROWS_WITH(d.rebalance(3), Contains("cannot give 4 ranks at least 1"));
+}
+
+TEST_CASE("straggler: rebalance on random and extreme inputs: exact sums, min_batch, faster never gets less",
+          "[elastic][straggler]") {
+  std::mt19937_64 rng(20261128);
+  const std::int64_t big = std::int64_t{1} << 62;
+  for (int trial = 0; trial < 2000; ++trial) {
+    const int n = 1 + static_cast<int>(rng() % 9);
+    straggler_detector d(n);
+    std::vector<double> t(static_cast<std::size_t>(n));
+    for (auto& x : t) {  // zeros, tiny and huge times among ordinary ones
+      switch (rng() % 6) {
+        case 0:
+          x = 0.0;
+          break;
+        case 1:
+          x = 1e-300;
+          break;
+        case 2:
+          x = 1e300;
+          break;
+        default:
+          x = std::ldexp(static_cast<double>(rng() % 1000 + 1), -static_cast<int>(rng() % 20));
+      }
+    }
+    const int steps = static_cast<int>(rng() % 3);  // 0: no timing yet, equal shares
+    for (int s = 0; s < steps; ++s) d.observe(t);
+    const std::int64_t min_batch =
+        1 + static_cast<std::int64_t>(rng() % 4 == 0 ? rng() % (big / 16) : rng() % 8);
+    const std::int64_t global =
+        rng() % 3 == 0 ? std::numeric_limits<std::int64_t>::max() - static_cast<std::int64_t>(rng() % 100)
+                       : min_batch * n + static_cast<std::int64_t>(rng() % 100000);
+    INFO("trial " << trial << ": " << n << " ranks, global " << global << ", min " << min_batch);
+    if (min_batch > global / n) {
+      CHECK_THROWS_WITH(d.rebalance(global, min_batch), Contains("cannot give"));
+      continue;
+    }
+    const auto b = d.rebalance(global, min_batch);
+    REQUIRE(b.size() == static_cast<std::size_t>(n));
+    std::int64_t left = global;  // subtracted one by one: no overflow near 2^63
+    for (const auto x : b) {
+      REQUIRE(x >= min_batch);
+      left -= x;
+    }
+    REQUIRE(left == 0);
+    if (steps > 0)
+      for (int a = 0; a < n; ++a)
+        for (int c = 0; c < n; ++c)
+          if (d.typical_time(a) < d.typical_time(c))  // a is faster: never fewer examples
+            REQUIRE(b[static_cast<std::size_t>(a)] >= b[static_cast<std::size_t>(c)]);
+  }
+  // A rank with time 0 is the fastest: it gets the spare examples.
+  straggler_detector d(3);
+  const double zero_one[] = {1.0, 0.0, 2.0};
+  d.observe(zero_one);
+  CHECK(d.rebalance(30) == std::vector<std::int64_t>{1, 28, 1});
+  // min_batch near 2^62 on 4 ranks: an error, not an overflow.
+  CHECK_THROWS_WITH(straggler_detector(4).rebalance(std::numeric_limits<std::int64_t>::max(), big),
+                    Contains("cannot give 4 ranks at least " + std::to_string(big)));
 }
 
 TEST_CASE("straggler: observe over a communicator agrees on every rank; errors on every rank",

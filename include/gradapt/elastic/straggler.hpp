@@ -192,37 +192,57 @@ class straggler_detector {
   }
 
   /// Per-rank batch sizes proportional to each rank's speed (1 / typical_time), each at least
-  /// `min_batch`, summing to `global_batch`; the remainder goes to the largest fractional
-  /// parts (ties to the lower rank). Equal shares before any step.
-  /// @throws gradapt::error when global_batch < ranks() · min_batch or min_batch < 1
+  /// `min_batch`, summing exactly to `global_batch`. The speeds are quantised to integers
+  /// (2^20 for the fastest rank, each other in proportion, rounded) and the spare examples
+  /// (global_batch − ranks() · min_batch) are shared in exact integer arithmetic: each rank's
+  /// floor of spare · q_r / Σ q, and the few left over one each to the largest remainders
+  /// (ties to the faster rank, then the lower rank). So a faster rank never gets fewer
+  /// examples than a slower one, and any int64 global batch is handled exactly. A rank whose
+  /// typical time is 0 is the fastest possible: the ranks at 0 share the spare examples equally
+  /// and the others get min_batch. Equal shares before any step.
+  /// @throws gradapt::error when min_batch < 1 or global_batch < ranks() · min_batch
   std::vector<std::int64_t> rebalance(std::int64_t global_batch, std::int64_t min_batch = 1) const {
-    detail::require(min_batch >= 1 && global_batch >= min_batch * n_,
+    // min_batch · n <= global_batch, without forming the product (it may overflow).
+    detail::require(min_batch >= 1 && global_batch >= 0 && min_batch <= global_batch / n_,
                     "straggler_detector::rebalance: ", "global_batch ", global_batch, " cannot give ", n_,
                     " ranks at least ", min_batch, " each (min_batch >= 1)");
     const auto n = static_cast<std::size_t>(n_);
-    std::vector<double> speed(n, 1.0);
-    for (std::size_t r = 0; r < n && steps_ > 0; ++r) {
-      const double t = typical_time(static_cast<int>(r));
-      speed[r] = t > 0 ? 1.0 / t : 0.0;
+    std::vector<std::int64_t> q(n, 1);  // quantised speeds
+    if (steps_ > 0) {
+      std::vector<double> t(n);
+      bool zero = false;
+      double fastest = 0.0;  // the largest finite speed 1 / t
+      for (std::size_t r = 0; r < n; ++r) {
+        t[r] = typical_time(static_cast<int>(r));
+        zero = zero || t[r] == 0.0;
+        if (t[r] > 0.0 && std::isfinite(t[r])) fastest = std::max(fastest, 1.0 / t[r]);
+      }
+      for (std::size_t r = 0; r < n; ++r) {
+        if (zero)
+          q[r] = t[r] == 0.0 ? 1 : 0;
+        else if (fastest > 0.0 && std::isfinite(fastest))
+          q[r] = t[r] > 0.0 && std::isfinite(t[r]) ? std::llround(std::ldexp(1.0 / t[r] / fastest, 20)) : 0;
+      }
+      if (std::all_of(q.begin(), q.end(), [](std::int64_t v) { return v == 0; })) q.assign(n, 1);
     }
-    double total = 0;
-    for (double s : speed) total += s;
-    if (!(total > 0) || !std::isfinite(total)) speed.assign(n, 1.0), total = double(n);
-    const std::int64_t spare = global_batch - min_batch * n_;
-    std::vector<std::int64_t> out(n);
-    std::vector<double> frac(n);
+    std::int64_t total = 0;  // at most n · 2^20
+    for (const std::int64_t v : q) total += v;
+    const std::int64_t spare = global_batch - min_batch * n_;  // the product fits: checked above
+    const std::int64_t whole = spare / total, part = spare % total;
+    std::vector<std::int64_t> out(n), rem(n);
     std::int64_t given = 0;
     for (std::size_t r = 0; r < n; ++r) {
-      const double share = double(spare) * speed[r] / total;
-      out[r] = static_cast<std::int64_t>(std::floor(share));
-      frac[r] = share - double(out[r]);
+      // spare · q / total = whole · q + part · q / total, with part · q < n · 2^40 (no overflow)
+      out[r] = whole * q[r] + part * q[r] / total;
+      rem[r] = part * q[r] % total;
       given += out[r];
     }
     std::vector<std::size_t> order(n);
     for (std::size_t r = 0; r < n; ++r) order[r] = r;
-    std::stable_sort(order.begin(), order.end(),
-                     [&](std::size_t a, std::size_t b) { return frac[a] > frac[b]; });
-    for (std::size_t k = 0; given < spare; ++k, ++given) ++out[order[k % n]];
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+      return rem[a] != rem[b] ? rem[a] > rem[b] : q[a] > q[b];
+    });
+    for (std::size_t k = 0; given < spare; ++k, ++given) ++out[order[k]];  // fewer than n left
     for (auto& b : out) b += min_batch;
     return out;
   }
