@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "catch.hpp"
@@ -18,6 +19,7 @@
 #include "gradapt/optim/sm3.hpp"
 #include "gradapt/precision/loss_scaler.hpp"
 #include "gradapt/scaling/adascale.hpp"
+#include "gradapt/shard/optimizer.hpp"
 #include "gradapt/stats/gradient_noise_scale.hpp"
 #include "gradapt/sync/local_sgd.hpp"
 #include "gradapt/train/data_parallel_step.hpp"
@@ -143,6 +145,56 @@ TEST_CASE("bit flips: the data-parallel train step", "[archive][checkpoint][trai
       flip_every_bit(
           good, [&](std::span<const std::byte> bad) { step.load(bad); }, [&] { return step.save(); });
   });
+}
+
+TEST_CASE("bit flips: sharded optimizer states (AdamW by element, Adafactor factored by tensor)",
+          "[archive][checkpoint][shard]") {
+  const auto one = [](const auto& chain, const gradapt::shard::sharded_options& so, const char* label) {
+    INFO(label);
+    gradapt::comm::single comm;
+    model m;
+    gradapt::host b{};
+    const gradapt::shard::sharded_optimizer opt(chain, so);
+    auto st = opt.init(comm, b, m.params);
+    for (int t = 1; t <= 3; ++t) {
+      m.grads(t);
+      opt.step(comm, b, m.params, st, {.lr = 1e-2});
+    }
+    const auto good = st.save(b);
+    flip_every_bit(
+        good,
+        [&](std::span<const std::byte> bad) { st = opt.load(comm, b, m.params, [&](int) { return bad; }); },
+        [&] { return st.save(b); });
+    REQUIRE(st.steps() == 3);
+  };
+  one(gradapt::adamw({.weight_decay = 0.01}), {}, "adamw");
+  one(gradapt::adafactor({.min_dim_size_to_factor = 2}),
+      {.partition = {.mode = gradapt::shard::granularity::tensor}}, "adafactor");
+}
+
+TEST_CASE("bit flips: the train step with zero_state<2> and with hierarchical_reduce",
+          "[archive][checkpoint][train]") {
+  gradapt::comm::single comm;
+  const auto flips = [&](auto& step, model& m) {
+    for (int t = 1; t <= 3; ++t) {
+      m.grads(t);
+      if constexpr (std::remove_reference_t<decltype(step)>::marks_gradients)
+        for (std::size_t k = m.params.size(); k-- > 0;) step.mark_ready(k);
+      step.step({.loss = 1.0});
+    }
+    const auto good = step.save();
+    flip_every_bit(
+        good, [&](std::span<const std::byte> bad) { step.load(bad); }, [&] { return step.save(); });
+  };
+  model a, c;
+  gradapt::host b{};
+  auto zero = gradapt::train::make_data_parallel_step(comm, b, a.params, gradapt::adamw({}), {.lr = 0.01},
+                                                      gradapt::loss_scaler({.init_scale = 256.0}),
+                                                      gradapt::train::zero_state<2>{});
+  flips(zero, a);
+  auto hier = gradapt::train::make_data_parallel_step(comm, b, c.params, gradapt::lamb({}), {.lr = 0.01},
+                                                      gradapt::train::hierarchical_reduce{});
+  flips(hier, c);
 }
 
 }  // namespace gradapt_test_checkpoint_bitflip

@@ -1,6 +1,7 @@
 // libFuzzer target for every state's load(): the loss scaler, the noise scale, AdaScale,
-// LocalSGD (each schedule), the optimizer states (AdamW, LAMB, Adafactor, SM3) and the
-// data-parallel train step (on comm::single). Input layout:
+// LocalSGD (each schedule), the optimizer states (AdamW, LAMB, Adafactor, SM3), the sharded
+// optimizer state (AdamW, ZeRO) and the data-parallel train step, replicated and with
+// zero_state<2> (on comm::single). Input layout:
 //
 //   byte 0   which state (modulo the number of states)
 //   byte 1   mode: even = the rest is the archive as is; odd = the rest is XORed, cyclically,
@@ -34,6 +35,7 @@
 #include "gradapt/optim/sm3.hpp"
 #include "gradapt/precision/loss_scaler.hpp"
 #include "gradapt/scaling/adascale.hpp"
+#include "gradapt/shard/optimizer.hpp"
 #include "gradapt/stats/gradient_noise_scale.hpp"
 #include "gradapt/sync/local_sgd.hpp"
 #include "gradapt/train/data_parallel_step.hpp"
@@ -135,6 +137,50 @@ target train_step_target() {
   return {[h] { return h->step.save(); }, [h](std::span<const std::byte> in) { h->step.load(in); }};
 }
 
+target sharded_target() {
+  struct holder {
+    gradapt::comm::single comm;
+    model m;
+    gradapt::host b{.threads = 1};
+    gradapt::shard::sharded_optimizer<gradapt::adamw> opt{gradapt::adamw({.weight_decay = 0.01}), {}};
+    decltype(opt.init(comm, b, m.params)) st;
+    holder() : st(opt.init(comm, b, m.params)) {
+      for (int t = 1; t <= 2; ++t) {
+        m.grads(t);
+        opt.step(comm, b, m.params, st, {.lr = 1e-2});
+      }
+    }
+  };
+  auto h = std::make_shared<holder>();
+  return {[h] { return h->st.save(h->b); },
+          [h](std::span<const std::byte> in) {
+            h->st = h->opt.load(h->comm, h->b, h->m.params, [in](int) { return in; });
+          }};
+}
+
+target zero_step_target() {
+  struct holder {
+    gradapt::comm::single comm;
+    model m;
+    decltype(gradapt::train::make_data_parallel_step(std::declval<gradapt::comm::single&>(), gradapt::host{},
+                                                     std::declval<model&>().params, gradapt::adamw({}),
+                                                     gradapt::train::step_settings{}, gradapt::loss_scaler{},
+                                                     gradapt::train::zero_state<2>{})) step;
+    holder()
+        : step(gradapt::train::make_data_parallel_step(
+              comm, gradapt::host{}, m.params, gradapt::adamw({}), {.lr = 0.01},
+              gradapt::loss_scaler({.init_scale = 256.0}), gradapt::train::zero_state<2>{})) {
+      for (int t = 1; t <= 2; ++t) {
+        m.grads(t);
+        for (std::size_t k = m.params.size(); k-- > 0;) step.mark_ready(k);
+        step.step({.loss = 1.0});
+      }
+    }
+  };
+  auto h = std::make_shared<holder>();
+  return {[h] { return h->step.save(); }, [h](std::span<const std::byte> in) { h->step.load(in); }};
+}
+
 std::vector<target>& targets() {
   static std::vector<target> all = [] {
     std::vector<target> t;
@@ -157,6 +203,8 @@ std::vector<target>& targets() {
     t.push_back(optimizer_target(gradapt::adafactor({.min_dim_size_to_factor = 2, .momentum = 0.9})));
     t.push_back(optimizer_target(gradapt::sm3({.momentum = 0.9})));
     t.push_back(train_step_target());
+    t.push_back(sharded_target());
+    t.push_back(zero_step_target());
     return t;
   }();
   return all;

@@ -81,6 +81,9 @@ struct piece {
 /// Which rank owns which elements (see the file comment). Built by `make`; immutable.
 class partition_plan {
  public:
+  /// The largest world size `load` accepts (2^20 ranks): a checkpoint's world size beyond it
+  /// is taken for a damaged field.
+  static constexpr std::uint64_t max_loaded_world = std::uint64_t{1} << 20;
   /// Kind and format version of the plan's section in a checkpoint.
   static constexpr std::string_view archive_kind = "gradapt.partition_plan";
   static constexpr std::uint32_t archive_version = 1;  ///< see archive_kind
@@ -203,9 +206,9 @@ class partition_plan {
     const auto world = r.get<std::uint64_t>("world");
     gradapt::detail::require(a >= 1 && a <= (std::uint64_t{1} << 40),
                              "shard::partition_plan::load: alignment ", a, " is out of range (1 to 2^40)");
-    gradapt::detail::require(
-        world >= 1 && world <= static_cast<std::uint64_t>(std::numeric_limits<int>::max()),
-        "shard::partition_plan::load: world size ", world, " is out of range");
+    // The plan holds world + 1 offsets: a damaged count must not allocate gigabytes.
+    gradapt::detail::require(world >= 1 && world <= max_loaded_world, "shard::partition_plan::load: world size ",
+                             world, " is out of range (1 to ", max_loaded_world, ")");
     o.alignment = static_cast<std::size_t>(a);
     const auto at = r.get<std::uint64_t>("align_tensors");
     gradapt::detail::require(at <= 1, "shard::partition_plan::load: align_tensors is ", at,
