@@ -1,0 +1,131 @@
+#pragma once
+/// @file
+/// How `gradapt::shampoo` cuts a tensor into blocks: `shampoo_layout` and `shampoo_plan`
+/// (dimensions of size 1 dropped, small dimensions merged, each merged dimension cut into
+/// pieces of at most max_preconditioner_dim), and the walk over a block's contiguous runs.
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "gradapt/core/error.hpp"
+#include "gradapt/core/tensor_view.hpp"
+#include "gradapt/optim/shampoo_options.hpp"
+
+namespace gradapt {
+
+/// How `gradapt::shampoo` cuts one tensor into blocks (see `shampoo_plan`).
+struct shampoo_layout {
+  /// Preconditioned by the graft alone (fewer than two dimensions larger than 1, a dimension
+  /// larger than skip_preconditioning_dim_size_gt, or an empty tensor).
+  bool diagonal = true;
+  /// The shape the blocks cut (dimensions of size 1 dropped, small ones merged); its
+  /// row-major order is the tensor's, so it is a reshape.
+  std::vector<std::int64_t> merged;
+  /// One block: its first index and its extent in each merged dimension.
+  struct block {
+    std::array<std::int64_t, max_rank> offset{};  ///< first index per merged dimension
+    std::array<std::int64_t, max_rank> size{};    ///< extent per merged dimension
+  };
+  /// The blocks in row-major order of the block grid (empty when diagonal).
+  std::vector<block> blocks;
+};
+
+/// The block layout of a tensor of `shape` under `o` (deterministic: a function of the shape
+/// and the three blocking options only).
+///  1. diagonal when the tensor is empty, has fewer than two dimensions larger than 1, or has
+///     a dimension larger than `skip_preconditioning_dim_size_gt`;
+///  2. merged shape: dimensions of size 1 dropped; with `merge_small_dims`, consecutive
+///     dimensions multiplied together while the product stays <= `max_preconditioner_dim`;
+///  3. each merged dimension cut into pieces of `max_preconditioner_dim` (the last one shorter);
+///     the blocks are the pieces' products, in row-major order.
+/// @throws gradapt::error for a negative extent, rank > 4, max_preconditioner_dim < 1 or
+///         skip_preconditioning_dim_size_gt < 1
+inline shampoo_layout shampoo_plan(std::span<const std::int64_t> shape, const shampoo_options& o) {
+  detail::require(o.max_preconditioner_dim >= 1, "shampoo_plan: max_preconditioner_dim is ",
+                  o.max_preconditioner_dim, " (expected >= 1)");
+  detail::require(o.skip_preconditioning_dim_size_gt >= 1,
+                  "shampoo_plan: skip_preconditioning_dim_size_gt is ", o.skip_preconditioning_dim_size_gt,
+                  " (expected >= 1)");
+  detail::require(shape.size() <= static_cast<std::size_t>(max_rank), "shampoo_plan: rank ", shape.size(),
+                  " (expected 0 to ", max_rank, ")");
+  for (const auto d : shape) detail::require(d >= 0, "shampoo_plan: extent ", d, " (expected >= 0)");
+  shampoo_layout l;
+  std::int64_t big = 0, size = 1;
+  bool too_large = false;
+  for (const auto d : shape) {
+    size *= d;
+    if (d > 1) ++big;
+    if (d > o.skip_preconditioning_dim_size_gt) too_large = true;
+  }
+  if (size == 0 || big < 2 || too_large) return l;
+  const std::int64_t cap = o.max_preconditioner_dim;
+  std::int64_t prod = 1;
+  for (const auto d : shape) {
+    if (d == 1) continue;
+    if (!o.merge_small_dims) {
+      l.merged.push_back(d);
+    } else if (d <= cap / prod) {  // prod·d <= cap without overflow
+      prod *= d;
+    } else {
+      if (prod > 1) l.merged.push_back(prod);
+      prod = d;
+    }
+  }
+  if (o.merge_small_dims && prod > 1) l.merged.push_back(prod);
+  l.diagonal = false;
+  const std::size_t k = l.merged.size();
+  std::array<std::int64_t, max_rank> count{}, at{};
+  std::size_t total = 1;
+  for (std::size_t d = 0; d < k; ++d) {
+    count[d] = (l.merged[d] - 1) / cap + 1;
+    total *= static_cast<std::size_t>(count[d]);
+  }
+  l.blocks.reserve(total);
+  for (std::size_t j = 0; j < total; ++j) {
+    shampoo_layout::block b;
+    for (std::size_t d = 0; d < k; ++d) {
+      b.offset[d] = at[d] * cap;
+      b.size[d] = std::min(cap, l.merged[d] - b.offset[d]);
+    }
+    l.blocks.push_back(b);
+    for (std::size_t d = k; d-- > 0;) {  // odometer, last dimension fastest
+      if (++at[d] < count[d]) break;
+      at[d] = 0;
+    }
+  }
+  return l;
+}
+
+namespace detail::shampoo_impl {
+
+/// Calls f(flat offset in the tensor, offset in the block, run length) for every contiguous
+/// run (a piece of the last merged dimension) of block `b` of a tensor with merged shape `m`.
+template <class F>
+void for_runs(const std::vector<std::int64_t>& m, const shampoo_layout::block& b, F&& f) {
+  const std::size_t k = m.size();
+  std::array<std::int64_t, max_rank> stride{}, at{};
+  stride[k - 1] = 1;
+  for (std::size_t d = k - 1; d-- > 0;) stride[d] = stride[d + 1] * m[d + 1];
+  const std::int64_t run = b.size[k - 1];
+  std::int64_t inner = 0;
+  while (true) {
+    std::int64_t flat = 0;
+    for (std::size_t d = 0; d < k; ++d) flat += (b.offset[d] + at[d]) * stride[d];
+    f(static_cast<std::size_t>(flat), static_cast<std::size_t>(inner), static_cast<std::size_t>(run));
+    inner += run;
+    std::size_t d = k - 1;
+    while (d-- > 0) {
+      if (++at[d] < b.size[d]) break;
+      at[d] = 0;
+    }
+    if (d == static_cast<std::size_t>(-1)) return;
+  }
+}
+
+}  // namespace detail::shampoo_impl
+
+}  // namespace gradapt

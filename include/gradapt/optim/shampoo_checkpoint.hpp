@@ -1,0 +1,185 @@
+#pragma once
+/// @file
+/// The checkpoint of `gradapt::shampoo_state`: `save` and `load` of one archive section
+/// (per tensor its index, shape, layout and per block its statistics, roots, copies for the
+/// roots in flight and failure counters; the graft state; the SGD chain's state), `load`
+/// checking every field before it changes anything.
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "gradapt/core/archive.hpp"
+#include "gradapt/core/dtype.hpp"
+#include "gradapt/core/error.hpp"
+
+#include "gradapt/optim/shampoo.hpp"
+
+namespace gradapt {
+
+template <class L, class B, class V, class G, class Options>
+void shampoo_state<L, B, V, G, Options>::save(const B& b, archive_writer& w) const {
+  w.put("element_type", name(dtype_of_v<compute_type>));
+  w.put("graft", std::string(to_string(graft_)));
+  w.put("steps", steps_);
+  w.put("roots_in_flight", pending_step_);
+  w.put("tensors", static_cast<std::uint64_t>(t_.size()));
+  for (std::size_t t = 0; t < t_.size(); ++t) {
+    const auto& x = t_[t];
+    w.begin(detail::archive_impl::join("tensor", "/", x.name));
+    w.put("index", static_cast<std::uint64_t>(t));
+    w.put_tensor<std::int64_t>("shape", x.shape);
+    w.put_tensor<std::int64_t>("layout", layout_words(x.layout));
+    for (std::size_t j = 0; j < x.blocks.size(); ++j) {
+      const auto& bl = x.blocks[j];
+      w.begin("block" + std::to_string(j));
+      for (std::size_t d = 0; d < bl.k; ++d) {
+        const std::int64_t sh[2] = {bl.n[d], bl.n[d]};
+        const std::span<const compute_type> s = statistic(t, j, d), r = root(t, j, d);
+        require_finite(s, x.name, j, "statistic");
+        require_finite(r, x.name, j, "root");
+        w.put_tensor<compute_type>("stat" + std::to_string(d), s, sh);
+        w.put_tensor<compute_type>("root" + std::to_string(d), r, sh);
+        if (pending_step_ != 0) {
+          const std::span<const compute_type> c(bl.snap.data() + bl.off[d], s.size());
+          require_finite(c, x.name, j, "statistic copy for the roots in flight");
+          w.put_tensor<compute_type>("snap" + std::to_string(d), c, sh);
+        }
+      }
+      w.put("ready", bl.ready);
+      w.put("consecutive_failures", bl.consecutive);
+      w.put("failures", bl.failures);
+      w.end();
+    }
+    w.end();
+  }
+  if (detail::shampoo_impl::graft_has_state(graft_))
+    for (const auto& x : t_) {
+      require_finite(std::span<const compute_type>(x.graft), x.name, 0, "graft state");
+      w.put_tensor<compute_type>(detail::archive_impl::join("graft", "/", x.name),
+                                 std::span<const compute_type>(x.graft), x.shape);
+    }
+  w.begin("tail");
+  tail_.save(b, w);
+  w.end();
+}
+
+template <class L, class B, class V, class G, class Options>
+void shampoo_state<L, B, V, G, Options>::load(const B& b, archive_reader& r) {
+  constexpr const char* who = "shampoo state load";
+  if (worker_ && pending_step_ != 0 && !relaunch_) {  // the copies it reads may be replaced
+    worker_->discard();
+    relaunch_ = true;  // if the load fails, the same roots start again at the next step
+  }
+  const auto et = r.get<std::string>("element_type");
+  detail::require(et == name(dtype_of_v<compute_type>), who, ": the checkpoint holds ", et,
+                  " state but this state is ", name(dtype_of_v<compute_type>));
+  const auto gr = r.get<std::string>("graft");
+  detail::require(gr == to_string(graft_), who, ": the checkpoint's graft is '", gr,
+                  "' but this state's is '", to_string(graft_),
+                  "' (restore with the same shampoo_options::graft)");
+  const auto steps = r.get<std::uint64_t>("steps");
+  detail::require(steps < std::numeric_limits<std::uint64_t>::max(), who, ": step count ", steps,
+                  " cannot grow");
+  const auto in_flight = r.get<std::uint64_t>("roots_in_flight");
+  detail::require(in_flight == 0 || (staleness_ > 0 && in_flight <= steps && in_flight + staleness_ > steps),
+                  who, ": the checkpoint has roots in flight, started at step ", in_flight, " of ", steps,
+                  ", which this state (root_staleness ", staleness_,
+                  ") would not install at a later step; restore with the root_staleness it was written with");
+  const auto count = r.get<std::uint64_t>("tensors");
+  detail::require(count == t_.size(), who, ": the checkpoint holds ", count, " tensors but this state ",
+                  t_.size(), " (restore for the same parameters)");
+  // Everything is read into `next` first; the state changes only after every check passed.
+  std::vector<std::vector<block_t>> next(t_.size());
+  std::vector<std::vector<compute_type>> graft(t_.size());
+  for (std::size_t t = 0; t < t_.size(); ++t) {
+    const auto& x = t_[t];
+    const std::string sec = detail::archive_impl::join("tensor", "/", x.name);
+    detail::require(r.has(detail::archive_impl::join(sec, "/", "index")), who,
+                    ": the checkpoint has no parameter '", x.name,
+                    "' (restore for the same parameter names)");
+    r.begin(sec);
+    const auto index = r.get<std::uint64_t>("index");
+    detail::require(index == t, who, ": parameter '", x.name, "' is tensor ", index,
+                    " in the checkpoint but ", t, " here (restore for the same parameter order)");
+    const auto shape = r.get_tensor<std::int64_t>("shape");
+    detail::require(shape == x.shape, who, ": parameter '", x.name,
+                    "' has another shape in the checkpoint (restore for the same parameter shapes)");
+    const auto lay = r.get_tensor<std::int64_t>("layout");
+    detail::require(
+        lay == layout_words(x.layout), who, ": parameter '", x.name,
+        "' is cut into other blocks in the checkpoint (max_preconditioner_dim, merge_small_dims and "
+        "skip_preconditioning_dim_size_gt must be those the checkpoint was written with)");
+    next[t] = x.blocks;
+    for (std::size_t j = 0; j < x.blocks.size(); ++j) {
+      auto& bl = next[t][j];
+      r.begin("block" + std::to_string(j));
+      for (std::size_t d = 0; d < bl.k; ++d) {
+        const std::int64_t sh[2] = {bl.n[d], bl.n[d]};
+        const auto nn = static_cast<std::size_t>(bl.n[d] * bl.n[d]);
+        const std::span<compute_type> s(bl.stats.data() + bl.off[d], nn), rt(bl.roots.data() + bl.off[d], nn);
+        r.get_tensor<compute_type>("stat" + std::to_string(d), s, sh);
+        r.get_tensor<compute_type>("root" + std::to_string(d), rt, sh);
+        require_finite(std::span<const compute_type>(s), x.name, j, "statistic", who);
+        require_finite(std::span<const compute_type>(rt), x.name, j, "root", who);
+        if (in_flight != 0) {
+          const std::span<compute_type> c(bl.snap.data() + bl.off[d], nn);
+          r.get_tensor<compute_type>("snap" + std::to_string(d), c, sh);
+          require_finite(std::span<const compute_type>(c), x.name, j, "statistic copy", who);
+        }
+      }
+      bl.ready = r.get<bool>("ready");
+      bl.consecutive = r.get<std::uint64_t>("consecutive_failures");
+      bl.failures = r.get<std::uint64_t>("failures");
+      detail::require(bl.consecutive < max_failures_ && bl.consecutive <= bl.failures, who, ": parameter '",
+                      x.name, "' block ", j, " has ", bl.consecutive, " consecutive failures of ",
+                      bl.failures, " (expected fewer than max_consecutive_failures = ", max_failures_,
+                      " and no more than the total)");
+      r.end();
+    }
+    r.end();
+  }
+  if (detail::shampoo_impl::graft_has_state(graft_))
+    for (std::size_t t = 0; t < t_.size(); ++t) {
+      graft[t].resize(t_[t].graft.size());
+      r.get_tensor<compute_type>(detail::archive_impl::join("graft", "/", t_[t].name),
+                                 std::span<compute_type>(graft[t]), t_[t].shape);
+      require_finite(std::span<const compute_type>(graft[t]), t_[t].name, 0, "graft state", who);
+    }
+  {  // an archive with fields this state would not read is rejected before anything changes
+    std::size_t want = 5 + (detail::shampoo_impl::graft_has_state(graft_) ? t_.size() : 0), own = 0;
+    for (const auto& x : t_) {
+      want += 3;
+      for (const auto& bl : x.blocks) want += (in_flight != 0 ? 3 : 2) * bl.k + 3;
+    }
+    for (const auto& n : r.names())
+      if (n.rfind("tail/", 0) != 0) ++own;
+    detail::require(own == want, who, ": the checkpoint holds ", own,
+                    " fields outside 'tail' but this state has ", want,
+                    " (written for other parameters or another layout)");
+  }
+  r.begin("tail");
+  tail_.load(b, r);  // all or nothing itself: throws before changing the chain's state
+  r.end();
+  for (std::size_t t = 0; t < t_.size(); ++t) {
+    for (std::size_t j = 0; j < next[t].size(); ++j) {
+      auto& bl = t_[t].blocks[j];
+      bl.stats.swap(next[t][j].stats);
+      bl.roots.swap(next[t][j].roots);
+      if (in_flight != 0) bl.snap.swap(next[t][j].snap);
+      bl.ready = next[t][j].ready;
+      bl.consecutive = next[t][j].consecutive;
+      bl.failures = next[t][j].failures;
+    }
+    if (detail::shampoo_impl::graft_has_state(graft_)) t_[t].graft.swap(graft[t]);
+  }
+  steps_ = steps;
+  failed_ = false;
+  pending_step_ = in_flight;
+  relaunch_ = in_flight != 0;
+}
+
+}  // namespace gradapt

@@ -1,0 +1,115 @@
+#pragma once
+/// @file
+/// `gradapt::shampoo`'s root computations in a step: inside the step (root_staleness 0) or
+/// started in the state's worker thread and installed `root_staleness` steps later, and the
+/// installation of a block's roots or the count of its failures.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <type_traits>
+
+#include "gradapt/core/error.hpp"
+#include "gradapt/linalg/matrix_root.hpp"
+
+#include "gradapt/optim/shampoo.hpp"
+
+namespace gradapt {
+
+/// Starts the worker on this rank's blocks, from the statistics copied into `snap`.
+template <class St>
+void shampoo::launch(St& st, bool dist) {
+  st.relaunch_ = false;
+  st.tasks_.clear();
+  for (std::size_t i = 0; i < st.refs_.size(); ++i) {
+    if (!owns(st, i, dist)) continue;
+    auto& bl = st.t_[st.refs_[i].t].blocks[st.refs_[i].j];
+    st.tasks_.push_back({bl.k, bl.p, bl.n.data(), bl.off.data(), bl.snap.data(), bl.pend.data()});
+  }
+  st.pending_hash_ = dist ? stats_hash(st, true) : 0;
+  st.computed_ += st.tasks_.size();
+  st.worker_->start(std::span(st.tasks_));
+}
+
+/// Waits for the roots in flight and installs them (through the exchange when distributed).
+template <class Comm, class St>
+void shampoo::finish_roots(Comm& comm, St& st) {
+  constexpr bool dist = !std::is_same_v<Comm, detail::shampoo_impl::no_comm>;
+  const std::uint64_t from = st.pending_step_;
+  st.pending_step_ = 0;
+  st.worker_->wait();
+  std::size_t k = 0;
+  for (std::size_t i = 0; i < st.refs_.size(); ++i) {
+    if (!owns(st, i, dist)) continue;
+    const auto& task = st.tasks_[k++];
+    const auto& bl = st.t_[st.refs_[i].t].blocks[st.refs_[i].j];
+    if constexpr (dist) {
+      auto* w = st.x_.out(i);
+      w[0] = static_cast<typename St::compute_type>(static_cast<int>(task.status));
+      w[1] = static_cast<typename St::compute_type>(task.factor);
+      std::copy(bl.pend.begin(), bl.pend.end(), w + 2);
+    } else {
+      install(st, i, task.status, task.factor, bl.pend.data(), -1);
+    }
+  }
+  if constexpr (dist) exchange(comm, st, from, st.pending_hash_);
+}
+
+/// Computes the due roots inside the step (root_staleness 0).
+template <class Comm, class St>
+void shampoo::compute_roots(Comm& comm, St& st, std::uint64_t t) const {
+  constexpr bool dist = !std::is_same_v<Comm, detail::shampoo_impl::no_comm>;
+  const auto ws = [&](std::int64_t n) -> typename St::workspace_t& { return st.workspace(n); };
+  for (std::size_t i = 0; i < st.refs_.size(); ++i) {
+    if (!owns(st, i, dist)) continue;
+    const auto& bl = st.t_[st.refs_[i].t].blocks[st.refs_[i].j];
+    ++st.computed_;
+    if constexpr (dist) {
+      auto* w = st.x_.out(i);
+      const auto [status, factor] = detail::shampoo_impl::block_roots(
+          st.la_, bl.k, bl.p, bl.n.data(), bl.off.data(), bl.stats.data(), w + 2, ws, o_.root);
+      w[0] = static_cast<typename St::compute_type>(static_cast<int>(status));
+      w[1] = static_cast<typename St::compute_type>(factor);
+    } else {
+      const auto [status, factor] = detail::shampoo_impl::block_roots(
+          st.la_, bl.k, bl.p, bl.n.data(), bl.off.data(), bl.stats.data(), st.rs_.data(), ws, o_.root);
+      install(st, i, status, factor, st.rs_.data(), -1);
+    }
+  }
+  if constexpr (dist) exchange(comm, st, t, stats_hash(st, false));
+}
+
+/// Installs block i's roots (or counts its failure; throws after max_consecutive_failures in a
+/// row). `rank` names the rank that computed them (-1: this one, not distributed).
+template <class St, class C>
+void shampoo::install(St& st, std::size_t i, root_status status, std::size_t factor, const C* roots,
+                      int rank) {
+  const auto& ref = st.refs_[i];
+  auto& x = st.t_[ref.t];
+  auto& bl = x.blocks[ref.j];
+  if (status == root_status::ok) {
+    std::copy(roots, roots + bl.roots.size(), bl.roots.begin());
+    bl.ready = true;
+    bl.consecutive = 0;
+    return;
+  }
+  ++bl.failures;
+  if (++bl.consecutive < st.max_failures_) return;
+  st.failed_ = true;
+  const auto& range = x.layout.blocks[ref.j];
+  std::string where;
+  for (std::size_t d = 0; d < bl.k; ++d)
+    where += (d ? ", " : "") + std::to_string(range.offset[d]) + ".." +
+             std::to_string(range.offset[d] + range.size[d]);
+  detail::fail("shampoo::step: parameter '", x.name, "' block ", ref.j, " (indices [", where,
+               "] of its merged shape): the inverse root failed ", bl.consecutive,
+               " times in a row (last: factor ", factor, ", ", to_string(status),
+               rank >= 0 ? ", computed on rank " + std::to_string(rank) : "",
+               "); a non-finite gradient makes the statistics non-finite for good. The parameters are "
+               "unchanged; restore a checkpoint with load() (and skip non-finite gradients, e.g. with the "
+               "loss scaler), or raise root.epsilon / max_consecutive_failures");
+}
+
+}  // namespace gradapt

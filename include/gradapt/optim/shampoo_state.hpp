@@ -1,0 +1,243 @@
+#pragma once
+/// @file
+/// `shampoo_state`, the state of `gradapt::shampoo` (shampoo.hpp): per tensor its block layout,
+/// per block the statistics, roots and failure counters, the graft's state, the direction
+/// buffers, the roots in flight and the distributed plan. Its checkpoint (`save` and `load` of
+/// a section) is in shampoo_checkpoint.hpp.
+
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "gradapt/core/archive.hpp"
+#include "gradapt/core/dtype.hpp"
+#include "gradapt/core/error.hpp"
+#include "gradapt/core/owner_exchange.hpp"
+#include "gradapt/core/param_list.hpp"
+#include "gradapt/core/tensor_view.hpp"
+#include "gradapt/linalg/matrix_root.hpp"
+#include "gradapt/optim/sgd.hpp"
+#include "gradapt/optim/shampoo_blocks.hpp"
+#include "gradapt/optim/shampoo_grafting.hpp"
+#include "gradapt/optim/shampoo_root_worker.hpp"
+
+namespace gradapt {
+
+class shampoo;
+
+/// The state of `gradapt::shampoo` for linear-algebra backend L, element backend B (host
+/// memory), parameters V, gradients G and group options `Options`: per tensor its block
+/// layout; per block the k statistics and k roots (n_d × n_d matrices in compute_t<V>), whether
+/// it holds roots yet, and its failure counters; the graft's per-element state; the
+/// direction buffers; the SGD chain's state (momentum); scratch sized once at `init`, so a
+/// steady step allocates nothing in gradapt (the BLAS/LAPACK library manages its own).
+///
+/// Checkpoint: one archive of kind "gradapt.shampoo" addressed by parameter name
+/// (`tensor/<name>/...`: index, shape, layout, and per block `block<j>/stat<d>`,
+/// `block<j>/root<d>`, `ready`, `consecutive_failures`, `failures`; `graft/<name>` shaped like
+/// the parameter; the chain's state under `tail`). `load` checks everything before it changes
+/// anything.
+template <class L, class B, class V, class G, class Options>
+class shampoo_state {
+ public:
+  using compute_type = compute_t<V>;  ///< element type of statistics, roots and directions
+  using tail_state_type =
+      chain_state<sgd_chain, B, V, compute_type, compute_type>;  ///< the SGD chain's state
+
+  /// Kind and format version of the archive `save()` writes.
+  static constexpr std::string_view archive_kind = "gradapt.shampoo";
+  static constexpr std::uint32_t archive_version = 2;  ///< see archive_kind
+
+  /// What a block holds besides its matrices.
+  struct block_info {
+    shampoo_layout::block range;             ///< offsets and extents in the merged shape
+    std::size_t factors = 0;                 ///< k: statistics (and roots) of the block
+    int exponent = 0;                        ///< p of its roots
+    bool ready = false;                      ///< holds roots from a successful computation
+    std::uint64_t consecutive_failures = 0;  ///< failed root computations since the last success
+    std::uint64_t failures = 0;              ///< failed root computations in all
+  };
+
+  /// An empty state; `shampoo::init` creates a usable one.
+  shampoo_state() = default;
+  /// Move-only (the internal parameter list points into the state's own buffers, which do
+  /// not move). Duplicate a state through `save` and `load`.
+  shampoo_state(shampoo_state&&) noexcept = default;
+  /// Move assignment (waits for this state's roots in flight first).
+  shampoo_state& operator=(shampoo_state&&) noexcept = default;
+  /// Waits for the roots in flight, if any.
+  ~shampoo_state() {
+    if (worker_) worker_->discard();
+  }
+  /// Not copyable (see the move constructor).
+  shampoo_state(const shampoo_state&) = delete;
+  /// Not copyable.
+  shampoo_state& operator=(const shampoo_state&) = delete;
+
+  /// Steps taken.
+  std::uint64_t steps() const { return steps_; }
+  /// Tensors the state was created for.
+  std::size_t tensors() const { return t_.size(); }
+  /// Tensor t's block layout.
+  /// @throws gradapt::error when t is out of range
+  const shampoo_layout& layout(std::size_t t) const { return tensor(t).layout; }
+  /// Tensor t's block j.
+  /// @throws gradapt::error when t or j is out of range
+  block_info block(std::size_t t, std::size_t j) const {
+    const auto& b = blk(t, j);
+    return {tensor(t).layout.blocks[j], b.k, b.p, b.ready, b.consecutive, b.failures};
+  }
+  /// Statistic d of block j of tensor t (n_d × n_d, row-major).
+  /// @throws gradapt::error when an index is out of range
+  std::span<const compute_type> statistic(std::size_t t, std::size_t j, std::size_t d) const {
+    const auto& b = blk(t, j);
+    detail::require(d < b.k, "shampoo_state::statistic: factor ", d, " out of range (", b.k, ")");
+    return {b.stats.data() + b.off[d], static_cast<std::size_t>(b.n[d] * b.n[d])};
+  }
+  /// Root d of block j of tensor t (n_d × n_d; zeros until the block is ready).
+  /// @throws gradapt::error when an index is out of range
+  std::span<const compute_type> root(std::size_t t, std::size_t j, std::size_t d) const {
+    const auto& b = blk(t, j);
+    detail::require(d < b.k, "shampoo_state::root: factor ", d, " out of range (", b.k, ")");
+    return {b.roots.data() + b.off[d], static_cast<std::size_t>(b.n[d] * b.n[d])};
+  }
+  /// The graft's per-element state of tensor t in the tensor's element order (empty for the
+  /// none and sgd grafts).
+  std::span<const compute_type> graft_state(std::size_t t) const { return tensor(t).graft; }
+  /// The direction D of tensor t computed by the last step (what the SGD chain received as
+  /// its gradient), in the tensor's element order.
+  std::span<const compute_type> direction(std::size_t t) const { return tensor(t).dir; }
+  /// Block root computations this rank has run (each computes every factor of one block;
+  /// with the distributed step, only the blocks this rank owns).
+  std::uint64_t root_computations() const { return computed_; }
+  /// The rank that computes the roots of block j of tensor t under the last distributed step's
+  /// plan (0 before any distributed step).
+  /// @throws gradapt::error when t or j is out of range
+  int root_owner(std::size_t t, std::size_t j) const {
+    blk(t, j);
+    if (x_.world == 0) return 0;
+    for (std::size_t i = 0; i < refs_.size(); ++i)
+      if (refs_[i].t == t && refs_[i].j == j) return x_.owner[i];
+    return 0;
+  }
+  /// The step whose statistics the roots in flight were started from (0: none in flight).
+  std::uint64_t roots_in_flight() const { return pending_step_; }
+  /// The SGD chain's state (momentum buffer, its step count).
+  const tail_state_type& tail_state() const { return tail_; }
+
+  /// Writes the state into the open section of `w` (see the class comment). Host memory.
+  /// @throws gradapt::error when a statistic, root or graft state is not finite (a diverged
+  ///         run; save the last good state instead)
+  void save(const B& b, archive_writer& w) const;
+
+  /// Reads what `save(b, w)` wrote, into a state created by `shampoo::init` with the same
+  /// graft and blocking options for parameters with the same names and shapes. All or
+  /// nothing: every field is read and checked (names, shapes, layouts, finite matrices,
+  /// failure counters below max_consecutive_failures, the chain's state) before anything
+  /// changes.
+  /// @throws gradapt::error naming the first field that does not match
+  void load(const B& b, archive_reader& r);
+
+  /// The state as one archive of kind "gradapt.shampoo".
+  std::vector<std::byte> save(const B& b) const { return save_archive(*this, b); }
+  /// Restores a state written by `save(b)` (all or nothing).
+  /// @throws gradapt::error for a damaged archive or one that does not fit this state
+  void load(const B& b, std::span<const std::byte> bytes) { load_archive(*this, b, bytes); }
+
+ private:
+  friend class shampoo;
+  using C = compute_type;
+
+  struct block_t {
+    std::size_t k = 0;
+    int p = 0;
+    std::array<std::int64_t, max_rank> n{};
+    std::array<std::size_t, max_rank> off{};
+    std::vector<C> stats, roots;
+    std::vector<C> snap, pend;  ///< root_staleness >= 1: statistics copied for the worker, its roots
+    bool ready = false;
+    std::uint64_t consecutive = 0, failures = 0;
+  };
+  struct tensor_t {
+    std::string name;
+    std::vector<std::int64_t> shape;
+    std::size_t size = 0;
+    shampoo_layout layout;
+    std::vector<block_t> blocks;
+    std::vector<C> graft, dir;
+  };
+  using workspace_t = inverse_root_workspace<L, C>;
+
+  const tensor_t& tensor(std::size_t t) const {
+    detail::require(t < t_.size(), "shampoo_state: tensor ", t, " out of range (", t_.size(), " tensors)");
+    return t_[t];
+  }
+  const block_t& blk(std::size_t t, std::size_t j) const {
+    const auto& x = tensor(t);
+    detail::require(j < x.blocks.size(), "shampoo_state: block ", j, " of parameter '", x.name,
+                    "' out of range (", x.blocks.size(), " blocks)");
+    return x.blocks[j];
+  }
+  static std::vector<std::int64_t> layout_words(const shampoo_layout& l) {
+    std::vector<std::int64_t> w{l.diagonal ? 1 : 0, static_cast<std::int64_t>(l.merged.size())};
+    w.insert(w.end(), l.merged.begin(), l.merged.end());
+    w.push_back(static_cast<std::int64_t>(l.blocks.size()));
+    for (const auto& b : l.blocks)
+      for (std::size_t d = 0; d < l.merged.size(); ++d) {
+        w.push_back(b.offset[d]);
+        w.push_back(b.size[d]);
+      }
+    return w;
+  }
+  static void require_finite(std::span<const C> v, const std::string& name, std::size_t j, const char* what,
+                             const char* who = "shampoo state save") {
+    for (const C x : v)
+      detail::require(std::isfinite(x), who, ": a ", what, " of parameter '", name, "' (block ", j,
+                      ") is not finite; a checkpoint of a diverged run cannot be resumed (save the last good "
+                      "state instead)");
+  }
+  workspace_t& workspace(std::int64_t n) {
+    for (auto& [size, ws] : ws_)
+      if (size == n) return *ws;
+    detail::fail("shampoo: internal error: no root workspace for size ", n);
+  }
+
+  // Declared first so that a move assignment joins the old worker before anything it reads
+  // is replaced; the destructor waits for it before any member goes.
+  std::unique_ptr<detail::shampoo_impl::root_worker<L, C>> worker_;
+  L la_{};
+  shampoo_graft graft_ = shampoo_graft::none;
+  std::uint64_t max_failures_ = 1;
+  std::uint64_t steps_ = 0;
+  bool failed_ = false;
+  std::vector<tensor_t> t_;
+  std::vector<std::pair<std::int64_t, std::unique_ptr<workspace_t>>> ws_;
+  std::vector<C> xb_, ab_, db_, y0_, y1_, rs_;  ///< block scratch: g, graft state, D_g, products, roots
+  param_list<V, C, host_space, Options> list_;  ///< the parameters with the directions as gradients
+  tail_state_type tail_;
+
+  struct ref_t {
+    std::size_t t = 0, j = 0;  ///< tensor and block
+    std::uint64_t cost = 0;    ///< Σ n_d³ of its factors
+    std::size_t words = 0;     ///< Σ n_d² (its roots' elements)
+  };
+  std::vector<ref_t> refs_;  ///< every preconditioned block, tensor by tensor
+  std::uint64_t staleness_ = 0;
+  bool deterministic_ = true;
+  // Roots in flight (root_staleness >= 1).
+  std::uint64_t pending_step_ = 0;  ///< the step that started them (0: none)
+  std::uint64_t pending_hash_ = 0;  ///< hash of the statistics they start from
+  bool relaunch_ = false;           ///< loaded with roots in flight: start them at the next step
+  std::vector<detail::shampoo_impl::root_task<C>> tasks_;
+  detail::owner_exchange<C> x_;  ///< distributed roots: plan and buffers (world 0: none yet)
+  std::uint64_t computed_ = 0;   ///< root computations (blocks) this rank ran
+};
+
+}  // namespace gradapt

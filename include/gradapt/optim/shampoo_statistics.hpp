@@ -1,0 +1,58 @@
+#pragma once
+/// @file
+/// `gradapt::shampoo`'s statistics: a block's gradient gathered from the tensor and its
+/// mode-d Gram matrices accumulated, S_d ← β2·S_d + w·X_(d)·X_(d)ᵀ, and a block's mode d seen
+/// as a × n × c.
+
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+
+#include "gradapt/core/tensor_view.hpp"
+#include "gradapt/linalg/concepts.hpp"
+
+#include "gradapt/optim/shampoo.hpp"
+
+namespace gradapt {
+
+/// Block j of tensor x: the gradient's statistics.
+template <class St, class Tensor, class G>
+void shampoo::block_stats(St& st, Tensor& x, std::size_t j, const G* g) const {
+  using C = typename St::compute_type;
+  if (x.layout.diagonal) return;
+  auto& bl = x.blocks[j];
+  C* xb = st.xb_.data();
+  detail::shampoo_impl::for_runs(x.layout.merged, x.layout.blocks[j],
+                                 [&](std::size_t flat, std::size_t at, std::size_t run) {
+                                   for (std::size_t e = 0; e < run; ++e)
+                                     xb[at + e] = static_cast<C>(g[flat + e]);
+                                 });
+  const auto& la = st.la_;
+  using cview = tensor_view<const C, host_space>;
+  using mview = tensor_view<C, host_space>;
+  const double beta = o_.beta2, w = o_.beta2 == 1.0 ? 1.0 : 1.0 - o_.beta2;
+  for (std::size_t d = 0; d < bl.k; ++d) {
+    const std::int64_t n = bl.n[d];
+    const auto [a, c] = split(bl, d);
+    const mview s(bl.stats.data() + bl.off[d], {n, n});
+    if (a == 1) {
+      la.syrk(gram::rows, w, cview(xb, {n, c}), beta, s);
+    } else if (c == 1) {
+      la.syrk(gram::columns, w, cview(xb, {a, n}), beta, s);
+    } else {
+      for (std::int64_t q = 0; q < a; ++q)
+        la.syrk(gram::rows, w, cview(xb + q * n * c, {n, c}), q == 0 ? beta : 1.0, s);
+    }
+  }
+}
+
+/// Mode d of a block as a × n × c (a: the dimensions before d, c: after).
+template <class Block>
+std::pair<std::int64_t, std::int64_t> shampoo::split(const Block& bl, std::size_t d) {
+  std::int64_t a = 1, c = 1;
+  for (std::size_t e = 0; e < d; ++e) a *= bl.n[e];
+  for (std::size_t e = d + 1; e < bl.k; ++e) c *= bl.n[e];
+  return {a, c};
+}
+
+}  // namespace gradapt
