@@ -129,7 +129,8 @@ template <class Step>
 train::step_metrics one_step(Step& step, model<float>& m, threads& comm, int k) {
   exact_grads(m, comm.rank(), k, step.loss_scale());
   if constexpr (Step::has_loss_scaling)
-    if (k == overflow_at && comm.rank() == comm.size() - 1) m.g[2][1] = std::numeric_limits<float>::infinity();
+    if (k == overflow_at && comm.rank() == comm.size() - 1)
+      m.g[2][1] = std::numeric_limits<float>::infinity();
   if constexpr (Step::marks_gradients)
     for (std::size_t t = m.params.size(); t-- > 0;) step.mark_ready(t);
   return step.step();
