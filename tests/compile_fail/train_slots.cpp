@@ -34,11 +34,13 @@ void buckets_with_local_sgd(gradapt::comm::single& c, const gradapt::host& b, co
 }
 // expect: Adasum has a hierarchical mode of its own
 void hierarchy_with_adasum(gradapt::comm::single& c, const gradapt::host& b, const list& p) {
-  (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::hierarchical_reduce{}, gt::adasum_combine{});
+  (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::hierarchical_reduce{},
+                                    gt::adasum_combine{});
 }
 // expect: the reduce slot's hierarchical_reduce allreduces whole gradients: use one of the two
 void hierarchy_with_zero(gradapt::comm::single& c, const gradapt::host& b, const list& p) {
-  (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::hierarchical_reduce{}, gt::zero_state<2>{});
+  (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::hierarchical_reduce{},
+                                    gt::zero_state<2>{});
 }
 // expect: more than one policy for one slot
 // expect: slot::state

@@ -22,7 +22,6 @@
 
 namespace gradapt::comm::detail_mpi {
 
-
 /// Reads the 16-bit pattern at byte offset `2 * i` of an MPI buffer.
 inline std::uint16_t load_bits(const void* p, int i) {
   std::uint16_t b;

@@ -342,5 +342,4 @@ class goodput_policy {
   std::optional<goodput_search_result> last_;
 };
 
-
 }  // namespace gradapt::elastic

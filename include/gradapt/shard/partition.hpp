@@ -207,8 +207,9 @@ class partition_plan {
     gradapt::detail::require(a >= 1 && a <= (std::uint64_t{1} << 40),
                              "shard::partition_plan::load: alignment ", a, " is out of range (1 to 2^40)");
     // The plan holds world + 1 offsets: a damaged count must not allocate gigabytes.
-    gradapt::detail::require(world >= 1 && world <= max_loaded_world, "shard::partition_plan::load: world size ",
-                             world, " is out of range (1 to ", max_loaded_world, ")");
+    gradapt::detail::require(world >= 1 && world <= max_loaded_world,
+                             "shard::partition_plan::load: world size ", world, " is out of range (1 to ",
+                             max_loaded_world, ")");
     o.alignment = static_cast<std::size_t>(a);
     const auto at = r.get<std::uint64_t>("align_tensors");
     gradapt::detail::require(at <= 1, "shard::partition_plan::load: align_tensors is ", at,

@@ -40,7 +40,9 @@ inline constexpr double lr = 0.1;
 inline const kfac_layer layers[] = {{"fc1", in, hid, true}, {"fc2", hid, out, true}};
 
 /// Parameter list order: fc2.weight, fc1.weight, fc1.bias, fc2.bias.
-inline std::vector<train::kfac_params> mapping() { return {{.weight = 1, .bias = 2}, {.weight = 0, .bias = 3}}; }
+inline std::vector<train::kfac_params> mapping() {
+  return {{.weight = 1, .bias = 2}, {.weight = 0, .bias = 3}};
+}
 
 inline auto make_opt() { return gradapt::sgd({.lr = lr, .momentum = 0.9}); }
 
@@ -158,7 +160,8 @@ struct result {
 template <class Comm, class... Extra>
 auto make_step(Comm& comm, mlp& net, const kfac& kf, Extra... extra) {
   return train::make_data_parallel_step(comm, gradapt::host{.threads = 1}, net.params, make_opt(), {.lr = lr},
-                                        train::kfac_policy(kf, kf.init<double>(la, layers), mapping()), extra...);
+                                        train::kfac_policy(kf, kf.init<double>(la, layers), mapping()),
+                                        extra...);
 }
 
 /// One composed step: backward (with a reduce slot that marks gradients, each marked as the
