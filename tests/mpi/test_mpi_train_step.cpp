@@ -236,6 +236,94 @@ TEST_CASE("mpi: restore continues a checkpoint of N ranks on M ranks, every rank
   }
 }
 
+TEST_CASE("mpi: zero_state<2> checkpoints of N ranks continue on M ranks as an uninterrupted M-rank run",
+          "[mpi][train][zero][elastic]") {
+  // Three steps on gradients identical on every rank and exact in any sum leave the same state
+  // on any world size (the parameters are checked equal), so an M-rank run of them is the
+  // reference: given the restored settings, it must match the step restored from the N ranks'
+  // checkpoints (each old rank's bytes broadcast to every rank, as files would be read) bit for
+  // bit over three more steps on gradients that differ by rank, the whole checkpoint included.
+  mpi world;
+  const int w = world.size(), me = world.rank();
+  const auto opt = gradapt::lamb({.lr = 1e-2, .weight_decay = 0.01});
+  const auto scaler = gradapt::loss_scaler({.init_scale = 256.0, .growth_interval = 2});
+  const auto make = [&](mpi& c, sharded_scenario::model<float>& m) {
+    return train::make_data_parallel_step(
+        c, gradapt::host{}, m.params, opt, {.lr = 1e-2, .accumulation_steps = 60}, scaler,
+        train::zero_state<2>{.sharding = {.buckets = {.cap_bytes = 40000}}, .allow_empty_shards = true});
+  };
+  const auto advance = [](auto& step, sharded_scenario::model<float>& m, int rank, int k0, int k1,
+                          bool same) {
+    for (int k = k0; k <= k1; ++k) {
+      m.make_grads(rank, k, same);
+      for (auto& g : m.g)
+        for (auto& x : g) x *= static_cast<float>(step.loss_scale());
+      for (std::size_t t = m.params.size(); t-- > 0;) step.mark_ready(t);
+      step.step();
+    }
+  };
+  const auto flat = [](const sharded_scenario::model<float>& m) {
+    std::vector<float> v;
+    for (const auto& t : m.p) v.insert(v.end(), t.begin(), t.end());
+    return v;
+  };
+  for (int n = 1; n <= w; ++n) {
+    mpi old_world = world.split(me < n ? 0 : 1, me);
+    std::vector<std::byte> mine;
+    std::vector<float> params;
+    if (me < n) {
+      sharded_scenario::model<float> a;
+      auto step = make(old_world, a);
+      advance(step, a, me, 1, 3, true);
+      mine = step.save();
+      params = flat(a);
+    }
+    std::vector<std::vector<std::byte>> files(static_cast<std::size_t>(n));
+    for (int r = 0; r < n; ++r) {
+      auto& f = files[static_cast<std::size_t>(r)];
+      unsigned long long size = me == r ? mine.size() : 0;
+      MPI_Bcast(&size, 1, MPI_UNSIGNED_LONG_LONG, r, MPI_COMM_WORLD);
+      f = me == r ? mine : std::vector<std::byte>(size);
+      MPI_Bcast(f.data(), static_cast<int>(size), MPI_BYTE, r, MPI_COMM_WORLD);
+    }
+    unsigned long long count = params.size();
+    MPI_Bcast(&count, 1, MPI_UNSIGNED_LONG_LONG, 0, MPI_COMM_WORLD);
+    params.resize(count);
+    MPI_Bcast(params.data(), static_cast<int>(count), MPI_FLOAT, 0, MPI_COMM_WORLD);
+    for (int m = 1; m <= w; ++m) {
+      INFO(n << " -> " << m << " ranks");
+      mpi new_world = world.split(me < m ? 0 : 1, me);
+      bool same_state = true, same_after = true;
+      int accumulation = 0;
+      if (me < m) {
+        sharded_scenario::model<float> ref, got;
+        auto reference = make(new_world, ref);
+        advance(reference, ref, me, 1, 3, true);
+        same_state = flat(ref) == params;
+        std::size_t at = 0;
+        for (auto& t : got.p) {
+          std::copy(params.begin() + static_cast<std::ptrdiff_t>(at),
+                    params.begin() + static_cast<std::ptrdiff_t>(at + t.size()), t.begin());
+          at += t.size();
+        }
+        auto resumed = make(new_world, got);
+        resumed.restore([&](int r) { return std::span<const std::byte>(files[static_cast<std::size_t>(r)]); },
+                        train::rescale_rule::keep_global_batch);
+        accumulation = resumed.settings().accumulation_steps;
+        reference.settings() = resumed.settings();
+        advance(reference, ref, me, 4, 6, false);
+        advance(resumed, got, me, 4, 6, false);
+        same_after = flat(ref) == flat(got) && reference.save() == resumed.save();
+      }
+      if (me < m) {
+        CHECK(same_state);
+        CHECK(accumulation == 60 * n / m);
+        CHECK(same_after);
+      }
+    }
+  }
+}
+
 TEST_CASE("mpi: rank_batches weight the mean by examples; every rank reads every rank's times",
           "[mpi][train][elastic]") {
   mpi comm;
