@@ -440,6 +440,44 @@ TEST_CASE("the steady-state step allocates nothing", "[train]") {
     RANK_REQUIRE(allocs == 0);
   });
 }
+
+TEST_CASE("the steady-state step allocates nothing with the hierarchy, buckets or ZeRO-2", "[train]") {
+  gradapt::comm::run_threads(4, [&](threads& comm) {
+    const auto steady = [&](auto make) {
+      replica<half> rep;
+      auto step = make(rep);
+      std::size_t allocs = 0;
+      for (int t = 1; t <= 10; ++t) {
+        rep.fill(comm.rank(), static_cast<std::uint64_t>(t), step.loss_scale(), t == 7);
+        const std::size_t before = alloc_counter::on_this_thread();
+        if constexpr (decltype(step)::marks_gradients)
+          for (std::size_t k = rep.params.size(); k-- > 0;) step.mark_ready(k);
+        step.step();
+        if (t > 4) allocs += alloc_counter::on_this_thread() - before;
+      }
+      RANK_REQUIRE(allocs == 0);
+    };
+    const gradapt::host backend{};
+    const train::step_settings set{.lr = 0.01, .local_batch = base_batch};
+    steady([&](replica<half>& rep) {
+      return train::make_data_parallel_step(comm, backend, rep.params, make_opt_lamb(), set,
+                                            gradapt::loss_scaler({.init_scale = 1024.0}),
+                                            train::adascale_policy{.base_batch = base_batch},
+                                            train::hierarchical_reduce{.hierarchy = {.group_size = 2}});
+    });
+    steady([&](replica<half>& rep) {
+      return train::make_data_parallel_step(comm, backend, rep.params, make_opt_lamb(), set,
+                                            gradapt::loss_scaler({.init_scale = 1024.0}),
+                                            train::adascale_policy{.base_batch = base_batch},
+                                            train::bucket_reduce{.buckets = {.cap_bytes = 256}});
+    });
+    steady([&](replica<half>& rep) {
+      return train::make_data_parallel_step(
+          comm, backend, rep.params, make_opt_lamb(), set, gradapt::loss_scaler({.init_scale = 1024.0}),
+          train::adascale_policy{.base_batch = base_batch}, train::zero_state<2>{.allow_empty_shards = true});
+    });
+  });
+}
 #endif
 
 TEST_CASE("LocalSGD with the adaptive period reads the loss passed to step()", "[train]") {
