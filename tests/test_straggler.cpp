@@ -22,11 +22,10 @@
 
 namespace gradapt_test_straggler {
 
+using namespace gradapt::elastic;  // straggler_detector, straggler_options
 using Catch::Matchers::Contains;
 using gradapt::comm::run_threads;
 using gradapt::comm::threads;
-using gradapt::elastic::straggler_detector;
-using gradapt::elastic::straggler_options;
 
 namespace {
 const gradapt::comm::threads_options quick{.timeout = std::chrono::seconds(30)};

@@ -35,12 +35,10 @@
 
 namespace gradapt_test_train_zero {
 
+using namespace gradapt::train;  // make_data_parallel_step, replicated_state, zero_state, ...
 using Catch::Matchers::Contains;
 using gradapt::comm::run_threads;
 using gradapt::comm::threads;
-using gradapt::train::make_data_parallel_step;
-using gradapt::train::replicated_state;
-using gradapt::train::zero_state;
 using sharded_scenario::model;
 using sharded_scenario::same_bits;
 
