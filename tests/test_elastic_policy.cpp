@@ -16,7 +16,10 @@
 //     while the noise scale is NaN;
 //  6. option and event-order errors name the option;
 //  7. the real train::data_parallel_step on comm::threads ranks: per-rank times reach the view,
-//     and an agreed action reaches the step's settings on every rank.
+//     and an agreed action reaches the step's settings on every rank;
+//  8. one concept of hook (core/hooks.hpp) for both: events are told apart by their arguments
+//     (a job's after_step is not a step's), and one object passed by std::ref to the step (as
+//     a hook) and to the job (as a policy) handles both kinds of event with one state.
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -133,16 +136,19 @@ struct propose_at {
 };
 }  // namespace
 
-static_assert(el::job_policy<recorder> && el::after_step_policy<recorder> &&
-              el::world_change_policy<recorder>);
-static_assert(el::job_policy<only_after_step> && !el::before_epoch_policy<only_after_step> &&
-              !el::world_change_policy<only_after_step>);
+static_assert(el::job_policy<recorder> && gradapt::handles<recorder, el::events::after_step> &&
+              gradapt::handles<recorder, el::events::on_world_change>);
+static_assert(el::job_policy<only_after_step> &&
+              !gradapt::handles<only_after_step, el::events::before_epoch> &&
+              !gradapt::handles<only_after_step, el::events::on_world_change>);
 static_assert(!el::job_policy<not_a_policy> && !el::job_policy<int>);
-static_assert(el::job_policy<el::straggler_policy> && el::after_step_policy<el::straggler_policy> &&
-              el::world_change_policy<el::straggler_policy>);
-static_assert(el::after_step_policy<el::sync_switch_policy> &&
-              !el::world_change_policy<el::sync_switch_policy>);
-static_assert(el::after_step_policy<el::goodput_policy> && el::world_change_policy<el::goodput_policy>);
+static_assert(el::job_policy<el::straggler_policy> &&
+              gradapt::handles<el::straggler_policy, el::events::after_step> &&
+              gradapt::handles<el::straggler_policy, el::events::on_world_change>);
+static_assert(gradapt::handles<el::sync_switch_policy, el::events::after_step> &&
+              !gradapt::handles<el::sync_switch_policy, el::events::on_world_change>);
+static_assert(gradapt::handles<el::goodput_policy, el::events::after_step> &&
+              gradapt::handles<el::goodput_policy, el::events::on_world_change>);
 static_assert(train::saves_state<el::sync_switch_policy> && !train::saves_state<el::straggler_policy>);
 
 TEST_CASE("adaptive_job: events run the detected hooks in order", "[elastic][policy]") {
@@ -394,6 +400,12 @@ TEST_CASE("sync_switch_policy: local steps after `patience` slow steps, back on 
     el::adaptive_job again(other, el::sync_switch_policy({.warmup = 4, .patience = 3}));
     again.load_policies(saved);
     RANK_CHECK(again.policy<0>().reference() == 32.0);
+    // A policy held by std::ref loads into the object it refers to.
+    el::sync_switch_policy target({.warmup = 4, .patience = 3});
+    el::adaptive_job by_ref(other, std::ref(target));
+    by_ref.load_policies(saved);
+    RANK_CHECK(target.reference() == 32.0);
+    RANK_CHECK(by_ref.save_policies() == saved);
     // A damaged archive is rejected whole.
     std::vector<std::byte> bad = saved;
     bad[bad.size() / 2] ^= std::byte{1};
@@ -537,6 +549,60 @@ TEST_CASE("adaptive_job over train::data_parallel_step: per-rank times in the vi
       RANK_CHECK(seen[0].size() == static_cast<std::size_t>(n));
     });
   }
+}
+
+namespace {
+// Handles one event of the step (before_step) and one of the job (after_epoch).
+struct both_ways {
+  int step_calls = 0, epoch_calls = 0;
+  std::vector<double> lrs;  // the lr each step was about to run with
+  void before_step(train::step_settings& s, const train::step_metrics&) {
+    ++step_calls;
+    lrs.push_back(s.lr);
+  }
+  void after_epoch(const el::job_view& v, el::job_action& a) {
+    ++epoch_calls;
+    a.lr = v.settings.lr / 2;
+  }
+};
+struct step_only {
+  void after_step(train::step_settings&, const train::step_metrics&) {}
+};
+}  // namespace
+
+static_assert(train::step_hook<both_ways> && el::job_policy<both_ways>);
+static_assert(train::step_hook<std::reference_wrapper<both_ways>> &&
+              el::job_policy<std::reference_wrapper<both_ways>>);
+// The same member name with the other component's arguments is not that component's hook.
+static_assert(train::step_hook<step_only> && !el::job_policy<step_only>);
+static_assert(!train::step_hook<only_after_step> && el::job_policy<only_after_step>);
+static_assert(gradapt::handles<both_ways, train::events::before_step> &&
+              !gradapt::handles<both_ways, train::events::after_step> &&
+              gradapt::handles<both_ways, el::events::after_epoch> &&
+              !gradapt::handles<both_ways, el::events::after_step>);
+
+TEST_CASE("one object as step hook and job policy: both kinds of event reach one state",
+          "[elastic][policy][train]") {
+  run_threads(2, quick, [](threads& comm) {
+    std::vector<float> p(4, 1.0f), g(4, 0.25f);
+    gradapt::param_list<float, float> params;
+    params.add("w", gradapt::host_view(p), gradapt::host_view(g));
+    both_ways hook;
+    auto step = train::make_data_parallel_step(comm, gradapt::host{}, params, gradapt::sgd(), {.lr = 0.5},
+                                               std::ref(hook));
+    el::adaptive_job job(step, std::ref(hook));
+    for (std::int64_t e = 0; e < 3; ++e) {
+      job.begin_epoch(e);
+      for (int t = 0; t < 2; ++t) job.step();
+      job.end_epoch(e);
+    }
+    RANK_CHECK(hook.step_calls == 6);
+    RANK_CHECK(hook.epoch_calls == 3);
+    // Each epoch's action (lr halved) reaches the next epoch's steps, seen by the step hook.
+    RANK_CHECK(hook.lrs == std::vector<double>{0.5, 0.5, 0.25, 0.25, 0.125, 0.125});
+    RANK_CHECK(step.settings().lr == 0.0625);
+    RANK_CHECK(&std::get<0>(job.policies()).get() == &hook);
+  });
 }
 
 TEST_CASE("straggler_policy over train::data_parallel_step: the rebalanced batches reach the step",

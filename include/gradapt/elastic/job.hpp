@@ -28,6 +28,7 @@
 #include "gradapt/core/archive.hpp"
 #include "gradapt/core/enum_name.hpp"
 #include "gradapt/core/error.hpp"
+#include "gradapt/core/hooks.hpp"
 #include "gradapt/core/owner_exchange.hpp"
 #include "gradapt/optim/stage.hpp"
 #include "gradapt/train/policies.hpp"
@@ -91,41 +92,26 @@ struct job_decision {
 
 // ---- policy detection -------------------------------------------------------------------------
 
-/// `p.before_train(view, action)`.
-template <class P>
-concept before_train_policy = requires(P& p, const job_view& v, job_action& a) {
-  p.before_train(v, a);
-};
-/// `p.before_epoch(view, action)`.
-template <class P>
-concept before_epoch_policy = requires(P& p, const job_view& v, job_action& a) {
-  p.before_epoch(v, a);
-};
-/// `p.after_step(view, action)`.
-template <class P>
-concept after_step_policy = requires(P& p, const job_view& v, job_action& a) {
-  p.after_step(v, a);
-};
-/// `p.after_epoch(view, action)`.
-template <class P>
-concept after_epoch_policy = requires(P& p, const job_view& v, job_action& a) {
-  p.after_epoch(v, a);
-};
-/// `p.after_train(view, action)`.
-template <class P>
-concept after_train_policy = requires(P& p, const job_view& v, job_action& a) {
-  p.after_train(v, a);
-};
-/// `p.on_world_change(view, action)`.
-template <class P>
-concept world_change_policy = requires(P& p, const job_view& v, job_action& a) {
-  p.on_world_change(v, a);
-};
+/// The events the job raises (core/hooks.hpp: a policy handles an event with the member of the
+/// event's name, taking `(const job_view&, job_action&)`).
+namespace events {
+GRADAPT_HOOK_EVENT(before_train, const job_view&, job_action&);     ///< once, before the first step
+GRADAPT_HOOK_EVENT(before_epoch, const job_view&, job_action&);     ///< before an epoch's first step
+GRADAPT_HOOK_EVENT(after_step, const job_view&, job_action&);       ///< after every step
+GRADAPT_HOOK_EVENT(after_epoch, const job_view&, job_action&);      ///< after an epoch's last step
+GRADAPT_HOOK_EVENT(after_train, const job_view&, job_action&);      ///< once, after the last step
+GRADAPT_HOOK_EVENT(on_world_change, const job_view&, job_action&);  ///< after a restore on a new world
+}  // namespace events
 
-/// An adaptation policy: an object with at least one of the members above.
+/// Every event of the job, in the order of `job_event`.
+using job_events = event_set<events::before_train, events::before_epoch, events::after_step,
+                             events::after_epoch, events::after_train, events::on_world_change>;
+
+/// An adaptation policy: an object (or a std::reference_wrapper to one) that handles at least
+/// one of the job's events (`hook_for`, core/hooks.hpp, the concept train::step_hook also uses;
+/// `handles<P, events::after_step>` asks about one event).
 template <class P>
-concept job_policy = before_train_policy<P> || before_epoch_policy<P> || after_step_policy<P> ||
-    after_epoch_policy<P> || after_train_policy<P> || world_change_policy<P>;
+concept job_policy = hook_for<P, job_events>;
 
 /// The job's events, in the order a run meets them.
 enum class job_event : unsigned char {
@@ -163,38 +149,12 @@ using gradapt::detail::fail;
 using gradapt::detail::message;
 using gradapt::detail::require;
 
-/// Whether policy P has the hook of event E.
-template <job_event E, class P>
-constexpr bool has_hook() {
-  if constexpr (E == job_event::before_train)
-    return before_train_policy<P>;
-  else if constexpr (E == job_event::before_epoch)
-    return before_epoch_policy<P>;
-  else if constexpr (E == job_event::after_step)
-    return after_step_policy<P>;
-  else if constexpr (E == job_event::after_epoch)
-    return after_epoch_policy<P>;
-  else if constexpr (E == job_event::after_train)
-    return after_train_policy<P>;
-  else
-    return world_change_policy<P>;
-}
-
-template <job_event E, class P>
-void call_hook(P& p, const job_view& v, job_action& a) {
-  if constexpr (E == job_event::before_train)
-    p.before_train(v, a);
-  else if constexpr (E == job_event::before_epoch)
-    p.before_epoch(v, a);
-  else if constexpr (E == job_event::after_step)
-    p.after_step(v, a);
-  else if constexpr (E == job_event::after_epoch)
-    p.after_epoch(v, a);
-  else if constexpr (E == job_event::after_train)
-    p.after_train(v, a);
-  else
-    p.on_world_change(v, a);
-}
+/// The event tag of E.
+template <job_event E>
+using event_of =
+    std::tuple_element_t<static_cast<std::size_t>(E),
+                         std::tuple<events::before_train, events::before_epoch, events::after_step,
+                                    events::after_epoch, events::after_train, events::on_world_change>>;
 
 /// A 52-bit hash of a vector's elements, exact in a double (0 for an empty vector).
 template <class T>
@@ -308,6 +268,10 @@ inline void push_action(agreed_list<24>& v, const job_action& a) {
 /// @tparam Policies policy types (`job_policy`), called in this order
 template <adaptive_step Step, class... Policies>
 class adaptive_job {
+  static_assert(((job_policy<Policies> || !train::step_hook<Policies>)&&...),
+                "gradapt::elastic::adaptive_job: a policy handles only the step's events (before_step, "
+                "after_step(step_settings&, const step_metrics&), on_overflow, on_rescale): pass it to "
+                "train::make_data_parallel_step as a hook, or give it a job event");
   static_assert((job_policy<Policies> && ...),
                 "gradapt::elastic::adaptive_job: every policy needs at least one of the members "
                 "before_train, before_epoch, after_step, after_epoch, after_train, on_world_change, each "
@@ -470,8 +434,8 @@ class adaptive_job {
         [&](auto&... p) {
           (
               [&] {
-                if constexpr (train::saves_state<std::remove_cvref_t<decltype(p)>>)
-                  f("policy" + std::to_string(i), p);
+                if constexpr (train::saves_state<hook_object_t<decltype(p)>>)
+                  f("policy" + std::to_string(i), hook_object(p));
                 ++i;
               }(),
               ...);
@@ -495,7 +459,8 @@ class adaptive_job {
 
   template <job_event E>
   void run(std::string bad) {
-    if constexpr (!(detail::has_hook<E, Policies>() || ...)) {
+    using event = detail::event_of<E>;
+    if constexpr (!any_handles<event, policies_type>) {
       if (!bad.empty()) throw error(bad);
     } else {
       const job_view v = view();
@@ -503,19 +468,9 @@ class adaptive_job {
       if (bad.empty()) {
         std::size_t i = 0;
         try {
-          std::apply(
-              [&](auto&... p) {
-                (
-                    [&] {
-                      if constexpr (detail::has_hook<E, std::remove_cvref_t<decltype(p)>>())
-                        detail::call_hook<E>(p, v, a);
-                      ++i;
-                    }(),
-                    ...);
-              },
-              policies_);
+          notify_tracked<event>(policies_, i, v, a);
         } catch (const std::exception& e) {
-          bad = detail::message(where(), " on rank ", v.rank, ": policy ", i, "'s ", name(E),
+          bad = detail::message(where(), " on rank ", v.rank, ": policy ", i, "'s ", event::name,
                                 " threw: ", e.what());
         }
       }

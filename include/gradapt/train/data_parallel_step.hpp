@@ -250,9 +250,7 @@ class data_parallel_step {
     const double busy_before = busy_;
     busy_ = -1.0;  // this call's time, known at its end
     const std::uint64_t call = calls_ + 1;
-    for_each_hook([&](auto& h) {
-      if constexpr (before_step_hook<std::remove_reference_t<decltype(h)>>) h.before_step(settings_, last_);
-    });
+    notify<events::before_step>(hooks_, settings_, std::as_const(last_));
     const double eta = in.lr.value_or(settings_.lr);
     std::string bad;
     if (!(std::isfinite(eta) && eta >= 0.0))
@@ -535,11 +533,11 @@ class data_parallel_step {
 
   template <class F>
   void for_each_hook(F&& f) {
-    std::apply([&](auto&... h) { (f(detail::unwrap(h)), ...); }, hooks_);
+    std::apply([&](auto&... h) { (f(hook_object(h)), ...); }, hooks_);
   }
   template <class F>
   void for_each_hook(F&& f) const {
-    std::apply([&](const auto&... h) { (f(detail::unwrap(h)), ...); }, hooks_);
+    std::apply([&](const auto&... h) { (f(hook_object(h)), ...); }, hooks_);
   }
   static std::string hook_section(std::size_t i) {
     std::string s = "hook";
@@ -573,13 +571,8 @@ class data_parallel_step {
     m.noise_scale = noise_scale_value();
     calls_ = call;
     last_ = m;
-    if (m.found_inf)
-      for_each_hook([&](auto& h) {
-        if constexpr (overflow_hook<std::remove_reference_t<decltype(h)>>) h.on_overflow(settings_, last_);
-      });
-    for_each_hook([&](auto& h) {
-      if constexpr (after_step_hook<std::remove_reference_t<decltype(h)>>) h.after_step(settings_, last_);
-    });
+    if (m.found_inf) notify<events::on_overflow>(hooks_, settings_, std::as_const(last_));
+    notify<events::after_step>(hooks_, settings_, std::as_const(last_));
     busy_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - entered).count();
     return last_;
   }

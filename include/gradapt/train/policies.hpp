@@ -55,6 +55,7 @@
 #include "gradapt/core/archive.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/detail/archive_fields.hpp"
+#include "gradapt/core/hooks.hpp"
 #include "gradapt/core/ops.hpp"
 #include "gradapt/precision/loss_scaler.hpp"
 #include "gradapt/scaling/adascale.hpp"
@@ -447,33 +448,29 @@ struct rescale_event {
 
 // ---- hook detection ---------------------------------------------------------------------------
 
+/// The events the step raises (core/hooks.hpp: a hook handles an event with the member of the
+/// event's name, taking the listed arguments).
+namespace events {
 /// `h.before_step(settings, last_metrics)`: before the step, after the previous step's metrics.
-template <class H>
-concept before_step_hook = requires(H& h, step_settings& s, const step_metrics& m) {
-  h.before_step(s, m);
-};
+GRADAPT_HOOK_EVENT(before_step, step_settings&, const step_metrics&);
 /// `h.after_step(settings, metrics)`: after every step, taken or skipped.
-template <class H>
-concept after_step_hook = requires(H& h, step_settings& s, const step_metrics& m) {
-  h.after_step(s, m);
-};
+GRADAPT_HOOK_EVENT(after_step, step_settings&, const step_metrics&);
 /// `h.on_overflow(settings, metrics)`: a step was skipped because a gradient was not finite
 /// (before `after_step`; `metrics.loss_scale` is already backed off).
-template <class H>
-concept overflow_hook = requires(H& h, step_settings& s, const step_metrics& m) {
-  h.on_overflow(s, m);
-};
+GRADAPT_HOOK_EVENT(on_overflow, step_settings&, const step_metrics&);
 /// `h.on_rescale(settings, event)`: AdaScale's S changed because the batch changed.
-template <class H>
-concept rescale_hook = requires(H& h, step_settings& s, const rescale_event& e) {
-  h.on_rescale(s, e);
-};
+GRADAPT_HOOK_EVENT(on_rescale, step_settings&, const rescale_event&);
+}  // namespace events
 
-/// A hook: an object (or a std::reference_wrapper to one) with at least one hook member.
+/// Every event of the step, in the order a step meets them.
+using step_events =
+    event_set<events::before_step, events::on_rescale, events::on_overflow, events::after_step>;
+
+/// A hook: an object (or a std::reference_wrapper to one) that handles at least one of the
+/// step's events (`hook_for`, core/hooks.hpp, the concept elastic::job_policy also uses;
+/// `handles<H, events::before_step>` asks about one event).
 template <class H>
-concept step_hook =
-    before_step_hook<std::unwrap_reference_t<H>> || after_step_hook<std::unwrap_reference_t<H>> ||
-    overflow_hook<std::unwrap_reference_t<H>> || rescale_hook<std::unwrap_reference_t<H>>;
+concept step_hook = hook_for<H, step_events>;
 
 namespace detail {
 

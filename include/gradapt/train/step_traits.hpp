@@ -135,14 +135,6 @@ double fingerprint(const L& list) {
   return static_cast<double>(h);
 }
 
-template <class H>
-decltype(auto) unwrap(H& h) {
-  if constexpr (std::is_same_v<std::unwrap_reference_t<H>, H>)
-    return (h);
-  else
-    return h.get();
-}
-
 template <slot K, class Default>
 Default pick() {
   return Default{};

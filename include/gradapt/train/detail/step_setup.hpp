@@ -188,9 +188,7 @@ void GRADAPT_TRAIN_STEP::apply_settings(std::uint64_t call) {
       check_scale(s, fn);
       const rescale_event e{adapt_.ada.scale(), s, call};
       adapt_.ada.set_scale(s);
-      for_each_hook([&](auto& h) {
-        if constexpr (rescale_hook<std::remove_reference_t<decltype(h)>>) h.on_rescale(settings_, e);
-      });
+      notify<events::on_rescale>(hooks_, settings_, e);
     }
   }
   if constexpr (has_settable_period) {
