@@ -164,7 +164,27 @@ TEST_CASE("adascale: invalid input throws actionable errors", "[adascale]") {
   REQUIRE(ada.steps() == 0);  // the failed step did not advance
   adascale_state bad;
   bad.last_gain = 0.5;
-  REQUIRE_THROWS_WITH(ada.restore(bad), Contains("inconsistent state"));
+  REQUIRE_THROWS_WITH(ada.restore(bad), Contains("field last_gain is 0.5"));
+  // The gain is bounded by S: a checkpoint whose last gain exceeds its scale is impossible.
+  bad.scale = 4.0;
+  bad.last_gain = 1e9;
+  REQUIRE_THROWS_WITH(ada.restore(bad), Contains("field last_gain is 1e+09 with scale 4") &&
+                                            Contains("1 <= last_gain <= scale"));
+  bad.last_gain = 4.0;
+  bad.progress = -1.0;
+  REQUIRE_THROWS_WITH(ada.restore(bad), Contains("field progress is -1"));
+  bad.progress = 3.0;
+  bad.steps = 2;
+  bad.skipped = 3;
+  REQUIRE_THROWS_WITH(ada.restore(bad), Contains("field skipped is 3 with steps 2"));
+  bad.skipped = 1;
+  ada.restore(bad);  // consistent
+  REQUIRE(ada.last_gain() == 4.0);
+  // Lowering S caps the last gain at the new bound, so the state stays loadable.
+  ada.set_scale(2.0);
+  REQUIRE(ada.last_gain() == 2.0);
+  adascale again;
+  again.restore(ada.state());
 }
 
 }  // namespace gradapt_test_adascale

@@ -413,7 +413,13 @@ TEST_CASE("gns: invalid input throws actionable errors", "[gns]") {
   REQUIRE_THROWS_WITH(gns.update_single_replica(1, 1, 0, 0), Contains("batch_size is 0"));
   gradient_noise_scale_state bad;
   bad.beta_power = 0.5;  // no samples but a decayed β^t
-  REQUIRE_THROWS_WITH(gns.restore(bad), Contains("inconsistent state"));
+  REQUIRE_THROWS_WITH(gns.restore(bad), Contains("field beta_power is 0.5 with samples 0"));
+  bad.beta_power = 1.0;
+  bad.ema_trace = std::numeric_limits<double>::quiet_NaN();
+  REQUIRE_THROWS_WITH(gns.restore(bad), Contains("field ema_trace is nan"));
+  bad.ema_trace = 0.0;
+  bad.biased = 2;
+  REQUIRE_THROWS_WITH(gns.restore(bad), Contains("field biased is 2 with samples 0"));
   REQUIRE(gns.samples() == 0);  // nothing was half-applied
 }
 

@@ -169,3 +169,38 @@ TEST_CASE("restore: disagreements and rules that do not apply throw on every ran
 }
 
 }  // namespace gradapt_test_train_resize
+
+namespace gradapt_test_train_resize {
+
+TEST_CASE("save: ranks that pass different losses write the same bytes; the metrics hold the mean",
+          "[train][elastic]") {
+  gradapt::comm::run_threads(3, quick, [](threads& comm) {
+    replica<float> rep;
+    auto step = make_step(comm, rep);
+    const int r = comm.rank();
+    for (int t = 1; t <= 3; ++t) {
+      rep.fill(r, static_cast<std::uint64_t>(t), step.loss_scale());
+      // Losses 1, 2, 4 (+ t): the mean (7 + 3t) / 3, summed in rank order.
+      const auto& m = step.step({.loss = static_cast<double>(1 << r) + t});
+      RANK_CHECK(m.loss == (((1.0 + t) + (2.0 + t)) + (4.0 + t)) / 3.0);
+    }
+    const auto bytes = step.save();
+    const double h = static_cast<double>(gradapt::detail::hash_bytes(7u, bytes.data(), bytes.size()) >> 12);
+    double v[2] = {h, -h};
+    comm.allreduce(gradapt::tensor_view<double, gradapt::host_space>::vector(v, 2), gradapt::reduce_op::max);
+    RANK_CHECK(v[0] == -v[1]);  // every rank's checkpoint hashes alike
+    // So every rank's checkpoint restores on another world without a hash mismatch.
+    gradapt::comm::run_threads(1, quick, [&](threads& one) {
+      replica<float> fresh;
+      auto again = make_step(one, fresh);
+      again.restore(bytes, rescale_rule::keep_global_batch);
+      RANK_CHECK(again.metrics().loss == step.metrics().loss);
+    });
+    // A rank without a loss makes the mean NaN, on every rank.
+    rep.fill(r, 4, step.loss_scale());
+    const auto& m = r == 1 ? step.step() : step.step({.loss = 1.0});
+    RANK_CHECK(std::isnan(m.loss));
+  });
+}
+
+}  // namespace gradapt_test_train_resize

@@ -24,6 +24,7 @@
 #include "gradapt/backend/concepts.hpp"
 #include "gradapt/backend/simd.hpp"
 #include "gradapt/core/archive.hpp"
+#include "gradapt/core/type_name.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
 #include "gradapt/core/dtype.hpp"
@@ -174,6 +175,7 @@ class chain_state {
   void save(const B& b, archive_writer& w) const {
     w.put("element_type", name(dtype_of_v<S>));
     w.put("stages", static_cast<std::uint64_t>(plan::n));
+    w.put("stage_types", stage_types());
     w.put("buffers", static_cast<std::uint64_t>(plan::total_buffers));
     w.put("active_stages", enabled_);
     w.put("steps", steps_);
@@ -219,7 +221,12 @@ class chain_state {
     const auto et = r.get<std::string>("element_type");
     detail::require(et == name(dtype_of_v<S>), "optimizer state load: the checkpoint holds ", et,
                     " state but this state is ", name(dtype_of_v<S>));
-    expect("stages", plan::n, "stage count");
+    // The stages' names, for the message only (compilers may spell a type differently).
+    const std::string theirs = r.has("stage_types") ? r.get<std::string>("stage_types") : "not recorded";
+    const auto got_stages = r.get<std::uint64_t>("stages");
+    detail::require(got_stages == plan::n, "optimizer state load: the checkpoint's stage count is ", got_stages,
+                    " (its stages: ", theirs, ") but this state's is ", plan::n, " (", stage_types(),
+                    "); restore into a state created by the same optimizer");
     expect("buffers", plan::total_buffers, "buffer count");
     expect("active_stages", enabled_, "active-stage mask");
     const auto steps = r.get<std::uint64_t>("steps");
@@ -236,9 +243,15 @@ class chain_state {
       detail::require(index == t, "optimizer state load: parameter '", names_[t], "' is tensor ", index,
                       " in the checkpoint but ", t, " here (restore for the same parameter order)");
       const auto shape = r.get_tensor<std::int64_t>("shape");
-      detail::require(std::ranges::equal(shape, shapes_[t]), "optimizer state load: parameter '", names_[t],
-                      "' has another shape in the checkpoint (", shape.size(), "-d, ", product(shape),
-                      " elements) than here (", shapes_[t].size(), "-d, ", sizes_[t], " elements)");
+      if (!std::ranges::equal(shape, shapes_[t])) {
+        const auto text = [](const auto& dims) {
+          std::string out = "[";
+          for (std::size_t d = 0; d < dims.size(); ++d) out += (d ? ", " : "") + std::to_string(dims[d]);
+          return out + "]";
+        };
+        detail::fail("optimizer state load: parameter '", names_[t], "' has shape ", text(shape),
+                     " in the checkpoint but ", text(shapes_[t]), " here (restore for the same model)");
+      }
       if (!ft_.empty()) {
         const auto got = r.get_tensor<std::int64_t>("factored_layout");
         const auto want = layout_of(t);
@@ -326,6 +339,9 @@ class chain_state {
   std::vector<std::vector<tensor_view<double, space>>> factor_views_;  ///< per enabled barrier
   std::vector<double> group_lr_;
   std::vector<std::optional<double>> group_wd_;
+  // The chain's stage types, "chain<trace, scale_by_learning_rate>" (for messages).
+  static std::string stage_types() { return detail::short_type_name<Chain>(); }
+
   // Chains with a factored stage (run tensor by tensor):
   std::vector<factored_tensor> ft_;     ///< the stage's decision per tensor
   std::vector<std::size_t> order_;      ///< tensors largest first (task order)

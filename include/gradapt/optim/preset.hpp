@@ -21,6 +21,8 @@ namespace gradapt::detail::optim {
 template <class Derived, class Chain, class Options>
 class preset : public Chain {
  public:
+  /// The chain the preset builds (its stages, for messages and the agreement).
+  using chain_type = Chain;
   /// @throws gradapt::error on an invalid option, naming it
   explicit preset(const Options& o = {}) : Chain(build(o)) {}
   /// `T({})`: the default options (an exact match for the empty braces, which the options

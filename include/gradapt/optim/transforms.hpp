@@ -291,8 +291,11 @@ struct trace {
   /// One buffer (τ); off when decay is 0; never reads p.
   static constexpr stage_spec traits{.buffers = 1, .optional = true, .uses_param = false};
   /// The options every rank must share (train::data_parallel_step agrees on them at
-  /// construction), named "trace <option>".
-  static constexpr auto option_fields() { return GRADAPT_OPTION_FIELDS(trace, decay, nesterov); }
+  /// construction), named by the presets' option ("momentum") and the stage's.
+  static constexpr auto option_fields() {
+    return std::make_tuple(archive_member{"momentum (stage trace: decay)", &trace::decay},
+                           archive_member{"nesterov (stage trace)", &trace::nesterov});
+  }
 
   /// False when decay is 0: the stage then keeps no buffer and is not run.
   bool enabled() const { return decay != 0.0; }

@@ -187,13 +187,15 @@ class adascale : public archived_state<adascale, adascale_state> {
   void set_scale(double scale) {
     check_scale(scale, "adascale::set_scale");
     st_.scale = scale;
+    if (st_.last_gain > scale) st_.last_gain = scale;
   }
 
   /// S, the current batch-size ratio (>= 1) the gain is bounded by.
   double scale() const { return st_.scale; }
   /// τ: scale-invariant iterations (sum of gains) so far.
   double progress() const { return st_.progress; }
-  /// r of the latest advance / step, in [1, S] (1 before the first step).
+  /// r of the latest advance / step, in [1, S] (1 before the first step; capped at the new S
+  /// when set_scale lowered S since).
   double last_gain() const { return st_.last_gain; }
   /// Steps taken with advance / step (skipped ones included).
   std::uint64_t steps() const { return st_.steps; }
@@ -211,13 +213,16 @@ class adascale : public archived_state<adascale, adascale_state> {
   /// Sets the state; later results are bit-identical to the run it was taken from.
   /// @throws gradapt::error when the state is inconsistent (state unchanged)
   void restore(const adascale_state& s) {
-    check_scale(s.scale, "adascale::load");
-    detail::require(std::isfinite(s.progress) && s.progress >= 0.0 && std::isfinite(s.last_gain) &&
-                        s.last_gain >= 1.0 && s.skipped <= s.steps &&
-                        s.steps < std::numeric_limits<std::uint64_t>::max(),
-                    "adascale::load: inconsistent state (progress ", s.progress, ", last gain ", s.last_gain,
-                    ", ", s.steps, " steps, ", s.skipped,
-                    " skipped; expected finite progress >= 0, gain >= 1, skipped <= steps)");
+    check_scale(s.scale, "adascale::load (field scale)");
+    detail::require(std::isfinite(s.progress) && s.progress >= 0.0, "adascale::load: field progress is ",
+                    s.progress, " (expected a finite progress >= 0)");
+    detail::require(std::isfinite(s.last_gain) && s.last_gain >= 1.0 && s.last_gain <= s.scale,
+                    "adascale::load: field last_gain is ", s.last_gain, " with scale ", s.scale,
+                    " (expected 1 <= last_gain <= scale: the gain is bounded by S)");
+    detail::require(s.steps < std::numeric_limits<std::uint64_t>::max(), "adascale::load: field steps is ",
+                    s.steps, " (cannot grow)");
+    detail::require(s.skipped <= s.steps, "adascale::load: field skipped is ", s.skipped, " with steps ",
+                    s.steps, " (expected skipped <= steps)");
     st_ = s;
   }
 

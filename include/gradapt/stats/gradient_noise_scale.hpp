@@ -392,13 +392,21 @@ class gradient_noise_scale
   ///         β^t outside [0, 1], counters that disagree or would overflow); state unchanged
   void restore(const gradient_noise_scale_state& s) {
     constexpr auto top = std::numeric_limits<std::uint64_t>::max();
-    detail::require(std::isfinite(s.ema_grad_sq) && std::isfinite(s.ema_trace) &&
-                        std::isfinite(s.last_grad_sq) && std::isfinite(s.last_trace) && s.beta_power >= 0.0 &&
-                        s.beta_power <= 1.0 && ((s.samples == 0) == (s.beta_power == 1.0)) &&
-                        s.biased <= s.samples && s.samples < top && s.skipped < top,
-                    "gradient_noise_scale::load: inconsistent state (", s.samples, " samples, beta_power ",
-                    s.beta_power,
-                    "; expected finite averages, beta_power = 1 with no samples and in [0, 1) otherwise)");
+    const auto finite = [](const char* field, double v) {
+      detail::require(std::isfinite(v), "gradient_noise_scale::load: field ", field, " is ", v,
+                      " (expected a finite value)");
+    };
+    finite("ema_grad_sq", s.ema_grad_sq);
+    finite("ema_trace", s.ema_trace);
+    finite("last_grad_sq", s.last_grad_sq);
+    finite("last_trace", s.last_trace);
+    detail::require(s.beta_power >= 0.0 && s.beta_power <= 1.0 && ((s.samples == 0) == (s.beta_power == 1.0)),
+                    "gradient_noise_scale::load: field beta_power is ", s.beta_power, " with samples ",
+                    s.samples, " (expected beta_power = 1 with no samples and in [0, 1) otherwise)");
+    detail::require(s.samples < top && s.skipped < top, "gradient_noise_scale::load: field samples is ",
+                    s.samples, " and skipped ", s.skipped, " (cannot grow)");
+    detail::require(s.biased <= s.samples, "gradient_noise_scale::load: field biased is ", s.biased,
+                    " with samples ", s.samples, " (expected biased <= samples)");
     st_ = s;
   }
 

@@ -354,11 +354,13 @@ class local_sgd {
       v.push("tensors averaged", static_cast<double>(tensors));
       v.push("bytes averaged", static_cast<double>(bytes));
       v.push("start_step", static_cast<double>(opt_.start_step));
+      // The schedule's options before the counters: a rank with another period reaches its
+      // round at another step, and the message names the option, not only the step.
+      if constexpr (requires { sched_.agreed_options(v); }) sched_.agreed_options(v);
       v.push("step", static_cast<double>(st_.steps));
       v.push("local step of this round", static_cast<double>(c));
       v.push("rounds", static_cast<double>(st_.rounds));
       v.push("level", static_cast<double>(level));
-      if constexpr (requires { sched_.agreed_options(v); }) sched_.agreed_options(v);
       agree_values(comm, "local_sgd::step", v.view());
     }
   }

@@ -77,6 +77,7 @@
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/ops.hpp"
 #include "gradapt/core/owner_exchange.hpp"
+#include "gradapt/core/type_name.hpp"
 #include "gradapt/core/param_list.hpp"
 #include "gradapt/core/tensor_view.hpp"
 #include "gradapt/optim/chain.hpp"
@@ -265,19 +266,19 @@ class data_parallel_step {
       std::string marks = complete_marks();  // every rank's bucket collectives run, none waits
       if (bad.empty()) bad = std::move(marks);
       try {
-        agree_on_step(call, eta, timed ? in.ready_seconds : -1.0, busy_before, bad);
+        agree_on_step(call, eta, timed ? in.ready_seconds : -1.0, busy_before, in.loss, bad);
       } catch (...) {
         abandon_round();
         throw;
       }
     } else {
-      agree_on_step(call, eta, timed ? in.ready_seconds : -1.0, busy_before, bad);
+      agree_on_step(call, eta, timed ? in.ready_seconds : -1.0, busy_before, in.loss, bad);
     }
     apply_settings(call);
 
     step_metrics m;
     m.step = call;
-    m.loss = in.loss;
+    m.loss = mean_loss_;
     m.global_batch = global_batch();
     if constexpr (has_adascale) m.scale = adapt_.ada.scale();
 
@@ -642,7 +643,20 @@ class data_parallel_step {
   /// The same allreduce shares two numbers of every rank (`agree_values_and_share`, 2N more
   /// words): its time-to-ready (`ready`, step_args::ready_seconds; -1 when not given) and the
   /// time it spent in the previous call of step() (`busy`; -1 before the first call).
-  void agree_on_step(std::uint64_t call, double eta, double ready, double busy, const std::string& bad);
+  // "<what> (this rank's: <type>; a hash of the type)": the name of a structure value in the
+  // construction agreement, so that each rank's message names its own algorithm.
+  template <class T>
+  static std::string_view structure_name(std::string_view what) {
+    static const std::string name = [&] {
+      std::string t = gradapt::detail::short_type_name<T>();
+      if constexpr (requires { typename T::chain_type; })
+        t += " = " + gradapt::detail::short_type_name<typename T::chain_type>();
+      return std::string(what) + " (this rank's: " + t + "; a hash of the type)";
+    }();
+    return name;
+  }
+  void agree_on_step(std::uint64_t call, double eta, double ready, double busy, double loss,
+                     const std::string& bad);
 
   /// The replica check: after a step that leaves the replicas identical (a synchronous step,
   /// or a LocalSGD averaging round), on the first such step and then every
@@ -783,6 +797,7 @@ class data_parallel_step {
   std::size_t total_ = 0;
   double busy_ = -1.0;                          ///< seconds in the latest call of step() (-1: none)
   std::vector<double> shared_;                  ///< the per-step agreement's shared words
+  double mean_loss_ = 0.0;                      ///< the ranks' mean loss of the latest step
   std::vector<double> agree_ws_;                ///< its allreduce words beyond 64
   std::vector<double> rank_times_, rank_busy_;  ///< see rank_times(), rank_step_seconds()
   Hooks hooks_;

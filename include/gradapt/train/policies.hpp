@@ -412,7 +412,9 @@ struct step_settings {
 struct step_metrics {
   std::uint64_t step = 0;             ///< calls of step() so far, this one included (taken + skipped)
   std::uint64_t optimizer_steps = 0;  ///< steps the optimizer has taken (skipped steps excluded)
-  double loss = std::numeric_limits<double>::quiet_NaN();  ///< the caller's loss (step_args::loss)
+  /// The mean over the ranks of `step_args::loss` (summed in rank order, then divided by the
+  /// number of ranks), identical on every rank: NaN when some rank gave no loss or a NaN.
+  double loss = std::numeric_limits<double>::quiet_NaN();
   double loss_scale = 1.0;  ///< loss scale for the NEXT backward pass (after this step's update)
   double noise_scale = std::numeric_limits<double>::quiet_NaN();  ///< B_simple; NaN while undefined
   double gain = 1.0;         ///< AdaScale gain r of this step (1 when off, skipped or local)

@@ -124,13 +124,16 @@ struct sync_runtime {
   bool was_synchronous = false;  ///< step_settings::synchronous at the latest step
 };
 
-/// Fingerprint of a list's tensor sizes (below 2^50, exact in a double).
+/// Fingerprint of a list's tensor shapes (rank and extents, in order; below 2^50, exact in a
+/// double).
 template <class L>
 double fingerprint(const L& list) {
   std::uint64_t h = 1469598103ULL;
   std::uint64_t t = 0;
   for (const auto& v : list) {
-    h = (h * 1099511ULL + (++t) * 7919ULL + static_cast<std::uint64_t>(v.size())) % (std::uint64_t{1} << 50);
+    h = (h * 1099511ULL + (++t) * 7919ULL + static_cast<std::uint64_t>(v.rank())) % (std::uint64_t{1} << 50);
+    for (int d = 0; d < v.rank(); ++d)
+      h = (h * 1099511ULL + static_cast<std::uint64_t>(v.dim(d))) % (std::uint64_t{1} << 50);
   }
   return static_cast<double>(h);
 }

@@ -99,7 +99,7 @@ std::vector<disagreement_case<Comm>> train_step_cases() {
                                                     gradapt::sgd({.lr = 0.1, .momentum = mu}), {.lr = 0.1});
          (void)step;
        },
-       "trace decay is "},
+       "momentum (stage trace: decay) is "},
       {"another AdamW b2 on the last rank, at construction",
        [](Comm& comm) {
          model m;
@@ -133,6 +133,46 @@ std::vector<disagreement_case<Comm>> train_step_cases() {
          step.step();
        },
        "loss_scaler_options::growth_factor"},
+      {"another optimizer on rank 0: each rank's message names its own",
+       [](Comm& comm) {
+         model m;
+         if (comm.rank() == 0) {
+           auto step = train::make_data_parallel_step(comm, gradapt::host{}, m.params, gradapt::adamw({.lr = 0.1}),
+                                                      {.lr = 0.1});
+           (void)step;
+         } else {
+           auto step = train::make_data_parallel_step(comm, gradapt::host{}, m.params,
+                                                      gradapt::sgd({.lr = 0.1, .momentum = 0.9}), {.lr = 0.1});
+           (void)step;
+         }
+       },
+       "the optimizer (this rank's: adamw = chain<", 0, "the optimizer (this rank's: sgd = chain<"},
+      {"AdaScale on the last rank only",
+       [](Comm& comm) {
+         model m;
+         if (comm.rank() == comm.size() - 1) {
+           auto step = train::make_data_parallel_step(comm, gradapt::host{}, m.params, gradapt::sgd({.lr = 0.1}),
+                                                      {.lr = 0.1}, train::adascale_policy{});
+           (void)step;
+         } else {
+           auto step = train::make_data_parallel_step(comm, gradapt::host{}, m.params, gradapt::sgd({.lr = 0.1}),
+                                                      {.lr = 0.1});
+           (void)step;
+         }
+       },
+       "adapt slot (1: adascale_policy on) is "},
+      {"the same sizes in another shape on rank 0",
+       [](Comm& comm) {
+         std::vector<float> w(12, 0.5f), g(12, 0.1f);
+         const std::vector<std::int64_t> shape =
+             comm.rank() == 0 ? std::vector<std::int64_t>{3, 4} : std::vector<std::int64_t>{4, 3};
+         gradapt::param_list<float, float> params;
+         params.add("w", gradapt::tensor_view<float>(w.data(), shape), gradapt::tensor_view<float>(g.data(), shape));
+         auto step = train::make_data_parallel_step(comm, gradapt::host{}, params, gradapt::sgd({.lr = 0.1}),
+                                                    {.lr = 0.1});
+         (void)step;
+       },
+       "parameter shapes (a hash of every tensor's rank and extents) is "},
   };
 }
 
@@ -154,7 +194,7 @@ std::vector<disagreement_case<Comm>> local_sgd_cases() {
        [](Comm& comm) {
          local_sgd_steps(comm, static_cast<float>(comm.rank()), 0, comm.rank() == 0 ? 2 : 3);
        },
-       "every rank must pass the same "},
+       "fixed_period period is "},
       {"another start step on rank 0",
        [](Comm& comm) { local_sgd_steps(comm, 1.0f, comm.rank() == 0 ? 0 : 1, 2); },
        "every rank must pass the same "},

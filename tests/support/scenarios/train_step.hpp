@@ -197,7 +197,10 @@ rank_result run_by_hand(Comm& comm, const plan& pl, Opt (*make_opt)(), stages wi
   for (int t = 1; t <= pl.steps; ++t) {
     train::step_metrics m;
     m.step = static_cast<std::uint64_t>(t);
-    m.loss = 1.0 / t;
+    // The ranks' mean loss, summed in rank order as the step sums it.
+    double loss_sum = 0.0;
+    for (int r = 0; r < n; ++r) loss_sum += 1.0 / t;
+    m.loss = loss_sum / n;
     const double lr0 = pl.lr(last.progress);
     if (t == pl.grow_at) local_batch *= 2.0;
     if (with.adapt) {

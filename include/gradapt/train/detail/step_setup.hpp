@@ -10,6 +10,7 @@
     "gradapt/train/detail/step_setup.hpp is part of gradapt/train/data_parallel_step.hpp: include that header"
 #endif
 #include <cmath>
+#include <limits>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -18,6 +19,7 @@
 
 #include "gradapt/comm/agree.hpp"
 #include "gradapt/core/error.hpp"
+#include "gradapt/core/type_name.hpp"
 
 namespace gradapt::train {
 
@@ -208,7 +210,7 @@ void GRADAPT_TRAIN_STEP::agree_on_construction(const A& adapt, const Y& sync, co
   agreed_list<64> v;
   v.push("parameter tensors", static_cast<double>(params_->size()));
   v.push("parameter elements", static_cast<double>(params_->total_elements()));
-  v.push("parameter shapes (fingerprint)", detail::fingerprint(params_->grads()));
+  v.push("parameter shapes (a hash of every tensor's rank and extents)", detail::fingerprint(params_->grads()));
   v.push("loss scaling on", has_loss_scaling ? 1.0 : 0.0);
   v.push("adascale on", has_adascale ? 1.0 : 0.0);
   v.push("local sgd on", has_local_sgd ? 1.0 : 0.0);
@@ -229,13 +231,30 @@ void GRADAPT_TRAIN_STEP::agree_on_construction(const A& adapt, const Y& sync, co
     v.push("local_sgd_options::start_step", static_cast<double>(sync.options.start_step));
   if constexpr (requires { opt_.agreed_options(v); }) opt_.agreed_options(v);
   if constexpr (requires { precond.agreed_options(v); }) precond.agreed_options(v);
+  // First the step's structure, in a fixed number of values: ranks that built other slots or
+  // another optimizer would otherwise pass lists of other lengths to the agreement below.
+  agreed_list<12> head;
+  head.push("scaler slot (1: loss scaling on)", has_loss_scaling ? 1.0 : 0.0);
+  head.push("adapt slot (1: adascale_policy on)", has_adascale ? 1.0 : 0.0);
+  head.push("sync slot (1: local_sgd_policy on)", has_local_sgd ? 1.0 : 0.0);
+  head.push("precondition slot (1: a preconditioner on)", has_preconditioner ? 1.0 : 0.0);
+  head.push("state slot (0 replicated_state, 1 or 2 zero_state<stage>)", static_cast<double>(zero_stage));
+  head.push("reduce slot (0 one_buffer_reduce, 1 bucket_reduce, 2 hierarchical_reduce)",
+            has_buckets ? 1.0 : (has_hierarchy ? 2.0 : 0.0));
+  head.push(structure_name<Opt>("the optimizer"), gradapt::detail::operation_tag(gradapt::detail::type_name<Opt>()));
+  head.push(structure_name<Combine>("the combine slot"),
+            gradapt::detail::operation_tag(gradapt::detail::type_name<Combine>()));
+  head.push(structure_name<P>("the precondition slot"),
+            gradapt::detail::operation_tag(gradapt::detail::type_name<P>()));
+  head.push("options agreed at construction (count)", static_cast<double>(v.count));
+  agree_values(*comm_, "train::data_parallel_step (slots and optimizer)", head.view());
   agree_values(*comm_, "train::data_parallel_step", v.view());
   detail::require(params_->size() > 0, "train::data_parallel_step on rank ", comm_->rank(),
                   ": the parameter list is empty (add the model's parameters before building the step)");
 }
 
 GRADAPT_TRAIN_STEP_TEMPLATE
-void GRADAPT_TRAIN_STEP::agree_on_step(std::uint64_t call, double eta, double ready, double busy,
+void GRADAPT_TRAIN_STEP::agree_on_step(std::uint64_t call, double eta, double ready, double busy, double loss,
                                        const std::string& bad) {
   agreed_list<12> v;
   v.push("step", static_cast<double>(call));
@@ -252,17 +271,29 @@ void GRADAPT_TRAIN_STEP::agree_on_step(std::uint64_t call, double eta, double re
   v.push("step_args::ready_seconds given (1) or not (0)", ready >= 0.0 ? 1.0 : 0.0);
   if constexpr (has_adascale) v.push("AdaScale scale", adapt_.ada.scale());
   if constexpr (has_loss_scaling) v.push("loss scale", scaler_.scale());
-  const double mine[2] = {ready, busy};
-  shared_.resize(2 * static_cast<std::size_t>(comm_->size()));
+  // Shared per rank: time-to-ready, time in the previous step, and the loss as a class (0
+  // finite, 1 NaN, 2 +inf, 3 -inf) and its finite value, so the metrics' loss is the ranks' mean.
+  const double loss_class = std::isnan(loss) ? 1.0 : (std::isinf(loss) ? (loss > 0.0 ? 2.0 : 3.0) : 0.0);
+  const double mine[4] = {ready, busy, loss_class, loss_class == 0.0 ? loss : 0.0};
+  constexpr std::size_t k = 4;
+  shared_.resize(k * static_cast<std::size_t>(comm_->size()));
   agree_values_and_share(*comm_, "train::data_parallel_step::step", v.view(), std::span<const double>(mine),
                          std::span<double>(shared_), bad, &agree_ws_);
   const auto n = static_cast<std::size_t>(comm_->size());
   rank_times_.clear();
   rank_busy_.clear();
   bool all_busy = true;
-  for (std::size_t r = 0; r < n; ++r) all_busy = all_busy && shared_[2 * r + 1] >= 0.0;
-  for (std::size_t r = 0; r < n && ready >= 0.0; ++r) rank_times_.push_back(shared_[2 * r]);
-  for (std::size_t r = 0; r < n && all_busy; ++r) rank_busy_.push_back(shared_[2 * r + 1]);
+  for (std::size_t r = 0; r < n; ++r) all_busy = all_busy && shared_[k * r + 1] >= 0.0;
+  for (std::size_t r = 0; r < n && ready >= 0.0; ++r) rank_times_.push_back(shared_[k * r]);
+  for (std::size_t r = 0; r < n && all_busy; ++r) rank_busy_.push_back(shared_[k * r + 1]);
+  double sum = 0.0;
+  for (std::size_t r = 0; r < n; ++r) {
+    const double c = shared_[k * r + 2];
+    sum += c == 0.0 ? shared_[k * r + 3]
+                    : (c == 1.0 ? std::numeric_limits<double>::quiet_NaN()
+                                : (c == 2.0 ? HUGE_VAL : -HUGE_VAL));
+  }
+  mean_loss_ = sum / static_cast<double>(n);
 }
 
 GRADAPT_TRAIN_STEP_TEMPLATE
