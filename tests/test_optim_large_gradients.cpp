@@ -175,3 +175,63 @@ TEST_CASE("eps = 0 with eps_root = 0 is rejected where a zero gradient would giv
 }
 
 }  // namespace gradapt_test_optim_large_gradients
+
+namespace gradapt_test_optim_large_gradients {
+
+namespace {
+/// Ten steps of `opt` (default check interval) on gradients of magnitude `g` with random
+/// signs: after every step that returns, every parameter is finite; a step that would leave
+/// one non-finite throws at that step, naming it.
+template <class Opt>
+void never_silently_nonfinite(Opt opt, float g, const char* name) {
+  INFO(name << ", g = " << g);
+  large_gradient_model m;
+  const gradapt::host backend{.threads = 1};
+  auto state = opt.init(backend, m.params);
+  std::uint32_t seed = 12345;
+  for (int t = 1; t <= 10; ++t) {
+    for (auto* v : {&m.gw, &m.gb})
+      for (auto& x : *v) {
+        seed = seed * 1664525u + 1013904223u;
+        x = (seed >> 31) ? g : -g;
+      }
+    try {
+      opt.step(backend, m.params, state, {});
+    } catch (const gradapt::error& e) {
+      const std::string what = e.what();
+      INFO(what);
+      REQUIRE((what.find("left parameter '") != std::string::npos || what.find("are not finite") != std::string::npos));
+      return;
+    }
+    for (const float x : m.w) REQUIRE(std::isfinite(x));
+    for (const float x : m.b) REQUIRE(std::isfinite(x));
+  }
+}
+}  // namespace
+
+TEST_CASE("No step returns with a non-finite parameter from finite gradients (weight decay, momentum)",
+          "[optim][numerics]") {
+  const float fmax = std::numeric_limits<float>::max();
+  for (const float g : {1e30f, fmax}) {
+    never_silently_nonfinite(gradapt::sgd({.lr = 1.0, .momentum = 0.9, .weight_decay = 0.5}), g, "sgd");
+    never_silently_nonfinite(gradapt::sgd({.lr = 10.0, .momentum = 0.9, .nesterov = true}), g, "sgd nesterov");
+    never_silently_nonfinite(gradapt::lars({.lr = 1.0, .weight_decay = 0.5}), g, "lars");
+    never_silently_nonfinite(gradapt::adamw({.lr = 1e30, .weight_decay = 0.5}), g, "adamw");
+    never_silently_nonfinite(gradapt::lamb({.lr = 1e30}), g, "lamb");
+    never_silently_nonfinite(gradapt::sm3({.lr = 1e30}), g, "sm3");
+    never_silently_nonfinite(gradapt::adafactor({.lr = 1e30}), g, "adafactor");
+  }
+  // The reproducer: SGD with momentum and weight decay on FLT_MAX gradients of one sign: the
+  // momentum buffer overflows at step 2, and so does the parameter; step 2 throws.
+  large_gradient_model m;
+  const gradapt::host backend{.threads = 1};
+  const gradapt::sgd opt({.lr = 1.0, .momentum = 0.9, .weight_decay = 0.1});
+  auto state = opt.init(backend, m.params);
+  m.set(fmax, 1);
+  opt.step(backend, m.params, state, {});
+  for (const float x : m.w) REQUIRE(std::isfinite(x));
+  REQUIRE_THROWS_WITH(opt.step(backend, m.params, state, {}),
+                      Catch::Matchers::Contains("step 2 left parameter 'w' with non-finite values"));
+}
+
+}  // namespace gradapt_test_optim_large_gradients

@@ -201,6 +201,7 @@ class chain {
     const std::size_t nb = plan::barriers(st.enabled_);
     st.factors_ = b.template allocate<double>(nb * count);
     st.sums_ = b.template allocate<double>(count * plan::max_terms);
+    if constexpr (std::same_as<space, host_space>) st.param_checks_.assign(count, 0.0);
     st.factor_views_.resize(nb);
     for (std::size_t i = 0; i < plan::n; ++i) {
       if (!plan::on(i, st.enabled_) || !plan::info[i].barrier) continue;
@@ -324,6 +325,16 @@ class chain {
           (void)assembly(nullptr, 0, plan::info[i].terms, plan::info[i].global);
     }
     ++st.steps_;
+    if (st.nonfinite_param_ != 0) {
+      const std::size_t t = st.nonfinite_param_ - 1;
+      st.nonfinite_param_ = 0;
+      st.failed_ = true;
+      detail::fail("chain::step: step ", st.steps_, " left parameter '", params[t].name,
+                   "' with non-finite values (a non-finite gradient, or finite values whose update overflowed "
+                   "the float range); the parameters have been updated and the state cannot recover: restore a "
+                   "checkpoint with load(), and clip or rescale the gradients (a loss scaler skips non-finite "
+                   "ones)");
+    }
     if (st.check_interval_ != 0 && (st.steps_ == 1 || st.steps_ % st.check_interval_ == 0)) {
       st.failed_ = true;
       st.check_finite(b, "chain::step");
@@ -465,6 +476,21 @@ class chain {
     using table = detail::optim::pass_table<plan, Pass, E>;
     constexpr std::size_t nargs = table::args;
     if constexpr (table::final) {
+      if constexpr (std::same_as<space, host_space>) {
+        // On the host the final pass also sums the updated parameters per tensor in double
+        // (finite exactly when every value is), in registers: no extra memory traffic.
+        if (st.check_interval_ != 0) {
+          static_assert(table::needs_param, "gradapt::chain: the final pass writes the parameters");
+          [&]<std::size_t... A>(std::index_sequence<A...>) {
+            b.apply_reduce_list(detail::optim::finite_probe<decltype(f)>{f}, std::span<double>(st.param_checks_),
+                                list<table::template arg<A>>(params, st)...);
+          }
+          (std::make_index_sequence<nargs>{});
+          for (std::size_t t = count; t-- > 0;)  // the first such tensor is named
+            if (!std::isfinite(st.param_checks_[t])) st.nonfinite_param_ = t + 1;
+          return;
+        }
+      }
       [&]<std::size_t... A>(std::index_sequence<A...>) {
         b.apply_list(f, list<table::template arg<A>>(params, st)...);
       }
@@ -556,9 +582,18 @@ class chain {
         (tensor_pass<P, E>(bb, params, st, kernels, k, slot), ...);
       }
       (std::make_index_sequence<plan::passes(E)>{});
+      // On the host, the updated tensor is read once more while it is still in cache: its
+      // non-finite count (one slot per tensor, so tasks on other threads do not share it).
+      if constexpr (std::same_as<space, host_space>)
+        if (st.check_interval_ != 0)
+          st.param_checks_[k] = bb.reduce(reduction::count_nonfinite, tensor_view<const V, space>(st.p_const_[k]));
     };
     detail::optim::for_tensors(b, std::span<const std::size_t>(st.order_),
                                std::span<const std::size_t>(st.sizes_), st.total_, st.slots_, one);
+    if constexpr (std::same_as<space, host_space>)
+      if (st.check_interval_ != 0)
+        for (std::size_t t = st.sizes_.size(); t-- > 0;)  // the first such tensor is named
+          if (st.param_checks_[t] != 0.0) st.nonfinite_param_ = t + 1;
   }
 
   /// The view of tensor k for argument descriptor D of a pass.

@@ -457,6 +457,23 @@ struct pass_functor {
   }
 };
 
+/// The final pass F, also returning per element the parameter it wrote (its first argument)
+/// widened to double. Summed per tensor by `apply_reduce_list`, the sum is finite exactly when
+/// every updated value is (a sum of float values in double cannot overflow: |Σ| < 2^128 × n),
+/// so it finds a non-finite updated parameter in the pass that writes it.
+template <class F>
+struct finite_probe {
+  static constexpr bool vectorizable = F::vectorizable;
+  F f;
+  template <class V, class... A>
+  GRADAPT_HD GRADAPT_INLINE simd::terms_t<V, 1> operator()(tensor_index t, V& a0, A&... rest) const {
+    f(t, a0, rest...);
+    simd::terms_t<V, 1> r;
+    r[0] = simd::widen(a0);
+    return r;
+  }
+};
+
 /// A pass of the chain over one factored tensor, run by the backend's `apply_factored` as
 /// f(r, c, args...): r and c are the factored stage's row and column factors of the element,
 /// args the pass's arguments without the factored stage's buffer. The stage's output

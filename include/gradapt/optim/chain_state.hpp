@@ -118,14 +118,24 @@ class chain_state {
   }
 
   /// Steps between the checks that every state buffer is still finite (default 100; 0 turns
-  /// the check off). `chain::step` runs the check after its first step and after every
-  /// `interval`-th: one read of every state buffer (for AdamW, m and v: 8 bytes per parameter
-  /// against the step's 28: about 30% more memory traffic when every step is checked, 0.3%
-  /// at the default). A
-  /// finite gradient can still overflow a float statistic (AdamW's v above |g| of about
-  /// 1.8e19, Adafactor's and SM3's likewise); the value then stays infinite, so the first check
-  /// after it finds it: the step throws gradapt::error naming the parameter and the buffer, and
-  /// every later step throws until `load` restores a checkpoint.
+  /// this check and the parameter check off). Two checks:
+  ///  - parameters, every step, on the host backend: the pass that writes the parameters also
+  ///    sums them per tensor in double, in registers (element-wise chains; no extra memory
+  ///    traffic; finite exactly when every value is),
+  ///    or re-reads each updated tensor while it is in cache (factored chains). A step that
+  ///    leaves a parameter non-finite (a non-finite gradient, or a finite one whose update
+  ///    overflows: SGD's momentum with weight decay on gradients near FLT_MAX) throws
+  ///    gradapt::error naming the parameter at that step. Device backends do not run it (it
+  ///    would synchronise the stream): there the state check below finds such a step later.
+  ///  - state buffers, after the first step and after every `interval`-th: one read of every
+  ///    state buffer (for AdamW, m and v: 8 bytes per parameter against the step's 28: about
+  ///    30% more memory traffic when every step is checked, 0.3% at the default). A finite
+  ///    gradient can overflow a float statistic (AdamW's v above |g| of about 1.8e19,
+  ///    Adafactor's and SM3's likewise) while the parameter stays finite (the update divides
+  ///    by it); the value then stays infinite, so the first check after it finds it, at most
+  ///    `interval - 1` steps later.
+  /// After either finds a non-finite value every later step throws until `load` restores a
+  /// checkpoint.
   void set_check_interval(std::uint64_t interval) noexcept { check_interval_ = interval; }
   /// See set_check_interval.
   [[nodiscard]] std::uint64_t check_interval() const noexcept { return check_interval_; }
@@ -326,6 +336,8 @@ class chain_state {
   std::uint64_t enabled_ = 0;
   std::uint64_t check_interval_ = 100;
   bool failed_ = false;  ///< a check found a non-finite value; steps throw until load()
+  std::vector<double> param_checks_;    ///< host: per tensor, Σp of the final pass (or a non-finite count)
+  std::size_t nonfinite_param_ = 0;     ///< 1 + the tensor the last step left non-finite, or 0
   std::vector<std::size_t> sizes_;
   std::vector<std::string> names_;                 ///< parameter names (checkpoint keys)
   std::vector<std::vector<std::int64_t>> shapes_;  ///< parameter shapes
