@@ -728,6 +728,43 @@ TEST_CASE("kfac: save/load continues bit for bit; mismatched archives throw and 
     auto d = kf.init<double>(la, model_layers);
     CHECK_THROWS_WITH(d.load(bytes), Contains("float32"));
   }
+  {
+    // Checkpoints with a valid checksum but an impossible factor: asymmetric, a negative
+    // diagonal, an off-diagonal element beyond the diagonal's bound. The load names the factor
+    // and the elements, and changes nothing.
+    auto ref = kf.init<float>(la, model_layers);
+    ref.load(bytes);
+    const auto a0 = ref.factor_a(0);
+    const auto n = static_cast<std::size_t>(model_layers[0].in + (model_layers[0].bias ? 1 : 0));
+    REQUIRE(a0.size() == n * n);
+    const auto block = std::as_bytes(a0);
+    const auto at = std::search(bytes.begin(), bytes.end(), block.begin(), block.end());
+    REQUIRE(at != bytes.end());
+    const auto offset = static_cast<std::size_t>(at - bytes.begin());
+    const auto tampered = [&](std::size_t element, float value) {
+      std::vector<std::byte> b = bytes;
+      std::memcpy(b.data() + offset + 4 * element, &value, 4);
+      const std::uint32_t crc = gradapt::crc32c(std::span<const std::byte>(b.data(), b.size() - 4));
+      for (std::size_t i = 0; i < 4; ++i) b[b.size() - 4 + i] = static_cast<std::byte>((crc >> (8 * i)) & 0xFFu);
+      return b;
+    };
+    auto fresh = kf.init<float>(la, model_layers);
+    const auto before = fresh.save();
+    CHECK_THROWS_WITH(fresh.load(tampered(1, a0[1] + 1.0f)),
+                      Contains("A of layer '") && Contains("is not symmetric: element (0, 1)"));
+    CHECK_THROWS_WITH(fresh.load(tampered(0, -1.0f)), Contains("has diagonal element 0 = -1"));
+    const float big = 2.0f * std::sqrt(a0[0] * a0[n + 1]) + 1.0f;
+    std::vector<std::byte> both = tampered(1, big);
+    {  // the mirror element too, so that only the bound fails
+      std::memcpy(both.data() + offset + 4 * n, &big, 4);
+      const std::uint32_t crc = gradapt::crc32c(std::span<const std::byte>(both.data(), both.size() - 4));
+      for (std::size_t i = 0; i < 4; ++i)
+        both[both.size() - 4 + i] = static_cast<std::byte>((crc >> (8 * i)) & 0xFFu);
+    }
+    CHECK_THROWS_WITH(fresh.load(both), Contains("is not positive semi-definite: element (0, 1)"));
+    CHECK(fresh.save() == before);
+    fresh.load(tampered(1, a0[1]));  // the untouched value loads
+  }
 }
 
 TEST_CASE("kfac: invalid options and input throw naming what is wrong", "[kfac]") {

@@ -172,6 +172,8 @@ class kfac_state {
       const std::int64_t sa[2] = {x.n, x.n}, sg[2] = {x.spec.out, x.spec.out};
       get(r, x, "A", x.a, sa, who);
       get(r, x, "G", x.g, sg, who);
+      check_factor(x, "A", x.a, x.n, who);
+      check_factor(x, "G", x.g, x.spec.out, who);
       x.have = r.tensor_info("decomposition").elements != 0;
       detail::require(!v1 || x.have, who, ": layer '", x.spec.name, "' has no decomposition");
       x.dec.resize(x.have ? dec_size(x) : 0);
@@ -249,6 +251,30 @@ class kfac_state {
     r.get_tensor<E>(field, std::span<E>(v), sh);
     for (const E e : v)
       detail::require(std::isfinite(e), who, ": ", field, " of layer '", x.spec.name, "' is not finite");
+  }
+
+  // A Kronecker factor is a running average of Gram matrices: symmetric (both triangles are
+  // written as bitwise mirror images), with a diagonal >= 0 and |m_ij|^2 <= m_ii m_jj (every
+  // 2 x 2 principal minor >= 0, with 1e-3 relative room for rounding).
+  template <class E>
+  static void check_factor(const layer_t& x, const char* field, const std::vector<E>& m, std::int64_t n64,
+                           const char* who) {
+    const auto n = static_cast<std::size_t>(n64);
+    for (std::size_t i = 0; i < n; ++i)
+      detail::require(m[i * n + i] >= E(0), who, ": ", field, " of layer '", x.spec.name, "' has diagonal element ",
+                      i, " = ", m[i * n + i], " (a factor is positive semi-definite: expected >= 0)");
+    for (std::size_t i = 0; i < n; ++i)
+      for (std::size_t j = i + 1; j < n; ++j) {
+        const E a = m[i * n + j], b = m[j * n + i];
+        detail::require(a == b, who, ": ", field, " of layer '", x.spec.name, "' is not symmetric: element (", i,
+                        ", ", j, ") is ", a, " but (", j, ", ", i, ") is ", b);
+        const double c = static_cast<double>(a);
+        const double bound = static_cast<double>(m[i * n + i]) * static_cast<double>(m[j * n + j]);
+        detail::require(c * c <= bound * (1.0 + 1e-3) + 1e-300, who, ": ", field, " of layer '", x.spec.name,
+                        "' is not positive semi-definite: element (", i, ", ", j, ") is ", a,
+                        " but the diagonal holds ", m[i * n + i], " and ", m[j * n + j],
+                        " (expected |m_ij|^2 <= m_ii m_jj)");
+      }
   }
 
   L la_{};
