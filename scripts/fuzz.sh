@@ -22,7 +22,7 @@ launcher=()
 # a fifth to the compile and nothing to the reports.
 if [ "$step" != run ]; then
   "${launcher[@]}" clang++ -std=c++20 -O1 -g1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-    -Iinclude -Itests/support tests/fuzz/fuzz_load.cpp -o "$out/fuzz_load"
+    -Iinclude -Itests/support tests/fuzz/fuzz_load.cpp -o "$out/fuzz_load" -llapack -lopenblas
 fi
 if [ "$step" = build ]; then
   exit 0

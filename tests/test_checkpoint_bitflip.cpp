@@ -1,5 +1,7 @@
 // Every kind of state saved through the state archive rejects every single-bit flip of its
 // checkpoint with a gradapt::error and is left unchanged (its next save gives the same bytes).
+// K-FAC's state is flipped in tests/test_kfac.cpp (it needs the linear-algebra library) and
+// Shampoo's in tests/test_shampoo.cpp.
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -8,11 +10,13 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "bit_flips.hpp"
 #include "checkpoint_model.hpp"
 #include "gradapt/backend/host.hpp"
 #include "gradapt/comm/single.hpp"
 #include "gradapt/comm/threads.hpp"
 #include "gradapt/core/param_list.hpp"
+#include "gradapt/elastic/policy.hpp"
 #include "gradapt/optim/adafactor.hpp"
 #include "gradapt/optim/adamw.hpp"
 #include "gradapt/optim/lamb.hpp"
@@ -28,30 +32,8 @@ namespace gradapt_test_checkpoint_bitflip {
 
 namespace {
 
+using gradapt_test::flip_every_bit;
 using gradapt_test::model;
-
-/// Flips every bit of `good` in turn; `load` must throw gradapt::error each time and `save`
-/// must still give `good`. Returns the number of flips tried.
-template <class Load, class Save>
-std::size_t flip_every_bit(const std::vector<std::byte>& good, Load&& load, Save&& save) {
-  std::size_t rejected = 0;
-  auto bad = good;
-  for (std::size_t i = 0; i < good.size() * 8; ++i) {
-    const auto mask = static_cast<std::byte>(1u << (i % 8));
-    bad[i / 8] ^= mask;
-    bool threw = false;
-    try {
-      load(std::span<const std::byte>(bad));
-    } catch (const gradapt::error&) {
-      threw = true;
-    }
-    bad[i / 8] ^= mask;
-    if (!threw) FAIL("bit " << i << " of " << good.size() * 8 << " flipped and the load was accepted");
-    ++rejected;
-  }
-  REQUIRE(save() == good);
-  return rejected;
-}
 
 template <class Opt>
 void optimizer_case(const Opt& opt, const char* label) {
@@ -195,6 +177,39 @@ TEST_CASE("bit flips: the train step with zero_state<2> and with hierarchical_re
   auto hier = gradapt::train::make_data_parallel_step(comm, b, c.params, gradapt::lamb({}), {.lr = 0.01},
                                                       gradapt::train::hierarchical_reduce{});
   flips(hier, c);
+}
+
+TEST_CASE("bit flips: grouped noise scale, elastic job policies", "[archive][checkpoint][elastic]") {
+  model m;
+  gradapt::grouped_noise_scale grouped({.smoothing = 0.8}, m.params);
+  std::vector<double> local(grouped.slots()), global(grouped.slots());
+  for (int t = 1; t <= 3; ++t) {
+    for (std::size_t k = 0; k < local.size(); ++k) {
+      local[k] = 0.5 + 0.1 * t + 0.01 * static_cast<double>(k);
+      global[k] = 0.3 + 0.05 * t + 0.01 * static_cast<double>(k);
+    }
+    grouped.update_reduced(local, global, 4, {.micro_batch = 8});
+  }
+  auto good = grouped.save();
+  flip_every_bit(
+      good, [&](std::span<const std::byte> bad) { grouped.load(bad); }, [&] { return grouped.save(); });
+
+  // The job's policies (sync_switch_policy keeps a reference throughput and its counters),
+  // after the warm-up has recorded its samples.
+  gradapt::comm::single comm;
+  gradapt::host b{};
+  auto step = gradapt::train::make_data_parallel_step(comm, b, m.params, gradapt::adamw({}),
+                                                      {.lr = 0.01, .local_batch = 8});
+  gradapt::elastic::adaptive_job job(step, gradapt::elastic::sync_switch_policy({.warmup = 3}),
+                                     gradapt::elastic::sync_switch_policy({.warmup = 8}));
+  for (int t = 1; t <= 6; ++t) {
+    m.grads(t);
+    job.step({.ready_seconds = 0.01 * t});
+  }
+  good = job.save_policies();
+  REQUIRE(job.policy<0>().reference() > 0.0);
+  flip_every_bit(
+      good, [&](std::span<const std::byte> bad) { job.load_policies(bad); }, [&] { return job.save_policies(); });
 }
 
 }  // namespace gradapt_test_checkpoint_bitflip

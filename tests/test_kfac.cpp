@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "bit_flips.hpp"
 #include "catch.hpp"
 #include "gradapt/comm/threads.hpp"
 #include "gradapt/linalg/host_lapack.hpp"
@@ -765,6 +766,22 @@ TEST_CASE("kfac: save/load continues bit for bit; mismatched archives throw and 
     CHECK(fresh.save() == before);
     fresh.load(tampered(1, a0[1]));  // the untouched value loads
   }
+}
+
+TEST_CASE("kfac: every single-bit flip of a checkpoint is rejected, the state unchanged", "[kfac][checkpoint]") {
+  const kfac kf({.inv_update_steps = 2});
+  auto st = kf.init<float>(la, model_layers);
+  for (int t = 0; t < 3; ++t) {
+    for (std::size_t l = 0; l < std::size(model_layers); ++l)
+      kf.accumulate(st, l, mat(shard(t, 0, l, false), 5, model_layers[l].in),
+                    mat(shard(t, 0, l, true), 5, model_layers[l].out));
+    grads_t gr(t);
+    kf.step(st, gr.views, 0.05);
+  }
+  const auto good = st.save();
+  const std::size_t n = gradapt_test::flip_every_bit(
+      good, [&](std::span<const std::byte> bad) { st.load(bad); }, [&] { return st.save(); });
+  CHECK(n == good.size() * 8);
 }
 
 TEST_CASE("kfac: invalid options and input throw naming what is wrong", "[kfac]") {

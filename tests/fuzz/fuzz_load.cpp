@@ -1,7 +1,8 @@
-// libFuzzer target for every state's load(): the loss scaler, the noise scale, AdaScale,
-// LocalSGD (each schedule), the optimizer states (AdamW, LAMB, Adafactor, SM3), the sharded
-// optimizer state (AdamW, ZeRO) and the data-parallel train step, replicated and with
-// zero_state<2> (on comm::single). Input layout:
+// libFuzzer target for every state's load(): the loss scaler, the noise scale (single and
+// grouped), AdaScale, LocalSGD (each schedule), the optimizer states (AdamW, LAMB, Adafactor,
+// SM3), K-FAC's state, the sharded optimizer state (AdamW, ZeRO), the data-parallel train step,
+// replicated and with zero_state<2> (on comm::single), and an elastic job's policies. Input
+// layout:
 //
 //   byte 0   which state (modulo the number of states)
 //   byte 1   mode: even = the rest is the archive as is; odd = the rest is XORed, cyclically,
@@ -29,6 +30,9 @@
 #include "gradapt/comm/single.hpp"
 #include "gradapt/core/crc32c.hpp"
 #include "gradapt/core/param_list.hpp"
+#include "gradapt/elastic/policy.hpp"
+#include "gradapt/linalg/host_lapack.hpp"
+#include "gradapt/optim/kfac.hpp"
 #include "gradapt/optim/adafactor.hpp"
 #include "gradapt/optim/adamw.hpp"
 #include "gradapt/optim/lamb.hpp"
@@ -181,6 +185,70 @@ target zero_step_target() {
   return {[h] { return h->step.save(); }, [h](std::span<const std::byte> in) { h->step.load(in); }};
 }
 
+target grouped_noise_target() {
+  struct holder {
+    model m;
+    gradapt::grouped_noise_scale gns{{.smoothing = 0.8}, m.params};
+    holder() {
+      std::vector<double> local(gns.slots()), global(gns.slots());
+      for (int t = 1; t <= 3; ++t) {
+        for (std::size_t k = 0; k < local.size(); ++k) {
+          local[k] = 0.5 + 0.1 * t + 0.01 * static_cast<double>(k);
+          global[k] = 0.3 + 0.05 * t;
+        }
+        gns.update_reduced(local, global, 4, {.micro_batch = 8});
+      }
+    }
+  };
+  auto h = std::make_shared<holder>();
+  return {[h] { return h->gns.save(); }, [h](std::span<const std::byte> in) { h->gns.load(in); }};
+}
+
+target kfac_target() {
+  struct holder {
+    gradapt::host_lapack la{};
+    gradapt::kfac kf{{.inv_update_steps = 2}};
+    std::vector<gradapt::kfac_layer> layers{{"fc", 3, 2, true}};
+    decltype(kf.init<float>(la, layers)) st;
+    holder() : st(kf.init<float>(la, layers)) {
+      std::vector<float> w(6, 0.1f), bias(2, 0.0f), a(15), g(10);
+      for (int t = 0; t < 3; ++t) {
+        for (std::size_t i = 0; i < a.size(); ++i) a[i] = 0.1f * float((i * 7 + t) % 5) - 0.2f;
+        for (std::size_t i = 0; i < g.size(); ++i) g[i] = 0.05f * float((i * 3 + t) % 7) - 0.1f;
+        kf.accumulate(st, 0, gradapt::tensor_view<const float>(a.data(), {5, 3}),
+                      gradapt::tensor_view<const float>(g.data(), {5, 2}));
+        const gradapt::kfac_grad<float> grads[] = {
+            {gradapt::tensor_view<float>(w.data(), {2, 3}), gradapt::tensor_view<float>(bias.data(), {2})}};
+        kf.step(st, std::span(grads), 0.1);
+      }
+    }
+  };
+  auto h = std::make_shared<holder>();
+  return {[h] { return h->st.save(); }, [h](std::span<const std::byte> in) { h->st.load(in); }};
+}
+
+target job_policies_target() {
+  struct holder {
+    gradapt::comm::single comm;
+    model m;
+    decltype(gradapt::train::make_data_parallel_step(std::declval<gradapt::comm::single&>(), gradapt::host{},
+                                                     std::declval<model&>().params, gradapt::adamw({}),
+                                                     gradapt::train::step_settings{})) step;
+    gradapt::elastic::adaptive_job<decltype(step), gradapt::elastic::sync_switch_policy> job;
+    holder()
+        : step(gradapt::train::make_data_parallel_step(comm, gradapt::host{}, m.params, gradapt::adamw({}),
+                                                       {.lr = 0.01, .local_batch = 8})),
+          job(step, gradapt::elastic::sync_switch_policy({.warmup = 3})) {
+      for (int t = 1; t <= 6; ++t) {
+        m.grads(t);
+        job.step({.ready_seconds = 0.01 * t});
+      }
+    }
+  };
+  auto h = std::make_shared<holder>();
+  return {[h] { return h->job.save_policies(); }, [h](std::span<const std::byte> in) { h->job.load_policies(in); }};
+}
+
 std::vector<target>& targets() {
   static std::vector<target> all = [] {
     std::vector<target> t;
@@ -205,6 +273,9 @@ std::vector<target>& targets() {
     t.push_back(train_step_target());
     t.push_back(sharded_target());
     t.push_back(zero_step_target());
+    t.push_back(grouped_noise_target());
+    t.push_back(kfac_target());
+    t.push_back(job_policies_target());
     return t;
   }();
   return all;

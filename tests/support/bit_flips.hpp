@@ -1,0 +1,36 @@
+#pragma once
+// The every-bit-flip check shared by the checkpoint tests (tests/test_checkpoint_bitflip.cpp,
+// and the states that need another library, such as K-FAC's in tests/test_kfac.cpp).
+#include <cstddef>
+#include <span>
+#include <vector>
+
+#include "catch.hpp"
+#include "gradapt/core/error.hpp"
+
+namespace gradapt_test {
+
+/// Flips every bit of `good` in turn; `load` must throw gradapt::error each time and `save`
+/// must still give `good`. Returns the number of flips tried.
+template <class Load, class Save>
+std::size_t flip_every_bit(const std::vector<std::byte>& good, Load&& load, Save&& save) {
+  std::size_t rejected = 0;
+  auto bad = good;
+  for (std::size_t i = 0; i < good.size() * 8; ++i) {
+    const auto mask = static_cast<std::byte>(1u << (i % 8));
+    bad[i / 8] ^= mask;
+    bool threw = false;
+    try {
+      load(std::span<const std::byte>(bad));
+    } catch (const gradapt::error&) {
+      threw = true;
+    }
+    bad[i / 8] ^= mask;
+    if (!threw) FAIL("bit " << i << " of " << good.size() * 8 << " flipped and the load was accepted");
+    ++rejected;
+  }
+  REQUIRE(save() == good);
+  return rejected;
+}
+
+}  // namespace gradapt_test
