@@ -457,10 +457,12 @@ struct pass_functor {
   }
 };
 
-/// The final pass F, also returning per element the parameter it wrote (its first argument)
-/// widened to double. Summed per tensor by `apply_reduce_list`, the sum is finite exactly when
-/// every updated value is (a sum of float values in double cannot overflow: |Σ| < 2^128 × n),
-/// so it finds a non-finite updated parameter in the pass that writes it.
+/// The final pass F, also returning per element the sum of its arguments after it ran (the
+/// updated parameter, the gradient and the state buffers the pass reads or writes) widened to
+/// double. Summed per tensor by `apply_reduce_list`, the sum is finite exactly when every one
+/// of those values is (float values summed in double cannot overflow: |Σ| < 2^128 × n), so
+/// the pass that writes a parameter finds a non-finite parameter or state value, such as an
+/// overflowed second moment that froze a still finite parameter.
 template <class F>
 struct finite_probe {
   static constexpr bool vectorizable = F::vectorizable;
@@ -469,7 +471,7 @@ struct finite_probe {
   GRADAPT_HD GRADAPT_INLINE simd::terms_t<V, 1> operator()(tensor_index t, V& a0, A&... rest) const {
     f(t, a0, rest...);
     simd::terms_t<V, 1> r;
-    r[0] = simd::widen(a0);
+    r[0] = (simd::widen(a0) + ... + simd::widen(rest));
     return r;
   }
 };
