@@ -20,7 +20,12 @@
 //  composition: a group with lr_scale 0 stays put; bfloat16 gradients, two host threads and
 //     value buffers that move after init give the float, one-thread bits;
 //  9. an ill-conditioned quadratic: Shampoo reaches the loss target in far fewer steps than
-//     the grafted SGD at the same learning rate.
+//     the grafted SGD at the same learning rate;
+// 10. Distributed Shampoo's options: precondition_1d, merge_from and the exponent map in the
+//     plan (an unpreconditioned factor keeps a zero statistic and an identity root), the
+//     preset's values, the first moment at step 1 (bias-corrected or not), the shifted
+//     spectrum against the clamp on a non-PSD factor, root failures in the step's report, and
+//     checkpoints refused by a state with other shaping options.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -91,6 +96,18 @@ struct one_tensor {
 
 const host backend{.threads = 1};
 const host_lapack la{};
+
+// Runs a step whose gradient holds a NaN: Shampoo's part (statistics, roots, failure count)
+// runs; the SGD chain after it may refuse the NaN parameters (chain::step's finiteness check),
+// which is accepted here.
+template <class F>
+void nan_step(F&& f) {
+  try {
+    f();
+  } catch (const gradapt::error& e) {
+    CHECK(std::string(e.what()).find("chain::step") != std::string::npos);
+  }
+}
 
 shampoo_options exact_options() {
   shampoo_options o;
@@ -457,13 +474,13 @@ TEST_CASE("shampoo: a NaN gradient keeps the previous roots, counts, and throws 
   const std::vector<double> r0(st.root(0, 0, 1).begin(), st.root(0, 0, 1).end());
   set(t.g, normal_vector<double>(16, 70));
   t.g[5] = std::numeric_limits<double>::quiet_NaN();
-  opt.step(backend, t.params, st);
+  nan_step([&] { opt.step(backend, t.params, st); });
   CHECK(std::equal(l0.begin(), l0.end(), st.root(0, 0, 0).begin()));
   CHECK(std::equal(r0.begin(), r0.end(), st.root(0, 0, 1).begin()));
   CHECK(st.block(0, 0).failures == 1);
   CHECK(st.block(0, 0).consecutive_failures == 1);
   set(t.g, normal_vector<double>(16, 71));
-  opt.step(backend, t.params, st);  // the summed statistic stays NaN
+  nan_step([&] { opt.step(backend, t.params, st); });  // the summed statistic stays NaN
   CHECK(st.block(0, 0).consecutive_failures == 2);
   const std::vector<double> before = t.p;
   set(t.g, normal_vector<double>(16, 72));
@@ -568,7 +585,7 @@ TEST_CASE("shampoo: save/load continues bit for bit; bad archives throw and chan
     CHECK_THROWS_WITH(other.load(backend, bytes), Contains("no parameter 'v'"));
   }
   {  // a field this state does not read
-    gradapt::archive_writer w{"gradapt.shampoo", 2};
+    gradapt::archive_writer w{"gradapt.shampoo", 3};
     st.save(backend, w);
     w.put("extra", std::uint64_t{1});
     CHECK_THROWS_WITH(st3.load(backend, w.finish()), Contains("fields outside 'tail'"));
@@ -607,6 +624,31 @@ TEST_CASE("shampoo: every invalid option throws naming it", "[shampoo]") {
       {[](auto& o) { o.momentum = 1.5; }, "momentum"},
       {[](auto& o) { o.nesterov = true; }, "nesterov"},
       {[](auto& o) { o.weight_decay = -1; }, "weight_decay"},
+      {[](auto& o) { o.beta1 = 1; }, "beta1 is 1"},
+      {[](auto& o) { o.beta1 = -0.5; }, "beta1 is -0.5"},
+      {[](auto& o) { o.merge_from = gradapt::shampoo_merge(7); }, "merge_from is 7"},
+      {[](auto& o) { o.spectrum = gradapt::shampoo_spectrum(7); }, "spectrum is 7"},
+      {[](auto& o) {
+         o.spectrum = gradapt::shampoo_spectrum::shift;
+         o.root.method = gradapt::root_method::coupled_newton;
+       },
+       "spectrum is shift but root.method is coupled_newton"},
+      {[](auto& o) {
+         o.inverse_exponents = {{0, -1, 2}};
+       },
+       "inverse_exponents[0].order is 0"},
+      {[](auto& o) {
+         o.inverse_exponents = {{2, 2, 2}};
+       },
+       "inverse_exponents[0].dimension is 2"},
+      {[](auto& o) {
+         o.inverse_exponents = {{2, -1, -3}};
+       },
+       "inverse_exponents[0].p is -3"},
+      {[](auto& o) {
+         o.inverse_exponents = {{2, 1, 2}, {3, 1, 2}, {2, 1, 4}};
+       },
+       "inverse_exponents[2] repeats order 2 dimension 1"},
   };
   for (const auto& [change, name] : bad) {
     shampoo_options o;
@@ -623,6 +665,215 @@ TEST_CASE("shampoo: every invalid option throws naming it", "[shampoo]") {
   one_tensor u({3, 4});
   CHECK_THROWS_WITH(opt.step(backend, u.params, st), Contains("create the state with init()"));
   CHECK(st.steps() == 0);
+}
+
+// ---- 10. Distributed Shampoo's options (the trajectories are in test_shampoo_refs.cpp) -------
+
+TEST_CASE("shampoo: precondition_1d, merge_from, exponent map and the preset's plan", "[shampoo]") {
+  shampoo_options o;
+  o.max_preconditioner_dim = 16;
+  const std::int64_t bias[] = {24}, scalar[] = {1, 1}, conv[] = {8, 4, 3, 3};
+  CHECK(gradapt::shampoo_plan(bias, o).diagonal);
+  o.precondition_1d = true;
+  const auto b = gradapt::shampoo_plan(bias, o);
+  REQUIRE(!b.diagonal);
+  CHECK(b.merged == std::vector<std::int64_t>{24});
+  CHECK(b.blocks.size() == 2);  // 16 + 8
+  CHECK(gradapt::shampoo_plan(scalar, o).merged == std::vector<std::int64_t>{1});
+  CHECK(gradapt::shampoo_plan(conv, o).merged == std::vector<std::int64_t>{8, 12, 3});
+  o.merge_from = gradapt::shampoo_merge::last;
+  CHECK(gradapt::shampoo_plan(conv, o).merged == std::vector<std::int64_t>{8, 4, 9});
+  // The map: order 3 dimension 0 unpreconditioned (identity root, no statistic), dimension 1 at
+  // p = 4, dimension 2 the order's default 6; order 2 at p = 2 everywhere.
+  o.merge_small_dims = false;
+  o.inverse_exponents = {{3, 0, 0}, {3, 1, 4}, {2, -1, 2}};
+  one_tensor t({3, 4, 5});
+  one_tensor m({4, 6});
+  const shampoo opt(o);
+  auto st = opt.init(backend, la, t.params);
+  auto sm = opt.init(backend, la, m.params);
+  CHECK(st.block(0, 0).exponents[0] == 0);
+  CHECK(st.block(0, 0).exponents[1] == 4);
+  CHECK(st.block(0, 0).exponents[2] == 6);
+  CHECK(sm.block(0, 0).exponents[0] == 2);
+  CHECK(sm.block(0, 0).exponents[1] == 2);
+  set(t.g, normal_vector<double>(60, 5));
+  const auto report = opt.step(backend, t.params, st);
+  CHECK(report.step == 1);
+  CHECK(report.roots_installed == 1);
+  CHECK(report.root_failures.empty());
+  for (const double v : st.statistic(0, 0, 0)) CHECK(v == 0.0);
+  const auto r0 = st.root(0, 0, 0);
+  for (std::size_t i = 0; i < 3; ++i)
+    for (std::size_t j = 0; j < 3; ++j) CHECK(r0[i * 3 + j] == (i == j ? 1.0 : 0.0));
+  // The preset: the peer's defaults (the trajectory is the distributed_shampoo_defaults case).
+  const auto d = gradapt::distributed_shampoo_defaults();
+  CHECK_NOTHROW(shampoo(d));
+  CHECK(d.beta1 == 0.9);
+  CHECK(d.bias_correction);
+  CHECK(d.precondition_1d);
+  CHECK(d.merge_from == gradapt::shampoo_merge::last);
+  CHECK(d.spectrum == gradapt::shampoo_spectrum::shift);
+  CHECK(d.root.epsilon == 1e-12);
+  CHECK(d.graft == shampoo_graft::none);
+}
+
+TEST_CASE("shampoo: beta1 preconditions the bias-corrected first moment", "[shampoo]") {
+  // One 1-D tensor with precondition_1d and graft none: the direction is (S + r)^(-1/2)·m̂ with
+  // S = Σ g gᵀ; at step 1, m̂ = g (bias-corrected) and without correction m = (1 − β1)·g.
+  shampoo_options o = exact_options();
+  o.precondition_1d = true;
+  o.beta1 = 0.9;
+  o.root.epsilon = 0.5;
+  one_tensor t({3});
+  t.g = {1.0, 2.0, 2.0};  // |g|² = 9: S = g gᵀ, eigenvalues 9, 0, 0
+  std::vector<double> want(3);
+  for (int i = 0; i < 3; ++i) want[std::size_t(i)] = -t.g[std::size_t(i)] / std::sqrt(9.5);
+  for (const bool corrected : {true, false}) {
+    o.bias_correction = corrected;
+    std::fill(t.p.begin(), t.p.end(), 0.0);
+    const shampoo opt(o);
+    auto st = opt.init(backend, la, t.params);
+    opt.step(backend, t.params, st);
+    for (std::size_t i = 0; i < 3; ++i) {
+      INFO("bias_correction " << corrected << " element " << i);
+      const double w = corrected ? want[i] : 0.1 * want[i];
+      CHECK(std::fabs(t.p[i] - w) <= 1e-12 * std::fabs(w));
+      CHECK(std::fabs(st.first_moment(0)[i] - 0.1 * t.g[i]) <= 1e-15);
+    }
+  }
+}
+
+TEST_CASE("shampoo: the shifted spectrum raises every eigenvalue by -lambda_min", "[shampoo]") {
+  // S = diag(4, 1, -1e-3) is what rounding can make of a rank-deficient factor. With r = 1e-2:
+  // clamp: (max(λ, 0) + r)^(-1/2); shift (the peer's): eig(S + r·I) = (4 + r, 1 + r, r − 1e-3),
+  // whose minimum is below r, so every eigenvalue rises by 1e-3: (λ + 1e-3 + r)^(-1/2).
+  const std::vector<double> s3 = {4, 0, 0, 0, 1, 0, 0, 0, -1e-3};
+  const int p[1] = {2};
+  const std::int64_t n[1] = {3};
+  const std::size_t off[1] = {0};
+  for (const auto spectrum : {gradapt::shampoo_spectrum::clamp, gradapt::shampoo_spectrum::shift}) {
+    gradapt::detail::shampoo_impl::root_recipe rc;
+    rc.root.ridge = gradapt::ridge_kind::absolute;
+    rc.root.epsilon = 1e-2;
+    rc.spectrum = spectrum;
+    gradapt::detail::shampoo_impl::root_workspace<host_lapack, double> ws(la, 3);
+    std::vector<double> x(9);
+    const auto [status, factor] = gradapt::detail::shampoo_impl::block_roots(
+        la, 1, p, n, off, s3.data(), x.data(), [&](std::int64_t) -> auto& { return ws; }, rc, 1.0);
+    REQUIRE(status == gradapt::root_status::ok);
+    const double up = spectrum == gradapt::shampoo_spectrum::shift ? 1e-3 : 0.0;
+    // The third: clamp max(−1e-3, 0) + r, shift −1e-3 + 1e-3 + r: r either way.
+    const double want[3] = {1 / std::sqrt(4 + up + 1e-2), 1 / std::sqrt(1 + up + 1e-2), 1 / std::sqrt(1e-2)};
+    for (std::size_t i = 0; i < 3; ++i) {
+      INFO("spectrum " << to_string(spectrum) << " eigenvalue " << i);
+      CHECK(std::fabs(x[i * 3 + i] - want[i]) <= 1e-12 * want[i]);
+    }
+    // The bias divisor: the statistics divided by 2 give the root of S / 2.
+    const auto [st2, f2] = gradapt::detail::shampoo_impl::block_roots(
+        la, 1, p, n, off, s3.data(), x.data(), [&](std::int64_t) -> auto& { return ws; }, rc, 2.0);
+    REQUIRE(st2 == gradapt::root_status::ok);
+    CHECK(std::fabs(x[0] - 1 / std::sqrt(2 + up / 2 + 1e-2)) <= 1e-12);
+    (void)factor;
+    (void)f2;
+  }
+}
+
+TEST_CASE("shampoo: a failed root is in the step's report as it happens", "[shampoo]") {
+  // Coupled Newton allowed one iteration and an error of 1e-12: every root computation fails
+  // (not_converged) while everything stays finite; the block takes the graft.
+  shampoo_options o;
+  o.graft = shampoo_graft::sgd;
+  o.max_consecutive_failures = 3;
+  o.merge_small_dims = false;
+  o.root.method = gradapt::root_method::coupled_newton;
+  o.root.max_iterations = 1;
+  o.root.max_error = 1e-12;
+  one_tensor t({4, 4}), u({3, 5}, "u");
+  gradapt::param_list<double> both;
+  both.add("w", tensor_view<double>(t.p.data(), {4, 4}), tensor_view<double>(t.g.data(), {4, 4}));
+  both.add("u", tensor_view<double>(u.p.data(), {3, 5}), tensor_view<double>(u.g.data(), {3, 5}));
+  const shampoo opt(o);
+  auto st = opt.init(backend, la, both);
+  for (std::uint64_t k = 1; k <= 2; ++k) {
+    set(t.g, normal_vector<double>(16, 60 + unsigned(k)));
+    set(u.g, normal_vector<double>(15, 80 + unsigned(k)));
+    const auto r = opt.step(backend, both, st);
+    CHECK(r.step == k);
+    CHECK(r.roots_installed == 0);
+    REQUIRE(r.root_failures.size() == 2);
+    for (std::size_t i = 0; i < 2; ++i) {
+      const auto& f = r.root_failures[i];
+      CHECK(f.block == i);
+      CHECK(f.tensor == i);
+      CHECK(f.tensor_block == 0);
+      CHECK(f.factor == 0);
+      CHECK(f.reason == gradapt::root_status::not_converged);
+      CHECK(f.consecutive == k);
+      CHECK(f.failures == k);
+      CHECK(f.rank == -1);
+      CHECK(f.step == k);
+    }
+    for (const double v : t.p) CHECK(std::isfinite(v));
+  }
+  CHECK_THROWS_WITH(opt.step(backend, both, st),
+                    Contains("failed 3 times in a row") && Contains("not_converged"));
+}
+
+TEST_CASE("shampoo: a checkpoint does not load into a state with other shaping options", "[shampoo]") {
+  shampoo_options o;
+  o.beta1 = 0.9;
+  o.bias_correction = true;
+  o.precondition_1d = true;
+  o.max_preconditioner_dim = 4;
+  const auto run = [](const shampoo_options& opts, one_tensor<float>& w, int steps) {
+    const shampoo opt(opts);
+    auto st = opt.init(backend, la, w.params);
+    for (int s = 0; s < steps; ++s) {
+      set(w.g, normal_vector<float>(w.g.size(), 400 + unsigned(s)));
+      opt.step(backend, w.params, st);
+    }
+    return st;
+  };
+  one_tensor<float> w({6, 5});
+  const auto st = run(o, w, 3);
+  const auto bytes = st.save(backend);
+  const auto p_saved = w.p;
+  {  // continues bit for bit, the first moment included
+    auto st_more = run(o, w, 0);
+    st_more.load(backend, bytes);
+    CHECK(std::equal(st.first_moment(0).begin(), st.first_moment(0).end(), st_more.first_moment(0).begin()));
+  }
+  const std::vector<std::pair<std::function<void(shampoo_options&)>, const char*>> other = {
+      {[](auto& x) { x.beta1 = 0.8; }, "beta1"},
+      {[](auto& x) { x.beta1 = 0; }, "beta1"},
+      {[](auto& x) { x.bias_correction = false; }, "bias_correction"},
+      {[](auto& x) { x.spectrum = gradapt::shampoo_spectrum::shift; }, "spectrum"},
+      {[](auto& x) {
+         x.inverse_exponents = {{2, 1, 2}};
+       },
+       "root exponents"},
+  };
+  for (const auto& [change, what] : other) {
+    auto x = o;
+    change(x);
+    INFO(what);
+    one_tensor<float> v({6, 5});
+    auto st2 = run(x, v, 0);
+    const auto fresh = st2.save(backend);
+    CHECK_THROWS_WITH(st2.load(backend, bytes), Contains(what));
+    CHECK(st2.save(backend) == fresh);
+  }
+  {  // precondition_1d changes a 1-D tensor's layout
+    auto x = o;
+    x.precondition_1d = false;
+    one_tensor<float> b({5}, "b");
+    auto sb = run(o, b, 1);
+    const auto bb = sb.save(backend);
+    one_tensor<float> c({5}, "b");
+    auto sc = run(x, c, 0);
+    CHECK_THROWS_WITH(sc.load(backend, bb), Contains("precondition_1d"));
+  }
 }
 
 // ---- 9. convergence -------------------------------------------------------------------------

@@ -15,13 +15,17 @@
 //  4. a checkpoint with roots in flight continues bit for bit (also on another world size);
 //     a state that would not install them rejects it;
 //  5. distributed and asynchronous together, and a world that shrinks and grows: the bits of
-//     the one-rank asynchronous run;
+//     the one-rank asynchronous run; the same with Distributed Shampoo's options (beta1, bias
+//     correction, 1-D blocks, merging from the last dimension, shifted spectrum, exponent map);
 //  6. ranks that disagree (gradients, options, non-deterministic roots) throw on every rank;
-//     a block whose roots keep failing throws on every rank naming the computing rank.
+//     a block whose roots keep failing throws on every rank naming the computing rank; each
+//     option that shapes the result, and the step's learning rate, is agreed (one rank's
+//     difference throws on every rank naming the option and both values).
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <mutex>
 #include <random>
@@ -430,6 +434,40 @@ TEST_CASE("shampoo distributed + async: one rank's bits, also when the world shr
   for (int r = 0; r < 3; ++r) CHECK(same_bits(models[static_cast<std::size_t>(r)].flat(), want));
 }
 
+TEST_CASE("shampoo distributed + async: the peer's options give one rank's bits", "[shampoo][dist][async]") {
+  // beta1 with bias correction, bias-corrected EMA statistics, 1-D blocks, merging from the
+  // last dimension, the shifted spectrum and an exponent map: 3 ranks, with roots in the
+  // step and in the worker (root_staleness 1), give the one-rank bits of the same options.
+  auto o = base_options();
+  o.beta1 = 0.9;
+  o.bias_correction = true;
+  o.beta2 = 0.9;
+  o.precondition_1d = true;
+  o.merge_from = gradapt::shampoo_merge::last;
+  o.spectrum = gradapt::shampoo_spectrum::shift;
+  o.root.ridge = gradapt::ridge_kind::absolute;
+  o.root.epsilon = 1e-3;
+  o.inverse_exponents = {{3, 0, 0}, {2, -1, 2}};
+  for (const std::uint64_t staleness : {0u, 1u}) {
+    o.root_staleness = staleness;
+    const auto want = one_rank(o, 9);
+    std::vector<std::vector<float>> got(3);
+    run_threads(3, quick, [&](threads& c) {
+      model m;
+      const shampoo opt(o);
+      auto st = opt.init(backend, la, m.params);
+      for (int s = 0; s < 9; ++s) {
+        m.grads(s);
+        const auto r = opt.step(c, backend, m.params, st);
+        RANK_CHECK(r.root_failures.empty());
+      }
+      got[static_cast<std::size_t>(c.rank())] = m.flat();
+    });
+    INFO("root_staleness " << staleness);
+    for (const auto& g : got) CHECK(same_bits(g, want));
+  }
+}
+
 // ---- 6. ranks that disagree ----------------------------------------------------------------------
 
 TEST_CASE("shampoo distributed: disagreements and failures throw on every rank", "[shampoo][dist]") {
@@ -505,12 +543,72 @@ TEST_CASE("shampoo distributed: disagreements and failures throw on every rank",
       m.grads(0);
       opt.step(c, backend, m.params, st);
       m.g[0][0] = std::numeric_limits<float>::quiet_NaN();  // w1's statistics become NaN for good
-      opt.step(c, backend, m.params, st);                   // the first failure is counted
+      auto report = gradapt::shampoo_step_report{};
+      try {  // the first failure is counted and reported (the SGD chain may then refuse w1's NaN)
+        report = opt.step(c, backend, m.params, st);
+      } catch (const gradapt::error& e) {
+        RANK_CHECK(std::string(e.what()).find("non-finite") != std::string::npos);
+      }
       RANK_CHECK(st.block(0, 0).failures == 1);
       RANK_REQUIRE_THROWS_WITH(opt.step(c, backend, m.params, st),
                                Contains("parameter 'w1' block 0") && Contains("computed on rank"));
     });
   }
+}
+
+TEST_CASE("shampoo distributed: every option that shapes the result, and the step's lr, is agreed",
+          "[shampoo][dist]") {
+  // One rank (1 of 3) differs in one option: every rank throws naming it and both values.
+  struct change {
+    const char* name;
+    std::function<void(shampoo_options&)> apply;
+    const char* values;  // "ranges from lo to hi"
+  };
+  const std::vector<change> changes = {
+      {"graft_epsilon", [](auto& o) { o.graft_epsilon = 1e-8; }, "1e-10 to 1e-08"},
+      {"momentum", [](auto& o) { o.momentum = 0.5; }, "0.5 to 0.9"},
+      {"graft", [](auto& o) { o.graft = shampoo_graft::rmsprop; }, "3 to 4"},
+      {"graft_beta2", [](auto& o) { o.graft_beta2 = 0.5; }, "0.5 to 0.999"},
+      {"weight_decay", [](auto& o) { o.weight_decay = 0.01; }, "0 to 0.01"},
+      {"nesterov", [](auto& o) { o.nesterov = true; }, "0 to 1"},
+      {"lr", [](auto& o) { o.lr = 0.02; }, "0.01 to 0.02"},
+      {"beta1", [](auto& o) { o.beta1 = 0.9; }, "0 to 0.9"},
+      {"bias_correction", [](auto& o) { o.bias_correction = true; }, "0 to 1"},
+      {"beta2", [](auto& o) { o.beta2 = 0.5; }, "0.5 to 1"},
+      {"spectrum", [](auto& o) { o.spectrum = gradapt::shampoo_spectrum::shift; }, "0 to 1"},
+      {"inverse_exponents (hash)",
+       [](auto& o) {
+         o.inverse_exponents = {{2, -1, 2}};
+       },
+       " to "},
+      {"root.ridge", [](auto& o) { o.root.ridge = gradapt::ridge_kind::absolute; }, "0 to 1"},
+      {"root.tolerance", [](auto& o) { o.root.tolerance = 1e-5; }, " to "},  // printed to 17 digits
+  };
+  for (const auto& ch : changes) {
+    INFO(ch.name);
+    run_threads(3, quick, [&](threads& c) {
+      model m;
+      auto mine = base_options();
+      if (c.rank() == 1) ch.apply(mine);
+      const shampoo opt(mine);
+      auto st = opt.init(backend, la, m.params);
+      m.grads(0);
+      RANK_REQUIRE_THROWS_WITH(opt.step(c, backend, m.params, st), Contains(std::string(ch.name) + " is") &&
+                                                                       Contains(ch.values) &&
+                                                                       Contains("across ranks"));
+    });
+  }
+  // The step's learning rate (a schedule that differs on one rank), at a step that exchanges.
+  run_threads(3, quick, [&](threads& c) {
+    model m;
+    const shampoo opt(base_options());
+    auto st = opt.init(backend, la, m.params);
+    m.grads(0);
+    opt.step(c, backend, m.params, st, {.lr = 0.01});  // step 1: the plan
+    m.grads(1);
+    RANK_REQUIRE_THROWS_WITH(opt.step(c, backend, m.params, st, {.lr = c.rank() == 1 ? 0.02 : 0.01}),
+                             Contains("step lr is") && Contains("0.01 to 0.02"));
+  });
 }
 
 TEST_CASE("shampoo options: root_staleness is at most precondition_frequency", "[shampoo][async]") {

@@ -2,8 +2,11 @@
 // optimizers' DistributedShampoo (tests/data/shampoo/*.txt, written by
 // tests/data/make_shampoo_refs.py, which is not run here and documents the option mapping).
 //
-// Each case file holds gradapt's options, the tensors (1-D, 2-D, a 2-D tensor cut into blocks,
-// a conv-shaped 4-D tensor, merged or not), whose parameters and per-step gradients come from
+// Each case file holds gradapt's options (the cases of the options that follow the peer also
+// beta1, bias_correction, precondition_1d, merge_from, spectrum, inverse_exponents and the
+// distributed_shampoo_defaults preset), the tensors (1-D, 2-D, a 2-D tensor cut into blocks, rank-3 and
+// conv-shaped 4-D tensors, merged or not, a [64, 48] tensor with rank-2 gradients), whose parameters and
+// per-step gradients come from
 // the counter-based generator of tests/data/peer_refs.py reproduced bit for bit, the block plan
 // (merged shape, and the number of blocks the peer's own splitting gives), and the peer's
 // float64 parameters after the first step, the first preconditioned step, the middle and the
@@ -22,6 +25,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -46,6 +50,38 @@ struct tensor_spec : gradapt_test::peer_tensor {
   explicit tensor_spec(gradapt_test::peer_tensor t) : peer_tensor(std::move(t)) {}
   std::vector<std::int64_t> merged;  ///< empty: the graft alone
   std::size_t blocks = 0;            ///< blocks the peer cuts the merged shape into
+  int lowrank = 0;                   ///< > 0: gradients of this rank (make_shampoo_refs.py's LowRank)
+
+  /// The gradient of step s (1-based): the generator's, or the LowRank record's
+  /// G = sum_r c[r] u_r v_r^T (u, v 8-bit values, exact in double), rounded once to float for T = float.
+  template <class T>
+  std::vector<T> gradient(int s) const {
+    if (lowrank == 0) {
+      const auto g = grad(s);
+      return std::vector<T>(g.begin(), g.end());
+    }
+    const auto m = static_cast<std::size_t>(shape.at(0)), n = static_cast<std::size_t>(shape.at(1));
+    const auto q = [](std::uint64_t seed, std::size_t k) {
+      auto v = gradapt_test::peer_values(seed, k, 0);
+      std::vector<double> out(k);
+      for (std::size_t i = 0; i < k; ++i) out[i] = std::trunc(double(v[i]) * 128.0) / 128.0;
+      return out;
+    };
+    const auto c = gradapt_test::peer_values(gseed + 1000 * static_cast<std::uint64_t>(s),
+                                             static_cast<std::size_t>(lowrank), glog);
+    std::vector<double> g(m * n, 0.0);
+    for (int r = 0; r < lowrank; ++r) {
+      const auto u = q(gseed + 100 + static_cast<std::uint64_t>(r), m);
+      const auto v = q(gseed + 200 + static_cast<std::uint64_t>(r), n);
+      for (std::size_t i = 0; i < m; ++i)
+        for (std::size_t j = 0; j < n; ++j)
+          g[i * n + j] += double(c[static_cast<std::size_t>(r)]) * (u[i] * v[j]);
+    }
+    std::vector<T> out(m * n);
+    for (std::size_t i = 0; i < m * n; ++i)
+      out[i] = static_cast<T>(g[i]);  // float: rounded once, as torch does
+    return out;
+  }
 };
 
 using result = gradapt_test::peer_result;  ///< every element (stride 1)
@@ -100,6 +136,12 @@ case_data load_case(const std::filesystem::path& file) {
             for (auto& d : t.merged) ls >> d;
           }
           ls >> word >> t.blocks;
+        } else if (key == "lowrank") {
+          std::string name;
+          auto& t = c.tensors.at(c.tensors.size() - 1);
+          ls >> name >> t.lowrank;
+          if (t.name != name)
+            throw std::runtime_error("lowrank line for " + name + " after tensor " + t.name);
         } else if (key == "result") {
           c.results.push_back(gradapt_test::read_peer_result(in));
         } else {
@@ -119,10 +161,41 @@ gradapt::shampoo_graft graft_of(const std::string& s) {
   if (s == "rmsprop") return gradapt::shampoo_graft::rmsprop;
   if (s == "adam") return gradapt::shampoo_graft::adam;
   if (s == "sgd") return gradapt::shampoo_graft::sgd;
+  if (s == "none") return gradapt::shampoo_graft::none;
   throw std::runtime_error("unknown graft " + s);
 }
 
+/// The case's option, or `fallback` when the file has no such key (the four cases of the
+/// options that have no peer-specific counterpart).
+std::string opt_or(const case_data& c, const std::string& k, const std::string& fallback) {
+  const auto it = c.opt.find(k);
+  return it == c.opt.end() ? fallback : it->second;
+}
+
+/// "order:dimension:p,..." (or "-") as shampoo_options::inverse_exponents.
+std::vector<gradapt::shampoo_exponent> exponents_of(const std::string& s) {
+  std::vector<gradapt::shampoo_exponent> out;
+  if (s == "-") return out;
+  std::istringstream in(s);
+  std::string e;
+  while (std::getline(in, e, ',')) {
+    gradapt::shampoo_exponent x;
+    char sep1 = 0, sep2 = 0;
+    std::istringstream es(e);
+    es >> x.order >> sep1 >> x.dimension >> sep2 >> x.p;
+    if (!es || sep1 != ':' || sep2 != ':') throw std::runtime_error("bad exponent entry " + e);
+    out.push_back(x);
+  }
+  return out;
+}
+
 gradapt::shampoo_options options_of(const case_data& c) {
+  if (opt_or(c, "preset", "-") == "distributed_shampoo_defaults") {
+    // The preset, with the one setting the case states (the peer ran with its defaults too).
+    auto o = gradapt::distributed_shampoo_defaults();
+    o.lr = c.num("lr");
+    return o;
+  }
   gradapt::shampoo_options o;
   o.lr = c.num("lr");
   o.max_preconditioner_dim = static_cast<std::int64_t>(c.num("max_preconditioner_dim"));
@@ -145,7 +218,36 @@ gradapt::shampoo_options options_of(const case_data& c) {
   o.momentum = c.num("momentum");
   o.nesterov = c.num("nesterov") != 0;
   o.weight_decay = c.num("weight_decay");
+  o.beta1 = std::stod(opt_or(c, "beta1", "0"));
+  o.bias_correction = opt_or(c, "bias_correction", "0") != "0";
+  o.precondition_1d = opt_or(c, "precondition_1d", "0") != "0";
+  o.merge_from = opt_or(c, "merge_from", "first") == "last" ? gradapt::shampoo_merge::last
+                                                            : gradapt::shampoo_merge::first;
+  o.spectrum = opt_or(c, "spectrum", "clamp") == "shift" ? gradapt::shampoo_spectrum::shift
+                                                         : gradapt::shampoo_spectrum::clamp;
+  o.inverse_exponents = exponents_of(opt_or(c, "exponents", "-"));
   return o;
+}
+
+/// The preset's options are those the case file states for the peer's defaults.
+void check_preset(const case_data& c) {
+  const auto o = gradapt::distributed_shampoo_defaults();
+  CHECK(o.max_preconditioner_dim == static_cast<std::int64_t>(c.num("max_preconditioner_dim")));
+  CHECK(o.merge_small_dims == (c.num("merge_small_dims") != 0));
+  CHECK(o.merge_from == gradapt::shampoo_merge::last);
+  CHECK(o.beta1 == c.num("beta1"));
+  CHECK(o.beta2 == c.num("beta2"));
+  CHECK(o.bias_correction == (c.num("bias_correction") != 0));
+  CHECK(o.precondition_1d == (c.num("precondition_1d") != 0));
+  CHECK(o.root.epsilon == c.num("epsilon"));
+  CHECK(o.root.ridge == gradapt::ridge_kind::absolute);
+  CHECK(o.root.method == gradapt::root_method::eigen);
+  CHECK(o.spectrum == gradapt::shampoo_spectrum::shift);
+  CHECK(o.graft == gradapt::shampoo_graft::none);
+  CHECK(o.precondition_frequency == static_cast<std::uint64_t>(c.num("precondition_frequency")));
+  CHECK(o.start_preconditioning_step == static_cast<std::uint64_t>(c.num("start_preconditioning_step")));
+  CHECK(o.momentum == c.num("momentum"));
+  CHECK(o.weight_decay == c.num("weight_decay"));
 }
 
 /// Runs gradapt in T on case c: the parameters (as double) after each recorded step.
@@ -181,10 +283,12 @@ std::map<int, std::vector<std::vector<double>>> run_case(const case_data& c) {
   std::map<int, std::vector<std::vector<double>>> out;
   for (int s = 1; s <= c.steps; ++s) {
     for (std::size_t i = 0; i < c.tensors.size(); ++i) {
-      const auto gs = c.tensors[i].grad(s);
+      const auto gs = c.tensors[i].template gradient<T>(s);
       std::copy(gs.begin(), gs.end(), g[i].begin());  // in place: the views point at g[i]
     }
-    opt.step(backend, params, st);
+    const auto report = opt.step(backend, params, st);
+    REQUIRE(report.step == static_cast<std::uint64_t>(s));
+    REQUIRE(report.root_failures.empty());
     bool recorded = false;
     for (const auto& r : c.results) recorded = recorded || r.step == s;
     if (recorded) {
@@ -230,17 +334,18 @@ double worst_difference(const case_data& c, const std::map<int, std::vector<std:
 constexpr double rtol_double = 1e-10;
 // float: gradapt's float run and the peer's float32 run each carry float32 rounding through the
 // trajectory, amplified by the roots' conditioning; the peer's own float32 run lands
-// `peer_float32` (1e-6 to 8e-6) from its float64 run, and gradapt's float run lands 0.7x to 1.9x
-// that from the same reference. The tolerance is float_margin times `peer_float32`, never more
-// than rtol_float_cap (each wrong variant must land 10x outside it: the nearest is 490x).
-constexpr double float_margin = 4;
-constexpr double rtol_float_cap = 1e-3;
+// `peer_float32` from its float64 run, and gradapt's float run lands a comparable distance from
+// the same reference (the measured ratios are in docs/algorithms/shampoo.md). The tolerance is
+// float_margin times `peer_float32`, never more than rtol_float_cap (each wrong variant must land
+// 10x outside it).
+constexpr double float_margin = 3;
+constexpr double rtol_float_cap = 1e-2;
 
 }  // namespace
 
 TEST_CASE("shampoo matches DistributedShampoo reference trajectories", "[shampoo][refs]") {
   const auto files = case_files();
-  REQUIRE(files.size() >= 4);
+  REQUIRE(files.size() >= 12);
   for (const auto& file : files) {
     const case_data c = load_case(file);
     INFO("case " << c.name);
@@ -258,12 +363,22 @@ TEST_CASE("shampoo matches DistributedShampoo reference trajectories", "[shampoo
       INFO("variant '" << label << "' lands " << d << " away (double tolerance " << rtol_double << ")");
       REQUIRE(d > 10 * rtol_double);
     }
+    if (opt_or(c, "preset", "-") == "distributed_shampoo_defaults") check_preset(c);
     const double dd = worst_difference(c, run_case<double>(c));
     const double df = worst_difference(c, run_case<float>(c));
     WARN("case " << c.name << ": double " << dd << " (tolerance " << rtol_double << "), float " << df
                  << " (tolerance " << rtol_float << ", peer float32 " << c.peer_float32 << ")");
     CHECK(dd <= rtol_double);
     CHECK(df <= rtol_float);
+    if (opt_or(c, "spectrum", "clamp") == "shift" && opt_or(c, "preset", "-") == "-") {
+      // What the choice means in float: the same case with gradapt's clamp (not asserted; the
+      // double runs agree to rounding either way).
+      case_data clamp = c;
+      clamp.opt["spectrum"] = "clamp";
+      WARN("case " << c.name << " with spectrum clamp: double "
+                   << worst_difference(c, run_case<double>(clamp)) << ", float "
+                   << worst_difference(c, run_case<float>(clamp)));
+    }
   }
 }
 

@@ -10,17 +10,24 @@
 ///     S_d ← β2·S_d + w·X_(d)·X_(d)ᵀ       d = 1..k, X_(d) the mode-d unfolding (k = 2: L += G·Gᵀ,
 ///                                         R += Gᵀ·G); β2 = w = 1 (sum) or w = 1 − β2 (EMA);
 ///                                         every `statistics_frequency` steps
-///     P_d = (S_d + r·I)^(−1/p)             p = 2k (−1/4 for a matrix), every
-///                                         `precondition_frequency` steps from
-///                                         `start_preconditioning_step` (linalg/matrix_root.hpp)
-///     D_s = X ×₁ P_1 ×₂ … ×ₖ P_k          (k = 2: P_L·G·P_R)
-///     D_g = the grafted method's direction for the block (SGD, AdaGrad, RMSProp, Adam)
+///     M   ← M + (1 − β1)·(X − M)          only with beta1 > 0 (Distributed Shampoo's betas[0]);
+///     M̂   = M / (1 − β1^t)                 with bias_correction; without beta1, M̂ = X
+///     P_d = (S_d / c + r·I)^(−1/p)         p = 2k (−1/4 for a matrix) or inverse_exponents,
+///                                         every `precondition_frequency` steps from
+///                                         `start_preconditioning_step` (linalg/matrix_root.hpp,
+///                                         or the shifted spectrum); c = 1 − β2^u with
+///                                         bias_correction and β2 < 1, else 1
+///     D_s = M̂ ×₁ P_1 ×₂ … ×ₖ P_k          (k = 2: P_L·G·P_R)
+///     D_g = the grafted method's direction for M̂ (SGD, AdaGrad, RMSProp, Adam; its state
+///           advances with X)
 ///     D   = D_s · ‖D_g‖_F / ‖D_s‖_F       (grafting: Shampoo's direction, the grafted step size)
 ///
 /// Before `start_preconditioning_step`, and for a block with no successful root yet, D = D_g.
-/// Tensors with fewer than two dimensions larger than 1 (biases, norm scales) or with a
-/// dimension larger than `skip_preconditioning_dim_size_gt` use the grafted method alone (a
-/// diagonal preconditioner). The direction then goes through the SGD chain (optim/sgd.hpp):
+/// Tensors with fewer than two dimensions larger than 1 (biases, norm scales; unless
+/// `precondition_1d`) or with a dimension larger than `skip_preconditioning_dim_size_gt` use
+/// the grafted method alone (a diagonal preconditioner). `distributed_shampoo_defaults()`
+/// (shampoo_options.hpp) gives the options of facebookresearch/optimizers' DistributedShampoo. The direction
+/// then goes through the SGD chain (optim/sgd.hpp):
 ///
 ///     d = D + λ·p;   b ← μ·b + d;   u = b (or d + μ·b with Nesterov);   p ← p − η·u
 ///
@@ -144,6 +151,43 @@ class shampoo {
                     " (Nesterov momentum needs momentum > 0)");
     detail::require(finite(o.weight_decay) && o.weight_decay >= 0, w, ": weight_decay is ", o.weight_decay,
                     " (expected finite and >= 0)");
+    detail::require(finite(o.beta1) && o.beta1 >= 0 && o.beta1 < 1, w, ": beta1 is ", o.beta1,
+                    " (expected in [0, 1): the first moment's EMA coefficient; 0 keeps none)");
+    detail::require(o.merge_from <= shampoo_merge::last, w, ": merge_from is ", int(o.merge_from),
+                    " (expected shampoo_merge::first or last)");
+    detail::require(o.spectrum <= shampoo_spectrum::shift, w, ": spectrum is ", int(o.spectrum),
+                    " (expected shampoo_spectrum::clamp or shift)");
+    detail::require(o.spectrum == shampoo_spectrum::clamp || r.method == root_method::eigen, w,
+                    ": spectrum is shift but root.method is coupled_newton (the shifted spectrum is the "
+                    "eigen root's; use spectrum clamp with Newton)");
+    for (std::size_t i = 0; i < o.inverse_exponents.size(); ++i) {
+      const auto& e = o.inverse_exponents[i];
+      detail::require(e.order >= 1 && e.order <= static_cast<std::size_t>(max_rank), w,
+                      ": inverse_exponents[", i, "].order is ", e.order,
+                      " (expected a block order from 1 to ", max_rank, ")");
+      detail::require(e.dimension >= -1 && e.dimension < static_cast<int>(e.order), w, ": inverse_exponents[",
+                      i, "].dimension is ", e.dimension, " (expected -1 for every factor, or 0 to ",
+                      e.order - 1, ")");
+      detail::require(e.p >= 0, w, ": inverse_exponents[", i, "].p is ", e.p,
+                      " (expected p >= 1 for the root S^(-1/p), or 0: not preconditioned)");
+      for (std::size_t j = 0; j < i; ++j)
+        detail::require(
+            o.inverse_exponents[j].order != e.order || o.inverse_exponents[j].dimension != e.dimension, w,
+            ": inverse_exponents[", i, "] repeats order ", e.order, " dimension ", e.dimension,
+            " of inverse_exponents[", j, "] (expected one entry per order and dimension)");
+    }
+  }
+
+  /// p of factor d of a block with k factors (see shampoo_options::inverse_exponents).
+  static int exponent(const shampoo_options& o, std::size_t k, std::size_t d) {
+    int all = -1;
+    for (const auto& e : o.inverse_exponents) {
+      if (e.order != k) continue;
+      if (e.dimension == static_cast<int>(d)) return e.p;
+      if (e.dimension == -1) all = e.p;
+    }
+    if (all >= 0) return all;
+    return o.inverse_exponent_override != 0 ? o.inverse_exponent_override : static_cast<int>(2 * k);
   }
 
   /// The state for `params` on element backend `b` (host memory) and linear-algebra backend
@@ -159,6 +203,9 @@ class shampoo {
     St st;
     st.la_ = la;
     st.graft_ = o_.graft;
+    st.beta1_ = o_.beta1;
+    st.bias_correction_ = o_.bias_correction;
+    st.spectrum_ = o_.spectrum;
     st.max_failures_ = o_.max_consecutive_failures;
     st.list_ = param_list<V, C, host_space, Options>(params.group(0).options);
     for (std::size_t g = 1; g < params.group_count(); ++g)
@@ -175,18 +222,19 @@ class shampoo {
       x.layout = shampoo_plan(e.value.shape(), o_);
       x.dir.assign(x.size, C(0));
       if (has_state) x.graft.assign(x.size, C(0));
+      if (o_.beta1 > 0) x.mom.assign(x.size, C(0));
       const std::size_t k = x.layout.merged.size();
       for (const auto& r : x.layout.blocks) {
         typename St::block_t bl;
         bl.k = k;
-        bl.p = o_.inverse_exponent_override != 0 ? o_.inverse_exponent_override : static_cast<int>(2 * k);
         std::size_t elems = 1, mats = 0;
         for (std::size_t d = 0; d < k; ++d) {
+          bl.p[d] = exponent(o_, k, d);
           bl.n[d] = r.size[d];
           bl.off[d] = mats;
           mats += static_cast<std::size_t>(r.size[d] * r.size[d]);
           elems *= static_cast<std::size_t>(r.size[d]);
-          add_workspace(st, la, r.size[d], o_.root.method);
+          if (bl.p[d] != 0) add_workspace(st, la, r.size[d], o_.root.method, o_.spectrum);
         }
         bl.stats.assign(mats, C(0));
         bl.roots.assign(mats, C(0));
@@ -198,6 +246,7 @@ class shampoo {
                    e.group);
     }
     for (auto* v : {&st.xb_, &st.ab_, &st.db_, &st.y0_, &st.y1_}) v->assign(max_block, C(0));
+    if (o_.beta1 > 0) st.mb_.assign(max_block, C(0));
     st.rs_.assign(max_roots, C(0));
     st.staleness_ = o_.root_staleness;
     st.deterministic_ = o_.deterministic_roots;
@@ -207,7 +256,7 @@ class shampoo {
         typename St::ref_t ref{t, j, 0, bl.roots.size()};
         for (std::size_t d = 0; d < bl.k; ++d) {
           const auto n = static_cast<std::uint64_t>(bl.n[d]);
-          ref.cost += n * n * n;
+          if (bl.p[d] != 0) ref.cost += n * n * n;
         }
         st.refs_.push_back(ref);
         if (o_.root_staleness > 0) {
@@ -219,7 +268,7 @@ class shampoo {
       st.tasks_.reserve(st.refs_.size());
       std::vector<std::pair<std::int64_t, typename St::workspace_t*>> ws;
       for (auto& [n, w] : st.ws_) ws.emplace_back(n, w.get());
-      st.worker_ = std::make_unique<detail::shampoo_impl::root_worker<L, C>>(la, o_.root, std::move(ws));
+      st.worker_ = std::make_unique<detail::shampoo_impl::root_worker<L, C>>(la, recipe(), std::move(ws));
     }
     st.tail_ = tail_.init(b, st.list_);
     return st;
@@ -233,11 +282,14 @@ class shampoo {
   ///         `max_consecutive_failures` computations in a row (naming the parameter and the
   ///         block; the parameters and the graft state are left unchanged, the statistics have
   ///         advanced, and every later step throws until `load` restores a checkpoint)
+  /// @return the step's report: the blocks whose roots it installed, and every failed root
+  ///         computation as it happens (block, factor, reason, failures in a row and in all),
+  ///         the block keeping its last good roots (the graft's direction before any)
   template <optimizer_backend B, class L, element V, element G, class Options>
-  void step(const B& b, const param_list<V, G, host_space, Options>& params,
-            shampoo_state<L, B, V, G, Options>& st, const step_args& args = {}) const {
+  shampoo_step_report step(const B& b, const param_list<V, G, host_space, Options>& params,
+                           shampoo_state<L, B, V, G, Options>& st, const step_args& args = {}) const {
     detail::shampoo_impl::no_comm none;
-    step_impl(none, b, params, st, args);
+    return step_impl(none, b, params, st, args);
   }
 
   /// One step with the roots distributed over the ranks of `comm`: the blocks are assigned to
@@ -246,24 +298,25 @@ class shampoo {
   /// allgather gives every rank all of them, so each rank's root work falls as 1/N. Every rank
   /// must call it at the same steps with the same (averaged) gradients; the result is the same
   /// bits as `step(b, params, st, args)` on one rank. Checked across ranks: at the first call
-  /// on a world (one small allreduce) the layout, the step count and the root options; at every
-  /// exchange the step and a hash of the statistics the roots come from. A difference is a
-  /// gradapt::error on every rank. With root_staleness >= 1 each rank's worker thread computes
-  /// its blocks and the exchange happens at the installing step (deterministic_roots must be
-  /// true). The world may change between calls (the plan follows it; roots in flight restart
-  /// from their copied statistics under the new plan).
+  /// on a world (one small allreduce) the layout, the step count and every option that shapes
+  /// the result (shampoo_distributed.hpp: blocking, statistics, roots, graft, first moment,
+  /// momentum, weight decay, lr); at every exchange the step, the step's learning rate and a
+  /// hash of the statistics the roots come from. A difference is a gradapt::error on every
+  /// rank naming the value and its range across ranks. With root_staleness >= 1 each rank's
+  /// worker thread computes its blocks and the exchange happens at the installing step
+  /// (deterministic_roots must be true). The world may change between calls (the plan follows it; roots in
+  /// flight restart from their copied statistics under the new plan).
   /// @throws gradapt::error as the step above, and for a disagreement across ranks
   template <communicator Comm, optimizer_backend B, class L, element V, element G, class Options>
-  requires std::same_as<typename Comm::space, host_space>
-  void step(Comm& comm, const B& b, const param_list<V, G, host_space, Options>& params,
-            shampoo_state<L, B, V, G, Options>& st, const step_args& args = {}) const {
-    step_impl(comm, b, params, st, args);
-  }
+  requires std::same_as<typename Comm::space, host_space> shampoo_step_report
+  step(Comm& comm, const B& b, const param_list<V, G, host_space, Options>& params,
+       shampoo_state<L, B, V, G, Options>& st, const step_args& args = {})
+  const { return step_impl(comm, b, params, st, args); }
 
  private:
   template <class Comm, class B, class L, class V, class G, class Options>
-  void step_impl(Comm& comm, const B& b, const param_list<V, G, host_space, Options>& params,
-                 shampoo_state<L, B, V, G, Options>& st, const step_args& args) const {
+  shampoo_step_report step_impl(Comm& comm, const B& b, const param_list<V, G, host_space, Options>& params,
+                                shampoo_state<L, B, V, G, Options>& st, const step_args& args) const {
     using C = compute_t<V>;
     constexpr bool dist = !std::is_same_v<Comm, detail::shampoo_impl::no_comm>;
     constexpr const char* who = "shampoo::step";
@@ -292,6 +345,13 @@ class shampoo {
                       " and deterministic_roots ", st.deterministic_, " but this optimizer has ",
                       o_.root_staleness, " and ", o_.deterministic_roots,
                       " (create the state with this optimizer's init())");
+      detail::require(st.beta1_ == o_.beta1 && st.bias_correction_ == o_.bias_correction &&
+                          st.spectrum_ == o_.spectrum && st.graft_ == o_.graft,
+                      who, ": the state was created with beta1 ", st.beta1_, ", bias_correction ",
+                      st.bias_correction_, ", spectrum ", to_string(st.spectrum_), " and graft ",
+                      to_string(st.graft_), " but this optimizer has ", o_.beta1, ", ", o_.bias_correction,
+                      ", ", to_string(o_.spectrum), " and ", to_string(o_.graft),
+                      " (create the state with this optimizer's init())");
       if (args.lr) {
         detail::require(std::isfinite(*args.lr) && *args.lr >= 0, who, ": the step's learning rate is ",
                         *args.lr, " (expected finite and >= 0; check the schedule)");
@@ -314,13 +374,16 @@ class shampoo {
                              (st.pending_step_ != 0 && t == st.pending_step_ + st.staleness_) ||
                              !st.x_.planned_for(comm.size(), comm.rank());
       if (exchanges)
-        agree_values(comm, "shampoo::step", {{"step", static_cast<double>(t)}}, bad);
+        agree_values(comm, "shampoo::step",
+                     {{"step", static_cast<double>(t)}, {"step lr", args.lr ? *args.lr : o_.lr}}, bad);
       else if (!bad.empty())
         throw error(bad);
       plan(comm, st);
     } else if (!bad.empty()) {
       throw error(bad);
     }
+    st.report_.clear();
+    st.installed_ = 0;
     if (rebind) rebind_values(st, params);
     for (std::size_t g = 0; g < params.group_count(); ++g) st.list_.options(g) = params.group(g).options;
 
@@ -348,29 +411,49 @@ class shampoo {
     const double b2 = o_.graft_beta2;
     const detail::shampoo_impl::graft_kernel<C> gk{o_.graft, C(b2), C(1.0 - b2), C(o_.graft_epsilon),
                                                    C(1.0 - std::pow(b2, static_cast<double>(t)))};
+    // The first moment (beta1 > 0): m ← m + (1 − β1)·(g − m), divided by 1 − β1^t when
+    // bias-corrected; it is what the blocks precondition and the graft divides.
+    const C w1 = C(1.0 - o_.beta1);
+    const C bc1 = C(o_.bias_correction ? 1.0 - std::pow(o_.beta1, static_cast<double>(t)) : 1.0);
     C dummy = C(0);
     for (std::size_t i = 0; i < st.t_.size(); ++i) {
       auto& x = st.t_[i];
       const G* g = params[i].grad.data();
       const bool has_state = !x.graft.empty();
+      if (!x.mom.empty())
+        for (std::size_t e = 0; e < x.size; ++e) x.mom[e] = x.mom[e] + w1 * (static_cast<C>(g[e]) - x.mom[e]);
       if (x.layout.diagonal) {
-        for (std::size_t e = 0; e < x.size; ++e)
-          x.dir[e] = gk(static_cast<C>(g[e]), has_state ? x.graft[e] : dummy);
+        for (std::size_t e = 0; e < x.size; ++e) {
+          const C ge = static_cast<C>(g[e]);
+          x.dir[e] = gk(ge, x.mom.empty() ? ge : x.mom[e] / bc1, has_state ? x.graft[e] : dummy);
+        }
         continue;
       }
       for (std::size_t j = 0; j < x.blocks.size(); ++j)
-        block_direction(st, x, j, g, gk, has_state, preconditioning);
+        block_direction(st, x, j, g, gk, bc1, has_state, preconditioning);
     }
     tail_.step(b, st.list_, st.tail_, args);
     st.steps_ = t;
+    return {t, st.installed_, std::move(st.report_)};
+  }
+
+  /// What block_roots needs besides the block: the root options and the spectrum treatment.
+  detail::shampoo_impl::root_recipe recipe() const { return {o_.root, o_.spectrum}; }
+  /// The divisor of the statistics before the roots computed at step t: 1 − β2^u with u the
+  /// statistics updates up to t (bias_correction and beta2 < 1), else 1.
+  double root_bias(std::uint64_t t) const {
+    if (!o_.bias_correction || o_.beta2 >= 1.0 || t == 0) return 1.0;
+    const auto u = static_cast<double>((t - 1) / o_.statistics_frequency + 1);
+    return 1.0 - std::pow(o_.beta2, u);
   }
 
   template <class St, class L>
-  static void add_workspace(St& st, const L& la, std::int64_t n, root_method method) {
+  static void add_workspace(St& st, const L& la, std::int64_t n, root_method method,
+                            shampoo_spectrum spectrum) {
     for (const auto& w : st.ws_)
       if (w.first == n) return;
     st.ws_.emplace_back(n, std::make_unique<typename St::workspace_t>(la, n));
-    st.ws_.back().second->reserve(method);  // the first root allocates nothing either
+    st.ws_.back().second->reserve(la, method, spectrum);  // the first root allocates nothing either
   }
 
   template <class St, class PL>
@@ -398,14 +481,14 @@ class shampoo {
   static void exchange(Comm& comm, St& st, std::uint64_t step, std::uint64_t hash);
   // The roots of a step (shampoo_roots.hpp).
   template <class St>
-  static void launch(St& st, bool dist);
+  void launch(St& st, bool dist) const;
   template <class Comm, class St>
   static void finish_roots(Comm& comm, St& st);
   template <class Comm, class St>
   void compute_roots(Comm& comm, St& st, std::uint64_t t) const;
   template <class St, class C>
-  static void install(St& st, std::size_t i, root_status status, std::size_t factor, const C* roots,
-                      int rank);
+  static void install(St& st, std::size_t i, root_status status, std::size_t factor, const C* roots, int rank,
+                      std::uint64_t from);
   // The statistics (shampoo_statistics.hpp).
   template <class St, class Tensor, class G>
   void block_stats(St& st, Tensor& x, std::size_t j, const G* g) const;
@@ -414,10 +497,9 @@ class shampoo {
 
   /// Block j of tensor x: gather, graft, direction (preconditioned when the block has roots),
   /// scatter.
-  template <class St, class Tensor, class G, class GK>
-  void block_direction(St& st, Tensor& x, std::size_t j, const G* g, const GK& gk, bool has_state,
+  template <class St, class Tensor, class G, class GK, class C>
+  void block_direction(St& st, Tensor& x, std::size_t j, const G* g, const GK& gk, C bc1, bool has_state,
                        bool preconditioning) const {
-    using C = typename St::compute_type;
     namespace si = detail::shampoo_impl;
     auto& bl = x.blocks[j];
     const auto& range = x.layout.blocks[j];
@@ -426,15 +508,18 @@ class shampoo {
     C* xb = st.xb_.data();
     C* ab = st.ab_.data();
     C* db = st.db_.data();
+    C* mb = x.mom.empty() ? xb : st.mb_.data();  // what is preconditioned: g, or m / (1 − β1^t)
     si::for_runs(x.layout.merged, range, [&](std::size_t flat, std::size_t at, std::size_t run) {
       for (std::size_t e = 0; e < run; ++e) xb[at + e] = static_cast<C>(g[flat + e]);
+      if (!x.mom.empty())
+        for (std::size_t e = 0; e < run; ++e) mb[at + e] = x.mom[flat + e] / bc1;
       if (has_state) std::copy(x.graft.data() + flat, x.graft.data() + flat + run, ab + at);
     });
     C dummy = C(0);
-    for (std::size_t e = 0; e < elems; ++e) db[e] = gk(xb[e], has_state ? ab[e] : dummy);
+    for (std::size_t e = 0; e < elems; ++e) db[e] = gk(xb[e], mb[e], has_state ? ab[e] : dummy);
     const C* out = db;
     if (preconditioning && bl.ready) {
-      C* y = product(st, bl, xb);
+      C* y = product(st, bl, mb);
       if (o_.graft != shampoo_graft::none) {  // ‖D_s‖ and ‖D_g‖ in double, in element order
         double ns = 0, ng = 0;
         for (std::size_t e = 0; e < elems; ++e) {

@@ -35,11 +35,14 @@ struct shampoo_layout {
 };
 
 /// The block layout of a tensor of `shape` under `o` (deterministic: a function of the shape
-/// and the three blocking options only).
-///  1. diagonal when the tensor is empty, has fewer than two dimensions larger than 1, or has
-///     a dimension larger than `skip_preconditioning_dim_size_gt`;
+/// and the blocking options only: max_preconditioner_dim, merge_small_dims, merge_from,
+/// skip_preconditioning_dim_size_gt, precondition_1d).
+///  1. diagonal when the tensor is empty, has a dimension larger than
+///     `skip_preconditioning_dim_size_gt`, or has fewer than two dimensions larger than 1
+///     (unless `precondition_1d`: then such a tensor is one merged dimension of its size);
 ///  2. merged shape: dimensions of size 1 dropped; with `merge_small_dims`, consecutive
-///     dimensions multiplied together while the product stays <= `max_preconditioner_dim`;
+///     dimensions multiplied together while the product stays <= `max_preconditioner_dim`,
+///     from the first dimension or from the last (`merge_from`);
 ///  3. each merged dimension cut into pieces of `max_preconditioner_dim` (the last one shorter);
 ///     the blocks are the pieces' products, in row-major order.
 /// @throws gradapt::error for a negative extent, rank > 4, max_preconditioner_dim < 1 or
@@ -61,11 +64,16 @@ inline shampoo_layout shampoo_plan(std::span<const std::int64_t> shape, const sh
     if (d > 1) ++big;
     if (d > o.skip_preconditioning_dim_size_gt) too_large = true;
   }
-  if (size == 0 || big < 2 || too_large) return l;
+  if (size == 0 || too_large || (big < 2 && !o.precondition_1d)) return l;
   const std::int64_t cap = o.max_preconditioner_dim;
+  std::vector<std::int64_t> dims;
+  for (const auto d : shape)
+    if (d != 1) dims.push_back(d);
+  if (dims.empty()) dims.push_back(1);  // a scalar (precondition_1d): one 1 × 1 factor
+  const bool last = o.merge_from == shampoo_merge::last;
+  if (last) std::reverse(dims.begin(), dims.end());
   std::int64_t prod = 1;
-  for (const auto d : shape) {
-    if (d == 1) continue;
+  for (const auto d : dims) {
     if (!o.merge_small_dims) {
       l.merged.push_back(d);
     } else if (d <= cap / prod) {  // prod·d <= cap without overflow
@@ -75,7 +83,8 @@ inline shampoo_layout shampoo_plan(std::span<const std::int64_t> shape, const sh
       prod = d;
     }
   }
-  if (o.merge_small_dims && prod > 1) l.merged.push_back(prod);
+  if (o.merge_small_dims && (prod > 1 || l.merged.empty())) l.merged.push_back(prod);
+  if (last) std::reverse(l.merged.begin(), l.merged.end());
   l.diagonal = false;
   const std::size_t k = l.merged.size();
   std::array<std::int64_t, max_rank> count{}, at{};

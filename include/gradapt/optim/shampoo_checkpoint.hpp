@@ -24,6 +24,9 @@ template <class L, class B, class V, class G, class Options>
 void shampoo_state<L, B, V, G, Options>::save(const B& b, archive_writer& w) const {
   w.put("element_type", name(dtype_of_v<compute_type>));
   w.put("graft", std::string(to_string(graft_)));
+  w.put("beta1", beta1_);
+  w.put("bias_correction", bias_correction_);
+  w.put("spectrum", std::string(to_string(spectrum_)));
   w.put("steps", steps_);
   w.put("roots_in_flight", pending_step_);
   w.put("tensors", static_cast<std::uint64_t>(t_.size()));
@@ -36,6 +39,7 @@ void shampoo_state<L, B, V, G, Options>::save(const B& b, archive_writer& w) con
     for (std::size_t j = 0; j < x.blocks.size(); ++j) {
       const auto& bl = x.blocks[j];
       w.begin("block" + std::to_string(j));
+      w.put_tensor<std::int64_t>("exponents", exponent_words(bl));
       for (std::size_t d = 0; d < bl.k; ++d) {
         const std::int64_t sh[2] = {bl.n[d], bl.n[d]};
         const std::span<const compute_type> s = statistic(t, j, d), r = root(t, j, d);
@@ -62,6 +66,12 @@ void shampoo_state<L, B, V, G, Options>::save(const B& b, archive_writer& w) con
       w.put_tensor<compute_type>(detail::archive_impl::join("graft", "/", x.name),
                                  std::span<const compute_type>(x.graft), x.shape);
     }
+  if (beta1_ > 0)
+    for (const auto& x : t_) {
+      require_finite(std::span<const compute_type>(x.mom), x.name, 0, "first moment");
+      w.put_tensor<compute_type>(detail::archive_impl::join("first_moment", "/", x.name),
+                                 std::span<const compute_type>(x.mom), x.shape);
+    }
   w.begin("tail");
   tail_.save(b, w);
   w.end();
@@ -81,6 +91,13 @@ void shampoo_state<L, B, V, G, Options>::load(const B& b, archive_reader& r) {
   detail::require(gr == to_string(graft_), who, ": the checkpoint's graft is '", gr,
                   "' but this state's is '", to_string(graft_),
                   "' (restore with the same shampoo_options::graft)");
+  const auto b1 = r.get<double>("beta1");
+  const auto bc = r.get<bool>("bias_correction");
+  const auto sp = r.get<std::string>("spectrum");
+  detail::require(b1 == beta1_ && bc == bias_correction_ && sp == to_string(spectrum_), who,
+                  ": the checkpoint was written with beta1 ", b1, ", bias_correction ", bc, " and spectrum '",
+                  sp, "' but this state has ", beta1_, ", ", bias_correction_, " and '", to_string(spectrum_),
+                  "' (they shape the first moment and the roots; restore with the same shampoo_options)");
   const auto steps = r.get<std::uint64_t>("steps");
   detail::require(steps < std::numeric_limits<std::uint64_t>::max(), who, ": step count ", steps,
                   " cannot grow");
@@ -109,14 +126,18 @@ void shampoo_state<L, B, V, G, Options>::load(const B& b, archive_reader& r) {
     detail::require(shape == x.shape, who, ": parameter '", x.name,
                     "' has another shape in the checkpoint (restore for the same parameter shapes)");
     const auto lay = r.get_tensor<std::int64_t>("layout");
-    detail::require(
-        lay == layout_words(x.layout), who, ": parameter '", x.name,
-        "' is cut into other blocks in the checkpoint (max_preconditioner_dim, merge_small_dims and "
-        "skip_preconditioning_dim_size_gt must be those the checkpoint was written with)");
+    detail::require(lay == layout_words(x.layout), who, ": parameter '", x.name,
+                    "' is cut into other blocks in the checkpoint (max_preconditioner_dim, merge_small_dims, "
+                    "merge_from, precondition_1d and skip_preconditioning_dim_size_gt must be those the "
+                    "checkpoint was written with)");
     next[t] = x.blocks;
     for (std::size_t j = 0; j < x.blocks.size(); ++j) {
       auto& bl = next[t][j];
       r.begin("block" + std::to_string(j));
+      const auto ex = r.get_tensor<std::int64_t>("exponents");
+      detail::require(ex == exponent_words(bl), who, ": parameter '", x.name, "' block ", j,
+                      " has other root exponents in the checkpoint (inverse_exponent_override and "
+                      "inverse_exponents must be those it was written with)");
       for (std::size_t d = 0; d < bl.k; ++d) {
         const std::int64_t sh[2] = {bl.n[d], bl.n[d]};
         const auto nn = static_cast<std::size_t>(bl.n[d] * bl.n[d]);
@@ -149,11 +170,21 @@ void shampoo_state<L, B, V, G, Options>::load(const B& b, archive_reader& r) {
                                  std::span<compute_type>(graft[t]), t_[t].shape);
       require_finite(std::span<const compute_type>(graft[t]), t_[t].name, 0, "graft state", who);
     }
+  std::vector<std::vector<compute_type>> mom(t_.size());
+  if (beta1_ > 0)
+    for (std::size_t t = 0; t < t_.size(); ++t) {
+      mom[t].resize(t_[t].mom.size());
+      r.get_tensor<compute_type>(detail::archive_impl::join("first_moment", "/", t_[t].name),
+                                 std::span<compute_type>(mom[t]), t_[t].shape);
+      require_finite(std::span<const compute_type>(mom[t]), t_[t].name, 0, "first moment", who);
+    }
   {  // an archive with fields this state would not read is rejected before anything changes
-    std::size_t want = 5 + (detail::shampoo_impl::graft_has_state(graft_) ? t_.size() : 0), own = 0;
+    std::size_t want = 8 + (detail::shampoo_impl::graft_has_state(graft_) ? t_.size() : 0) +
+                       (beta1_ > 0 ? t_.size() : 0),
+                own = 0;
     for (const auto& x : t_) {
       want += 3;
-      for (const auto& bl : x.blocks) want += (in_flight != 0 ? 3 : 2) * bl.k + 3;
+      for (const auto& bl : x.blocks) want += (in_flight != 0 ? 3 : 2) * bl.k + 4;
     }
     for (const auto& n : r.names())
       if (n.rfind("tail/", 0) != 0) ++own;
@@ -175,6 +206,7 @@ void shampoo_state<L, B, V, G, Options>::load(const B& b, archive_reader& r) {
       bl.failures = next[t][j].failures;
     }
     if (detail::shampoo_impl::graft_has_state(graft_)) t_[t].graft.swap(graft[t]);
+    if (beta1_ > 0) t_[t].mom.swap(mom[t]);
   }
   steps_ = steps;
   failed_ = false;

@@ -19,7 +19,9 @@
 namespace gradapt {
 
 /// The distributed plan for `comm`'s world: owners by lpt_assign over the blocks' costs, each
-/// block's place in its owner's chunk; agreed across ranks once per world.
+/// block's place in its owner's chunk; agreed across ranks once per world, with every option
+/// that shapes the result (a one-rank difference is a gradapt::error on every rank naming the
+/// option and both values; the step's lr is agreed at every exchange, see shampoo.hpp).
 template <class Comm, class St>
 void shampoo::plan(Comm& comm, St& st) const {
   const int n = comm.size(), me = comm.rank();
@@ -35,6 +37,11 @@ void shampoo::plan(Comm& comm, St& st) const {
     words += r.words;
     shape_hash = detail::hash_bytes(shape_hash, bl.n.data(), bl.k);
   }
+  std::uint64_t exps = 0xCBF29CE484222325ull;  // the exponent entries, in order
+  for (const auto& e : o_.inverse_exponents) {
+    const std::int64_t w[3] = {static_cast<std::int64_t>(e.order), e.dimension, e.p};
+    exps = detail::hash_bytes(exps, w, 3);
+  }
   const agreed_value values[] = {
       {"preconditioned blocks", static_cast<double>(st.refs_.size())},
       {"root elements", static_cast<double>(words)},
@@ -49,6 +56,22 @@ void shampoo::plan(Comm& comm, St& st) const {
       {"root.method", static_cast<double>(o_.root.method)},
       {"root.epsilon", o_.root.epsilon},
       {"inverse_exponent_override", static_cast<double>(o_.inverse_exponent_override)},
+      {"inverse_exponents (hash)", static_cast<double>(exps >> 16)},
+      {"root.ridge", static_cast<double>(o_.root.ridge)},
+      {"root.tolerance", o_.root.tolerance},
+      {"root.max_iterations", static_cast<double>(o_.root.max_iterations)},
+      {"root.max_error", o_.root.max_error},
+      {"spectrum", static_cast<double>(o_.spectrum)},
+      {"beta2", o_.beta2},
+      {"beta1", o_.beta1},
+      {"bias_correction", o_.bias_correction ? 1.0 : 0.0},
+      {"graft", static_cast<double>(o_.graft)},
+      {"graft_beta2", o_.graft_beta2},
+      {"graft_epsilon", o_.graft_epsilon},
+      {"momentum", o_.momentum},
+      {"nesterov", o_.nesterov ? 1.0 : 0.0},
+      {"weight_decay", o_.weight_decay},
+      {"lr", o_.lr},
   };
   agree_values(comm, "shampoo::step (distributed roots)", std::span<const agreed_value>(values));
   if (st.pending_step_ != 0 && !st.relaunch_) {  // roots in flight under the old plan
@@ -91,7 +114,8 @@ void shampoo::exchange(Comm& comm, St& st, std::uint64_t step, std::uint64_t has
     const auto code = static_cast<int>(c[0]);
     detail::require(code >= 0 && code <= static_cast<int>(root_status::nonfinite_result),
                     "shampoo::step: internal error: root status ", code, " from rank ", st.x_.owner[i]);
-    install(st, i, static_cast<root_status>(code), static_cast<std::size_t>(c[1]), c + 2, st.x_.owner[i]);
+    install(st, i, static_cast<root_status>(code), static_cast<std::size_t>(c[1]), c + 2, st.x_.owner[i],
+            step);
   }
 }
 

@@ -30,27 +30,29 @@ constexpr std::string_view to_string(shampoo_graft g) {
 
 namespace detail::shampoo_impl {
 
-/// The grafted direction of one element, advancing its state a (see shampoo_graft).
+/// The grafted direction of one element, advancing its state a from the gradient g; the
+/// direction divides m (the gradient, or the first moment with shampoo_options::beta1 > 0, as
+/// Distributed Shampoo's graft preconditions its filtered gradient). See shampoo_graft.
 template <class C>
 struct graft_kernel {
   shampoo_graft kind;
   C beta, one_minus_beta, eps, bias;  ///< bias: 1 − β^t (adam)
-  C operator()(C g, C& a) const {
+  C operator()(C g, C m, C& a) const {
     switch (kind) {
       case shampoo_graft::none:
       case shampoo_graft::sgd:
-        return g;
+        return m;
       case shampoo_graft::adagrad:
         a = a + g * g;
-        return g / (std::sqrt(a) + eps);
+        return m / (std::sqrt(a) + eps);
       case shampoo_graft::rmsprop:
         a = beta * a + one_minus_beta * (g * g);
-        return g / (std::sqrt(a) + eps);
+        return m / (std::sqrt(a) + eps);
       case shampoo_graft::adam:
         a = beta * a + one_minus_beta * (g * g);
-        return g / (std::sqrt(a / bias) + eps);
+        return m / (std::sqrt(a / bias) + eps);
     }
-    return g;
+    return m;
   }
 };
 

@@ -3,14 +3,53 @@
 /// `shampoo_options`, the options of `gradapt::shampoo` (shampoo.hpp, whose `validate` checks
 /// them).
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <string_view>
+#include <vector>
+
+#include "gradapt/core/enum_name.hpp"
 
 #include "gradapt/linalg/matrix_root.hpp"
 #include "gradapt/optim/shampoo_grafting.hpp"
 
 namespace gradapt {
+
+/// Which end of a tensor's shape `merge_small_dims` starts from.
+enum class shampoo_merge : unsigned char {
+  first,  ///< from the first dimension (scalable_shampoo): [64, 32, 3, 3] → [64, 288] at 1024
+  last,   ///< from the last one (Distributed Shampoo's merge_small_dims): [3, 3, 32, 64] → [288, 64]
+};
+
+/// How the eigen root treats the smallest eigenvalues of a factor, which rounding can make
+/// slightly negative (a rank-deficient statistic has exact zeros). With λ the eigenvalues and
+/// r the ridge:
+enum class shampoo_spectrum : unsigned char {
+  clamp,  ///< (max(λ, 0) + r)^(−1/p) (gradapt's inverse_pth_root)
+  shift,  ///< Distributed Shampoo's perturbation (PerturbationConfig, perturb_before_computation):
+          ///< μ = eig(S + r·I); when min μ < r, μ ← μ − min μ + r; then μ^(−1/p)
+};
+
+/// The names of a merge direction and of a spectrum treatment, for messages and checkpoints.
+constexpr std::string_view to_string(shampoo_merge m) {
+  return detail::enum_name(m, std::array<std::string_view, 2>{"first", "last"});
+}
+/// See above.
+constexpr std::string_view to_string(shampoo_spectrum s) {
+  return detail::enum_name(s, std::array<std::string_view, 2>{"clamp", "shift"});
+}
+
+/// One entry of `shampoo_options::inverse_exponents` (Distributed Shampoo's
+/// inverse_exponent_override: order → exponent, or order → {dimension → exponent}, with the
+/// exponent written here as p of the root −1/p, the peer's exponent being 1/p).
+struct shampoo_exponent {
+  std::size_t order = 0;  ///< blocks with this many factors (merged dimensions), 1 to max_rank
+  int dimension = -1;  ///< that factor (0-based) only, or −1: every factor of the order without its own entry
+  int p = 0;           ///< root −1/p (p >= 1); 0: the factor is not preconditioned (the peer's 0.0)
+};
 
 /// Options of `gradapt::shampoo`, e.g. `gradapt::shampoo({.lr = 1e-3, .graft = shampoo_graft::adam})`.
 /// The constructor validates them and throws gradapt::error naming a bad one.
@@ -38,8 +77,31 @@ struct shampoo_options {
   /// method's direction. Default 1.
   std::uint64_t start_preconditioning_step = 1;
   /// p of the roots P = (S + r·I)^(−1/p); 0 means p = 2k for a block with k factors (4 for a
-  /// matrix). Default 0.
+  /// matrix). Default 0. `inverse_exponents` entries take precedence.
   int inverse_exponent_override = 0;
+  /// Per block order (and per factor) exponents, Distributed Shampoo's inverse_exponent_override
+  /// map: for factor d of a block with k factors, the entry {k, d, p} if any, else {k, −1, p},
+  /// else inverse_exponent_override, else 2k. p = 0 leaves that factor unpreconditioned (no
+  /// statistic, identity root). At most one entry per (order, dimension). Default empty.
+  std::vector<shampoo_exponent> inverse_exponents = {};
+  /// β1 of a first moment of the gradient kept before the preconditioner (Distributed Shampoo's
+  /// betas[0]): m ← m + (1 − β1)·(g − m), and m (divided by 1 − β1^t with `bias_correction`) is
+  /// what is preconditioned and grafted; the statistics and the graft's state still take g.
+  /// In [0, 1); 0 keeps no buffer and uses g. Default 0 (the peer's default is 0.9).
+  double beta1 = 0.0;
+  /// Distributed Shampoo's use_bias_correction: the first moment is divided by 1 − β1^t, and with
+  /// beta2 < 1 the statistics by 1 − β2^u (u: statistics updates so far) before their roots.
+  /// Default false (the peer's default is true).
+  bool bias_correction = false;
+  /// Tensors with one dimension larger than 1 (biases, norm scales; with merging, any tensor
+  /// whose dimensions merge into one) get full-matrix blocks (k = 1, p = 2: the peer's treatment)
+  /// instead of the graft alone. Default false.
+  bool precondition_1d = false;
+  /// Which end `merge_small_dims` starts from. Default first (the peer merges from the last).
+  shampoo_merge merge_from = shampoo_merge::first;
+  /// The eigen root's treatment of the smallest eigenvalues (root.method eigen only).
+  /// Default clamp (the peer shifts).
+  shampoo_spectrum spectrum = shampoo_spectrum::clamp;
   /// How the roots are computed: method (eigen or coupled Newton), ridge ε and its kind
   /// (absolute r = ε, relative r = ε·λ_max), Newton's stopping rules (see linalg/matrix_root.hpp).
   /// Default: eigendecomposition with a relative ridge of 1e-6.
@@ -75,5 +137,39 @@ struct shampoo_options {
   /// `param_flags::skip_weight_decay`). Default empty.
   std::function<bool(std::string_view)> skip_weight_decay = {};
 };
+
+/// The options that reproduce facebookresearch/optimizers' DistributedShampoo constructed with
+/// its defaults (commit f60660661194de26d3ee78bae6d15820ff8e583d): lr 1e-2, betas (0.9, 1.0),
+/// epsilon 1e-12 (absolute), use_bias_correction, max_preconditioner_dim 1024, merging from the
+/// last dimension, 1-D tensors preconditioned, precondition_frequency 1 with
+/// start_preconditioning_step −1 (= 1), eigen roots with the shifted spectrum and the double
+/// retry, exponents 1/(2k), no grafting, no momentum, no weight decay, 3 tolerated failures
+/// (the fourth in a row throws), and no size limit (the peer has no
+/// skip_preconditioning_dim_size_gt). docs/algorithms/shampoo.md lists what is not matched.
+inline shampoo_options distributed_shampoo_defaults() {
+  shampoo_options o;
+  o.lr = 1e-2;
+  o.beta1 = 0.9;
+  o.beta2 = 1.0;
+  o.bias_correction = true;
+  o.max_preconditioner_dim = 1024;
+  o.merge_small_dims = true;
+  o.merge_from = shampoo_merge::last;
+  o.precondition_1d = true;
+  o.skip_preconditioning_dim_size_gt = std::numeric_limits<std::int64_t>::max();
+  o.statistics_frequency = 1;
+  o.precondition_frequency = 1;
+  o.start_preconditioning_step = 1;
+  o.root.method = root_method::eigen;
+  o.root.ridge = ridge_kind::absolute;
+  o.root.epsilon = 1e-12;
+  o.root.retry_in_double = true;
+  o.spectrum = shampoo_spectrum::shift;
+  o.max_consecutive_failures = 4;
+  o.graft = shampoo_graft::none;
+  o.momentum = 0.0;
+  o.weight_decay = 0.0;
+  return o;
+}
 
 }  // namespace gradapt

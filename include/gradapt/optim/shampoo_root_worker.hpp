@@ -4,32 +4,148 @@
 /// factor through linalg/matrix_root.hpp) and the background host thread that computes them
 /// with shampoo_options::root_staleness >= 1 (`root_worker` and its `root_task`s).
 
+#include <algorithm>
+#include <cmath>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <span>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/tensor_view.hpp"
+#include "gradapt/linalg/concepts.hpp"
 #include "gradapt/linalg/matrix_root.hpp"
+#include "gradapt/optim/shampoo_options.hpp"
 
 namespace gradapt::detail::shampoo_impl {
 
+/// A root workspace of one matrix size: inverse_pth_root's, and for the shifted spectrum
+/// (shampoo_spectrum::shift) an eigendecomposition's buffers in C and, allocated by the first
+/// retry, in double.
+template <class L, class C>
+struct root_workspace {
+  root_workspace(const L& la, std::int64_t n) : base(la, n) {}
+  inverse_root_workspace<L, C> base;
+  template <class U>
+  struct eig {
+    std::vector<U> q, w;
+    std::unique_ptr<detail::linalg::eigh_workspace_t<L, U>> ws;
+    void reserve(const L& la, std::int64_t n) {
+      if (ws) return;
+      q.assign(static_cast<std::size_t>(n * n), U(0));
+      w.assign(static_cast<std::size_t>(n), U(0));
+      ws.reset(new detail::linalg::eigh_workspace_t<L, U>(la.template eigh_workspace<U>(n)));
+    }
+  };
+  eig<C> e;
+  eig<double> d;
+  void reserve(const L& la, root_method m, shampoo_spectrum s) {
+    base.reserve(m);
+    if (m == root_method::eigen && s == shampoo_spectrum::shift) e.reserve(la, base.n());
+  }
+};
+
+/// The shifted-spectrum eigen root in precision U: μ = eig(A + r·I) for an absolute ridge
+/// (eig(A) + r for a relative one, r = ε·λ_max); when min μ < r, μ ← μ − min μ + r; X =
+/// Q·diag(μ^(−1/p))·Qᵀ formed as S·Sᵀ. Returns false when the decomposition fails.
+template <class L, class C, class U>
+bool shifted_root(const L& la, const C* a, std::int64_t n, int p, const inverse_root_options& o,
+                  typename root_workspace<L, C>::template eig<U>& e, root_status& status, C* out) {
+  const auto nn = static_cast<std::size_t>(n);
+  std::copy(a, a + nn * nn, e.q.begin());
+  if (o.ridge == ridge_kind::absolute)
+    for (std::size_t i = 0; i < nn; ++i) e.q[i * nn + i] += U(o.epsilon);
+  if (!la.eigh(tensor_view<U, host_space>(e.q.data(), {n, n}), tensor_view<U, host_space>(e.w.data(), {n}),
+               *e.ws))
+    return false;
+  for (std::size_t i = 0; i < nn; ++i)
+    if (!std::isfinite(double(e.w[i]))) return false;
+  double r = o.epsilon;
+  if (o.ridge == ridge_kind::relative) {
+    r = o.epsilon * std::max(double(e.w[nn - 1]), 0.0);
+    for (auto& v : e.w) v += U(r);
+  }
+  const double lo = double(*std::min_element(e.w.begin(), e.w.end()));
+  for (auto& v : e.w)
+    if (lo < r) v = U(double(v) - lo + r);
+  for (std::size_t j = 0; j < nn; ++j) {
+    const double lam = double(e.w[j]);
+    if (!(lam > 0)) {
+      status = root_status::singular;
+      return true;
+    }
+    const U sc = U(std::pow(lam, -0.5 / double(p)));
+    for (std::size_t i = 0; i < nn; ++i) e.q[i * nn + j] *= sc;
+  }
+  if constexpr (std::is_same_v<U, C>) {
+    la.syrk(gram::rows, 1.0, tensor_view<const U, host_space>(e.q.data(), {n, n}), 0.0,
+            tensor_view<C, host_space>(out, {n, n}));
+  } else {
+    std::vector<U> xd(nn * nn);
+    la.syrk(gram::rows, 1.0, tensor_view<const U, host_space>(e.q.data(), {n, n}), 0.0,
+            tensor_view<U, host_space>(xd.data(), {n, n}));
+    for (std::size_t i = 0; i < nn * nn; ++i) out[i] = C(xd[i]);
+  }
+  status = root_status::ok;
+  for (std::size_t i = 0; i < nn * nn; ++i)
+    if (!std::isfinite(double(out[i]))) status = root_status::nonfinite_result;
+  return true;
+}
+
+/// How a block's roots are computed: the root options, the spectrum treatment and the factor
+/// the statistics are divided by first (1 − β2^u with bias_correction, else 1).
+struct root_recipe {
+  inverse_root_options root;
+  shampoo_spectrum spectrum = shampoo_spectrum::clamp;
+};
+
 /// A block's roots: factor d of the block is an n[d] × n[d] matrix at offset off[d] of both
-/// `stats` and `out`. Computes them in order and stops at the first failure; returns its status
-/// and factor (`out` then holds the factors before it). `ws(n)` is the root workspace for size n.
+/// `stats` and `out`, with exponent p[d] (0: not preconditioned, `out` gets the identity).
+/// The statistics are divided by `bias` (1: as they are) into `out`, whose root is taken in
+/// place. Computes them in order and stops at the first failure; returns its status and factor
+/// (`out` then holds the factors before it). `ws(n)` is the root workspace for size n.
 template <class L, class C, class Ws>
-std::pair<root_status, std::size_t> block_roots(const L& la, std::size_t k, int p, const std::int64_t* n,
-                                                const std::size_t* off, const C* stats, C* out, Ws&& ws,
-                                                const inverse_root_options& o) {
+std::pair<root_status, std::size_t> block_roots(const L& la, std::size_t k, const int* p,
+                                                const std::int64_t* n, const std::size_t* off, const C* stats,
+                                                C* out, Ws&& ws, const root_recipe& rc, double bias) {
   for (std::size_t d = 0; d < k; ++d) {
-    const auto r = inverse_pth_root(la, tensor_view<const C, host_space>(stats + off[d], {n[d], n[d]}), p,
-                                    tensor_view<C, host_space>(out + off[d], {n[d], n[d]}), ws(n[d]), o);
+    const auto nn = static_cast<std::size_t>(n[d] * n[d]);
+    C* x = out + off[d];
+    if (p[d] == 0) {
+      std::fill(x, x + nn, C(0));
+      for (std::int64_t i = 0; i < n[d]; ++i) x[i * n[d] + i] = C(1);
+      continue;
+    }
+    const C* a = stats + off[d];
+    if (bias != 1.0) {
+      for (std::size_t i = 0; i < nn; ++i) x[i] = a[i] / C(bias);
+      a = x;
+    }
+    auto& w = ws(n[d]);
+    if (rc.spectrum == shampoo_spectrum::shift && rc.root.method == root_method::eigen) {
+      root_status status = root_status::ok;
+      bool finite = true;
+      for (std::size_t i = 0; i < nn; ++i) finite = finite && std::isfinite(double(a[i]));
+      if (!finite) return {root_status::nonfinite_input, d};
+      w.e.reserve(la, n[d]);
+      bool solved = shifted_root<L, C, C>(la, a, n[d], p[d], rc.root, w.e, status, x);
+      if (!solved && std::is_same_v<C, float> && rc.root.retry_in_double) {
+        w.d.reserve(la, n[d]);
+        solved = shifted_root<L, C, double>(la, a, n[d], p[d], rc.root, w.d, status, x);
+      }
+      if (!solved) return {root_status::eigensolver_failed, d};
+      if (status != root_status::ok) return {status, d};
+      continue;
+    }
+    const auto r = inverse_pth_root(la, tensor_view<const C, host_space>(a, {n[d], n[d]}), p[d],
+                                    tensor_view<C, host_space>(x, {n[d], n[d]}), w.base, rc.root);
     if (!r.ok()) return {r.status, d};
   }
   return {root_status::ok, 0};
@@ -42,7 +158,8 @@ struct no_comm {};
 template <class C>
 struct root_task {
   std::size_t k = 0;
-  int p = 0;
+  const int* p = nullptr;
+  double bias = 1.0;
   const std::int64_t* n = nullptr;
   const std::size_t* off = nullptr;
   const C* in = nullptr;
@@ -58,9 +175,8 @@ struct root_task {
 template <class L, class C>
 class root_worker {
  public:
-  using workspace_t = inverse_root_workspace<L, C>;
-  root_worker(const L& la, const inverse_root_options& o,
-              std::vector<std::pair<std::int64_t, workspace_t*>> ws)
+  using workspace_t = root_workspace<L, C>;
+  root_worker(const L& la, const root_recipe& o, std::vector<std::pair<std::int64_t, workspace_t*>> ws)
       : la_(la), o_(o), ws_(std::move(ws)), thread_([this] { run(); }) {}
   root_worker(const root_worker&) = delete;
   root_worker& operator=(const root_worker&) = delete;
@@ -117,7 +233,7 @@ class root_worker {
           for (auto& t : tasks) {
             const auto [status, factor] = block_roots(
                 la_, t.k, t.p, t.n, t.off, t.in, t.out,
-                [&](std::int64_t n) -> workspace_t& { return find(n); }, o_);
+                [&](std::int64_t n) -> workspace_t& { return find(n); }, o_, t.bias);
             t.status = status;
             t.factor = factor;
           }
@@ -140,7 +256,7 @@ class root_worker {
   }
 
   L la_;
-  inverse_root_options o_;
+  root_recipe o_;
   std::vector<std::pair<std::int64_t, workspace_t*>> ws_;
   std::mutex m_;
   std::condition_variable cv_;

@@ -20,13 +20,15 @@ namespace gradapt {
 
 /// Starts the worker on this rank's blocks, from the statistics copied into `snap`.
 template <class St>
-void shampoo::launch(St& st, bool dist) {
+void shampoo::launch(St& st, bool dist) const {
   st.relaunch_ = false;
   st.tasks_.clear();
+  const double bias = root_bias(st.pending_step_);
   for (std::size_t i = 0; i < st.refs_.size(); ++i) {
     if (!owns(st, i, dist)) continue;
     auto& bl = st.t_[st.refs_[i].t].blocks[st.refs_[i].j];
-    st.tasks_.push_back({bl.k, bl.p, bl.n.data(), bl.off.data(), bl.snap.data(), bl.pend.data()});
+    st.tasks_.push_back(
+        {bl.k, bl.p.data(), bias, bl.n.data(), bl.off.data(), bl.snap.data(), bl.pend.data()});
   }
   st.pending_hash_ = dist ? stats_hash(st, true) : 0;
   st.computed_ += st.tasks_.size();
@@ -51,7 +53,7 @@ void shampoo::finish_roots(Comm& comm, St& st) {
       w[1] = static_cast<typename St::compute_type>(task.factor);
       std::copy(bl.pend.begin(), bl.pend.end(), w + 2);
     } else {
-      install(st, i, task.status, task.factor, bl.pend.data(), -1);
+      install(st, i, task.status, task.factor, bl.pend.data(), -1, from);
     }
   }
   if constexpr (dist) exchange(comm, st, from, st.pending_hash_);
@@ -62,6 +64,8 @@ template <class Comm, class St>
 void shampoo::compute_roots(Comm& comm, St& st, std::uint64_t t) const {
   constexpr bool dist = !std::is_same_v<Comm, detail::shampoo_impl::no_comm>;
   const auto ws = [&](std::int64_t n) -> typename St::workspace_t& { return st.workspace(n); };
+  const auto rc = recipe();
+  const double bias = root_bias(t);
   for (std::size_t i = 0; i < st.refs_.size(); ++i) {
     if (!owns(st, i, dist)) continue;
     const auto& bl = st.t_[st.refs_[i].t].blocks[st.refs_[i].j];
@@ -69,34 +73,39 @@ void shampoo::compute_roots(Comm& comm, St& st, std::uint64_t t) const {
     if constexpr (dist) {
       auto* w = st.x_.out(i);
       const auto [status, factor] = detail::shampoo_impl::block_roots(
-          st.la_, bl.k, bl.p, bl.n.data(), bl.off.data(), bl.stats.data(), w + 2, ws, o_.root);
+          st.la_, bl.k, bl.p.data(), bl.n.data(), bl.off.data(), bl.stats.data(), w + 2, ws, rc, bias);
       w[0] = static_cast<typename St::compute_type>(static_cast<int>(status));
       w[1] = static_cast<typename St::compute_type>(factor);
     } else {
-      const auto [status, factor] = detail::shampoo_impl::block_roots(
-          st.la_, bl.k, bl.p, bl.n.data(), bl.off.data(), bl.stats.data(), st.rs_.data(), ws, o_.root);
-      install(st, i, status, factor, st.rs_.data(), -1);
+      const auto [status, factor] =
+          detail::shampoo_impl::block_roots(st.la_, bl.k, bl.p.data(), bl.n.data(), bl.off.data(),
+                                            bl.stats.data(), st.rs_.data(), ws, rc, bias);
+      install(st, i, status, factor, st.rs_.data(), -1, t);
     }
   }
   if constexpr (dist) exchange(comm, st, t, stats_hash(st, false));
 }
 
-/// Installs block i's roots (or counts its failure; throws after max_consecutive_failures in a
-/// row). `rank` names the rank that computed them (-1: this one, not distributed).
+/// Installs block i's roots (or counts its failure and reports it in the step's report; throws
+/// after max_consecutive_failures in a row). `rank` names the rank that computed them (-1: this
+/// one, not distributed); `from` is the step whose statistics they come from.
 template <class St, class C>
-void shampoo::install(St& st, std::size_t i, root_status status, std::size_t factor, const C* roots,
-                      int rank) {
+void shampoo::install(St& st, std::size_t i, root_status status, std::size_t factor, const C* roots, int rank,
+                      std::uint64_t from) {
   const auto& ref = st.refs_[i];
   auto& x = st.t_[ref.t];
   auto& bl = x.blocks[ref.j];
   if (status == root_status::ok) {
+    ++st.installed_;
     std::copy(roots, roots + bl.roots.size(), bl.roots.begin());
     bl.ready = true;
     bl.consecutive = 0;
     return;
   }
   ++bl.failures;
-  if (++bl.consecutive < st.max_failures_) return;
+  ++bl.consecutive;
+  st.report_.push_back({i, ref.t, ref.j, factor, status, bl.consecutive, bl.failures, rank, from});
+  if (bl.consecutive < st.max_failures_) return;
   st.failed_ = true;
   const auto& range = x.layout.blocks[ref.j];
   std::string where;

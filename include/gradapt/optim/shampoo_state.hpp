@@ -26,11 +26,34 @@
 #include "gradapt/optim/sgd.hpp"
 #include "gradapt/optim/shampoo_blocks.hpp"
 #include "gradapt/optim/shampoo_grafting.hpp"
+#include "gradapt/optim/shampoo_options.hpp"
 #include "gradapt/optim/shampoo_root_worker.hpp"
 
 namespace gradapt {
 
 class shampoo;
+
+/// A failed root computation of one block, as a step reports it (`shampoo_step_report`). The
+/// block keeps its last good roots (or, before any, takes the graft's direction).
+struct shampoo_root_failure {
+  std::size_t block = 0;                 ///< index over every preconditioned block, tensor by tensor
+  std::size_t tensor = 0;                ///< the parameter's index in the list
+  std::size_t tensor_block = 0;          ///< the block's index within the parameter
+  std::size_t factor = 0;                ///< the factor whose root failed first
+  root_status reason = root_status::ok;  ///< not converged, non-finite input or result, ...
+  std::uint64_t consecutive = 0;         ///< failures in a row, this one included (the step throws at
+                                         ///< max_consecutive_failures)
+  std::uint64_t failures = 0;            ///< failures of the block in all
+  int rank = -1;                         ///< the rank that computed it (−1: this one, not distributed)
+  std::uint64_t step = 0;                ///< the step whose statistics the roots came from
+};
+
+/// What `shampoo::step` reports: the root computations installed and the failures among them.
+struct shampoo_step_report {
+  std::uint64_t step = 0;                           ///< the step (1-based)
+  std::size_t roots_installed = 0;                  ///< blocks whose new roots were installed by this step
+  std::vector<shampoo_root_failure> root_failures;  ///< blocks whose roots failed at this step
+};
 
 /// The state of `gradapt::shampoo` for linear-algebra backend L, element backend B (host
 /// memory), parameters V, gradients G and group options `Options`: per tensor its block
@@ -41,8 +64,10 @@ class shampoo;
 ///
 /// Checkpoint: one archive of kind "gradapt.shampoo" addressed by parameter name
 /// (`tensor/<name>/...`: index, shape, layout, and per block `block<j>/stat<d>`,
-/// `block<j>/root<d>`, `ready`, `consecutive_failures`, `failures`; `graft/<name>` shaped like
-/// the parameter; the chain's state under `tail`). `load` checks everything before it changes
+/// `block<j>/root<d>`, `exponents`, `ready`, `consecutive_failures`, `failures`; `graft/<name>`
+/// and, with beta1 > 0, `first_moment/<name>` shaped like the parameter; the options that shape
+/// the state, `beta1`, `bias_correction`, `spectrum`, besides `graft`; the chain's state under
+/// `tail`). `load` checks everything before it changes
 /// anything.
 template <class L, class B, class V, class G, class Options>
 class shampoo_state {
@@ -53,13 +78,14 @@ class shampoo_state {
 
   /// Kind and format version of the archive `save()` writes.
   static constexpr std::string_view archive_kind = "gradapt.shampoo";
-  static constexpr std::uint32_t archive_version = 2;  ///< see archive_kind
+  static constexpr std::uint32_t archive_version = 3;  ///< see archive_kind
 
   /// What a block holds besides its matrices.
   struct block_info {
     shampoo_layout::block range;             ///< offsets and extents in the merged shape
     std::size_t factors = 0;                 ///< k: statistics (and roots) of the block
-    int exponent = 0;                        ///< p of its roots
+    int exponent = 0;                        ///< p of its first root (see exponents)
+    std::array<int, max_rank> exponents{};   ///< p of root d (0: not preconditioned, identity)
     bool ready = false;                      ///< holds roots from a successful computation
     std::uint64_t consecutive_failures = 0;  ///< failed root computations since the last success
     std::uint64_t failures = 0;              ///< failed root computations in all
@@ -92,7 +118,7 @@ class shampoo_state {
   /// @throws gradapt::error when t or j is out of range
   block_info block(std::size_t t, std::size_t j) const {
     const auto& b = blk(t, j);
-    return {tensor(t).layout.blocks[j], b.k, b.p, b.ready, b.consecutive, b.failures};
+    return {tensor(t).layout.blocks[j], b.k, b.p[0], b.p, b.ready, b.consecutive, b.failures};
   }
   /// Statistic d of block j of tensor t (n_d × n_d, row-major).
   /// @throws gradapt::error when an index is out of range
@@ -111,6 +137,9 @@ class shampoo_state {
   /// The graft's per-element state of tensor t in the tensor's element order (empty for the
   /// none and sgd grafts).
   std::span<const compute_type> graft_state(std::size_t t) const { return tensor(t).graft; }
+  /// The first moment m of tensor t (shampoo_options::beta1 > 0; empty otherwise), in the
+  /// tensor's element order, before bias correction.
+  std::span<const compute_type> first_moment(std::size_t t) const { return tensor(t).mom; }
   /// The direction D of tensor t computed by the last step (what the SGD chain received as
   /// its gradient), in the tensor's element order.
   std::span<const compute_type> direction(std::size_t t) const { return tensor(t).dir; }
@@ -157,7 +186,7 @@ class shampoo_state {
 
   struct block_t {
     std::size_t k = 0;
-    int p = 0;
+    std::array<int, max_rank> p{};
     std::array<std::int64_t, max_rank> n{};
     std::array<std::size_t, max_rank> off{};
     std::vector<C> stats, roots;
@@ -171,9 +200,9 @@ class shampoo_state {
     std::size_t size = 0;
     shampoo_layout layout;
     std::vector<block_t> blocks;
-    std::vector<C> graft, dir;
+    std::vector<C> graft, dir, mom;  ///< mom: the first moment (beta1 > 0)
   };
-  using workspace_t = inverse_root_workspace<L, C>;
+  using workspace_t = detail::shampoo_impl::root_workspace<L, C>;
 
   const tensor_t& tensor(std::size_t t) const {
     detail::require(t < t_.size(), "shampoo_state: tensor ", t, " out of range (", t_.size(), " tensors)");
@@ -196,6 +225,9 @@ class shampoo_state {
       }
     return w;
   }
+  static std::vector<std::int64_t> exponent_words(const block_t& b) {
+    return std::vector<std::int64_t>(b.p.begin(), b.p.begin() + static_cast<std::ptrdiff_t>(b.k));
+  }
   static void require_finite(std::span<const C> v, const std::string& name, std::size_t j, const char* what,
                              const char* who = "shampoo state save") {
     for (const C x : v)
@@ -214,12 +246,17 @@ class shampoo_state {
   std::unique_ptr<detail::shampoo_impl::root_worker<L, C>> worker_;
   L la_{};
   shampoo_graft graft_ = shampoo_graft::none;
+  double beta1_ = 0;              ///< shampoo_options::beta1 (the first moment's meaning)
+  bool bias_correction_ = false;  ///< shampoo_options::bias_correction (the roots' input)
+  shampoo_spectrum spectrum_ = shampoo_spectrum::clamp;  ///< shampoo_options::spectrum
+  std::vector<shampoo_root_failure> report_;  ///< this step's root failures (moved into its report)
   std::uint64_t max_failures_ = 1;
   std::uint64_t steps_ = 0;
   bool failed_ = false;
   std::vector<tensor_t> t_;
   std::vector<std::pair<std::int64_t, std::unique_ptr<workspace_t>>> ws_;
   std::vector<C> xb_, ab_, db_, y0_, y1_, rs_;  ///< block scratch: g, graft state, D_g, products, roots
+  std::vector<C> mb_;                           ///< block scratch: the corrected first moment (beta1 > 0)
   param_list<V, C, host_space, Options> list_;  ///< the parameters with the directions as gradients
   tail_state_type tail_;
 
@@ -238,6 +275,7 @@ class shampoo_state {
   std::vector<detail::shampoo_impl::root_task<C>> tasks_;
   detail::owner_exchange<C> x_;  ///< distributed roots: plan and buffers (world 0: none yet)
   std::uint64_t computed_ = 0;   ///< root computations (blocks) this rank ran
+  std::size_t installed_ = 0;    ///< blocks whose roots the current step installed
 };
 
 }  // namespace gradapt

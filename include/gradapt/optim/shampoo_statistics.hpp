@@ -32,6 +32,7 @@ void shampoo::block_stats(St& st, Tensor& x, std::size_t j, const G* g) const {
   using mview = tensor_view<C, host_space>;
   const double beta = o_.beta2, w = o_.beta2 == 1.0 ? 1.0 : 1.0 - o_.beta2;
   for (std::size_t d = 0; d < bl.k; ++d) {
+    if (bl.p[d] == 0) continue;  // not preconditioned: no statistic
     const std::int64_t n = bl.n[d];
     const auto [a, c] = split(bl, d);
     const mview s(bl.stats.data() + bl.off[d], {n, n});
