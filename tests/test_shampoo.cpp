@@ -37,7 +37,9 @@
 #include <string>
 #include <vector>
 
+#include "bit_flips.hpp"
 #include "catch.hpp"
+#include "gradapt/core/crc32c.hpp"
 #include "gradapt/backend/host.hpp"
 #include "gradapt/linalg/host_lapack.hpp"
 #include "gradapt/optim/shampoo.hpp"
@@ -595,6 +597,41 @@ TEST_CASE("shampoo: save/load continues bit for bit; bad archives throw and chan
 }
 
 // ---- 8. options -----------------------------------------------------------------------------
+
+TEST_CASE("shampoo: every bit flip is rejected; a statistic no run can produce is named", "[shampoo][checkpoint]") {
+  shampoo_options o;
+  o.lr = 0.02;
+  o.max_preconditioner_dim = 4;
+  o.beta1 = 0.9;
+  const shampoo opt(o);
+  gradapt::param_list<float> params;
+  std::vector<float> w(6 * 5), gw(30), bias(5), gb(5);
+  params.add("w", tensor_view<float>(w.data(), {6, 5}), tensor_view<float>(gw.data(), {6, 5}));
+  params.add("bias", gradapt::host_view(bias), gradapt::host_view(gb));
+  auto st = opt.init(backend, la, params);
+  for (int s = 0; s < 3; ++s) {
+    set(gw, normal_vector<float>(30, 400 + unsigned(s)));
+    set(gb, normal_vector<float>(5, 500 + unsigned(s)));
+    opt.step(backend, params, st);
+  }
+  const auto good = st.save(backend);
+  const std::size_t n = gradapt_test::flip_every_bit(
+      good, [&](std::span<const std::byte> bad) { st.load(backend, bad); }, [&] { return st.save(backend); });
+  CHECK(n == good.size() * 8);
+  // Behind a valid checksum: the first block's first statistic (4 x 4) made asymmetric.
+  const auto stat = st.statistic(0, 0, 0);
+  REQUIRE(stat.size() == 16);
+  const auto block = std::as_bytes(stat);
+  const auto at = std::search(good.begin(), good.end(), block.begin(), block.end());
+  REQUIRE(at != good.end());
+  std::vector<std::byte> bad = good;
+  const float off = stat[1] + 1.0f;
+  std::memcpy(bad.data() + (at - good.begin()) + 4, &off, 4);
+  const std::uint32_t crc = gradapt::crc32c(std::span<const std::byte>(bad.data(), bad.size() - 4));
+  for (std::size_t i = 0; i < 4; ++i) bad[bad.size() - 4 + i] = static_cast<std::byte>((crc >> (8 * i)) & 0xFFu);
+  CHECK_THROWS_WITH(st.load(backend, bad), Contains("the statistic 0 of parameter 'w' (block 0) is not symmetric"));
+  CHECK(st.save(backend) == good);
+}
 
 TEST_CASE("shampoo: every invalid option throws naming it", "[shampoo]") {
   const std::vector<std::pair<std::function<void(shampoo_options&)>, const char*>> bad = {

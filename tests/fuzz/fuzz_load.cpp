@@ -1,6 +1,6 @@
 // libFuzzer target for every state's load(): the loss scaler, the noise scale (single and
 // grouped), AdaScale, LocalSGD (each schedule), the optimizer states (AdamW, LAMB, Adafactor,
-// SM3), K-FAC's state, the sharded optimizer state (AdamW, ZeRO), the data-parallel train step,
+// SM3), K-FAC's and Shampoo's states, the sharded optimizer state (AdamW, ZeRO), the data-parallel train step,
 // replicated and with zero_state<2> (on comm::single), and an elastic job's policies. Input
 // layout:
 //
@@ -33,6 +33,7 @@
 #include "gradapt/elastic/policy.hpp"
 #include "gradapt/linalg/host_lapack.hpp"
 #include "gradapt/optim/kfac.hpp"
+#include "gradapt/optim/shampoo.hpp"
 #include "gradapt/optim/adafactor.hpp"
 #include "gradapt/optim/adamw.hpp"
 #include "gradapt/optim/lamb.hpp"
@@ -227,6 +228,30 @@ target kfac_target() {
   return {[h] { return h->st.save(); }, [h](std::span<const std::byte> in) { h->st.load(in); }};
 }
 
+target shampoo_target() {
+  struct holder {
+    model m;
+    gradapt::host b{.threads = 1};
+    gradapt::host_lapack la{};
+    gradapt::shampoo opt{[] {
+      gradapt::shampoo_options o;
+      o.lr = 0.02;
+      o.max_preconditioner_dim = 4;
+      o.beta1 = 0.9;
+      return o;
+    }()};
+    decltype(opt.init(b, la, m.params)) st;
+    holder() : st(opt.init(b, la, m.params)) {
+      for (int t = 1; t <= 3; ++t) {
+        m.grads(t);
+        opt.step(b, m.params, st);
+      }
+    }
+  };
+  auto h = std::make_shared<holder>();
+  return {[h] { return h->st.save(h->b); }, [h](std::span<const std::byte> in) { h->st.load(h->b, in); }};
+}
+
 target job_policies_target() {
   struct holder {
     gradapt::comm::single comm;
@@ -275,6 +300,7 @@ std::vector<target>& targets() {
     t.push_back(zero_step_target());
     t.push_back(grouped_noise_target());
     t.push_back(kfac_target());
+    t.push_back(shampoo_target());
     t.push_back(job_policies_target());
     return t;
   }();

@@ -21,6 +21,7 @@
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/owner_exchange.hpp"
 #include "gradapt/linalg/concepts.hpp"
+#include "gradapt/linalg/factor_check.hpp"
 #include "gradapt/optim/kfac_options.hpp"
 
 namespace gradapt {
@@ -253,28 +254,12 @@ class kfac_state {
       detail::require(std::isfinite(e), who, ": ", field, " of layer '", x.spec.name, "' is not finite");
   }
 
-  // A Kronecker factor is a running average of Gram matrices: symmetric (both triangles are
-  // written as bitwise mirror images), with a diagonal >= 0 and |m_ij|^2 <= m_ii m_jj (every
-  // 2 x 2 principal minor >= 0, with 1e-3 relative room for rounding).
+  // A Kronecker factor is a running average of Gram matrices (linalg/factor_check.hpp).
   template <class E>
-  static void check_factor(const layer_t& x, const char* field, const std::vector<E>& m, std::int64_t n64,
+  static void check_factor(const layer_t& x, const char* field, const std::vector<E>& m, std::int64_t n,
                            const char* who) {
-    const auto n = static_cast<std::size_t>(n64);
-    for (std::size_t i = 0; i < n; ++i)
-      detail::require(m[i * n + i] >= E(0), who, ": ", field, " of layer '", x.spec.name, "' has diagonal element ",
-                      i, " = ", m[i * n + i], " (a factor is positive semi-definite: expected >= 0)");
-    for (std::size_t i = 0; i < n; ++i)
-      for (std::size_t j = i + 1; j < n; ++j) {
-        const E a = m[i * n + j], b = m[j * n + i];
-        detail::require(a == b, who, ": ", field, " of layer '", x.spec.name, "' is not symmetric: element (", i,
-                        ", ", j, ") is ", a, " but (", j, ", ", i, ") is ", b);
-        const double c = static_cast<double>(a);
-        const double bound = static_cast<double>(m[i * n + i]) * static_cast<double>(m[j * n + j]);
-        detail::require(c * c <= bound * (1.0 + 1e-3) + 1e-300, who, ": ", field, " of layer '", x.spec.name,
-                        "' is not positive semi-definite: element (", i, ", ", j, ") is ", a,
-                        " but the diagonal holds ", m[i * n + i], " and ", m[j * n + j],
-                        " (expected |m_ij|^2 <= m_ii m_jj)");
-      }
+    const std::string bad = detail::linalg::gram_violation(m.data(), static_cast<std::size_t>(n));
+    detail::require(bad.empty(), who, ": ", field, " of layer '", x.spec.name, "' ", bad);
   }
 
   L la_{};

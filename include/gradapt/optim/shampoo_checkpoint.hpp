@@ -15,7 +15,7 @@
 #include "gradapt/core/archive.hpp"
 #include "gradapt/core/dtype.hpp"
 #include "gradapt/core/error.hpp"
-
+#include "gradapt/linalg/factor_check.hpp"
 #include "gradapt/optim/shampoo.hpp"
 
 namespace gradapt {
@@ -146,10 +146,17 @@ void shampoo_state<L, B, V, G, Options>::load(const B& b, archive_reader& r) {
         r.get_tensor<compute_type>("root" + std::to_string(d), rt, sh);
         require_finite(std::span<const compute_type>(s), x.name, j, "statistic", who);
         require_finite(std::span<const compute_type>(rt), x.name, j, "root", who);
+        const auto gram = [&](const compute_type* m, const char* what) {
+          const std::string bad = detail::linalg::gram_violation(m, static_cast<std::size_t>(bl.n[d]));
+          detail::require(bad.empty(), who, ": the ", what, " ", d, " of parameter '", x.name, "' (block ", j,
+                          ") ", bad);
+        };
+        gram(s.data(), "statistic");
         if (in_flight != 0) {
           const std::span<compute_type> c(bl.snap.data() + bl.off[d], nn);
           r.get_tensor<compute_type>("snap" + std::to_string(d), c, sh);
           require_finite(std::span<const compute_type>(c), x.name, j, "statistic copy", who);
+          gram(c.data(), "statistic copy");
         }
       }
       bl.ready = r.get<bool>("ready");
