@@ -1,5 +1,6 @@
 // Optimizer steps on a 100M-parameter, transformer-shaped list (floors: SGD-momentum and AdamW >= 0.85 of
-// triad, LAMB and LARS >= 0.65).
+// triad, LAMB and LARS >= 0.65), and SGD-momentum and AdamW without the value checks
+// (`*_unchecked`), whose ratio to the checked rows is the checks' cost.
 //
 // The list is GPT-2-small shaped (d = 768, 12 layers, a 20000-token embedding and 1024
 // positions: 148 tensors, 101.2M fp32 parameters) laid out in one flat bucket, as frameworks
@@ -24,6 +25,7 @@
 // the floors follows the console output.
 //
 //   bench_optim [--rounds=9] [--benchmark_filter=/2]
+#include <cstdint>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -76,13 +78,16 @@ model& the_model() {
 }
 
 /// One optimizer step per paired round; the state is created (and warmed up by one step) per
-/// benchmark run.
+/// benchmark run. `check_interval` 0 turns the state's value checks off (the per-step check of
+/// the values the final pass wrote, and the interval check of the state buffers).
 template <class Opt>
-void run_step(benchmark::State& st, const Opt& opt, double bytes_per_param, int state_streams) {
+void run_step(benchmark::State& st, const Opt& opt, double bytes_per_param, int state_streams,
+              std::uint64_t check_interval = 100) {
   model& m = the_model();
   const int threads = static_cast<int>(st.range(0));
   gradapt::host backend{.threads = threads};
   auto state = opt.init(backend, m.params);
+  state.set_check_interval(check_interval);
   opt.step(backend, m.params, state, {.lr = 1e-4});  // warm-up (first touch of the state)
   gradapt_bench::paired_rounds(
       st, {static_cast<double>(m.n), bytes_per_param, 8.0 + 8.0 * state_streams + 4.0},
@@ -94,6 +99,14 @@ void sgd_momentum(benchmark::State& st) { run_step(st, gradapt::sgd({.lr = 1e-4,
 void adamw(benchmark::State& st) { run_step(st, gradapt::adamw({.lr = 1e-4, .weight_decay = 0.01}), 28, 2); }
 void lamb(benchmark::State& st) { run_step(st, gradapt::lamb({.lr = 1e-4, .weight_decay = 0.01}), 28, 2); }
 void lars(benchmark::State& st) { run_step(st, gradapt::lars({.lr = 1e-4, .weight_decay = 0.01}), 20, 1); }
+// The same steps without the value checks: the checks' cost is the ratio of the two rows'
+// "vs triad" (each paired with its own triad rounds in the same run).
+void sgd_momentum_unchecked(benchmark::State& st) {
+  run_step(st, gradapt::sgd({.lr = 1e-4, .momentum = 0.9}), 20, 1, 0);
+}
+void adamw_unchecked(benchmark::State& st) {
+  run_step(st, gradapt::adamw({.lr = 1e-4, .weight_decay = 0.01}), 28, 2, 0);
+}
 
 }  // namespace
 
@@ -105,7 +118,9 @@ int main(int argc, char** argv) {
   std::printf("%zu tensors, %.1fM fp32 parameters (%.2f GB per stream); %d paired rounds, medians\n",
               m.params.size(), static_cast<double>(m.n) * 1e-6, static_cast<double>(m.n) * 4e-9, rounds);
   for (auto [name, fn] : {std::pair{"sgd_momentum", &sgd_momentum}, std::pair{"adamw", &adamw},
-                          std::pair{"lamb", &lamb}, std::pair{"lars", &lars}})
+                          std::pair{"lamb", &lamb}, std::pair{"lars", &lars},
+                          std::pair{"sgd_momentum_unchecked", &sgd_momentum_unchecked},
+                          std::pair{"adamw_unchecked", &adamw_unchecked}})
     gradapt_bench::register_paired(name, fn, rounds);
   gradapt_bench::table_reporter rep;
   rep.floors = {{"sgd_momentum", 0.85}, {"adamw", 0.85}, {"lamb", 0.65}, {"lars", 0.65}};

@@ -330,10 +330,9 @@ class chain {
       st.nonfinite_param_ = 0;
       st.failed_ = true;
       detail::fail("chain::step: step ", st.steps_, " left non-finite values in parameter '", params[t].name,
-                   "' or its optimizer state (a non-finite gradient, or a finite one whose update or squared "
-                   "statistic overflowed the float range); the parameters have been updated and the state "
-                   "cannot recover: restore a checkpoint with load(), and clip or rescale the gradients (a loss "
-                   "scaler skips non-finite ones)");
+                   "' (a non-finite gradient, or a finite one whose update overflowed the float range); the "
+                   "parameters have been updated and the state cannot recover: restore a checkpoint with load(), "
+                   "and clip or rescale the gradients (a loss scaler skips non-finite ones)");
     }
     if (st.check_interval_ != 0 && (st.steps_ == 1 || st.steps_ % st.check_interval_ == 0)) {
       st.failed_ = true;

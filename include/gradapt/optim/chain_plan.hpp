@@ -457,12 +457,12 @@ struct pass_functor {
   }
 };
 
-/// The final pass F, also returning per element the sum of its arguments after it ran (the
-/// updated parameter, the gradient and the state buffers the pass reads or writes) widened to
-/// double. Summed per tensor by `apply_reduce_list`, the sum is finite exactly when every one
-/// of those values is (float values summed in double cannot overflow: |Σ| < 2^128 × n), so
-/// the pass that writes a parameter finds a non-finite parameter or state value, such as an
-/// overflowed second moment that froze a still finite parameter.
+/// The final pass F, also returning per element the parameter it wrote (its first argument)
+/// widened to double. Summed per tensor by `apply_reduce_list`, the sum is finite exactly when
+/// every updated value is (float values summed in double cannot overflow: |Σ| < 2^128 × n),
+/// so the pass that writes a parameter finds a non-finite one. (Summing the state buffers too
+/// would also find a statistic that overflowed while the parameter stayed finite, at 12% to
+/// 20% of an AdamW or SGD step in bench_optim; the parameter alone is within the run's noise.)
 template <class F>
 struct finite_probe {
   static constexpr bool vectorizable = F::vectorizable;
@@ -471,7 +471,7 @@ struct finite_probe {
   GRADAPT_HD GRADAPT_INLINE simd::terms_t<V, 1> operator()(tensor_index t, V& a0, A&... rest) const {
     f(t, a0, rest...);
     simd::terms_t<V, 1> r;
-    r[0] = (simd::widen(a0) + ... + simd::widen(rest));
+    r[0] = simd::widen(a0);
     return r;
   }
 };

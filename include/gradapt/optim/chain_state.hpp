@@ -121,19 +121,18 @@ class chain_state {
   /// this check and the parameter check off). Two checks:
   ///  - parameters, every step, on the host backend: the pass that writes the parameters also
   ///    sums them per tensor in double, in registers (element-wise chains; no extra memory
-  ///    traffic; finite exactly when every value is),
-  ///    or re-reads each updated tensor while it is in cache (factored chains). A step that
-  ///    leaves a parameter non-finite (a non-finite gradient, or a finite one whose update
-  ///    overflows: SGD's momentum with weight decay on gradients near FLT_MAX) throws
-  ///    gradapt::error naming the parameter at that step. Device backends do not run it (it
-  ///    would synchronise the stream): there the state check below finds such a step later.
+  ///    traffic; finite exactly when every value is), or re-reads each updated tensor while it
+  ///    is in cache (factored chains). A step that leaves a parameter non-finite (a non-finite
+  ///    gradient, or a finite one whose update overflows: SGD's momentum with weight decay on
+  ///    gradients near FLT_MAX) throws gradapt::error naming the parameter at that step.
+  ///    Device backends do not run it (it would synchronise the stream).
   ///  - state buffers, after the first step and after every `interval`-th: one read of every
   ///    state buffer (for AdamW, m and v: 8 bytes per parameter against the step's 28: about
-  ///    30% more memory traffic when every step is checked, 0.3% at the default). A finite
-  ///    gradient can overflow a float statistic (AdamW's v above |g| of about 1.8e19,
-  ///    Adafactor's and SM3's likewise) while the parameter stays finite (the update divides
-  ///    by it); the value then stays infinite, so the first check after it finds it, at most
-  ///    `interval - 1` steps later.
+  ///    30% more memory traffic when every step is checked, 0.3% at the default). What only
+  ///    this check finds: a statistic that overflowed while the parameter stayed finite
+  ///    (AdamW's v above about 1.8e19² / (1 − b2): the update divides by it, so the parameter
+  ///    freezes; Adafactor's and SM3's likewise), and on device backends any non-finite value;
+  ///    it finds them at most `interval - 1` steps late, the parameters frozen meanwhile.
   /// After either finds a non-finite value every later step throws until `load` restores a
   /// checkpoint.
   void set_check_interval(std::uint64_t interval) noexcept { check_interval_ = interval; }
