@@ -188,6 +188,9 @@ if(GRADAPT_WITH_LAPACK)
   gradapt_add_test(test_kfac_refs GROUP linalg SOURCES test_kfac_refs.cpp LIBS gradapt::linalg)
   # K-FAC in the precondition slot of train::data_parallel_step (train/kfac_policy.hpp).
   gradapt_add_test(test_train_kfac GROUP linalg SOURCES test_train_kfac.cpp LIBS gradapt::linalg)
+  # A randomized soak of one disagreeing rank over the composed step's slots, Shampoo, K-FAC and
+  # elastic jobs (comm::threads).
+  gradapt_add_test(test_soak_surfaces GROUP linalg SOURCES test_soak_surfaces.cpp LIBS gradapt::linalg)
 endif()
 # cuda_linalg (cuBLAS + cuSOLVER) on the device: compiled with the CUDA tests' runner, skipped
 # at run time without a GPU (exit code 77).
