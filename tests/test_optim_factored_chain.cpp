@@ -117,7 +117,8 @@ TEST_CASE("adafactor is bitwise independent of the thread count, restores exactl
   auto sw = opt.init(b, pw);
   auto st2 = opt.init(b, pt);
   REQUIRE(sw.state_elements() == st2.state_elements());
-  REQUIRE_THROWS_WITH(st2.load(b, sw.save(b)), Contains("parameter 'w' has another shape"));
+  REQUIRE_THROWS_WITH(st2.load(b, sw.save(b)),
+                      Contains("parameter 'w' has shape [128, 256] in the checkpoint but [256, 128] here"));
   // Options that decide the factoring cannot change under a state.
   auto changed = opt;
   changed.stage<0>().min_dim_size_to_factor = 16;
@@ -238,6 +239,8 @@ TEST_CASE("adafactor edge cases (chain): non-finite, zero and empty inputs, inva
       const gradapt::adafactor ca_opt(o);
       auto sa = sa_opt.init(b1, pa);
       auto sc = ca_opt.init(b, pc);
+      sa.set_check_interval(0);  // the values propagate as optax's do; no check stops the step
+      sc.set_check_interval(0);
       for (int s = 1; s <= 2; ++s) {
         for (std::size_t k = 0; k < a.size(); ++k) {
           fill_grad(a[k], 9u * static_cast<unsigned>(s) + static_cast<unsigned>(k));

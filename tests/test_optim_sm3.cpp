@@ -358,6 +358,7 @@ TEST_CASE("sm3 gives the same bits on 1 to 3 threads (fused and two-pass paths),
       host b{.threads = threads};
       const gradapt::sm3 opt(o);
       auto sa = opt.init(b, pa);
+      sa.set_check_interval(0);  // the non-finite values propagate; no check stops the step
       for (int s = 1; s <= 4; ++s) {
         gradapt_test::fill_step(a, 13, s);
         if (s == 3) {  // non-finite gradients, in a fused tensor and in the two-pass one
@@ -441,7 +442,7 @@ TEST_CASE("sm3: a state saved for [16, 8] does not load into [8, 16]", "[sm3][ch
   auto sw = opt.init(b, wide);
   opt.step(b, wide, sw);
   auto st = opt.init(b, tall);
-  REQUIRE_THROWS_WITH(st.load(b, sw.save(b)), Contains("parameter 'w' has another shape"));
+  REQUIRE_THROWS_WITH(st.load(b, sw.save(b)), Contains("parameter 'w' has shape [16, 8] in the checkpoint but [8, 16] here"));
   REQUIRE(st.steps() == 0);
 }
 
