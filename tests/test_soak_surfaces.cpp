@@ -17,7 +17,7 @@
 // A case passes when nobody disagreed and every rank returned with bitwise identical
 // parameters, or somebody did and every rank threw gradapt::error (not the watchdog's "did not
 // arrive", which would mean a rank was left waiting). GRADAPT_SOAK_SURFACE_CASES sets the number
-// of cases (default 1000; 300 under AddressSanitizer), GRADAPT_SOAK_SEED the seed;
+// of cases (default 1000; 300 under a sanitizer), GRADAPT_SOAK_SEED the seed;
 // docs/reliability.md records a run of 10,000.
 #include "catch.hpp"
 
@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "checkpoint_model.hpp"
+#include "sanitizer.hpp"
 #include "gradapt/comm/threads.hpp"
 #include "gradapt/elastic/policy.hpp"
 #include "gradapt/linalg/host_lapack.hpp"
@@ -76,17 +77,7 @@ struct plan {
   bool adamw = false;
 };
 
-#if defined(__SANITIZE_ADDRESS__)
-constexpr std::uint64_t default_cases = 300;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr std::uint64_t default_cases = 300;
-#else
-constexpr std::uint64_t default_cases = 1000;
-#endif
-#else
-constexpr std::uint64_t default_cases = 1000;
-#endif
+constexpr std::uint64_t default_cases = gradapt_test::under_sanitizer ? 300 : 1000;
 
 std::uint64_t env_or(const char* name, std::uint64_t fallback) {
   const char* v = std::getenv(name);

@@ -22,9 +22,11 @@
 #include "catch.hpp"
 
 #include <chrono>
+#include <vector>
 
 #include "gradapt/comm/threads.hpp"
 #include "rank_check.hpp"
+#include "sanitizer.hpp"
 #include "scenarios/train_combinations.hpp"
 
 namespace gradapt_test_train_combinations {
@@ -38,17 +40,8 @@ namespace {
 // Under a sanitizer (the asan preset, at -O0) the rows run on 3 ranks only: that build looks
 // for memory and UB errors, which every world size reaches on the same code; the default
 // preset runs every world size.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr int worlds[] = {3};
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-constexpr int worlds[] = {3};
-#else
-constexpr int worlds[] = {1, 2, 3, 5};
-#endif
-#else
-constexpr int worlds[] = {1, 2, 3, 5};
-#endif
+const std::vector<int> worlds =
+    gradapt_test::under_sanitizer ? std::vector<int>{3} : std::vector<int>{1, 2, 3, 5};
 
 const gradapt::comm::threads_options quick{.timeout = std::chrono::seconds(60)};
 

@@ -18,6 +18,7 @@
 #include <numeric>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gradapt/comm/hierarchical.hpp"
@@ -31,6 +32,7 @@
 #include "gradapt/train/data_parallel_step.hpp"
 #include "rank_check.hpp"
 #include "rank_errors.hpp"
+#include "sanitizer.hpp"
 #include "scenarios/sharded.hpp"
 
 namespace gradapt_test_train_zero {
@@ -45,6 +47,9 @@ using sharded_scenario::same_bits;
 namespace {
 
 const gradapt::comm::threads_options quick{.timeout = std::chrono::seconds(30)};
+// The worlds of the bitwise comparisons: 1, 2, 3 and 5 ranks, 3 only under a sanitizer.
+const std::vector<int> worlds_1235 =
+    gradapt_test::under_sanitizer ? std::vector<int>{3} : std::vector<int>{1, 2, 3, 5};
 const gradapt::shard::sharded_options tensor_cut{.partition = {.mode = gradapt::shard::granularity::tensor}};
 
 /// The parameters after `steps` composed steps on this rank's gradients (make_grads(rank, k):
@@ -92,7 +97,7 @@ inline double worst_relative(const std::vector<std::vector<float>>& x,
 /// without elements at the default alignment, accepted here).
 template <class Opt>
 void all_states(const Opt& opt, const gradapt::shard::sharded_options& so) {
-  for (const int n : {1, 2, 3, 5}) {
+  for (const int n : worlds_1235) {
     INFO("ranks " << n);
     run_threads(n, quick, [&](threads& comm) {
       std::vector<std::uint64_t> whole, one, two;
@@ -132,7 +137,7 @@ TEST_CASE("bucket_reduce gives the one-buffer step's bits: SGD, AdamW, LAMB, Ada
   // marked in a rank- and step-dependent order.
   const gradapt::train::bucket_reduce small{.buckets = {.cap_bytes = 20000, .first_cap_bytes = 4000}};
   const auto check = [&](const auto& opt) {
-    for (const int n : {1, 2, 3, 5}) {
+    for (const int n : worlds_1235) {
       INFO("ranks " << n);
       run_threads(n, quick, [&](threads& comm) {
         const auto ref = run(comm, opt, replicated_state{}, 4);
@@ -346,7 +351,11 @@ void restore_against_uninterrupted(const Opt& opt, const State& state) {
     return make_data_parallel_step(comm, b, m.params, opt, {.lr = 1e-2, .accumulation_steps = 60}, state,
                                    gradapt::loss_scaler({.init_scale = 1024, .growth_interval = 2}));
   };
-  const std::pair<int, int> worlds[] = {{1, 3}, {2, 5}, {3, 2}, {5, 1}, {4, 4}, {2, 3}};
+  // Under a sanitizer two of the pairs (one growing, one shrinking).
+  const std::vector<std::pair<int, int>> worlds =
+      gradapt_test::under_sanitizer
+          ? std::vector<std::pair<int, int>>{{2, 3}, {3, 2}}
+          : std::vector<std::pair<int, int>>{{1, 3}, {2, 5}, {3, 2}, {5, 1}, {4, 4}, {2, 3}};
   const rescale_rule rules[] = {rescale_rule::keep_global_batch, rescale_rule::linear_lr,
                                 rescale_rule::sqrt_lr};
   for (std::size_t i = 0; i < std::size(worlds); ++i) {
@@ -376,7 +385,7 @@ void restore_against_uninterrupted(const Opt& opt, const State& state) {
       const double ratio = double(m) / double(n);
       const auto& s = resumed.settings();
       RANK_REQUIRE(s.accumulation_steps == (rule == rescale_rule::keep_global_batch ? 60 * n / m : 60));
-      RANK_REQUIRE(s.lr == (rule == rescale_rule::linear_lr ? 1e-2 * ratio
+      RANK_REQUIRE(s.lr == (rule == rescale_rule::linear_lr ? 1e-2 * double(m) / double(n)  // lr × M / N
                             : rule == rescale_rule::sqrt_lr ? 1e-2 * std::sqrt(ratio)
                                                             : 1e-2));
       reference.settings() = s;
