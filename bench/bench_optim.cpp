@@ -117,10 +117,10 @@ int main(int argc, char** argv) {
   const model& m = the_model();
   std::printf("%zu tensors, %.1fM fp32 parameters (%.2f GB per stream); %d paired rounds, medians\n",
               m.params.size(), static_cast<double>(m.n) * 1e-6, static_cast<double>(m.n) * 4e-9, rounds);
-  for (auto [name, fn] : {std::pair{"sgd_momentum", &sgd_momentum}, std::pair{"adamw", &adamw},
-                          std::pair{"lamb", &lamb}, std::pair{"lars", &lars},
-                          std::pair{"sgd_momentum_unchecked", &sgd_momentum_unchecked},
-                          std::pair{"adamw_unchecked", &adamw_unchecked}})
+  for (auto [name, fn] :
+       {std::pair{"sgd_momentum", &sgd_momentum}, std::pair{"adamw", &adamw}, std::pair{"lamb", &lamb},
+        std::pair{"lars", &lars}, std::pair{"sgd_momentum_unchecked", &sgd_momentum_unchecked},
+        std::pair{"adamw_unchecked", &adamw_unchecked}})
     gradapt_bench::register_paired(name, fn, rounds);
   gradapt_bench::table_reporter rep;
   rep.floors = {{"sgd_momentum", 0.85}, {"adamw", 0.85}, {"lamb", 0.65}, {"lars", 0.65}};

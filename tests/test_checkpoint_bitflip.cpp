@@ -9,8 +9,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "catch.hpp"
 #include "bit_flips.hpp"
+#include "catch.hpp"
 #include "checkpoint_model.hpp"
 #include "gradapt/backend/host.hpp"
 #include "gradapt/comm/single.hpp"
@@ -209,7 +209,8 @@ TEST_CASE("bit flips: grouped noise scale, elastic job policies", "[archive][che
   good = job.save_policies();
   REQUIRE(job.policy<0>().reference() > 0.0);
   flip_every_bit(
-      good, [&](std::span<const std::byte> bad) { job.load_policies(bad); }, [&] { return job.save_policies(); });
+      good, [&](std::span<const std::byte> bad) { job.load_policies(bad); },
+      [&] { return job.save_policies(); });
 }
 
 }  // namespace gradapt_test_checkpoint_bitflip

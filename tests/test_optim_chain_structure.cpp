@@ -118,8 +118,9 @@ TEST_CASE("each preset makes the fewest passes and writes only what it must", "[
   REQUIRE(record_step(gradapt::lars()) == R{{"apply_reduce_list", {false, false}},
                                             {"apply_list", {true}},
                                             {"apply_reduce_list", {true, false, true}}});
-  REQUIRE(record_step(gradapt::lars({.momentum = 0})) ==
-          R{{"apply_reduce_list", {false, false}}, {"apply_list", {true}}, {"apply_reduce_list", {true, false}}});
+  REQUIRE(record_step(gradapt::lars({.momentum = 0})) == R{{"apply_reduce_list", {false, false}},
+                                                           {"apply_list", {true}},
+                                                           {"apply_reduce_list", {true, false}}});
   // A custom chain with two barriers: block-RMS clipping then the trust ratio.
   namespace tf = gradapt::transform;
   gradapt::chain<tf::clip_by_block_rms, tf::scale_by_adam, tf::scale_by_trust_ratio,
@@ -366,7 +367,8 @@ TEST_CASE("bad checkpoints are rejected with the reason", "[optim][checkpoint][e
   specs[0].shape = {38};
   problem<float, float> other(specs, 47);
   auto so = opt.init(b, other.params);
-  REQUIRE_THROWS_WITH(so.load(b, bytes), Contains("has shape [") && Contains("in the checkpoint but [38] here"));
+  REQUIRE_THROWS_WITH(so.load(b, bytes),
+                      Contains("has shape [") && Contains("in the checkpoint but [38] here"));
   gradapt::sgd plain, heavy({.momentum = 0.9});
   auto sp = plain.init(b, a.params);
   auto sh = heavy.init(b, a.params);
@@ -374,9 +376,9 @@ TEST_CASE("bad checkpoints are rejected with the reason", "[optim][checkpoint][e
   gradapt::lamb lamb;
   auto sl = lamb.init(b, a.params);
   // The message names both optimizers' stages.
-  REQUIRE_THROWS_WITH(sl.load(b, bytes),
-                      Contains("stage count is 3 (its stages: chain<") && Contains("but this state's is 5 (chain<") &&
-                          Contains("scale_by_trust_ratio"));
+  REQUIRE_THROWS_WITH(sl.load(b, bytes), Contains("stage count is 3 (its stages: chain<") &&
+                                             Contains("but this state's is 5 (chain<") &&
+                                             Contains("scale_by_trust_ratio"));
   // A failed load leaves the state usable and unchanged.
   REQUIRE(st2.steps() == 0);
   st2.load(b, bytes);

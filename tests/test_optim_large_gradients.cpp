@@ -127,8 +127,9 @@ TEST_CASE(
   }
 }
 
-TEST_CASE("A statistic that overflows behind a finite parameter is found by the interval check; 0 turns it off",
-          "[optim][numerics]") {
+TEST_CASE(
+    "A statistic that overflows behind a finite parameter is found by the interval check; 0 turns it off",
+    "[optim][numerics]") {
   const gradapt::adamw opt({.lr = 1e-3});
   large_gradient_model m;
   const gradapt::host backend{.threads = 1};
@@ -220,7 +221,8 @@ TEST_CASE("No step returns with a non-finite parameter from finite gradients (we
   const float fmax = std::numeric_limits<float>::max();
   for (const float g : {1e30f, fmax}) {
     never_silently_nonfinite(gradapt::sgd({.lr = 1.0, .momentum = 0.9, .weight_decay = 0.5}), g, "sgd");
-    never_silently_nonfinite(gradapt::sgd({.lr = 10.0, .momentum = 0.9, .nesterov = true}), g, "sgd nesterov");
+    never_silently_nonfinite(gradapt::sgd({.lr = 10.0, .momentum = 0.9, .nesterov = true}), g,
+                             "sgd nesterov");
     never_silently_nonfinite(gradapt::lars({.lr = 1.0, .weight_decay = 0.5}), g, "lars");
     never_silently_nonfinite(gradapt::adamw({.lr = 1e30, .weight_decay = 0.5}), g, "adamw");
     never_silently_nonfinite(gradapt::lamb({.lr = 1e30}), g, "lamb");

@@ -442,7 +442,8 @@ TEST_CASE("sm3: a state saved for [16, 8] does not load into [8, 16]", "[sm3][ch
   auto sw = opt.init(b, wide);
   opt.step(b, wide, sw);
   auto st = opt.init(b, tall);
-  REQUIRE_THROWS_WITH(st.load(b, sw.save(b)), Contains("parameter 'w' has shape [16, 8] in the checkpoint but [8, 16] here"));
+  REQUIRE_THROWS_WITH(st.load(b, sw.save(b)),
+                      Contains("parameter 'w' has shape [16, 8] in the checkpoint but [8, 16] here"));
   REQUIRE(st.steps() == 0);
 }
 

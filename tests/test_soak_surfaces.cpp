@@ -34,7 +34,6 @@
 #include <vector>
 
 #include "checkpoint_model.hpp"
-#include "sanitizer.hpp"
 #include "gradapt/comm/threads.hpp"
 #include "gradapt/elastic/policy.hpp"
 #include "gradapt/linalg/host_lapack.hpp"
@@ -43,6 +42,7 @@
 #include "gradapt/optim/sgd.hpp"
 #include "gradapt/optim/shampoo.hpp"
 #include "gradapt/train/data_parallel_step.hpp"
+#include "sanitizer.hpp"
 
 namespace gradapt_test_soak_surfaces {
 
@@ -213,13 +213,13 @@ std::vector<float> run_job(threads& comm, const plan& p) {
   gradapt_test::model m;
   auto step = train::make_data_parallel_step(comm, gradapt::host{.threads = 1}, m.params,
                                              gradapt::sgd({.lr = 0.1}), {.lr = 0.1});
-  gradapt::elastic::adaptive_job job(step, propose{[&](const gradapt::elastic::job_view& v,
-                                                       gradapt::elastic::job_action& a) {
-                                       if (v.steps != 2) return;
-                                       if (p.perturb == 0) a.lr = 0.05;
-                                       if (p.perturb == 1 && me) a.lr = 0.05;
-                                       if (p.perturb == 2) a.lr = me ? 0.07 : 0.05;
-                                     }});
+  gradapt::elastic::adaptive_job job(
+      step, propose{[&](const gradapt::elastic::job_view& v, gradapt::elastic::job_action& a) {
+        if (v.steps != 2) return;
+        if (p.perturb == 0) a.lr = 0.05;
+        if (p.perturb == 1 && me) a.lr = 0.05;
+        if (p.perturb == 2) a.lr = me ? 0.07 : 0.05;
+      }});
   for (int t = 1; t <= 3; ++t) {
     m.grads(t + comm.rank());
     job.step();
@@ -234,8 +234,10 @@ std::vector<float> run_case(threads& comm, const plan& p) {
     case surface::zero1:
       return run_step(comm, p, train::zero_state<1>{.allow_empty_shards = true}, train::one_buffer_reduce{});
     case surface::zero2:
-      return run_step(comm, p, train::zero_state<2>{.sharding = {.buckets = {.cap_bytes = 64}}, .allow_empty_shards = true},
-                      train::one_buffer_reduce{});
+      return run_step(
+          comm, p,
+          train::zero_state<2>{.sharding = {.buckets = {.cap_bytes = 64}}, .allow_empty_shards = true},
+          train::one_buffer_reduce{});
     case surface::buckets:
       return run_step(comm, p, train::replicated_state{}, train::bucket_reduce{.buckets = {.cap_bytes = 64}});
     case surface::hierarchical:
@@ -293,7 +295,10 @@ TEST_CASE("soak: the composed step's slots, Shampoo, K-FAC and elastic jobs with
                           ", " + std::to_string(n) + " ranks, perturbation " + std::to_string(p.perturb) +
                           " on rank " + std::to_string(p.culprit) + (p.adamw ? ", adamw" : ", sgd");
         for (std::size_t r = 0; r < out.size(); ++r)
-          msg.append("\n  rank ").append(std::to_string(r)).append(": ").append(out[r].empty() ? "returned" : out[r]);
+          msg.append("\n  rank ")
+              .append(std::to_string(r))
+              .append(": ")
+              .append(out[r].empty() ? "returned" : out[r]);
         UNSCOPED_INFO(msg);
       }
     }

@@ -1,8 +1,7 @@
 // libFuzzer target for every state's load(): the loss scaler, the noise scale (single and
 // grouped), AdaScale, LocalSGD (each schedule), the optimizer states (AdamW, LAMB, Adafactor,
-// SM3), K-FAC's and Shampoo's states, the sharded optimizer state (AdamW, ZeRO), the data-parallel train step,
-// replicated and with zero_state<2> (on comm::single), and an elastic job's policies. Input
-// layout:
+// SM3), K-FAC's and Shampoo's states, the sharded optimizer state (AdamW, ZeRO), the data-parallel train
+// step, replicated and with zero_state<2> (on comm::single), and an elastic job's policies. Input layout:
 //
 //   byte 0   which state (modulo the number of states)
 //   byte 1   mode: even = the rest is the archive as is; odd = the rest is XORed, cyclically,
@@ -32,11 +31,11 @@
 #include "gradapt/core/param_list.hpp"
 #include "gradapt/elastic/policy.hpp"
 #include "gradapt/linalg/host_lapack.hpp"
-#include "gradapt/optim/kfac.hpp"
-#include "gradapt/optim/shampoo.hpp"
 #include "gradapt/optim/adafactor.hpp"
 #include "gradapt/optim/adamw.hpp"
+#include "gradapt/optim/kfac.hpp"
 #include "gradapt/optim/lamb.hpp"
+#include "gradapt/optim/shampoo.hpp"
 #include "gradapt/optim/sm3.hpp"
 #include "gradapt/precision/loss_scaler.hpp"
 #include "gradapt/scaling/adascale.hpp"
@@ -271,7 +270,8 @@ target job_policies_target() {
     }
   };
   auto h = std::make_shared<holder>();
-  return {[h] { return h->job.save_policies(); }, [h](std::span<const std::byte> in) { h->job.load_policies(in); }};
+  return {[h] { return h->job.save_policies(); },
+          [h](std::span<const std::byte> in) { h->job.load_policies(in); }};
 }
 
 std::vector<target>& targets() {

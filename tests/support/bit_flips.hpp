@@ -2,13 +2,23 @@
 // The every-bit-flip check shared by the checkpoint tests (tests/test_checkpoint_bitflip.cpp,
 // and the states that need another library, such as K-FAC's in tests/test_kfac.cpp).
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <vector>
 
 #include "catch.hpp"
+#include "gradapt/core/crc32c.hpp"
 #include "gradapt/core/error.hpp"
 
 namespace gradapt_test {
+
+/// Rewrites the archive's closing CRC32C (its last 4 bytes, little-endian) over the rest, so a
+/// deliberately edited field reaches the load's value checks behind the checksum.
+inline void reseal(std::vector<std::byte>& archive) {
+  const std::uint32_t crc = gradapt::crc32c(std::span<const std::byte>(archive.data(), archive.size() - 4));
+  for (std::size_t i = 0; i < 4; ++i)
+    archive[archive.size() - 4 + i] = static_cast<std::byte>((crc >> (8 * i)) & 0xFFu);
+}
 
 /// Flips every bit of `good` in turn; `load` must throw gradapt::error each time and `save`
 /// must still give `good`. Returns the number of flips tried.

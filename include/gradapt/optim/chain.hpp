@@ -329,10 +329,11 @@ class chain {
       const std::size_t t = st.nonfinite_param_ - 1;
       st.nonfinite_param_ = 0;
       st.failed_ = true;
-      detail::fail("chain::step: step ", st.steps_, " left non-finite values in parameter '", params[t].name,
-                   "' (a non-finite gradient, or a finite one whose update overflowed the float range); the "
-                   "parameters have been updated and the state cannot recover: restore a checkpoint with load(), "
-                   "and clip or rescale the gradients (a loss scaler skips non-finite ones)");
+      detail::fail(
+          "chain::step: step ", st.steps_, " left non-finite values in parameter '", params[t].name,
+          "' (a non-finite gradient, or a finite one whose update overflowed the float range); the "
+          "parameters have been updated and the state cannot recover: restore a checkpoint with load(), "
+          "and clip or rescale the gradients (a loss scaler skips non-finite ones)");
     }
     if (st.check_interval_ != 0 && (st.steps_ == 1 || st.steps_ % st.check_interval_ == 0)) {
       st.failed_ = true;
@@ -481,7 +482,8 @@ class chain {
         if (st.check_interval_ != 0) {
           static_assert(table::needs_param, "gradapt::chain: the final pass writes the parameters");
           [&]<std::size_t... A>(std::index_sequence<A...>) {
-            b.apply_reduce_list(detail::optim::finite_probe<decltype(f)>{f}, std::span<double>(st.param_checks_),
+            b.apply_reduce_list(detail::optim::finite_probe<decltype(f)>{f},
+                                std::span<double>(st.param_checks_),
                                 list<table::template arg<A>>(params, st)...);
           }
           (std::make_index_sequence<nargs>{});
@@ -585,7 +587,8 @@ class chain {
       // non-finite count (one slot per tensor, so tasks on other threads do not share it).
       if constexpr (std::same_as<space, host_space>)
         if (st.check_interval_ != 0)
-          st.param_checks_[k] = bb.reduce(reduction::count_nonfinite, tensor_view<const V, space>(st.p_const_[k]));
+          st.param_checks_[k] =
+              bb.reduce(reduction::count_nonfinite, tensor_view<const V, space>(st.p_const_[k]));
     };
     detail::optim::for_tensors(b, std::span<const std::size_t>(st.order_),
                                std::span<const std::size_t>(st.sizes_), st.total_, st.slots_, one);

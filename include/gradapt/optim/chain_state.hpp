@@ -24,7 +24,6 @@
 #include "gradapt/backend/concepts.hpp"
 #include "gradapt/backend/simd.hpp"
 #include "gradapt/core/archive.hpp"
-#include "gradapt/core/type_name.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/config.hpp"
 #include "gradapt/core/dtype.hpp"
@@ -32,6 +31,7 @@
 #include "gradapt/core/ops.hpp"
 #include "gradapt/core/param_list.hpp"
 #include "gradapt/core/tensor_view.hpp"
+#include "gradapt/core/type_name.hpp"
 #include "gradapt/optim/factoring.hpp"
 #include "gradapt/optim/stage.hpp"
 
@@ -233,9 +233,9 @@ class chain_state {
     // The stages' names, for the message only (compilers may spell a type differently).
     const std::string theirs = r.has("stage_types") ? r.get<std::string>("stage_types") : "not recorded";
     const auto got_stages = r.get<std::uint64_t>("stages");
-    detail::require(got_stages == plan::n, "optimizer state load: the checkpoint's stage count is ", got_stages,
-                    " (its stages: ", theirs, ") but this state's is ", plan::n, " (", stage_types(),
-                    "); restore into a state created by the same optimizer");
+    detail::require(got_stages == plan::n, "optimizer state load: the checkpoint's stage count is ",
+                    got_stages, " (its stages: ", theirs, ") but this state's is ", plan::n, " (",
+                    stage_types(), "); restore into a state created by the same optimizer");
     expect("buffers", plan::total_buffers, "buffer count");
     expect("active_stages", enabled_, "active-stage mask");
     const auto steps = r.get<std::uint64_t>("steps");
@@ -334,9 +334,9 @@ class chain_state {
   std::uint64_t steps_ = 0;
   std::uint64_t enabled_ = 0;
   std::uint64_t check_interval_ = 100;
-  bool failed_ = false;  ///< a check found a non-finite value; steps throw until load()
-  std::vector<double> param_checks_;    ///< host: per tensor, Σp of the final pass (or a non-finite count)
-  std::size_t nonfinite_param_ = 0;     ///< 1 + the tensor the last step left non-finite, or 0
+  bool failed_ = false;               ///< a check found a non-finite value; steps throw until load()
+  std::vector<double> param_checks_;  ///< host: per tensor, Σp of the final pass (or a non-finite count)
+  std::size_t nonfinite_param_ = 0;   ///< 1 + the tensor the last step left non-finite, or 0
   std::vector<std::size_t> sizes_;
   std::vector<std::string> names_;                 ///< parameter names (checkpoint keys)
   std::vector<std::vector<std::int64_t>> shapes_;  ///< parameter shapes

@@ -137,12 +137,12 @@ std::vector<disagreement_case<Comm>> train_step_cases() {
        [](Comm& comm) {
          model m;
          if (comm.rank() == 0) {
-           auto step = train::make_data_parallel_step(comm, gradapt::host{}, m.params, gradapt::adamw({.lr = 0.1}),
-                                                      {.lr = 0.1});
+           auto step = train::make_data_parallel_step(comm, gradapt::host{}, m.params,
+                                                      gradapt::adamw({.lr = 0.1}), {.lr = 0.1});
            (void)step;
          } else {
-           auto step = train::make_data_parallel_step(comm, gradapt::host{}, m.params,
-                                                      gradapt::sgd({.lr = 0.1, .momentum = 0.9}), {.lr = 0.1});
+           auto step = train::make_data_parallel_step(
+               comm, gradapt::host{}, m.params, gradapt::sgd({.lr = 0.1, .momentum = 0.9}), {.lr = 0.1});
            (void)step;
          }
        },
@@ -151,12 +151,13 @@ std::vector<disagreement_case<Comm>> train_step_cases() {
        [](Comm& comm) {
          model m;
          if (comm.rank() == comm.size() - 1) {
-           auto step = train::make_data_parallel_step(comm, gradapt::host{}, m.params, gradapt::sgd({.lr = 0.1}),
-                                                      {.lr = 0.1}, train::adascale_policy{});
+           auto step =
+               train::make_data_parallel_step(comm, gradapt::host{}, m.params, gradapt::sgd({.lr = 0.1}),
+                                              {.lr = 0.1}, train::adascale_policy{});
            (void)step;
          } else {
-           auto step = train::make_data_parallel_step(comm, gradapt::host{}, m.params, gradapt::sgd({.lr = 0.1}),
-                                                      {.lr = 0.1});
+           auto step = train::make_data_parallel_step(comm, gradapt::host{}, m.params,
+                                                      gradapt::sgd({.lr = 0.1}), {.lr = 0.1});
            (void)step;
          }
        },
@@ -167,7 +168,8 @@ std::vector<disagreement_case<Comm>> train_step_cases() {
          const std::vector<std::int64_t> shape =
              comm.rank() == 0 ? std::vector<std::int64_t>{3, 4} : std::vector<std::int64_t>{4, 3};
          gradapt::param_list<float, float> params;
-         params.add("w", gradapt::tensor_view<float>(w.data(), shape), gradapt::tensor_view<float>(g.data(), shape));
+         params.add("w", gradapt::tensor_view<float>(w.data(), shape),
+                    gradapt::tensor_view<float>(g.data(), shape));
          auto step = train::make_data_parallel_step(comm, gradapt::host{}, params, gradapt::sgd({.lr = 0.1}),
                                                     {.lr = 0.1});
          (void)step;

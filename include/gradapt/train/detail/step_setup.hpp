@@ -10,9 +10,9 @@
     "gradapt/train/detail/step_setup.hpp is part of gradapt/train/data_parallel_step.hpp: include that header"
 #endif
 #include <cmath>
-#include <limits>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -210,7 +210,8 @@ void GRADAPT_TRAIN_STEP::agree_on_construction(const A& adapt, const Y& sync, co
   agreed_list<64> v;
   v.push("parameter tensors", static_cast<double>(params_->size()));
   v.push("parameter elements", static_cast<double>(params_->total_elements()));
-  v.push("parameter shapes (a hash of every tensor's rank and extents)", detail::fingerprint(params_->grads()));
+  v.push("parameter shapes (a hash of every tensor's rank and extents)",
+         detail::fingerprint(params_->grads()));
   v.push("loss scaling on", has_loss_scaling ? 1.0 : 0.0);
   v.push("adascale on", has_adascale ? 1.0 : 0.0);
   v.push("local sgd on", has_local_sgd ? 1.0 : 0.0);
@@ -241,7 +242,8 @@ void GRADAPT_TRAIN_STEP::agree_on_construction(const A& adapt, const Y& sync, co
   head.push("state slot (0 replicated_state, 1 or 2 zero_state<stage>)", static_cast<double>(zero_stage));
   head.push("reduce slot (0 one_buffer_reduce, 1 bucket_reduce, 2 hierarchical_reduce)",
             has_buckets ? 1.0 : (has_hierarchy ? 2.0 : 0.0));
-  head.push(structure_name<Opt>("the optimizer"), gradapt::detail::operation_tag(gradapt::detail::type_name<Opt>()));
+  head.push(structure_name<Opt>("the optimizer"),
+            gradapt::detail::operation_tag(gradapt::detail::type_name<Opt>()));
   head.push(structure_name<Combine>("the combine slot"),
             gradapt::detail::operation_tag(gradapt::detail::type_name<Combine>()));
   head.push(structure_name<P>("the precondition slot"),
@@ -289,9 +291,9 @@ void GRADAPT_TRAIN_STEP::agree_on_step(std::uint64_t call, double eta, double re
   double sum = 0.0;
   for (std::size_t r = 0; r < n; ++r) {
     const double c = shared_[k * r + 2];
-    sum += c == 0.0 ? shared_[k * r + 3]
-                    : (c == 1.0 ? std::numeric_limits<double>::quiet_NaN()
-                                : (c == 2.0 ? HUGE_VAL : -HUGE_VAL));
+    sum += c == 0.0
+               ? shared_[k * r + 3]
+               : (c == 1.0 ? std::numeric_limits<double>::quiet_NaN() : (c == 2.0 ? HUGE_VAL : -HUGE_VAL));
   }
   mean_loss_ = sum / static_cast<double>(n);
 }
