@@ -130,7 +130,7 @@ void step_throughput(benchmark::State& state) {
   auto o = options();
   o.precondition_frequency = 1000000;  // roots at step 1 only
   const shampoo opt(o);
-  auto st = opt.init(backend, la, m.params);
+  auto st = opt.init(backend, m.params);
   opt.step(backend, m.params, st);
   const double ref = gemm_gflops();
   double seconds = 0;
@@ -155,7 +155,7 @@ void async_overhead(benchmark::State& state) {
       auto o = options();
       o.precondition_frequency = 1000000;
       const shampoo opt(o);
-      auto st = opt.init(backend, la, m.params);
+      auto st = opt.init(backend, m.params);
       const auto r0 = std::chrono::steady_clock::now();
       opt.step(backend, m.params, st);  // computes the roots once
       roots = std::chrono::duration<double>(std::chrono::steady_clock::now() - r0).count();
@@ -169,7 +169,7 @@ void async_overhead(benchmark::State& state) {
       o.precondition_frequency = 12;
       o.root_staleness = 12;
       const shampoo opt(o);
-      auto st = opt.init(backend, la, m.params);
+      auto st = opt.init(backend, m.params);
       for (int s = 0; s < 12; ++s) opt.step(backend, m.params, st);  // step 13 installs step 1's roots
       const auto t0 = std::chrono::steady_clock::now();
       for (int s = 0; s < steps; ++s) opt.step(backend, m.params, st);
@@ -193,7 +193,7 @@ void distributed_roots(benchmark::State& state) {
       auto o = options();
       o.precondition_frequency = 2;  // roots at steps 1, 3, ...
       const shampoo opt(o);
-      auto st = opt.init(backend, la, m.params);
+      auto st = opt.init(backend, m.params);
       opt.step(c, backend, m.params, st);  // step 1: agreement, plan, roots
       const double t0 = thread_cpu_seconds();
       opt.step(c, backend, m.params, st);  // step 2: statistics and products

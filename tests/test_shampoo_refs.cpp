@@ -264,15 +264,14 @@ std::map<int, std::vector<std::vector<double>>> run_case(const case_data& c) {
     params.add(c.tensors[i].name, gradapt::tensor_view<T>(p[i].data(), c.tensors[i].shape),
                gradapt::tensor_view<T>(g[i].data(), c.tensors[i].shape));
   const gradapt::host backend{.threads = 1};
-  const gradapt::host_lapack la{};
   const gradapt::shampoo opt(options_of(c));
-  auto st = opt.init(backend, la, params);
+  auto st = opt.init(backend, params);
 
   // The block plan: gradapt's layout is the one the peer was handed.
   for (std::size_t i = 0; i < c.tensors.size(); ++i) {
     const auto& t = c.tensors[i];
     INFO("tensor " << t.name);
-    const auto& l = st.layout(i);
+    const auto& l = st.preconditioner().layout(i);
     REQUIRE(l.diagonal == t.merged.empty());
     if (!l.diagonal) {
       REQUIRE(l.merged == t.merged);
@@ -298,10 +297,10 @@ std::map<int, std::vector<std::vector<double>>> run_case(const case_data& c) {
   }
   // Preconditioning is active: every block of every preconditioned tensor holds roots.
   for (std::size_t i = 0; i < c.tensors.size(); ++i)
-    for (std::size_t j = 0; j < st.layout(i).blocks.size(); ++j) {
+    for (std::size_t j = 0; j < st.preconditioner().layout(i).blocks.size(); ++j) {
       INFO("tensor " << c.tensors[i].name << " block " << j);
-      REQUIRE(st.block(i, j).ready);
-      REQUIRE(st.block(i, j).failures == 0);
+      REQUIRE(st.preconditioner().block(i, j).ready);
+      REQUIRE(st.preconditioner().block(i, j).failures == 0);
     }
   return out;
 }

@@ -160,9 +160,8 @@ std::vector<float> run_shampoo(threads& comm, const plan& p) {
   o.beta1 = (p.perturb == 3 && me) ? 0.8 : 0.0;
   const gradapt::shampoo opt(o);
   const gradapt::host backend{.threads = 1};
-  const gradapt::host_lapack la{};
   gradapt_test::model m;
-  auto st = opt.init(backend, la, m.params);
+  auto st = opt.init(backend, m.params);
   for (int t = 1; t <= 3; ++t) {
     m.grads(t);  // the averaged gradients: the same on every rank
     opt.step(comm, backend, m.params, st, {.lr = (p.perturb == 4 && me && t == 2) ? 0.03 : 0.02});

@@ -5,6 +5,7 @@
 #include "gradapt/backend/host.hpp"
 #include "gradapt/comm/single.hpp"
 #include "gradapt/optim/sgd.hpp"
+#include "gradapt/optim/shampoo.hpp"
 #include "gradapt/train/data_parallel_step.hpp"
 
 namespace gt = gradapt::train;
@@ -46,6 +47,10 @@ void hierarchy_with_zero(gradapt::comm::single& c, const gradapt::host& b, const
 // expect: slot::state
 void two_state_policies(gradapt::comm::single& c, const gradapt::host& b, const list& p) {
   (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::zero_state<1>{}, gt::replicated_state{});
+}
+// expect: keeps per-block state that is not sharded by elements; use the replicated state slot
+void shampoo_with_zero(gradapt::comm::single& c, const gradapt::host& b, const list& p) {
+  (void)gt::make_data_parallel_step(c, b, p, gradapt::shampoo(), {}, gt::zero_state<2>{});
 }
 // expect: stage 3 (sharded parameters) is not offered
 [[maybe_unused]] gt::zero_state<3> stage_three;

@@ -231,7 +231,6 @@ target shampoo_target() {
   struct holder {
     model m;
     gradapt::host b{.threads = 1};
-    gradapt::host_lapack la{};
     gradapt::shampoo opt{[] {
       gradapt::shampoo_options o;
       o.lr = 0.02;
@@ -239,8 +238,8 @@ target shampoo_target() {
       o.beta1 = 0.9;
       return o;
     }()};
-    decltype(opt.init(b, la, m.params)) st;
-    holder() : st(opt.init(b, la, m.params)) {
+    decltype(opt.init(b, m.params)) st;
+    holder() : st(opt.init(b, m.params)) {
       for (int t = 1; t <= 3; ++t) {
         m.grads(t);
         opt.step(b, m.params, st);

@@ -73,6 +73,18 @@ namespace gradapt {
 template <class... Stages>
 class chain;
 
+namespace detail::optim {
+/// What `chain::step` returns: the preconditioner stage's report, or nothing.
+template <class Plan, class S0>
+struct step_result_of {
+  using type = void;
+};
+template <class Plan, class S0>
+requires(Plan::has_preconditioner) struct step_result_of<Plan, S0> {
+  using type = typename S0::report_type;
+};
+}  // namespace detail::optim
+
 /// An optimizer assembled from gradient transformations (see optim/transforms.hpp and the
 /// file comment for how passes are formed), e.g. AdamW:
 ///
@@ -94,6 +106,10 @@ class chain {
   /// The state type for backend B, parameters V, gradients G and state elements S.
   template <class B, element V, element G = V, element S = compute_t<V>>
   using state_type = chain_state<chain, B, V, G, S>;
+  /// What `step` returns: void, or for a chain whose first stage is a preconditioner stage
+  /// (scale_by_shampoo) that stage's report of the step (shampoo_step_report).
+  using step_result =
+      typename detail::optim::step_result_of<plan, std::tuple_element_t<0, std::tuple<Stages...>>>::type;
 
   /// Every stage with its default options.
   /// @throws gradapt::error if a stage's defaults fail its `validate()` (a user-written stage)
@@ -236,6 +252,7 @@ class chain {
       detail::optim::reserve_workspace(b, values, plan::max_terms, lines);
     }
     refresh_constants(b, params, st, true);
+    if constexpr (plan::has_preconditioner) st.pre_ = std::get<0>(stages_).init_state(b, params);
     return st;
   }
 
@@ -246,11 +263,30 @@ class chain {
   ///         not finite; after the update, when the state's finiteness check (first step and
   ///         every `chain_state::check_interval()` steps) finds a non-finite state value, and
   ///         on every later step until `load` restores the state
+  ///
+  /// A chain whose first stage is a preconditioner stage (scale_by_shampoo) first has that
+  /// stage map every gradient to its direction (its state advanced; see stage.hpp), then runs
+  /// the passes over the directions, and returns the stage's report.
   template <optimizer_backend B, element V, element G, class Options, class S>
-  void step(const B& b, const param_list<V, G, typename B::space, Options>& params,
-            chain_state<chain, B, V, G, S>& st, const step_args& args = {}) const {
+  step_result step(const B& b, const param_list<V, G, typename B::space, Options>& params,
+                   chain_state<chain, B, V, G, S>& st, const step_args& args = {}) const {
     detail::optim::no_sum_assembly none;
-    step_impl(b, params, st, args, none);
+    detail::optim::no_comm nc;
+    return step_impl(nc, b, params, st, args, none);
+  }
+
+  /// `step` of a chain whose first stage is a preconditioner stage, with its distributed work
+  /// over the ranks of `comm` (scale_by_shampoo: each rank computes its share of the roots and
+  /// one allgather gives every rank all of them; the result is the same bits as `step` on one
+  /// rank). The stage agrees across ranks, once per world, its options and the other stages'
+  /// (`agreed_options`): a difference is a gradapt::error on every rank naming the option.
+  template <communicator Comm, optimizer_backend B, element V, element G, class Options, class S>
+  requires(plan::has_preconditioner) step_result
+      step(Comm& comm, const B& b, const param_list<V, G, typename B::space, Options>& params,
+           chain_state<chain, B, V, G, S>& st, const step_args& args = {})
+  const {
+    detail::optim::no_sum_assembly none;
+    return step_impl(comm, b, params, st, args, none);
   }
 
   /// `step` for a list whose tensors are pieces of larger logical tensors (the sharded step,
@@ -263,17 +299,45 @@ class chain {
   /// so that an assembly that communicates runs the same collectives on every rank.
   template <optimizer_backend B, element V, element G, class Options, class S, class Assembly>
   requires std::same_as<typename B::space, host_space> &&
-      (!plan::has_factored) void step(const B& b, const param_list<V, G, typename B::space, Options>& params,
-                                      chain_state<chain, B, V, G, S>& st, const step_args& args,
-                                      Assembly& assembly) const {
-    step_impl(b, params, st, args, assembly);
+      (!plan::has_factored &&
+       !plan::has_preconditioner) void step(const B& b,
+                                            const param_list<V, G, typename B::space, Options>& params,
+                                            chain_state<chain, B, V, G, S>& st, const step_args& args,
+                                            Assembly& assembly) const {
+    detail::optim::no_comm nc;
+    step_impl(nc, b, params, st, args, assembly);
   }
 
+  /// The options of every stage after the first, pushed as `agreed_options` pushes them (a
+  /// preconditioner stage agrees them with its own across ranks).
+  struct later_options {
+    const chain* c;
+    template <class Out>
+    void push_options(Out& out) const {
+      [&]<std::size_t... I>(std::index_sequence<I...>) {
+        (chain::push_options(std::get<I + 1>(c->stages_), out), ...);
+      }
+      (std::make_index_sequence<sizeof...(Stages) - 1>{});
+    }
+  };
+
  private:
-  template <optimizer_backend B, element V, element G, class Options, class S, class Assembly>
-  void step_impl(const B& b, const param_list<V, G, typename B::space, Options>& params,
-                 chain_state<chain, B, V, G, S>& st, const step_args& args, Assembly& assembly) const {
+  template <class Comm, optimizer_backend B, element V, element G, class Options, class S, class Assembly>
+  step_result step_impl(Comm& comm, const B& b, const param_list<V, G, typename B::space, Options>& params,
+                        chain_state<chain, B, V, G, S>& st, const step_args& args, Assembly& assembly) const {
     const std::size_t count = params.size();
+    // A preconditioner stage checks the list against its state and agrees across ranks
+    // first (so that a bad input is an error on every rank); the passes read its directions.
+    [[maybe_unused]] std::conditional_t<plan::has_preconditioner, step_result, int> report{};
+    if constexpr (plan::has_preconditioner) {
+      detail::require(!st.failed_, "chain::step: the state holds non-finite values since a check after step ",
+                      st.steps_, " (see chain_state::set_check_interval); restore a checkpoint with load()");
+      step_context pctx;
+      pctx.step = st.steps_ + 1;
+      if (args.lr.has_value()) pctx.lr = *args.lr;
+      const later_options later{this};
+      report = std::get<0>(stages_).direct(comm, b, params, st.pre_, pctx, later);
+    }
     detail::require(count == st.sizes_.size(), "chain::step: the parameter list holds ", count,
                     " tensors but the state was created for ", st.sizes_.size(),
                     " (create the state with init() for this list)");
@@ -282,7 +346,10 @@ class chain {
       detail::require(e.value.size() == st.sizes_[t], "chain::step: parameter '", e.name, "' (tensor ", t,
                       ") has ", e.value.size(), " elements but the state holds ", st.sizes_[t]);
       st.p_const_[t] = e.value;
-      st.g_const_[t] = e.grad;
+      if constexpr (plan::has_preconditioner)
+        st.g_const_[t] = st.pre_.direction_view(t);
+      else
+        st.g_const_[t] = e.grad;
     }
     if constexpr (plan::has_factored)
       for (std::size_t t = 0; t < count; ++t) {
@@ -340,6 +407,7 @@ class chain {
       st.check_finite(b, "chain::step");
       st.failed_ = false;
     }
+    if constexpr (plan::has_preconditioner) return report;
   }
 
   std::tuple<Stages...> stages_;
@@ -347,7 +415,9 @@ class chain {
   /// Pushes stage s's named options (none when it names none).
   template <class S, class Out>
   static void push_options(const S& s, Out& out) {
-    if constexpr (requires { S::option_fields(); })
+    if constexpr (requires { s.push_agreed_options(out); })
+      s.push_agreed_options(out);  // a stage whose options are not all numbers (scale_by_shampoo)
+    else if constexpr (requires { S::option_fields(); })
       std::apply([&](const auto&... f) { (out.push(f.name, static_cast<double>(s.*(f.ptr))), ...); },
                  S::option_fields());
   }

@@ -60,6 +60,7 @@ constexpr stage_spec spec_of() {
     t.measures_param_squares = static_cast<bool>(S::measures_param_squares);
   if constexpr (requires { S::factored_state; }) t.factored_state = static_cast<bool>(S::factored_state);
   if constexpr (requires { S::max_statistics; }) t.max_statistics = static_cast<bool>(S::max_statistics);
+  if constexpr (requires { S::preconditioner; }) t.preconditioner = static_cast<bool>(S::preconditioner);
   return t;
 }
 
@@ -84,7 +85,24 @@ struct stage_traits {
   static constexpr bool uses_param = spec.uses_param;
   /// A factored second-moment stage (default false).
   static constexpr bool factored_state = spec.factored_state;
+  /// A preconditioner stage (default false).
+  static constexpr bool preconditioner = spec.preconditioner;
 };
+
+/// The element kernel of a preconditioner stage: the identity (the stage's work is done
+/// before the passes, which read its direction where they would read the gradient).
+template <class C>
+struct identity_kernel {
+  /// u unchanged.
+  template <class V>
+  GRADAPT_HD GRADAPT_INLINE void update(V&, const V&, const double*) const {}
+  /// u unchanged.
+  template <class V>
+  GRADAPT_HD GRADAPT_INLINE void replay(V&, const V&, const double*) const {}
+};
+
+/// The communicator argument of a preconditioner stage's `direct` on a step without one.
+struct no_comm {};
 
 /// `s.validate()` when the stage has one (options to check), else nothing.
 template <class S>
@@ -110,6 +128,10 @@ GRADAPT_HD constexpr stage_spec info_of() {
   } else {
     i.max_statistics = false;
   }
+  if constexpr (T::preconditioner)
+    static_assert(!T::barrier && T::buffers == 0 && !T::optional && !T::factored_state,
+                  "gradapt::chain: a preconditioner stage is a required stage without chain buffers that is "
+                  "neither a barrier nor factored");
   if constexpr (T::barrier) {
     static_assert(T::buffers == 0, "gradapt::chain: a barrier stage keeps no per-element state");
     static_assert(T::spec.terms > 0, "gradapt::chain: a barrier stage declares its terms (at least 1)");
@@ -189,6 +211,16 @@ struct plan {
       factored_first,
       "gradapt::chain: a factored stage (scale_by_factored_rms, scale_by_sm3) must be the first stage "
       "(it reads the gradient itself, as in optax's adafactor and sm3)");
+  /// True when stage 0 is a preconditioner stage (see chain::step).
+  static constexpr bool has_preconditioner = info_at(0).preconditioner;
+  static_assert(
+      [] {
+        for (std::size_t k = 1; k < n; ++k)
+          if (info_at(k).preconditioner) return false;
+        return true;
+      }(),
+      "gradapt::chain: a preconditioner stage (scale_by_shampoo) must be the first stage (it reads the "
+      "gradient itself)");
   static constexpr bool any_global = [] {
     for (std::size_t k = 0; k < n; ++k)
       if (info_at(k).barrier && info_at(k).global) return true;

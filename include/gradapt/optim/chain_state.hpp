@@ -42,6 +42,20 @@ namespace gradapt {
 template <class... Stages>
 class chain;
 
+namespace detail::optim {
+/// The preconditioner state of a chain without a preconditioner stage: nothing.
+struct no_preconditioner_state {};
+/// The state a chain's preconditioner stage keeps (its `state_type<B, V, G>`), or nothing.
+template <class Chain, class B, class V, class G>
+struct preconditioner_state_of {
+  using type = no_preconditioner_state;
+};
+template <class S0, class... Rest, class B, class V, class G>
+requires(stage_traits<S0>::preconditioner) struct preconditioner_state_of<chain<S0, Rest...>, B, V, G> {
+  using type = typename S0::template state_type<B, V, G>;
+};
+}  // namespace detail::optim
+
 /// The state of a `chain<Stages...>` for one backend and element types: per-element buffers
 /// (Adam's m and v, a momentum trace) in the backend's memory, the step count, and the small
 /// per-tensor arrays the passes use. Created by `chain::init`, advanced by `chain::step`.
@@ -64,6 +78,8 @@ class chain_state {
   using grad_type = G;                ///< gradient element type
   using state_element = S;            ///< element type of the state buffers
   using plan = typename Chain::plan;  ///< the chain's compile-time stage layout
+  /// The state of the chain's preconditioner stage (`no_preconditioner_state` without one).
+  using preconditioner_type = typename detail::optim::preconditioner_state_of<Chain, B, V, G>::type;
 
   chain_state() = default;
   /// Move-only: the per-tensor views point into the state's own buffers. Duplicate a state
@@ -116,6 +132,10 @@ class chain_state {
                     plan::total_buffers, " buffer(s))");
     return mut_[j];
   }
+
+  /// The state of the chain's preconditioner stage (Shampoo's blocks, statistics and roots:
+  /// `shampoo_state`), for a chain whose first stage is one.
+  const preconditioner_type& preconditioner() const requires(plan::has_preconditioner) { return pre_; }
 
   /// Steps between the checks that every state buffer is still finite (default 100; 0 turns
   /// this check and the parameter check off). Two checks:
@@ -177,7 +197,8 @@ class chain_state {
 
   /// Writes the state into the open section of `w`: the element type, stage count, buffer
   /// count, active-stage mask, step count and tensor count; per tensor its name, shape and
-  /// (factored chains) factored layout under "tensor/<name>"; and every active buffer j as
+  /// (factored chains) factored layout under "tensor/<name>"; a preconditioner stage's state
+  /// under "preconditioner" (its own fields and checks); and every active buffer j as
   /// one tensor field per parameter, "buffer<j>/<name>", shaped like the parameter (a
   /// factored tensor's statistics as a vector). Each tensor is copied to host memory through
   /// one reused buffer.
@@ -194,6 +215,11 @@ class chain_state {
       w.put("index", static_cast<std::uint64_t>(t));
       w.put_tensor<std::int64_t>("shape", shapes_[t]);
       if (!ft_.empty()) w.put_tensor<std::int64_t>("factored_layout", layout_of(t));
+      w.end();
+    }
+    if constexpr (plan::has_preconditioner) {
+      w.begin("preconditioner");
+      pre_.save(b, w);
       w.end();
     }
     std::vector<S> host;
@@ -279,12 +305,24 @@ class chain_state {
                         "' holds a non-finite value (", static_cast<double>(static_cast<compute_t<S>>(x)),
                         "); a checkpoint of a diverged run cannot be resumed");
     });
-    r.finish_section();
-    // Pass 2: copy into the backend's memory.
-    for_each_buffer(r, host, [&](std::size_t j, std::size_t t) {
-      b.copy(tensor_view<const S, host_space>(host_view(host)), mut_[j][t]);
-    });
-    b.synchronize();
+    // Pass 2: copy into the backend's memory, once everything has been checked (a
+    // preconditioner stage's state checks its section first and commits after this).
+    const auto commit = [&] {
+      r.finish_section();
+      for_each_buffer(r, host, [&](std::size_t j, std::size_t t) {
+        b.copy(tensor_view<const S, host_space>(host_view(host)), mut_[j][t]);
+      });
+      b.synchronize();
+    };
+    if constexpr (plan::has_preconditioner) {
+      r.begin("preconditioner");
+      pre_.load(b, r, steps, [&] {
+        r.end();
+        commit();
+      });
+    } else {
+      commit();
+    }
     steps_ = steps;
     failed_ = false;
   }
@@ -344,12 +382,16 @@ class chain_state {
   std::vector<std::vector<tensor_view<S, space>>> mut_;
   std::vector<std::vector<tensor_view<const S, space>>> const_;
   std::vector<tensor_view<const V, space>> p_const_;
-  std::vector<tensor_view<const G, space>> g_const_;
+  /// What the passes read as the gradient: g, or a preconditioner stage's direction (in the
+  /// compute type).
+  using pass_grad = std::conditional_t<plan::has_preconditioner, compute_t<V>, G>;
+  std::vector<tensor_view<const pass_grad, space>> g_const_;
   detail::optim::buffer_t<B, double> tconst_, factors_, sums_;
   std::vector<double> tconst_host_;
   std::vector<std::vector<tensor_view<double, space>>> factor_views_;  ///< per enabled barrier
   std::vector<double> group_lr_;
   std::vector<std::optional<double>> group_wd_;
+  [[no_unique_address]] preconditioner_type pre_{};  ///< the preconditioner stage's state
   // The chain's stage types, "chain<trace, scale_by_learning_rate>" (for messages).
   static std::string stage_types() { return detail::short_type_name<Chain>(); }
 

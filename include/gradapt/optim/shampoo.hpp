@@ -39,6 +39,7 @@
 /// distributed and asynchronous roots, and what is not built (CUDA).
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <concepts>
 #include <cstddef>
@@ -58,7 +59,10 @@
 #include "gradapt/core/param_list.hpp"
 #include "gradapt/core/tensor_view.hpp"
 #include "gradapt/linalg/concepts.hpp"
+#include "gradapt/linalg/host_lapack.hpp"
 #include "gradapt/linalg/matrix_root.hpp"
+#include "gradapt/optim/chain.hpp"
+#include "gradapt/optim/preset.hpp"
 #include "gradapt/optim/sgd.hpp"
 #include "gradapt/optim/shampoo_blocks.hpp"
 #include "gradapt/optim/shampoo_grafting.hpp"
@@ -69,109 +73,142 @@
 
 namespace gradapt {
 
-/// Shampoo on the host (see the file comment and docs/algorithms/shampoo.md): block
-/// preconditioners from inverse p-th roots of per-block statistics, grafted to another
-/// method's step size, followed by the SGD chain (weight decay, momentum, learning rate).
-///
-///     const gradapt::host backend{};
-///     const gradapt::host_lapack la{};                       // gradapt/linalg/host_lapack.hpp
-///     gradapt::shampoo opt({.lr = 1e-3, .graft = gradapt::shampoo_graft::adam, .momentum = 0.9});
-///     auto state = opt.init(backend, la, params);
-///     opt.step(backend, params, state, {.lr = schedule(t)});
-///
-/// The preconditioner is not a chain stage: a stage's state is per-element buffers in the
-/// element backend's memory and its output is computed element by element (for factored
-/// stages from row and column factors), while Shampoo keeps n × n matrices per block, root
-/// workspaces of a linear-algebra backend and failure counters, and its output is a product
-/// of matrices. It therefore computes the grafted direction itself and hands it to
-/// `gradapt::sgd`'s chain as the gradient.
-class shampoo {
- public:
-  /// `shampoo({})`: the default options.
-  shampoo(std::initializer_list<shampoo_options> o) : shampoo(detail::options_from(o, "shampoo")) {}
-  /// @throws gradapt::error on an invalid option, naming it
-  explicit shampoo(const shampoo_options& o = {}) : o_(checked(o)), tail_(tail_options(o_)) {}
+namespace transform {
 
-  /// The options.
-  const shampoo_options& options() const { return o_; }
+/// Shampoo's preconditioner as a chain stage (see the file comment and
+/// docs/algorithms/shampoo.md): every tensor's gradient becomes its grafted direction D, from
+/// block preconditioners (inverse p-th roots of per-block statistics) grafted to another
+/// method's step size; the chain's later stages (weight decay, momentum, the learning rate)
+/// then act on D. It is a preconditioner stage (optim/stage.hpp): the chain's first stage, its
+/// state (`shampoo_state`: blocks, statistics, roots, graft state, the first moment) held in
+/// the chain's state, its report returned by `chain::step`. `gradapt::shampoo` is the preset
+/// chain; a chain of one's own:
+///
+///     gradapt::chain opt{gradapt::transform::scale_by_shampoo<>{.options = {.graft =
+///     gradapt::shampoo_graft::adam}},
+///                        gradapt::transform::add_decayed_weights{.weight_decay = 1e-4},
+///                        gradapt::transform::scale_by_learning_rate{.lr = 1e-3}};
+///
+/// The stage reads the preconditioner's fields of `options` (blocking, statistics, roots,
+/// graft, first moment, distribution); `lr`, `momentum`, `nesterov`, `weight_decay` and
+/// `skip_weight_decay` are the later stages' (the preset maps them; the stage checks them
+/// and otherwise ignores them).
+///
+/// @tparam L the linear-algebra backend of the roots and products (host memory)
+template <class L = host_lapack>
+struct scale_by_shampoo {
+  /// The options (see shampoo_options).
+  shampoo_options options{};
+  /// The linear-algebra backend (copied into the state at init).
+  L linalg{};
+
+  /// A preconditioner stage: required, no chain buffers, never reads p in the passes.
+  static constexpr stage_spec traits{.uses_param = false, .preconditioner = true};
+  /// The state for backend B, parameters V and gradients G.
+  template <class B, class V, class G>
+  using state_type = shampoo_state<L, B, V, G>;
+  /// What `chain::step` returns.
+  using report_type = shampoo_step_report;
+  /// The element kernel: the identity (the passes read D where they would read g).
+  template <class C>
+  using kernel = gradapt::detail::optim::identity_kernel<C>;
+  /// The identity kernel.
+  template <class C>
+  kernel<C> prepare(const step_context&) const {
+    return {};
+  }
+  /// Throws gradapt::error naming the first invalid option (the chain calls it when built).
+  void validate() const { validate(options); }
+  /// Pushes the options that shape the result (what the distributed step also agrees on), for
+  /// `chain::agreed_options`.
+  template <class Out>
+  void push_agreed_options(Out& out) const {
+    for (const auto& v : agreed_values()) out.push(v.name, v.value);
+  }
 
   /// Throws gradapt::error naming the first invalid option.
   static void validate(const shampoo_options& o) {
     constexpr const char* w = "shampoo";
     const auto finite = [](double v) { return std::isfinite(v); };
-    detail::require(finite(o.lr) && o.lr >= 0, w, ": lr is ", o.lr, " (expected finite and >= 0)");
-    detail::require(o.max_preconditioner_dim >= 1, w, ": max_preconditioner_dim is ",
-                    o.max_preconditioner_dim,
-                    " (expected >= 1: the largest side of a preconditioned block; 1024 is typical)");
-    detail::require(o.skip_preconditioning_dim_size_gt >= 1, w, ": skip_preconditioning_dim_size_gt is ",
-                    o.skip_preconditioning_dim_size_gt,
-                    " (expected >= 1: tensors with a larger dimension take the graft alone)");
-    detail::require(finite(o.beta2) && o.beta2 > 0 && o.beta2 <= 1, w, ": beta2 is ", o.beta2,
-                    " (expected in (0, 1]: 1 sums the statistics, below 1 is an EMA)");
-    detail::require(o.statistics_frequency >= 1, w, ": statistics_frequency is 0 (expected >= 1)");
-    detail::require(o.precondition_frequency >= 1, w, ": precondition_frequency is 0 (expected >= 1)");
-    detail::require(o.start_preconditioning_step >= 1, w,
-                    ": start_preconditioning_step is 0 (expected >= 1; steps are counted from 1)");
-    detail::require(o.inverse_exponent_override >= 0, w, ": inverse_exponent_override is ",
-                    o.inverse_exponent_override, " (expected p >= 1 for the root S^(-1/p), or 0 for p = 2k)");
+    gradapt::detail::require(finite(o.lr) && o.lr >= 0, w, ": lr is ", o.lr, " (expected finite and >= 0)");
+    gradapt::detail::require(o.max_preconditioner_dim >= 1, w, ": max_preconditioner_dim is ",
+                             o.max_preconditioner_dim,
+                             " (expected >= 1: the largest side of a preconditioned block; 1024 is typical)");
+    gradapt::detail::require(o.skip_preconditioning_dim_size_gt >= 1, w,
+                             ": skip_preconditioning_dim_size_gt is ", o.skip_preconditioning_dim_size_gt,
+                             " (expected >= 1: tensors with a larger dimension take the graft alone)");
+    gradapt::detail::require(finite(o.beta2) && o.beta2 > 0 && o.beta2 <= 1, w, ": beta2 is ", o.beta2,
+                             " (expected in (0, 1]: 1 sums the statistics, below 1 is an EMA)");
+    gradapt::detail::require(o.statistics_frequency >= 1, w, ": statistics_frequency is 0 (expected >= 1)");
+    gradapt::detail::require(o.precondition_frequency >= 1, w,
+                             ": precondition_frequency is 0 (expected >= 1)");
+    gradapt::detail::require(o.start_preconditioning_step >= 1, w,
+                             ": start_preconditioning_step is 0 (expected >= 1; steps are counted from 1)");
+    gradapt::detail::require(o.inverse_exponent_override >= 0, w, ": inverse_exponent_override is ",
+                             o.inverse_exponent_override,
+                             " (expected p >= 1 for the root S^(-1/p), or 0 for p = 2k)");
     const auto& r = o.root;
-    detail::require(r.method == root_method::eigen || r.method == root_method::coupled_newton, w,
-                    ": root.method is ", int(r.method), " (expected root_method::eigen or coupled_newton)");
-    detail::require(r.ridge == ridge_kind::absolute || r.ridge == ridge_kind::relative, w, ": root.ridge is ",
-                    int(r.ridge), " (expected ridge_kind::absolute or relative)");
-    detail::require(finite(r.epsilon) && r.epsilon >= 0, w, ": root.epsilon is ", r.epsilon,
-                    " (expected a finite ridge >= 0)");
-    detail::require(finite(r.tolerance) && r.tolerance >= 0, w, ": root.tolerance is ", r.tolerance,
-                    " (expected finite and >= 0)");
-    detail::require(r.max_iterations >= 1, w, ": root.max_iterations is ", r.max_iterations,
-                    " (expected >= 1)");
-    detail::require(r.max_error_ratio >= 1, w, ": root.max_error_ratio is ", r.max_error_ratio,
-                    " (expected >= 1)");
-    detail::require(r.max_error > 0, w, ": root.max_error is ", r.max_error, " (expected > 0)");
-    detail::require(r.power_iterations >= 1, w, ": root.power_iterations is ", r.power_iterations,
-                    " (expected >= 1)");
-    detail::require(finite(r.power_tolerance) && r.power_tolerance >= 0, w, ": root.power_tolerance is ",
-                    r.power_tolerance, " (expected finite and >= 0)");
-    detail::require(
+    gradapt::detail::require(r.method == root_method::eigen || r.method == root_method::coupled_newton, w,
+                             ": root.method is ", int(r.method),
+                             " (expected root_method::eigen or coupled_newton)");
+    gradapt::detail::require(r.ridge == ridge_kind::absolute || r.ridge == ridge_kind::relative, w,
+                             ": root.ridge is ", int(r.ridge),
+                             " (expected ridge_kind::absolute or relative)");
+    gradapt::detail::require(finite(r.epsilon) && r.epsilon >= 0, w, ": root.epsilon is ", r.epsilon,
+                             " (expected a finite ridge >= 0)");
+    gradapt::detail::require(finite(r.tolerance) && r.tolerance >= 0, w, ": root.tolerance is ", r.tolerance,
+                             " (expected finite and >= 0)");
+    gradapt::detail::require(r.max_iterations >= 1, w, ": root.max_iterations is ", r.max_iterations,
+                             " (expected >= 1)");
+    gradapt::detail::require(r.max_error_ratio >= 1, w, ": root.max_error_ratio is ", r.max_error_ratio,
+                             " (expected >= 1)");
+    gradapt::detail::require(r.max_error > 0, w, ": root.max_error is ", r.max_error, " (expected > 0)");
+    gradapt::detail::require(r.power_iterations >= 1, w, ": root.power_iterations is ", r.power_iterations,
+                             " (expected >= 1)");
+    gradapt::detail::require(finite(r.power_tolerance) && r.power_tolerance >= 0, w,
+                             ": root.power_tolerance is ", r.power_tolerance, " (expected finite and >= 0)");
+    gradapt::detail::require(
         o.max_consecutive_failures >= 1, w,
         ": max_consecutive_failures is 0 (expected >= 1: failures in a row before the step throws)");
-    detail::require(o.root_staleness <= o.precondition_frequency, w, ": root_staleness is ", o.root_staleness,
-                    " but precondition_frequency is ", o.precondition_frequency,
-                    " (expected root_staleness <= precondition_frequency: the roots started at one due "
-                    "step are installed before the next one starts)");
-    detail::require(o.graft <= shampoo_graft::adam, w, ": graft is ", int(o.graft),
-                    " (expected none, sgd, adagrad, rmsprop or adam)");
-    detail::require(finite(o.graft_beta2) && o.graft_beta2 >= 0 && o.graft_beta2 < 1, w, ": graft_beta2 is ",
-                    o.graft_beta2, " (expected in [0, 1); 0.999 is typical)");
-    detail::require(finite(o.graft_epsilon) && o.graft_epsilon > 0, w, ": graft_epsilon is ", o.graft_epsilon,
-                    " (expected finite and > 0)");
-    detail::require(finite(o.momentum) && o.momentum >= 0 && o.momentum <= 1, w, ": momentum is ", o.momentum,
-                    " (expected in [0, 1]; 0 keeps no buffer)");
-    detail::require(!o.nesterov || o.momentum > 0, w, ": nesterov is set but momentum is ", o.momentum,
-                    " (Nesterov momentum needs momentum > 0)");
-    detail::require(finite(o.weight_decay) && o.weight_decay >= 0, w, ": weight_decay is ", o.weight_decay,
-                    " (expected finite and >= 0)");
-    detail::require(finite(o.beta1) && o.beta1 >= 0 && o.beta1 < 1, w, ": beta1 is ", o.beta1,
-                    " (expected in [0, 1): the first moment's EMA coefficient; 0 keeps none)");
-    detail::require(o.merge_from <= shampoo_merge::last, w, ": merge_from is ", int(o.merge_from),
-                    " (expected shampoo_merge::first or last)");
-    detail::require(o.spectrum <= shampoo_spectrum::shift, w, ": spectrum is ", int(o.spectrum),
-                    " (expected shampoo_spectrum::clamp or shift)");
-    detail::require(o.spectrum == shampoo_spectrum::clamp || r.method == root_method::eigen, w,
-                    ": spectrum is shift but root.method is coupled_newton (the shifted spectrum is the "
-                    "eigen root's; use spectrum clamp with Newton)");
+    gradapt::detail::require(
+        o.root_staleness <= o.precondition_frequency, w, ": root_staleness is ", o.root_staleness,
+        " but precondition_frequency is ", o.precondition_frequency,
+        " (expected root_staleness <= precondition_frequency: the roots started at one due "
+        "step are installed before the next one starts)");
+    gradapt::detail::require(o.graft <= shampoo_graft::adam, w, ": graft is ", int(o.graft),
+                             " (expected none, sgd, adagrad, rmsprop or adam)");
+    gradapt::detail::require(finite(o.graft_beta2) && o.graft_beta2 >= 0 && o.graft_beta2 < 1, w,
+                             ": graft_beta2 is ", o.graft_beta2, " (expected in [0, 1); 0.999 is typical)");
+    gradapt::detail::require(finite(o.graft_epsilon) && o.graft_epsilon > 0, w, ": graft_epsilon is ",
+                             o.graft_epsilon, " (expected finite and > 0)");
+    gradapt::detail::require(finite(o.momentum) && o.momentum >= 0 && o.momentum <= 1, w, ": momentum is ",
+                             o.momentum, " (expected in [0, 1]; 0 keeps no buffer)");
+    gradapt::detail::require(!o.nesterov || o.momentum > 0, w, ": nesterov is set but momentum is ",
+                             o.momentum, " (Nesterov momentum needs momentum > 0)");
+    gradapt::detail::require(finite(o.weight_decay) && o.weight_decay >= 0, w, ": weight_decay is ",
+                             o.weight_decay, " (expected finite and >= 0)");
+    gradapt::detail::require(finite(o.beta1) && o.beta1 >= 0 && o.beta1 < 1, w, ": beta1 is ", o.beta1,
+                             " (expected in [0, 1): the first moment's EMA coefficient; 0 keeps none)");
+    gradapt::detail::require(o.merge_from <= shampoo_merge::last, w, ": merge_from is ", int(o.merge_from),
+                             " (expected shampoo_merge::first or last)");
+    gradapt::detail::require(o.spectrum <= shampoo_spectrum::shift, w, ": spectrum is ", int(o.spectrum),
+                             " (expected shampoo_spectrum::clamp or shift)");
+    gradapt::detail::require(
+        o.spectrum == shampoo_spectrum::clamp || r.method == root_method::eigen, w,
+        ": spectrum is shift but root.method is coupled_newton (the shifted spectrum is the "
+        "eigen root's; use spectrum clamp with Newton)");
     for (std::size_t i = 0; i < o.inverse_exponents.size(); ++i) {
       const auto& e = o.inverse_exponents[i];
-      detail::require(e.order >= 1 && e.order <= static_cast<std::size_t>(max_rank), w,
-                      ": inverse_exponents[", i, "].order is ", e.order,
-                      " (expected a block order from 1 to ", max_rank, ")");
-      detail::require(e.dimension >= -1 && e.dimension < static_cast<int>(e.order), w, ": inverse_exponents[",
-                      i, "].dimension is ", e.dimension, " (expected -1 for every factor, or 0 to ",
-                      e.order - 1, ")");
-      detail::require(e.p >= 0, w, ": inverse_exponents[", i, "].p is ", e.p,
-                      " (expected p >= 1 for the root S^(-1/p), or 0: not preconditioned)");
+      gradapt::detail::require(e.order >= 1 && e.order <= static_cast<std::size_t>(max_rank), w,
+                               ": inverse_exponents[", i, "].order is ", e.order,
+                               " (expected a block order from 1 to ", max_rank, ")");
+      gradapt::detail::require(e.dimension >= -1 && e.dimension < static_cast<int>(e.order), w,
+                               ": inverse_exponents[", i, "].dimension is ", e.dimension,
+                               " (expected -1 for every factor, or 0 to ", e.order - 1, ")");
+      gradapt::detail::require(e.p >= 0, w, ": inverse_exponents[", i, "].p is ", e.p,
+                               " (expected p >= 1 for the root S^(-1/p), or 0: not preconditioned)");
       for (std::size_t j = 0; j < i; ++j)
-        detail::require(
+        gradapt::detail::require(
             o.inverse_exponents[j].order != e.order || o.inverse_exponents[j].dimension != e.dimension, w,
             ": inverse_exponents[", i, "] repeats order ", e.order, " dimension ", e.dimension,
             " of inverse_exponents[", j, "] (expected one entry per order and dimension)");
@@ -190,28 +227,27 @@ class shampoo {
     return o.inverse_exponent_override != 0 ? o.inverse_exponent_override : static_cast<int>(2 * k);
   }
 
-  /// The state for `params` on element backend `b` (host memory) and linear-algebra backend
-  /// `la` (copied into the state): block layouts, zero statistics and roots, graft state,
-  /// direction buffers, one root workspace per block size, scratch, and the SGD chain's state.
+  /// The state for `params` on element backend `b` (host memory), the chain's `init` calls
+  /// it: block layouts, zero statistics and roots, graft state, direction buffers, one root
+  /// workspace per block size, and scratch (`linalg` copied into it).
   /// @throws gradapt::error for a parameter whose gradient and value shapes differ (param_list
   ///         prevents it) or a block size the linear-algebra backend cannot take
-  template <optimizer_backend B, linalg_backend L, element V, element G, class Options>
+  template <optimizer_backend B, element V, element G, class Options>
   requires std::same_as<typename B::space, host_space> && std::same_as<typename L::space, host_space>
-  auto init(const B& b, const L& la, const param_list<V, G, host_space, Options>& params) const {
-    using St = shampoo_state<L, B, V, G, Options>;
+      state_type<B, V, G> init_state(const B&, const param_list<V, G, host_space, Options>& params)
+  const {
+    using St = state_type<B, V, G>;
     using C = typename St::compute_type;
+    const L& la = linalg;
     St st;
     st.la_ = la;
-    st.graft_ = o_.graft;
-    st.beta1_ = o_.beta1;
-    st.bias_correction_ = o_.bias_correction;
-    st.spectrum_ = o_.spectrum;
-    st.max_failures_ = o_.max_consecutive_failures;
-    st.list_ = param_list<V, C, host_space, Options>(params.group(0).options);
-    for (std::size_t g = 1; g < params.group_count(); ++g)
-      st.list_.add_group(params.group(g).name, params.group(g).options);
+    st.graft_ = options.graft;
+    st.beta1_ = options.beta1;
+    st.bias_correction_ = options.bias_correction;
+    st.spectrum_ = options.spectrum;
+    st.max_failures_ = options.max_consecutive_failures;
     std::size_t max_block = 0, max_roots = 0;
-    const bool has_state = detail::shampoo_impl::graft_has_state(o_.graft);
+    const bool has_state = gradapt::detail::shampoo_impl::graft_has_state(options.graft);
     st.t_.resize(params.size());
     for (std::size_t t = 0; t < params.size(); ++t) {
       auto& x = st.t_[t];
@@ -219,22 +255,22 @@ class shampoo {
       x.name = e.name;
       x.shape.assign(e.value.shape().begin(), e.value.shape().end());
       x.size = e.value.size();
-      x.layout = shampoo_plan(e.value.shape(), o_);
+      x.layout = shampoo_plan(e.value.shape(), options);
       x.dir.assign(x.size, C(0));
       if (has_state) x.graft.assign(x.size, C(0));
-      if (o_.beta1 > 0) x.mom.assign(x.size, C(0));
+      if (options.beta1 > 0) x.mom.assign(x.size, C(0));
       const std::size_t k = x.layout.merged.size();
       for (const auto& r : x.layout.blocks) {
         typename St::block_t bl;
         bl.k = k;
         std::size_t elems = 1, mats = 0;
         for (std::size_t d = 0; d < k; ++d) {
-          bl.p[d] = exponent(o_, k, d);
+          bl.p[d] = exponent(options, k, d);
           bl.n[d] = r.size[d];
           bl.off[d] = mats;
           mats += static_cast<std::size_t>(r.size[d] * r.size[d]);
           elems *= static_cast<std::size_t>(r.size[d]);
-          if (bl.p[d] != 0) add_workspace(st, la, r.size[d], o_.root.method, o_.spectrum);
+          if (bl.p[d] != 0) add_workspace(st, la, r.size[d], options.root.method, options.spectrum);
         }
         bl.stats.assign(mats, C(0));
         bl.roots.assign(mats, C(0));
@@ -242,14 +278,12 @@ class shampoo {
         max_roots = std::max(max_roots, mats);
         x.blocks.push_back(std::move(bl));
       }
-      st.list_.add(e.name, e.value, tensor_view<C, host_space>(x.dir.data(), e.value.shape()), e.flags,
-                   e.group);
     }
     for (auto* v : {&st.xb_, &st.ab_, &st.db_, &st.y0_, &st.y1_}) v->assign(max_block, C(0));
-    if (o_.beta1 > 0) st.mb_.assign(max_block, C(0));
+    if (options.beta1 > 0) st.mb_.assign(max_block, C(0));
     st.rs_.assign(max_roots, C(0));
-    st.staleness_ = o_.root_staleness;
-    st.deterministic_ = o_.deterministic_roots;
+    st.staleness_ = options.root_staleness;
+    st.deterministic_ = options.deterministic_roots;
     for (std::size_t t = 0; t < st.t_.size(); ++t)
       for (std::size_t j = 0; j < st.t_[t].blocks.size(); ++j) {
         auto& bl = st.t_[t].blocks[j];
@@ -259,133 +293,126 @@ class shampoo {
           if (bl.p[d] != 0) ref.cost += n * n * n;
         }
         st.refs_.push_back(ref);
-        if (o_.root_staleness > 0) {
+        if (options.root_staleness > 0) {
           bl.snap.assign(bl.stats.size(), C(0));
           bl.pend.assign(bl.roots.size(), C(0));
         }
       }
-    if (o_.root_staleness > 0) {
+    if (options.root_staleness > 0) {
       st.tasks_.reserve(st.refs_.size());
       std::vector<std::pair<std::int64_t, typename St::workspace_t*>> ws;
       for (auto& [n, w] : st.ws_) ws.emplace_back(n, w.get());
-      st.worker_ = std::make_unique<detail::shampoo_impl::root_worker<L, C>>(la, recipe(), std::move(ws));
+      st.worker_ =
+          std::make_unique<gradapt::detail::shampoo_impl::root_worker<L, C>>(la, recipe(), std::move(ws));
     }
-    st.tail_ = tail_.init(b, st.list_);
     return st;
   }
 
-  /// One step: the statistics, the roots when due (computed here, or started in the worker
-  /// thread and installed `root_staleness` steps later), every tensor's direction (see the
-  /// file comment), then the SGD chain over them, which updates the parameters in place.
+  /// The directions of one step (the chain's `step` calls it): the statistics, the roots when
+  /// due (computed here, or started in the worker thread and installed `root_staleness` steps
+  /// later; with a communicator, divided among the ranks), every tensor's direction (see the
+  /// file comment) into the state's direction buffers.
+  ///
+  /// Distributed roots (`chain::step(comm, ...)`): the blocks are assigned to ranks by
+  /// `lpt_assign` over their cost Σ n_d³ (deterministic: every rank derives the same plan from
+  /// the layout and the world size), each rank computes its own blocks' roots, and one
+  /// allgather gives every rank all of them, so each rank's root work falls as 1/N. Every rank
+  /// must call it at the same steps with the same (averaged) gradients; the result is the same
+  /// bits as the step on one rank. Checked across ranks: at the first call on a world (one
+  /// small allreduce) the layout, the step count, every option that shapes the result
+  /// (shampoo_distributed.hpp: blocking, statistics, roots, graft, first moment) and the
+  /// chain's other stages' options (momentum, weight decay, lr); at every exchange the step,
+  /// the step's learning rate and a hash of the statistics the roots come from. A difference
+  /// is a gradapt::error on every rank naming the value and its range across ranks. With
+  /// root_staleness >= 1 each rank's worker thread computes its blocks and the exchange
+  /// happens at the installing step (deterministic_roots must be true). The world may change
+  /// between calls (the plan follows it; roots in flight restart from their copied statistics
+  /// under the new plan).
   /// @throws gradapt::error when `params` does not match the state (count, names, shapes), the
-  ///         step's learning rate is not finite or negative, or a block's roots failed
+  ///         step's learning rate is not finite or negative, a block's roots failed
   ///         `max_consecutive_failures` computations in a row (naming the parameter and the
   ///         block; the parameters and the graft state are left unchanged, the statistics have
-  ///         advanced, and every later step throws until `load` restores a checkpoint)
+  ///         advanced, and every later step throws until `load` restores a checkpoint), or for
+  ///         a disagreement across ranks
   /// @return the step's report: the blocks whose roots it installed, and every failed root
   ///         computation as it happens (block, factor, reason, failures in a row and in all),
   ///         the block keeping its last good roots (the graft's direction before any)
-  template <optimizer_backend B, class L, element V, element G, class Options>
-  shampoo_step_report step(const B& b, const param_list<V, G, host_space, Options>& params,
-                           shampoo_state<L, B, V, G, Options>& st, const step_args& args = {}) const {
-    detail::shampoo_impl::no_comm none;
-    return step_impl(none, b, params, st, args);
+  template <class Comm, optimizer_backend B, element V, element G, class Options, class Extra>
+  shampoo_step_report direct(Comm& comm, const B& b, const param_list<V, G, host_space, Options>& params,
+                             state_type<B, V, G>& st, const step_context& ctx, const Extra& extra) const {
+    return step_impl(comm, b, params, st, ctx, extra);
   }
 
-  /// One step with the roots distributed over the ranks of `comm`: the blocks are assigned to
-  /// ranks by `lpt_assign` over their cost Σ n_d³ (deterministic: every rank derives the same
-  /// plan from the layout and the world size), each rank computes its own blocks' roots, and one
-  /// allgather gives every rank all of them, so each rank's root work falls as 1/N. Every rank
-  /// must call it at the same steps with the same (averaged) gradients; the result is the same
-  /// bits as `step(b, params, st, args)` on one rank. Checked across ranks: at the first call
-  /// on a world (one small allreduce) the layout, the step count and every option that shapes
-  /// the result (shampoo_distributed.hpp: blocking, statistics, roots, graft, first moment,
-  /// momentum, weight decay, lr); at every exchange the step, the step's learning rate and a
-  /// hash of the statistics the roots come from. A difference is a gradapt::error on every
-  /// rank naming the value and its range across ranks. With root_staleness >= 1 each rank's
-  /// worker thread computes its blocks and the exchange happens at the installing step
-  /// (deterministic_roots must be true). The world may change between calls (the plan follows it; roots in
-  /// flight restart from their copied statistics under the new plan).
-  /// @throws gradapt::error as the step above, and for a disagreement across ranks
-  template <communicator Comm, optimizer_backend B, class L, element V, element G, class Options>
-  requires std::same_as<typename Comm::space, host_space> shampoo_step_report
-  step(Comm& comm, const B& b, const param_list<V, G, host_space, Options>& params,
-       shampoo_state<L, B, V, G, Options>& st, const step_args& args = {})
-  const { return step_impl(comm, b, params, st, args); }
-
  private:
-  template <class Comm, class B, class L, class V, class G, class Options>
-  shampoo_step_report step_impl(Comm& comm, const B& b, const param_list<V, G, host_space, Options>& params,
-                                shampoo_state<L, B, V, G, Options>& st, const step_args& args) const {
+  template <class Comm, class B, class V, class G, class Options, class Extra>
+  shampoo_step_report step_impl(Comm& comm, const B&, const param_list<V, G, host_space, Options>& params,
+                                state_type<B, V, G>& st, const step_context& ctx, const Extra& extra) const {
     using C = compute_t<V>;
-    constexpr bool dist = !std::is_same_v<Comm, detail::shampoo_impl::no_comm>;
+    constexpr bool dist = !std::is_same_v<Comm, gradapt::detail::optim::no_comm>;
     constexpr const char* who = "shampoo::step";
-    detail::require(!st.failed_, who, ": the state stopped after a block's roots failed ", st.max_failures_,
-                    " times in a row or the ranks' statistics differed; restore a checkpoint with load()");
+    gradapt::detail::require(
+        !st.failed_, who, ": the state stopped after a block's roots failed ", st.max_failures_,
+        " times in a row or the ranks' statistics differed; restore a checkpoint with load()");
     // This rank's input errors travel through the agreement of a distributed step that
     // communicates, so every rank throws instead of waiting in a collective for this one.
     std::string bad;
-    bool rebind = false;
     try {
-      detail::require(params.size() == st.t_.size(), who, ": the parameter list holds ", params.size(),
-                      " tensors but the state was created for ", st.t_.size(),
-                      " (create the state with init() for this list)");
+      gradapt::detail::require(params.size() == st.t_.size(), who, ": the parameter list holds ",
+                               params.size(), " tensors but the state was created for ", st.t_.size(),
+                               " (create the state with init() for this list)");
       for (std::size_t t = 0; t < params.size(); ++t) {
         const auto& e = params[t];
         const auto& x = st.t_[t];
-        detail::require(e.name == x.name && std::ranges::equal(e.value.shape(), x.shape), who, ": parameter ",
-                        t, " is '", e.name, "' of shape ", e.value.shape_string(), " but the state holds '",
-                        x.name, "' of another shape or name (create the state with init() for this list)");
-        rebind = rebind || st.list_[t].value.data() != e.value.data();
+        gradapt::detail::require(e.name == x.name && std::ranges::equal(e.value.shape(), x.shape), who,
+                                 ": parameter ", t, " is '", e.name, "' of shape ", e.value.shape_string(),
+                                 " but the state holds '", x.name,
+                                 "' of another shape or name (create the state with init() for this list)");
       }
-      detail::require(params.group_count() == st.list_.group_count(), who, ": the list has ",
-                      params.group_count(), " groups but the state was created for ", st.list_.group_count());
-      detail::require(st.staleness_ == o_.root_staleness && st.deterministic_ == o_.deterministic_roots, who,
-                      ": the state was created with root_staleness ", st.staleness_,
-                      " and deterministic_roots ", st.deterministic_, " but this optimizer has ",
-                      o_.root_staleness, " and ", o_.deterministic_roots,
-                      " (create the state with this optimizer's init())");
-      detail::require(st.beta1_ == o_.beta1 && st.bias_correction_ == o_.bias_correction &&
-                          st.spectrum_ == o_.spectrum && st.graft_ == o_.graft,
-                      who, ": the state was created with beta1 ", st.beta1_, ", bias_correction ",
-                      st.bias_correction_, ", spectrum ", to_string(st.spectrum_), " and graft ",
-                      to_string(st.graft_), " but this optimizer has ", o_.beta1, ", ", o_.bias_correction,
-                      ", ", to_string(o_.spectrum), " and ", to_string(o_.graft),
-                      " (create the state with this optimizer's init())");
-      if (args.lr) {
-        detail::require(std::isfinite(*args.lr) && *args.lr >= 0, who, ": the step's learning rate is ",
-                        *args.lr, " (expected finite and >= 0; check the schedule)");
+      gradapt::detail::require(
+          st.staleness_ == options.root_staleness && st.deterministic_ == options.deterministic_roots, who,
+          ": the state was created with root_staleness ", st.staleness_, " and deterministic_roots ",
+          st.deterministic_, " but this optimizer has ", options.root_staleness, " and ",
+          options.deterministic_roots, " (create the state with this optimizer's init())");
+      gradapt::detail::require(st.beta1_ == options.beta1 && st.bias_correction_ == options.bias_correction &&
+                                   st.spectrum_ == options.spectrum && st.graft_ == options.graft,
+                               who, ": the state was created with beta1 ", st.beta1_, ", bias_correction ",
+                               st.bias_correction_, ", spectrum ", to_string(st.spectrum_), " and graft ",
+                               to_string(st.graft_), " but this optimizer has ", options.beta1, ", ",
+                               options.bias_correction, ", ", to_string(options.spectrum), " and ",
+                               to_string(options.graft), " (create the state with this optimizer's init())");
+      if (ctx.lr) {
+        gradapt::detail::require(std::isfinite(*ctx.lr) && *ctx.lr >= 0, who,
+                                 ": the step's learning rate is ", *ctx.lr,
+                                 " (expected finite and >= 0; check the schedule)");
       }
       if constexpr (dist)
-        detail::require(st.staleness_ == 0 || st.deterministic_, who,
-                        ": the distributed step installs roots at the same step on every rank; set "
-                        "deterministic_roots = true (root_staleness is ",
-                        st.staleness_, ")");
+        gradapt::detail::require(st.staleness_ == 0 || st.deterministic_, who,
+                                 ": the distributed step installs roots at the same step on every rank; set "
+                                 "deterministic_roots = true (root_staleness is ",
+                                 st.staleness_, ")");
     } catch (const error& e) {
       bad = e.what();
     }
-    const std::uint64_t t = st.steps_ + 1;
-    const bool stats_due = (t - 1) % o_.statistics_frequency == 0;
-    const bool preconditioning = t >= o_.start_preconditioning_step;
+    const std::uint64_t t = ctx.step;
+    const bool stats_due = (t - 1) % options.statistics_frequency == 0;
+    const bool preconditioning = t >= options.start_preconditioning_step;
     const bool roots_due =
-        preconditioning && (t - o_.start_preconditioning_step) % o_.precondition_frequency == 0;
+        preconditioning && (t - options.start_preconditioning_step) % options.precondition_frequency == 0;
     if constexpr (dist) {
       const bool exchanges = (roots_due && st.staleness_ == 0) ||
                              (st.pending_step_ != 0 && t == st.pending_step_ + st.staleness_) ||
                              !st.x_.planned_for(comm.size(), comm.rank());
       if (exchanges)
         agree_values(comm, "shampoo::step",
-                     {{"step", static_cast<double>(t)}, {"step lr", args.lr ? *args.lr : o_.lr}}, bad);
+                     {{"step", static_cast<double>(t)}, {"step lr", ctx.lr ? *ctx.lr : options.lr}}, bad);
       else if (!bad.empty())
         throw error(bad);
-      plan(comm, st);
+      plan(comm, st, extra);
     } else if (!bad.empty()) {
       throw error(bad);
     }
     st.report_.clear();
     st.installed_ = 0;
-    if (rebind) rebind_values(st, params);
-    for (std::size_t g = 0; g < params.group_count(); ++g) st.list_.options(g) = params.group(g).options;
 
     if (st.relaunch_) launch(st, dist);
     if (stats_due)
@@ -408,13 +435,14 @@ class shampoo {
       }
     }
 
-    const double b2 = o_.graft_beta2;
-    const detail::shampoo_impl::graft_kernel<C> gk{o_.graft, C(b2), C(1.0 - b2), C(o_.graft_epsilon),
-                                                   C(1.0 - std::pow(b2, static_cast<double>(t)))};
+    const double b2 = options.graft_beta2;
+    const gradapt::detail::shampoo_impl::graft_kernel<C> gk{options.graft, C(b2), C(1.0 - b2),
+                                                            C(options.graft_epsilon),
+                                                            C(1.0 - std::pow(b2, static_cast<double>(t)))};
     // The first moment (beta1 > 0): m ← m + (1 − β1)·(g − m), divided by 1 − β1^t when
     // bias-corrected; it is what the blocks precondition and the graft divides.
-    const C w1 = C(1.0 - o_.beta1);
-    const C bc1 = C(o_.bias_correction ? 1.0 - std::pow(o_.beta1, static_cast<double>(t)) : 1.0);
+    const C w1 = C(1.0 - options.beta1);
+    const C bc1 = C(options.bias_correction ? 1.0 - std::pow(options.beta1, static_cast<double>(t)) : 1.0);
     C dummy = C(0);
     for (std::size_t i = 0; i < st.t_.size(); ++i) {
       auto& x = st.t_[i];
@@ -432,23 +460,22 @@ class shampoo {
       for (std::size_t j = 0; j < x.blocks.size(); ++j)
         block_direction(st, x, j, g, gk, bc1, has_state, preconditioning);
     }
-    tail_.step(b, st.list_, st.tail_, args);
     st.steps_ = t;
     return {t, st.installed_, std::move(st.report_)};
   }
 
   /// What block_roots needs besides the block: the root options and the spectrum treatment.
-  detail::shampoo_impl::root_recipe recipe() const { return {o_.root, o_.spectrum}; }
+  gradapt::detail::shampoo_impl::root_recipe recipe() const { return {options.root, options.spectrum}; }
   /// The divisor of the statistics before the roots computed at step t: 1 − β2^u with u the
   /// statistics updates up to t (bias_correction and beta2 < 1), else 1.
   double root_bias(std::uint64_t t) const {
-    if (!o_.bias_correction || o_.beta2 >= 1.0 || t == 0) return 1.0;
-    const auto u = static_cast<double>((t - 1) / o_.statistics_frequency + 1);
-    return 1.0 - std::pow(o_.beta2, u);
+    if (!options.bias_correction || options.beta2 >= 1.0 || t == 0) return 1.0;
+    const auto u = static_cast<double>((t - 1) / options.statistics_frequency + 1);
+    return 1.0 - std::pow(options.beta2, u);
   }
 
-  template <class St, class L>
-  static void add_workspace(St& st, const L& la, std::int64_t n, root_method method,
+  template <class St, class LA>
+  static void add_workspace(St& st, const LA& la, std::int64_t n, root_method method,
                             shampoo_spectrum spectrum) {
     for (const auto& w : st.ws_)
       if (w.first == n) return;
@@ -456,23 +483,11 @@ class shampoo {
     st.ws_.back().second->reserve(la, method, spectrum);  // the first root allocates nothing either
   }
 
-  template <class St, class PL>
-  static void rebind_values(St& st, const PL& params) {
-    using C = typename St::compute_type;
-    std::decay_t<decltype(st.list_)> list(params.group(0).options);
-    for (std::size_t g = 1; g < params.group_count(); ++g)
-      list.add_group(params.group(g).name, params.group(g).options);
-    for (std::size_t t = 0; t < params.size(); ++t) {
-      const auto& e = params[t];
-      list.add(e.name, e.value, tensor_view<C, host_space>(st.t_[t].dir.data(), e.value.shape()), e.flags,
-               e.group);
-    }
-    st.list_ = std::move(list);
-  }
-
   // The distributed plan and the owner exchange (shampoo_distributed.hpp).
-  template <class Comm, class St>
-  void plan(Comm& comm, St& st) const;
+  template <class Comm, class St, class Extra>
+  void plan(Comm& comm, St& st, const Extra& extra) const;
+  // The options the distributed plan agrees on besides the layout (shampoo_distributed.hpp).
+  std::array<agreed_value, 21> agreed_values() const;
   template <class St>
   static bool owns(const St& st, std::size_t i, bool dist);
   template <class St>
@@ -500,7 +515,7 @@ class shampoo {
   template <class St, class Tensor, class G, class GK, class C>
   void block_direction(St& st, Tensor& x, std::size_t j, const G* g, const GK& gk, C bc1, bool has_state,
                        bool preconditioning) const {
-    namespace si = detail::shampoo_impl;
+    namespace si = gradapt::detail::shampoo_impl;
     auto& bl = x.blocks[j];
     const auto& range = x.layout.blocks[j];
     std::size_t elems = 1;
@@ -520,7 +535,7 @@ class shampoo {
     const C* out = db;
     if (preconditioning && bl.ready) {
       C* y = product(st, bl, mb);
-      if (o_.graft != shampoo_graft::none) {  // ‖D_s‖ and ‖D_g‖ in double, in element order
+      if (options.graft != shampoo_graft::none) {  // ‖D_s‖ and ‖D_g‖ in double, in element order
         double ns = 0, ng = 0;
         for (std::size_t e = 0; e < elems; ++e) {
           ns += double(y[e]) * double(y[e]);
@@ -561,21 +576,41 @@ class shampoo {
     }
     return dst;
   }
+};
 
-  static shampoo_options checked(const shampoo_options& o) {
-    validate(o);
-    return o;
-  }
-  static sgd_options tail_options(const shampoo_options& o) {
-    return {.lr = o.lr,
-            .momentum = o.momentum,
-            .nesterov = o.nesterov,
-            .weight_decay = o.weight_decay,
-            .skip_weight_decay = o.skip_weight_decay};
-  }
+}  // namespace transform
 
-  shampoo_options o_;
-  sgd tail_;
+/// The chain behind `gradapt::shampoo`: Shampoo's grafted direction, then the SGD chain.
+using shampoo_chain = chain<transform::scale_by_shampoo<>, transform::add_decayed_weights, transform::trace,
+                            transform::scale_by_learning_rate>;
+
+/// Shampoo on the host (see the file comment and docs/algorithms/shampoo.md): the chain
+/// `scale_by_shampoo` → weight decay → momentum → learning rate, built from one
+/// `shampoo_options`.
+///
+///     const gradapt::host backend{};
+///     gradapt::shampoo opt({.lr = 1e-3, .graft = gradapt::shampoo_graft::adam, .momentum = 0.9});
+///     auto state = opt.init(backend, params);
+///     const auto report = opt.step(backend, params, state, {.lr = schedule(t)});
+///     opt.step(comm, backend, params, state, {.lr = schedule(t)});  // roots over the ranks
+///
+/// `state.preconditioner()` is the `shampoo_state` (blocks, statistics, roots);
+/// `state.buffer(0)` the momentum buffer.
+class shampoo : public detail::optim::preset<shampoo, shampoo_chain, shampoo_options> {
+ public:
+  using detail::optim::preset<shampoo, shampoo_chain, shampoo_options>::preset;
+  /// The name in error messages.
+  static constexpr const char* name = "shampoo";
+  /// The chain the options give.
+  static shampoo_chain stages(const shampoo_options& o) {
+    transform::scale_by_shampoo<> pre;
+    pre.options = o;
+    return shampoo_chain(std::move(pre), detail::optim::decay_stage(o), detail::optim::momentum_stage(o),
+                         detail::optim::lr_stage(o));
+  }
+  /// The options the preset was built from (the preconditioner's; its later stages' through
+  /// `stage<1>()` to `stage<3>()`).
+  const shampoo_options& options() const { return this->template stage<0>().options; }
 };
 
 }  // namespace gradapt

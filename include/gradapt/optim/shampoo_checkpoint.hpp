@@ -2,8 +2,8 @@
 /// @file
 /// The checkpoint of `gradapt::shampoo_state`: `save` and `load` of one archive section
 /// (per tensor its index, shape, layout and per block its statistics, roots, copies for the
-/// roots in flight and failure counters; the graft state; the SGD chain's state), `load`
-/// checking every field before it changes anything.
+/// roots in flight and failure counters; the graft state; the first moment), `load` checking
+/// every field before it changes anything.
 
 #include <cstddef>
 #include <cstdint>
@@ -20,14 +20,14 @@
 
 namespace gradapt {
 
-template <class L, class B, class V, class G, class Options>
-void shampoo_state<L, B, V, G, Options>::save(const B& b, archive_writer& w) const {
+template <class L, class B, class V, class G>
+void shampoo_state<L, B, V, G>::save(const B&, archive_writer& w) const {
+  w.put("format", static_cast<std::uint64_t>(format_version));
   w.put("element_type", name(dtype_of_v<compute_type>));
   w.put("graft", std::string(to_string(graft_)));
   w.put("beta1", beta1_);
   w.put("bias_correction", bias_correction_);
   w.put("spectrum", std::string(to_string(spectrum_)));
-  w.put("steps", steps_);
   w.put("roots_in_flight", pending_step_);
   w.put("tensors", static_cast<std::uint64_t>(t_.size()));
   for (std::size_t t = 0; t < t_.size(); ++t) {
@@ -72,18 +72,19 @@ void shampoo_state<L, B, V, G, Options>::save(const B& b, archive_writer& w) con
       w.put_tensor<compute_type>(detail::archive_impl::join("first_moment", "/", x.name),
                                  std::span<const compute_type>(x.mom), x.shape);
     }
-  w.begin("tail");
-  tail_.save(b, w);
-  w.end();
 }
 
-template <class L, class B, class V, class G, class Options>
-void shampoo_state<L, B, V, G, Options>::load(const B& b, archive_reader& r) {
+template <class L, class B, class V, class G>
+template <class Commit>
+void shampoo_state<L, B, V, G>::load(const B&, archive_reader& r, std::uint64_t steps, Commit&& commit) {
   constexpr const char* who = "shampoo state load";
   if (worker_ && pending_step_ != 0 && !relaunch_) {  // the copies it reads may be replaced
     worker_->discard();
     relaunch_ = true;  // if the load fails, the same roots start again at the next step
   }
+  const auto format = r.get<std::uint64_t>("format");
+  detail::require(format == format_version, who, ": the checkpoint's Shampoo section has format ", format,
+                  " but this library reads format ", format_version);
   const auto et = r.get<std::string>("element_type");
   detail::require(et == name(dtype_of_v<compute_type>), who, ": the checkpoint holds ", et,
                   " state but this state is ", name(dtype_of_v<compute_type>));
@@ -98,9 +99,6 @@ void shampoo_state<L, B, V, G, Options>::load(const B& b, archive_reader& r) {
                   ": the checkpoint was written with beta1 ", b1, ", bias_correction ", bc, " and spectrum '",
                   sp, "' but this state has ", beta1_, ", ", bias_correction_, " and '", to_string(spectrum_),
                   "' (they shape the first moment and the roots; restore with the same shampoo_options)");
-  const auto steps = r.get<std::uint64_t>("steps");
-  detail::require(steps < std::numeric_limits<std::uint64_t>::max(), who, ": step count ", steps,
-                  " cannot grow");
   const auto in_flight = r.get<std::uint64_t>("roots_in_flight");
   detail::require(in_flight == 0 || (staleness_ > 0 && in_flight <= steps && in_flight + staleness_ > steps),
                   who, ": the checkpoint has roots in flight, started at step ", in_flight, " of ", steps,
@@ -193,15 +191,11 @@ void shampoo_state<L, B, V, G, Options>::load(const B& b, archive_reader& r) {
       want += 3;
       for (const auto& bl : x.blocks) want += (in_flight != 0 ? 3 : 2) * bl.k + 4;
     }
-    for (const auto& n : r.names())
-      if (n.rfind("tail/", 0) != 0) ++own;
-    detail::require(own == want, who, ": the checkpoint holds ", own,
-                    " fields outside 'tail' but this state has ", want,
-                    " (written for other parameters or another layout)");
+    own = r.names().size();
+    detail::require(own == want, who, ": the checkpoint's Shampoo section holds ", own,
+                    " fields but this state has ", want, " (written for other parameters or another layout)");
   }
-  r.begin("tail");
-  tail_.load(b, r);  // all or nothing itself: throws before changing the chain's state
-  r.end();
+  commit();  // the chain's buffers, all or nothing itself: throws before changing them
   for (std::size_t t = 0; t < t_.size(); ++t) {
     for (std::size_t j = 0; j < next[t].size(); ++j) {
       auto& bl = t_[t].blocks[j];

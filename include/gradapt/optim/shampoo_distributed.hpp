@@ -22,8 +22,47 @@ namespace gradapt {
 /// block's place in its owner's chunk; agreed across ranks once per world, with every option
 /// that shapes the result (a one-rank difference is a gradapt::error on every rank naming the
 /// option and both values; the step's lr is agreed at every exchange, see shampoo.hpp).
-template <class Comm, class St>
-void shampoo::plan(Comm& comm, St& st) const {
+template <class L>
+std::array<agreed_value, 21> transform::scale_by_shampoo<L>::agreed_values() const {
+  std::uint64_t exps = 0xCBF29CE484222325ull;  // the exponent entries, in order
+  for (const auto& e : options.inverse_exponents) {
+    const std::int64_t w[3] = {static_cast<std::int64_t>(e.order), e.dimension, e.p};
+    exps = gradapt::detail::hash_bytes(exps, w, 3);
+  }
+  const auto& o = options;
+  return {{
+      {"shampoo root_staleness", static_cast<double>(o.root_staleness)},
+      {"shampoo statistics_frequency", static_cast<double>(o.statistics_frequency)},
+      {"shampoo precondition_frequency", static_cast<double>(o.precondition_frequency)},
+      {"shampoo start_preconditioning_step", static_cast<double>(o.start_preconditioning_step)},
+      {"shampoo max_consecutive_failures", static_cast<double>(o.max_consecutive_failures)},
+      {"shampoo root.method", static_cast<double>(o.root.method)},
+      {"shampoo root.epsilon", o.root.epsilon},
+      {"shampoo inverse_exponent_override", static_cast<double>(o.inverse_exponent_override)},
+      {"shampoo inverse_exponents (hash)", static_cast<double>(exps >> 16)},
+      {"shampoo root.ridge", static_cast<double>(o.root.ridge)},
+      {"shampoo root.tolerance", o.root.tolerance},
+      {"shampoo root.max_iterations", static_cast<double>(o.root.max_iterations)},
+      {"shampoo root.max_error", o.root.max_error},
+      {"shampoo spectrum", static_cast<double>(o.spectrum)},
+      {"shampoo beta2", o.beta2},
+      {"shampoo beta1", o.beta1},
+      {"shampoo bias_correction", o.bias_correction ? 1.0 : 0.0},
+      {"shampoo graft", static_cast<double>(o.graft)},
+      {"shampoo graft_beta2", o.graft_beta2},
+      {"shampoo graft_epsilon", o.graft_epsilon},
+      {"shampoo max_preconditioner_dim", static_cast<double>(o.max_preconditioner_dim)},
+  }};
+}
+
+/// The distributed plan for `comm`'s world: owners by lpt_assign over the blocks' costs, each
+/// block's place in its owner's chunk; agreed across ranks once per world, with every option
+/// that shapes the result and the chain's later stages' options (`extra`; a one-rank
+/// difference is a gradapt::error on every rank naming the option and both values; the step's
+/// lr is agreed at every exchange, see shampoo.hpp).
+template <class L>
+template <class Comm, class St, class Extra>
+void transform::scale_by_shampoo<L>::plan(Comm& comm, St& st, const Extra& extra) const {
   const int n = comm.size(), me = comm.rank();
   if (st.x_.planned_for(n, me)) return;
   std::uint64_t words = 0, shape_hash = 0x84222325CBF29CE4ull;
@@ -35,44 +74,21 @@ void shampoo::plan(Comm& comm, St& st) const {
     cost[i] = r.cost;
     size[i] = 2 + r.words;  // status, failing factor, roots
     words += r.words;
-    shape_hash = detail::hash_bytes(shape_hash, bl.n.data(), bl.k);
+    shape_hash = gradapt::detail::hash_bytes(shape_hash, bl.n.data(), bl.k);
   }
-  std::uint64_t exps = 0xCBF29CE484222325ull;  // the exponent entries, in order
-  for (const auto& e : o_.inverse_exponents) {
-    const std::int64_t w[3] = {static_cast<std::int64_t>(e.order), e.dimension, e.p};
-    exps = detail::hash_bytes(exps, w, 3);
-  }
-  const agreed_value values[] = {
+  std::vector<agreed_value> values{
       {"preconditioned blocks", static_cast<double>(st.refs_.size())},
       {"root elements", static_cast<double>(words)},
       {"block shapes (hash)", static_cast<double>(shape_hash >> 16)},
       {"steps taken", static_cast<double>(st.steps_)},
       {"roots in flight (starting step)", static_cast<double>(st.pending_step_)},
-      {"root_staleness", static_cast<double>(o_.root_staleness)},
-      {"statistics_frequency", static_cast<double>(o_.statistics_frequency)},
-      {"precondition_frequency", static_cast<double>(o_.precondition_frequency)},
-      {"start_preconditioning_step", static_cast<double>(o_.start_preconditioning_step)},
-      {"max_consecutive_failures", static_cast<double>(o_.max_consecutive_failures)},
-      {"root.method", static_cast<double>(o_.root.method)},
-      {"root.epsilon", o_.root.epsilon},
-      {"inverse_exponent_override", static_cast<double>(o_.inverse_exponent_override)},
-      {"inverse_exponents (hash)", static_cast<double>(exps >> 16)},
-      {"root.ridge", static_cast<double>(o_.root.ridge)},
-      {"root.tolerance", o_.root.tolerance},
-      {"root.max_iterations", static_cast<double>(o_.root.max_iterations)},
-      {"root.max_error", o_.root.max_error},
-      {"spectrum", static_cast<double>(o_.spectrum)},
-      {"beta2", o_.beta2},
-      {"beta1", o_.beta1},
-      {"bias_correction", o_.bias_correction ? 1.0 : 0.0},
-      {"graft", static_cast<double>(o_.graft)},
-      {"graft_beta2", o_.graft_beta2},
-      {"graft_epsilon", o_.graft_epsilon},
-      {"momentum", o_.momentum},
-      {"nesterov", o_.nesterov ? 1.0 : 0.0},
-      {"weight_decay", o_.weight_decay},
-      {"lr", o_.lr},
   };
+  for (const auto& v : agreed_values()) values.push_back(v);
+  struct pusher {
+    std::vector<agreed_value>* out;
+    void push(std::string_view name, double v) const { out->push_back({name, v}); }
+  } later{&values};
+  extra.push_options(later);
   agree_values(comm, "shampoo::step (distributed roots)", std::span<const agreed_value>(values));
   if (st.pending_step_ != 0 && !st.relaunch_) {  // roots in flight under the old plan
     st.worker_->discard();
@@ -81,39 +97,44 @@ void shampoo::plan(Comm& comm, St& st) const {
   st.x_.plan(cost, size, n, me);
 }
 
+template <class L>
 template <class St>
-bool shampoo::owns(const St& st, std::size_t i, bool dist) {
+bool transform::scale_by_shampoo<L>::owns(const St& st, std::size_t i, bool dist) {
   return !dist || st.x_.owns(i);
 }
 
 /// The hash of every block's statistics (or of their copies for the worker).
+template <class L>
 template <class St>
-std::uint64_t shampoo::stats_hash(const St& st, bool snapshot) {
+std::uint64_t transform::scale_by_shampoo<L>::stats_hash(const St& st, bool snapshot) {
   std::uint64_t h = 0xCBF29CE484222325ull;
   for (const auto& r : st.refs_) {
     const auto& bl = st.t_[r.t].blocks[r.j];
     const auto& v = snapshot ? bl.snap : bl.stats;
-    h = detail::hash_bytes(h, v.data(), v.size());
+    h = gradapt::detail::hash_bytes(h, v.data(), v.size());
   }
   return h;
 }
 
 /// Allgathers every rank's chunk (header, then per owned block its status, failing factor and
 /// roots), checks the headers agree, and installs every block from its owner's chunk.
+template <class L>
 template <class Comm, class St>
-void shampoo::exchange(Comm& comm, St& st, std::uint64_t step, std::uint64_t hash) {
+void transform::scale_by_shampoo<L>::exchange(Comm& comm, St& st, std::uint64_t step, std::uint64_t hash) {
   const int differs = st.x_.run(comm, step, hash, "shampoo::step");
   if (differs >= 0) {
     st.failed_ = true;
-    detail::fail("shampoo::step on rank ", st.x_.rank, ": the statistics of rank ", differs,
-                 " differ from rank 0's at step ", step,
-                 " (every rank must pass the same averaged gradients); restore a checkpoint with load()");
+    gradapt::detail::fail(
+        "shampoo::step on rank ", st.x_.rank, ": the statistics of rank ", differs,
+        " differ from rank 0's at step ", step,
+        " (every rank must pass the same averaged gradients); restore a checkpoint with load()");
   }
   for (std::size_t i = 0; i < st.refs_.size(); ++i) {
     const auto* c = st.x_.in(i);
     const auto code = static_cast<int>(c[0]);
-    detail::require(code >= 0 && code <= static_cast<int>(root_status::nonfinite_result),
-                    "shampoo::step: internal error: root status ", code, " from rank ", st.x_.owner[i]);
+    gradapt::detail::require(code >= 0 && code <= static_cast<int>(root_status::nonfinite_result),
+                             "shampoo::step: internal error: root status ", code, " from rank ",
+                             st.x_.owner[i]);
     install(st, i, static_cast<root_status>(code), static_cast<std::size_t>(c[1]), c + 2, st.x_.owner[i],
             step);
   }

@@ -151,9 +151,6 @@ std::pair<root_status, std::size_t> block_roots(const L& la, std::size_t k, cons
   return {root_status::ok, 0};
 }
 
-/// Stands for "no communicator": the step computes every block's roots itself.
-struct no_comm {};
-
 /// One block's roots for the worker thread: from `in` (a copy of the statistics) into `out`.
 template <class C>
 struct root_task {

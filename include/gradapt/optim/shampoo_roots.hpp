@@ -19,8 +19,9 @@
 namespace gradapt {
 
 /// Starts the worker on this rank's blocks, from the statistics copied into `snap`.
+template <class L>
 template <class St>
-void shampoo::launch(St& st, bool dist) const {
+void transform::scale_by_shampoo<L>::launch(St& st, bool dist) const {
   st.relaunch_ = false;
   st.tasks_.clear();
   const double bias = root_bias(st.pending_step_);
@@ -36,9 +37,10 @@ void shampoo::launch(St& st, bool dist) const {
 }
 
 /// Waits for the roots in flight and installs them (through the exchange when distributed).
+template <class L>
 template <class Comm, class St>
-void shampoo::finish_roots(Comm& comm, St& st) {
-  constexpr bool dist = !std::is_same_v<Comm, detail::shampoo_impl::no_comm>;
+void transform::scale_by_shampoo<L>::finish_roots(Comm& comm, St& st) {
+  constexpr bool dist = !std::is_same_v<Comm, gradapt::detail::optim::no_comm>;
   const std::uint64_t from = st.pending_step_;
   st.pending_step_ = 0;
   st.worker_->wait();
@@ -60,9 +62,10 @@ void shampoo::finish_roots(Comm& comm, St& st) {
 }
 
 /// Computes the due roots inside the step (root_staleness 0).
+template <class L>
 template <class Comm, class St>
-void shampoo::compute_roots(Comm& comm, St& st, std::uint64_t t) const {
-  constexpr bool dist = !std::is_same_v<Comm, detail::shampoo_impl::no_comm>;
+void transform::scale_by_shampoo<L>::compute_roots(Comm& comm, St& st, std::uint64_t t) const {
+  constexpr bool dist = !std::is_same_v<Comm, gradapt::detail::optim::no_comm>;
   const auto ws = [&](std::int64_t n) -> typename St::workspace_t& { return st.workspace(n); };
   const auto rc = recipe();
   const double bias = root_bias(t);
@@ -72,14 +75,14 @@ void shampoo::compute_roots(Comm& comm, St& st, std::uint64_t t) const {
     ++st.computed_;
     if constexpr (dist) {
       auto* w = st.x_.out(i);
-      const auto [status, factor] = detail::shampoo_impl::block_roots(
+      const auto [status, factor] = gradapt::detail::shampoo_impl::block_roots(
           st.la_, bl.k, bl.p.data(), bl.n.data(), bl.off.data(), bl.stats.data(), w + 2, ws, rc, bias);
       w[0] = static_cast<typename St::compute_type>(static_cast<int>(status));
       w[1] = static_cast<typename St::compute_type>(factor);
     } else {
       const auto [status, factor] =
-          detail::shampoo_impl::block_roots(st.la_, bl.k, bl.p.data(), bl.n.data(), bl.off.data(),
-                                            bl.stats.data(), st.rs_.data(), ws, rc, bias);
+          gradapt::detail::shampoo_impl::block_roots(st.la_, bl.k, bl.p.data(), bl.n.data(), bl.off.data(),
+                                                     bl.stats.data(), st.rs_.data(), ws, rc, bias);
       install(st, i, status, factor, st.rs_.data(), -1, t);
     }
   }
@@ -89,9 +92,10 @@ void shampoo::compute_roots(Comm& comm, St& st, std::uint64_t t) const {
 /// Installs block i's roots (or counts its failure and reports it in the step's report; throws
 /// after max_consecutive_failures in a row). `rank` names the rank that computed them (-1: this
 /// one, not distributed); `from` is the step whose statistics they come from.
+template <class L>
 template <class St, class C>
-void shampoo::install(St& st, std::size_t i, root_status status, std::size_t factor, const C* roots, int rank,
-                      std::uint64_t from) {
+void transform::scale_by_shampoo<L>::install(St& st, std::size_t i, root_status status, std::size_t factor,
+                                             const C* roots, int rank, std::uint64_t from) {
   const auto& ref = st.refs_[i];
   auto& x = st.t_[ref.t];
   auto& bl = x.blocks[ref.j];
@@ -112,13 +116,13 @@ void shampoo::install(St& st, std::size_t i, root_status status, std::size_t fac
   for (std::size_t d = 0; d < bl.k; ++d)
     where += (d ? ", " : "") + std::to_string(range.offset[d]) + ".." +
              std::to_string(range.offset[d] + range.size[d]);
-  detail::fail("shampoo::step: parameter '", x.name, "' block ", ref.j, " (indices [", where,
-               "] of its merged shape): the inverse root failed ", bl.consecutive,
-               " times in a row (last: factor ", factor, ", ", to_string(status),
-               rank >= 0 ? ", computed on rank " + std::to_string(rank) : "",
-               "); a non-finite gradient makes the statistics non-finite for good. The parameters are "
-               "unchanged; restore a checkpoint with load() (and skip non-finite gradients, e.g. with the "
-               "loss scaler), or raise root.epsilon / max_consecutive_failures");
+  gradapt::detail::fail(
+      "shampoo::step: parameter '", x.name, "' block ", ref.j, " (indices [", where,
+      "] of its merged shape): the inverse root failed ", bl.consecutive, " times in a row (last: factor ",
+      factor, ", ", to_string(status), rank >= 0 ? ", computed on rank " + std::to_string(rank) : "",
+      "); a non-finite gradient makes the statistics non-finite for good. The parameters are "
+      "unchanged; restore a checkpoint with load() (and skip non-finite gradients, e.g. with the "
+      "loss scaler), or raise root.epsilon / max_consecutive_failures");
 }
 
 }  // namespace gradapt

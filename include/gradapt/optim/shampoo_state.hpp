@@ -1,6 +1,7 @@
 #pragma once
 /// @file
-/// `shampoo_state`, the state of `gradapt::shampoo` (shampoo.hpp): per tensor its block layout,
+/// `shampoo_state`, the state of Shampoo's preconditioner stage (`transform::scale_by_shampoo`,
+/// shampoo.hpp), held in the chain's state: per tensor its block layout,
 /// per block the statistics, roots and failure counters, the graft's state, the direction
 /// buffers, the roots in flight and the distributed plan. Its checkpoint (`save` and `load` of
 /// a section) is in shampoo_checkpoint.hpp.
@@ -23,15 +24,18 @@
 #include "gradapt/core/param_list.hpp"
 #include "gradapt/core/tensor_view.hpp"
 #include "gradapt/linalg/matrix_root.hpp"
-#include "gradapt/optim/sgd.hpp"
 #include "gradapt/optim/shampoo_blocks.hpp"
 #include "gradapt/optim/shampoo_grafting.hpp"
 #include "gradapt/optim/shampoo_options.hpp"
 #include "gradapt/optim/shampoo_root_worker.hpp"
+#include "gradapt/optim/stage.hpp"
 
 namespace gradapt {
 
-class shampoo;
+namespace transform {
+template <class L>
+struct scale_by_shampoo;
+}  // namespace transform
 
 /// A failed root computation of one block, as a step reports it (`shampoo_step_report`). The
 /// block keeps its last good roots (or, before any, takes the graft's direction).
@@ -48,37 +52,35 @@ struct shampoo_root_failure {
   std::uint64_t step = 0;                ///< the step whose statistics the roots came from
 };
 
-/// What `shampoo::step` reports: the root computations installed and the failures among them.
+/// What a Shampoo chain's `step` reports: the root computations installed and the failures among them.
 struct shampoo_step_report {
   std::uint64_t step = 0;                           ///< the step (1-based)
   std::size_t roots_installed = 0;                  ///< blocks whose new roots were installed by this step
   std::vector<shampoo_root_failure> root_failures;  ///< blocks whose roots failed at this step
 };
 
-/// The state of `gradapt::shampoo` for linear-algebra backend L, element backend B (host
-/// memory), parameters V, gradients G and group options `Options`: per tensor its block
-/// layout; per block the k statistics and k roots (n_d × n_d matrices in compute_t<V>), whether
-/// it holds roots yet, and its failure counters; the graft's per-element state; the
-/// direction buffers; the SGD chain's state (momentum); scratch sized once at `init`, so a
-/// steady step allocates nothing in gradapt (the BLAS/LAPACK library manages its own).
+/// The state of `transform::scale_by_shampoo` for linear-algebra backend L, element backend B
+/// (host memory), parameters V and gradients G (`chain_state::preconditioner()` of a Shampoo
+/// chain): per tensor its block layout; per block the k statistics and k roots (n_d × n_d
+/// matrices in compute_t<V>), whether it holds roots yet, and its failure counters; the
+/// graft's per-element state; the first moment; the direction buffers; scratch sized once at
+/// `init`, so a steady step allocates nothing in gradapt (the BLAS/LAPACK library manages its
+/// own).
 ///
-/// Checkpoint: one archive of kind "gradapt.shampoo" addressed by parameter name
-/// (`tensor/<name>/...`: index, shape, layout, and per block `block<j>/stat<d>`,
-/// `block<j>/root<d>`, `exponents`, `ready`, `consecutive_failures`, `failures`; `graft/<name>`
-/// and, with beta1 > 0, `first_moment/<name>` shaped like the parameter; the options that shape
-/// the state, `beta1`, `bias_correction`, `spectrum`, besides `graft`; the chain's state under
-/// `tail`). `load` checks everything before it changes
+/// Checkpoint: the "preconditioner" section of the chain's archive (kind "gradapt.optimizer"),
+/// addressed by parameter name (`tensor/<name>/...`: index, shape, layout, and per block
+/// `block<j>/stat<d>`, `block<j>/root<d>`, `exponents`, `ready`, `consecutive_failures`,
+/// `failures`; `graft/<name>` and, with beta1 > 0, `first_moment/<name>` shaped like the
+/// parameter; the options that shape the state, `beta1`, `bias_correction`, `spectrum`,
+/// besides `graft`). The step count is the chain's. `load` checks everything before it changes
 /// anything.
-template <class L, class B, class V, class G, class Options>
+template <class L, class B, class V, class G>
 class shampoo_state {
  public:
   using compute_type = compute_t<V>;  ///< element type of statistics, roots and directions
-  using tail_state_type =
-      chain_state<sgd_chain, B, V, compute_type, compute_type>;  ///< the SGD chain's state
 
-  /// Kind and format version of the archive `save()` writes.
-  static constexpr std::string_view archive_kind = "gradapt.shampoo";
-  static constexpr std::uint32_t archive_version = 3;  ///< see archive_kind
+  /// Format version of the section `save()` writes (its "format" field).
+  static constexpr std::uint32_t format_version = 4;
 
   /// What a block holds besides its matrices.
   struct block_info {
@@ -91,7 +93,7 @@ class shampoo_state {
     std::uint64_t failures = 0;              ///< failed root computations in all
   };
 
-  /// An empty state; `shampoo::init` creates a usable one.
+  /// An empty state; the chain's `init` creates a usable one.
   shampoo_state() = default;
   /// Move-only (the internal parameter list points into the state's own buffers, which do
   /// not move). Duplicate a state through `save` and `load`.
@@ -140,7 +142,7 @@ class shampoo_state {
   /// The first moment m of tensor t (shampoo_options::beta1 > 0; empty otherwise), in the
   /// tensor's element order, before bias correction.
   std::span<const compute_type> first_moment(std::size_t t) const { return tensor(t).mom; }
-  /// The direction D of tensor t computed by the last step (what the SGD chain received as
+  /// The direction D of tensor t computed by the last step (what the chain's later stages read as
   /// its gradient), in the tensor's element order.
   std::span<const compute_type> direction(std::size_t t) const { return tensor(t).dir; }
   /// Block root computations this rank has run (each computes every factor of one block;
@@ -158,30 +160,31 @@ class shampoo_state {
   }
   /// The step whose statistics the roots in flight were started from (0: none in flight).
   std::uint64_t roots_in_flight() const { return pending_step_; }
-  /// The SGD chain's state (momentum buffer, its step count).
-  const tail_state_type& tail_state() const { return tail_; }
+  /// The direction of tensor t as the chain's passes read it (shaped like the parameter).
+  /// The direction of tensor t as the chain's passes read it (shaped like the parameter).
+  tensor_view<const compute_type, host_space> direction_view(std::size_t t) const {
+    const auto& x = tensor(t);
+    return tensor_view<const compute_type, host_space>(x.dir.data(), x.shape);
+  }
 
   /// Writes the state into the open section of `w` (see the class comment). Host memory.
   /// @throws gradapt::error when a statistic, root or graft state is not finite (a diverged
   ///         run; save the last good state instead)
   void save(const B& b, archive_writer& w) const;
 
-  /// Reads what `save(b, w)` wrote, into a state created by `shampoo::init` with the same
-  /// graft and blocking options for parameters with the same names and shapes. All or
-  /// nothing: every field is read and checked (names, shapes, layouts, finite matrices,
-  /// failure counters below max_consecutive_failures, the chain's state) before anything
-  /// changes.
+  /// Reads what `save(b, w)` wrote (the chain's `load` calls it with the checkpoint's step
+  /// count `steps`), into a state created with the same graft and blocking options for
+  /// parameters with the same names and shapes. All or nothing: every field is read and
+  /// checked (names, shapes, layouts, symmetric positive semidefinite finite statistics,
+  /// failure counters below max_consecutive_failures), then `commit()` runs (the chain checks
+  /// and copies its own buffers; it may throw), and only then does this state change.
   /// @throws gradapt::error naming the first field that does not match
-  void load(const B& b, archive_reader& r);
-
-  /// The state as one archive of kind "gradapt.shampoo".
-  std::vector<std::byte> save(const B& b) const { return save_archive(*this, b); }
-  /// Restores a state written by `save(b)` (all or nothing).
-  /// @throws gradapt::error for a damaged archive or one that does not fit this state
-  void load(const B& b, std::span<const std::byte> bytes) { load_archive(*this, b, bytes); }
+  template <class Commit>
+  void load(const B& b, archive_reader& r, std::uint64_t steps, Commit&& commit);
 
  private:
-  friend class shampoo;
+  template <class>
+  friend struct transform::scale_by_shampoo;
   using C = compute_type;
 
   struct block_t {
@@ -257,8 +260,6 @@ class shampoo_state {
   std::vector<std::pair<std::int64_t, std::unique_ptr<workspace_t>>> ws_;
   std::vector<C> xb_, ab_, db_, y0_, y1_, rs_;  ///< block scratch: g, graft state, D_g, products, roots
   std::vector<C> mb_;                           ///< block scratch: the corrected first moment (beta1 > 0)
-  param_list<V, C, host_space, Options> list_;  ///< the parameters with the directions as gradients
-  tail_state_type tail_;
 
   struct ref_t {
     std::size_t t = 0, j = 0;  ///< tensor and block

@@ -16,21 +16,22 @@
 namespace gradapt {
 
 /// Block j of tensor x: the gradient's statistics.
+template <class L>
 template <class St, class Tensor, class G>
-void shampoo::block_stats(St& st, Tensor& x, std::size_t j, const G* g) const {
+void transform::scale_by_shampoo<L>::block_stats(St& st, Tensor& x, std::size_t j, const G* g) const {
   using C = typename St::compute_type;
   if (x.layout.diagonal) return;
   auto& bl = x.blocks[j];
   C* xb = st.xb_.data();
-  detail::shampoo_impl::for_runs(x.layout.merged, x.layout.blocks[j],
-                                 [&](std::size_t flat, std::size_t at, std::size_t run) {
-                                   for (std::size_t e = 0; e < run; ++e)
-                                     xb[at + e] = static_cast<C>(g[flat + e]);
-                                 });
+  gradapt::detail::shampoo_impl::for_runs(x.layout.merged, x.layout.blocks[j],
+                                          [&](std::size_t flat, std::size_t at, std::size_t run) {
+                                            for (std::size_t e = 0; e < run; ++e)
+                                              xb[at + e] = static_cast<C>(g[flat + e]);
+                                          });
   const auto& la = st.la_;
   using cview = tensor_view<const C, host_space>;
   using mview = tensor_view<C, host_space>;
-  const double beta = o_.beta2, w = o_.beta2 == 1.0 ? 1.0 : 1.0 - o_.beta2;
+  const double beta = options.beta2, w = options.beta2 == 1.0 ? 1.0 : 1.0 - options.beta2;
   for (std::size_t d = 0; d < bl.k; ++d) {
     if (bl.p[d] == 0) continue;  // not preconditioned: no statistic
     const std::int64_t n = bl.n[d];
@@ -48,8 +49,9 @@ void shampoo::block_stats(St& st, Tensor& x, std::size_t j, const G* g) const {
 }
 
 /// Mode d of a block as a × n × c (a: the dimensions before d, c: after).
+template <class L>
 template <class Block>
-std::pair<std::int64_t, std::int64_t> shampoo::split(const Block& bl, std::size_t d) {
+std::pair<std::int64_t, std::int64_t> transform::scale_by_shampoo<L>::split(const Block& bl, std::size_t d) {
   std::int64_t a = 1, c = 1;
   for (std::size_t e = 0; e < d; ++e) a *= bl.n[e];
   for (std::size_t e = d + 1; e < bl.k; ++e) c *= bl.n[e];

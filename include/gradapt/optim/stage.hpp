@@ -77,6 +77,26 @@
 /// A chain with a factored stage runs tensor by tensor (see chain.hpp) and needs a backend
 /// with `apply_factored` / `apply_factored_sum` (`factored_backend`); its barriers measure one
 /// term per tensor and none is global (checked at compile time).
+///
+/// Preconditioner stages (Shampoo's `transform::scale_by_shampoo`, optim/shampoo.hpp) map each
+/// tensor's gradient to a direction as a whole (blocks, matrix products, roots), keeping state
+/// that is not one value per element (per-block statistics and roots). They declare the trait
+/// `preconditioner = true`, must be the chain's first stage, are required, keep no chain
+/// buffers and are not barriers; their element kernel is the identity
+/// (`detail::optim::identity_kernel`). They add:
+///
+///  - `template <class B, class V, class G> using state_type`: the stage's state, held by the
+///    chain's state (`chain_state::preconditioner()`), saved in its archive's "preconditioner"
+///    section;
+///  - `using report_type`: what `chain::step` returns for such a chain (the step's report);
+///  - `state_type<B, V, G> init_state(const B&, const param_list<V, G, space, O>&) const`;
+///  - `report_type direct(Comm& comm, const B&, const param_list&, state_type&, const
+///    step_context&, Extra& extra) const`: advances the state and writes every tensor's
+///    direction into the state (`state.direction_view(t)`), which the chain's passes then read
+///    where an element-wise chain reads the gradient. `comm` is the communicator of
+///    `chain::step(comm, ...)` (distributed roots) or `detail::optim::no_comm` for
+///    `chain::step(b, ...)`; `extra.push_options(out)` pushes the other stages' agreed
+///    options, for a stage that agrees its options across ranks.
 
 #include <cstddef>
 #include <cstdint>
@@ -119,6 +139,9 @@ struct stage_spec {
   bool factored_state = false;
   /// A factored stage whose statistics are maxima of a term (SM3). Default false.
   bool max_statistics = false;
+  /// A preconditioner stage (maps whole tensors to directions; see the file comment). Default
+  /// false.
+  bool preconditioner = false;
 };
 
 /// What a stage sees when it prepares one step.

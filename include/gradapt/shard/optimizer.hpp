@@ -107,6 +107,11 @@ struct sharded_options {
 ///     opt.step(comm, backend, params, state);         // reads local grads, updates params
 template <class Chain>
 class sharded_optimizer {
+  static_assert(
+      !requires { Chain::plan::has_preconditioner; } || !Chain::plan::has_preconditioner,
+      "gradapt::shard::sharded_optimizer: a chain with a preconditioner stage (scale_by_shampoo) keeps "
+      "per-block state that is not sharded by elements; use the replicated state slot");
+
  public:
   /// The chain and the sharding options.
   /// @throws gradapt::error when bucket_elements is 0 or the partition options are invalid

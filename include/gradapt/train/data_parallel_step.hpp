@@ -329,8 +329,18 @@ class data_parallel_step {
     if constexpr (has_preconditioner) pre_->precondition(*comm_, backend_, params_->grads(), lr);
     if constexpr (has_sharded_state)
       sharded_->step(*comm_, backend_, *params_, *state_, step_args{.lr = lr});
-    else
+    else if constexpr (!std::is_same_v<typename detail::report_of<Opt>::type, detail::nothing>) {
+      // A preconditioner chain (Shampoo): its roots divided among the ranks while every rank
+      // steps on the same gradients; under LocalSGD (replicas that differ between averages)
+      // each rank computes all of its roots.
+      if constexpr (!has_local_sgd &&
+                    requires { opt_.step(*comm_, backend_, *params_, state_, step_args{}); })
+        last_report_ = opt_.step(*comm_, backend_, *params_, state_, step_args{.lr = lr});
+      else
+        last_report_ = opt_.step(backend_, *params_, state_, step_args{.lr = lr});
+    } else {
       opt_.step(backend_, *params_, state_, step_args{.lr = lr});
+    }
 
     if constexpr (has_local_sgd) {
       if (!paused) {
@@ -391,6 +401,13 @@ class data_parallel_step {
   const Opt& optimizer() const { return opt_; }
   /// The optimizer's state (moments etc.), e.g. for inspection or averaging.
   const optimizer_state_type& optimizer_state() const { return st(); }
+  /// The optimizer's report of the latest step, for an optimizer whose step returns one (a
+  /// Shampoo chain: the blocks whose roots were installed and every failed root computation,
+  /// `shampoo_step_report`).
+  const auto& optimizer_report() const
+      requires(!std::is_same_v<typename detail::report_of<Opt>::type, detail::nothing>) {
+    return last_report_;
+  }
   /// ZeRO stage 2 or `bucket_reduce`: gradient t of this rank is final for this step (call it
   /// during the backward pass, as the framework produces each gradient, in any order; every
   /// gradient once per step). Full buckets are reduced (reduce-scattered with ZeRO) at once, or
@@ -776,6 +793,8 @@ class data_parallel_step {
   [[no_unique_address]] std::conditional_t<has_buckets, std::optional<bucket::reducer<Comm, grad_type>>,
                                            detail::nothing>
       reducer_;
+  /// The optimizer's report of the latest step (a Shampoo chain's), or nothing.
+  [[no_unique_address]] typename detail::report_of<Opt>::type last_report_{};
   /// The optimizer state (with zero_state: this rank's shard, made by the collective init).
   std::conditional_t<has_sharded_state, std::optional<optimizer_state_type>, optimizer_state_type> state_;
   [[no_unique_address]] Scaler scaler_;

@@ -89,6 +89,18 @@ inline constexpr int zero_stage_v<zero_state<Stage>> = Stage;
 /// An empty member for a slot that is off.
 struct nothing {};
 
+/// What the optimizer's step returns (a Shampoo chain: shampoo_step_report), or nothing.
+template <class O>
+struct report_of {
+  using type = nothing;
+};
+template <class O>
+requires requires {
+  typename O::step_result;
+} &&(!std::is_void_v<typename O::step_result>)struct report_of<O> {
+  using type = typename O::step_result;
+};
+
 template <class T>
 struct schedule_of {
   using type = fixed_period;  // unused placeholder when the sync slot is off

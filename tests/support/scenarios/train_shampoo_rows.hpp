@@ -1,0 +1,39 @@
+#pragma once
+// The Shampoo chain (optim/shampoo.hpp) in the composed step, as rows of the covering array of
+// train_combinations.hpp (same recipe, reference and checks): the replicated state slot with
+// each reduce slot (one buffer, buckets, hierarchical), each combine slot (mean, Adasum), the
+// loss scaler, AdaScale and LocalSGD. Without LocalSGD the step divides the roots among the
+// ranks (chain::step(comm, ...)); with it each rank computes its own. The ZeRO slots reject a
+// chain with a preconditioner stage at compile time (tests/compile_fail/train_slots.cpp).
+// Needs LAPACK (gradapt::linalg).
+#include "gradapt/optim/shampoo.hpp"
+#include "scenarios/train_combinations.hpp"
+
+namespace train_combinations_scenario {
+
+/// Shampoo with roots every 3 steps from step 2 (several root computations within a row, one
+/// of them just before the save), AdaGrad grafting, a first moment, momentum and weight decay.
+inline const auto shampoo = gradapt::shampoo({.lr = 2e-2,
+                                              .max_preconditioner_dim = 16,
+                                              .precondition_frequency = 3,
+                                              .start_preconditioning_step = 2,
+                                              .beta1 = 0.9,
+                                              .graft = gradapt::shampoo_graft::adagrad,
+                                              .momentum = 0.9,
+                                              .weight_decay = 1e-3});
+
+template <class Row>
+void shampoo_rows(Row&& row) {
+  row("shampoo, buckets, scaler", flags<true, false, false>{}, shampoo, replicated_state{}, buckets,
+      allreduce_mean{});
+  row("shampoo, hierarchical, AdaScale, LocalSGD", flags<false, true, true>{}, shampoo, replicated_state{},
+      pairs, allreduce_mean{});
+  row("shampoo, one buffer, AdaScale", flags<false, true, false>{}, shampoo, replicated_state{},
+      one_buffer_reduce{}, allreduce_mean{});
+  row("shampoo, Adasum, scaler, LocalSGD", flags<true, false, true>{}, shampoo, replicated_state{},
+      one_buffer_reduce{}, adasum{});
+  row("shampoo, hierarchical by host, scaler", flags<true, false, false>{}, shampoo, replicated_state{}, hier,
+      allreduce_mean{});
+}
+
+}  // namespace train_combinations_scenario
