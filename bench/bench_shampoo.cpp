@@ -24,6 +24,16 @@
 //                     root time, and for N > 1 ratio = max_rank_s / the one-rank root time
 //                     measured in the same process. CPU time, not wall time: on a machine with
 //                     fewer cores than ranks the ranks' wall times include each other's work.
+//   family_steps      the same list stepped by Shampoo, SOAP (eigenvalue-corrected, bases from
+//                     step 1 never refreshed again) and Muon (spectral descent, aspect-scaled;
+//                     the norm vectors by the graft), each timed over the same number of steps
+//                     in this run. Counters: shampoo_s, soap_s, muon_s (mean step times),
+//                     soap_ratio = soap_s / shampoo_s, muon_gemm_s = Muon's Newton–Schulz FLOPs
+//                     (per block and iteration: SYRK k²l, A·A 2k³, B·X 2k²l, k = min side,
+//                     l = max side) at gemm_gflops, muon_ratio = muon_s / muon_gemm_s.
+//   eigenbasis_refresh SOAP's refresh of all 64 blocks' bases: a step that refreshes minus one
+//                     that does not, with eigh and with one QR iteration (warm-started from the
+//                     eigh bases). Counters: eigh_s, qr_s, ratio = qr_s / eigh_s.
 #include <benchmark/benchmark.h>
 #include <time.h>
 
@@ -211,7 +221,99 @@ void distributed_roots(benchmark::State& state) {
 
 }  // namespace
 
+/// Mean seconds of `steps` steps of `opt` on m (after one warm-up step).
+template <class Opt, class St>
+double mean_step(const Opt& opt, transformer& m, St& st, int steps) {
+  double seconds = 0;
+  for (int i = 0; i < steps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    opt.step(backend, m.params, st);
+    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  return seconds / steps;
+}
+
+shampoo_options soap_options() {
+  shampoo_options o = options();
+  o.preconditioner = gradapt::shampoo_preconditioner::eigenvalue_corrected;
+  o.graft = gradapt::shampoo_graft::none;
+  o.beta2 = 0.999;
+  o.root.epsilon = 1e-8;
+  o.root.ridge = gradapt::ridge_kind::absolute;
+  return o;
+}
+
+void family_steps(benchmark::State& state) {
+  transformer m;
+  const double ref = gemm_gflops();
+  double ns_flops = 0;  // Muon's Newton–Schulz FLOPs per step
+  for (std::size_t t = 0; t < m.params.size(); ++t) {
+    const auto& v = m.params[t].value;
+    if (v.rank() == 2)
+      for (std::int64_t r = 0; r < v.dim(0); r += 1024)
+        for (std::int64_t c = 0; c < v.dim(1); c += 1024) {
+          const double a = double(std::min<std::int64_t>(1024, v.dim(0) - r));
+          const double b = double(std::min<std::int64_t>(1024, v.dim(1) - c));
+          const double k = std::min(a, b), l = std::max(a, b);
+          ns_flops += 5 * (k * k * l + 2 * k * k * k + 2 * k * k * l);
+        }
+  }
+  // The mean time of 3 steps after a first one (whose roots or bases are never refreshed).
+  const auto timed = [&](shampoo_options o) {
+    o.precondition_frequency = 1000000;
+    const shampoo opt(o);
+    auto st = opt.init(backend, m.params);
+    opt.step(backend, m.params, st);
+    return mean_step(opt, m, st, 3);
+  };
+  double sh = 0, so = 0, mu = 0;
+  for (auto _ : state) {
+    sh = timed(options());
+    so = timed(soap_options());
+    auto o = gradapt::spectral_descent_defaults();
+    o.lr = 1e-4;
+    o.max_preconditioner_dim = 1024;
+    o.scale_by_aspect = true;
+    o.graft = gradapt::shampoo_graft::adam;
+    mu = timed(o);
+  }
+  const double muon_gemm = ns_flops / (ref * 1e9);
+  state.counters["shampoo_s"] = sh;
+  state.counters["soap_s"] = so;
+  state.counters["soap_ratio"] = so / sh;
+  state.counters["muon_s"] = mu;
+  state.counters["muon_gemm_s"] = muon_gemm;
+  state.counters["muon_ratio"] = mu / muon_gemm;
+  state.counters["gemm_gflops"] = ref;
+}
+
+void eigenbasis_refresh(benchmark::State& state) {
+  transformer m;
+  double eigh_s = 0, qr_s = 0;
+  for (auto _ : state) {
+    for (const auto basis : {gradapt::shampoo_eigenbasis::eigh, gradapt::shampoo_eigenbasis::qr}) {
+      auto o = soap_options();
+      o.eigenbasis = basis;
+      o.precondition_frequency = 2;  // refreshes at steps 1, 3, 5, ...
+      const shampoo opt(o);
+      auto st = opt.init(backend, m.params);
+      opt.step(backend, m.params, st);  // step 1: the first bases (from the identity for qr)
+      double with = 0, without = 0;
+      for (int i = 0; i < 2; ++i) {
+        without += mean_step(opt, m, st, 1);  // an even step: no refresh
+        with += mean_step(opt, m, st, 1);     // an odd step: a refresh
+      }
+      (basis == gradapt::shampoo_eigenbasis::eigh ? eigh_s : qr_s) = (with - without) / 2;
+    }
+  }
+  state.counters["eigh_s"] = eigh_s;
+  state.counters["qr_s"] = qr_s;
+  state.counters["ratio"] = qr_s / eigh_s;
+}
+
 BENCHMARK(step_throughput)->Unit(benchmark::kSecond)->Iterations(6)->UseRealTime();
+BENCHMARK(family_steps)->Unit(benchmark::kSecond)->Iterations(1)->UseRealTime();
+BENCHMARK(eigenbasis_refresh)->Unit(benchmark::kSecond)->Iterations(1)->UseRealTime();
 BENCHMARK(async_overhead)->Unit(benchmark::kSecond)->Iterations(1)->UseRealTime();
 BENCHMARK(distributed_roots)->Arg(1)->Arg(2)->Arg(4)->Unit(benchmark::kSecond)->Iterations(1)->UseRealTime();
 

@@ -19,6 +19,7 @@
 #include "catch.hpp"
 #include "eigh_errors.hpp"
 #include "gradapt/linalg/host_lapack.hpp"
+#include "gradapt/linalg/newton_schulz.hpp"
 
 namespace gradapt_test_linalg {
 
@@ -194,6 +195,97 @@ TEST_CASE("host_lapack: invalid shapes throw gradapt::error with the sizes", "[l
   REQUIRE_THROWS_WITH(la.eigh<double>(m(3, 3), gradapt::host_view(w3), ws),
                       Contains("the workspace was made for 4 x 4 matrices"));
   REQUIRE_THROWS_WITH(la.eigh_workspace<double>(-1), Contains("expected n >= 0"));
+}
+
+// G = U·diag(σ)·Vᵀ with U, V products of two Householder reflections: Newton–Schulz acts on each
+// singular value alone, so the result is U·diag(f(σ / max(‖σ‖, ε)))·Vᵀ with f the scalar iteration
+// x ← a·x + b·x³ + c·x⁵ (computed here in long double): a closed form independent of the matrix
+// products.
+template <class T>
+void newton_schulz_closed_form(std::int64_t m, std::int64_t n, unsigned seed, double tol) {
+  using ld = long double;
+  const std::int64_t k = std::min(m, n);
+  const auto householder = [](std::int64_t d, unsigned s) {
+    std::mt19937 rng(s);
+    std::uniform_real_distribution<double> u(-1.0, 1.0);
+    std::vector<ld> q(static_cast<std::size_t>(d * d), 0.0L);
+    for (std::int64_t i = 0; i < d; ++i) q[static_cast<std::size_t>(i * d + i)] = 1.0L;
+    for (int r = 0; r < 2; ++r) {  // q ← q·(I − 2vvᵀ/‖v‖²)
+      std::vector<ld> v(static_cast<std::size_t>(d));
+      ld nn = 0;
+      for (auto& x : v) {
+        x = u(rng);
+        nn += x * x;
+      }
+      for (std::int64_t i = 0; i < d; ++i) {
+        ld dot = 0;
+        for (std::int64_t j = 0; j < d; ++j)
+          dot += q[static_cast<std::size_t>(i * d + j)] * v[static_cast<std::size_t>(j)];
+        for (std::int64_t j = 0; j < d; ++j)
+          q[static_cast<std::size_t>(i * d + j)] -= 2.0L * dot * v[static_cast<std::size_t>(j)] / nn;
+      }
+    }
+    return q;
+  };
+  const auto U = householder(m, seed), V = householder(n, seed + 7);
+  std::vector<ld> sigma(static_cast<std::size_t>(k));
+  for (std::int64_t i = 0; i < k; ++i)
+    sigma[static_cast<std::size_t>(i)] = 0.05L + 1.5L * ld(i) / ld(k);  // spread
+  const gradapt::newton_schulz_options o{};
+  ld norm = 0;
+  for (const ld s : sigma) norm += s * s;
+  norm = std::sqrt(norm);
+  std::vector<ld> f(sigma.size());
+  for (std::size_t i = 0; i < sigma.size(); ++i) {
+    ld x = sigma[i] / std::max(norm, ld(o.epsilon));
+    for (std::uint32_t s = 0; s < o.steps; ++s)
+      x = ld(o.a) * x + ld(o.b) * x * x * x + ld(o.c) * x * x * x * x * x;
+    f[i] = x;
+  }
+  const auto product = [&](const std::vector<ld>& d) {  // U[:, :k]·diag(d)·V[:, :k]ᵀ
+    std::vector<ld> out(static_cast<std::size_t>(m * n), 0.0L);
+    for (std::int64_t i = 0; i < m; ++i)
+      for (std::int64_t j = 0; j < n; ++j) {
+        ld acc = 0;
+        for (std::int64_t r = 0; r < k; ++r)
+          acc += U[static_cast<std::size_t>(i * m + r)] * d[static_cast<std::size_t>(r)] *
+                 V[static_cast<std::size_t>(j * n + r)];
+        out[static_cast<std::size_t>(i * n + j)] = acc;
+      }
+    return out;
+  };
+  const auto g = product(sigma), want = product(f);
+  std::vector<T> x(g.size());
+  for (std::size_t i = 0; i < g.size(); ++i) x[i] = static_cast<T>(g[i]);
+  std::vector<T> ws(gradapt::newton_schulz_workspace(m, n));
+  gradapt::newton_schulz(host_lapack{}, tensor_view<T>(x.data(), {m, n}), std::span<T>(ws), o);
+  double worst = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) worst = std::max(worst, double(std::abs(ld(x[i]) - want[i])));
+  INFO(m << " x " << n << ": largest difference " << worst);
+  CHECK(worst <= tol);
+  // The singular values moved towards 1: the result is far from the scaled input.
+  CHECK(std::abs(ld(x[0]) - g[0] / norm) > 10 * tol);
+}
+
+TEST_CASE("newton_schulz: the closed form on known singular vectors, wide, tall and square", "[linalg]") {
+  for (const auto& [m, n] : {std::pair<std::int64_t, std::int64_t>{6, 9}, {9, 6}, {7, 7}, {1, 5}, {5, 1}}) {
+    newton_schulz_closed_form<double>(m, n, 11u + unsigned(m), 1e-12);
+    newton_schulz_closed_form<float>(m, n, 11u + unsigned(m), 2e-5);
+  }
+}
+
+TEST_CASE("newton_schulz: a zero matrix stays zero; bad options and workspaces throw", "[linalg]") {
+  std::vector<double> z(12, 0.0), ws(gradapt::newton_schulz_workspace(3, 4));
+  gradapt::newton_schulz(host_lapack{}, tensor_view<double>(z.data(), {3, 4}), std::span<double>(ws), {});
+  CHECK(std::all_of(z.begin(), z.end(), [](double v) { return v == 0.0; }));
+  std::vector<double> small(3);
+  REQUIRE_THROWS_WITH(gradapt::newton_schulz(host_lapack{}, tensor_view<double>(z.data(), {3, 4}),
+                                             std::span<double>(small), {}),
+                      Contains("needs 30"));
+  REQUIRE_THROWS_WITH(gradapt::validate(gradapt::newton_schulz_options{.steps = 0}, "opt: ns"),
+                      Contains("opt: ns.steps is 0"));
+  REQUIRE_THROWS_WITH(gradapt::validate(gradapt::newton_schulz_options{.epsilon = -1}, "opt: ns"),
+                      Contains("epsilon is -1"));
 }
 
 }  // namespace gradapt_test_linalg

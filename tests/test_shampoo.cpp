@@ -1055,4 +1055,180 @@ TEST_CASE("shampoo: groups, 16-bit gradients, moved buffers and thread counts", 
   CHECK(b2 == std::vector<float>(3, 0.25f));
 }
 
+// ---- 11. the family: eigenvalue-corrected (SOAP) and spectral descent (Muon) -------------------
+
+// A two-tensor model (a [6, 5] matrix and a [5] bias) stepped with `o` for `steps` steps.
+struct family_model {
+  std::vector<double> w = std::vector<double>(30, 0.1), gw = std::vector<double>(30),
+                      b = std::vector<double>(5, 0.0), gb = std::vector<double>(5);
+  gradapt::param_list<double> params;
+  family_model() {
+    params.add("w", tensor_view<double>(w.data(), {6, 5}), tensor_view<double>(gw.data(), {6, 5}));
+    params.add("bias", gradapt::host_view(b), gradapt::host_view(gb));
+  }
+  void grads(int s) {
+    set(gw, normal_vector<double>(30, 900 + unsigned(s)));
+    set(gb, normal_vector<double>(5, 950 + unsigned(s)));
+  }
+};
+
+shampoo_options soap_options(gradapt::shampoo_eigenbasis basis) {
+  shampoo_options o = gradapt::soap_defaults();
+  o.eigenbasis = basis;
+  o.lr = 0.01;
+  o.beta2 = 0.99;
+  o.root.epsilon = 1e-8;
+  o.precondition_frequency = 2;
+  o.merge_small_dims = false;  // [6, 5] keeps two factors
+  return o;
+}
+
+TEST_CASE("shampoo family: SOAP's first step is Adam's in the identity basis; a refresh gives the eigenbasis",
+          "[shampoo][family]") {
+  for (const auto basis : {gradapt::shampoo_eigenbasis::eigh, gradapt::shampoo_eigenbasis::qr}) {
+    INFO(to_string(basis));
+    shampoo_options o = soap_options(basis);
+    o.start_preconditioning_step = 3;  // the bases stay the identity for steps 1 and 2
+    o.precondition_frequency = 3;
+    o.beta1 = 0.0;
+    family_model m;
+    const shampoo opt(o);
+    auto st = opt.init(backend, m.params);
+    m.grads(1);
+    const std::vector<double> w0 = m.w;
+    opt.step(backend, m.params, st);
+    // Step 1: V = (1 − β2)·g², c = 1 − β2, D = g / (√(V / c) + ε) = g / (|g| + ε): the identity basis.
+    for (std::size_t i = 0; i < 30; ++i) {
+      const double g = m.gw[i];
+      CHECK(m.w[i] == Approx(w0[i] - 0.01 * g / (std::abs(g) + 1e-8)).epsilon(1e-12));
+    }
+    m.grads(2);
+    opt.step(backend, m.params, st);
+    m.grads(3);
+    opt.step(backend, m.params, st);  // refresh: Q_d from S_d / (1 − β2³) + εI
+    const auto& pre = st.preconditioner();
+    for (std::size_t d = 0; d < 2; ++d) {
+      const auto s = pre.statistic(0, 0, d), q = pre.root(0, 0, d);
+      const std::size_t n = d == 0 ? 6 : 5;
+      // QᵀSQ is diagonal (eigh: exactly up to rounding; one QR step from the identity: only
+      // nearly, so check orthogonality there) and Q is orthogonal.
+      double off = 0, all = 0, orth = 0;
+      for (std::size_t i = 0; i < n; ++i)
+        for (std::size_t j = 0; j < n; ++j) {
+          double qsq = 0, qq = 0;
+          for (std::size_t a = 0; a < n; ++a) {
+            qq += q[a * n + i] * q[a * n + j];
+            for (std::size_t b = 0; b < n; ++b) qsq += q[a * n + i] * s[a * n + b] * q[b * n + j];
+          }
+          all += qsq * qsq;
+          if (i != j) off += qsq * qsq;
+          orth = std::max(orth, std::abs(qq - (i == j ? 1.0 : 0.0)));
+        }
+      CHECK(orth < 1e-12);
+      if (basis == gradapt::shampoo_eigenbasis::eigh) CHECK(std::sqrt(off / all) < 1e-12);
+    }
+  }
+}
+
+TEST_CASE("shampoo family: spectral descent's direction is the block's Newton–Schulz orthogonalization",
+          "[shampoo][family]") {
+  shampoo_options o = gradapt::spectral_descent_defaults();
+  o.lr = 0.5;
+  o.beta1 = 0.0;
+  o.scale_by_aspect = true;
+  family_model m;
+  const shampoo opt(o);
+  auto st = opt.init(backend, m.params);
+  CHECK(!st.preconditioner().layout(0).diagonal);
+  CHECK(st.preconditioner().layout(1).diagonal);  // the bias: the graft (none: the gradient)
+  m.grads(1);
+  const std::vector<double> w0 = m.w, b0 = m.b;
+  std::vector<double> x = m.gw, ws(gradapt::newton_schulz_workspace(6, 5));
+  gradapt::newton_schulz(la, tensor_view<double>(x.data(), {6, 5}), std::span<double>(ws), o.newton_schulz);
+  opt.step(backend, m.params, st);
+  const double aspect = std::sqrt(6.0 / 5.0);
+  for (std::size_t i = 0; i < 30; ++i) CHECK(m.w[i] == Approx(w0[i] - 0.5 * aspect * x[i]).epsilon(1e-12));
+  for (std::size_t i = 0; i < 5; ++i) CHECK(m.b[i] == Approx(b0[i] - 0.5 * m.gb[i]).epsilon(1e-12));
+  // A [6, 5, 4] tensor is merged to [6, 20] (down to two dimensions from the last), a [7] never.
+  const auto l3 = gradapt::shampoo_plan(std::vector<std::int64_t>{6, 5, 4}, o);
+  CHECK(l3.merged == std::vector<std::int64_t>{6, 20});
+  CHECK(gradapt::shampoo_plan(std::vector<std::int64_t>{7}, o).diagonal);
+}
+
+TEST_CASE("shampoo family: checkpoints continue bit for bit, every bit flip and a negative V are rejected",
+          "[shampoo][family][checkpoint]") {
+  for (const int kind : {0, 1, 2}) {
+    const shampoo_options o = kind == 0   ? soap_options(gradapt::shampoo_eigenbasis::eigh)
+                              : kind == 1 ? soap_options(gradapt::shampoo_eigenbasis::qr)
+                                          : gradapt::spectral_descent_defaults();
+    INFO("kind " << kind);
+    const shampoo opt(o);
+    family_model a, b;
+    auto sa = opt.init(backend, a.params);
+    auto sb = opt.init(backend, b.params);
+    for (int s = 1; s <= 3; ++s) {
+      a.grads(s);
+      opt.step(backend, a.params, sa);
+    }
+    const auto bytes = sa.save(backend);
+    sb.load(backend, bytes);
+    set(b.w, a.w);
+    set(b.b, a.b);
+    for (int s = 4; s <= 7; ++s) {
+      a.grads(s);
+      b.grads(s);
+      opt.step(backend, a.params, sa);
+      opt.step(backend, b.params, sb);
+    }
+    CHECK(a.w == b.w);
+    CHECK(a.b == b.b);
+    const auto good = sa.save(backend);
+    const std::size_t n = gradapt_test::flip_every_bit(
+        good, [&](std::span<const std::byte> bad) { sb.load(backend, bad); },
+        [&] { return sb.save(backend); });
+    CHECK(n == good.size() * 8);
+    // Another family member's state does not take the checkpoint.
+    const shampoo other(kind == 2 ? soap_options(gradapt::shampoo_eigenbasis::eigh)
+                                  : gradapt::spectral_descent_defaults());
+    family_model c;
+    auto sc = other.init(backend, c.params);
+    CHECK_THROWS_WITH(sc.load(backend, good), Contains("preconditioner"));
+    if (kind != 2) {  // a corrected second moment below zero, behind a valid checksum
+      const auto v = sa.preconditioner().corrected_moment(0, 0);
+      REQUIRE(v.size() == 30);
+      const auto raw = std::as_bytes(v);
+      const auto at = std::search(good.begin(), good.end(), raw.begin(), raw.end());
+      REQUIRE(at != good.end());
+      std::vector<std::byte> bad = good;
+      const double neg = -1.0;
+      std::memcpy(bad.data() + (at - good.begin()), &neg, sizeof neg);
+      gradapt_test::reseal(bad);
+      CHECK_THROWS_WITH(sb.load(backend, bad), Contains("corrected second moment") && Contains("-1"));
+    }
+  }
+}
+
+TEST_CASE("shampoo family: invalid family options throw naming them", "[shampoo][family]") {
+  const auto bad = [](auto change, const char* what) {
+    shampoo_options o = gradapt::soap_defaults();
+    change(o);
+    INFO(what);
+    CHECK_THROWS_WITH(shampoo(o), Contains(what));
+  };
+  bad([](auto& o) { o.qr_iterations = 0; }, "qr_iterations is 0");
+  bad([](auto& o) { o.qr_tolerance = -1; }, "qr_tolerance is -1");
+  bad([](auto& o) { o.corrected_exponent = 0; }, "corrected_exponent is 0");
+  bad([](auto& o) { o.statistics_frequency = 2; }, "statistics_frequency is 2");
+  bad([](auto& o) { o.root_staleness = 1; }, "root_staleness is 1");
+  bad([](auto& o) { o.inverse_exponent_override = 4; }, "inverse_exponent_override");
+  bad([](auto& o) { o.preconditioner = static_cast<gradapt::shampoo_preconditioner>(7); },
+      "preconditioner is 7");
+  bad(
+      [](auto& o) {
+        o.preconditioner = gradapt::shampoo_preconditioner::spectral_descent;
+        o.newton_schulz.steps = 0;
+      },
+      "newton_schulz.steps is 0");
+}
+
 }  // namespace gradapt_test_shampoo

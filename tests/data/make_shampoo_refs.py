@@ -24,7 +24,36 @@ first step, the first preconditioned step, the 16th and the 32nd (every element)
   sensitivity    how far deliberately wrong configurations of the peer land from the reference
                  (in scale units), so the test can check its tolerances separate right from wrong;
                  sensitivity_double: variants that only the double comparison is to resolve (the
-                 eigen root in place of coupled Newton, whose result is within Newton's tolerance).
+                 eigen root in place of coupled Newton, whose result is within Newton's tolerance);
+  peer_float32_spread VALUE LABEL
+                 (the cases in SPREAD_CASES only: soap_defaults) the largest distance, measured as
+                 peer_float32, of the peer's float32 runs from its float64 run over the plain run
+                 (LABEL plain) and runs that change float32's rounding order but not the math, and
+                 the label of the run that gave it. The variants (SPREAD_VARIANTS):
+                   threads_2, threads_4        the float32 run with 2 or 4 intra-op threads (the
+                                               plain run uses 1)
+                   factor_summed,              the factor update A A^T (A: the gradient with
+                   factor_sequential,          dimension k first, flattened) as a vectorised sum of
+                   factor_sequential_reversed, the elementwise products, as rank-1 updates column
+                   factor_float64_rounded      by column in ascending or descending order, or in
+                                               float64 rounded once, instead of the peer's tensordot
+                   rotation_reversed,          the rotations into and out of the eigenbasis
+                   rotation_float64_rounded    contracted last dimension first, or in float64
+                                               rounded once
+                   qr_QtAQ_right_first,        the QR refresh with B = Q^T (A Q) instead of
+                   qr_float64_rounded          (Q^T A) Q, or each QR factorisation in float64
+                                               rounded to float32
+                   mkl_cbwr_compatible         the unpatched peer in a fresh process of this script
+                                               (--float32-distance CASE) with MKL_CBWR=COMPATIBLE
+                                               (MKL's conditional-reproducibility code path; no
+                                               effect where torch's BLAS is not MKL)
+                 The patches replace the peer's code for one run (peer_patch). In soap_defaults
+                 (epsilon 1e-12, summed corrected eigenvalues) the whole float32 distance is made
+                 at step 2: the basis has changed since step 1, a few corrected eigenvalues are
+                 tiny sums of squares of cancelling rotated entries, and the quotient
+                 m' / (sqrt(V) + eps) there reaches 51 (elsewhere at most 3.5) with the relative
+                 rounding error of those entries, so the distance follows the summation order and
+                 the float32 comparison is bounded by the spread rather than by one order.
 
 Option mapping (gradapt shampoo_options -> DistributedShampoo):
   lr                          -> lr; the peer keeps it in a float32 tensor, so every case uses a
@@ -103,6 +132,88 @@ whose opt lines carry their keys):
                                  scale 2^0) and c_t = the generator's R values of seed
                                  gseed + 1000 t: every product and sum exact in float64, the
                                  float32 gradient its rounding (see LowRank below)
+The Shampoo family (the cases spectral_descent_* and soap_*, whose opt lines carry the keys
+above plus preconditioner and the keys below; same peer commit; its
+preconditioner/matrix_functions.py (newton_schulz, matrix_eigendecomposition) and
+preconditioner/shampoo_preconditioner_list.py (EigenvalueCorrectedShampooPreconditionerList) hold
+the math):
+  preconditioner              -> preconditioner_config: shampoo = RootInvShampooPreconditionerConfig
+                                 (every case above), spectral_descent =
+                                 SpectralDescentPreconditionerConfig, eigenvalue_corrected =
+                                 EigenvalueCorrectedShampooPreconditionerConfig
+  graft_preconditioned        -> whether the preconditioned blocks are grafted (grafting_config on
+                                 their optimizer); 0: graft/graft_beta2/graft_epsilon only name the
+                                 method of the tensors the preconditioner does not take (the
+                                 README's Muon recipe: a second param group with AdamW)
+ spectral_descent (precondition_frequency, start_preconditioning_step, beta2, epsilon and the
+ root keys have no effect):
+  tensors                     -> merged as the peer's merge_small_dims(shape, max_preconditioner_dim,
+                                 target_parameter_dimensionality=2), which the peer imposes: size-1
+                                 dimensions dropped, then from the last dimension while more than
+                                 two remain and the product stays <= max_preconditioner_dim
+                                 ([6, 5, 4] -> [6, 20], [8, 4, 3, 3] -> [8, 36]); then cut into
+                                 blocks of max_preconditioner_dim (multi_dim_split). 2-D results
+                                 are orthogonalised block by block, 1-D ones go to the graft alone
+                                 (the peer raises for them, so the script hands them to a second
+                                 DistributedShampoo as above), and a tensor left with more than two
+                                 dimensions is an error in the peer (no case has one). The plan line
+                                 gives that 2-D shape
+  ns_steps, ns_a, ns_b, ns_c  -> NewtonSchulzOrthogonalizationConfig(num_iterations, coefficients):
+                                 X = M / max(|M|_F, ns_epsilon), transposed when rows < cols, then
+                                 ns_steps times B = X^T X, X <- ns_a X + X (ns_b B + ns_c B^2)
+                                 (the peer's defaults 5, (3.4445, -4.7750, 2.0315))
+  ns_epsilon                  -> the peer's fixed clamp of the Frobenius norm, 1e-8 (not settable)
+  ns_scale none | aspect      -> scale_by_dims_fn: none = 1 (the peer's default), aspect =
+                                 sqrt(max(1, rows / cols)) (the README's Muon example)
+  beta1, bias_correction      -> betas[0], use_bias_correction as above: the first moment is what is
+                                 orthogonalised (its bias correction cancels in the
+                                 orthogonalisation, and still divides the graft-alone tensors' m)
+  momentum, nesterov,         -> as above, applied after the orthogonalisation; weight decay is
+  weight_decay                   added to the orthogonalised direction (D + lambda W)
+  preset spectral_descent_defaults
+                              -> DistributedShampoo(params, lr=lr,
+                                 preconditioner_config=DefaultSpectralDescentPreconditionerConfig)
+                                 and a fresh SingleDeviceDistributedConfig() (the peer sets the one
+                                 it is handed to target 2, the module's default object included)
+ eigenvalue_corrected (SOAP; grafting none in every case, the peer's default):
+  beta2, bias_correction,     -> betas[1], use_bias_correction, epsilon: the factor matrices as in
+  epsilon                        Shampoo (beta2 < 1: EMA with weight 1 - beta2 and, with bias
+                                 correction, divided by 1 - beta2^t before the eigenbasis), the
+                                 eigenbasis of S / (1 - beta2^t) + epsilon I
+  corrected_beta2             -> the corrected eigenvalues' beta: the peer uses betas[1] for both
+                                 (always equal to beta2 here; a wrong variant patches it)
+  corrected_epsilon           -> the peer's epsilon again (always equal to epsilon here): the
+                                 direction is Q (Q^T m Q / ((V / (1 - beta2^t))^(1/p) + eps)) Q^T
+  corrected_exponent p        -> inverse_exponent_override {order: 1/p} of
+                                 EigenvalueCorrectedShampooPreconditionerConfig (default 1/2: p = 2)
+  eigenbasis eigh | qr        -> amortized_computation_config EighEigendecompositionConfig()
+                                 (eigenvectors in ascending eigenvalue order) or
+                                 QREigendecompositionConfig(max_iterations=qr_iterations,
+                                 tolerance=qr_tolerance): from the previous basis Q (the identity
+                                 the first time) B = Q^T (S + eps I) Q, then while the iteration
+                                 count < qr_iterations and |offdiag B|_F > qr_tolerance |B|_F:
+                                 (q, r) = qr(B), B <- r q, Q <- Q q; columns sorted by diag(B),
+                                 ascending (stable); PerturbationConfig(perturb_before_computation)
+                                 as the peer's default, every factor dtype the run's
+  precondition_frequency,     -> the eigenbasis is recomputed at t == s and at t > s with
+  start_preconditioning_step     t % f == 0 (as above); before s the basis is the identity (with
+                                 no graft the peer preconditions from step 1: Adam in the identity
+                                 basis), the corrected eigenvalues are updated every step and never
+                                 re-rotated or permuted when the basis changes
+  precondition_1d 1           -> the peer gives 1-D tensors a full-matrix factor (b6 [6])
+  merge_small_dims 0          -> target_parameter_dimensionality=inf, the tensor's own shape
+  preset soap_defaults        -> DistributedShampoo(params, lr=lr, preconditioner_config=
+                                 DefaultSOAPConfig with the factor, eigenvector and corrected-
+                                 eigenvalue dtypes of the run) and a fresh
+                                 SingleDeviceDistributedConfig(): betas (0.9, 1.0), epsilon 1e-12,
+                                 bias correction, QR (1 iteration, tolerance 0) every step from
+                                 step 1, merging from the last dimension, no grafting
+ Wrong variants that the peer has no option for patch its code for their run only (peer_patch:
+ the eps inside the root, the corrected eigenvalues with another beta or not bias-corrected, the
+ eigenvectors in descending order, QR restarted from the identity or not sorted, Newton-Schulz
+ normalised by the spectral norm). Measured and left out as not wrong: Newton-Schulz without the
+ transposition (2.6e-15 from the reference), the ridge before eigh (5e-15), the first moment's
+ bias correction on the orthogonalised blocks (2.6e-15).
 Not matched, so not exercised: gradapt's relative ridge (eps * lambda_max, its default; the
 peer's eigen root only takes an absolute one, and its higher-order root's lambda_max is an upper
 bound rather than gradapt's power iteration), statistics_frequency > 1 (the peer updates every
@@ -111,8 +222,11 @@ beta3 != beta1, momentum dampening, L2 (coupled) weight decay, and gradapt's
 skip_preconditioning_dim_size_gt.
 """
 
+import contextlib
+import dataclasses
 import math
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -122,8 +236,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peer_refs  # noqa: E402  (the generator, the tensor record, the writer)
 
 import distributed_shampoo as ds  # noqa: E402
+import distributed_shampoo.preconditioner.shampoo_preconditioner_list as spl  # noqa: E402
+import distributed_shampoo.preconditioner.spectral_descent_preconditioner_list as sdl  # noqa: E402
 from distributed_shampoo.shampoo_types import ClassicMomentumConfig  # noqa: E402
-from distributed_shampoo.utils.shampoo_utils import merge_small_dims, multi_dim_split  # noqa: E402
+from distributed_shampoo.utils.shampoo_utils import compress_list, merge_small_dims, multi_dim_split  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shampoo")
 PEER = "facebookresearch/optimizers f60660661194de26d3ee78bae6d15820ff8e583d (torch-shampoo 1.0.0)"
@@ -244,6 +360,8 @@ def graft_config(c):
 def run_peer(c, tensors, dtype, record):
     """The peer's parameters (float64 numpy, flat, per tensor) after each step in `record`.
     `c` holds the gradapt options plus peer-only overrides (keys starting with 'peer_')."""
+    if c.get("family"):
+        return run_family(c, tensors, dtype, record)
     torch.manual_seed(0)
     # The peer makes some scalars with torch.tensor(python float) (the 1 - beta^t of its Adam
     # graft): the default dtype decides their precision.
@@ -481,7 +599,543 @@ def cases():
         ("no first moment (betas (0, 1))", variant(c, peer_preset_overrides={"betas": (0.0, 1.0)})),
         ("first moment not bias-corrected", variant(c, peer_preset_overrides={"use_bias_correction": False})),
     ]))
+    return out + family_cases()
+
+
+# ---- the Shampoo family: spectral descent (Muon) and eigenvalue-corrected Shampoo (SOAP) ----
+# (the cases spectral_descent_* and soap_*, after every Shampoo case; see the docstring's last table)
+
+WT = T("wt", [16, 40], 101, 102)  # rows < cols
+SQ = T("sq", [36, 36], 111, 112)  # square with more than 1024 elements: two full-rank factors from step 1
+B6 = T("b6", [6], 131, 132)  # 1-D, its 6 x 6 factor full-rank from step 6 on
+
+
+def _scale_none(d_in, d_out):  # (named functions: the peer warns about lambdas)
+    return 1.0
+
+
+def _scale_aspect(d_in, d_out):  # the README's Muon example: sqrt(max(1, d_out / d_in)) = sqrt(max(1, rows / cols))
+    return max(1, d_out / d_in) ** 0.5
+
+
+NS_SCALES = {"none": _scale_none, "aspect": _scale_aspect}
+
+
+def family_shape(t, c):
+    """The shape the peer cuts tensor t's blocks from: spectral descent merges (its
+    merge_small_dims with target_parameter_dimensionality 2, which it imposes) and takes 2-D
+    results only (the graft alone takes the rest: None); eigenvalue-corrected Shampoo keeps the
+    shape (merge_small_dims 0: target inf, size-1 dimensions dropped) or merges from the last
+    dimension down to one (target 1, the peer's default)."""
+    if c["preconditioner"] == "spectral_descent":
+        shape = list(merge_small_dims(tuple(t.shape), c["max_preconditioner_dim"], 2))
+        if len(shape) > 2:
+            raise ValueError("%s: %s does not merge to 2-D (the peer raises)" % (t.name, shape))
+        return shape if len(shape) == 2 else None
+    if not c["merge_small_dims"]:
+        return [d for d in t.shape if d != 1] or [1]
+    assert c["merge_from"] == "last"
+    return list(merge_small_dims(tuple(t.shape), c["max_preconditioner_dim"], 1))
+
+
+def family_plan(t, c):
+    shape = family_shape(t, c)
+    if shape is None:
+        return None, 0
+    return shape, len(multi_dim_split(torch.empty(shape), c["max_preconditioner_dim"]))
+
+
+def family_config(c, dtype):
+    if c["preconditioner"] == "spectral_descent":
+        assert c["ns_epsilon"] == 1e-8  # the peer's clamp of the Frobenius norm (matrix_functions.py)
+        if c.get("peer_svd"):
+            orth = ds.SVDOrthogonalizationConfig(scale_by_dims_fn=NS_SCALES[c["ns_scale"]])
+        else:
+            orth = ds.NewtonSchulzOrthogonalizationConfig(
+                num_iterations=c["ns_steps"], coefficients=(c["ns_a"], c["ns_b"], c["ns_c"]),
+                scale_by_dims_fn=NS_SCALES[c["ns_scale"]])
+        return ds.SpectralDescentPreconditionerConfig(orthogonalization_config=orth)
+    assert c["preconditioner"] == "eigenvalue_corrected"
+    assert c["corrected_beta2"] == c["beta2"] and c["corrected_epsilon"] == c["epsilon"]  # tied in the peer
+    perturbation = ds.PerturbationConfig(perturb_before_computation=not c.get("peer_no_ridge", False))
+    basis = c.get("peer_eigenbasis", c["eigenbasis"])
+    if basis == "eigh":
+        amortized = ds.EighEigendecompositionConfig(rank_deficient_stability_config=perturbation)
+    else:
+        amortized = ds.QREigendecompositionConfig(rank_deficient_stability_config=perturbation,
+                                                  max_iterations=c.get("peer_qr_iterations", c["qr_iterations"]),
+                                                  tolerance=c["qr_tolerance"])
+    exponent = 1.0 / c.get("peer_corrected_exponent", c["corrected_exponent"])
+    return ds.EigenvalueCorrectedShampooPreconditionerConfig(
+        amortized_computation_config=amortized, factor_matrix_dtype=dtype,
+        factor_matrix_eigenvectors_dtype=dtype, corrected_eigenvalues_dtype=dtype,
+        inverse_exponent_override={} if exponent == 0.5 else {k: exponent for k in (1, 2, 3, 4)})
+
+
+def run_family(c, tensors, dtype, record):
+    """run_peer for the family's cases (the peer's code patched by the wrong variants' peer_patch
+    entries, (object, attribute, replacement), for the run only)."""
+    with contextlib.ExitStack() as stack:
+        for obj, name, value in c.get("peer_patch", []):
+            stack.enter_context(_patched(obj, name, value))
+        return _run_family(c, tensors, dtype, record)
+
+
+_ABSENT = object()
+
+
+@contextlib.contextmanager
+def _patched(obj, name, value):
+    # vars(), not getattr(): a staticmethod (_precondition_grad) must go back as the staticmethod,
+    # and an inherited attribute (_compute_outer_product_list) must not stay on the subclass.
+    old = vars(obj).get(name, _ABSENT)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if old is _ABSENT:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, old)
+
+
+def _run_family(c, tensors, dtype, record):
+    torch.manual_seed(0)
+    torch.set_default_dtype(dtype)
+    spectral = c["preconditioner"] == "spectral_descent"
+    shaped, diag = [], []
+    for t in tensors:
+        p0 = torch.from_numpy(t.param0().astype(np.float64)).to(dtype)
+        shape = family_shape(t, c)
+        if shape is None:
+            diag.append((t, torch.nn.Parameter(p0.reshape(t.shape).clone())))
+        elif spectral or c["merge_small_dims"]:
+            shaped.append((t, torch.nn.Parameter(p0.reshape(t.shape).clone())))  # the peer merges itself
+        else:
+            shaped.append((t, torch.nn.Parameter(p0.reshape(shape).clone())))
+    precond = family_config(c, dtype)
+    # A fresh distributed config every run: spectral descent sets the one it is handed to
+    # target_parameter_dimensionality 2 (distributed_shampoo.py), the module's default included.
+    target = 2 if spectral else (1 if c["merge_small_dims"] else math.inf)
+    if c["preset"] != "-":
+        # The peer's defaults; only lr (and for SOAP the reference's float64 dtypes) are set.
+        assert not diag
+        if c["preset"] == "soap_defaults":
+            default = ds.DefaultEigenvalueCorrectedShampooConfig if c.get("peer_eigenbasis") == "eigh" else \
+                ds.DefaultSOAPConfig
+            precond = dataclasses.replace(default, factor_matrix_dtype=dtype,
+                                          factor_matrix_eigenvectors_dtype=dtype, corrected_eigenvalues_dtype=dtype)
+        else:
+            assert c["preset"] == "spectral_descent_defaults"
+            precond = c.get("peer_preconditioner", ds.DefaultSpectralDescentPreconditionerConfig)
+        extra = c.get("peer_preset_overrides", {})
+        opt = ds.DistributedShampoo([p for _, p in shaped], lr=c["lr"], preconditioner_config=precond,
+                                    distributed_config=ds.SingleDeviceDistributedConfig(), **extra)
+        return step_peer(c, [opt], shaped, dtype, record)
+
+    momentum = None
+    if c["momentum"] > 0:
+        momentum = ClassicMomentumConfig(momentum=c["momentum"], dampening=0.0, use_nesterov=bool(c["nesterov"]))
+    if "peer_momentum" in c:
+        momentum = ClassicMomentumConfig(momentum=c["peer_momentum"][0], dampening=c["peer_momentum"][1],
+                                         use_nesterov=False)
+    common = dict(lr=c["lr"], betas=(c.get("peer_beta1", c["beta1"]), c["beta2"]), beta3=c.get("peer_beta3", -1.0),
+                  weight_decay=c["weight_decay"], weight_decay_type=ds.WeightDecayType.DECOUPLED,
+                  use_bias_correction=c.get("peer_bias_correction", bool(c["bias_correction"])),
+                  iterate_averaging_config=momentum)
+    graft = None
+    if c["graft"] != "none" and c["graft_preconditioned"]:
+        graft = graft_config(c)
+    graft = c.get("peer_graft", graft)
+    opts = []
+    if shaped:
+        opts.append(ds.DistributedShampoo(
+            [p for _, p in shaped], epsilon=c["epsilon"],
+            max_preconditioner_dim=c.get("peer_max_preconditioner_dim", c["max_preconditioner_dim"]),
+            precondition_frequency=c.get("peer_precondition_frequency", c["precondition_frequency"]),
+            start_preconditioning_step=c["start_preconditioning_step"], grafting_config=graft,
+            preconditioner_config=precond,
+            distributed_config=ds.SingleDeviceDistributedConfig(target_parameter_dimensionality=target), **common))
+    if diag:
+        opts.append(ds.DistributedShampoo(
+            [p for _, p in diag], epsilon=1e-12, max_preconditioner_dim=c["max_preconditioner_dim"],
+            precondition_frequency=1, start_preconditioning_step=1, grafting_config=None,
+            preconditioner_config=graft_config(c),
+            distributed_config=ds.SingleDeviceDistributedConfig(target_parameter_dimensionality=math.inf), **common))
+    return step_peer(c, opts, shaped + diag, dtype, record)
+
+
+# -- the wrong variants' replacements of the peer's code (each a copy with one thing changed) --
+
+def _newton_schulz(A, cfg, norm_ord="fro", transpose_wide=True):
+    """matrix_functions.py's newton_schulz and scaling, with the normalising norm and the
+    transposition as parameters."""
+    X = A / torch.clamp(torch.linalg.matrix_norm(A, ord=norm_ord), min=1e-8)
+    a, b, c = cfg.coefficients
+    transpose = transpose_wide and A.shape[0] < A.shape[1]
+    if transpose:
+        X = X.T
+    for _ in range(cfg.num_iterations):
+        B = X.T @ X
+        B = torch.addmm(B, B, B, beta=b, alpha=c)
+        X = torch.addmm(X, X, B, beta=a, alpha=1.0)
+    if transpose:
+        X = X.T
+    return X.mul_(cfg.scale_by_dims_fn(A.shape[1], A.shape[0]))
+
+
+def _orth_spectral_norm(A, orthogonalization_config):
+    return _newton_schulz(A, orthogonalization_config, norm_ord=2)
+
+
+def _orth_no_transpose(A, orthogonalization_config):
+    return _newton_schulz(A, orthogonalization_config, transpose_wide=False)
+
+
+_peer_eig = spl.matrix_eigendecomposition
+
+
+def _eig_descending(A, epsilon=0.0, eigendecomposition_config=None, eigenvectors_estimate=None):
+    L, Q = _peer_eig(A=A, epsilon=epsilon, eigendecomposition_config=eigendecomposition_config,
+                     eigenvectors_estimate=eigenvectors_estimate)
+    return L.flip(0), Q.flip(1)
+
+
+def _eig_cold_qr(A, epsilon=0.0, eigendecomposition_config=None, eigenvectors_estimate=None):
+    eye = torch.eye(A.shape[0], dtype=A.dtype)
+    return _peer_eig(A=A, epsilon=epsilon, eigendecomposition_config=eigendecomposition_config,
+                     eigenvectors_estimate=eye)
+
+
+def _eig_unsorted_qr(A, epsilon=0.0, eigendecomposition_config=None, eigenvectors_estimate=None):
+    """matrix_functions.py's qr_algorithm (tolerance 0: every iteration runs) without its final
+    ascending sort."""
+    Q = eigenvectors_estimate
+    B = Q.T @ (A + epsilon * torch.eye(A.shape[0], dtype=A.dtype)) @ Q
+    for _ in range(eigendecomposition_config.max_iterations):
+        q, r = torch.linalg.qr(B)
+        B = r @ q
+        Q = Q @ q
+    return B.diag(), Q
+
+
+def _ec_precondition(eps_inside=False, bias_correct=True):
+    """EigenvalueCorrectedShampooPreconditionerList._compute_preconditioned_gradient with eps
+    inside the root, or the corrected eigenvalues not bias-corrected."""
+
+    def precondition(self, grad, preconditioned_dims_selector, kronecker_factors):
+        g = self._precondition_grad(grad=grad.clone(), preconditioned_dims_selector=preconditioned_dims_selector,
+                                    preconditioner_list=kronecker_factors.factor_matrices_eigenvectors)
+        v = kronecker_factors.corrected_eigenvalues
+        if bias_correct:
+            v = v.div(self._bias_correction2)
+        if eps_inside:
+            d = v.add(self._epsilon).pow(1 / kronecker_factors.roots[0])
+        else:
+            d = v.pow(1 / kronecker_factors.roots[0]).add(self._epsilon)
+        g.div_(d)
+        return self._precondition_grad(grad=g, preconditioned_dims_selector=preconditioned_dims_selector,
+                                       preconditioner_list=kronecker_factors.factor_matrices_eigenvectors,
+                                       dims=([0], [1]))
+
+    return precondition
+
+
+def _ec_update(corrected_beta2):
+    """EigenvalueCorrectedShampooPreconditionerList.update_preconditioners with another beta2 (and
+    weight 1 - beta2) for the corrected eigenvalues than for the factor matrices."""
+
+    def update(self, masked_grad_list, step, perform_amortized_computation):
+        spl.BaseShampooPreconditionerList.update_preconditioners(
+            self, masked_grad_list=masked_grad_list, step=step,
+            perform_amortized_computation=perform_amortized_computation)
+        for grad, selector, kf in zip(masked_grad_list, self._masked_preconditioned_dims_selector_list,
+                                      self._masked_kronecker_factors_unwrapped, strict=True):
+            g = self._precondition_grad(grad=grad, preconditioned_dims_selector=selector,
+                                        preconditioner_list=kf.factor_matrices_eigenvectors)
+            kf.corrected_eigenvalues.mul_(corrected_beta2).addcmul_(g, g, value=1 - corrected_beta2)
+
+    return update
+
+
+EC_LIST = spl.EigenvalueCorrectedShampooPreconditionerList
+
+
+def family(**kw):
+    """base() plus the family's keys: the peer's NewtonSchulzOrthogonalizationConfig defaults and
+    EigenvalueCorrectedShampooPreconditionerConfig's (eigh, QR 1 iteration, tolerance 0, 1/2)."""
+    c = base(new=True, family=True, preconditioner="shampoo", graft_preconditioned=1, ns_steps=5, ns_a=3.4445,
+             ns_b=-4.775, ns_c=2.0315, ns_epsilon=1e-8, ns_scale="none", eigenbasis="eigh", qr_iterations=1,
+             qr_tolerance=0.0, corrected_exponent=2)
+    c.update(kw)
+    c.setdefault("corrected_beta2", c["beta2"])
+    c.setdefault("corrected_epsilon", c["epsilon"])
+    return c
+
+
+def family_cases():
+    out = []
+
+    # Spectral descent as the README's Muon example (its Example 6): the first moment (betas[0]
+    # 0.9, bias-corrected: the peer's defaults) orthogonalised by 5 Newton-Schulz steps and scaled
+    # by sqrt(max(1, rows / cols)); tensors merged to 2-D (r3 [6, 5, 4] -> [6, 20], conv
+    # [8, 4, 3, 3] -> [8, 36]; max_preconditioner_dim 1024 merges them as the example's math.inf
+    # does), the 1-D bias by Adam (beta2 0.95, epsilon 1e-10) with the same first moment, decoupled
+    # weight decay on both.
+    c = family(preconditioner="spectral_descent", lr=2.0**-7, max_preconditioner_dim=1024, merge_small_dims=1,
+               merge_from="last", beta1=0.9, bias_correction=1, graft="adam", graft_beta2=0.95,
+               graft_epsilon=1e-10, graft_preconditioned=0, weight_decay=0.01, ns_scale="aspect")
+    out.append(("spectral_descent_2d", c, [BIAS, M, W, WT, R3, CONV], [
+        ("ns_steps 4", variant(c, ns_steps=4)),
+        ("coefficients (3, -3.2, 1.2)", variant(c, ns_a=3.0, ns_b=-3.2, ns_c=1.2)),
+        ("exact polar factor (SVD)", variant(c, peer_svd=True)),
+        ("normalised by the spectral norm", variant(c, peer_patch=[(sdl, "matrix_orthogonalization",
+                                                                    _orth_spectral_norm)])),
+        ("no aspect scaling", variant(c, ns_scale="none")),
+        ("first moment after the orthogonalisation (momentum 0.9, dampening 0.9: an EMA)",
+         variant(c, peer_beta1=0.0, peer_momentum=(0.9, 0.9))),
+        ("beta3 0.81 (Nesterov's form)", variant(c, peer_beta3=0.81)),
+        ("first moment not bias-corrected", variant(c, peer_bias_correction=False)),
+        ("orthogonalised blocks grafted by adam", variant(c, graft_preconditioned=1)),
+        ("no weight decay", variant(c, weight_decay=0.0)),
+    ]))
+
+    # Blocks: max_preconditioner_dim 16 cuts w [24, 16] into [16, 16] + [8, 16], wt [16, 40] into
+    # [16, 16] x 2 + [16, 8] and big [40, 20] into 3 x 2 blocks, each orthogonalised on its own
+    # (m [12, 10] stays whole); plain first moment, Muon's coefficients, no scaling.
+    c = family(preconditioner="spectral_descent", lr=2.0**-7, max_preconditioner_dim=16, merge_small_dims=1,
+               merge_from="last", beta1=0.9, bias_correction=1, graft="adam", graft_beta2=0.95,
+               graft_epsilon=1e-10, graft_preconditioned=0)
+    out.append(("spectral_descent_blocked", c, [M, W, WT, BIG], [
+        ("one block per tensor", variant(c, peer_max_preconditioner_dim=1024)),
+        ("ns_steps 6", variant(c, ns_steps=6)),
+    ]))
+
+    # The peer's defaults: DistributedShampoo(params, lr=2^-7,
+    # preconditioner_config=DefaultSpectralDescentPreconditionerConfig): betas (0.9, 1.0) with
+    # bias correction (which spectral descent cannot see: the orthogonalisation is scale-free),
+    # max_preconditioner_dim 1024, target_parameter_dimensionality forced to 2, no grafting, no
+    # scaling, 5 steps of (3.4445, -4.7750, 2.0315). Matrices and a rank-3 tensor only (the peer
+    # raises for a 1-D tensor here).
+    c = family(preconditioner="spectral_descent", lr=2.0**-7, max_preconditioner_dim=1024, merge_small_dims=1,
+               merge_from="last", beta1=0.9, bias_correction=1, graft="none", graft_preconditioned=0,
+               epsilon=1e-12, precondition_1d=0, preset="spectral_descent_defaults")
+    out.append(("spectral_descent_defaults", c, [M, W, WT, R3], [
+        ("no first moment (betas (0, 1))", variant(c, peer_preset_overrides={"betas": (0.0, 1.0)})),
+        ("aspect scaling", variant(c, peer_preconditioner=ds.SpectralDescentPreconditionerConfig(
+            orthogonalization_config=ds.NewtonSchulzOrthogonalizationConfig(scale_by_dims_fn=_scale_aspect)))),
+    ]))
+
+    # Eigenvalue-corrected Shampoo with eigh, the README's SOAP betas (0.9, 0.999), bias
+    # correction, decoupled weight decay, no grafting; the eigenbasis at steps 6, 9, 12, ...
+    # (steps 1 to 5 in the identity basis: Adam); no merging: b6 [6] one 6 x 6 factor, r3 three
+    # factors, low [64, 48] rank-2 gradients (62 and 46 zero eigenvalues for good). Every
+    # eigenbasis must be well defined where the gradients have components: an eigenvalue
+    # repeated (the zeros of a rank-deficient factor) leaves its eigenvectors arbitrary, and the
+    # per-coordinate division then depends on the choice (the gradient's components in that
+    # space are divided coordinate by coordinate). So the factors are full rank when the basis
+    # is computed (b6 from step 6, m [12, 10] from step 2), or the gradients stay in the factor's
+    # range (low: fixed subspaces), whose zero eigenspace they never touch.
+    c = family(preconditioner="eigenvalue_corrected", lr=2.0**-7, merge_small_dims=0, beta1=0.9, beta2=0.999,
+               bias_correction=1, epsilon=1e-5, precondition_frequency=3, start_preconditioning_step=6,
+               graft="none", precondition_1d=1, weight_decay=0.01, eigenbasis="eigh")
+    out.append(("soap_eigh", c, [B6, M, R3, LOW], [
+        ("epsilon inside the root", variant(c, peer_patch=[(EC_LIST, "_compute_preconditioned_gradient",
+                                                            _ec_precondition(eps_inside=True))])),
+        ("corrected eigenvalues not bias-corrected", variant(c, peer_patch=[(
+            EC_LIST, "_compute_preconditioned_gradient", _ec_precondition(bias_correct=False))])),
+        ("no bias correction", variant(c, peer_bias_correction=False)),
+        ("corrected beta2 0.99", variant(c, peer_patch=[(EC_LIST, "update_preconditioners", _ec_update(0.99))])),
+        ("beta2 0.99", variant(c, beta2=0.99, corrected_beta2=0.99)),
+        ("gradient preconditioned, no first moment", variant(c, peer_beta1=0.0)),
+        ("first moment after the preconditioner (momentum 0.9, dampening 0.9: an EMA)",
+         variant(c, peer_beta1=0.0, peer_momentum=(0.9, 0.9))),
+        ("eigenvectors in descending order", variant(c, peer_patch=[(spl, "matrix_eigendecomposition",
+                                                                     _eig_descending)])),
+        ("exponent 1/4", variant(c, peer_corrected_exponent=4)),
+        ("eigenbasis every step from step 6", variant(c, peer_precondition_frequency=1)),
+        ("epsilon 1e-3", variant(c, epsilon=1e-3, corrected_epsilon=1e-3)),
+        ("no weight decay", variant(c, weight_decay=0.0)),
+    ]))
+
+    # The same family with the QR refresh: one QR step of Q^T (S + eps I) Q from the previous
+    # basis (the identity the first time), estimates sorted ascending, every second step from
+    # step 6; max_preconditioner_dim 16 cuts w [24, 16] into [16, 16] + [8, 16]. Full-rank
+    # factors only: one QR step leaves the zero eigenspace of a rank-deficient factor mixed with
+    # its range at an angle of about (rounding of S) / eps, and the ascending sort then orders
+    # the ridge's tied estimates by rounding: low [64, 48] with QR lands 1e-3 to 3 (eps 0.3 to
+    # 1e-5) from the float64 run in the peer's own float32 run, depending on the schedule, so no
+    # case here takes a rank-deficient factor with QR (soap_eigh takes low with eigh).
+    c = family(preconditioner="eigenvalue_corrected", lr=2.0**-7, merge_small_dims=0, max_preconditioner_dim=16,
+               beta1=0.9, beta2=0.999, bias_correction=1, epsilon=1e-5, precondition_frequency=2,
+               start_preconditioning_step=6, graft="none", precondition_1d=1, eigenbasis="qr", qr_iterations=1)
+    out.append(("soap_qr", c, [B6, M, R3, W], [
+        ("eigh in place of QR", variant(c, peer_eigenbasis="eigh")),
+        ("two QR iterations", variant(c, peer_qr_iterations=2)),
+        ("QR from the identity at every refresh", variant(c, peer_patch=[(spl, "matrix_eigendecomposition",
+                                                                          _eig_cold_qr)])),
+        ("QR estimates not sorted", variant(c, peer_patch=[(spl, "matrix_eigendecomposition",
+                                                            _eig_unsorted_qr)])),
+        ("no ridge before QR", variant(c, peer_no_ridge=True)),
+        ("epsilon inside the root", variant(c, peer_patch=[(EC_LIST, "_compute_preconditioned_gradient",
+                                                            _ec_precondition(eps_inside=True))])),
+        ("gradient preconditioned, no first moment", variant(c, peer_beta1=0.0)),
+        ("one block per tensor", variant(c, peer_max_preconditioner_dim=1024)),
+    ]))
+
+    # DefaultSOAPConfig as the peer defines it, in DistributedShampoo's defaults:
+    # DistributedShampoo(params, lr=2^-7, preconditioner_config=DefaultSOAPConfig) with the
+    # reference's float64 dtypes: betas (0.9, 1.0) (summed factors and corrected eigenvalues,
+    # weight 1), epsilon 1e-12, bias correction (of the first moment only, beta2 being 1), one QR
+    # iteration every step from step 1, merging from the last dimension, no grafting. With eps
+    # 1e-12 any rank-deficient factor makes float32 noise (see soap_qr), and the default merging
+    # turns every tensor of at most 1024 elements into one full-matrix factor of rank t: the case
+    # keeps to sq [36, 36], whose two factors are full rank from step 1 (wide [40, 30] and big2
+    # [48, 40] land 0.13 and 0.03 from the float64 run in float32).
+    c = family(preconditioner="eigenvalue_corrected", lr=2.0**-7, max_preconditioner_dim=1024, merge_small_dims=1,
+               merge_from="last", beta1=0.9, beta2=1.0, bias_correction=1, epsilon=1e-12, precondition_1d=1,
+               graft="none", eigenbasis="qr", qr_iterations=1, preset="soap_defaults")
+    out.append(("soap_defaults", c, [SQ], [
+        ("no first moment (betas (0, 1))", variant(c, peer_preset_overrides={"betas": (0.0, 1.0)})),
+        ("beta2 0.999", variant(c, peer_preset_overrides={"betas": (0.9, 0.999)})),
+        ("eigh in place of QR (DefaultEigenvalueCorrectedShampooConfig)", variant(c, peer_eigenbasis="eigh")),
+    ]))
     return out
+
+
+# ---- the peer's float32 spread: its float32 run under rounding orders that leave the math alone ----
+# (see peer_float32_spread in the docstring; run for the cases in SPREAD_CASES only)
+
+SPREAD_CASES = {"soap_defaults"}
+
+
+def _factor_operand(grad, k):
+    """grad with dimension k first, flattened to (d_k, rest): factor k is A A^T (what the peer's
+    tensordot contracts)."""
+    return torch.movedim(grad, k, 0).reshape(grad.shape[k], -1)
+
+
+def _outer_products(kind):
+    """BaseShampooPreconditionerList._compute_outer_product_list with A A^T summed another way:
+    the vectorised reduction of the elementwise products (sum), one rank-1 update per column in
+    ascending or descending order (sequential, sequential_reversed), or in float64 rounded once to
+    the run's dtype (f64)."""
+
+    def outer(self, grad, order, preconditioned_dims_selector, kronecker_factors):
+        out = []
+        for k in compress_list(range(order), preconditioned_dims_selector):
+            A = _factor_operand(grad, k)
+            if kind == "sum":
+                P = (A[:, None, :] * A[None, :, :]).sum(-1)
+            elif kind in ("sequential", "sequential_reversed"):
+                P = torch.zeros(A.shape[0], A.shape[0], dtype=A.dtype)
+                cols = range(A.shape[1])
+                for j in (reversed(cols) if kind == "sequential_reversed" else cols):
+                    P.addr_(A[:, j], A[:, j])
+            else:
+                assert kind == "f64"
+                P = (A.double() @ A.double().T).to(A.dtype)
+            out.append(P)
+        return tuple(out)
+
+    return outer
+
+
+_peer_precondition_grad = spl.BaseShampooPreconditionerList._precondition_grad
+
+
+def _rotation(kind):
+    """BaseShampooPreconditionerList._precondition_grad (the rotations into and out of the
+    eigenbasis) with the dimensions contracted last to first (reversed), or in float64 rounded
+    once (f64)."""
+
+    def rotate(grad, preconditioned_dims_selector, preconditioner_list, dims=([0], [0])):
+        if kind == "f64":
+            return _peer_precondition_grad(grad=grad.double(), preconditioned_dims_selector=preconditioned_dims_selector,
+                                           preconditioner_list=tuple(q.double() for q in preconditioner_list),
+                                           dims=dims).to(grad.dtype)
+        assert kind == "reversed"
+        qs = dict(zip([k for k, sel in enumerate(preconditioned_dims_selector) if sel], preconditioner_list))
+        X = grad.to(preconditioner_list[0].dtype) if preconditioner_list else grad
+        for k in reversed(range(grad.ndim)):
+            if k in qs:
+                X = torch.movedim(torch.tensordot(X, qs[k], dims=([k], dims[1])), -1, k)
+        return X.to(grad.dtype)
+
+    return staticmethod(rotate)
+
+
+def _qr_refresh(kind):
+    """matrix_functions.py's matrix_eigendecomposition for QREigendecompositionConfig (the ridge,
+    B = Q^T A Q, max_iterations QR steps, the stable ascending sort) with B formed as Q^T (A Q)
+    (right_first), or each QR factorisation in float64 rounded to the run's dtype (f64)."""
+
+    def eig(A, epsilon=0.0, eigendecomposition_config=None, eigenvectors_estimate=None):
+        cfg = eigendecomposition_config
+        if not isinstance(cfg, ds.QREigendecompositionConfig):
+            return _peer_eig(A=A, epsilon=epsilon, eigendecomposition_config=cfg,
+                             eigenvectors_estimate=eigenvectors_estimate)
+        assert cfg.tolerance == 0.0 and cfg.rank_deficient_stability_config.perturb_before_computation
+        A = A.add(torch.eye(A.shape[0], dtype=A.dtype), alpha=epsilon)
+        Q = eigenvectors_estimate
+        B = Q.T @ (A @ Q) if kind == "right_first" else (Q.T @ A) @ Q
+        for _ in range(cfg.max_iterations):
+            if not torch.any(B - torch.diag(B.diag())):  # the peer's criterion with tolerance 0
+                break
+            if kind == "f64":
+                q, r = (x.to(B.dtype) for x in torch.linalg.qr(B.double()))
+            else:
+                q, r = torch.linalg.qr(B)
+            B = r @ q
+            Q = Q @ q
+        L, indices = B.diag().sort(stable=True)
+        return L, Q[:, indices]
+
+    return eig
+
+
+BASE_LIST = spl.BaseShampooPreconditionerList
+# (label, threads for the float32 run, peer_patch entries, environment of a fresh process or None)
+SPREAD_VARIANTS = [
+    ("threads_2", 2, [], None),
+    ("threads_4", 4, [], None),
+    ("factor_summed", 1, [(BASE_LIST, "_compute_outer_product_list", _outer_products("sum"))], None),
+    ("factor_sequential", 1, [(BASE_LIST, "_compute_outer_product_list", _outer_products("sequential"))], None),
+    ("factor_sequential_reversed", 1, [(BASE_LIST, "_compute_outer_product_list",
+                                        _outer_products("sequential_reversed"))], None),
+    ("factor_float64_rounded", 1, [(BASE_LIST, "_compute_outer_product_list", _outer_products("f64"))], None),
+    ("rotation_reversed", 1, [(BASE_LIST, "_precondition_grad", _rotation("reversed"))], None),
+    ("rotation_float64_rounded", 1, [(BASE_LIST, "_precondition_grad", _rotation("f64"))], None),
+    ("qr_QtAQ_right_first", 1, [(spl, "matrix_eigendecomposition", _qr_refresh("right_first"))], None),
+    ("qr_float64_rounded", 1, [(spl, "matrix_eigendecomposition", _qr_refresh("f64"))], None),
+    ("mkl_cbwr_compatible", 1, [], {"MKL_CBWR": "COMPATIBLE"}),
+]
+
+
+def float32_distance(name, c, tensors, ref, scale, record, threads=1, patches=(), env=None):
+    """The peer's float32 run's distance from ref (in scale units, every recorded step), with
+    `threads` intra-op threads and the peer's code patched, or (env) measured by a fresh process of
+    this script in that environment against its own float64 run."""
+    if env is not None:
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--float32-distance", name],
+                             env=dict(os.environ, **env), check=True, capture_output=True, text=True).stdout
+        return float(out.split()[-1])
+    v = dict(c, peer_patch=list(c.get("peer_patch", [])) + list(patches))
+    torch.set_num_threads(threads)
+    try:
+        f32 = run_peer(v, tensors, torch.float32, record)
+    finally:
+        torch.set_num_threads(1)
+    return max_scaled_diff(f32, ref, scale)
+
+
+def float32_spread(name, c, tensors, ref, scale, record, plain):
+    """The largest distance over the plain float32 run (its distance: plain) and SPREAD_VARIANTS,
+    as (label, value), and every (label, value)."""
+    each = [("plain", plain)] + [
+        (label, float32_distance(name, c, tensors, ref, scale, record, threads, patches, env))
+        for label, threads, patches, env in SPREAD_VARIANTS]
+    return max(each, key=lambda x: x[1]), each
 
 
 # ---- output ------------------------------------------------------------------------------------
@@ -501,21 +1155,38 @@ def opt_line(c):
             "graft_beta2", "graft_epsilon", "momentum", "nesterov", "weight_decay"]
     if c.get("new", False):  # the cases of the options that follow the peer
         keys += ["beta1", "bias_correction", "precondition_1d", "merge_from", "spectrum", "exponents", "preset"]
+    if c.get("family", False):  # the Shampoo family's cases
+        keys += ["preconditioner", "graft_preconditioned"]
+        if c["preconditioner"] == "spectral_descent":
+            keys += ["ns_steps", "ns_a", "ns_b", "ns_c", "ns_epsilon", "ns_scale"]
+        else:
+            keys += ["eigenbasis", "qr_iterations", "qr_tolerance", "corrected_beta2", "corrected_epsilon",
+                     "corrected_exponent"]
     return "opt " + " ".join("%s=%s" % (k, c[k] if isinstance(c[k], str) else repr(c[k])) for k in keys)
+
+
+def reference(c, tensors):
+    record = sorted({1, c["start_preconditioning_step"], STEPS // 2, STEPS})
+    ref = run_peer(c, tensors, torch.float64, record)
+    scale = max(float(np.max(np.abs(ref[STEPS][t.name] - t.param0().astype(np.float64)))) for t in tensors)
+    return record, ref, scale
 
 
 def main():
     torch.set_num_threads(1)
+    if sys.argv[1:2] == ["--float32-distance"]:  # a spread variant's fresh process (float32_distance)
+        (c, tensors), = [(c, t) for n, c, t, _ in cases() if n == sys.argv[2]]
+        record, ref, scale = reference(c, tensors)
+        print("float32_distance %r" % max_scaled_diff(run_peer(c, tensors, torch.float32, record), ref, scale))
+        return
     os.makedirs(OUT, exist_ok=True)
     versions = peer_refs.versions(("numpy", np.__version__), ("torch", torch.__version__))
     only = set(sys.argv[1:])
     for name, c, tensors, wrong in cases():
         if only and name not in only:
             continue
-        record = sorted({1, c["start_preconditioning_step"], STEPS // 2, STEPS})
-        ref = run_peer(c, tensors, torch.float64, record)
+        record, ref, scale = reference(c, tensors)
         f32 = run_peer(c, tensors, torch.float32, record)
-        scale = max(float(np.max(np.abs(ref[STEPS][t.name] - t.param0().astype(np.float64)))) for t in tensors)
         lines = peer_refs.header("Shampoo", __file__, "peer: " + PEER, versions) + [
             "case " + name,
             "source DistributedShampoo, options mapped as in make_shampoo_refs.py",
@@ -523,6 +1194,11 @@ def main():
             "steps %d" % STEPS,
             "scale %r" % scale,
             "peer_float32 %r" % max_scaled_diff(f32, ref, scale)]
+        if name in SPREAD_CASES:
+            (label, worst), each = float32_spread(name, c, tensors, ref, scale, record,
+                                                  max_scaled_diff(f32, ref, scale))
+            lines.append("peer_float32_spread %r %s" % (worst, label))
+            print(name, "float32 spread:", ", ".join("%s %.3g" % e for e in each), flush=True)
         for label, w in wrong:
             d = max_scaled_diff(run_peer(w, tensors, torch.float64, [STEPS]), {STEPS: ref[STEPS]}, scale)
             if label.startswith("double: "):
@@ -531,6 +1207,11 @@ def main():
                 lines.append("sensitivity %r %s" % (d, label.replace(" ", "_")))
         for t in tensors:
             lines.append(t.line())
+            if c.get("family"):
+                shape, blocks = family_plan(t, c)
+                lines.append("plan %s %d %s blocks %d" % (
+                    t.name, len(shape) if shape else 0, " ".join(str(d) for d in shape) if shape else "-", blocks))
+                continue
             merged = plan_shape(t, c)
             pre = preconditioned(t.shape, c)
             lines.append("plan %s %d %s blocks %d" % (

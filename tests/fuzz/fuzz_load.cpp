@@ -227,26 +227,31 @@ target kfac_target() {
   return {[h] { return h->st.save(); }, [h](std::span<const std::byte> in) { h->st.load(in); }};
 }
 
-target shampoo_target() {
+// Shampoo, or with `soap` its eigenvalue-corrected member (QR refreshes: eigenbases and the
+// corrected second moment in the archive).
+target shampoo_target(bool soap = false) {
   struct holder {
     model m;
     gradapt::host b{.threads = 1};
-    gradapt::shampoo opt{[] {
-      gradapt::shampoo_options o;
-      o.lr = 0.02;
-      o.max_preconditioner_dim = 4;
-      o.beta1 = 0.9;
-      return o;
-    }()};
-    decltype(opt.init(b, m.params)) st;
-    holder() : st(opt.init(b, m.params)) {
+    gradapt::shampoo opt;
+    explicit holder(bool soap)
+        : opt([soap] {
+            gradapt::shampoo_options o = soap ? gradapt::soap_defaults() : gradapt::shampoo_options{};
+            o.lr = 0.02;
+            o.max_preconditioner_dim = 4;
+            o.beta1 = 0.9;
+            if (soap) o.root.epsilon = 1e-6;
+            return o;
+          }()),
+          st(opt.init(b, m.params)) {
       for (int t = 1; t <= 3; ++t) {
         m.grads(t);
         opt.step(b, m.params, st);
       }
     }
+    decltype(opt.init(b, m.params)) st;
   };
-  auto h = std::make_shared<holder>();
+  auto h = std::make_shared<holder>(soap);
   return {[h] { return h->st.save(h->b); }, [h](std::span<const std::byte> in) { h->st.load(h->b, in); }};
 }
 
@@ -300,6 +305,7 @@ std::vector<target>& targets() {
     t.push_back(grouped_noise_target());
     t.push_back(kfac_target());
     t.push_back(shampoo_target());
+    t.push_back(shampoo_target(true));
     t.push_back(job_policies_target());
     return t;
   }();

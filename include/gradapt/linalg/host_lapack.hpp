@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "gradapt/core/error.hpp"
@@ -41,6 +42,15 @@ void ssyevd_(const char* jobz, const char* uplo, const int* n, float* a, const i
 void dsyevd_(const char* jobz, const char* uplo, const int* n, double* a, const int* lda, double* w,
              double* work, const int* lwork, int* iwork, const int* liwork, int* info, std::size_t,
              std::size_t);
+// Householder QR: the factorisation and the explicit Q.
+void sgeqrf_(const int* m, const int* n, float* a, const int* lda, float* tau, float* work, const int* lwork,
+             int* info);
+void dgeqrf_(const int* m, const int* n, double* a, const int* lda, double* tau, double* work,
+             const int* lwork, int* info);
+void sorgqr_(const int* m, const int* n, const int* k, float* a, const int* lda, const float* tau,
+             float* work, const int* lwork, int* info);
+void dorgqr_(const int* m, const int* n, const int* k, double* a, const int* lda, const double* tau,
+             double* work, const int* lwork, int* info);
 }
 /// @endcond
 
@@ -186,6 +196,59 @@ struct host_lapack {
         std::swap(p[std::size_t(i) * std::size_t(n) + std::size_t(j)],
                   p[std::size_t(j) * std::size_t(n) + std::size_t(i)]);
     return true;
+  }
+
+  /// Q (orthogonal) and R (upper triangular) with A = Q·R for the n × n row-major matrix A,
+  /// by Householder reflections (LAPACK ?geqrf, then ?orgqr for the explicit Q). `work` is
+  /// resized to what LAPACK asks on the first call for a size and reused after (pass the same
+  /// vector each time so that a steady caller allocates nothing).
+  /// @throws gradapt::error unless A, Q and R are n × n, or when LAPACK rejects an argument
+  template <detail::linalg::real_scalar T>
+  void qr(tensor_view<const T, host_space> a, tensor_view<T, host_space> q, tensor_view<T, host_space> r,
+          std::vector<T>& work) const {
+    detail::linalg::require_square(a, "host_lapack::qr", "A");
+    detail::linalg::require_square(q, "host_lapack::qr", "Q");
+    detail::linalg::require_square(r, "host_lapack::qr", "R");
+    detail::require(q.dim(0) == a.dim(0) && r.dim(0) == a.dim(0), "host_lapack::qr: A is ", a.shape_string(),
+                    " but Q is ", q.shape_string(), " and R is ", r.shape_string());
+    detail::linalg::require_blas_int(a.dim(0), "host_lapack::qr", "A");
+    const int n = static_cast<int>(a.dim(0));
+    if (n == 0) return;
+    const auto nn = static_cast<std::size_t>(n);
+    T* w = q.data();  // column-major A, then its Householder vectors, then column-major Q
+    for (std::size_t i = 0; i < nn; ++i)
+      for (std::size_t j = 0; j < nn; ++j) w[i + j * nn] = a.data()[i * nn + j];
+    int info = 0, lwork = -1;
+    T query[2] = {T(0), T(0)};  // the workspace queries (no computation)
+    T best = T(0);
+    if constexpr (std::is_same_v<T, float>) {
+      sgeqrf_(&n, &n, w, &n, query, query + 1, &lwork, &info);
+      best = query[1];
+      sorgqr_(&n, &n, &n, w, &n, query, query + 1, &lwork, &info);
+    } else {
+      dgeqrf_(&n, &n, w, &n, query, query + 1, &lwork, &info);
+      best = query[1];
+      dorgqr_(&n, &n, &n, w, &n, query, query + 1, &lwork, &info);
+    }
+    const std::size_t need =
+        nn + std::max({nn, static_cast<std::size_t>(best), static_cast<std::size_t>(query[1])});
+    if (work.size() < need) work.assign(need, T(0));  // tau (n), then LAPACK's work
+    T* tau = work.data();
+    lwork = static_cast<int>(work.size() - nn);
+    if constexpr (std::is_same_v<T, float>)
+      sgeqrf_(&n, &n, w, &n, tau, tau + nn, &lwork, &info);
+    else
+      dgeqrf_(&n, &n, w, &n, tau, tau + nn, &lwork, &info);
+    detail::require(info == 0, "host_lapack::qr: ?geqrf rejected argument ", -info, " (info = ", info, ")");
+    for (std::size_t i = 0; i < nn; ++i)
+      for (std::size_t j = 0; j < nn; ++j) r.data()[i * nn + j] = j >= i ? w[i + j * nn] : T(0);
+    if constexpr (std::is_same_v<T, float>)
+      sorgqr_(&n, &n, &n, w, &n, tau, tau + nn, &lwork, &info);
+    else
+      dorgqr_(&n, &n, &n, w, &n, tau, tau + nn, &lwork, &info);
+    detail::require(info == 0, "host_lapack::qr: ?orgqr rejected argument ", -info, " (info = ", info, ")");
+    for (std::size_t i = 0; i < nn; ++i)  // column-major Q → row-major
+      for (std::size_t j = i + 1; j < nn; ++j) std::swap(w[i + j * nn], w[j + i * nn]);
   }
 
  private:

@@ -61,6 +61,7 @@
 #include "gradapt/linalg/concepts.hpp"
 #include "gradapt/linalg/host_lapack.hpp"
 #include "gradapt/linalg/matrix_root.hpp"
+#include "gradapt/linalg/newton_schulz.hpp"
 #include "gradapt/optim/chain.hpp"
 #include "gradapt/optim/preset.hpp"
 #include "gradapt/optim/sgd.hpp"
@@ -197,6 +198,32 @@ struct scale_by_shampoo {
         o.spectrum == shampoo_spectrum::clamp || r.method == root_method::eigen, w,
         ": spectrum is shift but root.method is coupled_newton (the shifted spectrum is the "
         "eigen root's; use spectrum clamp with Newton)");
+    gradapt::detail::require(o.preconditioner <= shampoo_preconditioner::spectral_descent, w,
+                             ": preconditioner is ", int(o.preconditioner),
+                             " (expected root_inverse, eigenvalue_corrected or spectral_descent)");
+    if (o.preconditioner == shampoo_preconditioner::spectral_descent)
+      gradapt::validate(o.newton_schulz, "shampoo: newton_schulz");
+    if (o.preconditioner == shampoo_preconditioner::eigenvalue_corrected) {
+      gradapt::detail::require(o.eigenbasis <= shampoo_eigenbasis::qr, w, ": eigenbasis is ",
+                               int(o.eigenbasis), " (expected eigh or qr)");
+      gradapt::detail::require(o.qr_iterations >= 1, w, ": qr_iterations is 0 (expected >= 1)");
+      gradapt::detail::require(finite(o.qr_tolerance) && o.qr_tolerance >= 0, w, ": qr_tolerance is ",
+                               o.qr_tolerance, " (expected finite and >= 0)");
+      gradapt::detail::require(finite(o.corrected_exponent) && o.corrected_exponent > 0, w,
+                               ": corrected_exponent is ", o.corrected_exponent,
+                               " (expected finite and > 0)");
+      gradapt::detail::require(
+          o.statistics_frequency == 1, w, ": statistics_frequency is ", o.statistics_frequency,
+          " but eigenvalue-corrected Shampoo updates its factors and its corrected second "
+          "moment every step (expected 1)");
+      gradapt::detail::require(o.root_staleness == 0, w, ": root_staleness is ", o.root_staleness,
+                               " but eigenvalue-corrected Shampoo refreshes its eigenbases inside the step "
+                               "(expected 0)");
+      gradapt::detail::require(
+          o.inverse_exponent_override == 0 && o.inverse_exponents.empty(), w,
+          ": inverse_exponent_override / inverse_exponents are set but eigenvalue-corrected "
+          "Shampoo rotates every factor and takes corrected_exponent for its second moment");
+    }
     for (std::size_t i = 0; i < o.inverse_exponents.size(); ++i) {
       const auto& e = o.inverse_exponents[i];
       gradapt::detail::require(e.order >= 1 && e.order <= static_cast<std::size_t>(max_rank), w,
@@ -245,7 +272,11 @@ struct scale_by_shampoo {
     st.beta1_ = options.beta1;
     st.bias_correction_ = options.bias_correction;
     st.spectrum_ = options.spectrum;
+    st.preconditioner_ = options.preconditioner;
     st.max_failures_ = options.max_consecutive_failures;
+    const bool spectral = options.preconditioner == shampoo_preconditioner::spectral_descent;
+    const bool corrected = options.preconditioner == shampoo_preconditioner::eigenvalue_corrected;
+    std::size_t max_ns = 0;
     std::size_t max_block = 0, max_roots = 0;
     const bool has_state = gradapt::detail::shampoo_impl::graft_has_state(options.graft);
     st.t_.resize(params.size());
@@ -265,15 +296,32 @@ struct scale_by_shampoo {
         bl.k = k;
         std::size_t elems = 1, mats = 0;
         for (std::size_t d = 0; d < k; ++d) {
-          bl.p[d] = exponent(options, k, d);
+          // Spectral descent keeps no factors (p 0); eigenvalue-corrected rotates every one (p
+          // is then only a mark; its root is the corrected_exponent of the second moment).
+          bl.p[d] = spectral ? 0 : corrected ? 1 : exponent(options, k, d);
           bl.n[d] = r.size[d];
           bl.off[d] = mats;
-          mats += static_cast<std::size_t>(r.size[d] * r.size[d]);
+          if (!spectral) mats += static_cast<std::size_t>(r.size[d] * r.size[d]);
           elems *= static_cast<std::size_t>(r.size[d]);
           if (bl.p[d] != 0) add_workspace(st, la, r.size[d], options.root.method, options.spectrum);
+          if (corrected) {
+            st.workspace(r.size[d]).e.reserve(la, r.size[d]);
+            if (options.eigenbasis == shampoo_eigenbasis::qr) st.workspace(r.size[d]).qr.reserve(r.size[d]);
+          }
         }
         bl.stats.assign(mats, C(0));
         bl.roots.assign(mats, C(0));
+        if (spectral) {
+          bl.ready = true;  // nothing to compute before the first step
+          max_ns = std::max(max_ns, newton_schulz_workspace(bl.n[0], bl.n[1]));
+        }
+        if (corrected) {  // the identity basis until the first refresh; V = 0
+          for (std::size_t d = 0; d < k; ++d)
+            for (std::int64_t i = 0; i < bl.n[d]; ++i)
+              bl.roots[bl.off[d] + static_cast<std::size_t>(i * bl.n[d] + i)] = C(1);
+          bl.ready = true;
+          bl.corr.assign(elems, C(0));
+        }
         max_block = std::max(max_block, elems);
         max_roots = std::max(max_roots, mats);
         x.blocks.push_back(std::move(bl));
@@ -282,11 +330,13 @@ struct scale_by_shampoo {
     for (auto* v : {&st.xb_, &st.ab_, &st.db_, &st.y0_, &st.y1_}) v->assign(max_block, C(0));
     if (options.beta1 > 0) st.mb_.assign(max_block, C(0));
     st.rs_.assign(max_roots, C(0));
+    st.ns_.assign(max_ns, C(0));
     st.staleness_ = options.root_staleness;
     st.deterministic_ = options.deterministic_roots;
     for (std::size_t t = 0; t < st.t_.size(); ++t)
       for (std::size_t j = 0; j < st.t_[t].blocks.size(); ++j) {
         auto& bl = st.t_[t].blocks[j];
+        if (spectral) continue;  // no roots to compute
         typename St::ref_t ref{t, j, 0, bl.roots.size()};
         for (std::size_t d = 0; d < bl.k; ++d) {
           const auto n = static_cast<std::uint64_t>(bl.n[d]);
@@ -394,10 +444,16 @@ struct scale_by_shampoo {
       bad = e.what();
     }
     const std::uint64_t t = ctx.step;
-    const bool stats_due = (t - 1) % options.statistics_frequency == 0;
-    const bool preconditioning = t >= options.start_preconditioning_step;
-    const bool roots_due =
-        preconditioning && (t - options.start_preconditioning_step) % options.precondition_frequency == 0;
+    const bool spectral = options.preconditioner == shampoo_preconditioner::spectral_descent;
+    const bool stats_due = !spectral && (t - 1) % options.statistics_frequency == 0;
+    // Spectral descent and eigenvalue-corrected blocks use their preconditioner from step 1
+    // unless a graft takes them before start_preconditioning_step (the peer's rule).
+    const bool graft_blocks = options.graft != shampoo_graft::none && options.graft_preconditioned;
+    const bool preconditioning =
+        t >= options.start_preconditioning_step ||
+        (options.preconditioner != shampoo_preconditioner::root_inverse && !graft_blocks);
+    const bool roots_due = !spectral && t >= options.start_preconditioning_step &&
+                           (t - options.start_preconditioning_step) % options.precondition_frequency == 0;
     if constexpr (dist) {
       const bool exchanges = (roots_due && st.staleness_ == 0) ||
                              (st.pending_step_ != 0 && t == st.pending_step_ + st.staleness_) ||
@@ -442,6 +498,7 @@ struct scale_by_shampoo {
     // The first moment (beta1 > 0): m ← m + (1 − β1)·(g − m), divided by 1 − β1^t when
     // bias-corrected; it is what the blocks precondition and the graft divides.
     const C w1 = C(1.0 - options.beta1);
+    const double bc2 = root_bias(t);  // eigenvalue-corrected: V's bias correction
     const C bc1 = C(options.bias_correction ? 1.0 - std::pow(options.beta1, static_cast<double>(t)) : 1.0);
     C dummy = C(0);
     for (std::size_t i = 0; i < st.t_.size(); ++i) {
@@ -458,7 +515,7 @@ struct scale_by_shampoo {
         continue;
       }
       for (std::size_t j = 0; j < x.blocks.size(); ++j)
-        block_direction(st, x, j, g, gk, bc1, has_state, preconditioning);
+        block_direction(st, x, j, g, gk, bc1, has_state, preconditioning, bc2);
     }
     st.steps_ = t;
     return {t, st.installed_, std::move(st.report_)};
@@ -466,6 +523,11 @@ struct scale_by_shampoo {
 
   /// What block_roots needs besides the block: the root options and the spectrum treatment.
   gradapt::detail::shampoo_impl::root_recipe recipe() const { return {options.root, options.spectrum}; }
+  /// What block_eigenbases needs: the refresh method, the ridge and QR's iterations.
+  gradapt::detail::shampoo_impl::basis_recipe basis_recipe() const {
+    return {options.eigenbasis, options.root.epsilon, options.qr_iterations, options.qr_tolerance,
+            options.root.retry_in_double};
+  }
   /// The divisor of the statistics before the roots computed at step t: 1 − β2^u with u the
   /// statistics updates up to t (bias_correction and beta2 < 1), else 1.
   double root_bias(std::uint64_t t) const {
@@ -487,7 +549,7 @@ struct scale_by_shampoo {
   template <class Comm, class St, class Extra>
   void plan(Comm& comm, St& st, const Extra& extra) const;
   // The options the distributed plan agrees on besides the layout (shampoo_distributed.hpp).
-  std::array<agreed_value, 21> agreed_values() const;
+  std::array<agreed_value, 33> agreed_values() const;
   template <class St>
   static bool owns(const St& st, std::size_t i, bool dist);
   template <class St>
@@ -514,7 +576,7 @@ struct scale_by_shampoo {
   /// scatter.
   template <class St, class Tensor, class G, class GK, class C>
   void block_direction(St& st, Tensor& x, std::size_t j, const G* g, const GK& gk, C bc1, bool has_state,
-                       bool preconditioning) const {
+                       bool preconditioning, double bc2) const {
     namespace si = gradapt::detail::shampoo_impl;
     auto& bl = x.blocks[j];
     const auto& range = x.layout.blocks[j];
@@ -533,9 +595,45 @@ struct scale_by_shampoo {
     C dummy = C(0);
     for (std::size_t e = 0; e < elems; ++e) db[e] = gk(xb[e], mb[e], has_state ? ab[e] : dummy);
     const C* out = db;
+    const auto kind = options.preconditioner;
+    if (kind == shampoo_preconditioner::eigenvalue_corrected) {
+      // V ← β2·V + w·(Q_1ᵀ ×₁ … G)², every step, in the bases just refreshed.
+      const C* r = product(st, bl, xb, true);
+      const double beta2 = options.beta2;
+      const C w = C(beta2 == 1.0 ? 1.0 : 1.0 - beta2);
+      if (beta2 == 1.0)
+        for (std::size_t e = 0; e < elems; ++e) bl.corr[e] = bl.corr[e] + w * (r[e] * r[e]);
+      else
+        for (std::size_t e = 0; e < elems; ++e) bl.corr[e] = C(beta2) * bl.corr[e] + w * (r[e] * r[e]);
+    }
     if (preconditioning && bl.ready) {
-      C* y = product(st, bl, mb);
-      if (options.graft != shampoo_graft::none) {  // ‖D_s‖ and ‖D_g‖ in double, in element order
+      C* y = nullptr;
+      if (kind == shampoo_preconditioner::root_inverse) {
+        y = product(st, bl, mb);
+      } else if (kind == shampoo_preconditioner::eigenvalue_corrected) {
+        // M̂' = M̂ rotated; M̂' / ((V / c)^(1/p) + ε), rotated back.
+        C* rm = product(st, bl, mb, true);
+        const C eps = C(options.root.epsilon), c2 = C(bc2);
+        if (options.corrected_exponent == 2.0) {
+          for (std::size_t e = 0; e < elems; ++e) rm[e] = rm[e] / (std::sqrt(bl.corr[e] / c2) + eps);
+        } else {
+          const C inv = C(1.0 / options.corrected_exponent);
+          for (std::size_t e = 0; e < elems; ++e) rm[e] = rm[e] / (std::pow(bl.corr[e] / c2, inv) + eps);
+        }
+        std::copy(rm, rm + elems, xb);  // g is no longer needed: the rotation back reads xb
+        y = product(st, bl, xb);
+      } else {  // spectral descent: the block's Newton–Schulz orthogonalization
+        y = st.y0_.data();
+        std::copy(mb, mb + elems, y);
+        newton_schulz(st.la_, tensor_view<C, host_space>(y, {bl.n[0], bl.n[1]}), std::span<C>(st.ns_),
+                      options.newton_schulz);
+        if (options.scale_by_aspect && bl.n[0] > bl.n[1]) {
+          const C f = C(std::sqrt(double(bl.n[0]) / double(bl.n[1])));
+          for (std::size_t e = 0; e < elems; ++e) y[e] = y[e] * f;
+        }
+      }
+      if (options.graft != shampoo_graft::none && options.graft_preconditioned) {
+        // ‖D_s‖ and ‖D_g‖ in double, in element order
         double ns = 0, ng = 0;
         for (std::size_t e = 0; e < elems; ++e) {
           ns += double(y[e]) * double(y[e]);
@@ -552,9 +650,10 @@ struct scale_by_shampoo {
     });
   }
 
-  /// X ×₁ P_1 ×₂ … ×ₖ P_k into one of the product buffers; returns it.
+  /// X ×₁ P_1 ×₂ … ×ₖ P_k into one of the product buffers; returns it. With `transposed`, the
+  /// products with P_dᵀ (eigenvalue-corrected Shampoo's rotation into its eigenbases).
   template <class St, class Block, class C>
-  static C* product(St& st, const Block& bl, const C* xb) {
+  static C* product(St& st, const Block& bl, const C* xb, bool transposed = false) {
     using cview = tensor_view<const C, host_space>;
     using mview = tensor_view<C, host_space>;
     const auto& la = st.la_;
@@ -565,12 +664,13 @@ struct scale_by_shampoo {
       const std::int64_t n = bl.n[d];
       const auto [a, c] = split(bl, d);
       const cview p(bl.roots.data() + bl.off[d], {n, n});
-      if (c == 1) {  // last dimension: Y = X·Pᵀ (P is symmetric up to rounding)
-        la.gemm(transpose::none, transpose::yes, 1.0, cview(cur, {a, n}), p, 0.0, mview(dst, {a, n}));
+      if (c == 1) {  // last dimension: Y = X·Pᵀ (P is symmetric up to rounding), or X·P
+        la.gemm(transpose::none, transposed ? transpose::none : transpose::yes, 1.0, cview(cur, {a, n}), p,
+                0.0, mview(dst, {a, n}));
       } else {
         for (std::int64_t q = 0; q < a; ++q)
-          la.gemm(transpose::none, transpose::none, 1.0, p, cview(cur + q * n * c, {n, c}), 0.0,
-                  mview(dst + q * n * c, {n, c}));
+          la.gemm(transposed ? transpose::yes : transpose::none, transpose::none, 1.0, p,
+                  cview(cur + q * n * c, {n, c}), 0.0, mview(dst + q * n * c, {n, c}));
       }
       cur = dst;
     }

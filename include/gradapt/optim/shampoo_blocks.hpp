@@ -39,10 +39,13 @@ struct shampoo_layout {
 /// skip_preconditioning_dim_size_gt, precondition_1d).
 ///  1. diagonal when the tensor is empty, has a dimension larger than
 ///     `skip_preconditioning_dim_size_gt`, or has fewer than two dimensions larger than 1
-///     (unless `precondition_1d`: then such a tensor is one merged dimension of its size);
+///     (unless `precondition_1d`: then such a tensor is one merged dimension of its size;
+///     never for spectral descent);
 ///  2. merged shape: dimensions of size 1 dropped; with `merge_small_dims`, consecutive
 ///     dimensions multiplied together while the product stays <= `max_preconditioner_dim`,
 ///     from the first dimension or from the last (`merge_from`);
+///     spectral descent merges only while more than two dimensions would remain, and a tensor
+///     whose merged shape is not 2-D is diagonal;
 ///  3. each merged dimension cut into pieces of `max_preconditioner_dim` (the last one shorter);
 ///     the blocks are the pieces' products, in row-major order.
 /// @throws gradapt::error for a negative extent, rank > 4, max_preconditioner_dim < 1 or
@@ -64,7 +67,8 @@ inline shampoo_layout shampoo_plan(std::span<const std::int64_t> shape, const sh
     if (d > 1) ++big;
     if (d > o.skip_preconditioning_dim_size_gt) too_large = true;
   }
-  if (size == 0 || too_large || (big < 2 && !o.precondition_1d)) return l;
+  const bool spectral = o.preconditioner == shampoo_preconditioner::spectral_descent;
+  if (size == 0 || too_large || (big < 2 && (spectral || !o.precondition_1d))) return l;
   const std::int64_t cap = o.max_preconditioner_dim;
   std::vector<std::int64_t> dims;
   for (const auto d : shape)
@@ -72,11 +76,16 @@ inline shampoo_layout shampoo_plan(std::span<const std::int64_t> shape, const sh
   if (dims.empty()) dims.push_back(1);  // a scalar (precondition_1d): one 1 × 1 factor
   const bool last = o.merge_from == shampoo_merge::last;
   if (last) std::reverse(dims.begin(), dims.end());
+  // Spectral descent merges only while more than two dimensions would remain (the peer's
+  // target_tensor_dimensionality 2): [6, 5, 4] → [6, 20] from the last.
+  const std::size_t target = spectral ? 2 : 1;
   std::int64_t prod = 1;
-  for (const auto d : dims) {
+  for (std::size_t i = 0; i < dims.size(); ++i) {
+    const std::int64_t d = dims[i];
+    const bool room = i == 0 || l.merged.size() + 1 + (dims.size() - i) > target;
     if (!o.merge_small_dims) {
       l.merged.push_back(d);
-    } else if (d <= cap / prod) {  // prod·d <= cap without overflow
+    } else if (room && d <= cap / prod) {  // prod·d <= cap without overflow
       prod *= d;
     } else {
       if (prod > 1) l.merged.push_back(prod);
@@ -85,6 +94,10 @@ inline shampoo_layout shampoo_plan(std::span<const std::int64_t> shape, const sh
   }
   if (o.merge_small_dims && (prod > 1 || l.merged.empty())) l.merged.push_back(prod);
   if (last) std::reverse(l.merged.begin(), l.merged.end());
+  if (spectral && l.merged.size() != 2) {  // orthogonalization takes matrices only
+    l.merged.clear();
+    return l;
+  }
   l.diagonal = false;
   const std::size_t k = l.merged.size();
   std::array<std::int64_t, max_rank> count{}, at{};

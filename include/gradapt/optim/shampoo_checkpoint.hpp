@@ -28,6 +28,7 @@ void shampoo_state<L, B, V, G>::save(const B&, archive_writer& w) const {
   w.put("beta1", beta1_);
   w.put("bias_correction", bias_correction_);
   w.put("spectrum", std::string(to_string(spectrum_)));
+  w.put("preconditioner", std::string(to_string(preconditioner_)));
   w.put("roots_in_flight", pending_step_);
   w.put("tensors", static_cast<std::uint64_t>(t_.size()));
   for (std::size_t t = 0; t < t_.size(); ++t) {
@@ -40,7 +41,7 @@ void shampoo_state<L, B, V, G>::save(const B&, archive_writer& w) const {
       const auto& bl = x.blocks[j];
       w.begin("block" + std::to_string(j));
       w.put_tensor<std::int64_t>("exponents", exponent_words(bl));
-      for (std::size_t d = 0; d < bl.k; ++d) {
+      for (std::size_t d = 0; d < bl.k && !bl.stats.empty(); ++d) {  // spectral descent keeps none
         const std::int64_t sh[2] = {bl.n[d], bl.n[d]};
         const std::span<const compute_type> s = statistic(t, j, d), r = root(t, j, d);
         require_finite(s, x.name, j, "statistic");
@@ -52,6 +53,10 @@ void shampoo_state<L, B, V, G>::save(const B&, archive_writer& w) const {
           require_finite(c, x.name, j, "statistic copy for the roots in flight");
           w.put_tensor<compute_type>("snap" + std::to_string(d), c, sh);
         }
+      }
+      if (!bl.corr.empty()) {
+        require_finite(std::span<const compute_type>(bl.corr), x.name, j, "corrected second moment");
+        w.put_tensor<compute_type>("corrected", std::span<const compute_type>(bl.corr));
       }
       w.put("ready", bl.ready);
       w.put("consecutive_failures", bl.consecutive);
@@ -99,6 +104,10 @@ void shampoo_state<L, B, V, G>::load(const B&, archive_reader& r, std::uint64_t 
                   ": the checkpoint was written with beta1 ", b1, ", bias_correction ", bc, " and spectrum '",
                   sp, "' but this state has ", beta1_, ", ", bias_correction_, " and '", to_string(spectrum_),
                   "' (they shape the first moment and the roots; restore with the same shampoo_options)");
+  const auto pc = r.get<std::string>("preconditioner");
+  detail::require(pc == to_string(preconditioner_), who, ": the checkpoint's preconditioner is '", pc,
+                  "' but this state's is '", to_string(preconditioner_),
+                  "' (restore with the same shampoo_options::preconditioner)");
   const auto in_flight = r.get<std::uint64_t>("roots_in_flight");
   detail::require(in_flight == 0 || (staleness_ > 0 && in_flight <= steps && in_flight + staleness_ > steps),
                   who, ": the checkpoint has roots in flight, started at step ", in_flight, " of ", steps,
@@ -136,7 +145,7 @@ void shampoo_state<L, B, V, G>::load(const B&, archive_reader& r, std::uint64_t 
       detail::require(ex == exponent_words(bl), who, ": parameter '", x.name, "' block ", j,
                       " has other root exponents in the checkpoint (inverse_exponent_override and "
                       "inverse_exponents must be those it was written with)");
-      for (std::size_t d = 0; d < bl.k; ++d) {
+      for (std::size_t d = 0; d < bl.k && !bl.stats.empty(); ++d) {
         const std::int64_t sh[2] = {bl.n[d], bl.n[d]};
         const auto nn = static_cast<std::size_t>(bl.n[d] * bl.n[d]);
         const std::span<compute_type> s(bl.stats.data() + bl.off[d], nn), rt(bl.roots.data() + bl.off[d], nn);
@@ -156,6 +165,12 @@ void shampoo_state<L, B, V, G>::load(const B&, archive_reader& r, std::uint64_t 
           require_finite(std::span<const compute_type>(c), x.name, j, "statistic copy", who);
           gram(c.data(), "statistic copy");
         }
+      }
+      if (!bl.corr.empty()) {  // a sum of squares: finite and >= 0
+        r.get_tensor<compute_type>("corrected", std::span<compute_type>(bl.corr));
+        for (const compute_type v : bl.corr)
+          detail::require(std::isfinite(v) && v >= 0, who, ": the corrected second moment of parameter '",
+                          x.name, "' (block ", j, ") holds ", v, " (expected finite values >= 0)");
       }
       bl.ready = r.get<bool>("ready");
       bl.consecutive = r.get<std::uint64_t>("consecutive_failures");
@@ -184,12 +199,13 @@ void shampoo_state<L, B, V, G>::load(const B&, archive_reader& r, std::uint64_t 
       require_finite(std::span<const compute_type>(mom[t]), t_[t].name, 0, "first moment", who);
     }
   {  // an archive with fields this state would not read is rejected before anything changes
-    std::size_t want = 8 + (detail::shampoo_impl::graft_has_state(graft_) ? t_.size() : 0) +
+    std::size_t want = 9 + (detail::shampoo_impl::graft_has_state(graft_) ? t_.size() : 0) +
                        (beta1_ > 0 ? t_.size() : 0),
                 own = 0;
     for (const auto& x : t_) {
       want += 3;
-      for (const auto& bl : x.blocks) want += (in_flight != 0 ? 3 : 2) * bl.k + 4;
+      for (const auto& bl : x.blocks)
+        want += (bl.stats.empty() ? 0 : (in_flight != 0 ? 3 : 2) * bl.k) + 4 + (bl.corr.empty() ? 0 : 1);
     }
     own = r.names().size();
     detail::require(own == want, who, ": the checkpoint's Shampoo section holds ", own,
@@ -200,6 +216,7 @@ void shampoo_state<L, B, V, G>::load(const B&, archive_reader& r, std::uint64_t 
     for (std::size_t j = 0; j < next[t].size(); ++j) {
       auto& bl = t_[t].blocks[j];
       bl.stats.swap(next[t][j].stats);
+      bl.corr.swap(next[t][j].corr);
       bl.roots.swap(next[t][j].roots);
       if (in_flight != 0) bl.snap.swap(next[t][j].snap);
       bl.ready = next[t][j].ready;

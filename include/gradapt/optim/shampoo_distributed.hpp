@@ -23,7 +23,7 @@ namespace gradapt {
 /// that shapes the result (a one-rank difference is a gradapt::error on every rank naming the
 /// option and both values; the step's lr is agreed at every exchange, see shampoo.hpp).
 template <class L>
-std::array<agreed_value, 21> transform::scale_by_shampoo<L>::agreed_values() const {
+std::array<agreed_value, 33> transform::scale_by_shampoo<L>::agreed_values() const {
   std::uint64_t exps = 0xCBF29CE484222325ull;  // the exponent entries, in order
   for (const auto& e : options.inverse_exponents) {
     const std::int64_t w[3] = {static_cast<std::int64_t>(e.order), e.dimension, e.p};
@@ -52,6 +52,18 @@ std::array<agreed_value, 21> transform::scale_by_shampoo<L>::agreed_values() con
       {"shampoo graft_beta2", o.graft_beta2},
       {"shampoo graft_epsilon", o.graft_epsilon},
       {"shampoo max_preconditioner_dim", static_cast<double>(o.max_preconditioner_dim)},
+      {"shampoo preconditioner", static_cast<double>(o.preconditioner)},
+      {"shampoo newton_schulz.steps", static_cast<double>(o.newton_schulz.steps)},
+      {"shampoo newton_schulz.a", o.newton_schulz.a},
+      {"shampoo newton_schulz.b", o.newton_schulz.b},
+      {"shampoo newton_schulz.c", o.newton_schulz.c},
+      {"shampoo newton_schulz.epsilon", o.newton_schulz.epsilon},
+      {"shampoo scale_by_aspect", o.scale_by_aspect ? 1.0 : 0.0},
+      {"shampoo eigenbasis", static_cast<double>(o.eigenbasis)},
+      {"shampoo qr_iterations", static_cast<double>(o.qr_iterations)},
+      {"shampoo qr_tolerance", o.qr_tolerance},
+      {"shampoo corrected_exponent", o.corrected_exponent},
+      {"shampoo graft_preconditioned", o.graft_preconditioned ? 1.0 : 0.0},
   }};
 }
 

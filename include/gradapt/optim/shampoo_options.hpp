@@ -14,6 +14,7 @@
 #include "gradapt/core/enum_name.hpp"
 
 #include "gradapt/linalg/matrix_root.hpp"
+#include "gradapt/linalg/newton_schulz.hpp"
 #include "gradapt/optim/shampoo_grafting.hpp"
 
 namespace gradapt {
@@ -33,6 +34,24 @@ enum class shampoo_spectrum : unsigned char {
           ///< μ = eig(S + r·I); when min μ < r, μ ← μ − min μ + r; then μ^(−1/p)
 };
 
+/// Which member of the Shampoo family the blocks use (Distributed Shampoo's
+/// `preconditioner_config`); docs/algorithms/shampoo.md gives each one's formulas.
+enum class shampoo_preconditioner : unsigned char {
+  root_inverse,          ///< Shampoo: D = M̂ ×₁ P_1 … ×ₖ P_k with P_d = S_d^(−1/p)
+                         ///< (RootInvShampooPreconditionerConfig)
+  eigenvalue_corrected,  ///< SOAP / eigenvalue-corrected Shampoo: Adam's second moment in the
+                         ///< eigenbasis of the factors (EigenvalueCorrectedShampooPreconditionerConfig)
+  spectral_descent,      ///< Muon: the Newton–Schulz orthogonalization of each 2-D block of M̂
+                         ///< (SpectralDescentPreconditionerConfig); no statistics
+};
+
+/// How eigenvalue-corrected Shampoo refreshes its eigenbases.
+enum class shampoo_eigenbasis : unsigned char {
+  eigh,  ///< a full symmetric eigendecomposition (EighEigendecompositionConfig)
+  qr,    ///< `qr_iterations` steps of QR power iteration warm-started from the current basis
+         ///< (QREigendecompositionConfig; SOAP's)
+};
+
 /// The names of a merge direction and of a spectrum treatment, for messages and checkpoints.
 constexpr std::string_view to_string(shampoo_merge m) {
   return detail::enum_name(m, std::array<std::string_view, 2>{"first", "last"});
@@ -40,6 +59,15 @@ constexpr std::string_view to_string(shampoo_merge m) {
 /// See above.
 constexpr std::string_view to_string(shampoo_spectrum s) {
   return detail::enum_name(s, std::array<std::string_view, 2>{"clamp", "shift"});
+}
+/// See above.
+constexpr std::string_view to_string(shampoo_preconditioner p) {
+  return detail::enum_name(
+      p, std::array<std::string_view, 3>{"root_inverse", "eigenvalue_corrected", "spectral_descent"});
+}
+/// See above.
+constexpr std::string_view to_string(shampoo_eigenbasis e) {
+  return detail::enum_name(e, std::array<std::string_view, 2>{"eigh", "qr"});
 }
 
 /// One entry of `shampoo_options::inverse_exponents` (Distributed Shampoo's
@@ -106,6 +134,28 @@ struct shampoo_options {
   /// (absolute r = ε, relative r = ε·λ_max), Newton's stopping rules (see linalg/matrix_root.hpp).
   /// Default: eigendecomposition with a relative ridge of 1e-6.
   inverse_root_options root = {};
+  /// Which member of the family the blocks use (see shampoo_preconditioner). Default
+  /// root_inverse (Shampoo).
+  shampoo_preconditioner preconditioner = shampoo_preconditioner::root_inverse;
+  /// Spectral descent: the Newton–Schulz iteration of each block, X₀ = M̂ / max(‖M̂‖_F, ε)
+  /// (linalg/newton_schulz.hpp). Default: 5 steps of (3.4445, −4.7750, 2.0315), ε = 1e-8.
+  newton_schulz_options newton_schulz = {.epsilon = 1e-8};
+  /// Spectral descent: multiply each orthogonalized block by √max(1, rows / cols) (the Muon
+  /// recipe's `scale_by_dims_fn`). Default false (the peer's default: 1).
+  bool scale_by_aspect = false;
+  /// Eigenvalue-corrected: how the eigenbases are refreshed. Default eigh.
+  shampoo_eigenbasis eigenbasis = shampoo_eigenbasis::eigh;
+  /// Eigenvalue-corrected with eigenbasis qr: QR iterations per refresh (>= 1). Default 1.
+  std::uint32_t qr_iterations = 1;
+  /// Eigenvalue-corrected with eigenbasis qr: stop iterating once the rotated factor's
+  /// off-diagonal Frobenius norm is at most this fraction of its norm (>= 0). Default 0.
+  double qr_tolerance = 0.0;
+  /// Eigenvalue-corrected: p of the corrected second moment's root, M̂' / ((V / c)^(1/p) + ε)
+  /// (> 0). Default 2.
+  double corrected_exponent = 2.0;
+  /// Graft the preconditioned blocks' direction to the graft's norm (false: the graft method
+  /// only takes the tensors the preconditioner does not, the peer's Muon recipe). Default true.
+  bool graft_preconditioned = true;
   /// A block whose roots fail this many root computations in a row (a non-finite statistic,
   /// no convergence, an eigensolver failure) makes the step throw (>= 1). Default 10.
   std::uint64_t max_consecutive_failures = 10;
@@ -169,6 +219,45 @@ inline shampoo_options distributed_shampoo_defaults() {
   o.graft = shampoo_graft::none;
   o.momentum = 0.0;
   o.weight_decay = 0.0;
+  return o;
+}
+
+/// Distributed Shampoo's defaults with its `DefaultSpectralDescentPreconditionerConfig`
+/// (spectral descent, Muon's orthogonalization): `distributed_shampoo_defaults()` with
+/// preconditioner spectral_descent, 5 Newton–Schulz steps of (3.4445, −4.7750, 2.0315) with the
+/// norm clamped at 1e-8, no aspect scaling, and the graft (none) only for the tensors that are
+/// not orthogonalized. Blocks are merged from the last dimension down to two dimensions;
+/// tensors that do not become 2-D (biases) take the graft alone, where the peer raises an error.
+inline shampoo_options spectral_descent_defaults() {
+  shampoo_options o = distributed_shampoo_defaults();
+  o.preconditioner = shampoo_preconditioner::spectral_descent;
+  o.precondition_1d = false;  // (1-D tensors are never orthogonalized)
+  o.newton_schulz = {};
+  o.newton_schulz.epsilon = 1e-8;
+  o.scale_by_aspect = false;
+  o.graft_preconditioned = false;
+  return o;
+}
+
+/// Distributed Shampoo's defaults with its `DefaultEigenvalueCorrectedShampooConfig`
+/// (eigenvalue-corrected Shampoo with eigendecompositions): `distributed_shampoo_defaults()`
+/// with preconditioner eigenvalue_corrected, eigenbasis eigh, corrected_exponent 2.
+inline shampoo_options eigenvalue_corrected_defaults() {
+  shampoo_options o = distributed_shampoo_defaults();
+  o.preconditioner = shampoo_preconditioner::eigenvalue_corrected;
+  o.eigenbasis = shampoo_eigenbasis::eigh;
+  o.corrected_exponent = 2.0;
+  return o;
+}
+
+/// Distributed Shampoo's defaults with its `DefaultSOAPConfig` (SOAP: the eigenbases refreshed
+/// by one QR power iteration, warm-started, tolerance 0): `eigenvalue_corrected_defaults()`
+/// with eigenbasis qr.
+inline shampoo_options soap_defaults() {
+  shampoo_options o = eigenvalue_corrected_defaults();
+  o.eigenbasis = shampoo_eigenbasis::qr;
+  o.qr_iterations = 1;
+  o.qr_tolerance = 0.0;
   return o;
 }
 

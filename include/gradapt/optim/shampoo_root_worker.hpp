@@ -46,6 +46,19 @@ struct root_workspace {
   };
   eig<C> e;
   eig<double> d;
+  /// Eigenvalue-corrected Shampoo's QR refresh: the rotated factor B, its QR factors, the
+  /// accumulated basis, a product, LAPACK's work and the sort order (allocated on reserve).
+  struct qr_buffers {
+    std::vector<C> b, q, r, acc, t, work;
+    std::vector<std::size_t> perm;
+    void reserve(std::int64_t n) {
+      if (!b.empty() || n == 0) return;
+      const auto nn = static_cast<std::size_t>(n * n);
+      for (auto* v : {&b, &q, &r, &acc, &t}) v->assign(nn, C(0));
+      perm.resize(static_cast<std::size_t>(n));
+    }
+  };
+  qr_buffers qr;
   void reserve(const L& la, root_method m, shampoo_spectrum s) {
     base.reserve(m);
     if (m == root_method::eigen && s == shampoo_spectrum::shift) e.reserve(la, base.n());
@@ -105,6 +118,101 @@ struct root_recipe {
   inverse_root_options root;
   shampoo_spectrum spectrum = shampoo_spectrum::clamp;
 };
+
+/// How eigenvalue-corrected Shampoo refreshes a block's eigenbases.
+struct basis_recipe {
+  shampoo_eigenbasis method = shampoo_eigenbasis::eigh;
+  double epsilon = 0;            ///< the ridge added to each factor first (the peer's epsilon)
+  std::uint32_t iterations = 1;  ///< qr: power iterations
+  double tolerance = 0;          ///< qr: stop when off-diagonal ‖B‖ <= tolerance·‖B‖
+  bool retry_in_double = true;   ///< eigh in float: retry a failed decomposition in double
+};
+
+/// The eigenbasis of A = S / bias + ε·I in precision U by a symmetric eigendecomposition:
+/// eigenvectors as columns, ascending eigenvalues, into `out`. False when LAPACK fails.
+template <class L, class C, class U, class E>
+bool eigh_basis(const L& la, const C* s, std::int64_t n, double bias, double eps, E& e, C* out) {
+  const auto nn = static_cast<std::size_t>(n);
+  for (std::size_t i = 0; i < nn * nn; ++i) e.q[i] = U(double(s[i]) / bias);
+  for (std::size_t i = 0; i < nn; ++i) e.q[i * nn + i] += U(eps);
+  if (!la.eigh(tensor_view<U, host_space>(e.q.data(), {n, n}), tensor_view<U, host_space>(e.w.data(), {n}),
+               *e.ws))
+    return false;
+  for (std::size_t i = 0; i < nn * nn; ++i) out[i] = C(e.q[i]);
+  return true;
+}
+
+/// A block's eigenbases for eigenvalue-corrected Shampoo (the Distributed Shampoo
+/// eigendecomposition configs): factor d's basis Q_d (n_d × n_d, eigenvectors as columns) from
+/// A = S_d / bias + ε·I, into `out` at offset off[d]:
+///  - eigh: the eigenvectors of A, ascending eigenvalues (retried in double for float);
+///  - qr: from the current basis `prev`, B = Qᵀ·A·Q, then `iterations` times (until B's
+///    off-diagonal norm is at most `tolerance`·‖B‖): B = Q'·R', B ← R'·Q', Q ← Q·Q'; the
+///    columns of Q sorted by diag(B), ascending (stable).
+/// Stops at the first failure; returns its status and factor.
+template <class L, class C, class Ws>
+std::pair<root_status, std::size_t> block_eigenbases(const L& la, std::size_t k, const std::int64_t* n,
+                                                     const std::size_t* off, const C* stats, const C* prev,
+                                                     C* out, Ws&& ws, const basis_recipe& rc, double bias) {
+  using cview = tensor_view<const C, host_space>;
+  using mview = tensor_view<C, host_space>;
+  for (std::size_t d = 0; d < k; ++d) {
+    const std::int64_t m = n[d];
+    const auto nn = static_cast<std::size_t>(m);
+    const C* s = stats + off[d];
+    C* x = out + off[d];
+    for (std::size_t i = 0; i < nn * nn; ++i)
+      if (!std::isfinite(double(s[i]))) return {root_status::nonfinite_input, d};
+    auto& w = ws(m);
+    if (rc.method == shampoo_eigenbasis::eigh) {
+      w.e.reserve(la, m);
+      bool ok = eigh_basis<L, C, C>(la, s, m, bias, rc.epsilon, w.e, x);
+      if (!ok && std::is_same_v<C, float> && rc.retry_in_double) {
+        w.d.reserve(la, m);
+        ok = eigh_basis<L, C, double>(la, s, m, bias, rc.epsilon, w.d, x);
+      }
+      if (!ok) return {root_status::eigensolver_failed, d};
+    } else {
+      if constexpr (requires(std::vector<C> & v) {
+                      la.qr(cview(x, {m, m}), mview(x, {m, m}), mview(x, {m, m}), v);
+                    }) {
+        auto& q = w.qr;
+        q.reserve(m);
+        const C* p = prev + off[d];
+        // A (into t), then t = A·Q, B = Qᵀ·t.
+        for (std::size_t i = 0; i < nn * nn; ++i) q.r[i] = C(double(s[i]) / bias);
+        for (std::size_t i = 0; i < nn; ++i) q.r[i * nn + i] += C(rc.epsilon);
+        la.gemm(transpose::none, transpose::none, 1.0, cview(q.r.data(), {m, m}), cview(p, {m, m}), 0.0,
+                mview(q.t.data(), {m, m}));
+        la.gemm(transpose::yes, transpose::none, 1.0, cview(p, {m, m}), cview(q.t.data(), {m, m}), 0.0,
+                mview(q.b.data(), {m, m}));
+        std::copy(p, p + nn * nn, q.acc.begin());
+        for (std::uint32_t it = 0; it < rc.iterations; ++it) {
+          double all = 0, diag = 0;
+          for (std::size_t i = 0; i < nn * nn; ++i) all += double(q.b[i]) * double(q.b[i]);
+          for (std::size_t i = 0; i < nn; ++i) diag += double(q.b[i * nn + i]) * double(q.b[i * nn + i]);
+          if (std::sqrt(std::max(all - diag, 0.0)) <= rc.tolerance * std::sqrt(all)) break;
+          la.qr(cview(q.b.data(), {m, m}), mview(q.q.data(), {m, m}), mview(q.r.data(), {m, m}), q.work);
+          la.gemm(transpose::none, transpose::none, 1.0, cview(q.r.data(), {m, m}), cview(q.q.data(), {m, m}),
+                  0.0, mview(q.b.data(), {m, m}));
+          la.gemm(transpose::none, transpose::none, 1.0, cview(q.acc.data(), {m, m}),
+                  cview(q.q.data(), {m, m}), 0.0, mview(q.t.data(), {m, m}));
+          std::swap(q.acc, q.t);
+        }
+        for (std::size_t i = 0; i < nn; ++i) q.perm[i] = i;
+        std::stable_sort(q.perm.begin(), q.perm.end(),
+                         [&](std::size_t a, std::size_t b) { return q.b[a * nn + a] < q.b[b * nn + b]; });
+        for (std::size_t i = 0; i < nn; ++i)
+          for (std::size_t c = 0; c < nn; ++c) x[i * nn + c] = q.acc[i * nn + q.perm[c]];
+      } else {
+        return {root_status::eigensolver_failed, d};  // init rejects a backend without qr
+      }
+    }
+    for (std::size_t i = 0; i < nn * nn; ++i)
+      if (!std::isfinite(double(x[i]))) return {root_status::nonfinite_result, d};
+  }
+  return {root_status::ok, 0};
+}
 
 /// A block's roots: factor d of the block is an n[d] × n[d] matrix at offset off[d] of both
 /// `stats` and `out`, with exponent p[d] (0: not preconditioned, `out` gets the identity).

@@ -73,16 +73,23 @@ void transform::scale_by_shampoo<L>::compute_roots(Comm& comm, St& st, std::uint
     if (!owns(st, i, dist)) continue;
     const auto& bl = st.t_[st.refs_[i].t].blocks[st.refs_[i].j];
     ++st.computed_;
+    // Eigenvalue-corrected Shampoo's "roots" are the factors' eigenbases (the QR refresh starts
+    // from the installed ones, which every rank holds).
+    const auto compute = [&](typename St::compute_type* out) {
+      if (options.preconditioner == shampoo_preconditioner::eigenvalue_corrected)
+        return gradapt::detail::shampoo_impl::block_eigenbases(st.la_, bl.k, bl.n.data(), bl.off.data(),
+                                                               bl.stats.data(), bl.roots.data(), out, ws,
+                                                               basis_recipe(), bias);
+      return gradapt::detail::shampoo_impl::block_roots(st.la_, bl.k, bl.p.data(), bl.n.data(), bl.off.data(),
+                                                        bl.stats.data(), out, ws, rc, bias);
+    };
     if constexpr (dist) {
       auto* w = st.x_.out(i);
-      const auto [status, factor] = gradapt::detail::shampoo_impl::block_roots(
-          st.la_, bl.k, bl.p.data(), bl.n.data(), bl.off.data(), bl.stats.data(), w + 2, ws, rc, bias);
+      const auto [status, factor] = compute(w + 2);
       w[0] = static_cast<typename St::compute_type>(static_cast<int>(status));
       w[1] = static_cast<typename St::compute_type>(factor);
     } else {
-      const auto [status, factor] =
-          gradapt::detail::shampoo_impl::block_roots(st.la_, bl.k, bl.p.data(), bl.n.data(), bl.off.data(),
-                                                     bl.stats.data(), st.rs_.data(), ws, rc, bias);
+      const auto [status, factor] = compute(st.rs_.data());
       install(st, i, status, factor, st.rs_.data(), -1, t);
     }
   }

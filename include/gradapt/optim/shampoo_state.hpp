@@ -127,6 +127,7 @@ class shampoo_state {
   std::span<const compute_type> statistic(std::size_t t, std::size_t j, std::size_t d) const {
     const auto& b = blk(t, j);
     detail::require(d < b.k, "shampoo_state::statistic: factor ", d, " out of range (", b.k, ")");
+    if (b.stats.empty()) return {};  // spectral descent keeps no factors
     return {b.stats.data() + b.off[d], static_cast<std::size_t>(b.n[d] * b.n[d])};
   }
   /// Root d of block j of tensor t (n_d × n_d; zeros until the block is ready).
@@ -134,8 +135,17 @@ class shampoo_state {
   std::span<const compute_type> root(std::size_t t, std::size_t j, std::size_t d) const {
     const auto& b = blk(t, j);
     detail::require(d < b.k, "shampoo_state::root: factor ", d, " out of range (", b.k, ")");
+    if (b.roots.empty()) return {};  // spectral descent keeps no factors
     return {b.roots.data() + b.off[d], static_cast<std::size_t>(b.n[d] * b.n[d])};
   }
+  /// The eigenvalue-corrected second moment V of block j of tensor t, in the block's element
+  /// order in the eigenbasis (empty for the other preconditioners).
+  /// @throws gradapt::error when an index is out of range
+  std::span<const compute_type> corrected_moment(std::size_t t, std::size_t j) const {
+    return blk(t, j).corr;
+  }
+  /// The family member the state was created for.
+  shampoo_preconditioner preconditioner() const { return preconditioner_; }
   /// The graft's per-element state of tensor t in the tensor's element order (empty for the
   /// none and sgd grafts).
   std::span<const compute_type> graft_state(std::size_t t) const { return tensor(t).graft; }
@@ -194,6 +204,7 @@ class shampoo_state {
     std::array<std::size_t, max_rank> off{};
     std::vector<C> stats, roots;
     std::vector<C> snap, pend;  ///< root_staleness >= 1: statistics copied for the worker, its roots
+    std::vector<C> corr;        ///< eigenvalue-corrected: the second moment V in the eigenbasis
     bool ready = false;
     std::uint64_t consecutive = 0, failures = 0;
   };
@@ -252,6 +263,7 @@ class shampoo_state {
   double beta1_ = 0;              ///< shampoo_options::beta1 (the first moment's meaning)
   bool bias_correction_ = false;  ///< shampoo_options::bias_correction (the roots' input)
   shampoo_spectrum spectrum_ = shampoo_spectrum::clamp;  ///< shampoo_options::spectrum
+  shampoo_preconditioner preconditioner_ = shampoo_preconditioner::root_inverse;  ///< the family member
   std::vector<shampoo_root_failure> report_;  ///< this step's root failures (moved into its report)
   std::uint64_t max_failures_ = 1;
   std::uint64_t steps_ = 0;
@@ -260,6 +272,7 @@ class shampoo_state {
   std::vector<std::pair<std::int64_t, std::unique_ptr<workspace_t>>> ws_;
   std::vector<C> xb_, ab_, db_, y0_, y1_, rs_;  ///< block scratch: g, graft state, D_g, products, roots
   std::vector<C> mb_;                           ///< block scratch: the corrected first moment (beta1 > 0)
+  std::vector<C> ns_;                           ///< spectral descent: Newton–Schulz scratch
 
   struct ref_t {
     std::size_t t = 0, j = 0;  ///< tensor and block

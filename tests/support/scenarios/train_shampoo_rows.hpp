@@ -1,5 +1,6 @@
 #pragma once
-// The Shampoo chain (optim/shampoo.hpp) in the composed step, as rows of the covering array of
+// The Shampoo family (optim/shampoo.hpp: Shampoo, SOAP, Muon) in the composed step, as rows of
+// the covering array of
 // train_combinations.hpp (same recipe, reference and checks): the replicated state slot with
 // each reduce slot (one buffer, buckets, hierarchical), each combine slot (mean, Adasum), the
 // loss scaler, AdaScale and LocalSGD. Without LocalSGD the step divides the roots among the
@@ -21,6 +22,31 @@ inline const auto shampoo = gradapt::shampoo({.lr = 2e-2,
                                               .graft = gradapt::shampoo_graft::adagrad,
                                               .momentum = 0.9,
                                               .weight_decay = 1e-3});
+
+/// SOAP (eigenvalue-corrected Shampoo with QR refreshes) with eigenbases refreshed every 3 steps.
+inline const auto soap = gradapt::shampoo([] {
+  gradapt::shampoo_options o = gradapt::soap_defaults();
+  o.lr = 1e-2;
+  o.beta2 = 0.99;
+  o.root.epsilon = 1e-8;
+  o.precondition_frequency = 3;
+  o.start_preconditioning_step = 3;
+  o.weight_decay = 1e-3;
+  return o;
+}());
+
+/// Muon through spectral descent: 2-D blocks orthogonalized (aspect-scaled), the others by Adam.
+inline const auto muon = gradapt::shampoo([] {
+  gradapt::shampoo_options o = gradapt::spectral_descent_defaults();
+  o.lr = 2e-2;
+  o.max_preconditioner_dim = 16;
+  o.scale_by_aspect = true;
+  o.graft = gradapt::shampoo_graft::adam;
+  o.graft_beta2 = 0.95;
+  o.momentum = 0.9;
+  o.nesterov = true;
+  return o;
+}());
 
 template <class Row>
 void shampoo_rows(Row&& row) {
