@@ -311,7 +311,8 @@ class chain {
   /// The options of every stage after the first, pushed as `agreed_options` pushes them (a
   /// preconditioner stage agrees them with its own across ranks).
   struct later_options {
-    const chain* c;
+    const chain* c;  ///< the chain whose stages 1.. are pushed
+    /// Pushes the options of every stage after the first (`push(name, value)` on `out`).
     template <class Out>
     void push_options(Out& out) const {
       [&]<std::size_t... I>(std::index_sequence<I...>) {
