@@ -11,6 +11,9 @@
 //   eigen      Eigen 3 compiled into this file (noalias GEMM, selfadjointView().rankUpdate,
 //              SelfAdjointEigenSolver), single-threaded (no OpenMP here)
 //
+// qr_lapack times host_lapack::qr (Householder QR with the explicit Q: SOAP's QR refresh
+// factors its rotated statistics with it), for comparison with eigh_lapack and gemm_lapack.
+//
 // Counters: GFLOPS for GEMM (2n³ flops) and SYRK (n³); eigh reports time only (its flop count
 // depends on the spectrum). The root_* benches time gradapt::inverse_pth_root on host_lapack
 // for p = 4 (the SPD matrix of the eigh benches) by coupled Newton and by the
@@ -224,6 +227,20 @@ void eigh_lapack(benchmark::State& st) {
   }
 }
 
+// ---- qr (host_lapack::qr: ?geqrf + ?orgqr, Q formed explicitly) ----------------------------------
+template <class T>
+void qr_lapack(benchmark::State& st) {
+  const auto n = st.range(0);
+  const auto a = spd_matrix<T>(n);
+  std::vector<T> q(a.size()), r(a.size()), work;
+  const host_lapack la;
+  for (auto _ : st) {
+    la.qr<T>(tensor_view<const T>(a.data(), {n, n}), tensor_view<T>(q.data(), {n, n}),
+             tensor_view<T>(r.data(), {n, n}), work);
+    benchmark::DoNotOptimize(q.data());
+  }
+}
+
 template <class T>
 void eigh_reference(benchmark::State& st) {
   if (!reference().ok) return st.SkipWithError("reference BLAS/LAPACK not found");
@@ -297,6 +314,7 @@ GRADAPT_LINALG_BENCH(syrk_eigen)
 GRADAPT_LINALG_BENCH(eigh_lapack)
 GRADAPT_LINALG_BENCH(eigh_reference)
 GRADAPT_LINALG_BENCH(eigh_eigen)
+GRADAPT_LINALG_BENCH(qr_lapack)
 BENCHMARK_TEMPLATE(root_lapack, float, gradapt::root_method::coupled_newton)
     ->Arg(512)
     ->Arg(1024)
