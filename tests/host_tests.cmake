@@ -152,6 +152,9 @@ gradapt_add_test(test_train_resize GROUP core SOURCES test_train_resize.cpp)
 gradapt_add_test(test_train_hetero GROUP core SOURCES test_train_hetero.cpp)
 gradapt_add_test(test_train_zero GROUP core SOURCES test_train_zero.cpp)
 gradapt_add_test(test_train_combinations GROUP core SOURCES test_train_combinations.cpp)
+# One rank's different option is an error on every rank naming it: bucket reducer, hierarchy,
+# sharded optimizer.
+gradapt_add_test(test_option_agreement GROUP core SOURCES test_option_agreement.cpp)
 # Ranks that disagree: every rank throws, none hangs (bounded by the threads watchdog).
 gradapt_add_test(test_disagreement GROUP core SOURCES test_disagreement.cpp)
 # 10,000 random cases of ranks that call different collectives, types, ops, counts or options.

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
 #include <span>
@@ -813,6 +814,43 @@ TEST_CASE("kfac: invalid options and input throw naming what is wrong", "[kfac]"
   CHECK_THROWS_WITH(kf.step(st, std::span(no_b), 0.1), Contains("has a bias of 2"));
   CHECK_THROWS_WITH(kf.step(st, std::span(ok), -1.0), Contains("lr is -1"));
   CHECK_THROWS_WITH(kf.step(st, std::span(ok), 0.1), Contains("layer 'fc' got no a and g"));
+}
+
+TEST_CASE("kfac distributed: a one-rank difference in any option is an error on every rank naming it",
+          "[kfac][dist][agreement]") {
+  struct change {
+    const char* option;
+    const char* lo;  ///< the printed range's ends (values print with 17 digits: a prefix)
+    const char* hi;
+    std::function<void(kfac_options&)> apply;
+  };
+  const std::vector<change> changes = {
+      {"factor_decay", "0.9", "0.9499", [](auto& o) { o.factor_decay = 0.9; }},
+      {"factor_update_steps", "1", "2", [](auto& o) { o.factor_update_steps = 2; }},
+      {"inv_update_steps", "1", "3", [](auto& o) { o.inv_update_steps = 3; }},
+      {"damping", "0.001", "0.01", [](auto& o) { o.damping = 0.01; }},
+      {"method", "0", "1", [](auto& o) { o.method = gradapt::kfac_method::inverse; }},
+      {"prediv_eigenvalues", "0", "1", [](auto& o) { o.prediv_eigenvalues = true; }},
+      {"kl_clip", "0.001", "0.002", [](auto& o) { o.kl_clip = 0.002; }},
+      {"max_consecutive_failures", "4", "10", [](auto& o) { o.max_consecutive_failures = 4; }},
+      {"grad_worker_fraction", "0.3333", "1", [](auto& o) { o.grad_worker_fraction = 1.0 / 3.0; }},
+  };
+  for (const auto& ch : changes) {
+    INFO(ch.option);
+    run_threads(3, quick, [&](threads& c) {
+      kfac_options o{};
+      if (c.rank() == 1) ch.apply(o);
+      const kfac kf(o);
+      auto s = kf.init<float>(la, model_layers);
+      grads_t gr(0);
+      feed(kf, s, 0, c.rank(), [&] {
+        RANK_REQUIRE_THROWS_WITH(kf.step(c, s, gr.views, 0.1),
+                                 Contains(std::string(ch.option) + " is") &&
+                                     Contains(std::string("ranges from ") + ch.lo) &&
+                                     Contains(std::string(" to ") + ch.hi) && Contains("across ranks"));
+      });
+    });
+  }
 }
 
 }  // namespace gradapt_test_kfac
