@@ -207,7 +207,8 @@ void GRADAPT_TRAIN_STEP::apply_settings(std::uint64_t call) {
 GRADAPT_TRAIN_STEP_TEMPLATE
 template <class A, class Y, class P>
 void GRADAPT_TRAIN_STEP::agree_on_construction(const A& adapt, const Y& sync, const P& precond) {
-  agreed_list<64> v;
+  // Up to 17 values of the step's own and the optimizer's (a Shampoo chain pushes 42).
+  agreed_list<96> v;
   v.push("parameter tensors", static_cast<double>(params_->size()));
   v.push("parameter elements", static_cast<double>(params_->total_elements()));
   v.push("parameter shapes (a hash of every tensor's rank and extents)",
