@@ -1208,6 +1208,28 @@ TEST_CASE("shampoo family: checkpoints continue bit for bit, every bit flip and 
   }
 }
 
+TEST_CASE("shampoo family: a SOAP block whose eigenbasis refreshes keep failing throws naming the refresh",
+          "[shampoo][family]") {
+  shampoo_options o = soap_options(gradapt::shampoo_eigenbasis::eigh);
+  o.max_consecutive_failures = 2;  // refreshes at steps 1, 3, ...
+  family_model m;
+  const shampoo opt(o);
+  auto st = opt.init(backend, m.params);
+  st.set_check_interval(0);  // the chain's own check would stop at the first NaN parameter
+  m.grads(1);
+  m.gw[3] = std::numeric_limits<double>::quiet_NaN();  // the statistics become NaN for good
+  const auto r1 = opt.step(backend, m.params, st);
+  REQUIRE(r1.root_failures.size() == 1);
+  CHECK(r1.root_failures[0].reason == gradapt::root_status::nonfinite_input);
+  m.grads(2);
+  opt.step(backend, m.params, st);
+  m.grads(3);
+  CHECK_THROWS_WITH(opt.step(backend, m.params, st),
+                    Contains("parameter 'w' block 0") &&
+                        Contains("eigenbasis refresh failed 2 times in a row") &&
+                        Contains("nonfinite_input"));
+}
+
 TEST_CASE("shampoo family: invalid family options throw naming them", "[shampoo][family]") {
   const auto bad = [](auto change, const char* what) {
     shampoo_options o = gradapt::soap_defaults();

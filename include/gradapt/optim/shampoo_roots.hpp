@@ -125,8 +125,11 @@ void transform::scale_by_shampoo<L>::install(St& st, std::size_t i, root_status 
              std::to_string(range.offset[d] + range.size[d]);
   gradapt::detail::fail(
       "shampoo::step: parameter '", x.name, "' block ", ref.j, " (indices [", where,
-      "] of its merged shape): the inverse root failed ", bl.consecutive, " times in a row (last: factor ",
-      factor, ", ", to_string(status), rank >= 0 ? ", computed on rank " + std::to_string(rank) : "",
+      "] of its merged shape): the ",
+      st.preconditioner_ == shampoo_preconditioner::eigenvalue_corrected ? "eigenbasis refresh"
+                                                                         : "inverse root",
+      " failed ", bl.consecutive, " times in a row (last: factor ", factor, ", ", to_string(status),
+      rank >= 0 ? ", computed on rank " + std::to_string(rank) : "",
       "); a non-finite gradient makes the statistics non-finite for good. The parameters are "
       "unchanged; restore a checkpoint with load() (and skip non-finite gradients, e.g. with the "
       "loss scaler), or raise root.epsilon / max_consecutive_failures");
