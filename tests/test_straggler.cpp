@@ -15,8 +15,10 @@
 #include <string>
 #include <vector>
 
+#include "bit_flips.hpp"
 #include "catch.hpp"
 #include "gradapt/comm/threads.hpp"
+#include "gradapt/core/archive.hpp"
 #include "gradapt/elastic/straggler.hpp"
 #include "rank_check.hpp"
 
@@ -233,6 +235,68 @@ TEST_CASE("straggler: observe over a communicator agrees on every rank; errors o
   CHECK_THROWS_WITH(straggler_detector(2, {.min_ratio = 0.5}), Contains("min_ratio is 0.5"));
   CHECK_THROWS_WITH(straggler_detector(2, {.floor = -1}), Contains("floor is -1"));
   CHECK_THROWS_WITH(d.flagged(2), Contains("rank 2 out of range"));
+}
+
+TEST_CASE("straggler: a checkpoint continues bit for bit; every bit flip and impossible fields are rejected",
+          "[straggler][checkpoint]") {
+  const straggler_options o{.window = 6, .persistence = 2};
+  straggler_detector a(4, o), b(4, o);
+  const auto times_at = [](int t) {
+    return std::vector<double>{1.0 + 0.01 * t, 1.02, t % 2 ? 4.0 : 1.01, 0.99};
+  };
+  for (int t = 0; t < 9; ++t) a.observe(times_at(t));
+  REQUIRE(a.flagged(2));
+  const auto bytes = a.save();
+  b.load(bytes);
+  CHECK(b.steps() == 9);
+  CHECK(b.flagged(2));
+  CHECK(b.report().flagged == a.report().flagged);
+  CHECK(b.report().slow == a.report().slow);
+  for (int t = 9; t < 20; ++t) {
+    const auto& ra = a.observe(times_at(t));
+    const auto& rb = b.observe(times_at(t));
+    CHECK(ra.flagged == rb.flagged);
+    CHECK(ra.raised == rb.raised);
+    CHECK(ra.cleared == rb.cleared);
+  }
+  CHECK(a.save() == b.save());
+  CHECK(a.rebalance(1000) == b.rebalance(1000));
+  const auto good = a.save();
+  const std::size_t n = gradapt_test::flip_every_bit(
+      good, [&](std::span<const std::byte> bad) { b.load(bad); }, [&] { return b.save(); });
+  CHECK(n == good.size() * 8);
+  // Behind a valid checksum: a flag its marks do not give, a negative time, another world.
+  const auto rewrite = [&](auto edit) {
+    gradapt::archive_writer w{straggler_detector::archive_kind, straggler_detector::archive_version};
+    edit(w);
+    return w.finish();
+  };
+  const auto fields = [&](gradapt::archive_writer& w, std::vector<double> times,
+                          std::vector<std::int64_t> flags) {
+    w.put("ranks", std::uint64_t{4});
+    w.put("window", std::uint64_t{6});
+    w.put("persistence", std::uint64_t{2});
+    w.put("steps", std::uint64_t{9});
+    const std::int64_t sh[2] = {6, 4};
+    w.put_tensor<double>("times", std::span<const double>(times), sh);
+    std::vector<std::int64_t> marks(24, 0);
+    w.put_tensor<std::int64_t>("slow", std::span<const std::int64_t>(marks), sh);
+    w.put_tensor<std::int64_t>("flagged", std::span<const std::int64_t>(flags));
+  };
+  std::vector<double> ok_times(24, 1.0);
+  CHECK_THROWS_WITH(b.load(rewrite([&](auto& w) {
+    fields(w, ok_times, {0, 0, 1, 0});
+  })),
+                    Contains("flagged[2] is 1 but rank 2 has 0 slow marks"));
+  auto neg = ok_times;
+  neg[5] = -1.0;
+  CHECK_THROWS_WITH(b.load(rewrite([&](auto& w) {
+    fields(w, neg, {0, 0, 0, 0});
+  })),
+                    Contains("times[1][1] is -1"));
+  straggler_detector three(3, o);
+  CHECK_THROWS_WITH(three.load(good), Contains("watches 4 ranks but this detector 3"));
+  CHECK(b.save() == a.save());  // the failed loads changed nothing
 }
 
 }  // namespace gradapt_test_straggler

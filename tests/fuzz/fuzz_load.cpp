@@ -30,6 +30,7 @@
 #include "gradapt/core/crc32c.hpp"
 #include "gradapt/core/param_list.hpp"
 #include "gradapt/elastic/policy.hpp"
+#include "gradapt/elastic/straggler.hpp"
 #include "gradapt/linalg/host_lapack.hpp"
 #include "gradapt/optim/adafactor.hpp"
 #include "gradapt/optim/adamw.hpp"
@@ -116,6 +117,17 @@ target local_sgd_target(Schedule schedule) {
   };
   auto h = std::make_shared<holder>(schedule);
   return {[h] { return h->lsgd.save(); }, [h](std::span<const std::byte> in) { h->lsgd.load(in); }};
+}
+
+// A straggler detector that flagged rank 2 (window 6, persistence 2) after 9 steps.
+target straggler_target() {
+  auto d = std::make_shared<gradapt::elastic::straggler_detector>(
+      4, gradapt::elastic::straggler_options{.window = 6, .persistence = 2});
+  for (int t = 0; t < 9; ++t) {
+    const double times[4] = {1.0 + 0.01 * t, 1.02, t % 2 ? 4.0 : 1.01, 0.99};
+    d->observe(std::span<const double>(times));
+  }
+  return {[d] { return d->save(); }, [d](std::span<const std::byte> in) { d->load(in); }};
 }
 
 target train_step_target() {
@@ -307,6 +319,7 @@ std::vector<target>& targets() {
     t.push_back(shampoo_target());
     t.push_back(shampoo_target(true));
     t.push_back(job_policies_target());
+    t.push_back(straggler_target());
     return t;
   }();
   return all;

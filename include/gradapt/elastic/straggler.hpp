@@ -20,10 +20,12 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "gradapt/core/archive.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/tensor_view.hpp"
@@ -246,6 +248,93 @@ class straggler_detector {
     for (auto& b : out) b += min_batch;
     return out;
   }
+
+  /// Kind and format version of the archive `save()` writes.
+  static constexpr std::string_view archive_kind = "gradapt.straggler";
+  static constexpr std::uint32_t archive_version = 1;  ///< see archive_kind
+
+  /// Writes the detector into the open section of `w`: ranks, window, persistence, steps, the
+  /// window's times and slow marks (window × ranks, ring by step) and the flags.
+  void save(archive_writer& w) const {
+    const auto n = static_cast<std::int64_t>(n_), win = static_cast<std::int64_t>(o_.window);
+    w.put("ranks", static_cast<std::uint64_t>(n_));
+    w.put("window", static_cast<std::uint64_t>(o_.window));
+    w.put("persistence", static_cast<std::uint64_t>(o_.persistence));
+    w.put("steps", steps_);
+    const std::int64_t sh[2] = {win, n};
+    w.put_tensor<double>("times", std::span<const double>(times_), sh);
+    std::vector<std::int64_t> marks(slow_.begin(), slow_.end()), flags(flag_.begin(), flag_.end());
+    w.put_tensor<std::int64_t>("slow", std::span<const std::int64_t>(marks), sh);
+    w.put_tensor<std::int64_t>("flagged", std::span<const std::int64_t>(flags));
+  }
+
+  /// Reads what `save(w)` wrote into a detector made for the same ranks and options (window,
+  /// persistence). All or nothing: the counts must match, every time must be finite and >= 0,
+  /// every mark and flag 0 or 1, the rows not yet filled (fewer steps than the window) all
+  /// zero, and each flag must be what its marks give (at least `persistence` of them). The
+  /// last step's report comes back with its slow marks and flags; its raised and cleared lists
+  /// are empty (they describe a transition the checkpoint does not hold).
+  /// @throws gradapt::error naming the first field that does not fit
+  void load(archive_reader& r) {
+    constexpr const char* who = "straggler_detector::load";
+    const auto n = static_cast<std::size_t>(n_), win = o_.window;
+    const auto ranks = r.get<std::uint64_t>("ranks");
+    detail::require(ranks == n, who, ": the checkpoint watches ", ranks, " ranks but this detector ", n,
+                    " (make a detector for the checkpoint's world)");
+    const auto window = r.get<std::uint64_t>("window"), persistence = r.get<std::uint64_t>("persistence");
+    detail::require(window == win && persistence == o_.persistence, who, ": the checkpoint has window ",
+                    window, " and persistence ", persistence, " but this detector ", win, " and ",
+                    o_.persistence, " (restore with the same straggler_options)");
+    const auto steps = r.get<std::uint64_t>("steps");
+    detail::require(steps < std::numeric_limits<std::uint64_t>::max(), who, ": steps is ", steps,
+                    " (the count could not grow)");
+    const std::int64_t sh[2] = {static_cast<std::int64_t>(win), static_cast<std::int64_t>(n)};
+    std::vector<double> times(win * n);
+    std::vector<std::int64_t> marks(win * n), flags(n);
+    r.get_tensor<double>("times", std::span<double>(times), sh);
+    r.get_tensor<std::int64_t>("slow", std::span<std::int64_t>(marks), sh);
+    r.get_tensor<std::int64_t>("flagged", std::span<std::int64_t>(flags));
+    const std::size_t filled = static_cast<std::size_t>(std::min<std::uint64_t>(steps, win));
+    std::vector<std::size_t> count(n, 0);
+    for (std::size_t s = 0; s < win; ++s)
+      for (std::size_t q = 0; q < n; ++q) {
+        const double t = times[s * n + q];
+        const std::int64_t m = marks[s * n + q];
+        detail::require(std::isfinite(t) && t >= 0, who, ": field times[", s, "][", q, "] is ", t,
+                        " (expected finite seconds >= 0)");
+        detail::require(m == 0 || m == 1, who, ": field slow[", s, "][", q, "] is ", m, " (expected 0 or 1)");
+        detail::require(s < filled || (t == 0 && m == 0), who, ": field times/slow[", s, "][", q,
+                        "] is set but only ", filled, " of the window's rows have been filled (", steps,
+                        " steps)");
+        count[q] += static_cast<std::size_t>(m);
+      }
+    for (std::size_t q = 0; q < n; ++q) {
+      detail::require(flags[q] == 0 || flags[q] == 1, who, ": field flagged[", q, "] is ", flags[q],
+                      " (expected 0 or 1)");
+      detail::require((flags[q] == 1) == (count[q] >= o_.persistence), who, ": field flagged[", q, "] is ",
+                      flags[q], " but rank ", q, " has ", count[q], " slow marks in the window (flagged at ",
+                      o_.persistence, ")");
+    }
+    times_ = std::move(times);
+    for (std::size_t i = 0; i < slow_.size(); ++i) slow_[i] = static_cast<unsigned char>(marks[i]);
+    count_ = std::move(count);
+    steps_ = steps;
+    rep_ = {};
+    rep_.step = steps;
+    rep_.slow.assign(n, false);
+    const std::size_t last = steps == 0 ? 0 : static_cast<std::size_t>((steps - 1) % win);
+    for (std::size_t q = 0; q < n; ++q) {
+      flag_[q] = flags[q] == 1;
+      if (steps > 0) rep_.slow[q] = slow_[last * n + q] != 0;
+      if (flag_[q]) rep_.flagged.push_back(static_cast<int>(q));
+    }
+  }
+
+  /// The detector as one archive of kind "gradapt.straggler" (core/archive.hpp).
+  std::vector<std::byte> save() const { return save_archive(*this); }
+  /// Restores a detector written by `save()` (all or nothing; see `load(reader)`).
+  /// @throws gradapt::error for a damaged archive or one that does not fit this detector
+  void load(std::span<const std::byte> bytes) { load_archive(*this, bytes); }
 
  private:
   std::size_t idx(int r) const {
