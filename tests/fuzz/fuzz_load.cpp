@@ -1,7 +1,8 @@
 // libFuzzer target for every state's load(): the loss scaler, the noise scale (single and
 // grouped), AdaScale, LocalSGD (each schedule), the optimizer states (AdamW, LAMB, Adafactor,
-// SM3), K-FAC's and Shampoo's states, the sharded optimizer state (AdamW, ZeRO), the data-parallel train
-// step, replicated and with zero_state<2> (on comm::single), and an elastic job's policies. Input layout:
+// SM3), K-FAC's state, Shampoo's and SOAP's chain states, the sharded optimizer state (AdamW, ZeRO),
+// the data-parallel train step, replicated and with zero_state<2> (on comm::single), an elastic
+// job's policies and the straggler detector. Input layout:
 //
 //   byte 0   which state (modulo the number of states)
 //   byte 1   mode: even = the rest is the archive as is; odd = the rest is XORed, cyclically,
