@@ -12,6 +12,7 @@
 # one compiled before (scripts/test-all.sh compiles it while the presets build); unset, both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+root=$(pwd)
 seconds=${1:-60}
 out=${2:-build/fuzz}
 step=${GRADAPT_FUZZ_STEP:-all}
@@ -28,4 +29,7 @@ if [ "$step" = build ]; then
   exit 0
 fi
 cd "$out"
-./fuzz_load -max_total_time="$seconds" -max_len=4096 -seed=20261125 -print_final_stats=1 corpus
+# The checked-in seeds (tests/fuzz/seeds: one per state, "XOR nothing into its valid archive")
+# start the run at every state's valid archive; new inputs go to corpus/.
+seeds="$root/tests/fuzz/seeds"
+./fuzz_load -max_total_time="$seconds" -max_len=4096 -seed=20261125 -print_final_stats=1 corpus "$seeds"

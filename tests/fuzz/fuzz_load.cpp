@@ -10,6 +10,9 @@
 //            reaches the field parser and the value checks behind the checksum
 //   rest     the archive, or the XOR pattern
 //
+// tests/fuzz/seeds holds one input per state (its index, XOR mode, zeros: the valid archive
+// itself), from which scripts/fuzz.sh starts.
+//
 // Every load must either succeed or throw gradapt::error; after a throw the state must save
 // the same bytes as before (all or nothing); after a success, saving and loading again must
 // reproduce the same bytes. Anything else aborts (a finding). Built with
