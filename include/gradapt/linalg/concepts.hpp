@@ -19,6 +19,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/tensor_view.hpp"
@@ -83,6 +84,18 @@ concept linalg_backend = requires {
   la.syrk(gram::columns, 1.0, cd, 0.0, d);
   { la.eigh(f, f, wf) } -> std::same_as<bool>;
   { la.eigh(d, d, wd) } -> std::same_as<bool>;
+};
+
+/// A `linalg_backend` that also factors a square matrix as Q·R (`qr(a, q, r, work)`, Q and R
+/// written, `work` a std::vector it may grow): `host_lapack`. Eigenvalue-corrected Shampoo's
+/// QR refresh needs it.
+template <class L>
+concept qr_linalg_backend = linalg_backend<L> &&
+    requires(const L& la, tensor_view<const float, typename L::space> cf,
+             tensor_view<float, typename L::space> f, tensor_view<const double, typename L::space> cd,
+             tensor_view<double, typename L::space> d, std::vector<float>& wf, std::vector<double>& wd) {
+  la.qr(cf, f, f, wf);
+  la.qr(cd, d, d, wd);
 };
 
 namespace detail::linalg {

@@ -263,5 +263,6 @@ struct host_lapack {
 };
 
 static_assert(linalg_backend<host_lapack>, "host_lapack must model linalg_backend");
+static_assert(qr_linalg_backend<host_lapack>, "host_lapack must model qr_linalg_backend");
 
 }  // namespace gradapt

@@ -277,10 +277,7 @@ struct scale_by_shampoo {
     const bool spectral = options.preconditioner == shampoo_preconditioner::spectral_descent;
     const bool corrected = options.preconditioner == shampoo_preconditioner::eigenvalue_corrected;
     std::size_t max_ns = 0;
-    if constexpr (!requires(std::vector<C> & w) {
-                    la.qr(tensor_view<const C, host_space>(), tensor_view<C, host_space>(),
-                          tensor_view<C, host_space>(), w);
-                  })
+    if constexpr (!qr_linalg_backend<L>)
       gradapt::detail::require(
           !corrected || options.eigenbasis != shampoo_eigenbasis::qr,
           "shampoo: eigenbasis qr needs a linear-algebra backend with qr() (host_lapack has "

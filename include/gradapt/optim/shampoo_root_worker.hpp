@@ -173,9 +173,7 @@ std::pair<root_status, std::size_t> block_eigenbases(const L& la, std::size_t k,
       }
       if (!ok) return {root_status::eigensolver_failed, d};
     } else {
-      if constexpr (requires(std::vector<C> & v) {
-                      la.qr(cview(x, {m, m}), mview(x, {m, m}), mview(x, {m, m}), v);
-                    }) {
+      if constexpr (qr_linalg_backend<L>) {
         auto& q = w.qr;
         q.reserve(m);
         const C* p = prev + off[d];
