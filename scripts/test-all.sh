@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: the default build (host, MPI under mpirun with 1 to 5 ranks, and the
-# CUDA/NCCL tests compiled when nvcc is found, skipping at run time without a GPU), then the
+# CUDA/NCCL tests compiled when nvcc is found, skipping at run time without a GPU, and packed for
+# a GPU machine by scripts/gpu-check.sh build), then the
 # host tests again under AddressSanitizer + UBSan and under ThreadSanitizer; a short libFuzzer
 # run over every state's load(); Doxygen; then Conan's `conan create` with test_package.
 #
@@ -61,6 +62,8 @@ build_preset() { cmake --preset "$1" --fresh && cmake --build --preset "$1"; }
 for preset in default asan tsan; do
   echo "==== preset: $preset"
   phase "$preset-build" build_preset "$preset"
+  # The GPU check's build step packs the CUDA/NCCL binaries this build compiled (docs/gpu.md).
+  if [ "$preset" = default ]; then phase gpu-pack ./scripts/gpu-check.sh build build/default; fi
   phase "$preset-test" ctest --preset "$preset"
 done
 fuzz_status=0

@@ -191,11 +191,16 @@ if(GRADAPT_WITH_LAPACK)
   gradapt_add_test(test_kfac_refs GROUP linalg SOURCES test_kfac_refs.cpp LIBS gradapt::linalg)
   # K-FAC in the precondition slot of train::data_parallel_step (train/kfac_policy.hpp).
   gradapt_add_test(test_train_kfac GROUP linalg SOURCES test_train_kfac.cpp LIBS gradapt::linalg)
-  # The Shampoo chain in train::data_parallel_step: every reduce and combine slot, the scaler,
-  # AdaScale, LocalSGD, the roots over the ranks, an N -> M restore (comm::threads ranks).
+  # The Shampoo family in train::data_parallel_step: every state, reduce and combine slot, the
+  # scaler, AdaScale, LocalSGD, the roots over the ranks, an N -> M restore (comm::threads ranks).
   gradapt_add_test(test_train_shampoo GROUP linalg SOURCES test_train_shampoo.cpp LIBS gradapt::linalg)
   if(TEST test_train_shampoo)  # rank threads each run BLAS: its own threads only add contention
     set_tests_properties(test_train_shampoo PROPERTIES ENVIRONMENT "OPENBLAS_NUM_THREADS=1")
+  endif()
+  # The Shampoo family in the sharded optimizer, sharded by block (comm::threads ranks).
+  gradapt_add_test(test_shard_shampoo GROUP linalg SOURCES test_shard_shampoo.cpp LIBS gradapt::linalg)
+  if(TEST test_shard_shampoo)  # rank threads each run BLAS: its own threads only add contention
+    set_tests_properties(test_shard_shampoo PROPERTIES ENVIRONMENT "OPENBLAS_NUM_THREADS=1")
   endif()
   # A randomized soak of one disagreeing rank over the composed step's slots, Shampoo, K-FAC and
   # elastic jobs (comm::threads).

@@ -48,9 +48,12 @@ void hierarchy_with_zero(gradapt::comm::single& c, const gradapt::host& b, const
 void two_state_policies(gradapt::comm::single& c, const gradapt::host& b, const list& p) {
   (void)gt::make_data_parallel_step(c, b, p, gradapt::sgd(), {}, gt::zero_state<1>{}, gt::replicated_state{});
 }
-// expect: keeps per-block state that is not sharded by elements; use the replicated state slot
-void shampoo_with_zero(gradapt::comm::single& c, const gradapt::host& b, const list& p) {
-  (void)gt::make_data_parallel_step(c, b, p, gradapt::shampoo(), {}, gt::zero_state<2>{});
+// expect: is sharded by block, and its later stages may not take per-tensor or global sums
+void clipped_shampoo_with_zero(gradapt::comm::single& c, const gradapt::host& b, const list& p) {
+  using clipped =
+      gradapt::chain<gradapt::transform::scale_by_shampoo<>, gradapt::transform::clip_by_global_norm,
+                     gradapt::transform::scale_by_learning_rate>;
+  (void)gt::make_data_parallel_step(c, b, p, clipped{}, {}, gt::zero_state<2>{});
 }
 // expect: stage 3 (sharded parameters) is not offered
 [[maybe_unused]] gt::zero_state<3> stage_three;

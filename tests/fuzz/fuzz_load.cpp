@@ -1,8 +1,8 @@
 // libFuzzer target for every state's load(): the loss scaler, the noise scale (single and
 // grouped), AdaScale, LocalSGD (each schedule), the optimizer states (AdamW, LAMB, Adafactor,
-// SM3), K-FAC's state, Shampoo's and SOAP's chain states, the sharded optimizer state (AdamW, ZeRO),
-// the data-parallel train step, replicated and with zero_state<2> (on comm::single), an elastic
-// job's policies and the straggler detector. Input layout:
+// SM3), K-FAC's state, Shampoo's and SOAP's chain states, the sharded optimizer state (AdamW, ZeRO;
+// Shampoo sharded by block), the data-parallel train step, replicated and with zero_state<2> (on
+// comm::single), an elastic job's policies and the straggler detector. Input layout:
 //
 //   byte 0   which state (modulo the number of states)
 //   byte 1   mode: even = the rest is the archive as is; odd = the rest is XORed, cyclically,
@@ -271,6 +271,30 @@ target shampoo_target(bool soap = false) {
   return {[h] { return h->st.save(h->b); }, [h](std::span<const std::byte> in) { h->st.load(h->b, in); }};
 }
 
+// Shampoo sharded by block (shard::sharded_optimizer on comm::single): the header and every
+// piece's blocks and elements.
+target sharded_shampoo_target() {
+  struct holder {
+    gradapt::comm::single comm;
+    model m;
+    gradapt::host b{.threads = 1};
+    gradapt::shard::sharded_optimizer<gradapt::shampoo> opt{
+        gradapt::shampoo({.lr = 0.02, .max_preconditioner_dim = 4, .beta1 = 0.9}), {}};
+    decltype(opt.init(comm, b, m.params)) st;
+    holder() : st(opt.init(comm, b, m.params)) {
+      for (int t = 1; t <= 3; ++t) {
+        m.grads(t);
+        opt.step(comm, b, m.params, st);
+      }
+    }
+  };
+  auto h = std::make_shared<holder>();
+  return {[h] { return h->st.save(h->b); },
+          [h](std::span<const std::byte> in) {
+            h->st = h->opt.load(h->comm, h->b, h->m.params, [in](int) { return in; });
+          }};
+}
+
 target job_policies_target() {
   struct holder {
     gradapt::comm::single comm;
@@ -324,6 +348,7 @@ std::vector<target>& targets() {
     t.push_back(shampoo_target(true));
     t.push_back(job_policies_target());
     t.push_back(straggler_target());
+    t.push_back(sharded_shampoo_target());
     return t;
   }();
   return all;

@@ -149,10 +149,14 @@ class chain {
   }
 
   /// Creates the state for `params` on backend `b`: zero-initialised buffers of element type
-  /// S (default: the compute type of the parameters) for every active stage.
-  /// @throws gradapt::error on invalid options
+  /// S (default: the compute type of the parameters) for every active stage. `slices` (the
+  /// sharded optimizer's, for a chain whose preconditioner stage is sharded by block): list
+  /// entry t is a slice of a larger tensor (see stage.hpp).
+  /// @throws gradapt::error on invalid options; when `slices` is given to a chain without a
+  ///         preconditioner stage that takes them
   template <class S = void, optimizer_backend B, element V, element G, class Options>
-  auto init(const B& b, const param_list<V, G, typename B::space, Options>& params) const {
+  auto init(const B& b, const param_list<V, G, typename B::space, Options>& params,
+            std::span<const preconditioner_slice> slices = {}) const {
     using St = std::conditional_t<std::is_void_v<S>, compute_t<V>, S>;
     static_assert(std::is_same_v<compute_t<V>, compute_t<G>> && std::is_same_v<compute_t<V>, compute_t<St>>,
                   "gradapt::chain: parameters, gradients and state must share one compute type (float for "
@@ -252,7 +256,13 @@ class chain {
       detail::optim::reserve_workspace(b, values, plan::max_terms, lines);
     }
     refresh_constants(b, params, st, true);
-    if constexpr (plan::has_preconditioner) st.pre_ = std::get<0>(stages_).init_state(b, params);
+    if constexpr (requires { std::get<0>(stages_).init_state(b, params, slices); })
+      st.pre_ = std::get<0>(stages_).init_state(b, params, slices);
+    else if constexpr (plan::has_preconditioner)
+      st.pre_ = std::get<0>(stages_).init_state(b, params);
+    if constexpr (!requires { std::get<0>(stages_).init_state(b, params, slices); })
+      detail::require(slices.empty(), "chain::init: ", slices.size(),
+                      " slices given, but the chain has no preconditioner stage sharded by block");
     return st;
   }
 

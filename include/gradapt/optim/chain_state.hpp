@@ -99,10 +99,12 @@ class chain_state {
   std::uint64_t active_stages() const { return enabled_; }
   /// Number of per-element state buffers over all stages (inactive stages' are empty).
   static constexpr std::size_t buffer_count() { return plan::total_buffers; }
-  /// Elements of all per-element state buffers (what a checkpoint holds besides its header).
+  /// Elements of all per-element state buffers and of a preconditioner stage's state (what a
+  /// checkpoint holds besides its header).
   std::size_t state_elements() const {
     std::size_t n = 0;
     for (const auto& b : bufs_) n += b.size();
+    if constexpr (plan::has_preconditioner) n += pre_.state_elements();
     return n;
   }
   /// Bytes of the step's workspace in the backend's memory (per-tensor constants, barrier
@@ -136,6 +138,9 @@ class chain_state {
   /// The state of the chain's preconditioner stage (Shampoo's blocks, statistics and roots:
   /// `shampoo_state`), for a chain whose first stage is one.
   const preconditioner_type& preconditioner() const requires(plan::has_preconditioner) { return pre_; }
+  /// The preconditioner stage's state, writable: for a state restored piece by piece (the
+  /// sharded optimizer's load, through the stage state's own checked `load_slice`).
+  preconditioner_type& preconditioner() requires(plan::has_preconditioner) { return pre_; }
 
   /// Steps between the checks that every state buffer is still finite (default 100; 0 turns
   /// this check and the parameter check off). Two checks:

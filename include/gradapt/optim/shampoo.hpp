@@ -46,6 +46,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -120,6 +121,9 @@ struct scale_by_shampoo {
   }
   /// Throws gradapt::error naming the first invalid option (the chain calls it when built).
   void validate() const { validate(options); }
+  /// Elements of one sharding unit of a tensor of `shape` (`shampoo_grain`): one row of
+  /// blocks, or 1 for a tensor the graft alone preconditions.
+  std::size_t shard_grain(std::span<const std::int64_t> shape) const { return shampoo_grain(shape, options); }
   /// Pushes the options that shape the result (what the distributed step also agrees on), for
   /// `chain::agreed_options`.
   template <class Out>
@@ -259,10 +263,19 @@ struct scale_by_shampoo {
   /// workspace per block size, and scratch (`linalg` copied into it).
   /// @throws gradapt::error for a parameter whose gradient and value shapes differ (param_list
   ///         prevents it) or a block size the linear-algebra backend cannot take
+  ///
+  /// With `slices` (the sharded optimizer's), list entry t is elements [slices[t].offset, +
+  /// its size) of a tensor of `slices[t].shape`, cut at multiples of `shard_grain`: the state
+  /// holds that slice's blocks (`shampoo_slice_plan`), which step as the whole tensor's do.
+  /// @throws gradapt::error also when `slices` is neither empty nor one per tensor, or a
+  ///         slice cuts a block
   template <optimizer_backend B, element V, element G, class Options>
   requires std::same_as<typename B::space, host_space> && std::same_as<typename L::space, host_space>
-      state_type<B, V, G> init_state(const B&, const param_list<V, G, host_space, Options>& params)
+      state_type<B, V, G> init_state(const B&, const param_list<V, G, host_space, Options>& params,
+                                     std::span<const preconditioner_slice> slices = {})
   const {
+    gradapt::detail::require(slices.empty() || slices.size() == params.size(), "shampoo: ", slices.size(),
+                             " slices for ", params.size(), " tensors (expected none or one per tensor)");
     using St = state_type<B, V, G>;
     using C = typename St::compute_type;
     const L& la = linalg;
@@ -291,7 +304,29 @@ struct scale_by_shampoo {
       x.name = e.name;
       x.shape.assign(e.value.shape().begin(), e.value.shape().end());
       x.size = e.value.size();
-      x.layout = shampoo_plan(e.value.shape(), options);
+      if (slices.empty()) {
+        x.layout = shampoo_plan(e.value.shape(), options);
+      } else {
+        x.layout =
+            shampoo_slice_plan(slices[t].shape, options, slices[t].offset, e.value.size(), x.first_block);
+        x.offset = slices[t].offset;
+        x.whole = slices[t].shape;
+        x.sliced = true;
+        x.whole_layout = shampoo_plan(x.whole, options);
+        x.whole_size = 1;
+        for (const auto d : x.whole) x.whole_size *= static_cast<std::size_t>(d);
+        if (!x.whole_layout.diagonal) {
+          const auto& m = x.whole_layout.merged;
+          x.band_rows =
+              static_cast<std::size_t>(std::min<std::int64_t>(options.max_preconditioner_dim, m[0]));
+          x.band = 1;
+          x.per_band = 1;
+          for (std::size_t d = 1; d < m.size(); ++d) {
+            x.band *= static_cast<std::size_t>(m[d]);
+            x.per_band *= static_cast<std::size_t>((m[d] - 1) / options.max_preconditioner_dim + 1);
+          }
+        }
+      }
       x.dir.assign(x.size, C(0));
       if (has_state) x.graft.assign(x.size, C(0));
       if (options.beta1 > 0) x.mom.assign(x.size, C(0));

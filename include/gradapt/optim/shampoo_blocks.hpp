@@ -122,6 +122,56 @@ inline shampoo_layout shampoo_plan(std::span<const std::int64_t> shape, const sh
   return l;
 }
 
+/// Elements of one sharding unit of a tensor of `shape` (`scale_by_shampoo::shard_grain`):
+/// for a preconditioned tensor, max_preconditioner_dim rows of its merged shape (one row of
+/// blocks: a cut at a multiple of it never splits a block); 1 for a diagonal tensor (the graft
+/// is element-wise).
+inline std::size_t shampoo_grain(std::span<const std::int64_t> shape, const shampoo_options& o) {
+  const shampoo_layout l = shampoo_plan(shape, o);
+  if (l.diagonal) return 1;
+  std::size_t g = static_cast<std::size_t>(std::min<std::int64_t>(o.max_preconditioner_dim, l.merged[0]));
+  for (std::size_t d = 1; d < l.merged.size(); ++d) g *= static_cast<std::size_t>(l.merged[d]);
+  return g;
+}
+
+/// The layout of elements [offset, offset + length) of a tensor of `shape` (a slice cut at
+/// multiples of `shampoo_grain` from the tensor's start, or whole): the whole tensor's layout
+/// with the first merged dimension restricted to the slice's rows and the blocks of those
+/// rows (offsets relative to the slice), and in `first_block` the index of its first block in
+/// the whole tensor's layout. The slice's blocks are the whole tensor's, in the same order.
+/// @throws gradapt::error when the slice is out of range or cuts a block
+inline shampoo_layout shampoo_slice_plan(std::span<const std::int64_t> shape, const shampoo_options& o,
+                                         std::size_t offset, std::size_t length, std::size_t& first_block) {
+  shampoo_layout l = shampoo_plan(shape, o);
+  std::size_t size = 1;
+  for (const auto d : shape) size *= static_cast<std::size_t>(d);
+  detail::require(offset <= size && length <= size - offset, "shampoo_slice_plan: elements [", offset, ", ",
+                  offset + length, ") of a tensor of ", size, " elements");
+  first_block = 0;
+  if (l.diagonal || (offset == 0 && length == size)) return l;
+  const std::size_t grain = shampoo_grain(shape, o);
+  const std::size_t band =
+      grain / static_cast<std::size_t>(std::min<std::int64_t>(o.max_preconditioner_dim, l.merged[0]));
+  detail::require(offset % grain == 0 && (length % grain == 0 || offset + length == size),
+                  "shampoo_slice_plan: elements [", offset, ", ", offset + length,
+                  ") cut a block (slices start at multiples of ", grain,
+                  " elements and end at one or at the tensor's end)");
+  const auto row0 = static_cast<std::int64_t>(offset / band), rows = static_cast<std::int64_t>(length / band);
+  std::vector<shampoo_layout::block> kept;
+  bool seen = false;
+  for (std::size_t j = 0; j < l.blocks.size(); ++j) {
+    auto b = l.blocks[j];
+    if (b.offset[0] < row0 || b.offset[0] >= row0 + rows) continue;
+    if (!seen) first_block = j;
+    seen = true;
+    b.offset[0] -= row0;
+    kept.push_back(b);
+  }
+  l.blocks = std::move(kept);
+  l.merged[0] = rows;
+  return l;
+}
+
 namespace detail::shampoo_impl {
 
 /// Calls f(flat offset in the tensor, offset in the block, run length) for every contiguous

@@ -21,7 +21,7 @@
 namespace gradapt {
 
 template <class L, class B, class V, class G>
-void shampoo_state<L, B, V, G>::save(const B&, archive_writer& w) const {
+void shampoo_state<L, B, V, G>::save_header(archive_writer& w) const {
   w.put("format", static_cast<std::uint64_t>(format_version));
   w.put("element_type", name(dtype_of_v<compute_type>));
   w.put("graft", std::string(to_string(graft_)));
@@ -30,63 +30,87 @@ void shampoo_state<L, B, V, G>::save(const B&, archive_writer& w) const {
   w.put("spectrum", std::string(to_string(spectrum_)));
   w.put("preconditioner", std::string(to_string(preconditioner_)));
   w.put("roots_in_flight", pending_step_);
-  w.put("tensors", static_cast<std::uint64_t>(t_.size()));
-  for (std::size_t t = 0; t < t_.size(); ++t) {
-    const auto& x = t_[t];
-    w.begin(detail::archive_impl::join("tensor", "/", x.name));
-    w.put("index", static_cast<std::uint64_t>(t));
-    w.put_tensor<std::int64_t>("shape", x.shape);
-    w.put_tensor<std::int64_t>("layout", layout_words(x.layout));
-    for (std::size_t j = 0; j < x.blocks.size(); ++j) {
-      const auto& bl = x.blocks[j];
-      w.begin("block" + std::to_string(j));
-      w.put_tensor<std::int64_t>("exponents", exponent_words(bl));
-      for (std::size_t d = 0; d < bl.k && !bl.stats.empty(); ++d) {  // spectral descent keeps none
-        const std::int64_t sh[2] = {bl.n[d], bl.n[d]};
-        const std::span<const compute_type> s = statistic(t, j, d), r = root(t, j, d);
-        require_finite(s, x.name, j, "statistic");
-        require_finite(r, x.name, j, "root");
-        w.put_tensor<compute_type>("stat" + std::to_string(d), s, sh);
-        w.put_tensor<compute_type>("root" + std::to_string(d), r, sh);
-        if (pending_step_ != 0) {
-          const std::span<const compute_type> c(bl.snap.data() + bl.off[d], s.size());
-          require_finite(c, x.name, j, "statistic copy for the roots in flight");
-          w.put_tensor<compute_type>("snap" + std::to_string(d), c, sh);
-        }
-      }
-      if (!bl.corr.empty()) {
-        require_finite(std::span<const compute_type>(bl.corr), x.name, j, "corrected second moment");
-        w.put_tensor<compute_type>("corrected", std::span<const compute_type>(bl.corr));
-      }
-      w.put("ready", bl.ready);
-      w.put("consecutive_failures", bl.consecutive);
-      w.put("failures", bl.failures);
-      w.end();
-    }
-    w.end();
-  }
-  if (detail::shampoo_impl::graft_has_state(graft_))
-    for (const auto& x : t_) {
-      require_finite(std::span<const compute_type>(x.graft), x.name, 0, "graft state");
-      w.put_tensor<compute_type>(detail::archive_impl::join("graft", "/", x.name),
-                                 std::span<const compute_type>(x.graft), x.shape);
-    }
-  if (beta1_ > 0)
-    for (const auto& x : t_) {
-      require_finite(std::span<const compute_type>(x.mom), x.name, 0, "first moment");
-      w.put_tensor<compute_type>(detail::archive_impl::join("first_moment", "/", x.name),
-                                 std::span<const compute_type>(x.mom), x.shape);
-    }
 }
 
 template <class L, class B, class V, class G>
-template <class Commit>
-void shampoo_state<L, B, V, G>::load(const B&, archive_reader& r, std::uint64_t steps, Commit&& commit) {
-  constexpr const char* who = "shampoo state load";
-  if (worker_ && pending_step_ != 0 && !relaunch_) {  // the copies it reads may be replaced
-    worker_->discard();
-    relaunch_ = true;  // if the load fails, the same roots start again at the next step
+void shampoo_state<L, B, V, G>::write_block(archive_writer& w, std::size_t t, std::size_t j,
+                                            std::size_t label) const {
+  const auto& x = t_[t];
+  const auto& bl = x.blocks[j];
+  w.begin("block" + std::to_string(label));
+  w.put_tensor<std::int64_t>("exponents", exponent_words(bl));
+  for (std::size_t d = 0; d < bl.k && !bl.stats.empty(); ++d) {  // spectral descent keeps none
+    const std::int64_t sh[2] = {bl.n[d], bl.n[d]};
+    const std::span<const compute_type> s = statistic(t, j, d), r = root(t, j, d);
+    require_finite(s, x.name, label, "statistic");
+    require_finite(r, x.name, label, "root");
+    w.put_tensor<compute_type>("stat" + std::to_string(d), s, sh);
+    w.put_tensor<compute_type>("root" + std::to_string(d), r, sh);
+    if (pending_step_ != 0) {
+      const std::span<const compute_type> c(bl.snap.data() + bl.off[d], s.size());
+      require_finite(c, x.name, label, "statistic copy for the roots in flight");
+      w.put_tensor<compute_type>("snap" + std::to_string(d), c, sh);
+    }
   }
+  if (!bl.corr.empty()) {
+    require_finite(std::span<const compute_type>(bl.corr), x.name, label, "corrected second moment");
+    w.put_tensor<compute_type>("corrected", std::span<const compute_type>(bl.corr));
+  }
+  w.put("ready", bl.ready);
+  w.put("consecutive_failures", bl.consecutive);
+  w.put("failures", bl.failures);
+  w.end();
+}
+
+template <class L, class B, class V, class G>
+void shampoo_state<L, B, V, G>::read_block(archive_reader& r, const std::string& pname, block_t& bl,
+                                           std::size_t j, std::uint64_t in_flight) const {
+  constexpr const char* who = "shampoo state load";
+  r.begin("block" + std::to_string(j));
+  const auto ex = r.get_tensor<std::int64_t>("exponents");
+  detail::require(ex == exponent_words(bl), who, ": parameter '", pname, "' block ", j,
+                  " has other root exponents in the checkpoint (inverse_exponent_override and "
+                  "inverse_exponents must be those it was written with)");
+  for (std::size_t d = 0; d < bl.k && !bl.stats.empty(); ++d) {
+    const std::int64_t sh[2] = {bl.n[d], bl.n[d]};
+    const auto nn = static_cast<std::size_t>(bl.n[d] * bl.n[d]);
+    const std::span<compute_type> s(bl.stats.data() + bl.off[d], nn), rt(bl.roots.data() + bl.off[d], nn);
+    r.get_tensor<compute_type>("stat" + std::to_string(d), s, sh);
+    r.get_tensor<compute_type>("root" + std::to_string(d), rt, sh);
+    require_finite(std::span<const compute_type>(s), pname, j, "statistic", who);
+    require_finite(std::span<const compute_type>(rt), pname, j, "root", who);
+    const auto gram = [&](const compute_type* m, const char* what) {
+      const std::string bad = detail::linalg::gram_violation(m, static_cast<std::size_t>(bl.n[d]));
+      detail::require(bad.empty(), who, ": the ", what, " ", d, " of parameter '", pname, "' (block ", j,
+                      ") ", bad);
+    };
+    gram(s.data(), "statistic");
+    if (in_flight != 0) {
+      const std::span<compute_type> c(bl.snap.data() + bl.off[d], nn);
+      r.get_tensor<compute_type>("snap" + std::to_string(d), c, sh);
+      require_finite(std::span<const compute_type>(c), pname, j, "statistic copy", who);
+      gram(c.data(), "statistic copy");
+    }
+  }
+  if (!bl.corr.empty()) {  // a sum of squares: finite and >= 0
+    r.get_tensor<compute_type>("corrected", std::span<compute_type>(bl.corr));
+    for (const compute_type v : bl.corr)
+      detail::require(std::isfinite(v) && v >= 0, who, ": the corrected second moment of parameter '", pname,
+                      "' (block ", j, ") holds ", v, " (expected finite values >= 0)");
+  }
+  bl.ready = r.get<bool>("ready");
+  bl.consecutive = r.get<std::uint64_t>("consecutive_failures");
+  bl.failures = r.get<std::uint64_t>("failures");
+  detail::require(bl.consecutive < max_failures_ && bl.consecutive <= bl.failures, who, ": parameter '",
+                  pname, "' block ", j, " has ", bl.consecutive, " consecutive failures of ", bl.failures,
+                  " (expected fewer than max_consecutive_failures = ", max_failures_,
+                  " and no more than the total)");
+  r.end();
+}
+
+template <class L, class B, class V, class G>
+std::uint64_t shampoo_state<L, B, V, G>::check_header(archive_reader& r, std::uint64_t steps) const {
+  constexpr const char* who = "shampoo state load";
   const auto format = r.get<std::uint64_t>("format");
   detail::require(format == format_version, who, ": the checkpoint's Shampoo section has format ", format,
                   " but this library reads format ", format_version);
@@ -113,6 +137,135 @@ void shampoo_state<L, B, V, G>::load(const B&, archive_reader& r, std::uint64_t 
                   who, ": the checkpoint has roots in flight, started at step ", in_flight, " of ", steps,
                   ", which this state (root_staleness ", staleness_,
                   ") would not install at a later step; restore with the root_staleness it was written with");
+  return in_flight;
+}
+
+template <class L, class B, class V, class G>
+void shampoo_state<L, B, V, G>::save(const B&, archive_writer& w) const {
+  save_header(w);
+  w.put("tensors", static_cast<std::uint64_t>(t_.size()));
+  for (std::size_t t = 0; t < t_.size(); ++t) {
+    const auto& x = t_[t];
+    w.begin(detail::archive_impl::join("tensor", "/", x.name));
+    w.put("index", static_cast<std::uint64_t>(t));
+    w.put_tensor<std::int64_t>("shape", x.shape);
+    w.put_tensor<std::int64_t>("layout", layout_words(x.layout));
+    for (std::size_t j = 0; j < x.blocks.size(); ++j) write_block(w, t, j, j);
+    w.end();
+  }
+  if (detail::shampoo_impl::graft_has_state(graft_))
+    for (const auto& x : t_) {
+      require_finite(std::span<const compute_type>(x.graft), x.name, 0, "graft state");
+      w.put_tensor<compute_type>(detail::archive_impl::join("graft", "/", x.name),
+                                 std::span<const compute_type>(x.graft), x.shape);
+    }
+  if (beta1_ > 0)
+    for (const auto& x : t_) {
+      require_finite(std::span<const compute_type>(x.mom), x.name, 0, "first moment");
+      w.put_tensor<compute_type>(detail::archive_impl::join("first_moment", "/", x.name),
+                                 std::span<const compute_type>(x.mom), x.shape);
+    }
+}
+
+template <class L, class B, class V, class G>
+void shampoo_state<L, B, V, G>::save_slice(archive_writer& w, std::size_t t) const {
+  const auto& x = tensor(t);
+  w.put("first_block", static_cast<std::uint64_t>(x.first_block));
+  w.put("blocks", static_cast<std::uint64_t>(x.blocks.size()));
+  for (std::size_t j = 0; j < x.blocks.size(); ++j) write_block(w, t, j, x.first_block + j);
+  if (detail::shampoo_impl::graft_has_state(graft_)) {
+    require_finite(std::span<const compute_type>(x.graft), x.name, 0, "graft state");
+    w.put_tensor<compute_type>("graft", std::span<const compute_type>(x.graft));
+  }
+  if (beta1_ > 0) {
+    require_finite(std::span<const compute_type>(x.mom), x.name, 0, "first moment");
+    w.put_tensor<compute_type>("first_moment", std::span<const compute_type>(x.mom));
+  }
+}
+
+template <class L, class B, class V, class G>
+void shampoo_state<L, B, V, G>::load_header(archive_reader& r, std::uint64_t steps) {
+  const auto in_flight = check_header(r, steps);
+  steps_ = steps;
+  failed_ = false;
+  pending_step_ = in_flight;
+  relaunch_ = in_flight != 0;
+}
+
+template <class L, class B, class V, class G>
+void shampoo_state<L, B, V, G>::load_slice(archive_reader& r, std::size_t t, std::size_t offset,
+                                           std::size_t length) {
+  constexpr const char* who = "shampoo state load";
+  auto& x = t_.at(t);
+  detail::require(x.sliced, "shampoo_state::load_slice: tensor ", t, " ('", x.name,
+                  "') is not a slice (the state was not made by the sharded optimizer)");
+  // The old slice's blocks: its rows of blocks, each `per_band` blocks of the whole tensor.
+  std::size_t first = 0, count = 0;
+  if (!x.layout.diagonal) {
+    const std::size_t rows = x.band_rows * x.band;  // elements of one full row of blocks
+    detail::require(offset % rows == 0 && (length % rows == 0 || offset + length == x.whole_size), who,
+                    ": parameter '", x.name, "': the checkpoint's slice [", offset, ", ", offset + length,
+                    ") cuts a block (rows of blocks of ", rows, " elements)");
+    first = offset / rows * x.per_band;
+    count = (length / rows + (length % rows != 0 ? 1 : 0)) * x.per_band;
+  }
+  const auto fb = r.get<std::uint64_t>("first_block");
+  const auto nb = r.get<std::uint64_t>("blocks");
+  detail::require(fb == first && nb == count, who, ": parameter '", x.name, "': the checkpoint's slice [",
+                  offset, ", ", offset + length, ") holds blocks ", fb, " + ", nb, " but its layout gives ",
+                  first, " + ", count, " (the blocking options must be those it was written with)");
+  const std::uint64_t in_flight = pending_step_;
+  block_t scratch;
+  for (std::size_t j = first; j < first + count; ++j) {
+    const bool mine = j >= x.first_block && j < x.first_block + x.blocks.size();
+    // Every block is read and checked; a block of another slice goes through a copy of one of
+    // this slice's (the blocks of one tensor share their factor count and kind).
+    block_t* dst = mine ? &x.blocks[j - x.first_block] : nullptr;
+    if (!mine) {
+      detail::require(!x.blocks.empty(), who, ": parameter '", x.name, "' has no blocks here but block ", j,
+                      " in the checkpoint");
+      scratch = x.blocks[0];
+      const auto& whole = x.whole_layout.blocks.at(j);
+      for (std::size_t d = 0; d < scratch.k; ++d) scratch.n[d] = whole.size[d];
+      std::size_t mats = 0, elems = 1;
+      for (std::size_t d = 0; d < scratch.k; ++d) {
+        scratch.off[d] = mats;
+        mats += static_cast<std::size_t>(scratch.n[d] * scratch.n[d]);
+        elems *= static_cast<std::size_t>(scratch.n[d]);
+      }
+      if (!scratch.stats.empty()) {
+        scratch.stats.assign(mats, compute_type(0));
+        scratch.roots.assign(mats, compute_type(0));
+        if (in_flight != 0) scratch.snap.assign(mats, compute_type(0));
+      }
+      if (!scratch.corr.empty()) scratch.corr.assign(elems, compute_type(0));
+      dst = &scratch;
+    }
+    read_block(r, x.name, *dst, j, in_flight);
+  }
+  const auto copy_range = [&](const char* field, std::vector<compute_type>& to) {
+    const auto v = r.get_tensor<compute_type>(field);
+    detail::require(v.size() == length, who, ": parameter '", x.name, "': the checkpoint's ", field,
+                    " holds ", v.size(), " values for the slice's ", length, " elements");
+    for (const compute_type e : v)
+      detail::require(std::isfinite(e), who, ": the ", field, " of parameter '", x.name,
+                      "' holds a non-finite value (a checkpoint of a diverged run cannot be resumed)");
+    const std::size_t a = std::max(offset, x.offset), b = std::min(offset + length, x.offset + x.size);
+    for (std::size_t i = a; i < b; ++i) to[i - x.offset] = v[i - offset];
+  };
+  if (detail::shampoo_impl::graft_has_state(graft_)) copy_range("graft", x.graft);
+  if (beta1_ > 0) copy_range("first_moment", x.mom);
+}
+
+template <class L, class B, class V, class G>
+template <class Commit>
+void shampoo_state<L, B, V, G>::load(const B&, archive_reader& r, std::uint64_t steps, Commit&& commit) {
+  constexpr const char* who = "shampoo state load";
+  if (worker_ && pending_step_ != 0 && !relaunch_) {  // the copies it reads may be replaced
+    worker_->discard();
+    relaunch_ = true;  // if the load fails, the same roots start again at the next step
+  }
+  const auto in_flight = check_header(r, steps);
   const auto count = r.get<std::uint64_t>("tensors");
   detail::require(count == t_.size(), who, ": the checkpoint holds ", count, " tensors but this state ",
                   t_.size(), " (restore for the same parameters)");
@@ -138,49 +291,7 @@ void shampoo_state<L, B, V, G>::load(const B&, archive_reader& r, std::uint64_t 
                     "merge_from, precondition_1d and skip_preconditioning_dim_size_gt must be those the "
                     "checkpoint was written with)");
     next[t] = x.blocks;
-    for (std::size_t j = 0; j < x.blocks.size(); ++j) {
-      auto& bl = next[t][j];
-      r.begin("block" + std::to_string(j));
-      const auto ex = r.get_tensor<std::int64_t>("exponents");
-      detail::require(ex == exponent_words(bl), who, ": parameter '", x.name, "' block ", j,
-                      " has other root exponents in the checkpoint (inverse_exponent_override and "
-                      "inverse_exponents must be those it was written with)");
-      for (std::size_t d = 0; d < bl.k && !bl.stats.empty(); ++d) {
-        const std::int64_t sh[2] = {bl.n[d], bl.n[d]};
-        const auto nn = static_cast<std::size_t>(bl.n[d] * bl.n[d]);
-        const std::span<compute_type> s(bl.stats.data() + bl.off[d], nn), rt(bl.roots.data() + bl.off[d], nn);
-        r.get_tensor<compute_type>("stat" + std::to_string(d), s, sh);
-        r.get_tensor<compute_type>("root" + std::to_string(d), rt, sh);
-        require_finite(std::span<const compute_type>(s), x.name, j, "statistic", who);
-        require_finite(std::span<const compute_type>(rt), x.name, j, "root", who);
-        const auto gram = [&](const compute_type* m, const char* what) {
-          const std::string bad = detail::linalg::gram_violation(m, static_cast<std::size_t>(bl.n[d]));
-          detail::require(bad.empty(), who, ": the ", what, " ", d, " of parameter '", x.name, "' (block ", j,
-                          ") ", bad);
-        };
-        gram(s.data(), "statistic");
-        if (in_flight != 0) {
-          const std::span<compute_type> c(bl.snap.data() + bl.off[d], nn);
-          r.get_tensor<compute_type>("snap" + std::to_string(d), c, sh);
-          require_finite(std::span<const compute_type>(c), x.name, j, "statistic copy", who);
-          gram(c.data(), "statistic copy");
-        }
-      }
-      if (!bl.corr.empty()) {  // a sum of squares: finite and >= 0
-        r.get_tensor<compute_type>("corrected", std::span<compute_type>(bl.corr));
-        for (const compute_type v : bl.corr)
-          detail::require(std::isfinite(v) && v >= 0, who, ": the corrected second moment of parameter '",
-                          x.name, "' (block ", j, ") holds ", v, " (expected finite values >= 0)");
-      }
-      bl.ready = r.get<bool>("ready");
-      bl.consecutive = r.get<std::uint64_t>("consecutive_failures");
-      bl.failures = r.get<std::uint64_t>("failures");
-      detail::require(bl.consecutive < max_failures_ && bl.consecutive <= bl.failures, who, ": parameter '",
-                      x.name, "' block ", j, " has ", bl.consecutive, " consecutive failures of ",
-                      bl.failures, " (expected fewer than max_consecutive_failures = ", max_failures_,
-                      " and no more than the total)");
-      r.end();
-    }
+    for (std::size_t j = 0; j < x.blocks.size(); ++j) read_block(r, x.name, next[t][j], j, in_flight);
     r.end();
   }
   if (detail::shampoo_impl::graft_has_state(graft_))
@@ -204,8 +315,7 @@ void shampoo_state<L, B, V, G>::load(const B&, archive_reader& r, std::uint64_t 
                 own = 0;
     for (const auto& x : t_) {
       want += 3;
-      for (const auto& bl : x.blocks)
-        want += (bl.stats.empty() ? 0 : (in_flight != 0 ? 3 : 2) * bl.k) + 4 + (bl.corr.empty() ? 0 : 1);
+      for (const auto& bl : x.blocks) want += block_fields(bl, in_flight != 0);
     }
     own = r.names().size();
     detail::require(own == want, who, ": the checkpoint's Shampoo section holds ", own,

@@ -115,7 +115,8 @@ void transform::scale_by_shampoo<L>::install(St& st, std::size_t i, root_status 
   }
   ++bl.failures;
   ++bl.consecutive;
-  st.report_.push_back({i, ref.t, ref.j, factor, status, bl.consecutive, bl.failures, rank, from});
+  st.report_.push_back(
+      {i, ref.t, x.first_block + ref.j, factor, status, bl.consecutive, bl.failures, rank, from});
   if (bl.consecutive < st.max_failures_) return;
   st.failed_ = true;
   const auto& range = x.layout.blocks[ref.j];
@@ -124,7 +125,7 @@ void transform::scale_by_shampoo<L>::install(St& st, std::size_t i, root_status 
     where += (d ? ", " : "") + std::to_string(range.offset[d]) + ".." +
              std::to_string(range.offset[d] + range.size[d]);
   gradapt::detail::fail(
-      "shampoo::step: parameter '", x.name, "' block ", ref.j, " (indices [", where,
+      "shampoo::step: parameter '", x.name, "' block ", x.first_block + ref.j, " (indices [", where,
       "] of its merged shape): the ",
       st.preconditioner_ == shampoo_preconditioner::eigenvalue_corrected ? "eigenbasis refresh"
                                                                          : "inverse root",

@@ -113,6 +113,18 @@ class shampoo_state {
   std::uint64_t steps() const { return steps_; }
   /// Tensors the state was created for.
   std::size_t tensors() const { return t_.size(); }
+  /// Elements of the state a checkpoint holds, in compute_type: every block's statistics,
+  /// roots (eigenbases), copies for the roots in flight and corrected second moment, the graft
+  /// state and the first moment (not the direction buffers and scratch).
+  std::size_t state_elements() const {
+    std::size_t n = 0;
+    for (const auto& x : t_) {
+      n += x.graft.size() + x.mom.size();
+      for (const auto& bl : x.blocks)
+        n += bl.stats.size() + bl.roots.size() + bl.snap.size() + bl.corr.size();
+    }
+    return n;
+  }
   /// Tensor t's block layout.
   /// @throws gradapt::error when t is out of range
   const shampoo_layout& layout(std::size_t t) const { return tensor(t).layout; }
@@ -192,6 +204,29 @@ class shampoo_state {
   template <class Commit>
   void load(const B& b, archive_reader& r, std::uint64_t steps, Commit&& commit);
 
+  /// The sharded optimizer's checkpoint (shard/state.hpp), for a state made with slices
+  /// (`scale_by_shampoo::init_state(b, params, slices)`): `save_header` writes the fields
+  /// every slice shares (format, element type, graft, beta1, bias_correction, spectrum,
+  /// preconditioner, roots in flight); `save_slice(w, t)` writes tensor t's slice:
+  /// `first_block` and `blocks` (its blocks' indices in the whole tensor), `block<J>/...` per
+  /// block J of the whole tensor (as `save` writes a block), and `graft` and `first_moment`
+  /// over the slice's elements.
+  /// @throws gradapt::error when a value is not finite
+  void save_header(archive_writer& w) const;
+  /// See save_header.
+  void save_slice(archive_writer& w, std::size_t t) const;
+  /// Reads and checks what `save_header` wrote, into a state just made by `init_state` with
+  /// slices, at the checkpoint's step count `steps`.
+  /// @throws gradapt::error naming the field that does not match this state's options
+  void load_header(archive_reader& r, std::uint64_t steps);
+  /// Reads what `save_slice` wrote for elements [offset, offset + length) of the tensor that
+  /// tensor t of this state slices, checking every block (as `load` does) and copying the
+  /// blocks and elements the two slices share into this state. Call it for every old slice
+  /// of the tensor, after `load_header`, on a state just made (a failed read leaves it
+  /// partly written: discard it).
+  /// @throws gradapt::error naming the field and the parameter
+  void load_slice(archive_reader& r, std::size_t t, std::size_t offset, std::size_t length);
+
  private:
   template <class>
   friend struct transform::scale_by_shampoo;
@@ -215,6 +250,13 @@ class shampoo_state {
     shampoo_layout layout;
     std::vector<block_t> blocks;
     std::vector<C> graft, dir, mom;  ///< mom: the first moment (beta1 > 0)
+    // A slice of a larger tensor (the sharded optimizer's): its whole shape, its first element
+    // and its first block's index within the whole tensor.
+    bool sliced = false;
+    std::vector<std::int64_t> whole;
+    shampoo_layout whole_layout;
+    std::size_t offset = 0, first_block = 0, whole_size = 0;
+    std::size_t band_rows = 0, band = 0, per_band = 0;  ///< rows per row of blocks, elements per row, blocks
   };
   using workspace_t = detail::shampoo_impl::root_workspace<L, C>;
 
@@ -248,6 +290,14 @@ class shampoo_state {
       detail::require(std::isfinite(x), who, ": a ", what, " of parameter '", name, "' (block ", j,
                       ") is not finite; a checkpoint of a diverged run cannot be resumed (save the last good "
                       "state instead)");
+  }
+  // The checkpoint's pieces (shampoo_checkpoint.hpp).
+  void write_block(archive_writer& w, std::size_t t, std::size_t j, std::size_t label) const;
+  void read_block(archive_reader& r, const std::string& pname, block_t& bl, std::size_t j,
+                  std::uint64_t in_flight) const;
+  std::uint64_t check_header(archive_reader& r, std::uint64_t steps) const;
+  static std::size_t block_fields(const block_t& bl, bool in_flight) {
+    return (bl.stats.empty() ? 0 : (in_flight ? 3 : 2) * bl.k) + 4 + (bl.corr.empty() ? 0 : 1);
   }
   workspace_t& workspace(std::int64_t n) {
     for (auto& [size, ws] : ws_)

@@ -97,17 +97,33 @@
 ///    `chain::step(comm, ...)` (distributed roots) or `detail::optim::no_comm` for
 ///    `chain::step(b, ...)`; `extra.push_options(out)` pushes the other stages' agreed
 ///    options, for a stage that agrees its options across ranks.
+///
+/// A preconditioner stage whose state is per block is sharded by block
+/// (`shard::sharded_optimizer`): it adds `std::size_t shard_grain(shape)`, the elements of
+/// one unit of a tensor of that shape (a cut at a multiple of it from the tensor's start never
+/// splits a block; 1: any cut), and `init_state(b, params, slices)`, where list entry t is
+/// elements [offset, offset + size) of a tensor of `slices[t].shape` (`preconditioner_slice`),
+/// cut at unit boundaries: the state then holds that slice's blocks, the same blocks and bits
+/// as the whole tensor's state holds for them.
 
 #include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <optional>
 #include <string_view>
+#include <vector>
 
 #include "gradapt/backend/concepts.hpp"
 #include "gradapt/core/param_list.hpp"
 
 namespace gradapt {
+
+/// List entry t of a preconditioner stage's `init_state(b, params, slices)` is elements
+/// [offset, offset + params[t].value.size()) of a tensor of `shape` (see the file comment).
+struct preconditioner_slice {
+  std::vector<std::int64_t> shape;  ///< the whole tensor's shape
+  std::size_t offset = 0;           ///< the slice's first element within the whole tensor
+};
 
 /// The traits of a stage in one value, declared by a stage as `static constexpr stage_spec
 /// traits{...}` (e.g. `traits{.buffers = 1, .optional = true, .uses_param = false}` for

@@ -107,10 +107,14 @@ struct sharded_options {
 ///     opt.step(comm, backend, params, state);         // reads local grads, updates params
 template <class Chain>
 class sharded_optimizer {
+  /// A chain whose first stage is a preconditioner stage sharded by block (scale_by_shampoo).
+  static constexpr bool by_blocks = Chain::plan::has_preconditioner;
   static_assert(
-      !requires { Chain::plan::has_preconditioner; } || !Chain::plan::has_preconditioner,
-      "gradapt::shard::sharded_optimizer: a chain with a preconditioner stage (scale_by_shampoo) keeps "
-      "per-block state that is not sharded by elements; use the replicated state slot");
+      !by_blocks || Chain::plan::max_terms == 0,
+      "gradapt::shard::sharded_optimizer: a chain with a preconditioner stage (scale_by_shampoo) is sharded "
+      "by block, and its later stages may not take per-tensor or global sums (trust ratio, "
+      "clip_by_global_norm) over tensors cut between ranks: clip the gradients before the step, or use "
+      "the replicated state slot");
 
  public:
   /// The chain and the sharding options.
@@ -120,6 +124,10 @@ class sharded_optimizer {
                              "shard::sharded_optimizer: sharded_options::bucket_elements is 0 (expected a "
                              "positive number of shard positions per round)");
     (void)partition_plan::make(std::span<const std::size_t>(), 1, o_.partition);  // checks the options
+    gradapt::detail::require(by_blocks || o_.partition.mode != granularity::unit,
+                             "shard::sharded_optimizer: partition_options::mode is unit, which cuts at the "
+                             "blocks of a preconditioner stage (scale_by_shampoo); this chain has none: use "
+                             "element or tensor granularity");
   }
 
   /// The chain (its options may change between steps, as for the unsharded chain).
@@ -151,7 +159,19 @@ class sharded_optimizer {
     std::string bad;
     const int n = comm.size();
     try {
-      s.plan_ = partition_plan::make(sizes, n, o_.partition);
+      if constexpr (by_blocks) {
+        // Sharded by block: element (the default) and unit granularity cut at rows of blocks.
+        partition_options po = o_.partition;
+        std::vector<std::size_t> grains;
+        if (po.mode != granularity::tensor) {
+          po.mode = granularity::unit;
+          for (std::size_t t = 0; t < params.size(); ++t)
+            grains.push_back(opt_.template stage<0>().shard_grain(params[t].value.shape()));
+        }
+        s.plan_ = partition_plan::make(sizes, n, po, grains);
+      } else {
+        s.plan_ = partition_plan::make(sizes, n, o_.partition);
+      }
     } catch (const error& e) {
       bad = e.what();
     }
@@ -197,7 +217,13 @@ class sharded_optimizer {
     s.send_v_ = b.template allocate<V>(s.bucket_);
     s.recv_v_ = b.template allocate<V>(s.bucket_ * static_cast<std::size_t>(n));
     bind(s, params);
-    s.st_ = opt_.template init<St>(b, s.list_);
+    if constexpr (by_blocks) {
+      std::vector<preconditioner_slice> slices;
+      for (const shard_unit& u : s.units_) slices.push_back({s.shapes_[u.tensor], u.offset});
+      s.st_ = opt_.template init<St>(b, s.list_, slices);
+    } else {
+      s.st_ = opt_.template init<St>(b, s.list_);
+    }
     s.st_.set_check_interval(0);  // the sharded step runs an agreed check instead
     return s;
   }
@@ -270,10 +296,20 @@ class sharded_optimizer {
   /// @throws gradapt::error when `params` does not match the state or the communicator is not
   ///         the one the state was made for; on every rank when a rank's state shard holds a
   ///         non-finite value at a check (naming the ranks)
+  ///
+  /// A chain whose first stage is a preconditioner stage (Shampoo, SOAP, Muon) is sharded by
+  /// block: each rank holds, computes and steps the blocks of its own rows of blocks (roots and
+  /// eigenbases computed by their owner, no exchange), and one small allreduce per step
+  /// agrees the step count and whether every rank's stage succeeded (a block whose roots failed
+  /// max_consecutive_failures times throws on every rank). It returns the stage's report over
+  /// this rank's blocks (`tensor` is the parameter's index, `tensor_block` the block's index
+  /// within the whole parameter).
   template <class Comm, class B, element V, element G, class M, class S, class Options>
   requires communicator<Comm> && optimizer_backend<B> && std::same_as<typename Comm::space, typename B::space>
-  void step(Comm& comm, const B& b, const param_list<V, G, typename B::space, Options>& params,
-            sharded_state<Chain, B, V, G, M, S, Options>& s, const step_args& args = {}) const {
+  typename Chain::step_result step(Comm& comm, const B& b,
+                                   const param_list<V, G, typename B::space, Options>& params,
+                                   sharded_state<Chain, B, V, G, M, S, Options>& s,
+                                   const step_args& args = {}) const {
     using Sp = space_of<B>;
     if (!s.reduced_) reduce(comm, b, params, s);
     s.reduced_ = false;
@@ -284,8 +320,20 @@ class sharded_optimizer {
     for (std::size_t g = 0; g < params.group_count(); ++g) s.list_.options(g) = params.group(g).options;
 
     // 2. The chain over this rank's units.
-    if constexpr (Chain::plan::max_terms > 0 && !Chain::plan::has_factored &&
-                  std::same_as<typename B::space, host_space>) {
+    [[maybe_unused]] std::conditional_t<by_blocks, typename Chain::step_result, int> report{};
+    if constexpr (by_blocks) {
+      std::string bad;
+      try {
+        report = opt_.step(b, s.list_, s.st_, args);
+      } catch (const std::exception& e) {
+        bad = e.what();
+      }
+      const agreed_value at[] = {{"step", static_cast<double>(s.st_.steps())}};
+      agree_values(comm, b, "shard::sharded_optimizer::step", at, bad);
+      if constexpr (requires { report.root_failures; })
+        for (auto& f : report.root_failures) f.tensor = s.units_.at(f.tensor).tensor;
+    } else if constexpr (Chain::plan::max_terms > 0 && !Chain::plan::has_factored &&
+                         std::same_as<typename B::space, host_space>) {
       gradapt::detail::shard_k::assembly<Comm, S> a{&comm,     &s.units_,   &s.split_, &s.xbase_,
                                                     &s.xsums_, &s.logical_, &s.rows_};
       opt_.step(b, s.list_, s.st_, args, a);
@@ -326,6 +374,7 @@ class sharded_optimizer {
     // 4. The agreed finiteness check.
     const std::uint64_t k = s.st_.steps();
     if (s.check_interval_ != 0 && (k == 1 || k % s.check_interval_ == 0)) check_finite(comm, b, s, "step");
+    if constexpr (by_blocks) return report;
   }
 
   /// Stage 2: marks gradient t of `params` ready (the framework calls it as the backward pass

@@ -6,7 +6,7 @@
 /// printable, and saved with a sharded checkpoint so that a load can tell which layout the
 /// shards were written in.
 ///
-/// Two granularities:
+/// Three granularities:
 ///
 /// - **element** (DeepSpeed's flat partition): the tensors are laid end to end in list order
 ///   in one flat index space of `total` elements; rank r owns the flat range
@@ -22,6 +22,12 @@
 ///   lower list index first) to the least-loaded rank (ties: the lower rank). The longest-
 ///   processing-time rule bounds the imbalance: the most loaded rank holds at most the least
 ///   loaded rank's elements plus the largest tensor.
+/// - **unit** (for state kept per block, not per element: Shampoo's blocks): each tensor t is
+///   cut only at multiples of its grain g_t elements from its start, into units of g_t
+///   elements (the last one shorter); the units, in list order, go to ranks in contiguous runs:
+///   a unit whose midpoint lies at flat position m goes to rank floor(m N / total). So a rank
+///   holds consecutive units, each piece starts at a unit boundary, and no rank holds more than
+///   total / N plus one unit. A grain of 0 keeps the tensor whole.
 ///
 /// A rank's shard is an ordered list of pieces (tensor, offset, length), each a contiguous
 /// range of one tensor, in list order; `shard_offset` is the piece's position in the rank's
@@ -48,11 +54,12 @@ namespace gradapt::shard {
 enum class granularity : std::uint8_t {
   element,  ///< one flat index space cut into aligned, equal ranges (tensors may straddle ranks)
   tensor,   ///< whole tensors, largest first to the least-loaded rank
+  unit,     ///< contiguous runs of units, each tensor cut only at multiples of its grain
 };
 
 /// The name of a granularity ("element", "tensor").
 constexpr std::string_view name(granularity g) {
-  return gradapt::detail::enum_name(g, std::array<std::string_view, 2>{"element", "tensor"});
+  return gradapt::detail::enum_name(g, std::array<std::string_view, 3>{"element", "tensor", "unit"});
 }
 
 /// Options of a partition plan, with designated initialisers:
@@ -84,20 +91,32 @@ class partition_plan {
   /// The largest world size `load` accepts (2^20 ranks): a checkpoint's world size beyond it
   /// is taken for a damaged field.
   static constexpr std::uint64_t max_loaded_world = std::uint64_t{1} << 20;
+  /// The most units a unit-granularity plan may cut (2^32): more is taken for a damaged grain.
+  static constexpr std::size_t max_units = std::size_t{1} << 32;
   /// Kind and format version of the plan's section in a checkpoint.
   static constexpr std::string_view archive_kind = "gradapt.partition_plan";
   static constexpr std::uint32_t archive_version = 1;  ///< see archive_kind
 
-  /// The plan of `sizes` (elements per tensor, in list order) over `world` ranks.
-  /// @throws gradapt::error when world < 1, alignment is 0, or the total overflows
-  static partition_plan make(std::span<const std::size_t> sizes, int world, const partition_options& o = {}) {
+  /// The plan of `sizes` (elements per tensor, in list order) over `world` ranks; with
+  /// granularity::unit, `grains` holds each tensor's grain (elements per unit, 0: the whole
+  /// tensor), and is empty otherwise.
+  /// @throws gradapt::error when world < 1, alignment is 0, the total overflows, or `grains`
+  ///         does not hold one grain per tensor for granularity::unit (none otherwise)
+  static partition_plan make(std::span<const std::size_t> sizes, int world, const partition_options& o = {},
+                             std::span<const std::size_t> grains = {}) {
     gradapt::detail::require(world >= 1, "shard::partition_plan: world size is ", world, " (expected >= 1)");
     gradapt::detail::require(o.alignment >= 1,
                              "shard::partition_plan: partition_options::alignment is 0 "
                              "(expected >= 1 element; 1 means unaligned)");
-    gradapt::detail::require(o.mode == granularity::element || o.mode == granularity::tensor,
-                             "shard::partition_plan: partition_options::mode is not a granularity");
+    gradapt::detail::require(
+        o.mode == granularity::element || o.mode == granularity::tensor || o.mode == granularity::unit,
+        "shard::partition_plan: partition_options::mode is not a granularity");
+    gradapt::detail::require(o.mode == granularity::unit ? grains.size() == sizes.size() : grains.empty(),
+                             "shard::partition_plan: ", name(o.mode), " granularity with ", grains.size(),
+                             " grain(s) for ", sizes.size(),
+                             " tensor(s) (expected one per tensor for unit granularity, none otherwise)");
     partition_plan p;
+    p.grains_.assign(grains.begin(), grains.end());
     p.opt_ = o;
     p.world_ = world;
     p.sizes_.assign(sizes.begin(), sizes.end());
@@ -109,8 +128,10 @@ class partition_plan {
     p.first_.assign(static_cast<std::size_t>(world) + 1, 0);
     if (o.mode == granularity::element)
       p.cut_elements();
-    else
+    else if (o.mode == granularity::tensor)
       p.cut_tensors();
+    else
+      p.cut_units();
     return p;
   }
 
@@ -127,8 +148,13 @@ class partition_plan {
   }
   /// Elements of all tensors.
   [[nodiscard]] std::size_t total() const noexcept { return total_; }
+  /// Unit granularity: tensor t's grain (elements per unit, 0: whole); 0 for the others.
+  [[nodiscard]] std::size_t grain(std::size_t t) const {
+    check_tensor(t, "grain");
+    return grains_.empty() ? 0 : grains_[t];
+  }
   /// Element granularity: the elements each rank's range spans (S in the file comment; the
-  /// last ranks may hold fewer). Tensor granularity: the largest shard.
+  /// last ranks may hold fewer). Tensor and unit granularity: the largest shard.
   [[nodiscard]] std::size_t shard_capacity() const noexcept { return capacity_; }
 
   /// The pieces of rank r's shard, in list order.
@@ -180,8 +206,8 @@ class partition_plan {
     return s;
   }
 
-  /// Writes the plan into the open section of `w`: granularity, alignment, world size and the
-  /// tensor sizes (the pieces follow from them).
+  /// Writes the plan into the open section of `w`: granularity, alignment, world size, the
+  /// tensor sizes and, for unit granularity, the grains (the pieces follow from them).
   void save(archive_writer& w) const {
     w.put("granularity", name(opt_.mode));
     w.put("alignment", static_cast<std::uint64_t>(opt_.alignment));
@@ -189,6 +215,10 @@ class partition_plan {
     w.put("world", static_cast<std::uint64_t>(world_));
     std::vector<std::uint64_t> sizes(sizes_.begin(), sizes_.end());
     w.put_tensor<std::uint64_t>("tensor_sizes", sizes);
+    if (opt_.mode == granularity::unit) {
+      std::vector<std::uint64_t> grains(grains_.begin(), grains_.end());
+      w.put_tensor<std::uint64_t>("unit_grains", grains);
+    }
   }
 
   /// Reads a plan written by `save` from the open section of `r` (and rebuilds its pieces).
@@ -200,8 +230,11 @@ class partition_plan {
       o.mode = granularity::element;
     else if (g == name(granularity::tensor))
       o.mode = granularity::tensor;
+    else if (g == name(granularity::unit))
+      o.mode = granularity::unit;
     else
-      gradapt::detail::fail("shard::partition_plan::load: granularity '", g, "' is not element or tensor");
+      gradapt::detail::fail("shard::partition_plan::load: granularity '", g,
+                            "' is not element, tensor or unit");
     const auto a = r.get<std::uint64_t>("alignment");
     const auto world = r.get<std::uint64_t>("world");
     gradapt::detail::require(a >= 1 && a <= (std::uint64_t{1} << 40),
@@ -217,13 +250,19 @@ class partition_plan {
     o.align_tensors = at == 1;
     const auto sizes64 = r.get_tensor<std::uint64_t>("tensor_sizes");
     const std::vector<std::size_t> sizes(sizes64.begin(), sizes64.end());
-    return make(sizes, static_cast<int>(world), o);
+    std::vector<std::size_t> grains;
+    if (o.mode == granularity::unit) {
+      const auto g64 = r.get_tensor<std::uint64_t>("unit_grains");
+      grains.assign(g64.begin(), g64.end());
+    }
+    return make(sizes, static_cast<int>(world), o, grains);
   }
 
-  /// Same options, world size and tensor sizes (hence the same pieces).
+  /// Same options, world size, tensor sizes and grains (hence the same pieces).
   friend bool operator==(const partition_plan& a, const partition_plan& b) {
     return a.opt_.mode == b.opt_.mode && a.opt_.alignment == b.opt_.alignment &&
-           a.opt_.align_tensors == b.opt_.align_tensors && a.world_ == b.world_ && a.sizes_ == b.sizes_;
+           a.opt_.align_tensors == b.opt_.align_tensors && a.world_ == b.world_ && a.sizes_ == b.sizes_ &&
+           a.grains_ == b.grains_;
   }
 
  private:
@@ -295,8 +334,53 @@ class partition_plan {
     first_[n] = pieces_.size();
   }
 
+  /// Unit granularity: units in list order, each to the rank its midpoint's flat position
+  /// falls in (see the file comment); a rank's consecutive units of a tensor form one piece.
+  void cut_units() {
+    const auto n = static_cast<std::size_t>(world_);
+    std::size_t units = 0;
+    for (std::size_t t = 0; t < sizes_.size(); ++t) {
+      const std::size_t g = grains_[t] == 0 || grains_[t] > sizes_[t] ? sizes_[t] : grains_[t];
+      units += g == 0 ? 0 : sizes_[t] / g + (sizes_[t] % g != 0 ? 1 : 0);
+      gradapt::detail::require(units <= max_units,
+                               "shard::partition_plan: the grains cut the tensors into more "
+                               "than ",
+                               max_units, " units (tensor ", t, ": ", sizes_[t], " elements, grain ",
+                               grains_[t], ")");
+    }
+    std::vector<std::size_t> load(n, 0);
+    std::vector<std::vector<piece>> per(n);
+    std::size_t at = 0;  // flat position of the unit's start
+    for (std::size_t t = 0; t < sizes_.size(); ++t) {
+      const std::size_t size = sizes_[t], g = grains_[t] == 0 ? size : grains_[t];
+      for (std::size_t o = 0; o < size; o += g) {
+        const std::size_t len = std::min(g, size - o);
+        // rank = floor((at + len / 2) N / total), in long double: at + len / 2 < total, and the
+        // product may not fit in std::size_t.
+        const long double mid = static_cast<long double>(at) + static_cast<long double>(len) / 2;
+        auto r =
+            static_cast<std::size_t>(mid * static_cast<long double>(n) / static_cast<long double>(total_));
+        r = std::min(r, n - 1);
+        auto& ps = per[r];
+        if (!ps.empty() && ps.back().tensor == t && ps.back().offset + ps.back().length == o)
+          ps.back().length += len;
+        else
+          ps.push_back({t, o, len, load[r]});
+        load[r] += len;
+        at += len;
+      }
+    }
+    capacity_ = n > 0 ? *std::max_element(load.begin(), load.end()) : 0;
+    for (std::size_t r = 0; r < n; ++r) {
+      first_[r] = pieces_.size();
+      pieces_.insert(pieces_.end(), per[r].begin(), per[r].end());
+    }
+    first_[n] = pieces_.size();
+  }
+
   partition_options opt_{};
   int world_ = 1;
+  std::vector<std::size_t> grains_;  ///< unit granularity: elements per unit of each tensor
   std::vector<std::size_t> sizes_;
   std::size_t total_ = 0;
   std::size_t capacity_ = 0;

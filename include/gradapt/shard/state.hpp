@@ -54,6 +54,8 @@ class sharded_state {
   using value_type = V;             ///< the parameters' element type
   using gradient_type = G;          ///< the gradients' element type
   using master_type = M;            ///< the shard's value type (V, or wider master values)
+  /// The chain's first stage is a preconditioner stage, sharded by block.
+  static constexpr bool has_preconditioner = chain_state_type::plan::has_preconditioner;
 
   /// Move-only: the shard's list and chain state point into the state's own buffers.
   sharded_state(sharded_state&&) noexcept = default;
@@ -73,8 +75,8 @@ class sharded_state {
   /// The list entries the shard's chain steps: whole tensors, or ranges of a tensor that
   /// straddles ranks (one per reduction block when the chain has barrier stages).
   std::span<const shard_unit> units() const { return units_; }
-  /// Bytes of optimizer state on this rank: the chain's state buffers over the shard plus
-  /// the master values (when M is not V).
+  /// Bytes of optimizer state on this rank: the chain's state buffers over the shard (and a
+  /// preconditioner stage's blocks), plus the master values (when M is not V).
   std::size_t state_bytes() const { return st_.state_elements() * sizeof(S) + master_.size() * sizeof(M); }
   /// Bytes of this rank's gradient shard (the averaged gradients the chain reads).
   std::size_t gradient_bytes() const { return grad_.size() * sizeof(G); }
@@ -116,6 +118,11 @@ class sharded_state {
     w.put("buffers", static_cast<std::uint64_t>(chain_state_type::buffer_count()));
     w.put("active_stages", st_.active_stages());
     w.put("steps", st_.steps());
+    if constexpr (has_preconditioner) {  // sharded by block: the fields every slice shares
+      w.begin("preconditioner");
+      st_.preconditioner().save_header(w);
+      w.end();
+    }
     const auto mine = plan_.pieces(rank_);
     w.put("pieces", static_cast<std::uint64_t>(mine.size()));
     // The archive's size is known up front: reserving it keeps one copy of the shard.
@@ -127,6 +134,8 @@ class sharded_state {
         if (!st_.buffer(j).empty()) bytes += mine[i].length * sizeof(S);
       if (master_.size() != 0) bytes += mine[i].length * sizeof(M);
     }
+    if constexpr (has_preconditioner)  // its blocks' matrices, with room for their field names
+      bytes += st_.preconditioner().state_elements() * sizeof(compute_t<S>) + mine.size() * 4096;
     w.reserve(bytes);
     std::vector<S> host;
     std::vector<M> mhost;
@@ -165,6 +174,11 @@ class sharded_state {
                                    "sharded optimizer save on rank ", rank_, ": buffer ", j, " of '",
                                    names_[q.tensor], "' holds a non-finite value (save the last good state)");
         w.put_tensor<S>(gradapt::detail::archive_impl::join("buffer", "", std::to_string(j)), host);
+      }
+      if constexpr (has_preconditioner) {
+        w.begin("preconditioner");
+        for_units_of(q, [&](std::size_t u) { st_.preconditioner().save_slice(w, u); });
+        w.end();
       }
       if (master_.size() != 0) {
         mhost.resize(q.length);

@@ -327,7 +327,10 @@ class data_parallel_step {
     // The preconditioner sees the combined gradient (no local steps: see the static_assert) and
     // the lr the optimizer steps at (K-FAC's KL clipping bounds lr²·⟨V, M⟩ at that lr).
     if constexpr (has_preconditioner) pre_->precondition(*comm_, backend_, params_->grads(), lr);
-    if constexpr (has_sharded_state)
+    if constexpr (has_sharded_state &&
+                  !std::is_same_v<typename detail::report_of<Opt>::type, detail::nothing>)
+      last_report_ = sharded_->step(*comm_, backend_, *params_, *state_, step_args{.lr = lr});  // by block
+    else if constexpr (has_sharded_state)
       sharded_->step(*comm_, backend_, *params_, *state_, step_args{.lr = lr});
     else if constexpr (!std::is_same_v<typename detail::report_of<Opt>::type, detail::nothing>) {
       // A preconditioner chain (Shampoo): its roots divided among the ranks while every rank

@@ -3,9 +3,10 @@
 // the covering array of
 // train_combinations.hpp (same recipe, reference and checks): the replicated state slot with
 // each reduce slot (one buffer, buckets, hierarchical), each combine slot (mean, Adasum), the
-// loss scaler, AdaScale and LocalSGD. Without LocalSGD the step divides the roots among the
-// ranks (chain::step(comm, ...)); with it each rank computes its own. The ZeRO slots reject a
-// chain with a preconditioner stage at compile time (tests/compile_fail/train_slots.cpp).
+// loss scaler, AdaScale and LocalSGD, and the ZeRO state slots (sharded by block: each rank
+// holds the rows of blocks of its shard and computes their roots). With replicated state and
+// without LocalSGD the step divides the roots among the ranks (chain::step(comm, ...)); with
+// LocalSGD each rank computes its own.
 // Needs LAPACK (gradapt::linalg).
 #include "gradapt/optim/shampoo.hpp"
 #include "scenarios/train_combinations.hpp"
@@ -27,6 +28,7 @@ inline const auto shampoo = gradapt::shampoo({.lr = 2e-2,
 inline const auto soap = gradapt::shampoo([] {
   gradapt::shampoo_options o = gradapt::soap_defaults();
   o.lr = 1e-2;
+  o.max_preconditioner_dim = 16;  // the peer's 1024 makes the 1-D tensors' blocks 1024 × 1024
   o.beta2 = 0.99;
   o.root.epsilon = 1e-8;
   o.precondition_frequency = 3;
@@ -60,6 +62,19 @@ void shampoo_rows(Row&& row) {
       one_buffer_reduce{}, adasum{});
   row("shampoo, hierarchical by host, scaler", flags<true, false, false>{}, shampoo, replicated_state{}, hier,
       allreduce_mean{});
+  row("soap, one buffer, scaler", flags<true, false, false>{}, soap, replicated_state{}, one_buffer_reduce{},
+      allreduce_mean{});
+  row("muon, buckets, AdaScale", flags<false, true, false>{}, muon, replicated_state{}, buckets,
+      allreduce_mean{});
+  // Sharded by block: each rank holds and steps its rows of blocks.
+  row("shampoo, zero_state<1>, AdaScale", flags<false, true, false>{}, shampoo, z1, one_buffer_reduce{},
+      allreduce_mean{});
+  row("shampoo, zero_state<2>, scaler", flags<true, false, false>{}, shampoo, z2, one_buffer_reduce{},
+      allreduce_mean{});
+  row("soap, zero_state<2>, AdaScale", flags<false, true, false>{}, soap, z2, one_buffer_reduce{},
+      allreduce_mean{});
+  row("muon, zero_state<1> by tensor, scaler", flags<true, false, false>{}, muon, z1_whole,
+      one_buffer_reduce{}, allreduce_mean{});
 }
 
 }  // namespace train_combinations_scenario

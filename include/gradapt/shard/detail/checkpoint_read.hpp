@@ -68,6 +68,11 @@ struct checkpoint_reader {
                              " but another old rank saved step ", steps, " (archives of different steps)");
     have = true;
     steps = k;
+    if constexpr (St::has_preconditioner) {
+      rd.begin("preconditioner");
+      s.st_.preconditioner().load_header(rd, k);
+      rd.end();
+    }
     const auto np = rd.get<std::uint64_t>("pieces");
     const auto pieces = old.pieces(r);
     gradapt::detail::require(np == pieces.size(), "sharded optimizer load: old rank ", r, "'s archive holds ",
@@ -98,6 +103,16 @@ struct checkpoint_reader {
               "' holds a non-finite value (a checkpoint of a diverged run cannot be resumed)");
         copy_into_units(b, s, q, j, std::span<const Se>(host));
       }
+      if constexpr (St::has_preconditioner) {  // the old slice's blocks: those this rank holds copied
+        rd.begin("preconditioner");
+        std::size_t u = 0;
+        while (u < s.units_.size() && s.units_[u].tensor != q.tensor) ++u;
+        if (u < s.units_.size())
+          s.st_.preconditioner().load_slice(rd, u, q.offset, q.length);
+        else
+          consume_section(rd);
+        rd.end();
+      }
       if constexpr (!std::is_same_v<Mt, typename PL::value_type>) {
         read_field(rd, "master", mhost);
         gradapt::detail::require(mhost.size() == q.length, "sharded optimizer load: piece '", nm, "' has ",
@@ -117,6 +132,52 @@ struct checkpoint_reader {
       rd.end();
     }
     rd.finish();
+  }
+
+  /// Reads every field of the open section (an old slice of a tensor this rank holds no part
+  /// of: the archive's CRC covers it, and `finish` wants every field read).
+  static void consume_section(archive_reader& rd) {
+    for (const std::string& f : rd.names()) {
+      switch (rd.type(f)) {
+        case archive_field::u64:
+          (void)rd.get<std::uint64_t>(f);
+          break;
+        case archive_field::i64:
+          (void)rd.get<std::int64_t>(f);
+          break;
+        case archive_field::f64:
+          (void)rd.get<double>(f);
+          break;
+        case archive_field::boolean:
+          (void)rd.get<bool>(f);
+          break;
+        case archive_field::string:
+          (void)rd.get<std::string>(f);
+          break;
+        case archive_field::tensor:
+          switch (rd.tensor_info(f).element) {
+            case archive_element::float32:
+              (void)rd.get_tensor<float>(f);
+              break;
+            case archive_element::float64:
+              (void)rd.get_tensor<double>(f);
+              break;
+            case archive_element::i64:
+              (void)rd.get_tensor<std::int64_t>(f);
+              break;
+            case archive_element::u64:
+              (void)rd.get_tensor<std::uint64_t>(f);
+              break;
+            default:
+              gradapt::detail::fail("sharded optimizer load: field '", f,
+                                    "' of a preconditioner slice holds ", name(rd.tensor_info(f).element),
+                                    " elements (expected float, double or integers)");
+          }
+          break;
+        default:
+          gradapt::detail::fail("sharded optimizer load: field '", f, "' has an unknown type");
+      }
+    }
   }
 
   /// Reads tensor field `name` into `out`, which holds one field at a time: a buffer that
