@@ -361,6 +361,7 @@ struct scale_by_shampoo {
               bl.roots[bl.off[d] + static_cast<std::size_t>(i * bl.n[d] + i)] = C(1);
           bl.ready = true;
           bl.corr.assign(elems, C(0));
+          if (options.beta1 > 0) bl.mrot.assign(elems, C(0));  // Q = I, M = 0: Qᵀ M Q = 0
         }
         max_block = std::max(max_block, elems);
         max_roots = std::max(max_roots, mats);
@@ -368,7 +369,7 @@ struct scale_by_shampoo {
       }
     }
     for (auto* v : {&st.xb_, &st.ab_, &st.db_, &st.y0_, &st.y1_}) v->assign(max_block, C(0));
-    if (options.beta1 > 0) st.mb_.assign(max_block, C(0));
+    if (options.beta1 > 0 || corrected) st.mb_.assign(max_block, C(0));
     st.rs_.assign(max_roots, C(0));
     st.ns_.assign(max_ns, C(0));
     st.staleness_ = options.root_staleness;
@@ -555,7 +556,7 @@ struct scale_by_shampoo {
         continue;
       }
       for (std::size_t j = 0; j < x.blocks.size(); ++j)
-        block_direction(st, x, j, g, gk, bc1, has_state, preconditioning, bc2);
+        block_direction(st, x, j, g, gk, bc1, w1, has_state, preconditioning, bc2);
     }
     st.steps_ = t;
     return {t, st.installed_, std::move(st.report_)};
@@ -615,8 +616,8 @@ struct scale_by_shampoo {
   /// Block j of tensor x: gather, graft, direction (preconditioned when the block has roots),
   /// scatter.
   template <class St, class Tensor, class G, class GK, class C>
-  void block_direction(St& st, Tensor& x, std::size_t j, const G* g, const GK& gk, C bc1, bool has_state,
-                       bool preconditioning, double bc2) const {
+  void block_direction(St& st, Tensor& x, std::size_t j, const G* g, const GK& gk, C bc1, C w1,
+                       bool has_state, bool preconditioning, double bc2) const {
     namespace si = gradapt::detail::shampoo_impl;
     auto& bl = x.blocks[j];
     const auto& range = x.layout.blocks[j];
@@ -636,6 +637,9 @@ struct scale_by_shampoo {
     for (std::size_t e = 0; e < elems; ++e) db[e] = gk(xb[e], mb[e], has_state ? ab[e] : dummy);
     const C* out = db;
     const auto kind = options.preconditioner;
+    // Eigenvalue-corrected: what is rotated into the eigenbasis and divided there (without a
+    // first moment, the rotated G itself, kept in mb).
+    const C* rotated = nullptr;
     if (kind == shampoo_preconditioner::eigenvalue_corrected) {
       // V ← β2·V + w·(Q_1ᵀ ×₁ … G)², every step, in the bases just refreshed.
       const C* r = product(st, bl, xb, true);
@@ -645,22 +649,40 @@ struct scale_by_shampoo {
         for (std::size_t e = 0; e < elems; ++e) bl.corr[e] = bl.corr[e] + w * (r[e] * r[e]);
       else
         for (std::size_t e = 0; e < elems; ++e) bl.corr[e] = C(beta2) * bl.corr[e] + w * (r[e] * r[e]);
+      if (bl.mrot.empty()) {
+        std::copy(r, r + elems, st.mb_.data());
+        rotated = st.mb_.data();
+      } else if (bl.mrot_valid) {
+        // Qᵀ M Q follows M's update while the bases stand: M' ← M' + (1 − β1)·(Qᵀ G Q − M').
+        for (std::size_t e = 0; e < elems; ++e) bl.mrot[e] = bl.mrot[e] + w1 * (r[e] - bl.mrot[e]);
+        rotated = bl.mrot.data();
+      } else {  // new bases at this step: M' = Qᵀ M Q from M (mb is free: the graft has read it)
+        si::for_runs(x.layout.merged, range, [&](std::size_t flat, std::size_t at, std::size_t run) {
+          std::copy(x.mom.data() + flat, x.mom.data() + flat + run, mb + at);
+        });
+        const C* m = product(st, bl, mb, true);
+        std::copy(m, m + elems, bl.mrot.begin());
+        bl.mrot_valid = true;
+        rotated = bl.mrot.data();
+      }
     }
     if (preconditioning && bl.ready) {
       C* y = nullptr;
       if (kind == shampoo_preconditioner::root_inverse) {
         y = product(st, bl, mb);
       } else if (kind == shampoo_preconditioner::eigenvalue_corrected) {
-        // M̂' = M̂ rotated; M̂' / ((V / c)^(1/p) + ε), rotated back.
-        C* rm = product(st, bl, mb, true);
+        // M̂' = Qᵀ M Q / (1 − β1^t) (or Qᵀ G Q); M̂' / ((V / c)^(1/p) + ε), rotated back (into
+        // xb: g is no longer needed).
         const C eps = C(options.root.epsilon), c2 = C(bc2);
+        const C m1 = bl.mrot.empty() ? C(1) : bc1;
         if (options.corrected_exponent == 2.0) {
-          for (std::size_t e = 0; e < elems; ++e) rm[e] = rm[e] / (std::sqrt(bl.corr[e] / c2) + eps);
+          for (std::size_t e = 0; e < elems; ++e)
+            xb[e] = rotated[e] / m1 / (std::sqrt(bl.corr[e] / c2) + eps);
         } else {
           const C inv = C(1.0 / options.corrected_exponent);
-          for (std::size_t e = 0; e < elems; ++e) rm[e] = rm[e] / (std::pow(bl.corr[e] / c2, inv) + eps);
+          for (std::size_t e = 0; e < elems; ++e)
+            xb[e] = rotated[e] / m1 / (std::pow(bl.corr[e] / c2, inv) + eps);
         }
-        std::copy(rm, rm + elems, xb);  // g is no longer needed: the rotation back reads xb
         y = product(st, bl, xb);
       } else {  // spectral descent: the block's Newton–Schulz orthogonalization
         y = st.y0_.data();

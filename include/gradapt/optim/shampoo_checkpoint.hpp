@@ -56,6 +56,10 @@ void shampoo_state<L, B, V, G>::write_block(archive_writer& w, std::size_t t, st
     require_finite(std::span<const compute_type>(bl.corr), x.name, label, "corrected second moment");
     w.put_tensor<compute_type>("corrected", std::span<const compute_type>(bl.corr));
   }
+  if (!bl.mrot.empty()) {  // between steps always in the installed bases
+    require_finite(std::span<const compute_type>(bl.mrot), x.name, label, "rotated first moment");
+    w.put_tensor<compute_type>("rotated_moment", std::span<const compute_type>(bl.mrot));
+  }
   w.put("ready", bl.ready);
   w.put("consecutive_failures", bl.consecutive);
   w.put("failures", bl.failures);
@@ -97,6 +101,11 @@ void shampoo_state<L, B, V, G>::read_block(archive_reader& r, const std::string&
     for (const compute_type v : bl.corr)
       detail::require(std::isfinite(v) && v >= 0, who, ": the corrected second moment of parameter '", pname,
                       "' (block ", j, ") holds ", v, " (expected finite values >= 0)");
+  }
+  if (!bl.mrot.empty()) {
+    r.get_tensor<compute_type>("rotated_moment", std::span<compute_type>(bl.mrot));
+    require_finite(std::span<const compute_type>(bl.mrot), pname, j, "rotated first moment", who);
+    bl.mrot_valid = true;
   }
   bl.ready = r.get<bool>("ready");
   bl.consecutive = r.get<std::uint64_t>("consecutive_failures");
@@ -239,6 +248,7 @@ void shampoo_state<L, B, V, G>::load_slice(archive_reader& r, std::size_t t, std
         if (in_flight != 0) scratch.snap.assign(mats, compute_type(0));
       }
       if (!scratch.corr.empty()) scratch.corr.assign(elems, compute_type(0));
+      if (!scratch.mrot.empty()) scratch.mrot.assign(elems, compute_type(0));
       dst = &scratch;
     }
     read_block(r, x.name, *dst, j, in_flight);
@@ -327,6 +337,8 @@ void shampoo_state<L, B, V, G>::load(const B&, archive_reader& r, std::uint64_t 
       auto& bl = t_[t].blocks[j];
       bl.stats.swap(next[t][j].stats);
       bl.corr.swap(next[t][j].corr);
+      bl.mrot.swap(next[t][j].mrot);
+      bl.mrot_valid = true;
       bl.roots.swap(next[t][j].roots);
       if (in_flight != 0) bl.snap.swap(next[t][j].snap);
       bl.ready = next[t][j].ready;

@@ -110,6 +110,7 @@ void transform::scale_by_shampoo<L>::install(St& st, std::size_t i, root_status 
     ++st.installed_;
     std::copy(roots, roots + bl.roots.size(), bl.roots.begin());
     bl.ready = true;
+    bl.mrot_valid = false;  // eigenvalue-corrected: Qᵀ M Q is rebuilt in the new bases
     bl.consecutive = 0;
     return;
   }

@@ -80,7 +80,7 @@ class shampoo_state {
   using compute_type = compute_t<V>;  ///< element type of statistics, roots and directions
 
   /// Format version of the section `save()` writes (its "format" field).
-  static constexpr std::uint32_t format_version = 4;
+  static constexpr std::uint32_t format_version = 5;
 
   /// What a block holds besides its matrices.
   struct block_info {
@@ -121,7 +121,7 @@ class shampoo_state {
     for (const auto& x : t_) {
       n += x.graft.size() + x.mom.size();
       for (const auto& bl : x.blocks)
-        n += bl.stats.size() + bl.roots.size() + bl.snap.size() + bl.corr.size();
+        n += bl.stats.size() + bl.roots.size() + bl.snap.size() + bl.corr.size() + bl.mrot.size();
     }
     return n;
   }
@@ -240,6 +240,8 @@ class shampoo_state {
     std::vector<C> stats, roots;
     std::vector<C> snap, pend;  ///< root_staleness >= 1: statistics copied for the worker, its roots
     std::vector<C> corr;        ///< eigenvalue-corrected: the second moment V in the eigenbasis
+    std::vector<C> mrot;        ///< eigenvalue-corrected with beta1 > 0: Qᵀ M Q in the current bases
+    bool mrot_valid = true;     ///< false from new bases' install to the next direction
     bool ready = false;
     std::uint64_t consecutive = 0, failures = 0;
   };
@@ -297,7 +299,8 @@ class shampoo_state {
                   std::uint64_t in_flight) const;
   std::uint64_t check_header(archive_reader& r, std::uint64_t steps) const;
   static std::size_t block_fields(const block_t& bl, bool in_flight) {
-    return (bl.stats.empty() ? 0 : (in_flight ? 3 : 2) * bl.k) + 4 + (bl.corr.empty() ? 0 : 1);
+    return (bl.stats.empty() ? 0 : (in_flight ? 3 : 2) * bl.k) + 4 + (bl.corr.empty() ? 0 : 1) +
+           (bl.mrot.empty() ? 0 : 1);
   }
   workspace_t& workspace(std::int64_t n) {
     for (auto& [size, ws] : ws_)
