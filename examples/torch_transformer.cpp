@@ -10,8 +10,9 @@
 // slice of one flat tensor (gradapt::param_list_of views it), and a post-hook on the
 // parameter's AccumulateGrad node (the node DDP's reducer hooks) calls step.mark_ready(index)
 // as soon as autograd has accumulated that gradient into its slice. With zero_state<2> each
-// full bucket (DDP's rule: reverse registration order, 1 MiB first, then 25 MiB) is
-// reduce-scattered there, inside the backward pass; `--state replicated` instead runs
+// full bucket (DDP's rule: reverse registration order, 1 MiB first, then 25 MiB) has its
+// reduce-scatter started there (MPI_Ireduce_scatter_block, `sharded_options::overlap`; with
+// `--overlap 0` it runs blocking inside the hook) and finished by step(); `--state replicated` instead runs
 // bucket_reduce with overlap (non-blocking allreduces that proceed while the backward goes on)
 // over the replicated state. step.step() then finishes the step.
 //
@@ -28,7 +29,7 @@
 //   mpirun -np N torch_transformer [--steps 200] [--warmup 5] [--batch 8] [--lr 1e-3]
 //        [--warmup-lr 20] [--weight-decay 0.1] [--data-seed 1] [--init-seed 0] [--layers 4]
 //        [--d-model 256] [--heads 4] [--context 64]
-//        [--state zero2|replicated] [--check-sizes 0|1] [--csv FILE]
+//        [--state zero2|replicated] [--check-sizes 0|1] [--overlap 0|1] [--csv FILE]
 //
 // At the end rank 0 prints the mean step time (forward + backward + step over the steps after
 // the warm-up, each step's time taken on its slowest rank), the optimizer-state bytes per rank
@@ -83,6 +84,7 @@ struct options {
   std::uint64_t data_seed = 1, init_seed = 0;
   std::string state = "zero2", csv;
   bool check_sizes = true;  // comm::mpi's argument agreement before every collective
+  bool overlap = true;      // zero2: each bucket's reduce-scatter started in its hook, finished in step()
 };
 
 // ---- data: the same splitmix64 stream as bench/ddp_transformer.py ----------------------------
@@ -409,11 +411,13 @@ int main(int argc, char** argv) {
         o.csv = v;
       else if (a == "--check-sizes")
         o.check_sizes = v != "0";
+      else if (a == "--overlap")
+        o.overlap = v != "0";
       else
         examples::fail("torch_transformer: unknown option ", a,
                        " (options: --steps --warmup --batch --lr --warmup-lr --weight-decay --data-seed "
                        "--init-seed --layers --d-model --heads "
-                       "--context --state zero2|replicated --check-sizes 0|1 --csv FILE)");
+                       "--context --state zero2|replicated --check-sizes 0|1 --overlap 0|1 --csv FILE)");
     }
     examples::require(o.warmup_lr >= 1, "torch_transformer: --warmup-lr is ", o.warmup_lr,
                       " (expected >= 1)");
@@ -427,8 +431,11 @@ int main(int argc, char** argv) {
     result r;
     std::string recipe;
     if (o.state == "zero2") {
-      r = run(comm, o, corpus, train::zero_state<2>{}, train::one_buffer_reduce{});
-      recipe = "ZeRO-2 (buckets reduce-scattered in the backward's hooks)";
+      r = run(comm, o, corpus, train::zero_state<2>{.sharding = {.overlap = o.overlap}},
+              train::one_buffer_reduce{});
+      recipe = o.overlap
+                   ? "ZeRO-2 (buckets' reduce-scatters started in the backward's hooks, finished in step())"
+                   : "ZeRO-2 (buckets reduce-scattered, blocking, in the backward's hooks)";
     } else if (o.state == "replicated") {
       r = run(comm, o, corpus, train::replicated_state{}, train::bucket_reduce{.overlap = true});
       recipe = "replicated state, bucket_reduce with overlap";

@@ -304,6 +304,15 @@ TEST_CASE("a factored tensor at Adafactor's defaults saves, loads, and continues
 }
 
 TEST_CASE("sharded optimizer errors: every rank throws, naming the problem", "[shard]") {
+  SECTION("overlap over a communicator without a non-blocking reduce-scatter") {
+    const auto what = gradapt_test::errors_of(2, quick, [](threads& comm) {
+      const gradapt::host b;
+      model<float> m;
+      const sharded_optimizer opt(gradapt::adamw({}), sharded_options{.overlap = true});
+      (void)opt.init(comm, b, m.params);
+    });
+    for (const auto& w : what) CHECK_THAT(w, Contains("sharded_options::overlap needs a communicator"));
+  }
   SECTION("a factored chain with a tensor cut across ranks") {
     const auto what = gradapt_test::errors_of(4, quick, [](threads& comm) {  // 4 ranks cut tensor 1
       const gradapt::host b;

@@ -7,7 +7,8 @@
 // sharded step's own reduce-scatter computed, after checking that every element of it is the
 // ranks' gradients added in some order and divided by N, since MPI_Reduce_scatter_block and
 // MPI_Allreduce may add in different orders. A state saved on k ranks (a split of the world)
-// loads on all ranks, and the reverse, continuing bitwise as the unsharded run.
+// loads on all ranks, and the reverse, continuing bitwise as the unsharded run. Stage 2 with
+// overlap (non-blocking reduce-scatters completed in step) matches as stage 2 does.
 // Archives travel through files, as checkpoints do.
 #include <unistd.h>
 #include <cstdio>
@@ -162,6 +163,24 @@ TEST_CASE("mpi: stage 2, buckets reduce-scattered as each rank marks its gradien
                                                      small, 3, from);
   sharded_scenario::stage2_matches_unsharded<float>(comm, gradapt::adafactor({.lr = 1e-2}), small_tensor, 2,
                                                     from);
+  // Overlapped: each bucket's MPI_Ireduce_scatter_block started in mark_ready, completed in step.
+  const sharded_options overlapped{.buckets = {.cap_bytes = 20000, .first_cap_bytes = 4000}, .overlap = true};
+  sharded_scenario::stage2_matches_unsharded<double>(comm, gradapt::lamb({.lr = 1e-2, .weight_decay = 0.01}),
+                                                     overlapped, 3, from);
+}
+
+TEST_CASE("mpi: stage 2 with overlap, one rank without it: an error on every rank", "[mpi][shard]") {
+  gradapt::comm::mpi comm;
+  if (comm.size() < 2) return;
+  sharded_scenario::model<float> m;
+  const gradapt::host b;
+  const sharded_optimizer opt(gradapt::adamw({}), {.overlap = comm.rank() != 1});
+  try {
+    (void)opt.init(comm, b, m.params);
+    FAIL("init did not throw");
+  } catch (const gradapt::error& e) {
+    CHECK_THAT(std::string(e.what()), Catch::Matchers::Contains("sharded_options::overlap"));
+  }
 }
 
 TEST_CASE("mpi: a sharded state saved on k ranks loads on every rank, and the reverse", "[mpi][shard]") {

@@ -183,6 +183,21 @@ class mpi : private detail::engine_calls<mpi> {
   requires(!std::is_const_v<T>) [[nodiscard]] request
       iallreduce(tensor_view<T, host_space> buf, reduce_op op);
 
+  /// Starts a non-blocking reduce-scatter (sum or max): block q of `send` (`size()` blocks of
+  /// `recv.size()` elements) is reduced over the ranks into rank q's `recv`; returns its
+  /// request (the same `request` as `iallreduce`: `wait`, `test`). `send` and `recv` must stay
+  /// valid, and `recv` untouched, until the request completes. Agreement and ordering as for
+  /// `iallreduce`: with `mpi_options::check_sizes` the fingerprint (this rank's argument errors
+  /// included: sizes, overlapping buffers) travels first, and a call that differs moves no data
+  /// and fails on every rank at its request's `wait` or `test`; without it a local argument
+  /// error throws here. The data moves in one `MPI_Ireduce_scatter_block` (or, past
+  /// `max_count` elements, one `MPI_Ireduce` per rank block and piece).
+  /// @throws gradapt::error when an MPI call fails, or (without check_sizes) for invalid arguments
+  template <element T>
+  requires(!std::is_const_v<T>) [[nodiscard]] request
+      ireduce_scatter(std::type_identity_t<tensor_view<const T, host_space>> send,
+                      tensor_view<T, host_space> recv, reduce_op op);
+
   /// Lets outstanding non-blocking allreduces advance without waiting: posts the data of an
   /// agreed fingerprint and enters MPI's progress engine (Open MPI moves non-blocking
   /// collectives only inside MPI calls). Cheap; call it between pieces of other work.
@@ -456,10 +471,10 @@ class mpi : private detail::engine_calls<mpi> {
     if (!detail::all_agree(o.words)) {
       try {
         detail::agree(
-            comm_name, "iallreduce", rank_, size_, o.c, {},
+            comm_name, detail::coll_name(o.c.kind), rank_, size_, o.c, o.bad,
             [&](std::int64_t* w, std::size_t n) { std::copy_n(o.words.data(), n, w); },
             [&](const std::int64_t* mine, std::size_t n, std::int64_t* all) {
-              allgather_words("iallreduce", mine, n, all);
+              allgather_words(detail::coll_name(o.c.kind), mine, n, all);
             });
       } catch (const error& e) {
         o.error = e.what();
@@ -476,6 +491,30 @@ class mpi : private detail::engine_calls<mpi> {
     if (shared_->data == MPI_COMM_NULL)
       check(MPI_Comm_dup(comm_, &shared_->data), "iallreduce", "MPI_Comm_dup (data handle)");
     const auto n = static_cast<std::size_t>(o.c.count);
+    if (o.c.kind == detail::coll::ireduce_scatter) {  // rank blocks of n elements
+      const auto* send = static_cast<const unsigned char*>(o.send);
+      auto* recv = static_cast<unsigned char*>(o.data);
+      if (n * static_cast<std::size_t>(size_) <= static_cast<std::size_t>(opts_.max_count)) {
+        MPI_Request r = MPI_REQUEST_NULL;
+        if (n != 0)
+          check(MPI_Ireduce_scatter_block(send, recv, static_cast<int>(n), o.type, o.op, shared_->data, &r),
+                "ireduce_scatter", "MPI_Ireduce_scatter_block");
+        if (n != 0) o.requests.push_back(r);
+      } else {
+        for (int q = 0; q < size_; ++q)
+          pieces(n, [&](std::size_t off, int count) {
+            MPI_Request r = MPI_REQUEST_NULL;
+            const std::size_t at = (static_cast<std::size_t>(q) * n + off) * o.bytes_per_element;
+            check(MPI_Ireduce(send + at, q == rank_ ? recv + off * o.bytes_per_element : nullptr, count,
+                              o.type, o.op, q, shared_->data, &r),
+                  "ireduce_scatter", "MPI_Ireduce");
+            o.requests.push_back(r);
+          });
+      }
+      o.at = o.requests.empty() ? detail_mpi::nonblocking_op::stage::complete
+                                : detail_mpi::nonblocking_op::stage::posted;
+      return;
+    }
     o.requests.reserve((n + static_cast<std::size_t>(opts_.max_count) - 1) /
                        static_cast<std::size_t>(opts_.max_count));
     pieces(n, [&](std::size_t off, int count) {
@@ -522,7 +561,8 @@ class mpi : private detail::engine_calls<mpi> {
   int size_ = 1;
 };
 
-/// A non-blocking allreduce of `comm::mpi` in flight (returned by `mpi::iallreduce`).
+/// A non-blocking allreduce or reduce-scatter of `comm::mpi` in flight (returned by
+/// `mpi::iallreduce` and `mpi::ireduce_scatter`).
 /// Move-only. Its buffer holds the result once `wait()` returns or `test()` returns true.
 /// The destructor of a request that is still in flight completes it (waiting, under the
 /// communicator's watchdog for the agreement, which aborts the job rather than hang) and
@@ -565,7 +605,7 @@ class mpi::request {
       int done = 0;
       comm_->check(MPI_Testall(static_cast<int>(op_->requests.size()), op_->requests.data(), &done,
                                MPI_STATUSES_IGNORE),
-                   "iallreduce", "MPI_Testall");
+                   detail::coll_name(op_->c.kind), "MPI_Testall");
       if (done == 0) return false;
       op_->at = stage::complete;
     }
@@ -583,7 +623,7 @@ class mpi::request {
     if (op_->at == stage::posted) {
       comm_->check(
           MPI_Waitall(static_cast<int>(op_->requests.size()), op_->requests.data(), MPI_STATUSES_IGNORE),
-          "iallreduce", "MPI_Waitall");
+          detail::coll_name(op_->c.kind), "MPI_Waitall");
       op_->at = stage::complete;
     }
     finish();
@@ -637,7 +677,37 @@ requires(!std::is_const_v<T>) mpi::request mpi::iallreduce(tensor_view<T, host_s
   return request(*this, std::move(o));
 }
 
+template <element T>
+requires(!std::is_const_v<T>) mpi::request mpi::ireduce_scatter(
+    std::type_identity_t<tensor_view<const T, host_space>> send, tensor_view<T, host_space> recv,
+    reduce_op op) {
+  auto o = std::make_shared<detail_mpi::nonblocking_op>();
+  o->c = {detail::coll::ireduce_scatter, dtype_of_v<T>, op, 0, static_cast<std::int64_t>(recv.size())};
+  o->bad =
+      args("ireduce_scatter").template scatter<T>(send.data(), send.size(), recv.data(), recv.size(), false);
+  o->send = static_cast<const void*>(send.data());
+  o->data = static_cast<void*>(recv.data());
+  o->bytes_per_element = sizeof(T);
+  o->type = detail_mpi::datatype<T>();
+  o->op = detail_mpi::reduction<T>(op);
+  if (!opts_.check_sizes) {
+    if (!o->bad.empty()) throw error(o->bad);
+    settle();
+    post(*o);
+    return request(*this, std::move(o));
+  }
+  settle();  // the previous fingerprint first: one order of collectives on every rank
+  o->words = detail::encode(o->c, o->bad.empty(), rank_);
+  ++shared_->calls;
+  check(MPI_Iallreduce(MPI_IN_PLACE, o->words.data(), static_cast<int>(o->words.size()), MPI_INT64_T, MPI_MAX,
+                       comm_, &o->fingerprint),
+        "ireduce_scatter", "MPI_Iallreduce (argument check)");
+  shared_->agreeing = o;
+  return request(*this, std::move(o));
+}
+
 static_assert(gradapt::communicator<gradapt::comm::mpi>);
 static_assert(gradapt::nonblocking_allreduce_communicator<gradapt::comm::mpi>);
+static_assert(gradapt::nonblocking_reduce_scatter_communicator<gradapt::comm::mpi>);
 
 }  // namespace gradapt::comm

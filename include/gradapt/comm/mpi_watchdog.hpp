@@ -36,11 +36,13 @@ struct nonblocking_op {
   std::array<std::int64_t, gradapt::comm::detail::fingerprint_words> words{};  ///< fingerprint (MAX)
   MPI_Request fingerprint = MPI_REQUEST_NULL;                                  ///< its request
   void* data = nullptr;                                                        ///< the buffer
-  std::size_t bytes_per_element = 0;                                           ///< its element size
-  MPI_Datatype type = MPI_DATATYPE_NULL;                                       ///< its MPI type
-  MPI_Op op = MPI_OP_NULL;                                                     ///< the reduction
-  std::vector<MPI_Request> requests;  ///< the data collectives (one per max_count piece)
-  std::string error;                  ///< the agreement error (stage failed)
+  const void* send = nullptr;             ///< ireduce_scatter: the send buffer (size() blocks of c.count)
+  std::string bad;                        ///< this rank's own argument error (sent as an invalid fingerprint)
+  std::size_t bytes_per_element = 0;      ///< its element size
+  MPI_Datatype type = MPI_DATATYPE_NULL;  ///< its MPI type
+  MPI_Op op = MPI_OP_NULL;                ///< the reduction
+  std::vector<MPI_Request> requests;      ///< the data collectives (one per max_count piece)
+  std::string error;                      ///< the agreement error (stage failed)
 };
 
 /// State shared by a communicator and its copies: the count of checked calls (the watchdog

@@ -58,6 +58,20 @@ concept nonblocking_allreduce_communicator = communicator<C> &&
   { c.iallreduce(f, reduce_op::sum).test() } -> std::convertible_to<bool>;
 };
 
+/// A communicator that can also start a summing reduce-scatter without waiting for it:
+/// `c.ireduce_scatter(send, recv, reduce_op::sum)` returns a request as
+/// `nonblocking_allreduce_communicator`'s (`wait`, `test`; `send` and `recv` valid until it
+/// completes). `comm::mpi` has it.
+template <class C>
+concept nonblocking_reduce_scatter_communicator = communicator<C> &&
+    requires(C& c, tensor_view<const float, typename C::space> cf, tensor_view<float, typename C::space> f,
+             tensor_view<const double, typename C::space> cd, tensor_view<double, typename C::space> d) {
+  { c.ireduce_scatter(cf, f, reduce_op::sum) } -> std::movable;
+  { c.ireduce_scatter(cd, d, reduce_op::sum) } -> std::movable;
+  c.ireduce_scatter(cf, f, reduce_op::sum).wait();
+  { c.ireduce_scatter(cf, f, reduce_op::sum).test() } -> std::convertible_to<bool>;
+};
+
 /// A communicator with a blocking mean over ranks in one collective: `c.allreduce_mean(buf)`
 /// leaves in `buf` exactly the bits of `c.allreduce(buf, reduce_op::sum)` followed by
 /// g / size() in the compute type (detail::divide_by_ranks), without a second pass over the

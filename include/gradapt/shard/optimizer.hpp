@@ -54,6 +54,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -98,6 +99,12 @@ struct sharded_options {
   /// Stage 2 (`mark_ready`): the gradient buckets reduce-scattered during the backward pass
   /// (DDP's rule: reverse registration order, a smaller first bucket).
   bucket::bucket_options buckets{};
+  /// Stage 2 over a communicator with a non-blocking reduce-scatter (`comm::mpi`): each
+  /// bucket's reduce-scatter is started by `mark_ready` without waiting (each bucket in its own
+  /// buffers: about one more gradient's worth of memory) and completed by `step` (or `reduce`),
+  /// so the backward pass goes on while the buckets travel; every `mark_ready` also lets MPI
+  /// progress. Default false: each bucket is reduce-scattered, blocking, inside `mark_ready`.
+  bool overlap = false;
 };
 
 /// A chain optimizer whose state is sharded over the ranks (see the file comment).
@@ -190,6 +197,11 @@ class sharded_optimizer {
     v.push("sharded_options::check_interval", static_cast<double>(o_.check_interval));
     v.push("bucket_options::cap_bytes", static_cast<double>(o_.buckets.cap_bytes));
     v.push("bucket_options::first_cap_bytes", static_cast<double>(o_.buckets.first_cap_bytes));
+    v.push("sharded_options::overlap", o_.overlap ? 1.0 : 0.0);
+    if (o_.overlap && !nonblocking_reduce_scatter_communicator<Comm> && bad.empty())
+      bad =
+          "shard::sharded_optimizer: sharded_options::overlap needs a communicator with a non-blocking "
+          "reduce-scatter (ireduce_scatter: comm::mpi); this one has none (set overlap = false)";
     v.push("parameter element type", static_cast<double>(dtype_of_v<V>));
     v.push("gradient element type", static_cast<double>(dtype_of_v<G>));
     v.push("master element type", static_cast<double>(dtype_of_v<Mt>));
@@ -253,6 +265,7 @@ class sharded_optimizer {
             params[t].name,
             "') was not marked ready in this round (after mark_ready, every gradient must "
             "be marked before the step)");
+      finish_pending(b, s);
       start_round(s);
     }
     for (std::size_t p0 = 0; p0 < cap && !staged; p0 += s.bucket_) {
@@ -399,6 +412,8 @@ class sharded_optimizer {
     --s.missing_[s.bplan_.where(t).bucket];
     while (s.next_ < s.missing_.size() && s.missing_[s.next_] == 0)
       reduce_bucket(comm, b, params, s, s.next_++);
+    if constexpr (requires { comm.progress(); })
+      if (o_.overlap && !s.pending_.empty()) comm.progress();  // MPI moves them inside its calls
   }
 
   /// Stage 2: ends this round without a step (a step skipped on every rank, after a loss
@@ -406,6 +421,8 @@ class sharded_optimizer {
   /// the gradient shard already reduced is not used. Not collective; every rank calls it.
   template <class B, class V, class G, class M, class S, class Options>
   void discard_round(sharded_state<Chain, B, V, G, M, S, Options>& s) const {
+    for (auto& p : s.pending_) p->wait();  // started on every rank: completed, not used
+    s.pending_.clear();
     start_round(s);
     s.reduced_ = false;
   }
@@ -510,6 +527,18 @@ class sharded_optimizer {
       s.bsend_ = b.template allocate<Gt>(longest * static_cast<std::size_t>(p.world()));
       s.brecv_ = b.template allocate<Gt>(longest);
     }
+    if (o_.overlap) {  // each bucket its own regions, so that every bucket can be in flight at once
+      s.osoff_.assign(nb + 1, 0);
+      s.oroff_.assign(nb + 1, 0);
+      for (std::size_t k = 0; k < nb; ++k) {
+        const std::size_t len = bucket_length(s, k);
+        s.osoff_[k + 1] = s.osoff_[k] + len * static_cast<std::size_t>(p.world());
+        s.oroff_[k + 1] = s.oroff_[k] + len;
+      }
+      s.osend_ = b.template allocate<Gt>(s.osoff_[nb]);
+      s.orecv_ = b.template allocate<Gt>(s.oroff_[nb]);
+      s.pending_.reserve(nb);
+    }
     start_round(s);
   }
 
@@ -542,8 +571,9 @@ class sharded_optimizer {
     using Sp = space_of<B>;
     const auto n = static_cast<std::size_t>(comm.size());
     const std::size_t len = bucket_length(s, k);
+    Gt* send = o_.overlap ? s.osend_.data() + s.osoff_[k] : s.bsend_.data();
     for (std::size_t r = 0; r < n; ++r) {
-      Gt* dst = s.bsend_.data() + r * len;
+      Gt* dst = send + r * len;
       std::size_t at = 0;
       for (const piece& q : s.segments_[k][r]) {
         b.apply(gradapt::detail::shard_k::copy_to{}, vec<Sp, Gt>(dst + at, q.length),
@@ -552,14 +582,46 @@ class sharded_optimizer {
       }
       if (at < len) b.apply(gradapt::detail::shard_k::set_zero{}, vec<Sp, Gt>(dst + at, len - at));
     }
-    comm.reduce_scatter(vec<Sp, const Gt>(s.bsend_.data(), n * len), vec<Sp, Gt>(s.brecv_.data(), len),
-                        reduce_op::sum);
+    if constexpr (nonblocking_reduce_scatter_communicator<Comm>) {
+      if (o_.overlap) {  // completed (and unpacked) by finish_pending
+        Gt* recv = s.orecv_.data() + s.oroff_[k];
+        auto r =
+            comm.ireduce_scatter(vec<Sp, const Gt>(send, n * len), vec<Sp, Gt>(recv, len), reduce_op::sum);
+        s.pending_.push_back(
+            std::make_unique<gradapt::detail::shard_k::pending_request<decltype(r)>>(std::move(r), k));
+        return;
+      }
+    }
+    comm.reduce_scatter(vec<Sp, const Gt>(send, n * len), vec<Sp, Gt>(s.brecv_.data(), len), reduce_op::sum);
+    unpack_bucket(b, s, k, s.brecv_.data());
+  }
+
+  /// Copies this rank's reduced block of bucket k (at `recv`) to its shard positions.
+  template <class B, class St, class Gt>
+  static void unpack_bucket(const B& b, St& s, std::size_t k, const Gt* recv) {
+    using Sp = space_of<B>;
     std::size_t at = 0;
     for (const piece& q : s.segments_[k][static_cast<std::size_t>(s.rank_)]) {
       b.apply(gradapt::detail::shard_k::copy_to{}, vec<Sp, Gt>(s.grad_.data() + q.shard_offset, q.length),
-              vec<Sp, const Gt>(s.brecv_.data() + at, q.length));
+              vec<Sp, const Gt>(recv + at, q.length));
       at += q.length;
     }
+  }
+
+  /// Completes the buckets' reduce-scatters in flight, in the order they started, and unpacks
+  /// each into the shard.
+  template <class B, class St>
+  static void finish_pending(const B& b, St& s) {
+    try {
+      for (auto& p : s.pending_) {
+        p->wait();
+        unpack_bucket(b, s, p->bucket, s.orecv_.data() + s.oroff_[p->bucket]);
+      }
+    } catch (...) {
+      s.pending_.clear();  // the others complete as their requests are destroyed
+      throw;
+    }
+    s.pending_.clear();
   }
 
   /// Empty when the plan suits the chain on backend B; else what is wrong, naming the tensor.

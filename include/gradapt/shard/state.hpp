@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -25,6 +26,22 @@
 
 namespace gradapt::detail::shard_k {
 struct checkpoint_reader;
+
+/// A bucket's reduce-scatter in flight (stage 2 with `sharded_options::overlap`), its request
+/// type erased (the state is not templated on the communicator).
+struct pending {
+  std::size_t bucket = 0;  ///< the bucket it reduces
+  virtual ~pending() = default;
+  virtual void wait() = 0;  ///< completes it (throws what the request's wait throws)
+};
+/// `pending` over a communicator's request R.
+template <class R>
+struct pending_request final : pending {
+  R r;
+  pending_request(R x, std::size_t k) : r(std::move(x)) { bucket = k; }
+  void wait() override { r.wait(); }
+};
+
 }  // namespace gradapt::detail::shard_k
 
 namespace gradapt::shard {
@@ -83,8 +100,9 @@ class sharded_state {
   /// Bytes of the packing buffers of the reduce-scatter and allgather rounds (and of stage
   /// 2's buckets) and the sums exchanged for straddling tensors.
   std::size_t workspace_bytes() const {
-    return (send_g_.size() + bsend_.size() + brecv_.size()) * sizeof(G) + send_v_.size() * sizeof(V) +
-           recv_v_.size() * sizeof(V) + (xsums_.size() + logical_.size() + rows_.size()) * sizeof(double);
+    return (send_g_.size() + bsend_.size() + brecv_.size() + osend_.size() + orecv_.size()) * sizeof(G) +
+           send_v_.size() * sizeof(V) + recv_v_.size() * sizeof(V) +
+           (xsums_.size() + logical_.size() + rows_.size()) * sizeof(double);
   }
   /// The gradient buckets of stage 2 (`mark_ready`).
   const bucket::bucket_plan& buckets() const { return bplan_; }
@@ -232,6 +250,12 @@ class sharded_state {
   bool reduced_ = false;                                   ///< `reduce` ran for this step
   std::vector<std::vector<std::vector<piece>>> segments_;  ///< [bucket][rank]: pieces in the bucket
   gradapt::detail::optim::buffer_t<B, G> bsend_, brecv_;   ///< stage 2 packing (world × bucket, bucket)
+  // Stage 2 with overlap: every bucket's own send (world × its length) and receive regions, at
+  // these offsets, and the reduce-scatters in flight (declared after the buffers they use, so
+  // destroyed first: a request's destructor completes it).
+  gradapt::detail::optim::buffer_t<B, G> osend_, orecv_;
+  std::vector<std::size_t> osoff_, oroff_;
+  std::vector<std::unique_ptr<gradapt::detail::shard_k::pending>> pending_;
   param_list<M, G, typename B::space, Options> list_;
   chain_state_type st_;
 };

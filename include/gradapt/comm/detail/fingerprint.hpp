@@ -36,18 +36,19 @@ enum class coll : std::uint8_t {
   barrier,
   exchange,
   iallreduce,
-  allreduce_mean
+  allreduce_mean,
+  ireduce_scatter
 };
 
 /// The last enumerator of `coll` (for range checks of values read back from a message).
-inline constexpr coll last_coll = coll::allreduce_mean;
+inline constexpr coll last_coll = coll::ireduce_scatter;
 
 /// The collective's name ("allreduce", ...); "unknown" for a value outside the enumeration.
 constexpr std::string_view coll_name(coll c) {
   return gradapt::detail::enum_name(
-      c, std::array<std::string_view, 10>{"allreduce", "allreduce_with_norms", "broadcast", "allgather",
+      c, std::array<std::string_view, 11>{"allreduce", "allreduce_with_norms", "broadcast", "allgather",
                                           "reduce_scatter", "split", "barrier", "exchange", "iallreduce",
-                                          "allreduce_mean"});
+                                          "allreduce_mean", "ireduce_scatter"});
 }
 
 /// What every rank must agree on when it enters one collective.
