@@ -99,7 +99,9 @@ double total_elements(threads& comm, const S& s) {
 
 TEST_CASE("the Shampoo family sharded by block equals the unsharded chain bit for bit", "[shard][shampoo]") {
   const gradapt::host b;
-  for (const auto& [name, opt] : {std::pair{"shampoo", shampoo()}, {"soap", soap()}, {"muon", muon()}}) {
+  for (const auto& member : {std::pair{"shampoo", shampoo()}, {"soap", soap()}, {"muon", muon()}}) {
+    const char* name = member.first;
+    const gradapt::shampoo& opt = member.second;  // a reference the lambdas below can capture
     std::size_t whole = 0;
     {
       model<float> m;
