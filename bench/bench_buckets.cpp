@@ -39,7 +39,8 @@
 //     (each bucket's MPI_Ireduce_scatter_block started there; the poll mode calls
 //     comm.progress() between slices), then `reduce()`, which completes them into the shard;
 //     against backward followed by the blocking stage 2 (overlap = false, every gradient marked,
-//     then `reduce()`). exposed / non-overlapped communication as in (b).
+//     then `reduce()`), the backward lasting `backward` times ZeRO-2's own blocking reduction
+//     (measured first). exposed / non-overlapped communication as in (b).
 // Compiled like a consumer's code: plain -O2, no -march.
 #include <mpi.h>
 
@@ -240,6 +241,25 @@ int main(int argc, char** argv) {
       const gradapt::shard::sharded_optimizer zero_block(gradapt::sgd({}), {.buckets = caps});
       auto s_over = zero_over.init(comm, hb, params);
       auto s_block = zero_block.init(comm, hb, params);
+      const auto zero_blocking = [&] {
+        for (const auto t : backward_order) zero_block.mark_ready(comm, hb, params, s_block, t);
+        zero_block.reduce(comm, hb, params, s_block);
+      };
+      // (c)'s backward lasts `backward` times ZeRO-2's own blocking reduction: (b)'s times
+      // `stretch`.
+      double stretch = 1.0, zero_time = 0.0;
+      {
+        std::vector<double> t;
+        for (int it = 0; it < a.iters; ++it) {
+          t.push_back(timed(zero_blocking));
+          zero_block.discard_round(s_block);
+        }
+        zero_time = median(t);
+        MPI_Bcast(&zero_time, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+      }
+      if (rank == 0)
+        std::printf("(c) ZeRO-2: blocking stage-2 reduction %.1f ms, simulated backward %.1f ms\n",
+                    1e3 * zero_time, 1e3 * a.backward * zero_time);
       const auto print_row = [&](wait_mode mode, const char* what, const std::vector<double>& alone,
                                  const std::vector<double>& with_overlap,
                                  const std::vector<double>& non_overlapped) {
@@ -256,7 +276,7 @@ int main(int argc, char** argv) {
           const auto start = clock_type::now();
           for (std::size_t i = 0; i < backward_order.size(); ++i) {
             const auto deadline = start + std::chrono::duration_cast<clock_type::duration>(
-                                              std::chrono::duration<double>(cum[i]));
+                                              std::chrono::duration<double>(stretch * cum[i]));
             if (mode == wait_mode::sleep) {
               std::this_thread::sleep_until(deadline);
             } else if (mode == wait_mode::spin) {
@@ -290,6 +310,7 @@ int main(int argc, char** argv) {
           print_row(mode, in_memory ? "in-place" : "copying", alone, with_overlap, non_overlapped);
         }
         {  // (c) ZeRO-2
+          stretch = zero_time / reduce_time;
           std::vector<double> alone, with_overlap, non_overlapped;
           for (int it = 0; it < a.iters; ++it) {
             alone.push_back(timed([&] { backward([](std::size_t) {}, [] {}); }));
@@ -301,11 +322,11 @@ int main(int argc, char** argv) {
             zero_over.discard_round(s_over);
             non_overlapped.push_back(timed([&] {
               backward([](std::size_t) {}, [] {});
-              for (const auto t : backward_order) zero_block.mark_ready(comm, hb, params, s_block, t);
-              zero_block.reduce(comm, hb, params, s_block);
+              zero_blocking();
             }));
             zero_block.discard_round(s_block);
           }
+          stretch = 1.0;
           print_row(mode, "ZeRO-2", alone, with_overlap, non_overlapped);
         }
       }

@@ -444,6 +444,11 @@ class mpi : private detail::engine_calls<mpi> {
     return theirs;
   }
 
+  /// Starts the non-blocking operation `o` (its call, buffers and local error set) of element
+  /// type T: its fingerprint first with check_sizes, else its data at once.
+  template <element T>
+  request start(std::shared_ptr<detail_mpi::nonblocking_op> o, reduce_op op);
+
   /// Waits (under the watchdog) for the fingerprint of the non-blocking allreduce in flight, if
   /// any, and settles it: posts its data or records its agreement error. Every operation that
   /// posts on this handle calls it first, so the handle's collectives keep one order on every
@@ -660,21 +665,7 @@ requires(!std::is_const_v<T>) mpi::request mpi::iallreduce(tensor_view<T, host_s
   auto o = std::make_shared<detail_mpi::nonblocking_op>();
   o->c = {detail::coll::iallreduce, dtype_of_v<T>, op, 0, static_cast<std::int64_t>(buf.size())};
   o->data = static_cast<void*>(buf.data());
-  o->bytes_per_element = sizeof(T);
-  o->type = detail_mpi::datatype<T>();
-  o->op = detail_mpi::reduction<T>(op);
-  if (!opts_.check_sizes) {
-    post(*o);
-    return request(*this, std::move(o));
-  }
-  settle();  // the previous fingerprint first: one order of collectives on every rank
-  o->words = detail::encode(o->c, true, rank_);
-  ++shared_->calls;
-  check(MPI_Iallreduce(MPI_IN_PLACE, o->words.data(), static_cast<int>(o->words.size()), MPI_INT64_T, MPI_MAX,
-                       comm_, &o->fingerprint),
-        "iallreduce", "MPI_Iallreduce (argument check)");
-  shared_->agreeing = o;
-  return request(*this, std::move(o));
+  return start<T>(std::move(o), op);
 }
 
 template <element T>
@@ -687,10 +678,15 @@ requires(!std::is_const_v<T>) mpi::request mpi::ireduce_scatter(
       args("ireduce_scatter").template scatter<T>(send.data(), send.size(), recv.data(), recv.size(), false);
   o->send = static_cast<const void*>(send.data());
   o->data = static_cast<void*>(recv.data());
+  return start<T>(std::move(o), op);
+}
+
+template <element T>
+mpi::request mpi::start(std::shared_ptr<detail_mpi::nonblocking_op> o, reduce_op op) {
   o->bytes_per_element = sizeof(T);
   o->type = detail_mpi::datatype<T>();
   o->op = detail_mpi::reduction<T>(op);
-  if (!opts_.check_sizes) {
+  if (!opts_.check_sizes) {  // a local argument error stays local, as for the blocking calls
     if (!o->bad.empty()) throw error(o->bad);
     settle();
     post(*o);
@@ -701,7 +697,7 @@ requires(!std::is_const_v<T>) mpi::request mpi::ireduce_scatter(
   ++shared_->calls;
   check(MPI_Iallreduce(MPI_IN_PLACE, o->words.data(), static_cast<int>(o->words.size()), MPI_INT64_T, MPI_MAX,
                        comm_, &o->fingerprint),
-        "ireduce_scatter", "MPI_Iallreduce (argument check)");
+        detail::coll_name(o->c.kind), "MPI_Iallreduce (argument check)");
   shared_->agreeing = o;
   return request(*this, std::move(o));
 }

@@ -137,48 +137,25 @@ struct checkpoint_reader {
   /// Reads every field of the open section (an old slice of a tensor this rank holds no part
   /// of: the archive's CRC covers it, and `finish` wants every field read).
   static void consume_section(archive_reader& rd) {
-    for (const std::string& f : rd.names()) {
-      switch (rd.type(f)) {
-        case archive_field::u64:
-          (void)rd.get<std::uint64_t>(f);
-          break;
-        case archive_field::i64:
-          (void)rd.get<std::int64_t>(f);
-          break;
-        case archive_field::f64:
-          (void)rd.get<double>(f);
-          break;
-        case archive_field::boolean:
-          (void)rd.get<bool>(f);
-          break;
-        case archive_field::string:
-          (void)rd.get<std::string>(f);
-          break;
-        case archive_field::tensor:
-          switch (rd.tensor_info(f).element) {
-            case archive_element::float32:
-              (void)rd.get_tensor<float>(f);
-              break;
-            case archive_element::float64:
-              (void)rd.get_tensor<double>(f);
-              break;
-            case archive_element::i64:
-              (void)rd.get_tensor<std::int64_t>(f);
-              break;
-            case archive_element::u64:
-              (void)rd.get_tensor<std::uint64_t>(f);
-              break;
-            default:
-              gradapt::detail::fail("sharded optimizer load: field '", f,
-                                    "' of a preconditioner slice holds ", name(rd.tensor_info(f).element),
-                                    " elements (expected float, double or integers)");
-          }
-          break;
-        default:
-          gradapt::detail::fail("sharded optimizer load: field '", f, "' has an unknown type");
-      }
+    for (const std::string& f : rd.names()) {  // the types a slice writes (shampoo_checkpoint.hpp)
+      const archive_field t = rd.type(f);
+      const auto e = t == archive_field::tensor ? rd.tensor_info(f).element : archive_element::u64;
+      if (t == archive_field::u64)
+        (void)rd.get<std::uint64_t>(f);
+      else if (t == archive_field::boolean)
+        (void)rd.get<bool>(f);
+      else if (t == archive_field::tensor && e == archive_element::i64)
+        (void)rd.get_tensor<std::int64_t>(f);
+      else if (t == archive_field::tensor && e == archive_element::float32)
+        (void)rd.get_tensor<float>(f);
+      else if (t == archive_field::tensor && e == archive_element::float64)
+        (void)rd.get_tensor<double>(f);
+      else
+        gradapt::detail::fail("sharded optimizer load: field '", f,
+                              "' of a preconditioner slice has a type no slice writes");
     }
   }
+
 
   /// Reads tensor field `name` into `out`, which holds one field at a time: a buffer that
   /// must grow is released first, so reading never holds two pieces' values.
