@@ -156,7 +156,6 @@ struct checkpoint_reader {
     }
   }
 
-
   /// Reads tensor field `name` into `out`, which holds one field at a time: a buffer that
   /// must grow is released first, so reading never holds two pieces' values.
   template <class T>
