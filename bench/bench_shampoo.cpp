@@ -33,7 +33,8 @@
 //                     l = max side) at gemm_gflops, muon_ratio = muon_s / muon_gemm_s.
 //   eigenbasis_refresh SOAP's refresh of all 64 blocks' bases: a step that refreshes minus one
 //                     that does not, with eigh and with one QR iteration (warm-started from the
-//                     eigh bases). Counters: eigh_s, qr_s, ratio = qr_s / eigh_s.
+//                     bases of the refresh before; step 1 starts it from the identity).
+//                     Counters: eigh_s, qr_s, ratio = qr_s / eigh_s.
 #include <benchmark/benchmark.h>
 #include <time.h>
 

@@ -152,6 +152,12 @@ gradapt_add_test(test_train_resize GROUP core SOURCES test_train_resize.cpp)
 gradapt_add_test(test_train_hetero GROUP core SOURCES test_train_hetero.cpp)
 gradapt_add_test(test_train_zero GROUP core SOURCES test_train_zero.cpp)
 gradapt_add_test(test_train_combinations GROUP core SOURCES test_train_combinations.cpp)
+gradapt_add_test(test_train_device_path GROUP core SOURCES test_train_device_path.cpp)
+# comm::nccl's own code on host threads through the stand-in for NCCL and the CUDA runtime in
+# support/fake_nccl (first on this test's include path, so its own executable; LIBS keeps it off
+# the shared precompiled header, which is built with the ordinary include path).
+gradapt_add_test(test_nccl_host SOURCES test_nccl_host.cpp LIBS Threads::Threads)
+target_include_directories(test_nccl_host BEFORE PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/support/fake_nccl)
 # One rank's different option is an error on every rank naming it: bucket reducer, hierarchy,
 # sharded optimizer.
 gradapt_add_test(test_option_agreement GROUP core SOURCES test_option_agreement.cpp)

@@ -40,19 +40,7 @@ namespace {
 
 const gradapt::comm::threads_options quick{.timeout = std::chrono::seconds(20)};
 
-/// The same tensors, flags and groups as `params`, as device-tagged views.
-template <class V, class G>
-gradapt::param_list<V, G, device_space> on_device(const gradapt::param_list<V, G>& params) {
-  gradapt::param_list<V, G, device_space> out(params.group(0).options);
-  for (std::size_t g = 1; g < params.group_count(); ++g)
-    out.add_group(params.group(g).name, params.group(g).options);
-  for (std::size_t t = 0; t < params.size(); ++t) {
-    const auto& e = params[t];
-    out.add(e.name, gradapt::tensor_view<V, device_space>(e.value.data(), e.value.shape()),
-            gradapt::tensor_view<G, device_space>(e.grad.data(), e.grad.shape()), e.flags, e.group);
-  }
-  return out;
-}
+using host_as_device::on_device;
 
 /// Steps 1..3 sharded through the device path (stage 1, or stage 2 marking in reverse order),
 /// a save and a load on the same ranks, step 4: every step bitwise the unsharded host chain.

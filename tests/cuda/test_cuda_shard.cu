@@ -22,6 +22,7 @@
 #include "gradapt/optim/adamw.hpp"
 #include "gradapt/optim/lamb.hpp"
 #include "gradapt/shard/optimizer.hpp"
+#include "nccl_one_rank.cuh"
 
 namespace gradapt_test_cuda_shard {
 
@@ -32,22 +33,7 @@ using gradapt::shard::sharded_options;
 
 namespace {
 
-/// A one-rank NCCL communicator on device 0 and its stream.
-struct one_rank {
-  ncclComm_t handle = nullptr;
-  cudaStream_t stream = nullptr;
-  one_rank() {
-    GRADAPT_CUDA_CHECK(cudaStreamCreate(&stream));
-    int dev = 0;
-    REQUIRE(ncclCommInitAll(&handle, 1, &dev) == ncclSuccess);
-  }
-  ~one_rank() {
-    ncclCommDestroy(handle);
-    cudaStreamDestroy(stream);
-  }
-  one_rank(const one_rank&) = delete;
-  one_rank& operator=(const one_rank&) = delete;
-};
+using one_rank = nccl_one_rank;
 
 /// Tensors of 7 to 9000 elements, values and gradients multiples of 2^-10.
 template <class T>

@@ -4,7 +4,9 @@
 // any backend whose space is not the host's (the CUDA + NCCL path) runs through it on the host,
 // with its own branches (agreements staged through backend buffers, copies between the
 // spaces, no host-only shortcuts), on 1 to 8 ranks, where no GPU is available.
+#include <array>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <ranges>
 #include <span>
@@ -14,6 +16,7 @@
 
 #include "gradapt/backend/host.hpp"
 #include "gradapt/comm/threads.hpp"
+#include "gradapt/core/param_list.hpp"
 
 namespace host_as_device {
 
@@ -86,21 +89,21 @@ struct backend {
   void apply_reduce_list(F f, tensor_view<double, device_space> per_tensor, const Ls&... lists) const {
     (void)h.apply_reduce_list(f, std::span<double>(per_tensor.data(), per_tensor.size()), on_host(lists)...);
   }
-  template <class... A>
-  void reduce_factored(A&&... a) const {
-    h.reduce_factored(on_host(std::forward<A>(a))...);
+  template <class F, class... A>
+  void reduce_factored(F f, std::array<std::int64_t, 5> d, A&&... a) const {
+    h.reduce_factored(f, d, on_host(std::forward<A>(a))...);
   }
-  template <class... A>
-  double apply_factored(A&&... a) const {
-    return h.apply_factored(on_host(std::forward<A>(a))...);
+  template <class F, class... A>
+  double apply_factored(F f, std::array<std::int64_t, 5> d, A&&... a) const {
+    return h.apply_factored(f, d, on_host(std::forward<A>(a))...);
   }
-  template <class... A>
-  void apply_factored_sum(A&&... a) const {
-    h.apply_factored_sum(on_host(std::forward<A>(a))...);
+  template <class F, class... A>
+  void apply_factored_sum(F f, std::array<std::int64_t, 5> d, A&&... a) const {
+    h.apply_factored_sum(f, d, on_host(std::forward<A>(a))...);
   }
-  template <class... A>
-  void apply_factored_max(A&&... a) const {
-    h.apply_factored_max(on_host(std::forward<A>(a))...);
+  template <class F, class... A>
+  void apply_factored_max(F f, std::array<std::int64_t, 5> d, A&&... a) const {
+    h.apply_factored_max(f, d, on_host(std::forward<A>(a))...);
   }
   template <gradapt::element T>
   std::vector<T> allocate(std::size_t n) const {
@@ -149,5 +152,19 @@ struct comm {
   comm split(int, int) { throw gradapt::error("host_as_device::comm::split is not provided"); }
   void barrier() { c->barrier(); }
 };
+
+/// The same tensors, flags and groups as `params`, as device-tagged views.
+template <class V, class G>
+gradapt::param_list<V, G, device_space> on_device(const gradapt::param_list<V, G>& params) {
+  gradapt::param_list<V, G, device_space> out(params.group(0).options);
+  for (std::size_t g = 1; g < params.group_count(); ++g)
+    out.add_group(params.group(g).name, params.group(g).options);
+  for (std::size_t t = 0; t < params.size(); ++t) {
+    const auto& e = params[t];
+    out.add(e.name, tensor_view<V, device_space>(e.value.data(), e.value.shape()),
+            tensor_view<G, device_space>(e.grad.data(), e.grad.shape()), e.flags, e.group);
+  }
+  return out;
+}
 
 }  // namespace host_as_device

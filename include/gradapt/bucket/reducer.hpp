@@ -43,6 +43,13 @@
 /// rank with another plan throws on every rank instead of mixing buckets. The per-bucket
 /// collectives follow from that agreed plan; on MPI each non-blocking one still carries its
 /// own fingerprint (see `comm::mpi::iallreduce`).
+///
+/// Device memory (`comm::nccl` with the CUDA backend as `B`): the fused buffers come from the
+/// backend (`allocate`), the packing copies and the mean are backend element operations and
+/// the agreement travels through a backend buffer. NCCL's collectives are enqueued on the
+/// communicator's stream and return at once, so each bucket's allreduce is ordered after the
+/// gradients written before `mark_ready` on that stream and runs while the host goes on
+/// (the blocking path above, without a host wait).
 
 #include <algorithm>
 #include <concepts>
@@ -92,18 +99,22 @@ struct request_of<Comm, T> {
 };
 }  // namespace detail
 
-/// Reduces the gradients `grads` (host views of element type T, in registration order) across
-/// the ranks of `comm` through `plan` (see the file comment).
-template <class Comm, class T>
-requires communicator<Comm> && std::same_as<typename Comm::space, host_space> && element<T>
+/// Reduces the gradients `grads` (views of element type T in the communicator's memory, in
+/// registration order) across the ranks of `comm` through `plan` (see the file comment). `B`
+/// is the backend of that memory (gradapt::host, or the CUDA backend with comm::nccl).
+template <class Comm, class T, class B = host>
+requires communicator<Comm> && element<T> && std::same_as<typename Comm::space, typename B::space>
 class reducer {
  public:
+  /// The memory space of the gradients and buffers.
+  using space = typename Comm::space;
+
   /// Builds the fused buffers of `plan` for `grads`. Collective (one small allreduce).
   /// @throws gradapt::error on every rank when a rank's plan or options differ; on this rank
   ///         when `grads` does not match the plan (count, sizes, element type)
-  reducer(Comm& comm, bucket_plan plan, std::vector<tensor_view<T, host_space>> grads,
-          const reducer_options& o = {})
-      : comm_(&comm), plan_(std::move(plan)), grads_(std::move(grads)), opt_(o) {
+  reducer(Comm& comm, bucket_plan plan, std::vector<tensor_view<T, space>> grads,
+          const reducer_options& o = {}, const B& backend = B{})
+      : comm_(&comm), backend_(backend), plan_(std::move(plan)), grads_(std::move(grads)), opt_(o) {
     std::string bad;
     if (grads_.size() != plan_.tensors())
       bad = error_text("the plan has ", plan_.tensors(), " tensors but ", grads_.size(),
@@ -122,13 +133,12 @@ class reducer {
     for (const auto& k : plan_.buckets())
       for (std::size_t i = 0; i < k.tensors.size(); ++i)
         h = (h * 1099511ULL + k.tensors[i] * 7919ULL + k.offsets[i]) % (std::uint64_t{1} << 50);
-    agree_values(comm, "bucket::reducer",
-                 {{"buckets", static_cast<double>(plan_.buckets().size())},
-                  {"tensors", static_cast<double>(plan_.tensors())},
-                  {"bucket layout (fingerprint)", static_cast<double>(h)},
-                  {"reducer_options::average", opt_.average ? 1.0 : 0.0},
-                  {"reducer_options::overlap", opt_.overlap ? 1.0 : 0.0}},
-                 bad);
+    const agreed_value agreed[] = {{"buckets", static_cast<double>(plan_.buckets().size())},
+                                   {"tensors", static_cast<double>(plan_.tensors())},
+                                   {"bucket layout (fingerprint)", static_cast<double>(h)},
+                                   {"reducer_options::average", opt_.average ? 1.0 : 0.0},
+                                   {"reducer_options::overlap", opt_.overlap ? 1.0 : 0.0}};
+    agree_values(comm, backend_, "bucket::reducer", std::span<const agreed_value>(agreed), bad);
     fused_.resize(plan_.buckets().size());
     in_place_.assign(plan_.buckets().size(), 0);
     if constexpr (can_overlap) requests_.resize(plan_.buckets().size());
@@ -140,7 +150,7 @@ class reducer {
       for (std::size_t i = 1; contiguous && i < k.tensors.size(); ++i)
         contiguous = grads_[k.tensors[i]].data() == first + k.offsets[i];
       in_place_[b] = contiguous ? 1 : 0;
-      if (!contiguous) fused_[b].resize(k.elements);
+      if (!contiguous) fused_[b] = backend_.template allocate<T>(k.elements);
     }
     ready_.assign(grads_.size(), 0);
     start_round();
@@ -254,7 +264,13 @@ class reducer {
       const auto& k = plan_.buckets()[b];
       for (std::size_t i = 0; i < k.tensors.size(); ++i) {
         const auto& g = grads_[k.tensors[i]];
-        std::copy_n(g.data(), g.size(), buf.data() + k.offsets[i]);
+        if constexpr (on_host)
+          std::copy_n(g.data(), g.size(), buf.data() + k.offsets[i]);
+        else
+          backend_.apply(
+              gradapt::detail::copy_to{},
+              tensor_view<T, space>::vector(buf.data() + k.offsets[i], static_cast<std::int64_t>(g.size())),
+              tensor_view<const T, space>(g));
       }
     }
     if constexpr (can_overlap)
@@ -280,20 +296,25 @@ class reducer {
     unpack(b);
   }
   /// Bucket b's collective buffer: the gradients' own memory in place, else its fused buffer.
-  tensor_view<T, host_space> buffer(std::size_t b) {
-    if (in_place_[b])
-      return tensor_view<T, host_space>::vector(grads_[plan_.buckets()[b].tensors[0]].data(),
-                                                static_cast<std::int64_t>(plan_.buckets()[b].elements));
-    return host_view(fused_[b]);
+  tensor_view<T, space> buffer(std::size_t b) {
+    const auto n = static_cast<std::int64_t>(plan_.buckets()[b].elements);
+    if (in_place_[b]) return tensor_view<T, space>::vector(grads_[plan_.buckets()[b].tensors[0]].data(), n);
+    return tensor_view<T, space>::vector(fused_[b].data(), n);
   }
   /// Writes bucket b's result back into its gradients, divided by N when averaging and
   /// `divide` (false: the collective has divided already). The division is
-  /// detail::divide_by_ranks through the host backend's element loop (vectorised at plain
-  /// -O2), as the train step's allreduce_mean divides, so the bits are the same.
+  /// detail::divide_by_ranks through the backend's element loop (on the host one thread,
+  /// vectorised at plain -O2), as the train step's allreduce_mean divides, so the bits are the
+  /// same.
   void unpack(std::size_t b, bool divide = true) {
     const auto& k = plan_.buckets()[b];
     const bool average = opt_.average && divide;
-    const host one{.threads = 1};  // a rank's own thread: the reducer runs inside a rank
+    const auto one = [&] {
+      if constexpr (on_host)
+        return host{.threads = 1};  // a rank's own thread: the reducer runs inside a rank
+      else
+        return backend_;
+    }();
     const gradapt::detail::divide_by_ranks mean{comm_->size()};
     if (in_place_[b]) {
       if (average) one.apply(mean, buffer(b));
@@ -303,23 +324,28 @@ class reducer {
     for (std::size_t i = 0; i < k.tensors.size(); ++i) {
       const auto& g = grads_[k.tensors[i]];
       const T* src = f.data() + k.offsets[i];
+      const auto from = tensor_view<const T, space>::vector(src, static_cast<std::int64_t>(g.size()));
       if (average)
-        one.apply(mean, g,
-                  tensor_view<const T, host_space>::vector(src, static_cast<std::int64_t>(g.size())));
-      else
+        one.apply(mean, g, from);
+      else if constexpr (on_host)
         std::copy_n(src, g.size(), g.data());
+      else
+        one.apply(gradapt::detail::copy_to{}, g, from);
     }
   }
 
   static constexpr bool can_overlap = nonblocking_allreduce_communicator<Comm>;
+  static constexpr bool on_host = std::same_as<space, host_space>;
   using request_type = typename detail::request_of<Comm, T>::type;
+  using buffer_type = decltype(std::declval<const B&>().template allocate<T>(std::size_t{}));
 
   Comm* comm_;
+  B backend_;
   bucket_plan plan_;
-  std::vector<tensor_view<T, host_space>> grads_;
+  std::vector<tensor_view<T, space>> grads_;
   reducer_options opt_;
-  std::vector<std::vector<T>> fused_;  ///< per bucket; empty for a bucket reduced in place
-  std::vector<char> in_place_;         ///< per bucket: its gradients lie in its layout
+  std::vector<buffer_type> fused_;  ///< per bucket; empty for a bucket reduced in place
+  std::vector<char> in_place_;      ///< per bucket: its gradients lie in its layout
   std::vector<std::size_t> missing_;
   std::vector<char> ready_;
   std::vector<request_type> requests_;  ///< per bucket (overlapping path only)

@@ -152,6 +152,26 @@ void agree_values_with(C& comm, std::string_view who, std::span<const agreed_val
   for (std::size_t i = 0; i < shared.size(); ++i) shared[i] = v[base + i];
 }
 
+/// agree_values_and_share's body with the allreduce(max) of its words done by `allreduce_max`.
+template <class C, class R>
+void agree_and_share_with(C& comm, std::string_view who, std::span<const agreed_value> values,
+                          std::span<const double> share, std::span<double> shared,
+                          const std::string& local_error, std::vector<double>* workspace, R&& allreduce_max) {
+  detail::require(shared.size() == share.size() * static_cast<std::size_t>(comm.size()), who, " on rank ",
+                  comm.rank(), ": agree_values_and_share: ", shared.size(), " words for ", share.size(),
+                  " values from each of ", comm.size(), " ranks");
+  std::string bad = local_error;
+  std::vector<double> clean;
+  for (const double x : share) {
+    if (std::isfinite(x)) continue;
+    if (bad.empty())
+      bad = detail::message(who, " on rank ", comm.rank(), ": a shared value is ", x, " (expected finite)");
+    clean.assign(share.size(), 0.0);
+  }
+  if (!clean.empty()) share = clean;
+  agree_values_with(comm, who, values, bad, allreduce_max, share, shared, workspace);
+}
+
 }  // namespace detail
 
 /// Checks that every rank of `comm` entered operation `who` (e.g. "local_sgd") with the same
@@ -185,25 +205,24 @@ requires std::same_as<typename C::space, host_space>
 void agree_values_and_share(C& comm, std::string_view who, std::span<const agreed_value> values,
                             std::span<const double> share, std::span<double> shared,
                             const std::string& local_error = {}, std::vector<double>* workspace = nullptr) {
-  detail::require(shared.size() == share.size() * static_cast<std::size_t>(comm.size()), who, " on rank ",
-                  comm.rank(), ": agree_values_and_share: ", shared.size(), " words for ", share.size(),
-                  " values from each of ", comm.size(), " ranks");
-  std::string bad = local_error;
-  std::vector<double> clean;
-  for (const double x : share) {
-    if (std::isfinite(x)) continue;
-    if (bad.empty())
-      bad = detail::message(who, " on rank ", comm.rank(), ": a shared value is ", x, " (expected finite)");
-    clean.assign(share.size(), 0.0);
-  }
-  if (!clean.empty()) share = clean;
-  detail::agree_values_with(
-      comm, who, values, bad,
-      [&](std::span<double> v) {
+  detail::agree_and_share_with(
+      comm, who, values, share, shared, local_error, workspace, [&](std::span<double> v) {
         comm.allreduce(tensor_view<double, host_space>::vector(v.data(), static_cast<std::int64_t>(v.size())),
                        reduce_op::max);
-      },
-      share, shared, workspace);
+      });
+}
+
+/// agree_values_and_share on any communicator: the words travel through a buffer of backend
+/// `b` in the communicator's memory space (copied in and out; on CUDA the copy back waits for
+/// the stream), otherwise as above.
+template <class C, class B>
+requires std::same_as<typename C::space, typename B::space>
+void agree_values_and_share(C& comm, const B& b, std::string_view who, std::span<const agreed_value> values,
+                            std::span<const double> share, std::span<double> shared,
+                            const std::string& local_error = {}, std::vector<double>* workspace = nullptr) {
+  detail::agree_and_share_with(
+      comm, who, values, share, shared, local_error, workspace,
+      [&](std::span<double> v) { detail::allreduce_host_values(comm, b, v, reduce_op::max); });
 }
 
 /// agree_values on any communicator: the values travel through a buffer of backend `b` in the

@@ -18,12 +18,17 @@
 /// - **Argument checks.** Everything that can be checked locally is: a root or peer outside
 ///   `[0, size())`, `recv.size() != size() * send.size()` (allgather),
 ///   `send.size() != size() * recv.size()` (reduce_scatter), unequal exchange sizes, a negative
-///   split color, overlapping buffers. Whether *other* ranks pass the same sizes cannot be
-///   checked cheaply on a stream: it needs a device round trip and a host synchronisation per
-///   call. It is therefore off by default (a mismatch then hangs NCCL or corrupts memory) and
-///   available for debugging with `nccl_options{.check_sizes = true}`, which runs one tiny
-///   `ncclAllReduce` (or, for exchange, a send/recv of the size) and synchronises the stream
-///   before the operation, so that all ranks throw together with both sizes named.
+///   split color, overlapping buffers.
+/// - **Agreement across ranks (on by default).** Before each collective the ranks agree on its
+///   fingerprint (which collective, element type, reduction, root, count, and whether each
+///   rank's own arguments were valid) with one tiny `ncclAllReduce` (MAX of the fields and their
+///   negations; for exchange, a send/recv of the size), as `comm::mpi` does; on a difference
+///   every rank throws, naming the collective, the field, and its range across ranks, instead of
+///   entering an NCCL collective whose calls do not match (which hangs or corrupts memory). The
+///   cost: the fingerprint's round trip through a device scratch buffer and a host wait for the
+///   stream before the collective is enqueued, so the host does not run ahead of the device
+///   past a collective. `nccl_options{.check_sizes = false}` turns it off, once a program's
+///   collectives are known to match.
 /// - **Empty buffers.** A zero-element operation enqueues nothing (after the optional check).
 /// - **Host-side watchdog.** What waits on the host (`barrier`, `split`, the argument check)
 ///   polls the stream for at most `nccl_options::timeout` seconds, then aborts the
@@ -59,12 +64,13 @@
 namespace gradapt::comm {
 
 /// Options of the NCCL communicator, built with designated initialisers:
-/// `gradapt::comm::nccl comm{handle, stream, {.check_sizes = true}}`.
+/// `gradapt::comm::nccl comm{handle, stream, {.check_sizes = false}}`.
 struct nccl_options {
-  /// Before each operation, agree with the other ranks on sizes, roots and argument validity
-  /// (one tiny collective plus a stream synchronisation per call), so a mismatch makes every
-  /// rank throw instead of hanging. For debugging; off by default.
-  bool check_sizes = false;
+  /// Before each operation, agree with the other ranks on its fingerprint (collective, element
+  /// type, reduction, root, count, argument validity: one tiny collective plus a stream
+  /// synchronisation per call), so a mismatch makes every rank throw instead of hanging. On by
+  /// default; every rank must pass the same value.
+  bool check_sizes = true;
   /// Host-side watchdog of the operations that wait on the host (`barrier`, `split` and the
   /// argument check): the longest, in seconds, the host polls the stream for them. Past it the
   /// communicator is aborted (`ncclCommAbort`, as PyTorch's NCCL watchdog does) and the call

@@ -67,6 +67,15 @@ constexpr std::string_view name(reduction r) {
 constexpr std::string_view name(reduce_op r) { return r == reduce_op::sum ? "sum" : "max"; }
 
 namespace detail {
+/// dst = src in the compute type (a value copy through the backend's element loop, for memory
+/// a host loop cannot touch; a 16-bit signalling NaN becomes quiet).
+struct copy_to {
+  template <class C>
+  GRADAPT_HD void operator()(C& dst, const C& src) const {
+    dst = src;
+  }
+};
+
 /// g ← g / n in the compute type: the data-parallel mean after a summing collective (the train
 /// step's `allreduce_mean`, the bucket reducer and the sharded step share it, so their means
 /// have the same bits).

@@ -643,7 +643,9 @@ class chain {
       const auto& k0 = detail::slot<0>(kernels);
       const auto g = tensor_view<const G, space>(st.g_const_[k]);
       if constexpr (fused_maxima) {
-        if (f.factored && bb.thread_count() == 1) {
+        bool one_thread = true;  // a backend without threads of its own (CUDA) runs it as one pass
+        if constexpr (requires { bb.thread_count(); }) one_thread = bb.thread_count() == 1;
+        if (f.factored && one_thread) {
           stage.factors(bb, f, st.mut_[0][k], ws);
           if (f.variant)
             max_tensor_pass<E, true>(bb, params, st, kernels, k, slot);

@@ -536,6 +536,20 @@ class loss_scaler : public archived_state<loss_scaler, loss_scaler_state>,
     return update(agree(comm, found, err, "loss_scaler::decide"));
   }
 
+  /// `decide` on any communicator: the agreement travels through a buffer of backend `b` in
+  /// the communicator's memory space (copied in and out; on CUDA the copy back waits for the
+  /// stream). Pass the count, or a flag (1 when any element was not finite, from
+  /// `unscale_flag_nonfinite` brought to the host), as `found`.
+  template <communicator C, backend B>
+  requires std::same_as<typename C::space, typename B::space>
+  [[nodiscard]] bool decide(C& comm, const B& b, double found, const std::string& local_error = {}) {
+    std::string err = local_error;
+    if (err.empty() && !(std::isfinite(found) && found >= 0.0))
+      err = detail::message("loss_scaler::decide on rank ", comm.rank(), ": found is ", found,
+                            " (expected this rank's count of non-finite gradient elements, finite and >= 0)");
+    return update(agree(comm, found, err, "loss_scaler::decide", &b));
+  }
+
   /// Applies one step of the rule with an overflow decision made elsewhere (every rank must
   /// pass the same value). Returns !found_inf: whether the optimizer should step.
   /// @throws gradapt::error on an overflow at min_scale (state unchanged)
@@ -644,13 +658,17 @@ class loss_scaler : public archived_state<loss_scaler, loss_scaler_state>,
   /// A third summed value, the operation's tag, tells a rank whose sum met another operation's
   /// collective of the same size (its flag would be someone's gradient) that the ranks are out
   /// of step. On the first call the options are agreed too (gradapt::agree_values).
-  template <class C>
-  bool agree(C& comm, double found, const std::string& local_error, const char* fn) {
+  /// With a backend `b` (any memory space), the words travel through its buffer.
+  template <class C, class B = std::nullptr_t>
+  bool agree(C& comm, double found, const std::string& local_error, const char* fn, const B* b = nullptr) {
     constexpr double tag =
         1.0 + static_cast<double>(static_cast<std::uint64_t>(detail::operation_tag("loss_scaler::unscale")) %
                                   (1u << 20));
     double buf[3] = {local_error.empty() ? found : 0.0, local_error.empty() ? 0.0 : 1.0, tag};
-    comm.allreduce(tensor_view<double, host_space>::vector(buf, 3), reduce_op::sum);
+    if constexpr (std::is_same_v<B, std::nullptr_t>)
+      comm.allreduce(tensor_view<double, host_space>::vector(buf, 3), reduce_op::sum);
+    else
+      detail::allreduce_host_values(comm, *b, std::span<double>(buf, 3), reduce_op::sum);
     if (!local_error.empty()) throw error(local_error);
     detail::require(buf[2] == tag * comm.size() && buf[1] == std::floor(buf[1]) && buf[1] >= 0.0, fn,
                     " on rank ", comm.rank(),
@@ -659,17 +677,21 @@ class loss_scaler : public archived_state<loss_scaler, loss_scaler_state>,
     detail::require(buf[1] == 0.0, fn, " on rank ", comm.rank(), ": ", buf[1],
                     " other rank(s) passed invalid input (see the error raised on those ranks)");
     if (!options_agreed_) {
-      agree_values(comm, "loss_scaler::unscale",
-                   {{"loss_scaler_options::init_scale", opt_.init_scale},
-                    {"loss_scaler_options::growth_factor", opt_.growth_factor},
-                    {"loss_scaler_options::backoff_factor", opt_.backoff_factor},
-                    {"loss_scaler_options::growth_interval", static_cast<double>(opt_.growth_interval)},
-                    {"loss_scaler_options::hysteresis", static_cast<double>(opt_.hysteresis)},
-                    {"loss_scaler_options::consecutive_hysteresis", opt_.consecutive_hysteresis ? 1.0 : 0.0},
-                    {"loss_scaler_options::min_scale", opt_.min_scale},
-                    {"loss_scaler_options::max_scale", opt_.max_scale},
-                    {"loss scale", st_.scale},
-                    {"updates", static_cast<double>(st_.steps)}});
+      const agreed_value opts[] = {
+          {"loss_scaler_options::init_scale", opt_.init_scale},
+          {"loss_scaler_options::growth_factor", opt_.growth_factor},
+          {"loss_scaler_options::backoff_factor", opt_.backoff_factor},
+          {"loss_scaler_options::growth_interval", static_cast<double>(opt_.growth_interval)},
+          {"loss_scaler_options::hysteresis", static_cast<double>(opt_.hysteresis)},
+          {"loss_scaler_options::consecutive_hysteresis", opt_.consecutive_hysteresis ? 1.0 : 0.0},
+          {"loss_scaler_options::min_scale", opt_.min_scale},
+          {"loss_scaler_options::max_scale", opt_.max_scale},
+          {"loss scale", st_.scale},
+          {"updates", static_cast<double>(st_.steps)}};
+      if constexpr (std::is_same_v<B, std::nullptr_t>)
+        agree_values(comm, "loss_scaler::unscale", std::span<const agreed_value>(opts));
+      else
+        agree_values(comm, *b, "loss_scaler::unscale", std::span<const agreed_value>(opts));
       options_agreed_ = true;
     }
     return buf[0] > 0.0;

@@ -290,17 +290,17 @@ class sharded_optimizer {
 
   /// Σ g² over this rank's averaged gradient shard (after `reduce`), in double: the ranks'
   /// values add up to |ḡ|², the squared norm of the averaged gradient (summed in another order
-  /// than one pass over the whole gradient, so equal to it to rounding). Host memory.
+  /// than one pass over the whole gradient, so equal to it to rounding). Any memory space (on
+  /// CUDA each piece's reduction waits for the stream).
   template <class B, class V, class G, class M, class S, class Options>
-  requires std::same_as<typename B::space, host_space>
   double gradient_sum_squares(const B& b, const sharded_state<Chain, B, V, G, M, S, Options>& s) const {
     gradapt::detail::require(s.reduced_, "shard::sharded_optimizer::gradient_sum_squares on rank ", s.rank_,
                              ": the gradients of this step are not reduced yet (call reduce() first)");
     double sum = 0.0;
     for (const piece& q : s.plan_.pieces(s.rank_))
       sum += b.reduce(reduction::sum_squares,
-                      tensor_view<const G, host_space>::vector(s.grad_.data() + q.shard_offset,
-                                                               static_cast<std::int64_t>(q.length)));
+                      tensor_view<const G, typename B::space>::vector(s.grad_.data() + q.shard_offset,
+                                                                      static_cast<std::int64_t>(q.length)));
     return sum;
   }
 

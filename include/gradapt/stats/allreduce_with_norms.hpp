@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "gradapt/backend/concepts.hpp"
+#include "gradapt/comm/agree.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/ops.hpp"
@@ -31,8 +32,10 @@ concept communicator_with_norms = requires(C& c, tensor_view<T, typename C::spac
 ///
 /// Cost: a communicator that satisfies `communicator_with_norms` (comm::threads) computes
 /// both norms while it reduces, with no extra pass over memory and no extra collective. Any
-/// other host communicator (MPI) gets two read passes on `backend` (before and after) and one
-/// two-double allreduce; both results are then the same on every rank.
+/// other communicator (MPI; NCCL with the CUDA backend) gets two read passes on `backend`
+/// (before and after) and one one-double allreduce (on a device communicator through a
+/// backend buffer: the reads and the copy back wait for the stream); both results are then
+/// the same on every rank.
 ///
 /// Pass the gradient bucket (the flat buffer the framework allreduces); for a list of
 /// separate tensors, call once per bucket and add the fields.
@@ -44,14 +47,10 @@ requires communicator<C> && std::same_as<typename C::space, typename B::space> &
     (void)backend;
     return comm.allreduce_with_norms(buf);
   } else {
-    static_assert(std::same_as<typename C::space, host_space>,
-                  "gradapt::allreduce_with_norms: a device communicator without allreduce_with_norms "
-                  "needs the norms reduced on the device by the caller (backend.reduce_to), then "
-                  "gradient_noise_scale::update_reduced");
     const tensor_view<const T, typename C::space> in = buf;
     double stats[2] = {backend.reduce(reduction::sum_squares, in), 0.0};
     comm.allreduce(buf, reduce_op::sum);
-    comm.allreduce(tensor_view<double, host_space>::vector(stats, 1), reduce_op::sum);
+    detail::allreduce_host_values(comm, backend, std::span<double>(stats, 1), reduce_op::sum);
     stats[1] = backend.reduce(reduction::sum_squares, in);
     return {stats[0], stats[1]};
   }

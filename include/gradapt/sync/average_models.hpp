@@ -90,12 +90,13 @@ constexpr std::uint64_t ring_allreduce_bytes(std::uint64_t payload, int ranks) {
 ///
 /// Each tensor is one in-place `comm.allreduce(·, sum)` (in list order, tensors in order), then
 /// each list gets one `b.apply_list` that divides by N in the compute type. Every rank must
-/// pass the same lists (same tensor count, sizes and element types, in the same order): on a
-/// host communicator one small allreduce first agrees on the tensor count and bytes
+/// pass the same lists (same tensor count, sizes and element types, in the same order): one
+/// small allreduce (on a device communicator through a buffer of `b`) first agrees on the
+/// tensor count and bytes
 /// (gradapt::agree_values), so a rank with a tensor more or less makes every rank throw
 /// instead of leaving one waiting; then the communicator checks each tensor's size and type
-/// (comm::threads always; comm::mpi with `check_sizes`; comm::nccl with its debug
-/// `check_sizes`). With one rank nothing is sent and nothing changes.
+/// (comm::threads always; comm::mpi with `check_sizes`; comm::nccl with
+/// `check_sizes`, both on by default). With one rank nothing is sent and nothing changes.
 ///
 /// Rounding: the communicator forms the sum (comm::threads accumulates in the compute type in
 /// rank order and rounds to the storage type once; comm::mpi on 16-bit types rounds at each
@@ -120,11 +121,11 @@ requires std::same_as<typename C::space, typename B::space> &&
   static_assert(sizeof...(Ls) > 0, "gradapt::average_models needs at least one list of tensors");
   const int n = comm.size();
   if (n > 1) {
-    if constexpr (std::same_as<typename C::space, host_space>) {
+    {
       const auto tensors = (std::uint64_t{0} + ... + detail::sync::list_tensors(lists));
-      agree_values(comm, "average_models",
-                   {{"tensors", static_cast<double>(tensors)},
-                    {"bytes", static_cast<double>(payload_bytes(lists...))}});
+      const agreed_value v[] = {{"tensors", static_cast<double>(tensors)},
+                                {"bytes", static_cast<double>(payload_bytes(lists...))}};
+      agree_values(comm, b, "average_models", std::span<const agreed_value>(v));
     }
     (
         [&] {

@@ -69,8 +69,8 @@ struct local_sgd_options {
   /// rank averages the same number of tensors and bytes, at the same step, round and level,
   /// with the same start_step and schedule options, so that a rank with a tensor more or less,
   /// another period or another start step throws (naming what differs) instead of pairing its
-  /// collectives with the wrong ones. Host communicators only (a device communicator relies on
-  /// its own size checks).
+  /// collectives with the wrong ones. On a device communicator the words travel through a
+  /// buffer of the backend passed to `step` (the copy back waits for its stream).
   bool check_lists = true;
 };
 
@@ -78,8 +78,8 @@ struct local_sgd_options {
 ///
 /// Only the values passed on an averaging step are used. By default they are this rank's
 /// values and local_sgd averages them over the ranks with one allreduce of three doubles;
-/// with `.global = true` they are already rank means, identical on every rank (required for
-/// device communicators, whose buffers cannot live on the host).
+/// with `.global = true` they are already rank means, identical on every rank (no allreduce).
+/// On a device communicator the three doubles travel through a buffer of the backend.
 struct local_sgd_input {
   /// Training loss of this step on this rank (or a running mean since the last round); >= 0.
   /// inf or NaN on any rank makes the round's loss sample skipped (counted, period unchanged).
@@ -340,14 +340,15 @@ class local_sgd {
     bytes = gradapt::payload_bytes(lists...);
   }
 
-  /// The round agreement (host communicators, with check_lists): one small allreduce per
+  /// The round agreement (with check_lists; on a device communicator through a buffer of the
+  /// backend): one small allreduce per
   /// averaging round over the world on the lists' tensor count and bytes, the step counts, the
   /// round and its level, start_step and the schedule's options. Ranks whose schedules or
   /// counters differ therefore meet in this allreduce at their first differing round and all
   /// throw (naming what differs), instead of averaging the wrong rounds and hanging.
-  template <class... Ls>
-  void check_lists(C& comm, std::uint64_t c, int level, const Ls&... lists) {
-    if constexpr (std::same_as<typename C::space, host_space>) {
+  template <class B, class... Ls>
+  void check_lists(C& comm, const B& b, std::uint64_t c, int level, const Ls&... lists) {
+    {
       std::uint64_t tensors = 0, bytes = 0;
       list_shape(tensors, bytes, lists...);
       agreed_list<7 + 1 + 2 * max_average_levels> v;
@@ -361,12 +362,13 @@ class local_sgd {
       v.push("local step of this round", static_cast<double>(c));
       v.push("rounds", static_cast<double>(st_.rounds));
       v.push("level", static_cast<double>(level));
-      agree_values(comm, "local_sgd::step", v.view());
+      agree_values(comm, b, "local_sgd::step", v.view());
     }
   }
 
   /// The rank means of loss and learning rate for a loss-reading schedule.
-  round_observation observe(C& comm, const local_sgd_input& in) const {
+  template <class B>
+  round_observation observe(C& comm, const B& b, const local_sgd_input& in) const {
     std::string bad;
     if (!(std::isfinite(in.lr) && in.lr > 0.0))
       bad = detail::message("local_sgd::step on rank ", rank_, ": learning rate is ", in.lr,
@@ -379,19 +381,15 @@ class local_sgd {
       if (!bad.empty()) throw error(bad);
       return {in.loss, in.lr};
     }
-    if constexpr (std::same_as<typename C::space, host_space>) {
+    {
       double v[3] = {bad.empty() ? in.loss : 0.0, bad.empty() ? in.lr : 0.0, bad.empty() ? 0.0 : 1.0};
-      comm.allreduce(tensor_view<double, host_space>::vector(v, 3), reduce_op::sum);
+      detail::allreduce_host_values(comm, b, std::span<double>(v, 3), reduce_op::sum);
       if (!bad.empty()) throw error(bad);
       detail::require(v[2] == 0.0, "local_sgd::step on rank ", rank_, ": ", v[2],
                       " other rank(s) passed an invalid loss or learning rate (see the error raised on those "
                       "ranks); nothing was averaged");
       const auto n = static_cast<double>(world_);
       return {v[0] / n, v[1] / n};
-    } else {
-      detail::fail("local_sgd::step on rank ", rank_,
-                   ": a device communicator cannot average the loss in host memory; pass rank means with "
-                   "local_sgd_input{.loss = mean_loss, .lr = mean_lr, .global = true}");
     }
   }
 
@@ -400,9 +398,6 @@ class local_sgd {
     detail::require(comm.size() == world_ && comm.rank() == rank_, "local_sgd::step: communicator has rank ",
                     comm.rank(), " of ", comm.size(), " but this local_sgd was built on rank ", rank_, " of ",
                     world_, " (pass the same communicator every step)");
-    if constexpr (S::uses_loss && !std::same_as<typename C::space, host_space>)
-      detail::require(in != nullptr && in->global, "local_sgd::step on rank ", rank_,
-                      ": a device communicator needs rank-mean inputs: local_sgd_input{.global = true}");
     if (st_.steps < opt_.start_step) {
       ++st_.steps;
       return {};
@@ -414,9 +409,9 @@ class local_sgd {
     if (level >= 0) {
       const auto l = static_cast<std::size_t>(level);
       detail::require(l < levels_, "local_sgd::step: the schedule named level ", level, " of ", levels_);
-      if (opt_.check_lists) check_lists(comm, c, level, lists...);
+      if (opt_.check_lists) check_lists(comm, b, c, level, lists...);
       round_observation obs{};
-      if constexpr (S::uses_loss) obs = observe(comm, *in);
+      if constexpr (S::uses_loss) obs = observe(comm, b, *in);
       const auto next = sched_.advance(c, l, obs);
       const int idx = comm_index_[l];
       if (idx == world_group)

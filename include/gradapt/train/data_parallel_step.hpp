@@ -163,12 +163,14 @@ class data_parallel_step {
 
   static_assert(communicator<Comm> && backend<B>,
                 "train::data_parallel_step: Comm and B must model the concepts");
-  static_assert(
-      std::is_same_v<typename Comm::space, host_space> && std::is_same_v<typename B::space, host_space> &&
-          std::is_same_v<typename PL::space, host_space>,
-      "train::data_parallel_step runs on host memory (gradapt::host with comm::single, threads or "
-      "mpi); on a device, call the stages (loss_scaler, adasum, gradient_noise_scale, adascale, the "
-      "optimizer, local_sgd) one by one");
+  /// The step runs on device memory (the CUDA backend with comm::nccl): the parameter list,
+  /// the backend and the communicator are in a memory space other than the host's.
+  static constexpr bool on_device = !std::is_same_v<typename Comm::space, host_space>;
+  static_assert(std::is_same_v<typename Comm::space, typename B::space> &&
+                    std::is_same_v<typename PL::space, typename B::space>,
+                "train::data_parallel_step: the communicator, the backend and the parameter list must be "
+                "in the same memory space (gradapt::host with comm::single, threads or mpi on host memory; "
+                "gradapt::cuda with comm::nccl on device memory)");
   static_assert(step_optimizer<Opt, B, PL>,
                 "train::data_parallel_step: the optimizer needs the chain interface (init, step with "
                 "step_args, a state with save/load/steps), e.g. gradapt::lamb, adamw, sgd, lars");
@@ -208,9 +210,16 @@ class data_parallel_step {
                 "train::data_parallel_step: the state slot's zero_state reduce-scatters the gradients "
                 "over the whole world into shards; the reduce slot's hierarchical_reduce allreduces whole "
                 "gradients: use one of the two");
-  static_assert(!has_hierarchy || std::is_same_v<typename Comm::space, host_space>,
+  static_assert(!has_hierarchy || !on_device,
                 "train::data_parallel_step: the reduce slot's hierarchical_reduce runs on a host "
-                "communicator (comm::hierarchy); on a device communicator use one_buffer_reduce");
+                "communicator (comm::hierarchy); on a device communicator use one_buffer_reduce, "
+                "bucket_reduce or zero_state<2>");
+  static_assert(!has_preconditioner || !on_device,
+                "train::data_parallel_step: the precondition slot's kfac_policy keeps its factors in host "
+                "memory; on a device, leave the precondition slot empty");
+  static_assert(!has_custom_combine || !on_device || !std::is_same_v<Combine, adasum_combine>,
+                "train::data_parallel_step: the combine slot's adasum_combine runs on a host communicator "
+                "in the composed step; on a device use allreduce_mean (or call gradapt::adasum directly)");
   static_assert(!(has_buckets && has_sharded_state),
                 "train::data_parallel_step: the reduce slot's bucket_reduce averages whole gradients on "
                 "every rank; the state slot's zero_state reduce-scatters them into shards: for buckets with "
@@ -285,9 +294,16 @@ class data_parallel_step {
     if constexpr (has_loss_scaling) {
       bool ok = false;
       if constexpr (marks_gradients) {  // unscaled gradient by gradient in mark_ready
-        ok = scaler_.decide(*comm_, nonfinite_, std::string());
+        if constexpr (on_device) {
+          ok = scaler_.decide(*comm_, backend_, read_flag(), std::string());
+          clear_flag();
+        } else {
+          ok = scaler_.decide(*comm_, nonfinite_, std::string());
+        }
         nonfinite_ = 0.0;
         if (!ok) abandon_round();  // the round ends without a step on every rank
+      } else if constexpr (on_device) {
+        ok = scaler_.unscale(backend_, *comm_, params_->grads(), flag_view(2));
       } else {
         ok = scaler_.unscale(backend_, *comm_, *params_);
       }
@@ -436,7 +452,9 @@ class data_parallel_step {
                                             "') was marked ready twice in this step");
       return;
     }
-    if constexpr (has_loss_scaling)
+    if constexpr (has_loss_scaling && on_device)  // a flag in device memory, read at step()
+      unscale_flag_nonfinite(backend_, params_->grads().subspan(t, 1), scaler_.inv_scale(), flag_view(1));
+    else if constexpr (has_loss_scaling)
       nonfinite_ += unscale_count_nonfinite(backend_, params_->grads().subspan(t, 1), scaler_.inv_scale());
     if constexpr (has_adascale) local_sq_ += backend_.reduce(reduction::sum_squares, (*params_)[t].grad);
     forward_mark(t);
@@ -551,6 +569,31 @@ class data_parallel_step {
   // ranks agree on allow_empty_shards (one small allreduce), so a rank that allows them and one
   // that does not both throw instead of one of them going on alone.
   void check_empty_shards(const StateP& o) const;
+
+  // The step's agreements and small sums: on a device communicator the words travel through a
+  // buffer of the backend (copied in and out, the copy back waiting for the stream), on a host
+  // communicator directly (comm/agree.hpp).
+  void agree(std::string_view who, std::span<const agreed_value> values, const std::string& bad = {}) const {
+    agree_values(*comm_, backend_, who, values, bad);
+  }
+  void sum_over_ranks(std::span<double> v) const {
+    gradapt::detail::allreduce_host_values(*comm_, backend_, v, reduce_op::sum);
+  }
+
+  // The loss scaler on a device: flags_[0] is the overflow flag of the marks (zero_state<2>) or
+  // of unscale, flags_[1] unscale's error flag, both in the backend's memory.
+  tensor_view<float, typename B::space> flag_view(std::size_t n) requires(has_loss_scaling&& on_device) {
+    return tensor_view<float, typename B::space>::vector(flags_.data(), static_cast<std::int64_t>(n));
+  }
+  double read_flag() requires(has_loss_scaling&& on_device) {
+    float f = 0.0f;
+    backend_.copy(tensor_view<const float, typename B::space>::vector(flags_.data(), 1),
+                  tensor_view<float, host_space>::scalar(&f));
+    return static_cast<double>(f);
+  }
+  void clear_flag() requires(has_loss_scaling&& on_device) {
+    backend_.apply(gradapt::detail::loss_scale::set_value{0.0f}, flag_view(1));
+  }
 
   template <class F>
   void for_each_hook(F&& f) {
@@ -784,18 +827,19 @@ class data_parallel_step {
   /// zero_state<2> or bucket_reduce: the gradients marked in this step (with the loss scaler,
   /// unscaled), the first marking error, and with the scaler the non-finite elements counted.
   std::vector<char> marked_;
+  /// The loss scaler's flags in the backend's memory (a device step with the scaler on).
+  [[no_unique_address]] std::conditional_t<
+      has_loss_scaling && on_device,
+      decltype(std::declval<const B&>().template allocate<float>(std::size_t{2})), detail::nothing>
+      flags_;
   std::string mark_error_;
   double nonfinite_ = 0.0;
   double local_sq_ = 0.0;  ///< marks with AdaScale: Σ g² of the gradients marked so far
   std::size_t marks_ = 0;  ///< gradients marked ready in this step (zero_state<2>, bucket_reduce)
   /// The bucket reducer (reduce slot bucket_reduce).
   /// The groups and their communicators (reduce slot hierarchical_reduce).
-  [[no_unique_address]] std::conditional_t<has_hierarchy, std::optional<comm::hierarchy<Comm>>,
-                                           detail::nothing>
-      hier_;
-  [[no_unique_address]] std::conditional_t<has_buckets, std::optional<bucket::reducer<Comm, grad_type>>,
-                                           detail::nothing>
-      reducer_;
+  [[no_unique_address]] typename detail::hierarchy_slot<has_hierarchy, Comm>::type hier_;
+  [[no_unique_address]] typename detail::reducer_slot<has_buckets, Comm, grad_type, B>::type reducer_;
   /// The optimizer's report of the latest step (a Shampoo chain's), or nothing.
   [[no_unique_address]] typename detail::report_of<Opt>::type last_report_{};
   /// The optimizer state (with zero_state: this rank's shard, made by the collective init).
@@ -825,56 +869,6 @@ class data_parallel_step {
   Hooks hooks_;
 };
 
-/// Builds a `data_parallel_step` from an optimizer, the initial settings and any number of
-/// policies and hooks, in any order: each policy fills its slot (at most one per slot; slots
-/// left out are off), every other argument must be a hook (see `step_hook`).
-///
-///     auto step = gradapt::train::make_data_parallel_step(comm, backend, params, gradapt::sgd(),
-///                                                         {.lr = 0.1});   // plain allreduce-mean SGD
-///
-/// Collective over `comm` (see data_parallel_step). `comm` and `params` must outlive the step.
-template <communicator Comm, backend B, class PL, class Opt, class... Args>
-auto make_data_parallel_step(Comm& comm, const B& backend, const PL& params, Opt optimizer,
-                             step_settings settings, Args&&... args) {
-  using detail::count_slot;
-  using detail::slot;
-  using detail::slot_v;
-  static_assert(step_optimizer<Opt, B, PL>,
-                "train::make_data_parallel_step: the fourth argument must be an optimizer with the chain "
-                "interface (gradapt::sgd, adamw, lamb, lars, adafactor, sm3 or a gradapt::chain), "
-                "e.g. gradapt::lamb({.lr = 1e-3}) rather than a gradapt::lamb_options");
-  static_assert(
-      (detail::at_most_one<slot::scaler, Args...>() && detail::at_most_one<slot::combine, Args...>() &&
-       detail::at_most_one<slot::adapt, Args...>() && detail::at_most_one<slot::sync, Args...>() &&
-       detail::at_most_one<slot::precondition, Args...>() && detail::at_most_one<slot::state, Args...>() &&
-       detail::at_most_one<slot::reduce, Args...>()));
-  static_assert(
-      count_slot<slot::none, Args...> == 0,
-      "train::make_data_parallel_step: an argument is neither a policy (no_loss_scaling, loss_scaler, "
-      "allreduce_mean, adasum_combine, no_adascale, adascale_policy, no_local_sgd, local_sgd_policy, "
-      "no_preconditioner, kfac_policy, replicated_state, zero_state, one_buffer_reduce, bucket_reduce, "
-      "hierarchical_reduce, or a "
-      "type declaring `static constexpr "
-      "train::policy_slot slot`) "
-      "nor a hook (an object with before_step, after_step, on_overflow or on_rescale)");
-  auto scaler = detail::pick<slot::scaler, no_loss_scaling>(args...);
-  auto combine = detail::pick<slot::combine, allreduce_mean>(args...);
-  auto adapt = detail::pick<slot::adapt, no_adascale>(args...);
-  auto sync = detail::pick<slot::sync, no_local_sgd>(args...);
-  // Moved from an rvalue argument (a preconditioner may own move-only state, e.g. K-FAC's);
-  // pick moves only the argument filling this slot, hook_tuple only the hooks.
-  auto precond = detail::pick<slot::precondition, no_preconditioner>(std::forward<Args>(args)...);
-  auto state = detail::pick<slot::state, replicated_state>(args...);
-  auto reduce = detail::pick<slot::reduce, one_buffer_reduce>(args...);
-  auto hooks = std::tuple_cat(detail::hook_tuple(std::forward<Args>(args))...);
-  return data_parallel_step<Comm, B, PL, Opt, decltype(scaler), decltype(combine), decltype(adapt),
-                            decltype(sync), decltype(hooks), decltype(precond), decltype(state),
-                            decltype(reduce)>(comm, backend, params, std::move(optimizer), settings,
-                                              std::move(scaler), std::move(combine), std::move(adapt),
-                                              std::move(sync), std::move(hooks), std::move(precond),
-                                              std::move(state), std::move(reduce));
-}
-
 }  // namespace gradapt::train
 
 // The member bodies of the construction and agreements, the checkpoint and the reduction (out
@@ -891,3 +885,4 @@ auto make_data_parallel_step(Comm& comm, const B& backend, const PL& params, Opt
 #include "gradapt/train/detail/step_setup.hpp"
 #undef GRADAPT_TRAIN_STEP
 #undef GRADAPT_TRAIN_STEP_TEMPLATE
+#include "gradapt/train/make_step.hpp"

@@ -89,6 +89,25 @@ inline constexpr int zero_stage_v<zero_state<Stage>> = Stage;
 /// An empty member for a slot that is off.
 struct nothing {};
 
+/// The reduce slot's members, named only when the slot is on (comm::hierarchy takes host
+/// communicators; a device step never names it).
+template <bool On, class Comm>
+struct hierarchy_slot {
+  using type = nothing;
+};
+template <class Comm>
+struct hierarchy_slot<true, Comm> {
+  using type = std::optional<comm::hierarchy<Comm>>;
+};
+template <bool On, class Comm, class G, class B>
+struct reducer_slot {
+  using type = nothing;
+};
+template <class Comm, class G, class B>
+struct reducer_slot<true, Comm, G, B> {
+  using type = std::optional<bucket::reducer<Comm, G, B>>;
+};
+
 /// What the optimizer's step returns (a Shampoo chain: shampoo_step_report), or nothing.
 template <class O>
 struct report_of {

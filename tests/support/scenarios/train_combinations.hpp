@@ -103,10 +103,11 @@ inline void exact_grads(model<float>& m, int rank, int k, double scale) {
     for (auto& x : t) x = static_cast<float>(std::round(static_cast<double>(x) * 64.0) / 64.0 * scale);
 }
 
-/// The composed step with the given state, reduce and combine slots and, by the flags, the
-/// loss scaler, AdaScale and LocalSGD.
-template <bool Scale, bool Ada, bool Local, class Comm, class Opt, class State, class Reduce, class Combine>
-auto make_step(Comm& comm, const gradapt::host& backend, model<float>& m, const Opt& opt, const State& state,
+/// The composed step on `params` (host or device-tagged views) with the given state, reduce and
+/// combine slots and, by the flags, the loss scaler, AdaScale and LocalSGD.
+template <bool Scale, bool Ada, bool Local, class Comm, class B, class PL, class Opt, class State,
+          class Reduce, class Combine>
+auto make_step(Comm& comm, const B& backend, const PL& params, const Opt& opt, const State& state,
                const Reduce& reduce, const Combine& combine, double lr) {
   auto scaler = [] {
     if constexpr (Scale)
@@ -128,8 +129,8 @@ auto make_step(Comm& comm, const gradapt::host& backend, model<float>& m, const 
   }();
   return std::apply(
       [&](auto... p) {
-        return train::make_data_parallel_step(comm, backend, m.params, opt, {.lr = lr, .local_batch = 8},
-                                              state, reduce, combine, p...);
+        return train::make_data_parallel_step(comm, backend, params, opt, {.lr = lr, .local_batch = 8}, state,
+                                              reduce, combine, p...);
       },
       std::tuple_cat(scaler, ada, local));
 }
@@ -171,7 +172,7 @@ outcome run_row(Comm& comm, const row_options& when, flags<Scale, Ada, Local>, c
   outcome out;
   out.adascale = Ada;
   model<float> a, c;
-  auto reference = make_step<Scale, Ada, Local>(comm, when.backend, a, opt, replicated_state{},
+  auto reference = make_step<Scale, Ada, Local>(comm, when.backend, a.params, opt, replicated_state{},
                                                 one_buffer_reduce{}, combine, 1e-2);
   std::vector<train::step_metrics> ref;
   for (int k = 1; k <= when.steps; ++k) ref.push_back(one_step(reference, a, comm, k));
@@ -180,7 +181,8 @@ outcome run_row(Comm& comm, const row_options& when, flags<Scale, Ada, Local>, c
   };
   std::vector<std::byte> saved;
   {
-    auto first = make_step<Scale, Ada, Local>(comm, when.backend, c, opt, state, reduce, combine, 1e-2);
+    auto first =
+        make_step<Scale, Ada, Local>(comm, when.backend, c.params, opt, state, reduce, combine, 1e-2);
     for (int k = 1; k <= when.saved_at; ++k) {
       const auto got = one_step(first, c, comm, k);
       const auto& want = ref[static_cast<std::size_t>(k - 1)];
@@ -190,7 +192,7 @@ outcome run_row(Comm& comm, const row_options& when, flags<Scale, Ada, Local>, c
     }
     saved = first.save();  // with LocalSGD or ZeRO, this rank's own
   }
-  auto second = make_step<Scale, Ada, Local>(comm, when.backend, c, opt, state, reduce, combine, 0.5);
+  auto second = make_step<Scale, Ada, Local>(comm, when.backend, c.params, opt, state, reduce, combine, 0.5);
   second.load(saved);
   for (int k = when.saved_at + 1; k <= when.steps; ++k) {
     const auto got = one_step(second, c, comm, k);

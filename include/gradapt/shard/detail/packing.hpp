@@ -20,14 +20,9 @@
 
 namespace gradapt::detail::shard_k {
 
-/// dst = src in the compute type: a value copy (a 16-bit signalling NaN becomes quiet), or
-/// master values rounded to the parameters' type to nearest even.
-struct copy_to {
-  template <class C>
-  GRADAPT_HD void operator()(C& dst, const C& src) const {
-    dst = src;
-  }
-};
+/// dst = src in the compute type: a value copy, or master values rounded to the parameters'
+/// type to nearest even (gradapt::detail::copy_to).
+using gradapt::detail::copy_to;
 /// x = 0.
 struct set_zero {
   template <class C>

@@ -255,7 +255,7 @@ void GRADAPT_TRAIN_STEP::load_sharded(std::span<const std::byte> bytes) {
     undo();
   }
   try {
-    agree_values(*comm_, fn, std::span<const agreed_value>(), bad);
+    agree(fn, std::span<const agreed_value>(), bad);
   } catch (...) {
     if (bad.empty()) undo();
     throw;
@@ -287,14 +287,15 @@ void GRADAPT_TRAIN_STEP::agree_on_restore(std::span<const std::byte> bytes, resc
   // (Not the archive's CRC32C: a CRC over bytes that end with their own CRC is a constant.)
   const std::uint64_t hash = gradapt::detail::hash_bytes(0x9E3779B97F4A7C15ull, bytes.data(), bytes.size());
   try {
-    agree_values(*comm_, "train::data_parallel_step::restore",
-                 {{"checkpoint (a 52-bit hash of its bytes; each rank's own save() differs when the loop "
-                   "passed per-rank losses or with LocalSGD: pass old rank 0's bytes to every rank, or "
-                   "every old rank's through restore(archive_source, rule))",
-                   static_cast<double>(hash >> 12)},
-                  {"checkpoint size in bytes", static_cast<double>(bytes.size())},
-                  {"rescale rule", static_cast<double>(rule)}},
-                 bad);
+    const agreed_value v[] = {
+        {"checkpoint (a 52-bit hash of its bytes; each rank's own save() differs when the loop passed "
+         "per-rank "
+         "losses or with LocalSGD: pass old rank 0's bytes to every rank, or every old rank's through "
+         "restore(archive_source, rule))",
+         static_cast<double>(hash >> 12)},
+        {"checkpoint size in bytes", static_cast<double>(bytes.size())},
+        {"rescale rule", static_cast<double>(rule)}};
+    agree("train::data_parallel_step::restore", std::span<const agreed_value>(v), bad);
   } catch (...) {
     if (bad.empty()) undo();
     throw;

@@ -77,6 +77,7 @@ void GRADAPT_TRAIN_STEP::abandon_round() {
   std::fill(marked_.begin(), marked_.end(), char{0});
   marks_ = 0;
   nonfinite_ = 0.0;
+  if constexpr (has_loss_scaling && on_device) clear_flag();
   local_sq_ = 0.0;
 }
 
@@ -91,7 +92,7 @@ void GRADAPT_TRAIN_STEP::reduce_buckets() {
     local_sq_ = 0.0;
     if (n == 1) return;  // the mean of one rank is its gradient; no noise-scale sample
     const double global = backend_.reduce(reduction::sum_squares, params_->grads(), std::span<double>());
-    comm_->allreduce(tensor_view<double, host_space>::vector(&local, 1), reduce_op::sum);
+    sum_over_ranks(std::span<double>(&local, 1));
     adapt_.gns.update_reduced(local / static_cast<double>(n), global, n,
                               noise_batch{.micro_batch = settings_.local_batch,
                                           .accumulation_steps = settings_.accumulation_steps,
@@ -113,7 +114,7 @@ void GRADAPT_TRAIN_STEP::reduce_sharded() {
     local_sq_ = 0.0;
     sharded_->reduce(*comm_, backend_, *params_, *state_);
     double sums[2] = {local, sharded_->gradient_sum_squares(backend_, *state_)};
-    comm_->allreduce(tensor_view<double, host_space>::vector(sums, 2), reduce_op::sum);
+    sum_over_ranks(std::span<double>(sums, 2));
     if (w.weighted) {
       const double acc = static_cast<double>(settings_.accumulation_steps);
       adapt_.gns.update(sums[0] / w.c2, acc * w.e2 / micro_batch_sum(), sums[1], global_batch());
@@ -167,7 +168,7 @@ allreduce_norms GRADAPT_TRAIN_STEP::hierarchical_mean() {
   for (const auto& g : grads) hier_->allreduce(g, reduce_op::sum);
   if constexpr (Norms) {
     norms.result_sq = backend_.reduce(reduction::sum_squares, grads, std::span<double>());
-    comm_->allreduce(tensor_view<double, host_space>::vector(&norms.sum_local_sq, 1), reduce_op::sum);
+    sum_over_ranks(std::span<double>(&norms.sum_local_sq, 1));
   }
   backend_.apply_list(gradapt::detail::divide_by_ranks{n}, grads);
   return norms;

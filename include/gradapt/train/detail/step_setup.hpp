@@ -47,16 +47,18 @@ GRADAPT_TRAIN_STEP::data_parallel_step(Comm& comm, const B& b, const PL& params,
   }
   if constexpr (has_buckets) {  // collective: the ranks agree on the plan and options
     std::vector<bucket::tensor_info> infos(params.size());
-    std::vector<tensor_view<grad_type, host_space>> grads(params.grads().begin(), params.grads().end());
+    std::vector<tensor_view<grad_type, typename B::space>> grads(params.grads().begin(),
+                                                                 params.grads().end());
     for (std::size_t t = 0; t < infos.size(); ++t) infos[t] = {grads[t].size(), dtype_of_v<grad_type>};
     reducer_.emplace(comm, bucket::bucket_plan::make(infos, reduce.buckets), std::move(grads),
-                     bucket::reducer_options{.average = true, .overlap = reduce.overlap});
+                     bucket::reducer_options{.average = true, .overlap = reduce.overlap}, backend_);
   } else if constexpr (has_hierarchy) {  // collective: agrees on the options, splits the world
     hier_.emplace(comm, reduce.hierarchy);
   } else {
     (void)reduce;
   }
   if constexpr (marks_gradients) marked_.assign(params.size(), 0);
+  if constexpr (has_loss_scaling && on_device) flags_ = backend_.template allocate<float>(2);  // zeroed
   combiner_.emplace(bind_combiner(combine, comm, backend_, params));
   if constexpr (has_preconditioner) {
     // A mapping error on one rank is thrown on every rank (the others name that rank).
@@ -66,8 +68,7 @@ GRADAPT_TRAIN_STEP::data_parallel_step(Comm& comm, const B& b, const PL& params,
     } catch (const error& e) {
       bad = e.what();
     }
-    agree_values(comm, "train::data_parallel_step (binding the preconditioner)",
-                 std::span<const agreed_value>(), bad);
+    agree("train::data_parallel_step (binding the preconditioner)", std::span<const agreed_value>(), bad);
   } else {
     (void)precond;
   }
@@ -125,8 +126,8 @@ void GRADAPT_TRAIN_STEP::check_empty_shards(const StateP& o) const {
                           o.sharding.partition.alignment,
                           ": lower the alignment (a chain without per-tensor or global sums takes any), use "
                           "fewer ranks, or set zero_state::allow_empty_shards");
-  agree_values(*comm_, "train::data_parallel_step",
-               {{"zero_state::allow_empty_shards", o.allow_empty_shards ? 1.0 : 0.0}}, bad);
+  const agreed_value allow[] = {{"zero_state::allow_empty_shards", o.allow_empty_shards ? 1.0 : 0.0}};
+  agree("train::data_parallel_step", std::span<const agreed_value>(allow), bad);
 }
 
 GRADAPT_TRAIN_STEP_TEMPLATE
@@ -250,8 +251,8 @@ void GRADAPT_TRAIN_STEP::agree_on_construction(const A& adapt, const Y& sync, co
   head.push(structure_name<P>("the precondition slot"),
             gradapt::detail::operation_tag(gradapt::detail::type_name<P>()));
   head.push("options agreed at construction (count)", static_cast<double>(v.count));
-  agree_values(*comm_, "train::data_parallel_step (slots and optimizer)", head.view());
-  agree_values(*comm_, "train::data_parallel_step", v.view());
+  agree("train::data_parallel_step (slots and optimizer)", head.view());
+  agree("train::data_parallel_step", v.view());
   detail::require(params_->size() > 0, "train::data_parallel_step on rank ", comm_->rank(),
                   ": the parameter list is empty (add the model's parameters before building the step)");
 }
@@ -280,8 +281,8 @@ void GRADAPT_TRAIN_STEP::agree_on_step(std::uint64_t call, double eta, double re
   const double mine[4] = {ready, busy, loss_class, loss_class == 0.0 ? loss : 0.0};
   constexpr std::size_t k = 4;
   shared_.resize(k * static_cast<std::size_t>(comm_->size()));
-  agree_values_and_share(*comm_, "train::data_parallel_step::step", v.view(), std::span<const double>(mine),
-                         std::span<double>(shared_), bad, &agree_ws_);
+  agree_values_and_share(*comm_, backend_, "train::data_parallel_step::step", v.view(),
+                         std::span<const double>(mine), std::span<double>(shared_), bad, &agree_ws_);
   const auto n = static_cast<std::size_t>(comm_->size());
   rank_times_.clear();
   rank_busy_.clear();
@@ -304,10 +305,11 @@ void GRADAPT_TRAIN_STEP::check_replicas(const step_metrics& m) {
   if (replica_every_ == 0 || !(m.synchronous || m.averaged)) return;
   if (replica_checks_++ % replica_every_ != 0) return;
   const double sum = backend_.reduce(reduction::sum, params_->values(), std::span<double>());
-  agree_values(*comm_, "train::data_parallel_step replica check",
-               {{"the sum of the parameters after the step (the replicas differ: optimizer options, a "
-                 "hook or the combiner differ across ranks)",
-                 sum}});
+  const agreed_value replicas[] = {
+      {"the sum of the parameters after the step (the replicas differ: optimizer options, a hook or the "
+       "combiner differ across ranks)",
+       sum}};
+  agree("train::data_parallel_step replica check", std::span<const agreed_value>(replicas));
 }
 
 }  // namespace gradapt::train
