@@ -4,7 +4,8 @@
 // sanitizer). Every slot the device configuration takes is in some row:
 //   - the loss scaler: its overflow and error flags in backend memory, the gradients unscaled in
 //     one pass, or gradient by gradient in mark_ready with zero_state<2> or bucket_reduce;
-//   - allreduce_mean, and AdaScale (the noise-scale sums through backend buffers);
+//   - allreduce_mean, and AdaScale (the noise-scale sums through backend buffers), and
+//     adasum_combine (its workspace over backend buffers);
 //   - LocalSGD (its round agreement and averaging);
 //   - replicated state, zero_state<1> and zero_state<2>;
 //   - bucket_reduce (fused buffers from the backend, packing copies and the mean as backend
@@ -52,39 +53,41 @@ const std::vector<int> worlds =
     gradapt_test::under_sanitizer ? std::vector<int>{3} : std::vector<int>{1, 2, 3};
 const gradapt::comm::threads_options quick{.timeout = std::chrono::seconds(60)};
 constexpr int steps = 20, saved_at = 10;
-const train::allreduce_mean mean{};
 
 /// Steps 1 to `steps` of a row on `m` (through `params`, host or device-tagged views of m's
 /// tensors), saved after step `saved_at` and loaded into a fresh step; the metrics of each step.
 template <bool Scale, bool Ada, bool Local, class Comm, class B, class PL, class Opt, class State,
-          class Reduce>
+          class Reduce, class Combine>
 std::vector<train::step_metrics> run(Comm& comm, const B& backend, model<float>& m, const PL& params,
-                                     const Opt& opt, const State& state, const Reduce& reduce) {
+                                     const Opt& opt, const State& state, const Reduce& reduce,
+                                     const Combine& combine) {
   std::vector<train::step_metrics> out;
   std::vector<std::byte> saved;
   {
     auto first =
-        scenario::make_step<Scale, Ada, Local>(comm, backend, params, opt, state, reduce, mean, 1e-2);
+        scenario::make_step<Scale, Ada, Local>(comm, backend, params, opt, state, reduce, combine, 1e-2);
     for (int k = 1; k <= saved_at; ++k) out.push_back(scenario::one_step(first, m, comm, k));
     saved = first.save();
   }
-  auto second = scenario::make_step<Scale, Ada, Local>(comm, backend, params, opt, state, reduce, mean, 0.5);
+  auto second =
+      scenario::make_step<Scale, Ada, Local>(comm, backend, params, opt, state, reduce, combine, 0.5);
   second.load(saved);  // restores the settings (lr 1e-2) with the state
   for (int k = saved_at + 1; k <= steps; ++k) out.push_back(scenario::one_step(second, m, comm, k));
   return out;
 }
 
 /// One row on this rank: the host step and the device path, compared (see the file comment).
-template <bool Scale, bool Ada, bool Local, class Opt, class State, class Reduce = train::one_buffer_reduce>
+template <bool Scale, bool Ada, bool Local, class Opt, class State, class Reduce = train::one_buffer_reduce,
+          class Combine = train::allreduce_mean>
 void row_matches(threads& c, flags<Scale, Ada, Local>, const Opt& opt, const State& state,
-                 const Reduce& reduce = {}) {
+                 const Reduce& reduce = {}, const Combine& combine = {}) {
   const gradapt::host hb{.threads = 1};
   const host_as_device::backend db;
   host_as_device::comm dc{&c};
   model<float> h, d;
   const auto dparams = host_as_device::on_device(d.params);
-  const auto want = run<Scale, Ada, Local>(c, hb, h, h.params, opt, state, reduce);
-  const auto got = run<Scale, Ada, Local>(dc, db, d, dparams, opt, state, reduce);
+  const auto want = run<Scale, Ada, Local>(c, hb, h, h.params, opt, state, reduce, combine);
+  const auto got = run<Scale, Ada, Local>(dc, db, d, dparams, opt, state, reduce, combine);
   RANK_REQUIRE(got.size() == want.size());
   for (std::size_t k = 0; k < want.size(); ++k) {
     RANK_REQUIRE(got[k].found_inf == want[k].found_inf);
@@ -149,6 +152,15 @@ TEST_CASE("the composed step's device path equals the host step, bucket_reduce",
              replicated_state{}, scenario::buckets);
   on_threads("adafactor, buckets", flags<false, false, false>{}, scenario::adafactor, replicated_state{},
              scenario::buckets);
+}
+
+TEST_CASE("the composed step's device path equals the host step, adasum_combine", "[train][device]") {
+  using train::replicated_state;
+  const train::one_buffer_reduce one;
+  on_threads("sgd, Adasum, scaler", flags<true, false, false>{}, scenario::sgd, replicated_state{}, one,
+             scenario::adasum{});
+  on_threads("lamb, Adasum, LocalSGD", flags<false, false, true>{}, scenario::lamb, replicated_state{}, one,
+             scenario::adasum{});
 }
 
 TEST_CASE("the composed step's device path: a rank that differs throws on every rank", "[train][device]") {

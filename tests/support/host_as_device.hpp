@@ -84,6 +84,11 @@ struct backend {
   double dot(const L1& xs, const L2& ys, std::span<double> per_tensor) const {
     return h.dot(on_host(xs), on_host(ys), per_tensor);
   }
+  /// The per-tensor dot products stay in this backend's memory, as on a device (dot_to).
+  template <class L1, class L2>
+  void dot_to(const L1& xs, const L2& ys, tensor_view<double, device_space> per_tensor) const {
+    (void)h.dot(on_host(xs), on_host(ys), std::span<double>(per_tensor.data(), per_tensor.size()));
+  }
   /// The per-tensor sums stay in this backend's memory, as on a device.
   template <class F, class... Ls>
   void apply_reduce_list(F f, tensor_view<double, device_space> per_tensor, const Ls&... lists) const {

@@ -217,9 +217,6 @@ class data_parallel_step {
   static_assert(!has_preconditioner || !on_device,
                 "train::data_parallel_step: the precondition slot's kfac_policy keeps its factors in host "
                 "memory; on a device, leave the precondition slot empty");
-  static_assert(!has_custom_combine || !on_device || !std::is_same_v<Combine, adasum_combine>,
-                "train::data_parallel_step: the combine slot's adasum_combine runs on a host communicator "
-                "in the composed step; on a device use allreduce_mean (or call gradapt::adasum directly)");
   static_assert(!(has_buckets && has_sharded_state),
                 "train::data_parallel_step: the reduce slot's bucket_reduce averages whole gradients on "
                 "every rank; the state slot's zero_state reduce-scatters them into shards: for buckets with "

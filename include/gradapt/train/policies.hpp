@@ -193,16 +193,50 @@ struct allreduce_mean {
 };
 
 namespace detail {
-/// `adasum_combine` bound to a communicator: the Adasum operator and its workspace.
-template <class Comm, class G>
+/// `adasum_combine` bound to a communicator: the Adasum operator and its workspace (on the
+/// host owning its memory; in another memory space over buffers allocated from the backend).
+template <class Comm, class G, class B>
 struct adasum_runtime {
+  using space = typename Comm::space;
+  static constexpr bool on_host = std::same_as<space, host_space>;
+  struct none {};
+  template <class T>
+  using buffer =
+      std::conditional_t<on_host, none, decltype(std::declval<const B&>().template allocate<T>(1))>;
   adasum<Comm> op;
-  adasum_workspace<G> ws;
+  [[no_unique_address]] buffer<G> elements;
+  [[no_unique_address]] buffer<double> scalars;
+  adasum_workspace<G, space> ws;
   template <class L>
-  adasum_runtime(Comm& comm, const adasum_options& o, const L& grads) : op(comm, o), ws(grads) {}
-  template <class B, class L>
+  adasum_runtime(Comm& comm, const adasum_options& o, const L& grads, const B& b)
+      : op(comm, o),
+        elements(make<G>(b, adasum_workspace<G, space>::elements_needed(grads))),
+        scalars(make<double>(b, adasum_workspace<G, space>::scalars_needed(grads))),
+        ws(workspace(grads)) {}
+  template <class L>
   void combine(Comm&, const B& backend, const L& grads) {
     op.allreduce(backend, grads, ws);
+  }
+
+ private:
+  template <class T>
+  static buffer<T> make(const B& b, std::size_t n) {
+    if constexpr (on_host) {
+      (void)b;
+      (void)n;
+      return {};
+    } else {
+      return b.template allocate<T>(n);
+    }
+  }
+  template <class L>
+  adasum_workspace<G, space> workspace(const L& grads) {
+    if constexpr (on_host)
+      return adasum_workspace<G, space>(grads);
+    else
+      return adasum_workspace<G, space>(
+          grads, tensor_view<G, space>::vector(elements.data(), static_cast<std::int64_t>(elements.size())),
+          tensor_view<double, space>::vector(scalars.data(), static_cast<std::int64_t>(scalars.size())));
   }
 };
 }  // namespace detail
@@ -219,8 +253,8 @@ struct adasum_combine {
   /// The Adasum operator over `comm` (a hierarchical one splits it: collective) and its
   /// workspace for the list's gradients.
   template <class Comm, class B, class PL>
-  auto bind(Comm& comm, const B&, const PL& params) const {
-    return detail::adasum_runtime<Comm, typename PL::grad_type>(comm, options, params.grads());
+  auto bind(Comm& comm, const B& backend, const PL& params) const {
+    return detail::adasum_runtime<Comm, typename PL::grad_type, B>(comm, options, params.grads(), backend);
   }
 };
 
