@@ -48,6 +48,11 @@
 /// LocalSGD, the preconditioner's state, and a combiner's or hook's own state) into one byte
 /// vector and `load()` restores it exactly; the parameters themselves are the framework's and
 /// are saved by it.
+///
+/// Device memory (gradapt::cuda with comm::nccl, every operation on the framework's stream): the
+/// same step, its agreements and the loss scaler's flags staged through backend buffers; the
+/// host waits for the stream only at its agreement points (docs/algorithms/train-step.md#cuda).
+/// `hierarchical_reduce` and `kfac_policy` are host only.
 
 #include <array>
 #include <chrono>
@@ -95,9 +100,10 @@ namespace gradapt::train {
 /// One data-parallel step composed from policies; build it with `make_data_parallel_step`
 /// (the template arguments are deduced from the policies and hooks passed there).
 ///
-/// @tparam Comm   communicator (comm::single, comm::threads, comm::mpi), host memory
-/// @tparam B      backend (gradapt::host)
-/// @tparam PL     the parameter list type (gradapt::param_list<V, G>)
+/// @tparam Comm   communicator: comm::single, comm::threads or comm::mpi (host memory), or
+///                comm::nccl (device memory)
+/// @tparam B      backend of the same memory space (gradapt::host; gradapt::cuda with NCCL)
+/// @tparam PL     the parameter list type (gradapt::param_list<V, G, Space>)
 /// @tparam Opt    optimizer with the chain interface (`step_optimizer`)
 /// @tparam Scaler no_loss_scaling | gradapt::loss_scaler
 /// @tparam Combine allreduce_mean | adasum_combine | a user's `combine_policy`
