@@ -644,7 +644,7 @@ class chain {
       const auto g = tensor_view<const G, space>(st.g_const_[k]);
       if constexpr (fused_maxima) {
         bool one_thread = true;  // a backend without threads of its own (CUDA) runs it as one pass
-        if constexpr (requires { bb.thread_count(); }) one_thread = bb.thread_count() == 1;
+        if constexpr (task_backend<B>) one_thread = bb.thread_count() == 1;
         if (f.factored && one_thread) {
           stage.factors(bb, f, st.mut_[0][k], ws);
           if (f.variant)
