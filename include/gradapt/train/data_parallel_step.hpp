@@ -51,7 +51,7 @@
 ///
 /// Device memory (gradapt::cuda with comm::nccl, every operation on the framework's stream): the
 /// same step, its agreements and the loss scaler's flags staged through backend buffers; the
-/// host waits for the stream only at its agreement points (docs/algorithms/train-step.md#cuda).
+/// host waits for the stream only at its agreement points (docs/algorithms/train-step.md, CUDA).
 /// `hierarchical_reduce` and `kfac_policy` are host only.
 
 #include <array>
