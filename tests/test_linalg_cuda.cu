@@ -1,7 +1,8 @@
 // gradapt::cuda_linalg (linalg/cuda_linalg.cuh) on the device: GEMM and SYRK against a long
 // double re-computation within the dot-product bound (as tests/test_linalg.cpp; TF32 is off,
 // so the fp32 bound applies), eigh by its backward error and orthogonality, and the argument
-// checks. Exits with 77 (ctest: skipped) without a GPU.
+// checks, and newton_schulz over cuda_linalg with gradapt::cuda against the iteration re-run on
+// the host (sums in long double). Exits with 77 (ctest: skipped) without a GPU.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -14,7 +15,9 @@
 #include "catch.hpp"
 #include "cuda_test_support.cuh"
 #include "eigh_errors.hpp"
+#include "gradapt/backend/cuda/backend.cuh"
 #include "gradapt/linalg/cuda_linalg.cuh"
+#include "gradapt/linalg/newton_schulz.hpp"
 
 using gradapt::cuda_buffer;
 using gradapt::cuda_linalg;
@@ -136,6 +139,68 @@ TEMPLATE_TEST_CASE("cuda_linalg::eigh: ascending, A = Q·diag(w)·Qᵀ, Q orthog
   const auto e = gradapt_test::eigh_errors_of(a, q, w, n);
   REQUIRE(std::sqrt(e.residual) <= 4.0L * n * unit_roundoff<T>() * std::sqrt(e.anorm));
   REQUIRE(std::sqrt(e.orthogonality) <= 4.0L * n * unit_roundoff<T>());
+}
+
+TEST_CASE("newton_schulz on cuda_linalg and gradapt::cuda: the iteration re-run on the host",
+          "[linalg][cuda]") {
+  const cuda_linalg la;
+  const gradapt::cuda b{.stream = la.stream()};
+  const gradapt::newton_schulz_options o{.steps = 5};
+  for (const auto& [m, n] : {std::pair<std::int64_t, std::int64_t>{24, 40}, {40, 24}, {16, 16}}) {
+    const auto x = random_matrix<double>(m, n, 17);
+    // The same iteration on the host in long double, on the wide orientation (Xᵀ for a tall X).
+    const bool tall = m > n;
+    const std::int64_t r = tall ? n : m, c = tall ? m : n;
+    // Stored in double (std::vector is constexpr, so nvcc would compile vector<long double> for the
+    // device too), each sum accumulated in long double.
+    std::vector<double> y(x.size()), a(std::size_t(r * r)), p(std::size_t(r * r)), z(x.size());
+    long double sq = 0;
+    for (std::int64_t i = 0; i < m; ++i)
+      for (std::int64_t j = 0; j < n; ++j) {
+        const long double v = x[std::size_t(i * n + j)];
+        sq += v * v;
+        y[std::size_t(tall ? j * m + i : i * n + j)] = double(v);
+      }
+    // (sqrtl, not std::sqrt or std::max: nvcc would compile those constexpr calls for the device)
+    const long double norm = sqrtl(sq) > o.epsilon ? sqrtl(sq) : static_cast<long double>(o.epsilon);
+    for (auto& v : y) v = double(v / norm);
+    for (std::uint32_t s = 0; s < o.steps; ++s) {
+      for (std::int64_t i = 0; i < r; ++i)
+        for (std::int64_t j = 0; j < r; ++j) {
+          long double acc = 0;
+          for (std::int64_t k = 0; k < c; ++k) acc += y[std::size_t(i * c + k)] * y[std::size_t(j * c + k)];
+          a[std::size_t(i * r + j)] = double(acc);
+        }
+      for (std::int64_t i = 0; i < r; ++i)
+        for (std::int64_t j = 0; j < r; ++j) {
+          long double acc = 0;
+          for (std::int64_t k = 0; k < r; ++k) acc += a[std::size_t(i * r + k)] * a[std::size_t(k * r + j)];
+          p[std::size_t(i * r + j)] = double(o.b * a[std::size_t(i * r + j)] + o.c * acc);
+        }
+      for (std::int64_t i = 0; i < r; ++i)
+        for (std::int64_t j = 0; j < c; ++j) {
+          long double acc = 0;
+          for (std::int64_t k = 0; k < r; ++k) acc += p[std::size_t(i * r + k)] * y[std::size_t(k * c + j)];
+          z[std::size_t(i * c + j)] = double(o.a * y[std::size_t(i * c + j)] + acc);
+        }
+      y.swap(z);
+    }
+    auto d = upload(x);
+    cuda_buffer<double> ws(gradapt::newton_schulz_workspace(m, n));
+    gradapt::newton_schulz(la, b, dview<double>(d.data(), {m, n}),
+                           dview<double>::vector(ws.data(), std::int64_t(ws.size())), o);
+    GRADAPT_CUDA_CHECK(cudaStreamSynchronize(la.stream()));
+    const auto got = download(d);
+    long double worst = 0;
+    for (std::int64_t i = 0; i < m; ++i)
+      for (std::int64_t j = 0; j < n; ++j) {
+        const long double e =
+            fabsl(got[std::size_t(i * n + j)] - y[std::size_t(tall ? j * m + i : i * n + j)]);
+        if (e > worst) worst = e;
+      }
+    INFO(m << " x " << n << ": largest difference " << double(worst));
+    CHECK(worst <= 1e-10L);
+  }
 }
 
 TEST_CASE("cuda_linalg: invalid shapes throw gradapt::error", "[linalg][cuda]") {

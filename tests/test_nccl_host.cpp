@@ -12,8 +12,9 @@
 //   range across ranks, and the mismatched call never reaches the engine (the stand-in counts
 //   mismatched rendezvous). With check_sizes off the same mismatch reaches it.
 // - The composed step (train::data_parallel_step) over this comm::nccl and the device-tagged
-//   host backend equals the host step bit for bit: loss scaler, zero_state<2> and replicated
-//   state with LocalSGD, through a checkpoint.
+//   host backend equals the host step bit for bit: loss scaler, zero_state<2>, replicated
+//   state with LocalSGD, and hierarchical_reduce (comm::hierarchy over ncclCommSplit), through
+//   a checkpoint.
 #include "catch.hpp"
 
 #include <nccl.h>  // tests/support/fake_nccl: first on this test's include path
@@ -227,6 +228,14 @@ TEST_CASE("the composed step over comm::nccl (host stand-in) equals the host ste
           c, b, params, scenario::adamw, {.lr = lr, .local_batch = 8},
           gradapt::loss_scaler({.init_scale = 1024, .growth_interval = 3}),
           train::local_sgd_policy{{.start_step = 4}, gradapt::fixed_period({.period = 3})});
+    });
+  }
+  for (const int n : {2, 4}) {  // comm::hierarchy over ncclCommSplit: groups of two
+    INFO(n << " ranks, hierarchical_reduce in groups of two");
+    step_matches_host(n, [](auto& c, const auto& b, const auto& params, double lr) {
+      return train::make_data_parallel_step(c, b, params, scenario::adamw, {.lr = lr, .local_batch = 8},
+                                            gradapt::loss_scaler({.init_scale = 1024, .growth_interval = 3}),
+                                            train::hierarchical_reduce{.hierarchy = {.group_size = 2}});
     });
   }
 }

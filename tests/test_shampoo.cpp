@@ -1144,7 +1144,8 @@ TEST_CASE("shampoo family: spectral descent's direction is the block's Newton–
   m.grads(1);
   const std::vector<double> w0 = m.w, b0 = m.b;
   std::vector<double> x = m.gw, ws(gradapt::newton_schulz_workspace(6, 5));
-  gradapt::newton_schulz(la, tensor_view<double>(x.data(), {6, 5}), std::span<double>(ws), o.newton_schulz);
+  gradapt::newton_schulz(la, gradapt::host{.threads = 1}, tensor_view<double>(x.data(), {6, 5}),
+                         tensor_view<double>::vector(ws.data(), std::int64_t(ws.size())), o.newton_schulz);
   opt.step(backend, m.params, st);
   const double aspect = std::sqrt(6.0 / 5.0);
   for (std::size_t i = 0; i < 30; ++i) CHECK(m.w[i] == Approx(w0[i] - 0.5 * aspect * x[i]).epsilon(1e-12));

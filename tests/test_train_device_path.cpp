@@ -9,7 +9,8 @@
 //   - LocalSGD (its round agreement and averaging);
 //   - replicated state, zero_state<1> and zero_state<2>;
 //   - bucket_reduce (fused buffers from the backend, packing copies and the mean as backend
-//     operations).
+//     operations) and hierarchical_reduce (comm::hierarchy over the device-tagged communicator's
+//     splits, its scratch and agreement words in backend buffers).
 // The construction, per-step and replica agreements travel through backend buffers. Each row
 // saves at step 10 and loads into a fresh step for steps 11 to 20.
 //
@@ -163,10 +164,28 @@ TEST_CASE("the composed step's device path equals the host step, adasum_combine"
              scenario::adasum{});
 }
 
+TEST_CASE("the composed step's device path equals the host step, hierarchical_reduce", "[train][device]") {
+  using train::replicated_state;
+  // Grouped by host name (one group: the host names travel through a staged allgather), one
+  // rank per group, and two groups of two, where the model's odd-sized tensors take the padded
+  // three-step path (reduce_scatter, cross allreduce, allgather) through backend scratch.
+  on_threads("sgd, hierarchical by host, scaler", flags<true, false, false>{}, scenario::sgd,
+             replicated_state{}, scenario::hier);
+  on_threads("lamb, hierarchical pairs, AdaScale, LocalSGD", flags<false, true, true>{}, scenario::lamb,
+             replicated_state{}, scenario::pairs);
+  const train::hierarchical_reduce two{.hierarchy = {.group_size = 2}};
+  for (const int n : {2, 4}) {
+    INFO("groups of two on " << n << " ranks");
+    run_threads(n, quick, [&](threads& c) {
+      row_matches(c, flags<true, false, false>{}, scenario::adamw, replicated_state{}, two);
+    });
+  }
+}
+
 TEST_CASE("the composed step's device path: a rank that differs throws on every rank", "[train][device]") {
-  const host_as_device::backend db;
   SECTION("an optimizer option at construction") {
     const auto what = gradapt_test::errors_of(3, quick, [&](threads& c) {
+      const host_as_device::backend db;
       host_as_device::comm dc{&c};
       model<float> m;
       const auto dparams = host_as_device::on_device(m.params);
@@ -181,6 +200,7 @@ TEST_CASE("the composed step's device path: a rank that differs throws on every 
   }
   SECTION("a step's learning rate, with the loss scaler and zero_state<2>") {
     const auto what = gradapt_test::errors_of(3, quick, [&](threads& c) {
+      const host_as_device::backend db;
       host_as_device::comm dc{&c};
       model<float> m;
       const auto dparams = host_as_device::on_device(m.params);

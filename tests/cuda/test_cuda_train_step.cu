@@ -1,8 +1,9 @@
 // The composed step (train::data_parallel_step) on the CUDA backend with a one-rank NCCL
 // communicator, against the same step on the host (gradapt::host, comm::single): the loss
 // scaler (its flags in device memory; an overflow at step 3), replicated state with LocalSGD,
-// zero_state<2> and bucket_reduce with gradients marked during the "backward pass", and Adasum
-// (its workspace over backend buffers), each saved after step 4 and loaded into a fresh step. The slot logic
+// zero_state<2> and bucket_reduce with gradients marked during the "backward pass", Adasum
+// (its workspace over backend buffers) and hierarchical_reduce (comm::hierarchy over
+// ncclCommSplit), each saved after step 4 and loaded into a fresh step. The slot logic
 // these paths share with the host runs on 1 to 3 ranks through the device-tagged host backend in
 // tests/test_train_device_path.cpp.
 //
@@ -172,6 +173,17 @@ TEST_CASE("the composed step on the CUDA backend and NCCL equals the host step: 
     return train::make_data_parallel_step(
         comm, b, params, gradapt::adamw({.lr = 1e-2}), {.lr = lr, .local_batch = 8},
         gradapt::loss_scaler({.init_scale = 1024, .growth_interval = 2}), train::adasum_combine{});
+  });
+}
+
+TEST_CASE("the composed step on the CUDA backend and NCCL equals the host step: hierarchical_reduce, scaler",
+          "[cuda][train]") {
+  // One rank: the hierarchy's two splits (ncclCommSplit) and its staged host-name allgather run;
+  // the reduction collapses to an allreduce over one rank.
+  matches_host([](auto& comm, const auto& b, const auto& params, double lr) {
+    return train::make_data_parallel_step(
+        comm, b, params, gradapt::adamw({.lr = 1e-2}), {.lr = lr, .local_batch = 8},
+        gradapt::loss_scaler({.init_scale = 1024, .growth_interval = 2}), train::hierarchical_reduce{});
   });
 }
 

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <ranges>
 #include <span>
 #include <type_traits>
@@ -55,10 +56,17 @@ requires(!device_list<std::remove_cvref_t<A>> && !is_device_view<std::remove_cvr
   return std::forward<A>(a);
 }
 
-/// gradapt::host (one thread) over device-tagged views of host memory.
+/// gradapt::host (one thread) over device-tagged views of host memory. Like gradapt::cuda it
+/// lends grow-only staging words shared by its copies (so, like it, one object per rank thread).
 struct backend {
   using space = device_space;
   gradapt::host h{.threads = 1};
+  std::shared_ptr<std::vector<double>> words = std::make_shared<std::vector<double>>();
+
+  double* staging(std::size_t n) const {
+    if (words->size() < n) words->resize(n);
+    return words->data();
+  }
 
   template <class F, class... Ts>
   void apply(F f, tensor_view<Ts, device_space>... views) const {
@@ -129,6 +137,8 @@ struct backend {
 struct comm {
   using space = device_space;
   gradapt::comm::threads* c;
+  /// The communicator `split` made (null for one built over a caller's threads handle).
+  std::shared_ptr<gradapt::comm::threads> owned{};
 
   int rank() const { return c->rank(); }
   int size() const { return c->size(); }
@@ -153,8 +163,11 @@ struct comm {
   void exchange(int peer, tensor_view<const T, device_space> send, tensor_view<T, device_space> recv) {
     c->exchange(peer, on_host(send), on_host(recv));
   }
-  /// Not used by the code under test (a split would need a second threads object to own).
-  comm split(int, int) { throw gradapt::error("host_as_device::comm::split is not provided"); }
+  /// comm::threads::split, the new handle owned by the result (and shared by its copies).
+  comm split(int color, int key) {
+    auto s = std::make_shared<gradapt::comm::threads>(c->split(color, key));
+    return comm{s.get(), s};
+  }
   void barrier() { c->barrier(); }
 };
 

@@ -20,6 +20,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "gradapt/core/error.hpp"
@@ -76,8 +77,18 @@ inline std::string value_text(double v) {
 
 namespace detail {
 
-/// Allreduces `v` (host memory) on `comm`: directly on a host communicator, through a device
-/// buffer of backend `b` (copied in and out) on a device communicator.
+/// A backend that lends grow-only memory for staged words: `b.staging(n)` -> `double*` (the
+/// CUDA backend's workspace).
+template <class B>
+concept stages_words = requires(const B& b, std::size_t n) {
+  { b.staging(n) } -> std::same_as<double*>;
+};
+
+/// Allreduces `v` (host memory) on `comm`: directly on a host communicator, through device
+/// memory of backend `b` (copied in, reduced, copied back; the copy back waits for the
+/// stream) on a device communicator. That memory is `b.staging(n)` when the backend lends it
+/// (gradapt::cuda: its workspace, so an agreement on the step path allocates nothing after
+/// the first), otherwise a buffer allocated for the call.
 template <class C, class B>
 void allreduce_host_values(C& comm, const B& b, std::span<double> v, reduce_op op) {
   if constexpr (std::same_as<typename C::space, host_space>) {
@@ -85,13 +96,19 @@ void allreduce_host_values(C& comm, const B& b, std::span<double> v, reduce_op o
     comm.allreduce(tensor_view<double, host_space>::vector(v.data(), static_cast<std::int64_t>(v.size())),
                    op);
   } else {
-    auto d = b.template allocate<double>(v.size());
     const auto n = static_cast<std::int64_t>(v.size());
-    const tensor_view<double, typename C::space> dv =
-        tensor_view<double, typename C::space>::vector(d.data(), n);
+    [[maybe_unused]] decltype(b.template allocate<double>(std::size_t{})) own{};
+    double* d = nullptr;
+    if constexpr (stages_words<B>) {
+      d = b.staging(v.size());
+    } else {
+      own = b.template allocate<double>(v.size());
+      d = own.data();
+    }
+    const tensor_view<double, typename C::space> dv = tensor_view<double, typename C::space>::vector(d, n);
     b.copy(tensor_view<const double, host_space>::vector(v.data(), n), dv);
     comm.allreduce(dv, op);
-    b.copy(tensor_view<const double, typename C::space>::vector(d.data(), n),
+    b.copy(tensor_view<const double, typename C::space>::vector(d, n),
            tensor_view<double, host_space>::vector(v.data(), n));
   }
 }

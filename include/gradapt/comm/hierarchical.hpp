@@ -1,6 +1,8 @@
 #pragma once
 /// @file
-/// `comm::hierarchy`: Horovod's hierarchical allreduce over any host communicator. The world is
+/// `comm::hierarchy`: Horovod's hierarchical allreduce over any communicator with `split` (host
+/// memory, or device memory with the backend of that memory: `comm::nccl` with
+/// `gradapt::cuda`, whose `split` is `ncclCommSplit`). The world is
 /// cut into equal groups of ranks (the ranks of one node, or consecutive ranks of a chosen
 /// group size) by two `split`s: `local()` holds the ranks of this rank's group, `cross()` one
 /// rank per group (the ranks with this rank's local rank). `allreduce` then runs three steps:
@@ -32,12 +34,20 @@
 /// Construction is collective over the world and agrees on the options with
 /// `gradapt::agree_values`; `allreduce` agrees on its arguments (count, element type, op)
 /// across the world before it starts unless `hierarchy_options::check_arguments` is off.
+///
+/// On a device communicator the three steps are enqueued on the communicator's stream, the
+/// padding copies and the zero tail are backend element operations on the same stream, the
+/// scratch is a backend buffer kept by the hierarchy, and the agreement words pass through the
+/// backend's staging memory (gradapt::cuda's workspace): a repeated allreduce allocates
+/// nothing. The argument agreement is a host wait: its words are
+/// copied back before the data collectives are enqueued (off with `check_arguments = false`).
 
 #include <algorithm>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <span>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -49,6 +59,7 @@
 #include <unistd.h>
 #endif
 
+#include "gradapt/backend/host.hpp"
 #include "gradapt/comm/agree.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/dtype.hpp"
@@ -134,13 +145,17 @@ inline std::string unpack_host(const double* words) {
 }  // namespace detail
 
 /// A world seen as equal groups of ranks (nodes), with Horovod's hierarchical allreduce (see
-/// the file comment for the steps, their cost and the reduction order). Host memory only:
-/// the padding scratch and the agreement values live in host memory. Holds a copy of the
-/// world handle and the two communicators made by `split`.
-template <class C>
-requires communicator<C> && std::same_as<typename C::space, host_space> && std::copy_constructible<C>
+/// the file comment for the steps, their cost and the reduction order). `B` is the backend of
+/// the communicator's memory (gradapt::host by default; the CUDA backend with comm::nccl): the
+/// padding scratch and the staged agreement words are its buffers. Holds a copy of the world
+/// handle and the two communicators made by `split`.
+template <class C, class B = host>
+requires communicator<C> && std::same_as<typename C::space, typename B::space> && std::copy_constructible<C>
 class hierarchy {
  public:
+  /// The memory space of the buffers it reduces.
+  using space = typename C::space;
+
   /// Splits `world` into groups as `o` says. Collective over `world`: one agreement
   /// allreduce, an allgather of host names when grouping by host, and two splits.
   /// @throws gradapt::error on every rank when a rank's options differ from the others', when
@@ -148,13 +163,12 @@ class hierarchy {
   ///         different numbers of ranks (naming the hosts and their counts); on this rank, and
   ///         naming it on the others, when its own options are invalid (negative group_size,
   ///         host set together with group_size, host name too long or with a NUL byte)
-  explicit hierarchy(C& world, const hierarchy_options& o = {})
-      : world_(world), opt_(o), rank_(world.rank()), size_(world.size()) {
+  explicit hierarchy(C& world, const hierarchy_options& o = {}, const B& backend = B{})
+      : world_(world), backend_(backend), opt_(o), rank_(world.rank()), size_(world.size()) {
     std::string bad = local_checks();
-    agree_values(world_, "comm::hierarchy",
-                 {{"hierarchy_options::group_size", static_cast<double>(opt_.group_size)},
-                  {"hierarchy_options::check_arguments", opt_.check_arguments ? 1.0 : 0.0}},
-                 bad);
+    const agreed_value agreed[] = {{"hierarchy_options::group_size", static_cast<double>(opt_.group_size)},
+                                   {"hierarchy_options::check_arguments", opt_.check_arguments ? 1.0 : 0.0}};
+    agree(std::span<const agreed_value>(agreed), bad);
     int node = 0, local_rank = 0;
     if (opt_.group_size > 0) {
       node = rank_ / opt_.group_size;
@@ -207,23 +221,22 @@ class hierarchy {
   ///         the op, the others name that rank); without check_arguments, the op error is
   ///         thrown on the offending rank only and a mismatch is left to the communicators
   template <element T>
-  requires(!std::is_const_v<T>) void allreduce(tensor_view<T, host_space> buf, reduce_op op) {
+  requires(!std::is_const_v<T>) void allreduce(tensor_view<T, space> buf, reduce_op op) {
     const std::size_t n = buf.size();
     std::string bad;
     if (op != reduce_op::sum && op != reduce_op::max)
       bad = text("allreduce", "reduce_op ", static_cast<int>(op), " is neither sum nor max");
     if (opt_.check_arguments) {
-      agree_values(
-          world_, "comm::hierarchy::allreduce",
-          {{"element count", static_cast<double>(n)},
-           {"element type (0 float32, 1 float64, 2 float16, 3 bfloat16)", static_cast<double>(dtype_of_v<T>)},
-           {"reduce_op (0 sum, 1 max)", static_cast<double>(op)}},
-          bad);
+      const agreed_value agreed[] = {
+          {"element count", static_cast<double>(n)},
+          {"element type (0 float32, 1 float64, 2 float16, 3 bfloat16)", static_cast<double>(dtype_of_v<T>)},
+          {"reduce_op (0 sum, 1 max)", static_cast<double>(op)}};
+      agree(std::span<const agreed_value>(agreed), bad, "comm::hierarchy::allreduce");
     } else if (!bad.empty()) {
       throw error(bad);
     }
     if (n == 0) return;
-    const auto flat = tensor_view<T, host_space>::vector(buf.data(), static_cast<std::int64_t>(n));
+    const auto flat = tensor_view<T, space>::vector(buf.data(), static_cast<std::int64_t>(n));
     if (local_.size() == 1) {
       cross_.allreduce(flat, op);
       return;
@@ -237,23 +250,47 @@ class hierarchy {
     const std::size_t m = b * l;            // padded length
     auto& s = scratch<T>();
     const std::size_t need = m == n ? b : m + b;
-    if (s.size() < need) s.resize(need);
+    if (s.size() < need) {
+      if constexpr (on_host)
+        s.resize(need);
+      else
+        s = backend_.template allocate<T>(need);
+    }
     const auto block = view(s.data() + (m == n ? 0 : m), b);
     if (m == n) {
       local_.reduce_scatter(cview(buf.data(), n), block, op);
       cross_.allreduce(block, op);
       local_.allgather(cview(block.data(), b), flat);
     } else {
-      std::copy_n(buf.data(), n, s.data());
-      std::fill(s.data() + n, s.data() + m, T{});
+      const auto padded = view(s.data(), m);
+      if constexpr (on_host) {
+        std::copy_n(buf.data(), n, s.data());
+        std::fill(s.data() + n, s.data() + m, T{});
+      } else {
+        backend_.apply(gradapt::detail::copy_to{}, view(s.data(), n), cview(buf.data(), n));
+        backend_.apply(gradapt::detail::set_zero{}, view(s.data() + n, m - n));
+      }
       local_.reduce_scatter(cview(s.data(), m), block, op);
       cross_.allreduce(block, op);
-      local_.allgather(cview(block.data(), b), view(s.data(), m));
-      std::copy_n(s.data(), n, buf.data());
+      local_.allgather(cview(block.data(), b), padded);
+      if constexpr (on_host)
+        std::copy_n(s.data(), n, buf.data());
+      else
+        backend_.apply(gradapt::detail::copy_to{}, flat, cview(s.data(), n));
     }
   }
 
  private:
+  static constexpr bool on_host = std::same_as<space, host_space>;
+
+  /// agree_values over the world (through the backend's staging memory on a device).
+  void agree(std::span<const agreed_value> values, const std::string& bad,
+             std::string_view who = "comm::hierarchy") {
+    gradapt::detail::agree_values_with(world_, who, values, bad, [&](std::span<double> v) {
+      gradapt::detail::allreduce_host_values(world_, backend_, v, reduce_op::max);
+    });
+  }
+
   template <class... A>
   std::string text(std::string_view op, A&&... a) const {
     return gradapt::detail::message("comm::hierarchy", op.empty() ? "" : "::", op, " on rank ", rank_, ": ",
@@ -293,7 +330,17 @@ class hierarchy {
     const auto p = static_cast<std::size_t>(size_);
     std::vector<double> mine(detail::host_words), all(detail::host_words * p);
     detail::pack_host(host_, mine.data());
-    world_.allgather(cview(mine.data(), mine.size()), view(all.data(), all.size()));
+    if constexpr (on_host) {
+      world_.allgather(cview(mine.data(), mine.size()), view(all.data(), all.size()));
+    } else {  // once, at construction: through two backend buffers
+      auto dm = backend_.template allocate<double>(mine.size());
+      auto da = backend_.template allocate<double>(all.size());
+      backend_.copy(tensor_view<const double, host_space>::vector(mine.data(), std::int64_t(mine.size())),
+                    view(dm.data(), mine.size()));
+      world_.allgather(cview(dm.data(), mine.size()), view(da.data(), all.size()));
+      backend_.copy(cview(da.data(), all.size()),
+                    tensor_view<double, host_space>::vector(all.data(), std::int64_t(all.size())));
+    }
     std::vector<std::string> names(p);
     for (std::size_t r = 0; r < p; ++r) names[r] = detail::unpack_host(all.data() + r * detail::host_words);
     std::vector<int> first(p), count(p, 0), index(p, -1);  // first rank of r's host; per first rank
@@ -336,19 +383,22 @@ class hierarchy {
   }
 
   template <class T>
-  static tensor_view<T, host_space> view(T* p, std::size_t n) {
-    return tensor_view<T, host_space>::vector(p, static_cast<std::int64_t>(n));
+  static tensor_view<T, space> view(T* p, std::size_t n) {
+    return tensor_view<T, space>::vector(p, static_cast<std::int64_t>(n));
   }
   template <class T>
-  static tensor_view<const T, host_space> cview(const T* p, std::size_t n) {
-    return tensor_view<const T, host_space>::vector(p, static_cast<std::int64_t>(n));
+  static tensor_view<const T, space> cview(const T* p, std::size_t n) {
+    return tensor_view<const T, space>::vector(p, static_cast<std::int64_t>(n));
   }
   template <class T>
-  std::vector<T>& scratch() {
-    return std::get<std::vector<T>>(scratch_);
+  using buffer_t = decltype(std::declval<const B&>().template allocate<T>(std::size_t{}));
+  template <class T>
+  buffer_t<T>& scratch() {
+    return std::get<buffer_t<T>>(scratch_);
   }
 
   C world_;
+  B backend_;
   hierarchy_options opt_;
   int rank_ = 0;
   int size_ = 1;
@@ -357,7 +407,7 @@ class hierarchy {
   std::string host_;
   C local_ = world_;
   C cross_ = world_;
-  std::tuple<std::vector<float>, std::vector<double>, std::vector<half>, std::vector<bfloat16>> scratch_;
+  std::tuple<buffer_t<float>, buffer_t<double>, buffer_t<half>, buffer_t<bfloat16>> scratch_;
 };
 
 }  // namespace gradapt::comm

@@ -100,6 +100,14 @@ struct multiply_by {
     g = g * static_cast<T>(c);
   }
 };
+
+/// x ← +0: clears memory a host loop cannot touch (a padded tail on a device).
+struct set_zero {
+  template <class T>
+  GRADAPT_HD void operator()(T& x) const {
+    x = T{};
+  }
+};
 }  // namespace detail
 
 }  // namespace gradapt

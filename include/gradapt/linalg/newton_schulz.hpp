@@ -1,7 +1,9 @@
 #pragma once
 /// @file
 /// The Newton–Schulz orthogonalization of a matrix (Muon's `zeropower`; Jordan et al. 2024,
-/// Bernstein & Newhouse 2024 "Old optimizer, new norm"), on any `linalg_backend`:
+/// Bernstein & Newhouse 2024 "Old optimizer, new norm"), on any `linalg_backend` `L` with the
+/// element backend `B` of the same memory space (host_lapack with gradapt::host; cuda_linalg
+/// with gradapt::cuda):
 ///
 ///     X₀ = G / max(‖G‖_F, ε)
 ///     Xₖ₊₁ = a·Xₖ + (b·Aₖ + c·Aₖ²)·Xₖ,   Aₖ = Xₖ·Xₖᵀ          (k = 0 .. steps − 1)
@@ -14,14 +16,21 @@
 /// as Xₖ₊₁ = a·Xₖ + Xₖ·(b·Bₖ + c·Bₖ²) with Bₖ = Xₖᵀ·Xₖ, so the Gram matrix is the smaller
 /// side's. Cost per step, with k = min(rows, cols) and l = max(rows, cols): one SYRK (k²·l
 /// multiply-adds, half of them computed), a k × k GEMM (k³) and a k × k by k × l GEMM (k²·l).
+///
+/// The products are `L`'s; the norm (`B::reduce`, sum_squares in double) and the element-wise
+/// scalings and copies are `B`'s, so nothing here touches the matrix's memory from the host.
+/// On a device the norm is brought to the host (one wait for `B`'s stream per call); every
+/// other operation is enqueued.
 
 #include <algorithm>
 #include <cmath>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
-#include <span>
 
+#include "gradapt/core/concepts.hpp"
 #include "gradapt/core/error.hpp"
+#include "gradapt/core/ops.hpp"
 #include "gradapt/core/tensor_view.hpp"
 #include "gradapt/linalg/concepts.hpp"
 
@@ -53,6 +62,17 @@ inline void validate(const newton_schulz_options& o, const char* who) {
                   " (expected finite and >= 0)");
 }
 
+namespace detail::linalg {
+/// dst ← c·src in the element type (c rounded to it once).
+struct scaled_copy {
+  double c;  ///< the factor
+  template <class T>
+  GRADAPT_HD void operator()(T& dst, const T& src) const {
+    dst = static_cast<T>(c) * src;
+  }
+};
+}  // namespace detail::linalg
+
 /// Elements of scratch `newton_schulz` needs for an m × n matrix: two k × k matrices (k =
 /// min(m, n)) and one m × n.
 constexpr std::size_t newton_schulz_workspace(std::int64_t m, std::int64_t n) {
@@ -61,12 +81,14 @@ constexpr std::size_t newton_schulz_workspace(std::int64_t m, std::int64_t n) {
 }
 
 /// Replaces the m × n row-major matrix `x` by its Newton–Schulz orthogonalization (see the
-/// file comment), using `ws` (at least `newton_schulz_workspace(m, n)` elements) for scratch.
-/// A zero matrix stays zero. The norm is summed in double, in element order.
+/// file comment), using `ws` (a vector of at least `newton_schulz_workspace(m, n)` elements, in
+/// the same memory as `x`) for scratch. A zero matrix stays zero. The norm is `b`'s
+/// sum_squares reduction (in double).
 /// @throws gradapt::error when `x` is not a matrix or `ws` is too small
-template <linalg_backend L, class C>
-void newton_schulz(const L& la, tensor_view<C, typename L::space> x, std::span<C> ws,
-                   const newton_schulz_options& o) {
+template <linalg_backend L, class B, class C>
+requires std::same_as<typename B::space, typename L::space>
+void newton_schulz(const L& la, const B& b, tensor_view<C, typename L::space> x,
+                   tensor_view<C, typename L::space> ws, const newton_schulz_options& o) {
   detail::linalg::require_matrix(x, "newton_schulz", "the matrix");
   const std::int64_t m = x.dim(0), n = x.dim(1);
   detail::require(ws.size() >= newton_schulz_workspace(m, n), "newton_schulz: the workspace holds ",
@@ -77,38 +99,36 @@ void newton_schulz(const L& la, tensor_view<C, typename L::space> x, std::span<C
   using mview = tensor_view<C, typename L::space>;
   const bool tall = m > n;
   const std::int64_t k = tall ? n : m;
-  const auto kk = static_cast<std::size_t>(k * k);
+  const std::int64_t kk = k * k, mn = m * n;
   C* A = ws.data();
-  C* B = A + kk;
-  C* Y = B + kk;
+  C* Bk = A + kk;
+  C* Y = Bk + kk;
   C* X = x.data();
-  const auto mn = static_cast<std::size_t>(m * n);
-  double sq = 0;
-  for (std::size_t i = 0; i < mn; ++i) sq += static_cast<double>(X[i]) * static_cast<double>(X[i]);
+  const mview flat_x = mview::vector(X, mn);
+  const double sq = b.reduce(reduction::sum_squares, flat_x);
   const double norm = std::max(std::sqrt(sq), o.epsilon);
   if (!(norm > 0)) return;  // a zero matrix with ε = 0 stays zero
-  const C inv = static_cast<C>(1.0 / norm);
-  for (std::size_t i = 0; i < mn; ++i) X[i] = X[i] * inv;
+  b.apply(detail::multiply_by{1.0 / norm}, flat_x);
   C* cur = X;
   C* nxt = Y;
   for (std::uint32_t s = 0; s < o.steps; ++s) {
     // A = X·Xᵀ (wide) or Xᵀ·X (tall); B = b·A + c·A²; X' = a·X + B·X (wide) or a·X + X·B (tall).
     la.syrk(tall ? gram::columns : gram::rows, 1.0, cview(cur, {m, n}), 0.0, mview(A, {k, k}));
-    for (std::size_t i = 0; i < kk; ++i) B[i] = static_cast<C>(o.b) * A[i];
-    la.gemm(transpose::none, transpose::none, o.c, cview(A, {k, k}), cview(A, {k, k}), 1.0, mview(B, {k, k}));
-    for (std::size_t i = 0; i < mn; ++i) nxt[i] = static_cast<C>(o.a) * cur[i];
+    b.apply(detail::linalg::scaled_copy{o.b}, mview::vector(Bk, kk), cview::vector(A, kk));
+    la.gemm(transpose::none, transpose::none, o.c, cview(A, {k, k}), cview(A, {k, k}), 1.0,
+            mview(Bk, {k, k}));
+    b.apply(detail::linalg::scaled_copy{o.a}, mview::vector(nxt, mn), cview::vector(cur, mn));
     if (tall)
-      la.gemm(transpose::none, transpose::none, 1.0, cview(cur, {m, n}), cview(B, {k, k}), 1.0,
+      la.gemm(transpose::none, transpose::none, 1.0, cview(cur, {m, n}), cview(Bk, {k, k}), 1.0,
               mview(nxt, {m, n}));
     else
-      la.gemm(transpose::none, transpose::none, 1.0, cview(B, {k, k}), cview(cur, {m, n}), 1.0,
+      la.gemm(transpose::none, transpose::none, 1.0, cview(Bk, {k, k}), cview(cur, {m, n}), 1.0,
               mview(nxt, {m, n}));
     C* t = cur;
     cur = nxt;
     nxt = t;
   }
-  if (cur != X)
-    for (std::size_t i = 0; i < mn; ++i) X[i] = cur[i];
+  if (cur != X) b.apply(detail::copy_to{}, flat_x, cview::vector(cur, mn));
 }
 
 }  // namespace gradapt

@@ -53,6 +53,7 @@
 #include <vector>
 
 #include "gradapt/backend/concepts.hpp"
+#include "gradapt/backend/host.hpp"
 #include "gradapt/comm/agree.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/dtype.hpp"
@@ -687,7 +688,8 @@ struct scale_by_shampoo {
       } else {  // spectral descent: the block's Newton–Schulz orthogonalization
         y = st.y0_.data();
         std::copy(mb, mb + elems, y);
-        newton_schulz(st.la_, tensor_view<C, host_space>(y, {bl.n[0], bl.n[1]}), std::span<C>(st.ns_),
+        newton_schulz(st.la_, host{.threads = 1}, tensor_view<C, host_space>(y, {bl.n[0], bl.n[1]}),
+                      tensor_view<C, host_space>::vector(st.ns_.data(), std::int64_t(st.ns_.size())),
                       options.newton_schulz);
         if (options.scale_by_aspect && bl.n[0] > bl.n[1]) {
           const C f = C(std::sqrt(double(bl.n[0]) / double(bl.n[1])));

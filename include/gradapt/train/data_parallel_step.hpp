@@ -52,7 +52,7 @@
 /// Device memory (gradapt::cuda with comm::nccl, every operation on the framework's stream): the
 /// same step, its agreements and the loss scaler's flags staged through backend buffers; the
 /// host waits for the stream only at its agreement points (docs/algorithms/train-step.md, CUDA).
-/// `hierarchical_reduce` and `kfac_policy` are host only.
+/// `kfac_policy` is host only.
 
 #include <array>
 #include <chrono>
@@ -216,10 +216,6 @@ class data_parallel_step {
                 "train::data_parallel_step: the state slot's zero_state reduce-scatters the gradients "
                 "over the whole world into shards; the reduce slot's hierarchical_reduce allreduces whole "
                 "gradients: use one of the two");
-  static_assert(!has_hierarchy || !on_device,
-                "train::data_parallel_step: the reduce slot's hierarchical_reduce runs on a host "
-                "communicator (comm::hierarchy); on a device communicator use one_buffer_reduce, "
-                "bucket_reduce or zero_state<2>");
   static_assert(!has_preconditioner || !on_device,
                 "train::data_parallel_step: the precondition slot's kfac_policy keeps its factors in host "
                 "memory; on a device, leave the precondition slot empty");
@@ -841,7 +837,7 @@ class data_parallel_step {
   std::size_t marks_ = 0;  ///< gradients marked ready in this step (zero_state<2>, bucket_reduce)
   /// The bucket reducer (reduce slot bucket_reduce).
   /// The groups and their communicators (reduce slot hierarchical_reduce).
-  [[no_unique_address]] typename detail::hierarchy_slot<has_hierarchy, Comm>::type hier_;
+  [[no_unique_address]] typename detail::hierarchy_slot<has_hierarchy, Comm, B>::type hier_;
   [[no_unique_address]] typename detail::reducer_slot<has_buckets, Comm, grad_type, B>::type reducer_;
   /// The optimizer's report of the latest step (a Shampoo chain's), or nothing.
   [[no_unique_address]] typename detail::report_of<Opt>::type last_report_{};

@@ -401,9 +401,9 @@ struct bucket_reduce {
 /// reduce-scattered inside its group, its block allreduced across the groups and allgathered
 /// inside the group, so that only 1/L of the buffer (L ranks per group) crosses groups; then
 /// divided by the rank count. With the replicated state and the mean (`allreduce_mean`), on
-/// a host communicator with `split`. The sum's order is the hierarchy's (groups, then across
-/// them), not the flat allreduce's: the same bits on every rank, and a flat reduction's bits
-/// where every partial sum is exact.
+/// any communicator with `split` (comm::threads, comm::mpi, comm::nccl). The sum's order is the hierarchy's
+/// (groups, then across them), not the flat allreduce's: the same bits on every rank, and a flat reduction's
+/// bits where every partial sum is exact.
 struct hierarchical_reduce {
   static constexpr policy_slot slot = policy_slot::reduce;  ///< fills the reduce slot
   comm::hierarchy_options hierarchy{};                      ///< the groups (agreed across ranks)

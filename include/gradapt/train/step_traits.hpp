@@ -89,15 +89,14 @@ inline constexpr int zero_stage_v<zero_state<Stage>> = Stage;
 /// An empty member for a slot that is off.
 struct nothing {};
 
-/// The reduce slot's members, named only when the slot is on (comm::hierarchy takes host
-/// communicators; a device step never names it).
-template <bool On, class Comm>
+/// The reduce slot's members, named only when the slot is on.
+template <bool On, class Comm, class B>
 struct hierarchy_slot {
   using type = nothing;
 };
-template <class Comm>
-struct hierarchy_slot<true, Comm> {
-  using type = std::optional<comm::hierarchy<Comm>>;
+template <class Comm, class B>
+struct hierarchy_slot<true, Comm, B> {
+  using type = std::optional<comm::hierarchy<Comm, B>>;
 };
 template <bool On, class Comm, class G, class B>
 struct reducer_slot {

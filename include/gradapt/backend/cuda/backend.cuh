@@ -72,7 +72,8 @@ using list_view_t = std::remove_cvref_t<std::ranges::range_value_t<L>>;
 /// They are not bitwise equal to gradapt::host, whose blocking is different.
 ///
 /// **Workspace.** Reductions need `8 * (chunks + tensors)` bytes of device scratch and, for
-/// the host-returning forms, `8 * tensors` bytes of pinned host memory. Both live in
+/// the host-returning forms, `8 * tensors` bytes of pinned host memory; agreements across ranks
+/// stage their words in a third, small buffer (`staging`). All live in
 /// `workspace`, created with the object and shared by its copies; the memory is allocated on
 /// first use and only grows. Call `reserve` or `reserve_for` during set-up so that the
 /// steady-state step path performs no allocation. Copies of a backend share the workspace,
@@ -397,6 +398,12 @@ struct cuda {
     GRADAPT_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), src.bytes(), cudaMemcpyHostToDevice, stream));
     synchronize();
   }
+
+  /// Device memory for `n` doubles that an agreement across ranks stages through (copied in,
+  /// allreduced on the communicator, copied back and waited for before the caller returns:
+  /// `gradapt::detail::allreduce_host_values`), from the shared workspace: grow-only, so the
+  /// step path allocates nothing after its first agreement. Valid until the next call.
+  double* staging(std::size_t n) const { return static_cast<double*>(ws().words(n * sizeof(double))); }
 
   /// Waits until all work enqueued on `stream` has finished (cudaStreamSynchronize).
   void synchronize() const { GRADAPT_CUDA_CHECK(cudaStreamSynchronize(stream)); }

@@ -1,7 +1,8 @@
 #pragma once
 /// @file
-/// Scratch memory of the CUDA backend: a device buffer for reduction partials and a pinned
-/// host buffer for results copied back. Included only from .cu translation units.
+/// Scratch memory of the CUDA backend: a device buffer for reduction partials, a pinned host
+/// buffer for results copied back, and a device buffer for the words agreements stage. Included only from .cu
+/// translation units.
 
 #include <cuda_runtime_api.h>
 
@@ -82,6 +83,29 @@ class cuda_workspace {
     return pinned_buffer_;
   }
 
+  /// Device memory of at least `bytes` bytes for the words an agreement stages (a buffer of
+  /// its own, apart from the reduction partials), grow-only. Its users copy their words in,
+  /// reduce them and copy them back before they return, waiting for the stream, so no queued
+  /// work uses it when it grows (cudaFree waits for the device anyway).
+  void* words(std::size_t bytes) {
+    int current = 0;
+    GRADAPT_CUDA_CHECK(cudaGetDevice(&current));
+    if (words_buffer_ != nullptr && current != words_device_)
+      fail("cuda backend: the workspace's staging words were allocated on device ", words_device_,
+           " but the current device is ", current, " (use one gradapt::cuda object per device)");
+    if (bytes <= words_bytes_) return words_buffer_;
+    const std::size_t want = grow_to(words_bytes_, bytes);
+    if (words_buffer_ != nullptr) {
+      GRADAPT_CUDA_CHECK(cudaFree(words_buffer_));
+      words_buffer_ = nullptr;
+      words_bytes_ = 0;
+    }
+    GRADAPT_CUDA_CHECK(cudaMalloc(&words_buffer_, want));
+    words_bytes_ = want;
+    words_device_ = current;
+    return words_buffer_;
+  }
+
   /// Bytes of device memory held.
   std::size_t device_capacity() const noexcept { return device_bytes_; }
   /// Bytes of pinned host memory held.
@@ -97,7 +121,16 @@ class cuda_workspace {
       (void)cudaFree(device_buffer_);
       if (switch_device) (void)cudaSetDevice(current);
     }
+    if (words_buffer_ != nullptr) {
+      int current = 0;
+      const bool switch_device = cudaGetDevice(&current) == cudaSuccess && current != words_device_;
+      if (switch_device) (void)cudaSetDevice(words_device_);
+      (void)cudaFree(words_buffer_);
+      if (switch_device) (void)cudaSetDevice(current);
+    }
     if (pinned_buffer_ != nullptr) (void)cudaFreeHost(pinned_buffer_);
+    words_buffer_ = nullptr;
+    words_bytes_ = 0;
     device_buffer_ = nullptr;
     pinned_buffer_ = nullptr;
     device_bytes_ = 0;
@@ -115,6 +148,9 @@ class cuda_workspace {
   int device_id_ = -1;
   void* pinned_buffer_ = nullptr;
   std::size_t pinned_bytes_ = 0;
+  void* words_buffer_ = nullptr;
+  std::size_t words_bytes_ = 0;
+  int words_device_ = -1;
 };
 
 }  // namespace gradapt::detail

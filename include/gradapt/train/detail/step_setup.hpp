@@ -53,7 +53,7 @@ GRADAPT_TRAIN_STEP::data_parallel_step(Comm& comm, const B& b, const PL& params,
     reducer_.emplace(comm, bucket::bucket_plan::make(infos, reduce.buckets), std::move(grads),
                      bucket::reducer_options{.average = true, .overlap = reduce.overlap}, backend_);
   } else if constexpr (has_hierarchy) {  // collective: agrees on the options, splits the world
-    hier_.emplace(comm, reduce.hierarchy);
+    hier_.emplace(comm, reduce.hierarchy, backend_);
   } else {
     (void)reduce;
   }
