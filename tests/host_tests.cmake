@@ -191,6 +191,8 @@ if(GRADAPT_WITH_LAPACK)
   endif()
   # Shampoo's roots over comm::threads ranks and in its background thread.
   gradapt_add_test(test_shampoo_dist GROUP linalg SOURCES test_shampoo_dist.cpp LIBS gradapt::linalg)
+  # Shampoo's spectral descent on device memory through the device-tagged host backends.
+  gradapt_add_test(test_shampoo_device_path GROUP linalg SOURCES test_shampoo_device_path.cpp LIBS gradapt::linalg)
   # K-FAC (optim/kfac.hpp): closed forms, long double references, comm::threads ranks.
   gradapt_add_test(test_kfac GROUP linalg SOURCES test_kfac.cpp LIBS gradapt::linalg)
   # K-FAC against kfac-pytorch's reference data (tests/data/make_kfac_refs.py).

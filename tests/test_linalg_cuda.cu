@@ -1,15 +1,19 @@
 // gradapt::cuda_linalg (linalg/cuda_linalg.cuh) on the device: GEMM and SYRK against a long
 // double re-computation within the dot-product bound (as tests/test_linalg.cpp; TF32 is off,
 // so the fp32 bound applies), eigh by its backward error and orthogonality, and the argument
-// checks, and newton_schulz over cuda_linalg with gradapt::cuda against the iteration re-run on
-// the host (sums in long double). Exits with 77 (ctest: skipped) without a GPU.
+// checks, newton_schulz over cuda_linalg with gradapt::cuda against the iteration re-run on the
+// host (sums in long double), and Shampoo's spectral descent (Muon with a bias-corrected first
+// moment) on the device against the same step written out on the host, through a checkpoint. Exits with 77
+// (ctest: skipped) without a GPU.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "catch.hpp"
@@ -18,6 +22,7 @@
 #include "gradapt/backend/cuda/backend.cuh"
 #include "gradapt/linalg/cuda_linalg.cuh"
 #include "gradapt/linalg/newton_schulz.hpp"
+#include "gradapt/optim/shampoo.hpp"
 
 using gradapt::cuda_buffer;
 using gradapt::cuda_linalg;
@@ -141,6 +146,62 @@ TEMPLATE_TEST_CASE("cuda_linalg::eigh: ascending, A = Q·diag(w)·Qᵀ, Q orthog
   REQUIRE(std::sqrt(e.orthogonality) <= 4.0L * n * unit_roundoff<T>());
 }
 
+namespace {
+
+/// The Newton–Schulz iteration of the m × n matrix x on the host, on the wide orientation (Xᵀ for
+/// a tall X), each sum accumulated in long double; returned in x's layout. (Stored in double:
+/// std::vector is constexpr, so nvcc would also compile vector<long double> for the device; sqrtl,
+/// not std::sqrt or std::max, for the same reason.)
+std::vector<double> ns_reference(const std::vector<double>& x, std::int64_t m, std::int64_t n,
+                                 const gradapt::newton_schulz_options& o) {
+  const bool tall = m > n;
+  const std::int64_t r = tall ? n : m, c = tall ? m : n;
+  std::vector<double> y(x.size()), a(std::size_t(r * r)), p(std::size_t(r * r)), z(x.size());
+  long double sq = 0;
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j) {
+      const long double v = x[std::size_t(i * n + j)];
+      sq += v * v;
+      y[std::size_t(tall ? j * m + i : i * n + j)] = double(v);
+    }
+  const long double norm = sqrtl(sq) > o.epsilon ? sqrtl(sq) : static_cast<long double>(o.epsilon);
+  for (auto& v : y) v = double(v / norm);
+  for (std::uint32_t s = 0; s < o.steps; ++s) {
+    for (std::int64_t i = 0; i < r; ++i)
+      for (std::int64_t j = 0; j < r; ++j) {
+        long double acc = 0;
+        for (std::int64_t k = 0; k < c; ++k) acc += y[std::size_t(i * c + k)] * y[std::size_t(j * c + k)];
+        a[std::size_t(i * r + j)] = double(acc);
+      }
+    for (std::int64_t i = 0; i < r; ++i)
+      for (std::int64_t j = 0; j < r; ++j) {
+        long double acc = 0;
+        for (std::int64_t k = 0; k < r; ++k) acc += a[std::size_t(i * r + k)] * a[std::size_t(k * r + j)];
+        p[std::size_t(i * r + j)] = double(o.b * a[std::size_t(i * r + j)] + o.c * acc);
+      }
+    for (std::int64_t i = 0; i < r; ++i)
+      for (std::int64_t j = 0; j < c; ++j) {
+        long double acc = 0;
+        for (std::int64_t k = 0; k < r; ++k) acc += p[std::size_t(i * r + k)] * y[std::size_t(k * c + j)];
+        z[std::size_t(i * c + j)] = double(o.a * y[std::size_t(i * c + j)] + acc);
+      }
+    y.swap(z);
+  }
+  std::vector<double> out(x.size());
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j)
+      out[std::size_t(i * n + j)] = y[std::size_t(tall ? j * m + i : i * n + j)];
+  return out;
+}
+
+double largest_difference(const std::vector<double>& a, const std::vector<double>& b) {
+  double worst = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]));
+  return worst;
+}
+
+}  // namespace
+
 TEST_CASE("newton_schulz on cuda_linalg and gradapt::cuda: the iteration re-run on the host",
           "[linalg][cuda]") {
   const cuda_linalg la;
@@ -148,58 +209,80 @@ TEST_CASE("newton_schulz on cuda_linalg and gradapt::cuda: the iteration re-run 
   const gradapt::newton_schulz_options o{.steps = 5};
   for (const auto& [m, n] : {std::pair<std::int64_t, std::int64_t>{24, 40}, {40, 24}, {16, 16}}) {
     const auto x = random_matrix<double>(m, n, 17);
-    // The same iteration on the host in long double, on the wide orientation (Xᵀ for a tall X).
-    const bool tall = m > n;
-    const std::int64_t r = tall ? n : m, c = tall ? m : n;
-    // Stored in double (std::vector is constexpr, so nvcc would compile vector<long double> for the
-    // device too), each sum accumulated in long double.
-    std::vector<double> y(x.size()), a(std::size_t(r * r)), p(std::size_t(r * r)), z(x.size());
-    long double sq = 0;
-    for (std::int64_t i = 0; i < m; ++i)
-      for (std::int64_t j = 0; j < n; ++j) {
-        const long double v = x[std::size_t(i * n + j)];
-        sq += v * v;
-        y[std::size_t(tall ? j * m + i : i * n + j)] = double(v);
-      }
-    // (sqrtl, not std::sqrt or std::max: nvcc would compile those constexpr calls for the device)
-    const long double norm = sqrtl(sq) > o.epsilon ? sqrtl(sq) : static_cast<long double>(o.epsilon);
-    for (auto& v : y) v = double(v / norm);
-    for (std::uint32_t s = 0; s < o.steps; ++s) {
-      for (std::int64_t i = 0; i < r; ++i)
-        for (std::int64_t j = 0; j < r; ++j) {
-          long double acc = 0;
-          for (std::int64_t k = 0; k < c; ++k) acc += y[std::size_t(i * c + k)] * y[std::size_t(j * c + k)];
-          a[std::size_t(i * r + j)] = double(acc);
-        }
-      for (std::int64_t i = 0; i < r; ++i)
-        for (std::int64_t j = 0; j < r; ++j) {
-          long double acc = 0;
-          for (std::int64_t k = 0; k < r; ++k) acc += a[std::size_t(i * r + k)] * a[std::size_t(k * r + j)];
-          p[std::size_t(i * r + j)] = double(o.b * a[std::size_t(i * r + j)] + o.c * acc);
-        }
-      for (std::int64_t i = 0; i < r; ++i)
-        for (std::int64_t j = 0; j < c; ++j) {
-          long double acc = 0;
-          for (std::int64_t k = 0; k < r; ++k) acc += p[std::size_t(i * r + k)] * y[std::size_t(k * c + j)];
-          z[std::size_t(i * c + j)] = double(o.a * y[std::size_t(i * c + j)] + acc);
-        }
-      y.swap(z);
-    }
     auto d = upload(x);
     cuda_buffer<double> ws(gradapt::newton_schulz_workspace(m, n));
     gradapt::newton_schulz(la, b, dview<double>(d.data(), {m, n}),
                            dview<double>::vector(ws.data(), std::int64_t(ws.size())), o);
     GRADAPT_CUDA_CHECK(cudaStreamSynchronize(la.stream()));
-    const auto got = download(d);
-    long double worst = 0;
-    for (std::int64_t i = 0; i < m; ++i)
-      for (std::int64_t j = 0; j < n; ++j) {
-        const long double e =
-            fabsl(got[std::size_t(i * n + j)] - y[std::size_t(tall ? j * m + i : i * n + j)]);
-        if (e > worst) worst = e;
+    const double worst = largest_difference(download(d), ns_reference(x, m, n, o));
+    INFO(m << " x " << n << ": largest difference " << worst);
+    CHECK(worst <= 1e-10);
+  }
+}
+
+TEST_CASE(
+    "shampoo's spectral descent on gradapt::cuda and cuda_linalg: the first-moment Muon step re-run "
+    "on the host, through a checkpoint",
+    "[linalg][cuda][shampoo]") {
+  namespace tr = gradapt::transform;
+  const cuda_linalg la;
+  const gradapt::cuda b{.stream = la.stream()};
+  gradapt::shampoo_options o = gradapt::spectral_descent_defaults();
+  o.lr = 0.1;
+  o.beta1 = 0.9;
+  o.bias_correction = true;
+  o.momentum = 0.0;
+  o.weight_decay = 0.0;
+  o.scale_by_aspect = true;
+  tr::scale_by_shampoo<cuda_linalg> pre{.options = o, .linalg = la};
+  const gradapt::chain<tr::scale_by_shampoo<cuda_linalg>, tr::scale_by_learning_rate> opt(
+      std::move(pre), tr::scale_by_learning_rate{.lr = o.lr});
+  // A wide and a tall matrix (aspect scaling) and a bias (the graft: none, so m̂ itself).
+  const std::vector<std::pair<std::int64_t, std::int64_t>> dims{{24, 40}, {40, 24}, {1, 7}};
+  std::vector<std::vector<double>> w, mom;
+  std::vector<cuda_buffer<double>> dw, dg;
+  gradapt::param_list<double, double, device_space> params;
+  for (std::size_t t = 0; t < dims.size(); ++t) {
+    const auto [m, n] = dims[t];
+    w.push_back(random_matrix<double>(m, n, 30 + unsigned(t)));
+    mom.emplace_back(w.back().size(), 0.0);
+    dw.push_back(upload(w.back()));
+    dg.emplace_back(w.back().size());
+    const std::vector<std::int64_t> shape =
+        m == 1 ? std::vector<std::int64_t>{n} : std::vector<std::int64_t>{m, n};
+    params.add("p" + std::to_string(t), dview<double>(dw.back().data(), shape),
+               dview<double>(dg.back().data(), shape));
+  }
+  std::vector<std::byte> saved;
+  auto st = opt.init(b, params);
+  for (int k = 1; k <= 4; ++k) {
+    const double bc1 = 1.0 - std::pow(0.9, k);
+    for (std::size_t t = 0; t < dims.size(); ++t) {
+      const auto [m, n] = dims[t];
+      const auto g = random_matrix<double>(m, n, 100 + unsigned(10 * k) + unsigned(t));
+      GRADAPT_CUDA_CHECK(
+          cudaMemcpy(dg[t].data(), g.data(), g.size() * sizeof(double), cudaMemcpyHostToDevice));
+      std::vector<double> mh(g.size());
+      for (std::size_t i = 0; i < g.size(); ++i) {
+        mom[t][i] = mom[t][i] + 0.1 * (g[i] - mom[t][i]);
+        mh[i] = mom[t][i] / bc1;
       }
-    INFO(m << " x " << n << ": largest difference " << double(worst));
-    CHECK(worst <= 1e-10L);
+      const auto dir = m == 1 ? mh : ns_reference(mh, m, n, o.newton_schulz);
+      const double aspect = m > n ? std::sqrt(double(m) / double(n)) : 1.0;
+      for (std::size_t i = 0; i < g.size(); ++i) w[t][i] -= o.lr * aspect * dir[i];
+    }
+    opt.step(b, params, st);
+    if (k == 2) {  // the first moment leaves the device and comes back
+      saved = st.save(b);
+      st = opt.init(b, params);
+      st.load(b, saved);
+    }
+    GRADAPT_CUDA_CHECK(cudaStreamSynchronize(la.stream()));
+    for (std::size_t t = 0; t < dims.size(); ++t) {
+      const double worst = largest_difference(download(dw[t]), w[t]);
+      INFO("step " << k << ", tensor " << t << ": largest difference " << worst);
+      CHECK(worst <= 1e-10);
+    }
   }
 }
 

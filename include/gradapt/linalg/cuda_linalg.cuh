@@ -12,6 +12,7 @@
 #include <cusolverDn.h>
 
 #include <cstdint>
+#include <memory>
 #include <type_traits>
 #include <utility>
 
@@ -71,7 +72,7 @@ __global__ void transpose_in_place_kernel(T* a, int n) {
 
 /// Dense linear algebra on device memory through cuBLAS and cuSOLVER (models `linalg_backend`).
 ///
-/// Owns a cuBLAS and a cuSOLVER handle bound to the caller's stream (move-only). cuBLAS runs
+/// Holds a cuBLAS and a cuSOLVER handle bound to the caller's stream, shared by its copies. cuBLAS runs
 /// in `CUBLAS_PEDANTIC_MATH` mode: float products are computed in fp32, never TF32, whatever
 /// the device and `NVIDIA_TF32_OVERRIDE`. Row-major matrices are passed by transposition as in
 /// gradapt::host_lapack; SYRK's triangle is mirrored and eigh's eigenvectors are transposed by
@@ -101,44 +102,22 @@ class cuda_linalg {
 
   /// Creates the handles on `stream` (the legacy default stream when null).
   /// @throws gradapt::error when a handle cannot be created
-  explicit cuda_linalg(cudaStream_t stream = nullptr) : stream_(stream) {
-    GRADAPT_CUBLAS_CHECK(cublasCreate(&blas_));
-    const cublasStatus_t s1 = cublasSetStream(blas_, stream_);
-    const cublasStatus_t s2 = cublasSetMathMode(blas_, CUBLAS_PEDANTIC_MATH);
-    if (s1 != CUBLAS_STATUS_SUCCESS || s2 != CUBLAS_STATUS_SUCCESS) {
-      cublasDestroy(blas_);
-      GRADAPT_CUBLAS_CHECK(s1 != CUBLAS_STATUS_SUCCESS ? s1 : s2);
-    }
-    const cusolverStatus_t s3 = cusolverDnCreate(&solver_);
-    if (s3 != CUSOLVER_STATUS_SUCCESS) {
-      cublasDestroy(blas_);
-      GRADAPT_CUSOLVER_CHECK(s3);
-    }
-    const cusolverStatus_t s4 = cusolverDnSetStream(solver_, stream_);
-    if (s4 != CUSOLVER_STATUS_SUCCESS) {
-      release();
-      GRADAPT_CUSOLVER_CHECK(s4);
-    }
+  explicit cuda_linalg(cudaStream_t stream = nullptr) : stream_(stream), h_(std::make_shared<handles>()) {
+    GRADAPT_CUBLAS_CHECK(cublasCreate(&h_->blas));
+    GRADAPT_CUBLAS_CHECK(cublasSetStream(h_->blas, stream_));
+    GRADAPT_CUBLAS_CHECK(cublasSetMathMode(h_->blas, CUBLAS_PEDANTIC_MATH));
+    GRADAPT_CUSOLVER_CHECK(cusolverDnCreate(&h_->solver));
+    GRADAPT_CUSOLVER_CHECK(cusolverDnSetStream(h_->solver, stream_));
   }
-  cuda_linalg(const cuda_linalg&) = delete;
-  cuda_linalg& operator=(const cuda_linalg&) = delete;
+  /// Copies share the handles (destroyed with the last copy) and the stream, as copies of
+  /// gradapt::cuda share its workspace: a stage or state may hold one. Not thread-safe.
+  cuda_linalg(const cuda_linalg&) = default;
+  /// Shares o's handles.
+  cuda_linalg& operator=(const cuda_linalg&) = default;
   /// Takes over o's handles; o is left without handles (only destructible or assignable).
-  cuda_linalg(cuda_linalg&& o) noexcept
-      : stream_(o.stream_),
-        blas_(std::exchange(o.blas_, nullptr)),
-        solver_(std::exchange(o.solver_, nullptr)) {}
-  /// Destroys this object's handles, then takes over o's.
-  cuda_linalg& operator=(cuda_linalg&& o) noexcept {
-    if (this != &o) {
-      release();
-      stream_ = o.stream_;
-      blas_ = std::exchange(o.blas_, nullptr);
-      solver_ = std::exchange(o.solver_, nullptr);
-    }
-    return *this;
-  }
-  /// Destroys the handles (errors ignored).
-  ~cuda_linalg() { release(); }
+  cuda_linalg(cuda_linalg&&) noexcept = default;
+  /// Releases this object's share of its handles, then takes over o's.
+  cuda_linalg& operator=(cuda_linalg&&) noexcept = default;
 
   /// The stream every call is enqueued on.
   cudaStream_t stream() const { return stream_; }
@@ -156,10 +135,10 @@ class cuda_linalg {
     int lwork = 0;
     if constexpr (std::is_same_v<T, float>)
       GRADAPT_CUSOLVER_CHECK(cusolverDnSsyevd_bufferSize(
-          solver_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER, ni, nullptr, ni, nullptr, &lwork));
+          h_->solver, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER, ni, nullptr, ni, nullptr, &lwork));
     else
       GRADAPT_CUSOLVER_CHECK(cusolverDnDsyevd_bufferSize(
-          solver_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER, ni, nullptr, ni, nullptr, &lwork));
+          h_->solver, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER, ni, nullptr, ni, nullptr, &lwork));
     ws.lwork_ = lwork;
     ws.work_ = cuda_buffer<T>(std::size_t(lwork > 0 ? lwork : 1), stream_);
     ws.info_ = cuda_buffer<int>(1, stream_);
@@ -181,10 +160,10 @@ class cuda_linalg {
     const T al = T(alpha), be = T(beta);
     if constexpr (std::is_same_v<T, float>)
       GRADAPT_CUBLAS_CHECK(
-          cublasSgemm(blas_, opB, opA, n, m, k, &al, b.data(), ldb, a.data(), lda, &be, c.data(), n));
+          cublasSgemm(h_->blas, opB, opA, n, m, k, &al, b.data(), ldb, a.data(), lda, &be, c.data(), n));
     else
       GRADAPT_CUBLAS_CHECK(
-          cublasDgemm(blas_, opB, opA, n, m, k, &al, b.data(), ldb, a.data(), lda, &be, c.data(), n));
+          cublasDgemm(h_->blas, opB, opA, n, m, k, &al, b.data(), ldb, a.data(), lda, &be, c.data(), n));
   }
 
   /// C = alpha·A·Aᵀ + beta·C (`gram::rows`) or alpha·Aᵀ·A + beta·C (`gram::columns`) for a
@@ -202,10 +181,10 @@ class cuda_linalg {
     const T al = T(alpha), be = T(beta);
     if constexpr (std::is_same_v<T, float>)
       GRADAPT_CUBLAS_CHECK(
-          cublasSsyrk(blas_, CUBLAS_FILL_MODE_UPPER, trans, n, k, &al, a.data(), lda, &be, c.data(), n));
+          cublasSsyrk(h_->blas, CUBLAS_FILL_MODE_UPPER, trans, n, k, &al, a.data(), lda, &be, c.data(), n));
     else
       GRADAPT_CUBLAS_CHECK(
-          cublasDsyrk(blas_, CUBLAS_FILL_MODE_UPPER, trans, n, k, &al, a.data(), lda, &be, c.data(), n));
+          cublasDsyrk(h_->blas, CUBLAS_FILL_MODE_UPPER, trans, n, k, &al, a.data(), lda, &be, c.data(), n));
     const dim3 block(16, 16), grid(unsigned((n + 15) / 16), unsigned((n + 15) / 16));
     detail::linalg::mirror_lower_kernel<T><<<grid, block, 0, stream_>>>(c.data(), n);
     GRADAPT_CUDA_CHECK_LAUNCH("mirror_lower_kernel");
@@ -222,11 +201,11 @@ class cuda_linalg {
     const int n = int(a.dim(0));
     if (n == 0) return true;
     if constexpr (std::is_same_v<T, float>)
-      GRADAPT_CUSOLVER_CHECK(cusolverDnSsyevd(solver_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER, n,
+      GRADAPT_CUSOLVER_CHECK(cusolverDnSsyevd(h_->solver, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER, n,
                                               a.data(), n, w.data(), ws.work_.data(), ws.lwork_,
                                               ws.info_.data()));
     else
-      GRADAPT_CUSOLVER_CHECK(cusolverDnDsyevd(solver_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER, n,
+      GRADAPT_CUSOLVER_CHECK(cusolverDnDsyevd(h_->solver, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER, n,
                                               a.data(), n, w.data(), ws.work_.data(), ws.lwork_,
                                               ws.info_.data()));
     int info = 0;
@@ -242,15 +221,20 @@ class cuda_linalg {
   }
 
  private:
-  void release() noexcept {
-    if (solver_) cusolverDnDestroy(solver_);
-    if (blas_) cublasDestroy(blas_);
-    solver_ = nullptr;
-    blas_ = nullptr;
-  }
+  /// The cuBLAS and cuSOLVER handles, destroyed (errors ignored) with the last copy.
+  struct handles {
+    cublasHandle_t blas = nullptr;
+    cusolverDnHandle_t solver = nullptr;
+    handles() = default;
+    handles(const handles&) = delete;
+    handles& operator=(const handles&) = delete;
+    ~handles() {
+      if (solver) cusolverDnDestroy(solver);
+      if (blas) cublasDestroy(blas);
+    }
+  };
   cudaStream_t stream_ = nullptr;
-  cublasHandle_t blas_ = nullptr;
-  cusolverDnHandle_t solver_ = nullptr;
+  std::shared_ptr<handles> h_;
 };
 
 static_assert(linalg_backend<cuda_linalg>, "cuda_linalg must model linalg_backend");

@@ -176,7 +176,7 @@ class chain_state {
   /// NaN), naming the first such parameter and buffer, the count and `who` (the caller's name).
   /// One `count_nonfinite` reduction per active buffer.
   void check_finite(const B& b, std::string_view who) const {
-    for (std::size_t j = 0; j < plan::total_buffers; ++j) {
+    for (std::size_t j = 0; j < mut_.size(); ++j) {
       if (mut_[j].empty() || bufs_[j].size() == 0) continue;
       const auto all =
           tensor_view<const S, space>::vector(bufs_[j].data(), static_cast<std::int64_t>(bufs_[j].size()));
@@ -228,7 +228,7 @@ class chain_state {
       w.end();
     }
     std::vector<S> host;
-    for (std::size_t j = 0; j < plan::total_buffers; ++j) {
+    for (std::size_t j = 0; j < mut_.size(); ++j) {
       if (mut_[j].empty()) continue;
       w.begin(detail::archive_impl::join("buffer", "", std::to_string(j)));
       for (std::size_t t = 0; t < sizes_.size(); ++t) {
@@ -360,7 +360,7 @@ class chain_state {
   // Reads every active buffer tensor into `host` in turn and calls f(j, t).
   template <class F>
   void for_each_buffer(archive_reader& r, std::vector<S>& host, F&& f) {
-    for (std::size_t j = 0; j < plan::total_buffers; ++j) {
+    for (std::size_t j = 0; j < mut_.size(); ++j) {
       if (mut_[j].empty()) continue;
       r.begin(detail::archive_impl::join("buffer", "", std::to_string(j)));
       for (std::size_t t = 0; t < sizes_.size(); ++t) {

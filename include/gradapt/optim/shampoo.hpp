@@ -271,12 +271,19 @@ struct scale_by_shampoo {
   /// @throws gradapt::error also when `slices` is neither empty nor one per tensor, or a
   ///         slice cuts a block
   template <optimizer_backend B, element V, element G, class Options>
-  requires std::same_as<typename B::space, host_space> && std::same_as<typename L::space, host_space>
-      state_type<B, V, G> init_state(const B&, const param_list<V, G, host_space, Options>& params,
-                                     std::span<const preconditioner_slice> slices = {})
+  requires std::same_as<typename B::space, typename L::space> state_type<B, V, G> init_state(
+      const B& b, const param_list<V, G, typename B::space, Options>& params,
+      std::span<const preconditioner_slice> slices = {})
   const {
+    constexpr bool on_host = std::same_as<typename B::space, host_space>;
     gradapt::detail::require(slices.empty() || slices.size() == params.size(), "shampoo: ", slices.size(),
                              " slices for ", params.size(), " tensors (expected none or one per tensor)");
+    gradapt::detail::require(
+        on_host || (options.preconditioner == shampoo_preconditioner::spectral_descent && slices.empty()),
+        "shampoo: on device memory the stage runs preconditioner spectral_descent, unsharded (the "
+        "preconditioner is ",
+        to_string(options.preconditioner), slices.empty() ? "" : ", sharded by block",
+        "); root_inverse and eigenvalue_corrected keep their statistics in host memory");
     using St = state_type<B, V, G>;
     using C = typename St::compute_type;
     const L& la = linalg;
@@ -328,9 +335,9 @@ struct scale_by_shampoo {
           }
         }
       }
-      x.dir.assign(x.size, C(0));
-      if (has_state) x.graft.assign(x.size, C(0));
-      if (options.beta1 > 0) x.mom.assign(x.size, C(0));
+      x.dir = b.template allocate<C>(x.size);  // zeroed
+      if (has_state) x.graft = b.template allocate<C>(x.size);
+      if (options.beta1 > 0) x.mom = b.template allocate<C>(x.size);
       const std::size_t k = x.layout.merged.size();
       for (const auto& r : x.layout.blocks) {
         typename St::block_t bl;
@@ -344,10 +351,12 @@ struct scale_by_shampoo {
           bl.off[d] = mats;
           if (!spectral) mats += static_cast<std::size_t>(r.size[d] * r.size[d]);
           elems *= static_cast<std::size_t>(r.size[d]);
-          if (bl.p[d] != 0) add_workspace(st, la, r.size[d], options.root.method, options.spectrum);
-          if (corrected) {
-            st.workspace(r.size[d]).e.reserve(la, r.size[d]);
-            if (options.eigenbasis == shampoo_eigenbasis::qr) st.workspace(r.size[d]).qr.reserve(r.size[d]);
+          if constexpr (on_host) {
+            if (bl.p[d] != 0) add_workspace(st, la, r.size[d], options.root.method, options.spectrum);
+            if (corrected) {
+              st.workspace(r.size[d]).e.reserve(la, r.size[d]);
+              if (options.eigenbasis == shampoo_eigenbasis::qr) st.workspace(r.size[d]).qr.reserve(r.size[d]);
+            }
           }
         }
         bl.stats.assign(mats, C(0));
@@ -369,10 +378,10 @@ struct scale_by_shampoo {
         x.blocks.push_back(std::move(bl));
       }
     }
-    for (auto* v : {&st.xb_, &st.ab_, &st.db_, &st.y0_, &st.y1_}) v->assign(max_block, C(0));
-    if (options.beta1 > 0 || corrected) st.mb_.assign(max_block, C(0));
+    for (auto* v : {&st.xb_, &st.ab_, &st.db_, &st.y0_, &st.y1_}) *v = b.template allocate<C>(max_block);
+    if (options.beta1 > 0 || corrected) st.mb_ = b.template allocate<C>(max_block);
     st.rs_.assign(max_roots, C(0));
-    st.ns_.assign(max_ns, C(0));
+    st.ns_ = b.template allocate<C>(max_ns);
     st.staleness_ = options.root_staleness;
     st.deterministic_ = options.deterministic_roots;
     for (std::size_t t = 0; t < st.t_.size(); ++t)
@@ -390,12 +399,14 @@ struct scale_by_shampoo {
           bl.pend.assign(bl.roots.size(), C(0));
         }
       }
-    if (options.root_staleness > 0) {
-      st.tasks_.reserve(st.refs_.size());
-      std::vector<std::pair<std::int64_t, typename St::workspace_t*>> ws;
-      for (auto& [n, w] : st.ws_) ws.emplace_back(n, w.get());
-      st.worker_ =
-          std::make_unique<gradapt::detail::shampoo_impl::root_worker<L, C>>(la, recipe(), std::move(ws));
+    if constexpr (on_host) {
+      if (options.root_staleness > 0) {
+        st.tasks_.reserve(st.refs_.size());
+        std::vector<std::pair<std::int64_t, typename St::workspace_t*>> ws;
+        for (auto& [n, w] : st.ws_) ws.emplace_back(n, w.get());
+        st.worker_ =
+            std::make_unique<gradapt::detail::shampoo_impl::root_worker<L, C>>(la, recipe(), std::move(ws));
+      }
     }
     return st;
   }
@@ -430,16 +441,20 @@ struct scale_by_shampoo {
   ///         computation as it happens (block, factor, reason, failures in a row and in all),
   ///         the block keeping its last good roots (the graft's direction before any)
   template <class Comm, optimizer_backend B, element V, element G, class Options, class Extra>
-  shampoo_step_report direct(Comm& comm, const B& b, const param_list<V, G, host_space, Options>& params,
+  shampoo_step_report direct(Comm& comm, const B& b,
+                             const param_list<V, G, typename B::space, Options>& params,
                              state_type<B, V, G>& st, const step_context& ctx, const Extra& extra) const {
     return step_impl(comm, b, params, st, ctx, extra);
   }
 
  private:
   template <class Comm, class B, class V, class G, class Options, class Extra>
-  shampoo_step_report step_impl(Comm& comm, const B&, const param_list<V, G, host_space, Options>& params,
+  shampoo_step_report step_impl(Comm& comm, const B& b,
+                                const param_list<V, G, typename B::space, Options>& params,
                                 state_type<B, V, G>& st, const step_context& ctx, const Extra& extra) const {
     using C = compute_t<V>;
+    using Sp = typename B::space;
+    constexpr bool on_host = std::same_as<Sp, host_space>;
     constexpr bool dist = !std::is_same_v<Comm, gradapt::detail::optim::no_comm>;
     constexpr const char* who = "shampoo::step";
     gradapt::detail::require(
@@ -500,36 +515,39 @@ struct scale_by_shampoo {
       const bool exchanges = (roots_due && st.staleness_ == 0) ||
                              (st.pending_step_ != 0 && t == st.pending_step_ + st.staleness_) ||
                              !st.x_.planned_for(comm.size(), comm.rank());
+      const agreed_value at[] = {{"step", static_cast<double>(t)},
+                                 {"step lr", ctx.lr ? *ctx.lr : options.lr}};
       if (exchanges)
-        agree_values(comm, "shampoo::step",
-                     {{"step", static_cast<double>(t)}, {"step lr", ctx.lr ? *ctx.lr : options.lr}}, bad);
+        agree_values(comm, b, "shampoo::step", std::span<const agreed_value>(at), bad);
       else if (!bad.empty())
         throw error(bad);
-      plan(comm, st, extra);
+      plan(comm, b, st, extra);
     } else if (!bad.empty()) {
       throw error(bad);
     }
     st.report_.clear();
     st.installed_ = 0;
 
-    if (st.relaunch_) launch(st, dist);
-    if (stats_due)
-      for (std::size_t i = 0; i < st.t_.size(); ++i)
-        for (std::size_t j = 0; j < st.t_[i].blocks.size(); ++j)
-          block_stats(st, st.t_[i], j, params[i].grad.data());
-    if (st.pending_step_ != 0 &&
-        (t == st.pending_step_ + st.staleness_ || (!st.deterministic_ && st.worker_->idle())))
-      finish_roots(comm, st);
-    if (roots_due) {
-      if (st.staleness_ == 0) {
-        compute_roots(comm, st, t);
-      } else {
-        for (const auto& r : st.refs_) {
-          auto& bl = st.t_[r.t].blocks[r.j];
-          std::copy(bl.stats.begin(), bl.stats.end(), bl.snap.begin());
+    if constexpr (on_host) {  // statistics and roots (spectral descent, the device's, has none)
+      if (st.relaunch_) launch(st, dist);
+      if (stats_due)
+        for (std::size_t i = 0; i < st.t_.size(); ++i)
+          for (std::size_t j = 0; j < st.t_[i].blocks.size(); ++j)
+            block_stats(st, st.t_[i], j, params[i].grad.data());
+      if (st.pending_step_ != 0 &&
+          (t == st.pending_step_ + st.staleness_ || (!st.deterministic_ && st.worker_->idle())))
+        finish_roots(comm, st);
+      if (roots_due) {
+        if (st.staleness_ == 0) {
+          compute_roots(comm, st, t);
+        } else {
+          for (const auto& r : st.refs_) {
+            auto& bl = st.t_[r.t].blocks[r.j];
+            std::copy(bl.stats.begin(), bl.stats.end(), bl.snap.begin());
+          }
+          st.pending_step_ = t;
+          launch(st, dist);
         }
-        st.pending_step_ = t;
-        launch(st, dist);
       }
     }
 
@@ -542,25 +560,45 @@ struct scale_by_shampoo {
     const C w1 = C(1.0 - options.beta1);
     const double bc2 = root_bias(t);  // eigenvalue-corrected: V's bias correction
     const C bc1 = C(options.bias_correction ? 1.0 - std::pow(options.beta1, static_cast<double>(t)) : 1.0);
-    C dummy = C(0);
+    // The element work runs through the backend (one thread on the host, as the products).
+    const auto ex = executor(b);
+    namespace si = gradapt::detail::shampoo_impl;
     for (std::size_t i = 0; i < st.t_.size(); ++i) {
       auto& x = st.t_[i];
-      const G* g = params[i].grad.data();
-      const bool has_state = !x.graft.empty();
-      if (!x.mom.empty())
-        for (std::size_t e = 0; e < x.size; ++e) x.mom[e] = x.mom[e] + w1 * (static_cast<C>(g[e]) - x.mom[e]);
+      const auto g = tensor_view<const G, Sp>::vector(params[i].grad.data(), std::int64_t(x.size));
+      const auto vec = [&](auto& v) { return tensor_view<C, Sp>::vector(v.data(), std::int64_t(x.size)); };
+      const bool has_state = x.graft.size() != 0, has_mom = x.mom.size() != 0;
+      if (has_mom) ex.apply(si::moment_update<C>{w1}, vec(x.mom), g);
       if (x.layout.diagonal) {
-        for (std::size_t e = 0; e < x.size; ++e) {
-          const C ge = static_cast<C>(g[e]);
-          x.dir[e] = gk(ge, x.mom.empty() ? ge : x.mom[e] / bc1, has_state ? x.graft[e] : dummy);
-        }
+        const si::graft_direction<C> gd{gk, bc1};
+        const auto m = [&] { return tensor_view<const C, Sp>::vector(x.mom.data(), std::int64_t(x.size)); };
+        if (has_mom && has_state)
+          ex.apply(gd, vec(x.dir), g, m(), vec(x.graft));
+        else if (has_mom)
+          ex.apply(si::graft_direction_of_moment<C>{gk, bc1}, vec(x.dir), g, m());
+        else if (has_state)
+          ex.apply(gd, vec(x.dir), g, vec(x.graft));
+        else
+          ex.apply(gd, vec(x.dir), g);
         continue;
       }
       for (std::size_t j = 0; j < x.blocks.size(); ++j)
-        block_direction(st, x, j, g, gk, bc1, w1, has_state, preconditioning, bc2);
+        block_direction(st, ex, x, j, g.data(), gk, bc1, w1, has_state, preconditioning, bc2);
     }
     st.steps_ = t;
     return {t, st.installed_, std::move(st.report_)};
+  }
+
+  /// Where the direction's element work runs: gradapt::host on one thread (the products run on
+  /// one BLAS thread too) for host memory, `b` itself for a device's.
+  template <class B>
+  static auto executor(const B& b) {
+    if constexpr (std::same_as<typename B::space, host_space>) {
+      (void)b;
+      return host{.threads = 1};
+    } else {
+      return b;
+    }
   }
 
   /// What block_roots needs besides the block: the root options and the spectrum treatment.
@@ -588,8 +626,8 @@ struct scale_by_shampoo {
   }
 
   // The distributed plan and the owner exchange (shampoo_distributed.hpp).
-  template <class Comm, class St, class Extra>
-  void plan(Comm& comm, St& st, const Extra& extra) const;
+  template <class Comm, class B, class St, class Extra>
+  void plan(Comm& comm, const B& b, St& st, const Extra& extra) const;
   // The options the distributed plan agrees on besides the layout (shampoo_distributed.hpp).
   std::array<agreed_value, 33> agreed_values() const;
   template <class St>
@@ -615,63 +653,71 @@ struct scale_by_shampoo {
   static std::pair<std::int64_t, std::int64_t> split(const Block& bl, std::size_t d);
 
   /// Block j of tensor x: gather, graft, direction (preconditioned when the block has roots),
-  /// scatter.
-  template <class St, class Tensor, class G, class GK, class C>
-  void block_direction(St& st, Tensor& x, std::size_t j, const G* g, const GK& gk, C bc1, C w1,
+  /// scatter. The element work runs on `ex` (executor()); the root-inverse and
+  /// eigenvalue-corrected products and element passes are host memory's.
+  template <class St, class Ex, class Tensor, class G, class GK, class C>
+  void block_direction(St& st, const Ex& ex, Tensor& x, std::size_t j, const G* g, const GK& gk, C bc1, C w1,
                        bool has_state, bool preconditioning, double bc2) const {
     namespace si = gradapt::detail::shampoo_impl;
+    using Sp = typename Ex::space;
+    const auto v = [](C* p, std::size_t n) { return tensor_view<C, Sp>::vector(p, std::int64_t(n)); };
+    const auto cv = [](const C* p, std::size_t n) {
+      return tensor_view<const C, Sp>::vector(p, std::int64_t(n));
+    };
     auto& bl = x.blocks[j];
     const auto& range = x.layout.blocks[j];
     std::size_t elems = 1;
     for (std::size_t d = 0; d < bl.k; ++d) elems *= static_cast<std::size_t>(bl.n[d]);
+    const bool has_mom = x.mom.size() != 0;
     C* xb = st.xb_.data();
     C* ab = st.ab_.data();
     C* db = st.db_.data();
-    C* mb = x.mom.empty() ? xb : st.mb_.data();  // what is preconditioned: g, or m / (1 − β1^t)
+    C* mb = has_mom ? st.mb_.data() : xb;  // what is preconditioned: g, or m / (1 − β1^t)
     si::for_runs(x.layout.merged, range, [&](std::size_t flat, std::size_t at, std::size_t run) {
-      for (std::size_t e = 0; e < run; ++e) xb[at + e] = static_cast<C>(g[flat + e]);
-      if (!x.mom.empty())
-        for (std::size_t e = 0; e < run; ++e) mb[at + e] = x.mom[flat + e] / bc1;
-      if (has_state) std::copy(x.graft.data() + flat, x.graft.data() + flat + run, ab + at);
+      ex.apply(si::gather_as<C>{}, v(xb + at, run),
+               tensor_view<const G, Sp>::vector(g + flat, std::int64_t(run)));
+      if (has_mom) ex.apply(si::divided_by<C>{bc1}, v(mb + at, run), cv(x.mom.data() + flat, run));
+      if (has_state) ex.apply(gradapt::detail::copy_to{}, v(ab + at, run), cv(x.graft.data() + flat, run));
     });
-    C dummy = C(0);
-    for (std::size_t e = 0; e < elems; ++e) db[e] = gk(xb[e], mb[e], has_state ? ab[e] : dummy);
-    const C* out = db;
+    if (has_state)  // m̂ is gathered corrected: bc1 1 here
+      ex.apply(si::graft_direction<C>{gk, C(1)}, v(db, elems), cv(xb, elems), cv(mb, elems), v(ab, elems));
+    else
+      ex.apply(si::graft_direction_of_moment<C>{gk, C(1)}, v(db, elems), cv(xb, elems), cv(mb, elems));
+    C* y = nullptr;  // the preconditioned direction D_s, when the block has one this step
     const auto kind = options.preconditioner;
-    // Eigenvalue-corrected: what is rotated into the eigenbasis and divided there (without a
-    // first moment, the rotated G itself, kept in mb).
-    const C* rotated = nullptr;
-    if (kind == shampoo_preconditioner::eigenvalue_corrected) {
-      // V ← β2·V + w·(Q_1ᵀ ×₁ … G)², every step, in the bases just refreshed.
-      const C* r = product(st, bl, xb, true);
-      const double beta2 = options.beta2;
-      const C w = C(beta2 == 1.0 ? 1.0 : 1.0 - beta2);
-      if (beta2 == 1.0)
-        for (std::size_t e = 0; e < elems; ++e) bl.corr[e] = bl.corr[e] + w * (r[e] * r[e]);
-      else
-        for (std::size_t e = 0; e < elems; ++e) bl.corr[e] = C(beta2) * bl.corr[e] + w * (r[e] * r[e]);
-      if (bl.mrot.empty()) {
-        std::copy(r, r + elems, st.mb_.data());
-        rotated = st.mb_.data();
-      } else if (bl.mrot_valid) {
-        // Qᵀ M Q follows M's update while the bases stand: M' ← M' + (1 − β1)·(Qᵀ G Q − M').
-        for (std::size_t e = 0; e < elems; ++e) bl.mrot[e] = bl.mrot[e] + w1 * (r[e] - bl.mrot[e]);
-        rotated = bl.mrot.data();
-      } else {  // new bases at this step: M' = Qᵀ M Q from M (mb is free: the graft has read it)
-        si::for_runs(x.layout.merged, range, [&](std::size_t flat, std::size_t at, std::size_t run) {
-          std::copy(x.mom.data() + flat, x.mom.data() + flat + run, mb + at);
-        });
-        const C* m = product(st, bl, mb, true);
-        std::copy(m, m + elems, bl.mrot.begin());
-        bl.mrot_valid = true;
-        rotated = bl.mrot.data();
+    if constexpr (std::same_as<Sp, host_space>) {
+      // Eigenvalue-corrected: what is rotated into the eigenbasis and divided there (without a
+      // first moment, the rotated G itself, kept in mb).
+      const C* rotated = nullptr;
+      if (kind == shampoo_preconditioner::eigenvalue_corrected) {
+        // V ← β2·V + w·(Q_1ᵀ ×₁ … G)², every step, in the bases just refreshed.
+        const C* r = product(st, bl, xb, true);
+        const double beta2 = options.beta2;
+        const C w = C(beta2 == 1.0 ? 1.0 : 1.0 - beta2);
+        if (beta2 == 1.0)
+          for (std::size_t e = 0; e < elems; ++e) bl.corr[e] = bl.corr[e] + w * (r[e] * r[e]);
+        else
+          for (std::size_t e = 0; e < elems; ++e) bl.corr[e] = C(beta2) * bl.corr[e] + w * (r[e] * r[e]);
+        if (bl.mrot.empty()) {
+          std::copy(r, r + elems, st.mb_.data());
+          rotated = st.mb_.data();
+        } else if (bl.mrot_valid) {
+          // Qᵀ M Q follows M's update while the bases stand: M' ← M' + (1 − β1)·(Qᵀ G Q − M').
+          for (std::size_t e = 0; e < elems; ++e) bl.mrot[e] = bl.mrot[e] + w1 * (r[e] - bl.mrot[e]);
+          rotated = bl.mrot.data();
+        } else {  // new bases at this step: M' = Qᵀ M Q from M (mb is free: the graft has read it)
+          si::for_runs(x.layout.merged, range, [&](std::size_t flat, std::size_t at, std::size_t run) {
+            std::copy(x.mom.data() + flat, x.mom.data() + flat + run, mb + at);
+          });
+          const C* m = product(st, bl, mb, true);
+          std::copy(m, m + elems, bl.mrot.begin());
+          bl.mrot_valid = true;
+          rotated = bl.mrot.data();
+        }
       }
-    }
-    if (preconditioning && bl.ready) {
-      C* y = nullptr;
-      if (kind == shampoo_preconditioner::root_inverse) {
+      if (preconditioning && bl.ready && kind == shampoo_preconditioner::root_inverse) {
         y = product(st, bl, mb);
-      } else if (kind == shampoo_preconditioner::eigenvalue_corrected) {
+      } else if (preconditioning && bl.ready && kind == shampoo_preconditioner::eigenvalue_corrected) {
         // M̂' = Qᵀ M Q / (1 − β1^t) (or Qᵀ G Q); M̂' / ((V / c)^(1/p) + ε), rotated back (into
         // xb: g is no longer needed).
         const C eps = C(options.root.epsilon), c2 = C(bc2);
@@ -685,32 +731,32 @@ struct scale_by_shampoo {
             xb[e] = rotated[e] / m1 / (std::pow(bl.corr[e] / c2, inv) + eps);
         }
         y = product(st, bl, xb);
-      } else {  // spectral descent: the block's Newton–Schulz orthogonalization
-        y = st.y0_.data();
-        std::copy(mb, mb + elems, y);
-        newton_schulz(st.la_, host{.threads = 1}, tensor_view<C, host_space>(y, {bl.n[0], bl.n[1]}),
-                      tensor_view<C, host_space>::vector(st.ns_.data(), std::int64_t(st.ns_.size())),
-                      options.newton_schulz);
-        if (options.scale_by_aspect && bl.n[0] > bl.n[1]) {
-          const C f = C(std::sqrt(double(bl.n[0]) / double(bl.n[1])));
-          for (std::size_t e = 0; e < elems; ++e) y[e] = y[e] * f;
-        }
       }
-      if (options.graft != shampoo_graft::none && options.graft_preconditioned) {
-        // ‖D_s‖ and ‖D_g‖ in double, in element order
-        double ns = 0, ng = 0;
-        for (std::size_t e = 0; e < elems; ++e) {
-          ns += double(y[e]) * double(y[e]);
-          ng += double(db[e]) * double(db[e]);
-        }
-        const C scale = ns > 0 ? C(std::sqrt(ng) / std::sqrt(ns)) : C(0);
-        for (std::size_t e = 0; e < elems; ++e) y[e] = y[e] * scale;
-      }
-      out = y;
+    } else {
+      (void)w1;
+      (void)bc2;
     }
+    if (preconditioning && bl.ready && kind == shampoo_preconditioner::spectral_descent) {
+      // The block's Newton–Schulz orthogonalization.
+      y = st.y0_.data();
+      ex.apply(gradapt::detail::copy_to{}, v(y, elems), cv(mb, elems));
+      newton_schulz(st.la_, ex, tensor_view<C, Sp>(y, {bl.n[0], bl.n[1]}), v(st.ns_.data(), st.ns_.size()),
+                    options.newton_schulz);
+      if (options.scale_by_aspect && bl.n[0] > bl.n[1])
+        ex.apply(gradapt::detail::multiply_by{double(C(std::sqrt(double(bl.n[0]) / double(bl.n[1]))))},
+                 v(y, elems));
+    }
+    if (y != nullptr && options.graft != shampoo_graft::none && options.graft_preconditioned) {
+      // D_s scaled to the graft's norm: ‖D_g‖ / ‖D_s‖ (the backend's sums of squares, in double)
+      const double ns = ex.reduce(reduction::sum_squares, v(y, elems));
+      const double ng = ex.reduce(reduction::sum_squares, v(db, elems));
+      const C scale = ns > 0 ? C(std::sqrt(ng) / std::sqrt(ns)) : C(0);
+      ex.apply(gradapt::detail::multiply_by{double(scale)}, v(y, elems));
+    }
+    const C* out = y != nullptr ? y : db;
     si::for_runs(x.layout.merged, range, [&](std::size_t flat, std::size_t at, std::size_t run) {
-      std::copy(out + at, out + at + run, x.dir.data() + flat);
-      if (has_state) std::copy(ab + at, ab + at + run, x.graft.data() + flat);
+      ex.apply(gradapt::detail::copy_to{}, v(x.dir.data() + flat, run), cv(out + at, run));
+      if (has_state) ex.apply(gradapt::detail::copy_to{}, v(x.graft.data() + flat, run), cv(ab + at, run));
     });
   }
 

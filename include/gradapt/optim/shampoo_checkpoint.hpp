@@ -150,7 +150,7 @@ std::uint64_t shampoo_state<L, B, V, G>::check_header(archive_reader& r, std::ui
 }
 
 template <class L, class B, class V, class G>
-void shampoo_state<L, B, V, G>::save(const B&, archive_writer& w) const {
+void shampoo_state<L, B, V, G>::save(const B& b, archive_writer& w) const {
   save_header(w);
   w.put("tensors", static_cast<std::uint64_t>(t_.size()));
   for (std::size_t t = 0; t < t_.size(); ++t) {
@@ -162,17 +162,18 @@ void shampoo_state<L, B, V, G>::save(const B&, archive_writer& w) const {
     for (std::size_t j = 0; j < x.blocks.size(); ++j) write_block(w, t, j, j);
     w.end();
   }
+  std::vector<compute_type> tmp;  // a device buffer's values
   if (detail::shampoo_impl::graft_has_state(graft_))
     for (const auto& x : t_) {
-      require_finite(std::span<const compute_type>(x.graft), x.name, 0, "graft state");
-      w.put_tensor<compute_type>(detail::archive_impl::join("graft", "/", x.name),
-                                 std::span<const compute_type>(x.graft), x.shape);
+      const auto v = host_values(b, x.graft, tmp);
+      require_finite(v, x.name, 0, "graft state");
+      w.put_tensor<compute_type>(detail::archive_impl::join("graft", "/", x.name), v, x.shape);
     }
   if (beta1_ > 0)
     for (const auto& x : t_) {
-      require_finite(std::span<const compute_type>(x.mom), x.name, 0, "first moment");
-      w.put_tensor<compute_type>(detail::archive_impl::join("first_moment", "/", x.name),
-                                 std::span<const compute_type>(x.mom), x.shape);
+      const auto v = host_values(b, x.mom, tmp);
+      require_finite(v, x.name, 0, "first moment");
+      w.put_tensor<compute_type>(detail::archive_impl::join("first_moment", "/", x.name), v, x.shape);
     }
 }
 
@@ -269,7 +270,7 @@ void shampoo_state<L, B, V, G>::load_slice(archive_reader& r, std::size_t t, std
 
 template <class L, class B, class V, class G>
 template <class Commit>
-void shampoo_state<L, B, V, G>::load(const B&, archive_reader& r, std::uint64_t steps, Commit&& commit) {
+void shampoo_state<L, B, V, G>::load(const B& b, archive_reader& r, std::uint64_t steps, Commit&& commit) {
   constexpr const char* who = "shampoo state load";
   if (worker_ && pending_step_ != 0 && !relaunch_) {  // the copies it reads may be replaced
     worker_->discard();
@@ -345,8 +346,19 @@ void shampoo_state<L, B, V, G>::load(const B&, archive_reader& r, std::uint64_t 
       bl.consecutive = next[t][j].consecutive;
       bl.failures = next[t][j].failures;
     }
-    if (detail::shampoo_impl::graft_has_state(graft_)) t_[t].graft.swap(graft[t]);
-    if (beta1_ > 0) t_[t].mom.swap(mom[t]);
+    if constexpr (on_host) {
+      (void)b;
+      if (detail::shampoo_impl::graft_has_state(graft_)) t_[t].graft.swap(graft[t]);
+      if (beta1_ > 0) t_[t].mom.swap(mom[t]);
+    } else {  // into the device buffers (read and checked above)
+      const auto put = [&](const std::vector<compute_type>& from, buf& to) {
+        const auto n = static_cast<std::int64_t>(from.size());
+        b.copy(tensor_view<const compute_type, host_space>::vector(from.data(), n),
+               tensor_view<compute_type, typename B::space>::vector(to.data(), n));
+      };
+      if (detail::shampoo_impl::graft_has_state(graft_)) put(graft[t], t_[t].graft);
+      if (beta1_ > 0) put(mom[t], t_[t].mom);
+    }
   }
   steps_ = steps;
   failed_ = false;

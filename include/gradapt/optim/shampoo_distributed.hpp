@@ -18,10 +18,10 @@
 
 namespace gradapt {
 
-/// The distributed plan for `comm`'s world: owners by lpt_assign over the blocks' costs, each
-/// block's place in its owner's chunk; agreed across ranks once per world, with every option
-/// that shapes the result (a one-rank difference is a gradapt::error on every rank naming the
-/// option and both values; the step's lr is agreed at every exchange, see shampoo.hpp).
+/// The distributed plan for `comm`'s world (agreed through backend `b`'s memory): owners by lpt_assign over
+/// the blocks' costs, each block's place in its owner's chunk; agreed across ranks once per world, with every
+/// option that shapes the result (a one-rank difference is a gradapt::error on every rank naming the option
+/// and both values; the step's lr is agreed at every exchange, see shampoo.hpp).
 template <class L>
 std::array<agreed_value, 33> transform::scale_by_shampoo<L>::agreed_values() const {
   std::uint64_t exps = 0xCBF29CE484222325ull;  // the exponent entries, in order
@@ -67,14 +67,14 @@ std::array<agreed_value, 33> transform::scale_by_shampoo<L>::agreed_values() con
   }};
 }
 
-/// The distributed plan for `comm`'s world: owners by lpt_assign over the blocks' costs, each
-/// block's place in its owner's chunk; agreed across ranks once per world, with every option
-/// that shapes the result and the chain's later stages' options (`extra`; a one-rank
-/// difference is a gradapt::error on every rank naming the option and both values; the step's
-/// lr is agreed at every exchange, see shampoo.hpp).
+/// The distributed plan for `comm`'s world (agreed through backend `b`'s memory): owners by lpt_assign over
+/// the blocks' costs, each block's place in its owner's chunk; agreed across ranks once per world, with every
+/// option that shapes the result and the chain's later stages' options (`extra`; a one-rank difference is a
+/// gradapt::error on every rank naming the option and both values; the step's lr is agreed at every exchange,
+/// see shampoo.hpp).
 template <class L>
-template <class Comm, class St, class Extra>
-void transform::scale_by_shampoo<L>::plan(Comm& comm, St& st, const Extra& extra) const {
+template <class Comm, class B, class St, class Extra>
+void transform::scale_by_shampoo<L>::plan(Comm& comm, const B& b, St& st, const Extra& extra) const {
   const int n = comm.size(), me = comm.rank();
   if (st.x_.planned_for(n, me)) return;
   std::uint64_t words = 0, shape_hash = 0x84222325CBF29CE4ull;
@@ -101,7 +101,7 @@ void transform::scale_by_shampoo<L>::plan(Comm& comm, St& st, const Extra& extra
     void push(std::string_view name, double v) const { out->push_back({name, v}); }
   } later{&values};
   extra.push_options(later);
-  agree_values(comm, "shampoo::step (distributed roots)", std::span<const agreed_value>(values));
+  agree_values(comm, b, "shampoo::step (distributed roots)", std::span<const agreed_value>(values));
   if (st.pending_step_ != 0 && !st.relaunch_) {  // roots in flight under the old plan
     st.worker_->discard();
     st.relaunch_ = true;

@@ -8,12 +8,14 @@
 
 #include <array>
 #include <cmath>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -59,8 +61,8 @@ struct shampoo_step_report {
   std::vector<shampoo_root_failure> root_failures;  ///< blocks whose roots failed at this step
 };
 
-/// The state of `transform::scale_by_shampoo` for linear-algebra backend L, element backend B
-/// (host memory), parameters V and gradients G (`chain_state::preconditioner()` of a Shampoo
+/// The state of `transform::scale_by_shampoo` for linear-algebra backend L, element backend B,
+/// parameters V and gradients G (`chain_state::preconditioner()` of a Shampoo
 /// chain): per tensor its block layout; per block the k statistics and k roots (n_d × n_d
 /// matrices in compute_t<V>), whether it holds roots yet, and its failure counters; the
 /// graft's per-element state; the first moment; the direction buffers; scratch sized once at
@@ -78,6 +80,8 @@ template <class L, class B, class V, class G>
 class shampoo_state {
  public:
   using compute_type = compute_t<V>;  ///< element type of statistics, roots and directions
+  /// Whether B works on host memory (every family member), or on a device's (spectral descent).
+  static constexpr bool on_host = std::same_as<typename B::space, host_space>;
 
   /// Format version of the section `save()` writes (its "format" field).
   static constexpr std::uint32_t format_version = 5;
@@ -159,14 +163,14 @@ class shampoo_state {
   /// The family member the state was created for.
   shampoo_preconditioner preconditioner() const { return preconditioner_; }
   /// The graft's per-element state of tensor t in the tensor's element order (empty for the
-  /// none and sgd grafts).
-  std::span<const compute_type> graft_state(std::size_t t) const { return tensor(t).graft; }
+  /// none and sgd grafts). Host memory.
+  std::span<const compute_type> graft_state(std::size_t t) const requires on_host { return tensor(t).graft; }
   /// The first moment m of tensor t (shampoo_options::beta1 > 0; empty otherwise), in the
-  /// tensor's element order, before bias correction.
-  std::span<const compute_type> first_moment(std::size_t t) const { return tensor(t).mom; }
+  /// tensor's element order, before bias correction. Host memory.
+  std::span<const compute_type> first_moment(std::size_t t) const requires on_host { return tensor(t).mom; }
   /// The direction D of tensor t computed by the last step (what the chain's later stages read as
-  /// its gradient), in the tensor's element order.
-  std::span<const compute_type> direction(std::size_t t) const { return tensor(t).dir; }
+  /// its gradient), in the tensor's element order. Host memory (on a device: direction_view).
+  std::span<const compute_type> direction(std::size_t t) const requires on_host { return tensor(t).dir; }
   /// Block root computations this rank has run (each computes every factor of one block;
   /// with the distributed step, only the blocks this rank owns).
   std::uint64_t root_computations() const { return computed_; }
@@ -182,11 +186,11 @@ class shampoo_state {
   }
   /// The step whose statistics the roots in flight were started from (0: none in flight).
   std::uint64_t roots_in_flight() const { return pending_step_; }
-  /// The direction of tensor t as the chain's passes read it (shaped like the parameter).
-  /// The direction of tensor t as the chain's passes read it (shaped like the parameter).
-  tensor_view<const compute_type, host_space> direction_view(std::size_t t) const {
+  /// The direction of tensor t as the chain's passes read it (shaped like the parameter), in
+  /// B's memory.
+  tensor_view<const compute_type, typename B::space> direction_view(std::size_t t) const {
     const auto& x = tensor(t);
-    return tensor_view<const compute_type, host_space>(x.dir.data(), x.shape);
+    return tensor_view<const compute_type, typename B::space>(x.dir.data(), x.shape);
   }
 
   /// Writes the state into the open section of `w` (see the class comment). Host memory.
@@ -231,6 +235,9 @@ class shampoo_state {
   template <class>
   friend struct transform::scale_by_shampoo;
   using C = compute_type;
+  /// A buffer of B's memory (std::vector on the host): the per-element state and the scratch
+  /// the spectral descent's direction passes through.
+  using buf = std::remove_cvref_t<decltype(std::declval<const B&>().template allocate<C>(std::size_t{}))>;
 
   struct block_t {
     std::size_t k = 0;
@@ -251,7 +258,7 @@ class shampoo_state {
     std::size_t size = 0;
     shampoo_layout layout;
     std::vector<block_t> blocks;
-    std::vector<C> graft, dir, mom;  ///< mom: the first moment (beta1 > 0)
+    buf graft, dir, mom;  ///< mom: the first moment (beta1 > 0)
     // A slice of a larger tensor (the sharded optimizer's): its whole shape, its first element
     // and its first block's index within the whole tensor.
     bool sliced = false;
@@ -285,6 +292,20 @@ class shampoo_state {
   }
   static std::vector<std::int64_t> exponent_words(const block_t& b) {
     return std::vector<std::int64_t>(b.p.begin(), b.p.begin() + static_cast<std::ptrdiff_t>(b.k));
+  }
+  /// Buffer `v` as host values: itself on the host; copied through `b` into `tmp` on a device.
+  static std::span<const C> host_values(const B& b, const buf& v, std::vector<C>& tmp) {
+    if constexpr (on_host) {
+      (void)b;
+      (void)tmp;
+      return {v.data(), v.size()};
+    } else {
+      tmp.resize(v.size());
+      const auto n = static_cast<std::int64_t>(v.size());
+      b.copy(tensor_view<const C, typename B::space>::vector(v.data(), n),
+             tensor_view<C, host_space>::vector(tmp.data(), n));
+      return tmp;
+    }
   }
   static void require_finite(std::span<const C> v, const std::string& name, std::size_t j, const char* what,
                              const char* who = "shampoo state save") {
@@ -323,9 +344,10 @@ class shampoo_state {
   bool failed_ = false;
   std::vector<tensor_t> t_;
   std::vector<std::pair<std::int64_t, std::unique_ptr<workspace_t>>> ws_;
-  std::vector<C> xb_, ab_, db_, y0_, y1_, rs_;  ///< block scratch: g, graft state, D_g, products, roots
-  std::vector<C> mb_;                           ///< block scratch: the corrected first moment (beta1 > 0)
-  std::vector<C> ns_;                           ///< spectral descent: Newton–Schulz scratch
+  buf xb_, ab_, db_, y0_, y1_;  ///< block scratch: g, graft state, D_g, products
+  std::vector<C> rs_;           ///< block scratch: roots
+  buf mb_;                      ///< block scratch: the corrected first moment (beta1 > 0)
+  buf ns_;                      ///< spectral descent: Newton–Schulz scratch
 
   struct ref_t {
     std::size_t t = 0, j = 0;  ///< tensor and block

@@ -1,0 +1,251 @@
+// The Shampoo stage's spectral descent (Muon: transform::scale_by_shampoo with preconditioner
+// spectral_descent) on device memory, run on the host through the device-tagged element backend,
+// communicator and linear algebra of support/host_as_device.hpp and host_as_device_linalg.hpp:
+// the same chain (stage, weight decay, momentum, learning rate) on gradapt::host with host_lapack
+// and on the device path must give the same bits, step by step, through a checkpoint saved at
+// step 6 and loaded into a fresh state (the graft state and first moment copied out of and back
+// into backend buffers), and with the distributed step's agreement staged through the backend.
+//
+// The tensors cover a wide and a tall matrix (the aspect scaling), a matrix cut into several
+// blocks whose runs are not contiguous (max_preconditioner_dim 8), a rank-3 tensor merged to a
+// matrix and a 1-D bias the graft preconditions alone. The option sets cover no graft and no
+// first moment (Muon's defaults), Adam's graft on the blocks with a bias-corrected first moment,
+// and RMSProp's graft on the diagonal tensors only with momentum and Nesterov. Last, the same
+// stage as the composed step's optimizer (train::data_parallel_step with the loss scaler and
+// LocalSGD) on 1 to 3 device-tagged ranks against the host step.
+#include "catch.hpp"
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "gradapt/comm/threads.hpp"
+#include "gradapt/optim/shampoo.hpp"
+#include "gradapt/train/data_parallel_step.hpp"
+#include "host_as_device.hpp"
+#include "host_as_device_linalg.hpp"
+#include "rank_check.hpp"
+#include "rank_errors.hpp"
+#include "scenarios/train_combinations.hpp"
+
+namespace gradapt_test_shampoo_device_path {
+
+using Catch::Matchers::Contains;
+using gradapt::device_space;
+using gradapt::shampoo_options;
+using gradapt::tensor_view;
+using gradapt::comm::run_threads;
+using gradapt::comm::threads;
+namespace tr = gradapt::transform;
+
+namespace {
+
+/// The preset's chain (gradapt::shampoo) with linear-algebra backend L.
+template <class L>
+auto family_chain(const shampoo_options& o) {
+  tr::scale_by_shampoo<L> pre;
+  pre.options = o;
+  return gradapt::chain<tr::scale_by_shampoo<L>, tr::add_decayed_weights, tr::trace,
+                        tr::scale_by_learning_rate>(std::move(pre), gradapt::detail::optim::decay_stage(o),
+                                                    gradapt::detail::optim::momentum_stage(o),
+                                                    gradapt::detail::optim::lr_stage(o));
+}
+
+const std::vector<std::vector<std::int64_t>> shapes{{6, 9}, {9, 6}, {20, 7}, {4, 5, 6}, {7}};
+
+/// Parameters and gradients of `shapes` in host memory, as host or device-tagged views.
+struct model {
+  std::vector<std::vector<float>> p, g;
+  gradapt::param_list<float> params;
+  model() {
+    for (std::size_t t = 0; t < shapes.size(); ++t) {
+      std::int64_t n = 1;
+      for (const auto d : shapes[t]) n *= d;
+      p.emplace_back(static_cast<std::size_t>(n));
+      g.emplace_back(static_cast<std::size_t>(n));
+      for (std::size_t i = 0; i < p[t].size(); ++i) p[t][i] = 0.01f * float(int((i * 7 + t) % 13) - 6);
+      params.add("w" + std::to_string(t), tensor_view<float>(p[t].data(), shapes[t]),
+                 tensor_view<float>(g[t].data(), shapes[t]));
+    }
+  }
+  /// Gradients of step k: multiples of 2^-8 in [-1, 1), different per tensor, step and rank.
+  void grads(int k, int rank = 0) {
+    for (std::size_t t = 0; t < g.size(); ++t)
+      for (std::size_t i = 0; i < g[t].size(); ++i)
+        g[t][i] = float(int((i * 37 + t * 11 + unsigned(k) * 53 + unsigned(rank) * 5) % 512) - 256) / 256.0f;
+  }
+  bool same_bits(const model& o) const {
+    for (std::size_t t = 0; t < p.size(); ++t)
+      if (std::memcmp(p[t].data(), o.p[t].data(), p[t].size() * sizeof(float)) != 0) return false;
+    return true;
+  }
+};
+
+std::vector<shampoo_options> option_sets() {
+  std::vector<shampoo_options> out;
+  shampoo_options muon = gradapt::spectral_descent_defaults();
+  muon.lr = 0.02;
+  muon.max_preconditioner_dim = 8;
+  out.push_back(muon);
+  shampoo_options adam = muon;
+  adam.graft = gradapt::shampoo_graft::adam;
+  adam.graft_preconditioned = true;
+  adam.beta1 = 0.9;
+  adam.bias_correction = true;
+  adam.weight_decay = 1e-3;
+  out.push_back(adam);
+  shampoo_options rms = muon;
+  rms.graft = gradapt::shampoo_graft::rmsprop;
+  rms.graft_preconditioned = false;
+  rms.beta1 = 0.5;
+  rms.bias_correction = false;
+  rms.momentum = 0.9;
+  rms.nesterov = true;
+  rms.newton_schulz.steps = 3;
+  out.push_back(rms);
+  return out;
+}
+
+/// 12 steps of `opt` on (b, params), saved after step 6 and loaded into a fresh state; with
+/// `comm`, the distributed step.
+template <class Opt, class B, class PL, class Comm>
+void twelve_steps(const Opt& opt, const B& b, const PL& params, model& m, Comm* comm, int rank) {
+  std::vector<std::byte> saved;
+  {
+    auto st = opt.init(b, params);
+    for (int k = 1; k <= 6; ++k) {
+      m.grads(k, rank);
+      if (comm)
+        opt.step(*comm, b, params, st);
+      else
+        opt.step(b, params, st);
+    }
+    saved = st.save(b);
+  }
+  auto st = opt.init(b, params);
+  st.load(b, saved);
+  for (int k = 7; k <= 12; ++k) {
+    m.grads(k, rank);
+    if (comm)
+      opt.step(*comm, b, params, st);
+    else
+      opt.step(b, params, st);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("shampoo spectral descent on device memory: the host chain's bits, through a checkpoint",
+          "[shampoo][device]") {
+  for (const auto& o : option_sets()) {
+    INFO("graft " << to_string(o.graft) << ", beta1 " << o.beta1 << ", momentum " << o.momentum);
+    const auto host_opt = family_chain<gradapt::host_lapack>(o);
+    const auto dev_opt = family_chain<host_as_device::linalg>(o);
+    model h, d;
+    const gradapt::host hb{.threads = 1};
+    const host_as_device::backend db;
+    const auto dparams = host_as_device::on_device(d.params);
+    twelve_steps(host_opt, hb, h.params, h, static_cast<threads*>(nullptr), 0);
+    twelve_steps(dev_opt, db, dparams, d, static_cast<host_as_device::comm*>(nullptr), 0);
+    CHECK(h.same_bits(d));
+    // The step moved every tensor (the comparison is not of two untouched models).
+    const model fresh;
+    for (std::size_t t = 0; t < h.p.size(); ++t) CHECK(h.p[t] != fresh.p[t]);
+  }
+}
+
+TEST_CASE("shampoo spectral descent on device memory, distributed: agreement through the backend",
+          "[shampoo][device][dist]") {
+  const auto o = option_sets()[1];
+  run_threads(2, {.timeout = std::chrono::seconds(60)}, [&](threads& c) {
+    const auto host_opt = family_chain<gradapt::host_lapack>(o);
+    const auto dev_opt = family_chain<host_as_device::linalg>(o);
+    model h, d;
+    const gradapt::host hb{.threads = 1};
+    const host_as_device::backend db;
+    host_as_device::comm dc{&c};
+    const auto dparams = host_as_device::on_device(d.params);
+    // The same gradients on every rank (a distributed Shampoo step takes averaged ones).
+    twelve_steps(host_opt, hb, h.params, h, &c, 0);
+    twelve_steps(dev_opt, db, dparams, d, &dc, 0);
+    RANK_REQUIRE(h.same_bits(d));
+  });
+  // A rank with another Newton–Schulz step count throws on every rank, through the staged
+  // agreement.
+  const auto what = gradapt_test::errors_of(2, {.timeout = std::chrono::seconds(60)}, [&](threads& c) {
+    shampoo_options mine = o;
+    if (c.rank() == 1) mine.newton_schulz.steps = 4;
+    const auto dev_opt = family_chain<host_as_device::linalg>(mine);
+    model d;
+    const host_as_device::backend db;
+    host_as_device::comm dc{&c};
+    const auto dparams = host_as_device::on_device(d.params);
+    auto st = dev_opt.init(db, dparams);
+    d.grads(1);
+    dev_opt.step(dc, db, dparams, st);
+  });
+  for (const auto& w : what) CHECK_THAT(w, Contains("newton_schulz.steps"));
+}
+
+TEST_CASE("shampoo on device memory: root_inverse and eigenvalue_corrected are host only",
+          "[shampoo][device]") {
+  model d;
+  const host_as_device::backend db;
+  const auto dparams = host_as_device::on_device(d.params);
+  for (const auto& o : {gradapt::shampoo_options{}, gradapt::soap_defaults()}) {
+    const auto dev_opt = family_chain<host_as_device::linalg>(o);
+    REQUIRE_THROWS_WITH(dev_opt.init(db, dparams), Contains("on device memory the stage runs preconditioner "
+                                                            "spectral_descent") &&
+                                                       Contains(std::string(to_string(o.preconditioner))));
+  }
+}
+
+TEST_CASE("the composed step with Muon on device memory equals the host step", "[shampoo][device][train]") {
+  namespace scenario = train_combinations_scenario;
+  using sharded_scenario::model;
+  shampoo_options o = gradapt::spectral_descent_defaults();
+  o.lr = 1e-2;
+  o.max_preconditioner_dim = 64;
+  o.graft = gradapt::shampoo_graft::adam;
+  o.graft_preconditioned = true;
+  o.beta1 = 0.9;
+  o.momentum = 0.5;
+  o.weight_decay = 1e-3;
+  o.scale_by_aspect = true;
+  const auto host_opt = family_chain<gradapt::host_lapack>(o);
+  const auto dev_opt = family_chain<host_as_device::linalg>(o);
+  // 12 steps (an overflow at step 5 on the last rank), saved after 6 and loaded into a fresh step.
+  const auto twelve = [](auto& comm, const auto& b, model<float>& m, const auto& params, const auto& opt) {
+    std::vector<std::byte> saved;
+    {
+      auto s = scenario::make_step<true, false, true>(
+          comm, b, params, opt, gradapt::train::replicated_state{}, gradapt::train::one_buffer_reduce{},
+          gradapt::train::allreduce_mean{}, 1e-2);
+      for (int k = 1; k <= 6; ++k) scenario::one_step(s, m, comm, k);
+      saved = s.save();
+    }
+    auto s = scenario::make_step<true, false, true>(comm, b, params, opt, gradapt::train::replicated_state{},
+                                                    gradapt::train::one_buffer_reduce{},
+                                                    gradapt::train::allreduce_mean{}, 0.5);
+    s.load(saved);
+    for (int k = 7; k <= 12; ++k) scenario::one_step(s, m, comm, k);
+  };
+  for (const int n : {1, 2, 3}) {
+    INFO(n << " ranks");
+    run_threads(n, {.timeout = std::chrono::seconds(120)}, [&](threads& c) {
+      const gradapt::host hb{.threads = 1};
+      const host_as_device::backend db;
+      host_as_device::comm dc{&c};
+      model<float> h, d;
+      const auto dparams = host_as_device::on_device(d.params);
+      twelve(c, hb, h, h.params, host_opt);
+      twelve(dc, db, d, dparams, dev_opt);
+      for (std::size_t t = 0; t < h.p.size(); ++t) RANK_REQUIRE(sharded_scenario::same_bits(h.p[t], d.p[t]));
+    });
+  }
+}
+
+}  // namespace gradapt_test_shampoo_device_path
