@@ -70,6 +70,7 @@ namespace detail {
 /// dst = src in the compute type (a value copy through the backend's element loop, for memory
 /// a host loop cannot touch; a 16-bit signalling NaN becomes quiet).
 struct copy_to {
+  static constexpr bool vectorizable = true;  ///< host SIMD packs: a copy, the same bits
   template <class C>
   GRADAPT_HD void operator()(C& dst, const C& src) const {
     dst = src;

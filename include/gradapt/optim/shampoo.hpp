@@ -570,16 +570,18 @@ struct scale_by_shampoo {
       const bool has_state = x.graft.size() != 0, has_mom = x.mom.size() != 0;
       if (has_mom) ex.apply(si::moment_update<C>{w1}, vec(x.mom), g);
       if (x.layout.diagonal) {
-        const si::graft_direction<C> gd{gk, bc1};
         const auto m = [&] { return tensor_view<const C, Sp>::vector(x.mom.data(), std::int64_t(x.size)); };
-        if (has_mom && has_state)
-          ex.apply(gd, vec(x.dir), g, m(), vec(x.graft));
-        else if (has_mom)
-          ex.apply(si::graft_direction_of_moment<C>{gk, bc1}, vec(x.dir), g, m());
-        else if (has_state)
-          ex.apply(gd, vec(x.dir), g, vec(x.graft));
-        else
-          ex.apply(gd, vec(x.dir), g);
+        si::with_graft(options.graft, [&](auto k) {
+          const si::graft_direction<C, k.value> gd{gk, bc1};
+          if (has_mom && has_state)
+            ex.apply(gd, vec(x.dir), g, m(), vec(x.graft));
+          else if (has_mom)
+            ex.apply(si::graft_direction_of_moment<C, k.value>{gk, bc1}, vec(x.dir), g, m());
+          else if (has_state)
+            ex.apply(gd, vec(x.dir), g, vec(x.graft));
+          else
+            ex.apply(gd, vec(x.dir), g);
+        });
         continue;
       }
       for (std::size_t j = 0; j < x.blocks.size(); ++j)
@@ -679,10 +681,14 @@ struct scale_by_shampoo {
       if (has_mom) ex.apply(si::divided_by<C>{bc1}, v(mb + at, run), cv(x.mom.data() + flat, run));
       if (has_state) ex.apply(gradapt::detail::copy_to{}, v(ab + at, run), cv(x.graft.data() + flat, run));
     });
-    if (has_state)  // m̂ is gathered corrected: bc1 1 here
-      ex.apply(si::graft_direction<C>{gk, C(1)}, v(db, elems), cv(xb, elems), cv(mb, elems), v(ab, elems));
-    else
-      ex.apply(si::graft_direction_of_moment<C>{gk, C(1)}, v(db, elems), cv(xb, elems), cv(mb, elems));
+    si::with_graft(options.graft, [&](auto k) {  // m̂ is gathered corrected
+      if (has_state)
+        ex.apply(si::graft_direction<C, k.value, false>{gk, C(1)}, v(db, elems), cv(xb, elems), cv(mb, elems),
+                 v(ab, elems));
+      else
+        ex.apply(si::graft_direction_of_moment<C, k.value, false>{gk, C(1)}, v(db, elems), cv(xb, elems),
+                 cv(mb, elems));
+    });
     C* y = nullptr;  // the preconditioned direction D_s, when the block has one this step
     const auto kind = options.preconditioner;
     if constexpr (std::same_as<Sp, host_space>) {

@@ -6,6 +6,7 @@
 #include <array>
 #include <cmath>
 #include <string_view>
+#include <type_traits>
 
 #include "gradapt/backend/simd.hpp"
 #include "gradapt/core/config.hpp"
@@ -39,50 +40,97 @@ template <class C>
 struct graft_kernel {
   shampoo_graft kind;
   C beta, one_minus_beta, eps, bias;  ///< bias: 1 − β^t (adam)
+  /// The graft K's direction (K fixed at compile time, so an element loop has no branch), on
+  /// scalars or on host SIMD packs (simd.hpp: the same bits per lane).
+  template <shampoo_graft K, class V>
+  GRADAPT_HD GRADAPT_INLINE V step(const V& g, const V& m, V& a) const {
+    if constexpr (K == shampoo_graft::adagrad) {
+      a = a + g * g;
+      return m / (simd::sqrt(a) + eps);
+    } else if constexpr (K == shampoo_graft::rmsprop) {
+      a = beta * a + one_minus_beta * (g * g);
+      return m / (simd::sqrt(a) + eps);
+    } else if constexpr (K == shampoo_graft::adam) {
+      a = beta * a + one_minus_beta * (g * g);
+      return m / (simd::sqrt(a / bias) + eps);
+    } else {  // none, sgd
+      (void)g;
+      (void)a;
+      return m;
+    }
+  }
+  /// The direction of graft `kind`.
   GRADAPT_HD C operator()(C g, C m, C& a) const {
     switch (kind) {
-      case shampoo_graft::none:
-      case shampoo_graft::sgd:
-        return m;
       case shampoo_graft::adagrad:
-        a = a + g * g;
-        return m / (simd::sqrt(a) + eps);
+        return step<shampoo_graft::adagrad>(g, m, a);
       case shampoo_graft::rmsprop:
-        a = beta * a + one_minus_beta * (g * g);
-        return m / (simd::sqrt(a) + eps);
+        return step<shampoo_graft::rmsprop>(g, m, a);
       case shampoo_graft::adam:
-        a = beta * a + one_minus_beta * (g * g);
-        return m / (simd::sqrt(a / bias) + eps);
+        return step<shampoo_graft::adam>(g, m, a);
+      default:
+        return step<shampoo_graft::none>(g, m, a);
     }
-    return m;
   }
 };
 
+/// Calls f(std::integral_constant<shampoo_graft, k>{}): a pass over elements chooses its graft
+/// once.
+template <class F>
+void with_graft(shampoo_graft k, F&& f) {
+  using G = shampoo_graft;
+  switch (k) {
+    case G::adagrad:
+      return f(std::integral_constant<G, G::adagrad>{});
+    case G::rmsprop:
+      return f(std::integral_constant<G, G::rmsprop>{});
+    case G::adam:
+      return f(std::integral_constant<G, G::adam>{});
+    default:
+      return f(std::integral_constant<G, G::none>{});
+  }
+}
+
 // The stage's element work as backend functors (one pass each over a tensor, or over a run of
-// a block's elements), so that the same code runs on host and device memory.
+// a block's elements), so that the same code runs on host and device memory. Each takes
+// scalars or, on the host, SIMD packs (`vectorizable`): the host backend runs them vectorised
+// under plain -O2, lane for lane the scalar bits.
+
+/// x in the compute type C: a scalar converted (a gradient of another type), a pack as it is
+/// (packs are used only when every view's compute type is C).
+template <class C, class X>
+GRADAPT_HD GRADAPT_INLINE auto as_compute(const X& x) {
+  if constexpr (std::is_arithmetic_v<X>)
+    return static_cast<C>(x);
+  else
+    return x;
+}
 
 /// m ← m + w·(g − m): the first moment's EMA (w = 1 − β1).
 template <class C>
 struct moment_update {
+  static constexpr bool vectorizable = true;
   C w;
   template <class M, class Gv>
   GRADAPT_HD void operator()(M& m, const Gv& g) const {
-    m = m + w * (static_cast<C>(g) - m);
+    m = m + w * (as_compute<C>(g) - m);
   }
 };
 
 /// dst ← C(src): a gradient run gathered into the block's buffer in the compute type.
 template <class C>
 struct gather_as {
+  static constexpr bool vectorizable = true;
   template <class D, class S>
   GRADAPT_HD void operator()(D& dst, const S& src) const {
-    dst = static_cast<C>(src);
+    dst = as_compute<C>(src);
   }
 };
 
 /// dst ← src / c: the bias-corrected first moment m / (1 − β1^t).
 template <class C>
 struct divided_by {
+  static constexpr bool vectorizable = true;
   C c;
   template <class D>
   GRADAPT_HD void operator()(D& dst, const D& src) const {
@@ -90,41 +138,50 @@ struct divided_by {
   }
 };
 
-/// D ← the graft's direction of g with state a (graft_kernel): (D, g) without a state or a
+/// D ← graft K's direction of g with state a (graft_kernel): (D, g) without a state or a
 /// first moment, (D, g, a) with a state, (D, g, m, a) with both, dividing m / bc1 (the first
-/// moment's bias correction; 1 for a block's m, already corrected when gathered).
-template <class C>
+/// moment's bias correction) when `Corrects` (a block's m is gathered corrected: false).
+template <class C, shampoo_graft K, bool Corrects = true>
 struct graft_direction {
+  static constexpr bool vectorizable = true;
   graft_kernel<C> gk;
   C bc1;
   template <class D, class Gv>
   GRADAPT_HD void operator()(D& d, const Gv& g) const {
-    C a = C(0);
-    d = gk(static_cast<C>(g), static_cast<C>(g), a);
+    D a = D(C(0));
+    const D gc = as_compute<C>(g);
+    d = gk.template step<K>(gc, gc, a);
   }
-  template <class D, class Gv, class A>
-  GRADAPT_HD void operator()(D& d, const Gv& g, A& a) const {
-    C s = a;
-    d = gk(static_cast<C>(g), static_cast<C>(g), s);
-    a = s;
+  template <class D, class Gv>
+  GRADAPT_HD void operator()(D& d, const Gv& g, D& a) const {
+    const D gc = as_compute<C>(g);
+    d = gk.template step<K>(gc, gc, a);
   }
-  template <class D, class Gv, class M, class A>
-  GRADAPT_HD void operator()(D& d, const Gv& g, const M& m, A& a) const {
-    C s = a;
-    d = gk(static_cast<C>(g), m / bc1, s);
-    a = s;
+  template <class D, class Gv>
+  GRADAPT_HD void operator()(D& d, const Gv& g, const D& m, D& a) const {
+    const D gc = as_compute<C>(g);
+    if constexpr (Corrects)
+      d = gk.template step<K>(gc, D(m / bc1), a);
+    else
+      d = gk.template step<K>(gc, m, a);
   }
 };
 
-/// D ← the graft's direction of g dividing m / bc1 (the first moment), without a state.
-template <class C>
+/// D ← graft K's direction of g dividing m (divided by bc1 first when `Corrects`), without a
+/// state.
+template <class C, shampoo_graft K, bool Corrects = true>
 struct graft_direction_of_moment {
+  static constexpr bool vectorizable = true;
   graft_kernel<C> gk;
   C bc1;
-  template <class D, class Gv, class M>
-  GRADAPT_HD void operator()(D& d, const Gv& g, const M& m) const {
-    C a = C(0);
-    d = gk(static_cast<C>(g), m / bc1, a);
+  template <class D, class Gv>
+  GRADAPT_HD void operator()(D& d, const Gv& g, const D& m) const {
+    D a = D(C(0));
+    const D gc = as_compute<C>(g);
+    if constexpr (Corrects)
+      d = gk.template step<K>(gc, D(m / bc1), a);
+    else
+      d = gk.template step<K>(gc, m, a);
   }
 };
 
