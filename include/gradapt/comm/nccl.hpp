@@ -32,7 +32,11 @@
 /// - **Empty buffers.** A zero-element operation enqueues nothing (after the optional check).
 /// - **Host-side watchdog.** What waits on the host (`barrier`, `split`, the argument check)
 ///   polls the stream for at most `nccl_options::timeout` seconds, then aborts the
-///   communicator (`ncclCommAbort`) and throws. Unverified on hardware (no GPU has run it).
+///   communicator (`ncclCommAbort`) and throws. With the argument check on, every operation
+///   waits for the stream before it enqueues its collective, so a collective enqueued earlier
+///   on the same stream that never completes (a rank that left, threw or called another
+///   operation) is caught by the next operation's wait; the last collective before the
+///   framework's own synchronisation is not watched. Unverified on hardware (no GPU has run it).
 /// - **Engine errors.** Every NCCL or CUDA result other than success becomes `gradapt::error`
 ///   naming the operation, the rank, the function and the engine's own text
 ///   (`ncclGetErrorString` plus `ncclGetLastError`; `cudaGetErrorString`). Non-blocking
@@ -75,8 +79,9 @@ struct nccl_options {
   /// argument check): the longest, in seconds, the host polls the stream for them. Past it the
   /// communicator is aborted (`ncclCommAbort`, as PyTorch's NCCL watchdog does) and the call
   /// throws gradapt::error naming the operation; the communicator cannot be used afterwards.
-  /// 0 waits forever. Default 300 (5 minutes). Enqueued collectives are not watched: the
-  /// framework synchronises their stream.
+  /// 0 waits forever. Default 300 (5 minutes). An enqueued collective is watched by the next
+  /// operation's wait when `check_sizes` is on (its argument check waits for the stream); the
+  /// stream's own synchronisation by the framework is not watched.
   double timeout = 300.0;
 };
 
