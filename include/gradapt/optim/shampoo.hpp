@@ -552,8 +552,7 @@ struct scale_by_shampoo {
     }
 
     const double b2 = options.graft_beta2;
-    const gradapt::detail::shampoo_impl::graft_kernel<C> gk{options.graft, C(b2), C(1.0 - b2),
-                                                            C(options.graft_epsilon),
+    const gradapt::detail::shampoo_impl::graft_kernel<C> gk{C(b2), C(1.0 - b2), C(options.graft_epsilon),
                                                             C(1.0 - std::pow(b2, static_cast<double>(t)))};
     // The first moment (beta1 > 0): m ← m + (1 − β1)·(g − m), divided by 1 − β1^t when
     // bias-corrected; it is what the blocks precondition and the graft divides.

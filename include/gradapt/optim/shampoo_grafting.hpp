@@ -35,10 +35,10 @@ namespace detail::shampoo_impl {
 
 /// The grafted direction of one element, advancing its state a from the gradient g; the
 /// direction divides m (the gradient, or the first moment with shampoo_options::beta1 > 0, as
-/// Distributed Shampoo's graft preconditions its filtered gradient). See shampoo_graft.
+/// Distributed Shampoo's graft preconditions its filtered gradient). See shampoo_graft; the
+/// graft is the template argument of `step` (`with_graft` chooses it once per pass).
 template <class C>
 struct graft_kernel {
-  shampoo_graft kind;
   C beta, one_minus_beta, eps, bias;  ///< bias: 1 − β^t (adam)
   /// The graft K's direction (K fixed at compile time, so an element loop has no branch), on
   /// scalars or on host SIMD packs (simd.hpp: the same bits per lane).
@@ -57,19 +57,6 @@ struct graft_kernel {
       (void)g;
       (void)a;
       return m;
-    }
-  }
-  /// The direction of graft `kind`.
-  GRADAPT_HD C operator()(C g, C m, C& a) const {
-    switch (kind) {
-      case shampoo_graft::adagrad:
-        return step<shampoo_graft::adagrad>(g, m, a);
-      case shampoo_graft::rmsprop:
-        return step<shampoo_graft::rmsprop>(g, m, a);
-      case shampoo_graft::adam:
-        return step<shampoo_graft::adam>(g, m, a);
-      default:
-        return step<shampoo_graft::none>(g, m, a);
     }
   }
 };
