@@ -132,6 +132,7 @@ struct backend {
   }
   void synchronize() const {}
 };
+static_assert(gradapt::staging_backend<backend>);  // the staged agreements take the staging path
 
 /// comm::threads over device-tagged views of host memory.
 struct comm {

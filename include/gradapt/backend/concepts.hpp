@@ -20,6 +20,8 @@
 ///  - `task_backend` (optional): thread_count, single_thread, run_tasks. Per-tensor tasks of
 ///    the factored optimizers.
 ///  - `workspace_backend` (optional): reserve_for, reserve. A graph-capturable first step.
+///  - `staging_backend` (optional): staging. Agreements across ranks on a device that
+///    allocate nothing per call.
 ///  - `deferred_dot_backend`: dot_to (results left in the backend's memory). Adasum on a
 ///    device.
 ///
@@ -189,6 +191,15 @@ concept workspace_backend = backend<B> &&
     requires(const B& b, const std::vector<tensor_view<const float, typename B::space>>& v, std::size_t n) {
   b.reserve_for(v, n);
   b.reserve(n);
+};
+
+/// A backend that lends grow-only memory of its space for the few words an agreement across
+/// ranks stages on a device (`staging(n)`: at least n doubles, valid until the next call;
+/// gradapt::cuda's workspace). `detail::allreduce_host_values` uses it; a backend without it
+/// gets a buffer from `allocate` per agreement.
+template <class B>
+concept staging_backend = requires(const B& b, std::size_t n) {
+  { b.staging(n) } -> std::same_as<double*>;
 };
 
 /// A backend that can leave per-tensor dot products in its own memory (`dot_to(xs, ys, out)`,

@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "gradapt/backend/concepts.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/ops.hpp"
 #include "gradapt/core/tensor_view.hpp"
@@ -77,13 +78,6 @@ inline std::string value_text(double v) {
 
 namespace detail {
 
-/// A backend that lends grow-only memory for staged words: `b.staging(n)` -> `double*` (the
-/// CUDA backend's workspace).
-template <class B>
-concept stages_words = requires(const B& b, std::size_t n) {
-  { b.staging(n) } -> std::same_as<double*>;
-};
-
 /// Allreduces `v` (host memory) on `comm`: directly on a host communicator, through device
 /// memory of backend `b` (copied in, reduced, copied back; the copy back waits for the
 /// stream) on a device communicator. That memory is `b.staging(n)` when the backend lends it
@@ -99,7 +93,7 @@ void allreduce_host_values(C& comm, const B& b, std::span<double> v, reduce_op o
     const auto n = static_cast<std::int64_t>(v.size());
     [[maybe_unused]] decltype(b.template allocate<double>(std::size_t{})) own{};
     double* d = nullptr;
-    if constexpr (stages_words<B>) {
+    if constexpr (staging_backend<B>) {
       d = b.staging(v.size());
     } else {
       own = b.template allocate<double>(v.size());

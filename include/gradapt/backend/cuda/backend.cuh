@@ -581,5 +581,6 @@ static_assert(
 
 static_assert(backend<cuda>);
 static_assert(std::is_aggregate_v<cuda>);
+static_assert(staging_backend<cuda>);
 
 }  // namespace gradapt
