@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -23,6 +24,7 @@
 #include "gradapt/linalg/cuda_linalg.cuh"
 #include "gradapt/linalg/newton_schulz.hpp"
 #include "gradapt/optim/shampoo.hpp"
+#include "shampoo_ld_reference.hpp"
 
 using gradapt::cuda_buffer;
 using gradapt::cuda_linalg;
@@ -284,6 +286,68 @@ TEST_CASE(
       CHECK(worst <= 1e-10);
     }
   }
+}
+
+TEST_CASE(
+    "shampoo's root-inverse step on gradapt::cuda and cuda_linalg: statistics, eigen roots and "
+    "products against a long double re-run, through a checkpoint",
+    "[linalg][cuda][shampoo]") {
+  namespace tr = gradapt::transform;
+  const cuda_linalg la;
+  const gradapt::cuda b{.stream = la.stream()};
+  gradapt::shampoo_options o;
+  o.lr = 0.1;
+  o.graft = gradapt::shampoo_graft::none;
+  o.precondition_1d = false;
+  o.root.ridge = gradapt::ridge_kind::absolute;
+  o.root.epsilon = 1e-6;
+  tr::scale_by_shampoo<cuda_linalg> pre{.options = o, .linalg = la};
+  const gradapt::chain<tr::scale_by_shampoo<cuda_linalg>, tr::scale_by_learning_rate> opt(
+      std::move(pre), tr::scale_by_learning_rate{.lr = o.lr});
+  // A wide and a tall matrix (each with a factor rank-deficient at step 1: the ridge's root of
+  // its null space) and a bias (not preconditioned, graft none: g itself).
+  const std::vector<std::pair<std::int64_t, std::int64_t>> dims{{12, 20}, {20, 12}, {1, 7}};
+  std::vector<std::vector<double>> w;
+  std::vector<std::unique_ptr<gradapt_test::shampoo_ld_reference>> ref;
+  std::vector<cuda_buffer<double>> dw, dg;
+  gradapt::param_list<double, double, device_space> params;
+  for (std::size_t t = 0; t < dims.size(); ++t) {
+    const auto [m, n] = dims[t];
+    w.push_back(random_matrix<double>(m, n, 50 + unsigned(t)));
+    ref.push_back(
+        std::make_unique<gradapt_test::shampoo_ld_reference>(std::size_t(m), std::size_t(n), o.root.epsilon));
+    dw.push_back(upload(w.back()));
+    dg.emplace_back(w.back().size());
+    const std::vector<std::int64_t> shape =
+        m == 1 ? std::vector<std::int64_t>{n} : std::vector<std::int64_t>{m, n};
+    params.add("p" + std::to_string(t), dview<double>(dw.back().data(), shape),
+               dview<double>(dg.back().data(), shape));
+  }
+  std::vector<std::byte> saved;
+  auto st = opt.init(b, params);
+  for (int k = 1; k <= 4; ++k) {
+    for (std::size_t t = 0; t < dims.size(); ++t) {
+      const auto [m, n] = dims[t];
+      const auto g = random_matrix<double>(m, n, 200 + unsigned(10 * k) + unsigned(t));
+      GRADAPT_CUDA_CHECK(
+          cudaMemcpy(dg[t].data(), g.data(), g.size() * sizeof(double), cudaMemcpyHostToDevice));
+      const auto dir = m == 1 ? g : ref[t]->direction(g);
+      for (std::size_t i = 0; i < g.size(); ++i) w[t][i] -= o.lr * dir[i];
+    }
+    opt.step(b, params, st);
+    if (k == 2) {  // the statistics and roots leave the device and come back
+      saved = st.save(b);
+      st = opt.init(b, params);
+      st.load(b, saved);
+    }
+    GRADAPT_CUDA_CHECK(cudaStreamSynchronize(la.stream()));
+    for (std::size_t t = 0; t < dims.size(); ++t) {
+      const double worst = largest_difference(download(dw[t]), w[t]);
+      INFO("step " << k << ", tensor " << t << ": largest difference " << worst);
+      CHECK(worst <= 1e-9);
+    }
+  }
+  CHECK(st.preconditioner().root_computations() > 0);
 }
 
 TEST_CASE("cuda_linalg: invalid shapes throw gradapt::error", "[linalg][cuda]") {

@@ -805,9 +805,11 @@ TEST_CASE("shampoo: the shifted spectrum raises every eigenvalue by -lambda_min"
     rc.root.epsilon = 1e-2;
     rc.spectrum = spectrum;
     gradapt::detail::shampoo_impl::root_workspace<host_lapack, double> ws(la, 3);
-    std::vector<double> x(9);
+    std::vector<double> x(9), staging;
+    const gradapt::host one{.threads = 1};
     const auto [status, factor] = gradapt::detail::shampoo_impl::block_roots(
-        la, 1, p, n, off, s3.data(), x.data(), [&](std::int64_t) -> auto& { return ws; }, rc, 1.0);
+        la, one, 1, p, n, off, s3.data(), x.data(), [&](std::int64_t) -> auto& { return ws; }, rc, 1.0,
+        staging);
     REQUIRE(status == gradapt::root_status::ok);
     const double up = spectrum == gradapt::shampoo_spectrum::shift ? 1e-3 : 0.0;
     // The third: clamp max(−1e-3, 0) + r, shift −1e-3 + 1e-3 + r: r either way.
@@ -818,7 +820,8 @@ TEST_CASE("shampoo: the shifted spectrum raises every eigenvalue by -lambda_min"
     }
     // The bias divisor: the statistics divided by 2 give the root of S / 2.
     const auto [st2, f2] = gradapt::detail::shampoo_impl::block_roots(
-        la, 1, p, n, off, s3.data(), x.data(), [&](std::int64_t) -> auto& { return ws; }, rc, 2.0);
+        la, one, 1, p, n, off, s3.data(), x.data(), [&](std::int64_t) -> auto& { return ws; }, rc, 2.0,
+        staging);
     REQUIRE(st2 == gradapt::root_status::ok);
     CHECK(std::fabs(x[0] - 1 / std::sqrt(2 + up / 2 + 1e-2)) <= 1e-12);
     (void)factor;

@@ -1,5 +1,6 @@
 // The Shampoo stage's spectral descent (Muon: transform::scale_by_shampoo with preconditioner
-// spectral_descent) on device memory, run on the host through the device-tagged element backend,
+// spectral_descent) and its root-inverse Shampoo (statistics, eigen roots and products) on
+// device memory, run on the host through the device-tagged element backend,
 // communicator and linear algebra of support/host_as_device.hpp and host_as_device_linalg.hpp:
 // the same chain (stage, weight decay, momentum, learning rate) on gradapt::host with host_lapack
 // and on the device path must give the same bits, step by step, through a checkpoint saved at
@@ -10,7 +11,9 @@
 // blocks whose runs are not contiguous (max_preconditioner_dim 8), a rank-3 tensor merged to a
 // matrix and a 1-D bias the graft preconditions alone. The option sets cover no graft and no
 // first moment (Muon's defaults), Adam's graft on the blocks with a bias-corrected first moment,
-// and RMSProp's graft on the diagonal tensors only with momentum and Nesterov. Last, the same
+// and RMSProp's graft on the diagonal tensors only with momentum and Nesterov; root-inverse
+// Shampoo runs three option sets (root_option_sets) the same way, and on two ranks, where the
+// statistics' agreement turns differing gradients into an error on every rank. Last, the same
 // stage as the composed step's optimizer (train::data_parallel_step with the loss scaler and
 // LocalSGD) on 1 to 3 device-tagged ranks against the host step.
 #include "catch.hpp"
@@ -109,10 +112,49 @@ std::vector<shampoo_options> option_sets() {
   return out;
 }
 
+/// Root-inverse Shampoo: Distributed Shampoo's defaults (shifted spectrum, absolute ridge,
+/// bias-corrected first moment, 1-D tensors on blocks) with Adam's graft on the blocks;
+/// gradapt's defaults (clamped spectrum, relative ridge, AdaGrad's graft) with roots every
+/// third step from step 2 and momentum; and statistics every second step, bias-corrected with
+/// beta2 0.9, one exponent for every factor, no merging, RMSProp's graft and an absolute ridge.
+std::vector<shampoo_options> root_option_sets() {
+  std::vector<shampoo_options> out;
+  shampoo_options peer = gradapt::distributed_shampoo_defaults();
+  peer.max_preconditioner_dim = 8;
+  peer.beta2 = 0.99;
+  peer.root.epsilon = 1e-6;
+  peer.graft = gradapt::shampoo_graft::adam;
+  peer.graft_preconditioned = true;
+  out.push_back(peer);
+  shampoo_options ours;
+  ours.lr = 0.01;
+  ours.max_preconditioner_dim = 8;
+  ours.precondition_frequency = 3;
+  ours.start_preconditioning_step = 2;
+  ours.momentum = 0.9;
+  ours.weight_decay = 1e-3;
+  out.push_back(ours);
+  shampoo_options third = ours;
+  third.statistics_frequency = 2;
+  third.precondition_frequency = 2;
+  third.inverse_exponent_override = 2;
+  third.merge_small_dims = false;
+  third.bias_correction = true;
+  third.beta2 = 0.9;
+  third.beta1 = 0.5;
+  third.graft = gradapt::shampoo_graft::rmsprop;
+  third.root.ridge = gradapt::ridge_kind::absolute;
+  third.root.epsilon = 1e-4;
+  out.push_back(third);
+  return out;
+}
+
 /// 12 steps of `opt` on (b, params), saved after step 6 and loaded into a fresh state; with
-/// `comm`, the distributed step.
+/// `comm`, the distributed step. Returns the root computations of the second state's steps and
+/// whether every preconditioned block holds roots at the end.
 template <class Opt, class B, class PL, class Comm>
-void twelve_steps(const Opt& opt, const B& b, const PL& params, model& m, Comm* comm, int rank) {
+std::pair<std::uint64_t, bool> twelve_steps(const Opt& opt, const B& b, const PL& params, model& m,
+                                            Comm* comm, int rank) {
   std::vector<std::byte> saved;
   {
     auto st = opt.init(b, params);
@@ -134,6 +176,11 @@ void twelve_steps(const Opt& opt, const B& b, const PL& params, model& m, Comm* 
     else
       opt.step(b, params, st);
   }
+  const auto& pre = st.preconditioner();
+  bool ready = true;
+  for (std::size_t t = 0; t < pre.tensors(); ++t)
+    for (std::size_t j = 0; j < pre.layout(t).blocks.size(); ++j) ready = ready && pre.block(t, j).ready;
+  return {pre.root_computations(), ready};
 }
 
 }  // namespace
@@ -190,61 +237,150 @@ TEST_CASE("shampoo spectral descent on device memory, distributed: agreement thr
   for (const auto& w : what) CHECK_THAT(w, Contains("newton_schulz.steps"));
 }
 
-TEST_CASE("shampoo on device memory: root_inverse and eigenvalue_corrected are host only",
+TEST_CASE("shampoo root_inverse on device memory: the host chain's bits, through a checkpoint",
+          "[shampoo][device]") {
+  for (const auto& o : root_option_sets()) {
+    INFO("spectrum " << to_string(o.spectrum) << ", graft " << to_string(o.graft) << ", beta1 " << o.beta1);
+    const auto host_opt = family_chain<gradapt::host_lapack>(o);
+    const auto dev_opt = family_chain<host_as_device::linalg>(o);
+    model h, d;
+    const gradapt::host hb{.threads = 1};
+    const host_as_device::backend db;
+    const auto dparams = host_as_device::on_device(d.params);
+    const auto hr = twelve_steps(host_opt, hb, h.params, h, static_cast<threads*>(nullptr), 0);
+    const auto dr = twelve_steps(dev_opt, db, dparams, d, static_cast<host_as_device::comm*>(nullptr), 0);
+    CHECK(h.same_bits(d));
+    // Both computed roots after the checkpoint, and every block uses them.
+    CHECK(hr.first > 0);
+    CHECK(dr == hr);
+    CHECK(dr.second);
+    const model fresh;
+    for (std::size_t t = 0; t < h.p.size(); ++t) CHECK(h.p[t] != fresh.p[t]);
+  }
+}
+
+TEST_CASE(
+    "shampoo root_inverse on device memory, distributed: every rank computes the roots, the "
+    "statistics agreed",
+    "[shampoo][device][dist]") {
+  const auto o = root_option_sets()[0];
+  run_threads(2, {.timeout = std::chrono::seconds(60)}, [&](threads& c) {
+    const auto host_opt = family_chain<gradapt::host_lapack>(o);
+    const auto dev_opt = family_chain<host_as_device::linalg>(o);
+    model h, d;
+    const gradapt::host hb{.threads = 1};
+    const host_as_device::backend db;
+    host_as_device::comm dc{&c};
+    const auto dparams = host_as_device::on_device(d.params);
+    twelve_steps(host_opt, hb, h.params, h, &c, 0);
+    twelve_steps(dev_opt, db, dparams, d, &dc, 0);
+    RANK_REQUIRE(h.same_bits(d));
+  });
+  // A rank whose gradients differ (so its statistics do) throws on every rank at the first
+  // roots, naming the statistics' hash; and so does another root.epsilon.
+  const auto differ = gradapt_test::errors_of(2, {.timeout = std::chrono::seconds(60)}, [&](threads& c) {
+    const auto dev_opt = family_chain<host_as_device::linalg>(o);
+    model d;
+    const host_as_device::backend db;
+    host_as_device::comm dc{&c};
+    const auto dparams = host_as_device::on_device(d.params);
+    auto st = dev_opt.init(db, dparams);
+    d.grads(1, c.rank());
+    dev_opt.step(dc, db, dparams, st);
+  });
+  for (const auto& w : differ) CHECK_THAT(w, Contains("statistics (hash)"));
+  const auto eps = gradapt_test::errors_of(2, {.timeout = std::chrono::seconds(60)}, [&](threads& c) {
+    shampoo_options mine = o;
+    if (c.rank() == 1) mine.root.epsilon = 1e-5;
+    const auto dev_opt = family_chain<host_as_device::linalg>(mine);
+    model d;
+    const host_as_device::backend db;
+    host_as_device::comm dc{&c};
+    const auto dparams = host_as_device::on_device(d.params);
+    auto st = dev_opt.init(db, dparams);
+    d.grads(1);
+    dev_opt.step(dc, db, dparams, st);
+  });
+  for (const auto& w : eps) CHECK_THAT(w, Contains("root.epsilon"));
+}
+
+TEST_CASE("shampoo on device memory: what stays in host memory throws at init, naming the option",
           "[shampoo][device]") {
   model d;
   const host_as_device::backend db;
   const auto dparams = host_as_device::on_device(d.params);
-  for (const auto& o : {gradapt::shampoo_options{}, gradapt::soap_defaults()}) {
+  for (const auto& o : {gradapt::eigenvalue_corrected_defaults(), gradapt::soap_defaults()}) {
     const auto dev_opt = family_chain<host_as_device::linalg>(o);
-    REQUIRE_THROWS_WITH(dev_opt.init(db, dparams), Contains("on device memory the stage runs preconditioner "
-                                                            "spectral_descent") &&
-                                                       Contains(std::string(to_string(o.preconditioner))));
+    REQUIRE_THROWS_WITH(dev_opt.init(db, dparams), Contains("eigenvalue_corrected"));
   }
+  shampoo_options newton;
+  newton.root.method = gradapt::root_method::coupled_newton;
+  REQUIRE_THROWS_WITH(family_chain<host_as_device::linalg>(newton).init(db, dparams),
+                      Contains("root.method eigen") && Contains("coupled_newton"));
+  shampoo_options stale;
+  stale.root_staleness = 1;
+  REQUIRE_THROWS_WITH(family_chain<host_as_device::linalg>(stale).init(db, dparams),
+                      Contains("root_staleness is 1"));
+  // The host keeps both.
+  const gradapt::host hb{.threads = 1};
+  model h;
+  CHECK_NOTHROW(family_chain<gradapt::host_lapack>(newton).init(hb, h.params));
+  CHECK_NOTHROW(family_chain<gradapt::host_lapack>(stale).init(hb, h.params));
 }
 
-TEST_CASE("the composed step with Muon on device memory equals the host step", "[shampoo][device][train]") {
+TEST_CASE("the composed step with Muon or root-inverse Shampoo on device memory equals the host step",
+          "[shampoo][device][train]") {
   namespace scenario = train_combinations_scenario;
   using sharded_scenario::model;
-  shampoo_options o = gradapt::spectral_descent_defaults();
-  o.lr = 1e-2;
-  o.max_preconditioner_dim = 64;
-  o.graft = gradapt::shampoo_graft::adam;
-  o.graft_preconditioned = true;
-  o.beta1 = 0.9;
-  o.momentum = 0.5;
-  o.weight_decay = 1e-3;
-  o.scale_by_aspect = true;
-  const auto host_opt = family_chain<gradapt::host_lapack>(o);
-  const auto dev_opt = family_chain<host_as_device::linalg>(o);
-  // 12 steps (an overflow at step 5 on the last rank), saved after 6 and loaded into a fresh step.
-  const auto twelve = [](auto& comm, const auto& b, model<float>& m, const auto& params, const auto& opt) {
-    std::vector<std::byte> saved;
-    {
+  shampoo_options muon = gradapt::spectral_descent_defaults();
+  muon.lr = 1e-2;
+  muon.max_preconditioner_dim = 64;
+  muon.graft = gradapt::shampoo_graft::adam;
+  muon.graft_preconditioned = true;
+  muon.beta1 = 0.9;
+  muon.momentum = 0.5;
+  muon.weight_decay = 1e-3;
+  muon.scale_by_aspect = true;
+  shampoo_options roots = gradapt::distributed_shampoo_defaults();
+  roots.lr = 1e-2;
+  roots.max_preconditioner_dim = 16;
+  roots.root.epsilon = 1e-6;
+  roots.graft = gradapt::shampoo_graft::adam;
+  roots.momentum = 0.5;
+  for (const auto& o : {muon, roots}) {
+    INFO("preconditioner " << to_string(o.preconditioner));
+    const auto host_opt = family_chain<gradapt::host_lapack>(o);
+    const auto dev_opt = family_chain<host_as_device::linalg>(o);
+    // 12 steps (an overflow at step 5 on the last rank), saved after 6 and loaded into a fresh step.
+    const auto twelve = [](auto& comm, const auto& b, model<float>& m, const auto& params, const auto& opt) {
+      std::vector<std::byte> saved;
+      {
+        auto s = scenario::make_step<true, false, true>(
+            comm, b, params, opt, gradapt::train::replicated_state{}, gradapt::train::one_buffer_reduce{},
+            gradapt::train::allreduce_mean{}, 1e-2);
+        for (int k = 1; k <= 6; ++k) scenario::one_step(s, m, comm, k);
+        saved = s.save();
+      }
       auto s = scenario::make_step<true, false, true>(
           comm, b, params, opt, gradapt::train::replicated_state{}, gradapt::train::one_buffer_reduce{},
-          gradapt::train::allreduce_mean{}, 1e-2);
-      for (int k = 1; k <= 6; ++k) scenario::one_step(s, m, comm, k);
-      saved = s.save();
+          gradapt::train::allreduce_mean{}, 0.5);
+      s.load(saved);
+      for (int k = 7; k <= 12; ++k) scenario::one_step(s, m, comm, k);
+    };
+    for (const int n : {1, 2, 3}) {
+      INFO(n << " ranks");
+      run_threads(n, {.timeout = std::chrono::seconds(120)}, [&](threads& c) {
+        const gradapt::host hb{.threads = 1};
+        const host_as_device::backend db;
+        host_as_device::comm dc{&c};
+        model<float> h, d;
+        const auto dparams = host_as_device::on_device(d.params);
+        twelve(c, hb, h, h.params, host_opt);
+        twelve(dc, db, d, dparams, dev_opt);
+        for (std::size_t t = 0; t < h.p.size(); ++t)
+          RANK_REQUIRE(sharded_scenario::same_bits(h.p[t], d.p[t]));
+      });
     }
-    auto s = scenario::make_step<true, false, true>(comm, b, params, opt, gradapt::train::replicated_state{},
-                                                    gradapt::train::one_buffer_reduce{},
-                                                    gradapt::train::allreduce_mean{}, 0.5);
-    s.load(saved);
-    for (int k = 7; k <= 12; ++k) scenario::one_step(s, m, comm, k);
-  };
-  for (const int n : {1, 2, 3}) {
-    INFO(n << " ranks");
-    run_threads(n, {.timeout = std::chrono::seconds(120)}, [&](threads& c) {
-      const gradapt::host hb{.threads = 1};
-      const host_as_device::backend db;
-      host_as_device::comm dc{&c};
-      model<float> h, d;
-      const auto dparams = host_as_device::on_device(d.params);
-      twelve(c, hb, h, h.params, host_opt);
-      twelve(dc, db, d, dparams, dev_opt);
-      for (std::size_t t = 0; t < h.p.size(); ++t) RANK_REQUIRE(sharded_scenario::same_bits(h.p[t], d.p[t]));
-    });
   }
 }
 

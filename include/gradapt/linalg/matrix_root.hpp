@@ -24,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "gradapt/backend/host.hpp"
 #include "gradapt/core/enum_name.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/tensor_view.hpp"
@@ -112,7 +113,8 @@ struct root_access;
 
 /// Scratch memory of `inverse_pth_root` for n × n matrices of T on the linear-algebra backend
 /// L: Newton's iterates and product buffers (7 matrices), the eigen method's eigenvectors,
-/// eigenvalues and eigensolver workspace (and, for float, the same in double for the retry).
+/// column scales, eigenvalues and eigensolver workspace (and, for float, the same in double for
+/// the retry).
 /// Each part is allocated by `reserve(method)` or by the first call that needs it, so steady
 /// calls allocate nothing; the double retry's part is allocated by the first retry.
 template <class L, class T>
@@ -150,6 +152,7 @@ class inverse_root_workspace {
     if (q_.empty()) {
       q_.assign(n2(), T(0));
       x_.assign(n2(), T(0));
+      s_.assign(n2(), T(0));
       w_.assign(static_cast<std::size_t>(n_), T(0));
       ews_ = std::make_unique<eigh_ws_t>(la_.template eigh_workspace<T>(n_));
     }
@@ -158,6 +161,7 @@ class inverse_root_workspace {
     if (qd_.empty()) {
       qd_.assign(n2(), 0.0);
       xd_.assign(n2(), 0.0);
+      sd_.assign(n2(), 0.0);
       wd_.assign(static_cast<std::size_t>(n_), 0.0);
       ewsd_ = std::make_unique<eigh_ws_d>(la_.template eigh_workspace<double>(n_));
     }
@@ -165,8 +169,8 @@ class inverse_root_workspace {
 
   L la_;
   std::int64_t n_;
-  std::vector<T> pool_, vec_, q_, x_, w_;
-  std::vector<double> qd_, xd_, wd_;
+  std::vector<T> pool_, vec_, q_, x_, w_, s_;
+  std::vector<double> qd_, xd_, wd_, sd_;
   std::unique_ptr<eigh_ws_t> ews_;
   std::unique_ptr<eigh_ws_d> ewsd_;
 };
@@ -183,15 +187,15 @@ struct root_access {
     ws.newton();
     return ws.vec_;
   }
-  /// Eigen method: Q, X, w and the eigensolver workspace in T.
+  /// Eigen method: Q, X, w, the column scales and the eigensolver workspace in T.
   static auto eigen(inverse_root_workspace<L, T>& ws) {
     ws.eigen();
-    return std::tie(ws.q_, ws.x_, ws.w_, *ws.ews_);
+    return std::tie(ws.q_, ws.x_, ws.w_, ws.s_, *ws.ews_);
   }
   /// The same in double (the retry of a float decomposition).
   static auto eigen_double(inverse_root_workspace<L, T>& ws) {
     ws.eigen_double();
-    return std::tie(ws.qd_, ws.xd_, ws.wd_, *ws.ewsd_);
+    return std::tie(ws.qd_, ws.xd_, ws.wd_, ws.sd_, *ws.ewsd_);
   }
 };
 
@@ -386,44 +390,115 @@ inverse_root_result newton_root(const L& la, tensor_view<const T, host_space> a,
   return r;
 }
 
-/// X = Q·diag(d)·Qᵀ with d = (max(λ, 0) + r)^(-1/p), formed as S·Sᵀ with S = Q·diag(√d) (one
-/// SYRK, so X is symmetric bit for bit). Q and w from `eigh`; S overwrites Q. Returns false
-/// when an eigenvalue plus the ridge is not positive (singular).
-template <class L, class U>
-bool eigen_apply(const L& la, U* q, const U* w, std::size_t n, int p, double ridge, U* x) {
-  const auto ni = static_cast<std::int64_t>(n);
-  for (std::size_t j = 0; j < n; ++j) {
-    const double lam = std::max(double(w[j]), 0.0) + ridge;
-    if (!(lam > 0)) return false;
-    const U s = U(std::pow(lam, -0.5 / double(p)));
-    for (std::size_t i = 0; i < n; ++i) q[i * n + j] *= s;
+/// y ← y·s element by element: the eigen root's column scaling Q·diag(s), with s repeated in
+/// every row of the second operand.
+struct times {
+  static constexpr bool vectorizable = true;  ///< host SIMD packs: the same bits
+  template <class T>
+  GRADAPT_HD void operator()(T& y, const T& s) const {
+    y = y * s;
   }
-  la.syrk(gram::rows, 1.0, tensor_view<const U, host_space>(q, {ni, ni}), 0.0,
-          tensor_view<U, host_space>(x, {ni, ni}));
+};
+
+/// n values of Ex's memory as host memory: `p` itself when Ex's memory is the host's, else a
+/// copy in `tmp` (made through `ex`, which waits for it).
+template <class Ex, class T>
+T* host_copy(const Ex& ex, T* p, std::size_t n, std::vector<std::remove_const_t<T>>& tmp) {
+  using Sp = typename Ex::space;
+  if constexpr (std::is_same_v<Sp, host_space>) {
+    (void)ex;
+    (void)tmp;
+    return p;
+  } else {
+    tmp.resize(n);
+    const auto ni = static_cast<std::int64_t>(n);
+    ex.copy(tensor_view<const T, Sp>::vector(p, ni),
+            tensor_view<std::remove_const_t<T>, host_space>::vector(tmp.data(), ni));
+    return tmp.data();
+  }
+}
+
+/// Writes n values from host memory `h` to `dst` in Ex's memory (nothing when they are one).
+template <class Ex, class T>
+void from_host(const Ex& ex, const T* h, T* dst, std::size_t n) {
+  using Sp = typename Ex::space;
+  if constexpr (std::is_same_v<Sp, host_space>) {
+    (void)ex;
+    if (h != dst) std::copy(h, h + n, dst);
+  } else {
+    const auto ni = static_cast<std::int64_t>(n);
+    ex.copy(tensor_view<const T, host_space>::vector(h, ni), tensor_view<T, Sp>::vector(dst, ni));
+  }
+}
+
+/// The eigen method's column scales s_j = d_j^(1/2), d_j = (max(λ_j, 0) + r)^(-1/p), from the
+/// ascending eigenvalues λ (host memory); sets r.lambda_max and r.ridge. False when A + r·I is
+/// not positive definite (a relative ridge on λ_max <= 0, or an eigenvalue plus the ridge <= 0).
+template <class U>
+bool clamp_scales(const U* lam, std::size_t n, int p, const inverse_root_options& o, inverse_root_result& r,
+                  U* s) {
+  r.lambda_max = o.ridge == ridge_kind::relative ? std::max(double(lam[n - 1]), 0.0) : 0.0;
+  if (o.ridge == ridge_kind::relative && !(r.lambda_max > 0)) return false;
+  r.ridge = o.ridge == ridge_kind::relative ? o.epsilon * r.lambda_max : o.epsilon;
+  for (std::size_t j = 0; j < n; ++j) {
+    const double v = std::max(double(lam[j]), 0.0) + r.ridge;
+    if (!(v > 0)) return false;
+    s[j] = U(std::pow(v, -0.5 / double(p)));
+  }
   return true;
 }
 
+/// What every eigen root shares, in precision U over L's memory (n × n, row-major): q holds
+/// the symmetric input and is decomposed into Q·diag(λ)·Qᵀ by `la.eigh` (λ into w); `scales(λ,
+/// s)` maps the ascending eigenvalues (in host memory: w itself, or their copy in `hw`) to n
+/// column scales (false: singular); Q·diag(s) is one element pass of `ex` over Q and a matrix
+/// whose rows all hold s (built in host memory: `s` itself, or `hs` copied to `s`); X = (Q·diag
+/// (s))·(Q·diag(s))ᵀ by one SYRK into x, symmetric bit for bit. Returns eigensolver_failed when
+/// the solver fails or gives non-finite values (a float caller may retry in double), singular,
+/// or ok (x may then hold non-finite values: the caller checks what it keeps). The device's
+/// host waits: the eigensolver's status, λ (n values) and the scales (n² values).
+template <class L, class Ex, class U, class EW, class F>
+root_status eigen_core(const L& la, const Ex& ex, std::int64_t n, U* q, U* w, U* s, U* x, EW& ews,
+                       std::vector<U>& hw, std::vector<U>& hs, F&& scales) {
+  using Sp = typename L::space;
+  static_assert(std::is_same_v<Sp, typename Ex::space>, "eigen_core: L and Ex must share a memory space");
+  const auto nn = static_cast<std::size_t>(n);
+  if (!la.eigh(tensor_view<U, Sp>(q, {n, n}), tensor_view<U, Sp>::vector(w, n), ews))
+    return root_status::eigensolver_failed;
+  U* lam = host_copy(ex, w, nn, hw);
+  if (!all_finite(lam, nn) ||
+      ex.reduce(reduction::count_nonfinite, tensor_view<const U, Sp>::vector(q, n * n)) != 0)
+    return root_status::eigensolver_failed;
+  U* h = s;
+  if constexpr (!std::is_same_v<Sp, host_space>) {
+    hs.resize(nn * nn);
+    h = hs.data();
+  }
+  if (!scales(lam, h)) return root_status::singular;
+  for (std::size_t i = 1; i < nn; ++i) std::copy(h, h + nn, h + i * nn);
+  from_host(ex, h, s, nn * nn);
+  ex.apply(times{}, tensor_view<U, Sp>::vector(q, n * n), tensor_view<const U, Sp>::vector(s, n * n));
+  la.syrk(gram::rows, 1.0, tensor_view<const U, Sp>(q, {n, n}), 0.0, tensor_view<U, Sp>(x, {n, n}));
+  return root_status::ok;
+}
+
 /// The eigen method of `inverse_pth_root` in precision U (T, or double for the retry of a
-/// float decomposition): copies the n × n matrix A into q, decomposes it into q·diag(w)·qᵀ and
-/// forms the root in x. Returns false, leaving r as it is, when the decomposition fails or
-/// gives non-finite values. Otherwise returns true with r.lambda_max and r.ridge set, and
-/// r.status `singular` when A + r·I is not positive definite (x then holds no root).
+/// float decomposition): copies the n × n matrix A into q and forms the root in x through
+/// `eigen_core` with the clamped spectrum. Returns false, leaving r as it is, when the
+/// decomposition fails or gives non-finite values. Otherwise returns true with r.lambda_max
+/// and r.ridge set, and r.status `singular` when A + r·I is not positive definite (x then holds
+/// no root).
 template <class L, class T, class U, class W>
 bool eigen_root(const L& la, const T* a, std::size_t n, int p, const inverse_root_options& o,
-                std::vector<U>& q, std::vector<U>& w, W& ews, U* x, inverse_root_result& r) {
-  const std::size_t n2 = n * n;
-  const auto ni = static_cast<std::int64_t>(n);
-  std::copy(a, a + n2, q.data());
-  const bool solved = la.eigh(tensor_view<U, host_space>(q.data(), {ni, ni}), host_view(w), ews) &&
-                      all_finite(w.data(), n) && all_finite(q.data(), n2);
-  if (!solved) return false;
-  r.lambda_max = o.ridge == ridge_kind::relative ? std::max(double(w[n - 1]), 0.0) : 0.0;
-  if (o.ridge == ridge_kind::relative && !(r.lambda_max > 0)) {
-    r.status = root_status::singular;
-    return true;
-  }
-  r.ridge = o.ridge == ridge_kind::relative ? o.epsilon * r.lambda_max : o.epsilon;
-  if (!eigen_apply(la, q.data(), w.data(), n, p, r.ridge, x)) r.status = root_status::singular;
+                std::vector<U>& q, std::vector<U>& w, std::vector<U>& s, W& ews, U* x,
+                inverse_root_result& r) {
+  std::copy(a, a + n * n, q.data());
+  std::vector<U> unused;  // host memory: eigenvalues and scales are read and built in place
+  const auto status =
+      eigen_core(la, host{.threads = 1}, static_cast<std::int64_t>(n), q.data(), w.data(), s.data(), x, ews,
+                 unused, unused, [&](const U* lam, U* sc) { return clamp_scales(lam, n, p, o, r, sc); });
+  if (status == root_status::eigensolver_failed) return false;
+  r.status = status;
   return true;
 }
 
@@ -497,14 +572,14 @@ requires linalg_backend<L> && std::is_same_v<typename L::space, host_space> && d
     return r.ok() ? accept(best) : r;
   }
 
-  auto [q, xs, w, ews] = access::eigen(ws);
-  if (detail::linalg::eigen_root(la, a.data(), n, p, o, q, w, ews, xs.data(), r))
+  auto [q, xs, w, sc, ews] = access::eigen(ws);
+  if (detail::linalg::eigen_root(la, a.data(), n, p, o, q, w, sc, ews, xs.data(), r))
     return r.ok() ? accept(xs.data()) : r;
   if constexpr (std::is_same_v<T, float>) {
     if (o.retry_in_double) {
       r.retried_in_double = true;
-      auto [qd, xd, wd, ewsd] = access::eigen_double(ws);
-      if (!detail::linalg::eigen_root(la, a.data(), n, p, o, qd, wd, ewsd, xd.data(), r)) {
+      auto [qd, xd, wd, sd, ewsd] = access::eigen_double(ws);
+      if (!detail::linalg::eigen_root(la, a.data(), n, p, o, qd, wd, sd, ewsd, xd.data(), r)) {
         r.status = root_status::eigensolver_failed;
         return r;
       }

@@ -259,11 +259,13 @@ struct scale_by_shampoo {
     return o.inverse_exponent_override != 0 ? o.inverse_exponent_override : static_cast<int>(2 * k);
   }
 
-  /// The state for `params` on element backend `b` (host memory), the chain's `init` calls
-  /// it: block layouts, zero statistics and roots, graft state, direction buffers, one root
-  /// workspace per block size, and scratch (`linalg` copied into it).
+  /// The state for `params` on element backend `b` (whose memory is L's), the chain's `init`
+  /// calls it: block layouts, zero statistics and roots, graft state, direction buffers, one
+  /// root workspace per block size, and scratch (`linalg` copied into it).
   /// @throws gradapt::error for a parameter whose gradient and value shapes differ (param_list
-  ///         prevents it) or a block size the linear-algebra backend cannot take
+  ///         prevents it) or a block size the linear-algebra backend cannot take; on device
+  ///         memory, for what runs in host memory only (eigenvalue_corrected, root.method
+  ///         coupled_newton, root_staleness >= 1, slices), naming the option
   ///
   /// With `slices` (the sharded optimizer's), list entry t is elements [slices[t].offset, +
   /// its size) of a tensor of `slices[t].shape`, cut at multiples of `shard_grain`: the state
@@ -278,12 +280,24 @@ struct scale_by_shampoo {
     constexpr bool on_host = std::same_as<typename B::space, host_space>;
     gradapt::detail::require(slices.empty() || slices.size() == params.size(), "shampoo: ", slices.size(),
                              " slices for ", params.size(), " tensors (expected none or one per tensor)");
-    gradapt::detail::require(
-        on_host || (options.preconditioner == shampoo_preconditioner::spectral_descent && slices.empty()),
-        "shampoo: on device memory the stage runs preconditioner spectral_descent, unsharded (the "
-        "preconditioner is ",
-        to_string(options.preconditioner), slices.empty() ? "" : ", sharded by block",
-        "); root_inverse and eigenvalue_corrected keep their statistics in host memory");
+    if constexpr (!on_host) {
+      const char* who = "shampoo: on device memory";
+      gradapt::detail::require(
+          options.preconditioner != shampoo_preconditioner::eigenvalue_corrected, who,
+          " the stage runs preconditioner root_inverse or spectral_descent (the "
+          "preconditioner is eigenvalue_corrected, whose eigenbases are refreshed in host "
+          "memory)");
+      gradapt::detail::require(slices.empty(), who,
+                               " the stage runs unsharded (it was given the sharded optimizer's slices)");
+      if (options.preconditioner == shampoo_preconditioner::root_inverse) {
+        gradapt::detail::require(options.root.method == root_method::eigen, who,
+                                 " the roots are computed by root.method eigen (root.method is "
+                                 "coupled_newton, whose iteration runs in host memory)");
+        gradapt::detail::require(
+            options.root_staleness == 0, who, " the roots are computed inside the step (root_staleness is ",
+            options.root_staleness, "; the background root thread works in host memory)");
+      }
+    }
     using St = state_type<B, V, G>;
     using C = typename St::compute_type;
     const L& la = linalg;
@@ -303,7 +317,7 @@ struct scale_by_shampoo {
           !corrected || options.eigenbasis != shampoo_eigenbasis::qr,
           "shampoo: eigenbasis qr needs a linear-algebra backend with qr() (host_lapack has "
           "it); use eigenbasis eigh with this one");
-    std::size_t max_block = 0, max_roots = 0;
+    std::size_t max_block = 0, max_roots = 0, total_mats = 0;
     const bool has_state = gradapt::detail::shampoo_impl::graft_has_state(options.graft);
     st.t_.resize(params.size());
     for (std::size_t t = 0; t < params.size(); ++t) {
@@ -351,16 +365,18 @@ struct scale_by_shampoo {
           bl.off[d] = mats;
           if (!spectral) mats += static_cast<std::size_t>(r.size[d] * r.size[d]);
           elems *= static_cast<std::size_t>(r.size[d]);
+          if (bl.p[d] != 0) add_workspace(st, la, executor(b), r.size[d], options.root.method);
           if constexpr (on_host) {
-            if (bl.p[d] != 0) add_workspace(st, la, r.size[d], options.root.method, options.spectrum);
             if (corrected) {
-              st.workspace(r.size[d]).e.reserve(la, r.size[d]);
+              st.workspace(r.size[d]).e.reserve(la, executor(b), r.size[d]);
               if (options.eigenbasis == shampoo_eigenbasis::qr) st.workspace(r.size[d]).qr.reserve(r.size[d]);
             }
           }
         }
         bl.stats.assign(mats, C(0));
         bl.roots.assign(mats, C(0));
+        bl.at = total_mats;
+        total_mats += mats;
         if (spectral) {
           bl.ready = true;  // nothing to compute before the first step
           max_ns = std::max(max_ns, newton_schulz_workspace(bl.n[0], bl.n[1]));
@@ -380,7 +396,11 @@ struct scale_by_shampoo {
     }
     for (auto* v : {&st.xb_, &st.ab_, &st.db_, &st.y0_, &st.y1_}) *v = b.template allocate<C>(max_block);
     if (options.beta1 > 0 || corrected) st.mb_ = b.template allocate<C>(max_block);
-    st.rs_.assign(max_roots, C(0));
+    st.rs_ = b.template allocate<C>(max_roots);
+    if constexpr (!on_host) {  // the statistics and roots in device memory (host copies in the blocks)
+      st.dstats_ = b.template allocate<C>(total_mats);
+      st.droots_ = b.template allocate<C>(total_mats);
+    }
     st.ns_ = b.template allocate<C>(max_ns);
     st.staleness_ = options.root_staleness;
     st.deterministic_ = options.deterministic_roots;
@@ -528,26 +548,28 @@ struct scale_by_shampoo {
     st.report_.clear();
     st.installed_ = 0;
 
-    if constexpr (on_host) {  // statistics and roots (spectral descent, the device's, has none)
+    // The element work runs through the backend (one thread on the host, as the products).
+    const auto ex = executor(b);
+    if constexpr (on_host)
       if (st.relaunch_) launch(st, dist);
-      if (stats_due)
-        for (std::size_t i = 0; i < st.t_.size(); ++i)
-          for (std::size_t j = 0; j < st.t_[i].blocks.size(); ++j)
-            block_stats(st, st.t_[i], j, params[i].grad.data());
+    if (stats_due)
+      for (std::size_t i = 0; i < st.t_.size(); ++i)
+        for (std::size_t j = 0; j < st.t_[i].blocks.size(); ++j)
+          block_stats(st, ex, st.t_[i], j, params[i].grad.data());
+    if constexpr (on_host)  // roots in flight (root_staleness >= 1: host memory)
       if (st.pending_step_ != 0 &&
           (t == st.pending_step_ + st.staleness_ || (!st.deterministic_ && st.worker_->idle())))
         finish_roots(comm, st);
-      if (roots_due) {
-        if (st.staleness_ == 0) {
-          compute_roots(comm, st, t);
-        } else {
-          for (const auto& r : st.refs_) {
-            auto& bl = st.t_[r.t].blocks[r.j];
-            std::copy(bl.stats.begin(), bl.stats.end(), bl.snap.begin());
-          }
-          st.pending_step_ = t;
-          launch(st, dist);
+    if (roots_due) {
+      if (st.staleness_ == 0) {
+        compute_roots(comm, ex, st, t);
+      } else if constexpr (on_host) {
+        for (const auto& r : st.refs_) {
+          auto& bl = st.t_[r.t].blocks[r.j];
+          std::copy(bl.stats.begin(), bl.stats.end(), bl.snap.begin());
         }
+        st.pending_step_ = t;
+        launch(st, dist);
       }
     }
 
@@ -559,8 +581,6 @@ struct scale_by_shampoo {
     const C w1 = C(1.0 - options.beta1);
     const double bc2 = root_bias(t);  // eigenvalue-corrected: V's bias correction
     const C bc1 = C(options.bias_correction ? 1.0 - std::pow(options.beta1, static_cast<double>(t)) : 1.0);
-    // The element work runs through the backend (one thread on the host, as the products).
-    const auto ex = executor(b);
     namespace si = gradapt::detail::shampoo_impl;
     for (std::size_t i = 0; i < st.t_.size(); ++i) {
       auto& x = st.t_[i];
@@ -617,13 +637,12 @@ struct scale_by_shampoo {
     return 1.0 - std::pow(options.beta2, u);
   }
 
-  template <class St, class LA>
-  static void add_workspace(St& st, const LA& la, std::int64_t n, root_method method,
-                            shampoo_spectrum spectrum) {
+  template <class St, class LA, class Ex>
+  static void add_workspace(St& st, const LA& la, const Ex& ex, std::int64_t n, root_method method) {
     for (const auto& w : st.ws_)
       if (w.first == n) return;
     st.ws_.emplace_back(n, std::make_unique<typename St::workspace_t>(la, n));
-    st.ws_.back().second->reserve(la, method, spectrum);  // the first root allocates nothing either
+    st.ws_.back().second->reserve(la, ex, method);  // the first root allocates nothing either
   }
 
   // The distributed plan and the owner exchange (shampoo_distributed.hpp).
@@ -642,20 +661,20 @@ struct scale_by_shampoo {
   void launch(St& st, bool dist) const;
   template <class Comm, class St>
   static void finish_roots(Comm& comm, St& st);
-  template <class Comm, class St>
-  void compute_roots(Comm& comm, St& st, std::uint64_t t) const;
-  template <class St, class C>
-  static void install(St& st, std::size_t i, root_status status, std::size_t factor, const C* roots, int rank,
-                      std::uint64_t from);
+  template <class Comm, class Ex, class St>
+  void compute_roots(Comm& comm, const Ex& ex, St& st, std::uint64_t t) const;
+  template <class St, class Ex, class C>
+  static void install(St& st, const Ex& ex, std::size_t i, root_status status, std::size_t factor,
+                      const C* roots, int rank, std::uint64_t from);
   // The statistics (shampoo_statistics.hpp).
-  template <class St, class Tensor, class G>
-  void block_stats(St& st, Tensor& x, std::size_t j, const G* g) const;
+  template <class St, class Ex, class Tensor, class G>
+  void block_stats(St& st, const Ex& ex, Tensor& x, std::size_t j, const G* g) const;
   template <class Block>
   static std::pair<std::int64_t, std::int64_t> split(const Block& bl, std::size_t d);
 
   /// Block j of tensor x: gather, graft, direction (preconditioned when the block has roots),
-  /// scatter. The element work runs on `ex` (executor()); the root-inverse and
-  /// eigenvalue-corrected products and element passes are host memory's.
+  /// scatter. The element work and the products run on `ex` (executor()) and L; the
+  /// eigenvalue-corrected passes are host memory's (init rejects them on a device).
   template <class St, class Ex, class Tensor, class G, class GK, class C>
   void block_direction(St& st, const Ex& ex, Tensor& x, std::size_t j, const G* g, const GK& gk, C bc1, C w1,
                        bool has_state, bool preconditioning, double bc2) const {
@@ -720,9 +739,7 @@ struct scale_by_shampoo {
           rotated = bl.mrot.data();
         }
       }
-      if (preconditioning && bl.ready && kind == shampoo_preconditioner::root_inverse) {
-        y = product(st, bl, mb);
-      } else if (preconditioning && bl.ready && kind == shampoo_preconditioner::eigenvalue_corrected) {
+      if (preconditioning && bl.ready && kind == shampoo_preconditioner::eigenvalue_corrected) {
         // M̂' = Qᵀ M Q / (1 − β1^t) (or Qᵀ G Q); M̂' / ((V / c)^(1/p) + ε), rotated back (into
         // xb: g is no longer needed).
         const C eps = C(options.root.epsilon), c2 = C(bc2);
@@ -741,6 +758,7 @@ struct scale_by_shampoo {
       (void)w1;
       (void)bc2;
     }
+    if (preconditioning && bl.ready && kind == shampoo_preconditioner::root_inverse) y = product(st, bl, mb);
     if (preconditioning && bl.ready && kind == shampoo_preconditioner::spectral_descent) {
       // The block's Newton–Schulz orthogonalization.
       y = st.y0_.data();
@@ -769,8 +787,8 @@ struct scale_by_shampoo {
   /// products with P_dᵀ (eigenvalue-corrected Shampoo's rotation into its eigenbases).
   template <class St, class Block, class C>
   static C* product(St& st, const Block& bl, const C* xb, bool transposed = false) {
-    using cview = tensor_view<const C, host_space>;
-    using mview = tensor_view<C, host_space>;
+    using cview = tensor_view<const C, typename L::space>;
+    using mview = tensor_view<C, typename L::space>;
     const auto& la = st.la_;
     const C* cur = xb;
     C* dst = nullptr;
@@ -778,7 +796,7 @@ struct scale_by_shampoo {
       dst = d % 2 == 0 ? st.y0_.data() : st.y1_.data();
       const std::int64_t n = bl.n[d];
       const auto [a, c] = split(bl, d);
-      const cview p(bl.roots.data() + bl.off[d], {n, n});
+      const cview p(st.roots_at(bl) + bl.off[d], {n, n});
       if (c == 1) {  // last dimension: Y = X·Pᵀ (P is symmetric up to rounding), or X·P
         la.gemm(transpose::none, transposed ? transpose::none : transpose::yes, 1.0, cview(cur, {a, n}), p,
                 0.0, mview(dst, {a, n}));

@@ -34,14 +34,15 @@ void shampoo_state<L, B, V, G>::save_header(archive_writer& w) const {
 
 template <class L, class B, class V, class G>
 void shampoo_state<L, B, V, G>::write_block(archive_writer& w, std::size_t t, std::size_t j,
-                                            std::size_t label) const {
+                                            std::size_t label, const C* stats, const C* roots) const {
   const auto& x = t_[t];
   const auto& bl = x.blocks[j];
   w.begin("block" + std::to_string(label));
   w.put_tensor<std::int64_t>("exponents", exponent_words(bl));
   for (std::size_t d = 0; d < bl.k && !bl.stats.empty(); ++d) {  // spectral descent keeps none
     const std::int64_t sh[2] = {bl.n[d], bl.n[d]};
-    const std::span<const compute_type> s = statistic(t, j, d), r = root(t, j, d);
+    const auto nn = static_cast<std::size_t>(bl.n[d] * bl.n[d]);
+    const std::span<const compute_type> s(stats + bl.off[d], nn), r(roots + bl.off[d], nn);
     require_finite(s, x.name, label, "statistic");
     require_finite(r, x.name, label, "root");
     w.put_tensor<compute_type>("stat" + std::to_string(d), s, sh);
@@ -159,7 +160,22 @@ void shampoo_state<L, B, V, G>::save(const B& b, archive_writer& w) const {
     w.put("index", static_cast<std::uint64_t>(t));
     w.put_tensor<std::int64_t>("shape", x.shape);
     w.put_tensor<std::int64_t>("layout", layout_words(x.layout));
-    for (std::size_t j = 0; j < x.blocks.size(); ++j) write_block(w, t, j, j);
+    for (std::size_t j = 0; j < x.blocks.size(); ++j) {
+      const auto& bl = x.blocks[j];
+      if constexpr (on_host) {
+        write_block(w, t, j, j, bl.stats.data(), bl.roots.data());
+      } else {  // device memory: through host copies
+        std::vector<compute_type> s(bl.stats.size()), r(bl.roots.size());
+        const auto n = static_cast<std::int64_t>(s.size());
+        if (n > 0) {
+          b.copy(tensor_view<const compute_type, typename B::space>::vector(dstats_.data() + bl.at, n),
+                 tensor_view<compute_type, host_space>::vector(s.data(), n));
+          b.copy(tensor_view<const compute_type, typename B::space>::vector(droots_.data() + bl.at, n),
+                 tensor_view<compute_type, host_space>::vector(r.data(), n));
+        }
+        write_block(w, t, j, j, s.data(), r.data());
+      }
+    }
     w.end();
   }
   std::vector<compute_type> tmp;  // a device buffer's values
@@ -182,7 +198,8 @@ void shampoo_state<L, B, V, G>::save_slice(archive_writer& w, std::size_t t) con
   const auto& x = tensor(t);
   w.put("first_block", static_cast<std::uint64_t>(x.first_block));
   w.put("blocks", static_cast<std::uint64_t>(x.blocks.size()));
-  for (std::size_t j = 0; j < x.blocks.size(); ++j) write_block(w, t, j, x.first_block + j);
+  for (std::size_t j = 0; j < x.blocks.size(); ++j)
+    write_block(w, t, j, x.first_block + j, x.blocks[j].stats.data(), x.blocks[j].roots.data());
   if (detail::shampoo_impl::graft_has_state(graft_)) {
     require_finite(std::span<const compute_type>(x.graft), x.name, 0, "graft state");
     w.put_tensor<compute_type>("graft", std::span<const compute_type>(x.graft));
@@ -358,6 +375,14 @@ void shampoo_state<L, B, V, G>::load(const B& b, archive_reader& r, std::uint64_
       };
       if (detail::shampoo_impl::graft_has_state(graft_)) put(graft[t], t_[t].graft);
       if (beta1_ > 0) put(mom[t], t_[t].mom);
+      for (const auto& bl : t_[t].blocks) {  // statistics and roots
+        const auto n = static_cast<std::int64_t>(bl.stats.size());
+        if (n == 0) continue;
+        b.copy(tensor_view<const compute_type, host_space>::vector(bl.stats.data(), n),
+               tensor_view<compute_type, typename B::space>::vector(dstats_.data() + bl.at, n));
+        b.copy(tensor_view<const compute_type, host_space>::vector(bl.roots.data(), n),
+               tensor_view<compute_type, typename B::space>::vector(droots_.data() + bl.at, n));
+      }
     }
   }
   steps_ = steps;

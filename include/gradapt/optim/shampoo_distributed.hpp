@@ -147,8 +147,8 @@ void transform::scale_by_shampoo<L>::exchange(Comm& comm, St& st, std::uint64_t 
     gradapt::detail::require(code >= 0 && code <= static_cast<int>(root_status::nonfinite_result),
                              "shampoo::step: internal error: root status ", code, " from rank ",
                              st.x_.owner[i]);
-    install(st, i, static_cast<root_status>(code), static_cast<std::size_t>(c[1]), c + 2, st.x_.owner[i],
-            step);
+    install(st, host{.threads = 1}, i, static_cast<root_status>(code), static_cast<std::size_t>(c[1]), c + 2,
+            st.x_.owner[i], step);
   }
 }
 

@@ -18,29 +18,41 @@
 #include <utility>
 #include <vector>
 
+#include "gradapt/backend/host.hpp"
 #include "gradapt/core/error.hpp"
+#include "gradapt/core/ops.hpp"
 #include "gradapt/core/tensor_view.hpp"
 #include "gradapt/linalg/concepts.hpp"
 #include "gradapt/linalg/matrix_root.hpp"
+#include "gradapt/optim/shampoo_grafting.hpp"
 #include "gradapt/optim/shampoo_options.hpp"
 
 namespace gradapt::detail::shampoo_impl {
 
-/// A root workspace of one matrix size: inverse_pth_root's, and for the shifted spectrum
-/// (shampoo_spectrum::shift) an eigendecomposition's buffers in C and, allocated by the first
-/// retry, in double.
-template <class L, class C>
+/// A root workspace of one matrix size: inverse_pth_root's (the coupled Newton iteration, in
+/// host memory), the eigen roots' buffers in C and, allocated by the first retry, in double
+/// (eigenvectors, eigenvalues and column scales in the memory of the element backend B, the
+/// prepared input and, on a device, the host copies they are staged through), and eigenvalue-
+/// corrected Shampoo's QR buffers (host memory).
+template <class L, class C, class B = host>
 struct root_workspace {
   root_workspace(const L& la, std::int64_t n) : base(la, n) {}
   inverse_root_workspace<L, C> base;
   template <class U>
   struct eig {
-    std::vector<U> q, w;
+    using buffer =
+        std::remove_cvref_t<decltype(std::declval<const B&>().template allocate<U>(std::size_t{}))>;
+    buffer q, w, s, x;          ///< x: the root in U when U is not C
+    std::vector<U> hq, hw, hs;  ///< a device's host staging
+    std::vector<C> ha;          ///< a device's host copy of the input
     std::unique_ptr<detail::linalg::eigh_workspace_t<L, U>> ws;
-    void reserve(const L& la, std::int64_t n) {
+    void reserve(const L& la, const B& b, std::int64_t n) {
       if (ws) return;
-      q.assign(static_cast<std::size_t>(n * n), U(0));
-      w.assign(static_cast<std::size_t>(n), U(0));
+      const auto nn = static_cast<std::size_t>(n * n);
+      q = b.template allocate<U>(nn);
+      s = b.template allocate<U>(nn);
+      w = b.template allocate<U>(static_cast<std::size_t>(n));
+      if constexpr (!std::is_same_v<U, C>) x = b.template allocate<U>(nn);
       ws.reset(new detail::linalg::eigh_workspace_t<L, U>(la.template eigh_workspace<U>(n)));
     }
   };
@@ -59,57 +71,68 @@ struct root_workspace {
     }
   };
   qr_buffers qr;
-  void reserve(const L& la, root_method m, shampoo_spectrum s) {
-    base.reserve(m);
-    if (m == root_method::eigen && s == shampoo_spectrum::shift) e.reserve(la, base.n());
+  /// Allocates what `m` needs now rather than at the first root.
+  void reserve(const L& la, const B& b, root_method m) {
+    if (m == root_method::coupled_newton)
+      base.reserve(m);
+    else
+      e.reserve(la, b, base.n());
   }
 };
 
-/// The shifted-spectrum eigen root in precision U: μ = eig(A + r·I) for an absolute ridge
-/// (eig(A) + r for a relative one, r = ε·λ_max); when min μ < r, μ ← μ − min μ + r; X =
-/// Q·diag(μ^(−1/p))·Qᵀ formed as S·Sᵀ. Returns false when the decomposition fails.
-template <class L, class C, class U>
-bool shifted_root(const L& la, const C* a, std::int64_t n, int p, const inverse_root_options& o,
-                  typename root_workspace<L, C>::template eig<U>& e, root_status& status, C* out) {
+/// One eigen root of A (n × n, in host memory `ha`) in precision U into x (n × n, C, in L's
+/// memory), through `eigen_core`: the spectrum clamped at 0 (`inverse_pth_root`'s eigen
+/// method: clamp_scales) or shifted (when min μ < r, μ ← μ − min μ + r, with μ = eig(A + r·I)
+/// for an absolute ridge and eig(A) + r for a relative one, r = ε·λ_max). Returns
+/// eigensolver_failed (for a retry in double), singular, nonfinite_result or ok.
+template <class U, class L, class Ex, class C, class E>
+root_status eigen_root_in(const L& la, const Ex& ex, const C* ha, std::int64_t n, int p,
+                          const inverse_root_options& o, shampoo_spectrum spectrum, E& e, C* x) {
+  using Sp = typename L::space;
   const auto nn = static_cast<std::size_t>(n);
-  std::copy(a, a + nn * nn, e.q.begin());
-  if (o.ridge == ridge_kind::absolute)
-    for (std::size_t i = 0; i < nn; ++i) e.q[i * nn + i] += U(o.epsilon);
-  if (!la.eigh(tensor_view<U, host_space>(e.q.data(), {n, n}), tensor_view<U, host_space>(e.w.data(), {n}),
-               *e.ws))
-    return false;
-  for (std::size_t i = 0; i < nn; ++i)
-    if (!std::isfinite(double(e.w[i]))) return false;
-  double r = o.epsilon;
-  if (o.ridge == ridge_kind::relative) {
-    r = o.epsilon * std::max(double(e.w[nn - 1]), 0.0);
-    for (auto& v : e.w) v += U(r);
+  e.reserve(la, ex, n);
+  U* hq = e.q.data();  // the prepared input, in host memory (then copied to q on a device)
+  if constexpr (!std::is_same_v<Sp, host_space>) {
+    e.hq.resize(nn * nn);
+    hq = e.hq.data();
   }
-  const double lo = double(*std::min_element(e.w.begin(), e.w.end()));
-  for (auto& v : e.w)
-    if (lo < r) v = U(double(v) - lo + r);
-  for (std::size_t j = 0; j < nn; ++j) {
-    const double lam = double(e.w[j]);
-    if (!(lam > 0)) {
-      status = root_status::singular;
-      return true;
+  for (std::size_t i = 0; i < nn * nn; ++i) hq[i] = U(ha[i]);
+  const bool shift = spectrum == shampoo_spectrum::shift;
+  if (shift && o.ridge == ridge_kind::absolute)
+    for (std::size_t i = 0; i < nn; ++i) hq[i * nn + i] += U(o.epsilon);
+  detail::linalg::from_host(ex, hq, e.q.data(), nn * nn);
+  U* xu = nullptr;
+  if constexpr (std::is_same_v<U, C>)
+    xu = x;
+  else
+    xu = e.x.data();
+  inverse_root_result r;
+  const auto scales = [&](U* lam, U* sc) {
+    if (!shift) return detail::linalg::clamp_scales(lam, nn, p, o, r, sc);
+    double rr = o.epsilon;
+    if (o.ridge == ridge_kind::relative) {
+      rr = o.epsilon * std::max(double(lam[nn - 1]), 0.0);
+      for (std::size_t i = 0; i < nn; ++i) lam[i] += U(rr);
     }
-    const U sc = U(std::pow(lam, -0.5 / double(p)));
-    for (std::size_t i = 0; i < nn; ++i) e.q[i * nn + j] *= sc;
-  }
-  if constexpr (std::is_same_v<U, C>) {
-    la.syrk(gram::rows, 1.0, tensor_view<const U, host_space>(e.q.data(), {n, n}), 0.0,
-            tensor_view<C, host_space>(out, {n, n}));
-  } else {
-    std::vector<U> xd(nn * nn);
-    la.syrk(gram::rows, 1.0, tensor_view<const U, host_space>(e.q.data(), {n, n}), 0.0,
-            tensor_view<U, host_space>(xd.data(), {n, n}));
-    for (std::size_t i = 0; i < nn * nn; ++i) out[i] = C(xd[i]);
-  }
-  status = root_status::ok;
-  for (std::size_t i = 0; i < nn * nn; ++i)
-    if (!std::isfinite(double(out[i]))) status = root_status::nonfinite_result;
-  return true;
+    const double lo = double(*std::min_element(lam, lam + nn));
+    if (lo < rr)
+      for (std::size_t i = 0; i < nn; ++i) lam[i] = U(double(lam[i]) - lo + rr);
+    for (std::size_t j = 0; j < nn; ++j) {
+      const double l = double(lam[j]);
+      if (!(l > 0)) return false;
+      sc[j] = U(std::pow(l, -0.5 / double(p)));
+    }
+    return true;
+  };
+  const auto status = detail::linalg::eigen_core(la, ex, n, e.q.data(), e.w.data(), e.s.data(), xu, *e.ws,
+                                                 e.hw, e.hs, scales);
+  if (status != root_status::ok) return status;
+  if constexpr (!std::is_same_v<U, C>)
+    ex.apply(gather_as<C>{}, tensor_view<C, Sp>::vector(x, n * n),
+             tensor_view<const U, Sp>::vector(xu, n * n));
+  if (ex.reduce(reduction::count_nonfinite, tensor_view<const C, Sp>::vector(x, n * n)) != 0)
+    return root_status::nonfinite_result;
+  return root_status::ok;
 }
 
 /// How a block's roots are computed: the root options, the spectrum treatment and the factor
@@ -165,10 +188,10 @@ std::pair<root_status, std::size_t> block_eigenbases(const L& la, std::size_t k,
       if (!std::isfinite(double(s[i]))) return {root_status::nonfinite_input, d};
     auto& w = ws(m);
     if (rc.method == shampoo_eigenbasis::eigh) {
-      w.e.reserve(la, m);
+      w.e.reserve(la, host{.threads = 1}, m);
       bool ok = eigh_basis<L, C, C>(la, s, m, bias, rc.epsilon, w.e, x);
       if (!ok && std::is_same_v<C, float> && rc.retry_in_double) {
-        w.d.reserve(la, m);
+        w.d.reserve(la, host{.threads = 1}, m);
         ok = eigh_basis<L, C, double>(la, s, m, bias, rc.epsilon, w.d, x);
       }
       if (!ok) return {root_status::eigensolver_failed, d};
@@ -213,46 +236,60 @@ std::pair<root_status, std::size_t> block_eigenbases(const L& la, std::size_t k,
 }
 
 /// A block's roots: factor d of the block is an n[d] × n[d] matrix at offset off[d] of both
-/// `stats` and `out`, with exponent p[d] (0: not preconditioned, `out` gets the identity).
-/// The statistics are divided by `bias` (1: as they are) into `out`, whose root is taken in
-/// place. Computes them in order and stops at the first failure; returns its status and factor
-/// (`out` then holds the factors before it). `ws(n)` is the root workspace for size n.
-template <class L, class C, class Ws>
-std::pair<root_status, std::size_t> block_roots(const L& la, std::size_t k, const int* p,
+/// `stats` and `out` (L's memory), with exponent p[d] (0: not preconditioned, `out` gets the
+/// identity, staged through `hbuf` on a device). The statistics are divided by `bias` (1: as
+/// they are) into `out`, whose root is taken there. The element work runs on `ex` (the memory's
+/// element backend); the eigen method's checks read a host copy of each factor. Computes them
+/// in order and stops at the first failure; returns its status and factor (`out` then holds the
+/// factors before it). `ws(n)` is the root workspace for size n.
+template <class L, class Ex, class C, class Ws>
+std::pair<root_status, std::size_t> block_roots(const L& la, const Ex& ex, std::size_t k, const int* p,
                                                 const std::int64_t* n, const std::size_t* off, const C* stats,
-                                                C* out, Ws&& ws, const root_recipe& rc, double bias) {
+                                                C* out, Ws&& ws, const root_recipe& rc, double bias,
+                                                std::vector<C>& hbuf) {
+  using Sp = typename L::space;
   for (std::size_t d = 0; d < k; ++d) {
     const auto nn = static_cast<std::size_t>(n[d] * n[d]);
     C* x = out + off[d];
     if (p[d] == 0) {
-      std::fill(x, x + nn, C(0));
-      for (std::int64_t i = 0; i < n[d]; ++i) x[i * n[d] + i] = C(1);
+      C* h = x;
+      if constexpr (!std::is_same_v<Sp, host_space>) {
+        hbuf.resize(nn);
+        h = hbuf.data();
+      }
+      std::fill(h, h + nn, C(0));
+      for (std::int64_t i = 0; i < n[d]; ++i) h[i * n[d] + i] = C(1);
+      detail::linalg::from_host(ex, h, x, nn);
       continue;
     }
     const C* a = stats + off[d];
+    const auto len = static_cast<std::int64_t>(nn);
     if (bias != 1.0) {
-      for (std::size_t i = 0; i < nn; ++i) x[i] = a[i] / C(bias);
+      ex.apply(divided_by<C>{C(bias)}, tensor_view<C, Sp>::vector(x, len),
+               tensor_view<const C, Sp>::vector(a, len));
       a = x;
     }
     auto& w = ws(n[d]);
-    if (rc.spectrum == shampoo_spectrum::shift && rc.root.method == root_method::eigen) {
-      root_status status = root_status::ok;
-      bool finite = true;
-      for (std::size_t i = 0; i < nn; ++i) finite = finite && std::isfinite(double(a[i]));
-      if (!finite) return {root_status::nonfinite_input, d};
-      w.e.reserve(la, n[d]);
-      bool solved = shifted_root<L, C, C>(la, a, n[d], p[d], rc.root, w.e, status, x);
-      if (!solved && std::is_same_v<C, float> && rc.root.retry_in_double) {
-        w.d.reserve(la, n[d]);
-        solved = shifted_root<L, C, double>(la, a, n[d], p[d], rc.root, w.d, status, x);
-      }
-      if (!solved) return {root_status::eigensolver_failed, d};
+    if (rc.root.method == root_method::eigen) {
+      const C* ha = detail::linalg::host_copy(ex, a, nn, w.e.ha);
+      if (!detail::linalg::all_finite(ha, nn)) return {root_status::nonfinite_input, d};
+      if (rc.spectrum == shampoo_spectrum::clamp &&
+          !detail::linalg::symmetric(ha, static_cast<std::size_t>(n[d])))
+        return {root_status::not_symmetric, d};
+      auto status = eigen_root_in<C>(la, ex, ha, n[d], p[d], rc.root, rc.spectrum, w.e, x);
+      if constexpr (std::is_same_v<C, float>)
+        if (status == root_status::eigensolver_failed && rc.root.retry_in_double)
+          status = eigen_root_in<double>(la, ex, ha, n[d], p[d], rc.root, rc.spectrum, w.d, x);
       if (status != root_status::ok) return {status, d};
       continue;
     }
-    const auto r = inverse_pth_root(la, tensor_view<const C, host_space>(a, {n[d], n[d]}), p[d],
-                                    tensor_view<C, host_space>(x, {n[d], n[d]}), w.base, rc.root);
-    if (!r.ok()) return {r.status, d};
+    if constexpr (std::is_same_v<Sp, host_space>) {  // coupled Newton: host memory (init checks it)
+      const auto r = inverse_pth_root(la, tensor_view<const C, host_space>(a, {n[d], n[d]}), p[d],
+                                      tensor_view<C, host_space>(x, {n[d], n[d]}), w.base, rc.root);
+      if (!r.ok()) return {r.status, d};
+    } else {
+      detail::fail("shampoo: internal error: root.method coupled_newton on device memory");
+    }
   }
   return {root_status::ok, 0};
 }
@@ -335,8 +372,8 @@ class root_worker {
         try {
           for (auto& t : tasks) {
             const auto [status, factor] = block_roots(
-                la_, t.k, t.p, t.n, t.off, t.in, t.out,
-                [&](std::int64_t n) -> workspace_t& { return find(n); }, o_, t.bias);
+                la_, host{.threads = 1}, t.k, t.p, t.n, t.off, t.in, t.out,
+                [&](std::int64_t n) -> workspace_t& { return find(n); }, o_, t.bias, hbuf_);
             t.status = status;
             t.factor = factor;
           }
@@ -360,6 +397,7 @@ class root_worker {
 
   L la_;
   root_recipe o_;
+  std::vector<C> hbuf_;  // block_roots' device staging (unused in host memory)
   std::vector<std::pair<std::int64_t, workspace_t*>> ws_;
   std::mutex m_;
   std::condition_variable cv_;

@@ -11,7 +11,10 @@
 #include <string>
 #include <type_traits>
 
+#include "gradapt/backend/host.hpp"
+#include "gradapt/comm/agree.hpp"
 #include "gradapt/core/error.hpp"
+#include "gradapt/core/ops.hpp"
 #include "gradapt/linalg/matrix_root.hpp"
 
 #include "gradapt/optim/shampoo.hpp"
@@ -55,60 +58,91 @@ void transform::scale_by_shampoo<L>::finish_roots(Comm& comm, St& st) {
       w[1] = static_cast<typename St::compute_type>(task.factor);
       std::copy(bl.pend.begin(), bl.pend.end(), w + 2);
     } else {
-      install(st, i, task.status, task.factor, bl.pend.data(), -1, from);
+      install(st, host{.threads = 1}, i, task.status, task.factor, bl.pend.data(), -1, from);
     }
   }
   if constexpr (dist) exchange(comm, st, from, st.pending_hash_);
 }
 
-/// Computes the due roots inside the step (root_staleness 0).
+/// Computes the due roots inside the step (root_staleness 0). In host memory with a
+/// communicator, each rank computes its blocks and the exchange gives every rank all of them;
+/// in device memory every rank computes every block, after one agreement on the statistics'
+/// hash (so ranks whose statistics differ throw on every rank, as the exchange does).
 template <class L>
-template <class Comm, class St>
-void transform::scale_by_shampoo<L>::compute_roots(Comm& comm, St& st, std::uint64_t t) const {
+template <class Comm, class Ex, class St>
+void transform::scale_by_shampoo<L>::compute_roots(Comm& comm, const Ex& ex, St& st, std::uint64_t t) const {
   constexpr bool dist = !std::is_same_v<Comm, gradapt::detail::optim::no_comm>;
+  constexpr bool exchanged = dist && St::on_host;
+  using C = typename St::compute_type;
   const auto ws = [&](std::int64_t n) -> typename St::workspace_t& { return st.workspace(n); };
   const auto rc = recipe();
   const double bias = root_bias(t);
+  if constexpr (dist && !St::on_host) {
+    for (const auto& r : st.refs_) {  // the host copies the hash reads
+      auto& bl = st.t_[r.t].blocks[r.j];
+      const auto n = static_cast<std::int64_t>(bl.stats.size());
+      ex.copy(tensor_view<const C, typename L::space>::vector(st.stats_at(bl), n),
+              tensor_view<C, host_space>::vector(bl.stats.data(), n));
+    }
+    const agreed_value h[] = {{"statistics (hash)", static_cast<double>(stats_hash(st, false) >> 16)}};
+    try {
+      agree_values(comm, ex, "shampoo::step (the statistics the roots come from)",
+                   std::span<const agreed_value>(h));
+    } catch (const error&) {
+      st.failed_ = true;  // as the exchange: every later step throws until load()
+      throw;
+    }
+  }
   for (std::size_t i = 0; i < st.refs_.size(); ++i) {
-    if (!owns(st, i, dist)) continue;
-    const auto& bl = st.t_[st.refs_[i].t].blocks[st.refs_[i].j];
+    if (!owns(st, i, exchanged)) continue;
+    auto& bl = st.t_[st.refs_[i].t].blocks[st.refs_[i].j];
     ++st.computed_;
     // Eigenvalue-corrected Shampoo's "roots" are the factors' eigenbases (the QR refresh starts
     // from the installed ones, which every rank holds).
-    const auto compute = [&](typename St::compute_type* out) {
-      if (options.preconditioner == shampoo_preconditioner::eigenvalue_corrected)
-        return gradapt::detail::shampoo_impl::block_eigenbases(st.la_, bl.k, bl.n.data(), bl.off.data(),
-                                                               bl.stats.data(), bl.roots.data(), out, ws,
-                                                               basis_recipe(), bias);
-      return gradapt::detail::shampoo_impl::block_roots(st.la_, bl.k, bl.p.data(), bl.n.data(), bl.off.data(),
-                                                        bl.stats.data(), out, ws, rc, bias);
+    const auto compute = [&](C* out) {
+      if constexpr (St::on_host)
+        if (options.preconditioner == shampoo_preconditioner::eigenvalue_corrected)
+          return gradapt::detail::shampoo_impl::block_eigenbases(st.la_, bl.k, bl.n.data(), bl.off.data(),
+                                                                 bl.stats.data(), bl.roots.data(), out, ws,
+                                                                 basis_recipe(), bias);
+      return gradapt::detail::shampoo_impl::block_roots(st.la_, ex, bl.k, bl.p.data(), bl.n.data(),
+                                                        bl.off.data(), st.stats_at(bl), out, ws, rc, bias,
+                                                        st.hbuf_);
     };
-    if constexpr (dist) {
+    if constexpr (exchanged) {
       auto* w = st.x_.out(i);
       const auto [status, factor] = compute(w + 2);
-      w[0] = static_cast<typename St::compute_type>(static_cast<int>(status));
-      w[1] = static_cast<typename St::compute_type>(factor);
+      w[0] = static_cast<C>(static_cast<int>(status));
+      w[1] = static_cast<C>(factor);
     } else {
       const auto [status, factor] = compute(st.rs_.data());
-      install(st, i, status, factor, st.rs_.data(), -1, t);
+      install(st, ex, i, status, factor, st.rs_.data(), -1, t);
     }
   }
-  if constexpr (dist) exchange(comm, st, t, stats_hash(st, false));
+  if constexpr (exchanged) exchange(comm, st, t, stats_hash(st, false));
 }
 
 /// Installs block i's roots (or counts its failure and reports it in the step's report; throws
 /// after max_consecutive_failures in a row). `rank` names the rank that computed them (-1: this
 /// one, not distributed); `from` is the step whose statistics they come from.
 template <class L>
-template <class St, class C>
-void transform::scale_by_shampoo<L>::install(St& st, std::size_t i, root_status status, std::size_t factor,
-                                             const C* roots, int rank, std::uint64_t from) {
+template <class St, class Ex, class C>
+void transform::scale_by_shampoo<L>::install(St& st, const Ex& ex, std::size_t i, root_status status,
+                                             std::size_t factor, const C* roots, int rank,
+                                             std::uint64_t from) {
   const auto& ref = st.refs_[i];
   auto& x = st.t_[ref.t];
   auto& bl = x.blocks[ref.j];
   if (status == root_status::ok) {
     ++st.installed_;
-    std::copy(roots, roots + bl.roots.size(), bl.roots.begin());
+    if constexpr (St::on_host) {
+      (void)ex;
+      std::copy(roots, roots + bl.roots.size(), bl.roots.begin());
+    } else {
+      const auto n = static_cast<std::int64_t>(bl.roots.size());
+      ex.apply(gradapt::detail::copy_to{}, tensor_view<C, typename L::space>::vector(st.roots_at(bl), n),
+               tensor_view<const C, typename L::space>::vector(roots, n));
+    }
     bl.ready = true;
     bl.mrot_valid = false;  // eigenvalue-corrected: Qᵀ M Q is rebuilt in the new bases
     bl.consecutive = 0;

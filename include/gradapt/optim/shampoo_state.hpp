@@ -80,7 +80,8 @@ template <class L, class B, class V, class G>
 class shampoo_state {
  public:
   using compute_type = compute_t<V>;  ///< element type of statistics, roots and directions
-  /// Whether B works on host memory (every family member), or on a device's (spectral descent).
+  /// Whether B works on host memory (every family member), or on a device's (root-inverse
+  /// Shampoo with eigen roots in the step, and spectral descent).
   static constexpr bool on_host = std::same_as<typename B::space, host_space>;
 
   /// Format version of the section `save()` writes (its "format" field).
@@ -138,17 +139,19 @@ class shampoo_state {
     const auto& b = blk(t, j);
     return {tensor(t).layout.blocks[j], b.k, b.p[0], b.p, b.ready, b.consecutive, b.failures};
   }
-  /// Statistic d of block j of tensor t (n_d × n_d, row-major).
+  /// Statistic d of block j of tensor t (n_d × n_d, row-major). Host memory (on a device the
+  /// checkpoint holds them).
   /// @throws gradapt::error when an index is out of range
-  std::span<const compute_type> statistic(std::size_t t, std::size_t j, std::size_t d) const {
+  std::span<const compute_type> statistic(std::size_t t, std::size_t j,
+                                          std::size_t d) const requires on_host {
     const auto& b = blk(t, j);
     detail::require(d < b.k, "shampoo_state::statistic: factor ", d, " out of range (", b.k, ")");
     if (b.stats.empty()) return {};  // spectral descent keeps no factors
     return {b.stats.data() + b.off[d], static_cast<std::size_t>(b.n[d] * b.n[d])};
   }
-  /// Root d of block j of tensor t (n_d × n_d; zeros until the block is ready).
+  /// Root d of block j of tensor t (n_d × n_d; zeros until the block is ready). Host memory.
   /// @throws gradapt::error when an index is out of range
-  std::span<const compute_type> root(std::size_t t, std::size_t j, std::size_t d) const {
+  std::span<const compute_type> root(std::size_t t, std::size_t j, std::size_t d) const requires on_host {
     const auto& b = blk(t, j);
     detail::require(d < b.k, "shampoo_state::root: factor ", d, " out of range (", b.k, ")");
     if (b.roots.empty()) return {};  // spectral descent keeps no factors
@@ -244,7 +247,11 @@ class shampoo_state {
     std::array<int, max_rank> p{};
     std::array<std::int64_t, max_rank> n{};
     std::array<std::size_t, max_rank> off{};
+    /// Host memory: the statistics and roots. Device memory: they live in the state's dstats_
+    /// and droots_ at offset `at`, and these are the host copies a checkpoint and the
+    /// statistics' hash go through.
     std::vector<C> stats, roots;
+    std::size_t at = 0;
     std::vector<C> snap, pend;  ///< root_staleness >= 1: statistics copied for the worker, its roots
     std::vector<C> corr;        ///< eigenvalue-corrected: the second moment V in the eigenbasis
     std::vector<C> mrot;        ///< eigenvalue-corrected with beta1 > 0: Qᵀ M Q in the current bases
@@ -267,7 +274,7 @@ class shampoo_state {
     std::size_t offset = 0, first_block = 0, whole_size = 0;
     std::size_t band_rows = 0, band = 0, per_band = 0;  ///< rows per row of blocks, elements per row, blocks
   };
-  using workspace_t = detail::shampoo_impl::root_workspace<L, C>;
+  using workspace_t = detail::shampoo_impl::root_workspace<L, C, std::conditional_t<on_host, host, B>>;
 
   const tensor_t& tensor(std::size_t t) const {
     detail::require(t < t_.size(), "shampoo_state: tensor ", t, " out of range (", t_.size(), " tensors)");
@@ -315,13 +322,33 @@ class shampoo_state {
                       "state instead)");
   }
   // The checkpoint's pieces (shampoo_checkpoint.hpp).
-  void write_block(archive_writer& w, std::size_t t, std::size_t j, std::size_t label) const;
+  void write_block(archive_writer& w, std::size_t t, std::size_t j, std::size_t label, const C* stats,
+                   const C* roots) const;
   void read_block(archive_reader& r, const std::string& pname, block_t& bl, std::size_t j,
                   std::uint64_t in_flight) const;
   std::uint64_t check_header(archive_reader& r, std::uint64_t steps) const;
   static std::size_t block_fields(const block_t& bl, bool in_flight) {
     return (bl.stats.empty() ? 0 : (in_flight ? 3 : 2) * bl.k) + 4 + (bl.corr.empty() ? 0 : 1) +
            (bl.mrot.empty() ? 0 : 1);
+  }
+  /// Block bl's statistics and roots in the memory of B.
+  C* stats_at(block_t& bl) {
+    if constexpr (on_host)
+      return bl.stats.data();
+    else
+      return dstats_.data() + bl.at;
+  }
+  C* roots_at(block_t& bl) {
+    if constexpr (on_host)
+      return bl.roots.data();
+    else
+      return droots_.data() + bl.at;
+  }
+  const C* roots_at(const block_t& bl) const {
+    if constexpr (on_host)
+      return bl.roots.data();
+    else
+      return droots_.data() + bl.at;
   }
   workspace_t& workspace(std::int64_t n) {
     for (auto& [size, ws] : ws_)
@@ -345,7 +372,9 @@ class shampoo_state {
   std::vector<tensor_t> t_;
   std::vector<std::pair<std::int64_t, std::unique_ptr<workspace_t>>> ws_;
   buf xb_, ab_, db_, y0_, y1_;  ///< block scratch: g, graft state, D_g, products
-  std::vector<C> rs_;           ///< block scratch: roots
+  buf rs_;                      ///< block scratch: roots
+  buf dstats_, droots_;         ///< device memory: every block's statistics and roots (block_t::at)
+  std::vector<C> hbuf_;         ///< device memory: host staging of the roots' identity factors
   buf mb_;                      ///< block scratch: the corrected first moment (beta1 > 0)
   buf ns_;                      ///< spectral descent: Newton–Schulz scratch
 
