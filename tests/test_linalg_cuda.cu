@@ -288,24 +288,20 @@ TEST_CASE(
   }
 }
 
-TEST_CASE(
-    "shampoo's root-inverse step on gradapt::cuda and cuda_linalg: statistics, eigen roots and "
-    "products against a long double re-run, through a checkpoint",
-    "[linalg][cuda][shampoo]") {
+namespace {
+
+/// Four steps of the stage with options `o` on gradapt::cuda and cuda_linalg against the long
+/// double re-run's direction `ref_dir` (double, within 1e-9), through a checkpoint at step 2:
+/// a wide and a tall matrix (each with a factor rank-deficient at step 1) and a bias (not
+/// preconditioned, graft none: g itself).
+template <class Dir>
+void four_steps_against(const gradapt::shampoo_options& o, Dir ref_dir) {
   namespace tr = gradapt::transform;
   const cuda_linalg la;
   const gradapt::cuda b{.stream = la.stream()};
-  gradapt::shampoo_options o;
-  o.lr = 0.1;
-  o.graft = gradapt::shampoo_graft::none;
-  o.precondition_1d = false;
-  o.root.ridge = gradapt::ridge_kind::absolute;
-  o.root.epsilon = 1e-6;
   tr::scale_by_shampoo<cuda_linalg> pre{.options = o, .linalg = la};
   const gradapt::chain<tr::scale_by_shampoo<cuda_linalg>, tr::scale_by_learning_rate> opt(
       std::move(pre), tr::scale_by_learning_rate{.lr = o.lr});
-  // A wide and a tall matrix (each with a factor rank-deficient at step 1: the ridge's root of
-  // its null space) and a bias (not preconditioned, graft none: g itself).
   const std::vector<std::pair<std::int64_t, std::int64_t>> dims{{12, 20}, {20, 12}, {1, 7}};
   std::vector<std::vector<double>> w;
   std::vector<std::unique_ptr<gradapt_test::shampoo_ld_reference>> ref;
@@ -331,11 +327,11 @@ TEST_CASE(
       const auto g = random_matrix<double>(m, n, 200 + unsigned(10 * k) + unsigned(t));
       GRADAPT_CUDA_CHECK(
           cudaMemcpy(dg[t].data(), g.data(), g.size() * sizeof(double), cudaMemcpyHostToDevice));
-      const auto dir = m == 1 ? g : ref[t]->direction(g);
+      const auto dir = m == 1 ? g : ref_dir(*ref[t], g);
       for (std::size_t i = 0; i < g.size(); ++i) w[t][i] -= o.lr * dir[i];
     }
     opt.step(b, params, st);
-    if (k == 2) {  // the statistics and roots leave the device and come back
+    if (k == 2) {  // the statistics, roots and moments leave the device and come back
       saved = st.save(b);
       st = opt.init(b, params);
       st.load(b, saved);
@@ -348,6 +344,38 @@ TEST_CASE(
     }
   }
   CHECK(st.preconditioner().root_computations() > 0);
+}
+
+}  // namespace
+
+TEST_CASE(
+    "shampoo's root-inverse step on gradapt::cuda and cuda_linalg: statistics, eigen roots and "
+    "products against a long double re-run, through a checkpoint",
+    "[linalg][cuda][shampoo]") {
+  gradapt::shampoo_options o;
+  o.lr = 0.1;
+  o.graft = gradapt::shampoo_graft::none;
+  o.precondition_1d = false;
+  o.root.ridge = gradapt::ridge_kind::absolute;
+  o.root.epsilon = 1e-6;
+  four_steps_against(
+      o, [](gradapt_test::shampoo_ld_reference& r, const std::vector<double>& g) { return r.direction(g); });
+}
+
+TEST_CASE(
+    "eigenvalue-corrected shampoo on gradapt::cuda and cuda_linalg: eigenbases, rotated second "
+    "moment and products against a long double re-run, through a checkpoint",
+    "[linalg][cuda][shampoo]") {
+  gradapt::shampoo_options o;
+  o.lr = 0.1;
+  o.preconditioner = gradapt::shampoo_preconditioner::eigenvalue_corrected;
+  o.eigenbasis = gradapt::shampoo_eigenbasis::eigh;
+  o.graft = gradapt::shampoo_graft::none;
+  o.precondition_1d = false;
+  o.root.epsilon = 1e-4;
+  four_steps_against(o, [](gradapt_test::shampoo_ld_reference& r, const std::vector<double>& g) {
+    return r.corrected_direction(g);
+  });
 }
 
 TEST_CASE("cuda_linalg: invalid shapes throw gradapt::error", "[linalg][cuda]") {

@@ -1,11 +1,11 @@
 // The Shampoo stage's spectral descent (Muon: transform::scale_by_shampoo with preconditioner
-// spectral_descent) and its root-inverse Shampoo (statistics, eigen roots and products) on
-// device memory, run on the host through the device-tagged element backend,
-// communicator and linear algebra of support/host_as_device.hpp and host_as_device_linalg.hpp:
-// the same chain (stage, weight decay, momentum, learning rate) on gradapt::host with host_lapack
-// and on the device path must give the same bits, step by step, through a checkpoint saved at
-// step 6 and loaded into a fresh state (the graft state and first moment copied out of and back
-// into backend buffers), and with the distributed step's agreement staged through the backend.
+// spectral_descent), its root-inverse Shampoo (statistics, eigen roots and products) and its
+// eigenvalue-corrected Shampoo (eigendecomposition bases) on device memory, run on the host through the
+// device-tagged element backend, communicator and linear algebra of support/host_as_device.hpp and
+// host_as_device_linalg.hpp: the same chain (stage, weight decay, momentum, learning rate) on gradapt::host
+// with host_lapack and on the device path must give the same bits, step by step, through a checkpoint saved
+// at step 6 and loaded into a fresh state (the graft state and first moment copied out of and back into
+// backend buffers), and with the distributed step's agreement staged through the backend.
 //
 // The tensors cover a wide and a tall matrix (the aspect scaling), a matrix cut into several
 // blocks whose runs are not contiguous (max_preconditioner_dim 8), a rank-3 tensor merged to a
@@ -13,7 +13,8 @@
 // first moment (Muon's defaults), Adam's graft on the blocks with a bias-corrected first moment,
 // and RMSProp's graft on the diagonal tensors only with momentum and Nesterov; root-inverse
 // Shampoo runs three option sets (root_option_sets) the same way, and on two ranks, where the
-// statistics' agreement turns differing gradients into an error on every rank. Last, the same
+// statistics' agreement turns differing gradients into an error on every rank; two
+// eigenvalue-corrected sets (corrected_option_sets) run on one and two ranks. Last, the same
 // stage as the composed step's optimizer (train::data_parallel_step with the loss scaler and
 // LocalSGD) on 1 to 3 device-tagged ranks against the host step.
 #include "catch.hpp"
@@ -149,6 +150,26 @@ std::vector<shampoo_options> root_option_sets() {
   return out;
 }
 
+/// Eigenvalue-corrected Shampoo with eigendecompositions: the preset (bias-corrected first
+/// moment, β2 0.95) with its bases refreshed every third step; and no first moment, the fourth
+/// root of V (corrected_exponent 4), Adam's graft on the blocks and momentum.
+std::vector<shampoo_options> corrected_option_sets() {
+  std::vector<shampoo_options> out;
+  shampoo_options preset = gradapt::eigenvalue_corrected_defaults();
+  preset.max_preconditioner_dim = 8;
+  preset.precondition_frequency = 3;
+  out.push_back(preset);
+  shampoo_options quartic = preset;
+  quartic.beta1 = 0;
+  quartic.precondition_frequency = 2;
+  quartic.corrected_exponent = 4;
+  quartic.graft = gradapt::shampoo_graft::adam;
+  quartic.graft_preconditioned = true;
+  quartic.momentum = 0.9;
+  out.push_back(quartic);
+  return out;
+}
+
 /// 12 steps of `opt` on (b, params), saved after step 6 and loaded into a fresh state; with
 /// `comm`, the distributed step. Returns the root computations of the second state's steps and
 /// whether every preconditioned block holds roots at the end.
@@ -183,30 +204,29 @@ std::pair<std::uint64_t, bool> twelve_steps(const Opt& opt, const B& b, const PL
   return {pre.root_computations(), ready};
 }
 
-}  // namespace
-
-TEST_CASE("shampoo spectral descent on device memory: the host chain's bits, through a checkpoint",
-          "[shampoo][device]") {
-  for (const auto& o : option_sets()) {
-    INFO("graft " << to_string(o.graft) << ", beta1 " << o.beta1 << ", momentum " << o.momentum);
-    const auto host_opt = family_chain<gradapt::host_lapack>(o);
-    const auto dev_opt = family_chain<host_as_device::linalg>(o);
-    model h, d;
-    const gradapt::host hb{.threads = 1};
-    const host_as_device::backend db;
-    const auto dparams = host_as_device::on_device(d.params);
-    twelve_steps(host_opt, hb, h.params, h, static_cast<threads*>(nullptr), 0);
-    twelve_steps(dev_opt, db, dparams, d, static_cast<host_as_device::comm*>(nullptr), 0);
-    CHECK(h.same_bits(d));
-    // The step moved every tensor (the comparison is not of two untouched models).
-    const model fresh;
-    for (std::size_t t = 0; t < h.p.size(); ++t) CHECK(h.p[t] != fresh.p[t]);
-  }
+/// The chain with options `o` on gradapt::host with host_lapack and on the device path, 12
+/// steps each through a checkpoint: the same bits, every tensor moved, and the same root
+/// computations; returns the device run's (root computations, every block ready).
+std::pair<std::uint64_t, bool> host_and_device(const shampoo_options& o) {
+  const auto host_opt = family_chain<gradapt::host_lapack>(o);
+  const auto dev_opt = family_chain<host_as_device::linalg>(o);
+  model h, d;
+  const gradapt::host hb{.threads = 1};
+  const host_as_device::backend db;
+  const auto dparams = host_as_device::on_device(d.params);
+  const auto hr = twelve_steps(host_opt, hb, h.params, h, static_cast<threads*>(nullptr), 0);
+  const auto dr = twelve_steps(dev_opt, db, dparams, d, static_cast<host_as_device::comm*>(nullptr), 0);
+  CHECK(h.same_bits(d));
+  CHECK(dr == hr);
+  // The step moved every tensor (the comparison is not of two untouched models).
+  const model fresh;
+  for (std::size_t t = 0; t < h.p.size(); ++t) CHECK(h.p[t] != fresh.p[t]);
+  return dr;
 }
 
-TEST_CASE("shampoo spectral descent on device memory, distributed: agreement through the backend",
-          "[shampoo][device][dist]") {
-  const auto o = option_sets()[1];
+/// The same on two ranks (the distributed step, the same gradients on every rank: a
+/// distributed Shampoo step takes averaged ones).
+void host_and_device_on_two_ranks(const shampoo_options& o) {
   run_threads(2, {.timeout = std::chrono::seconds(60)}, [&](threads& c) {
     const auto host_opt = family_chain<gradapt::host_lapack>(o);
     const auto dev_opt = family_chain<host_as_device::linalg>(o);
@@ -215,25 +235,51 @@ TEST_CASE("shampoo spectral descent on device memory, distributed: agreement thr
     const host_as_device::backend db;
     host_as_device::comm dc{&c};
     const auto dparams = host_as_device::on_device(d.params);
-    // The same gradients on every rank (a distributed Shampoo step takes averaged ones).
     twelve_steps(host_opt, hb, h.params, h, &c, 0);
     twelve_steps(dev_opt, db, dparams, d, &dc, 0);
     RANK_REQUIRE(h.same_bits(d));
   });
-  // A rank with another Newton–Schulz step count throws on every rank, through the staged
-  // agreement.
-  const auto what = gradapt_test::errors_of(2, {.timeout = std::chrono::seconds(60)}, [&](threads& c) {
-    shampoo_options mine = o;
-    if (c.rank() == 1) mine.newton_schulz.steps = 4;
-    const auto dev_opt = family_chain<host_as_device::linalg>(mine);
+}
+
+/// The messages of a first distributed device step on two ranks where `mine` changes rank 1's
+/// options and `grads_by_rank` gives the ranks different gradients.
+std::vector<std::string> first_step_errors(const shampoo_options& o, void (*mine)(shampoo_options&, int),
+                                           bool grads_by_rank) {
+  return gradapt_test::errors_of(2, {.timeout = std::chrono::seconds(60)}, [&](threads& c) {
+    shampoo_options own = o;
+    mine(own, c.rank());
+    const auto dev_opt = family_chain<host_as_device::linalg>(own);
     model d;
     const host_as_device::backend db;
     host_as_device::comm dc{&c};
     const auto dparams = host_as_device::on_device(d.params);
     auto st = dev_opt.init(db, dparams);
-    d.grads(1);
+    d.grads(1, grads_by_rank ? c.rank() : 0);
     dev_opt.step(dc, db, dparams, st);
   });
+}
+
+}  // namespace
+
+TEST_CASE("shampoo spectral descent on device memory: the host chain's bits, through a checkpoint",
+          "[shampoo][device]") {
+  for (const auto& o : option_sets()) {
+    INFO("graft " << to_string(o.graft) << ", beta1 " << o.beta1 << ", momentum " << o.momentum);
+    host_and_device(o);
+  }
+}
+
+TEST_CASE("shampoo spectral descent on device memory, distributed: agreement through the backend",
+          "[shampoo][device][dist]") {
+  host_and_device_on_two_ranks(option_sets()[1]);
+  // A rank with another Newton–Schulz step count throws on every rank, through the staged
+  // agreement.
+  const auto what = first_step_errors(
+      option_sets()[1],
+      [](shampoo_options& m, int rank) {
+        if (rank == 1) m.newton_schulz.steps = 4;
+      },
+      false);
   for (const auto& w : what) CHECK_THAT(w, Contains("newton_schulz.steps"));
 }
 
@@ -241,22 +287,21 @@ TEST_CASE("shampoo root_inverse on device memory: the host chain's bits, through
           "[shampoo][device]") {
   for (const auto& o : root_option_sets()) {
     INFO("spectrum " << to_string(o.spectrum) << ", graft " << to_string(o.graft) << ", beta1 " << o.beta1);
-    const auto host_opt = family_chain<gradapt::host_lapack>(o);
-    const auto dev_opt = family_chain<host_as_device::linalg>(o);
-    model h, d;
-    const gradapt::host hb{.threads = 1};
-    const host_as_device::backend db;
-    const auto dparams = host_as_device::on_device(d.params);
-    const auto hr = twelve_steps(host_opt, hb, h.params, h, static_cast<threads*>(nullptr), 0);
-    const auto dr = twelve_steps(dev_opt, db, dparams, d, static_cast<host_as_device::comm*>(nullptr), 0);
-    CHECK(h.same_bits(d));
-    // Both computed roots after the checkpoint, and every block uses them.
-    CHECK(hr.first > 0);
-    CHECK(dr == hr);
+    const auto dr = host_and_device(o);
+    // Roots were computed after the checkpoint, and every block uses them.
+    CHECK(dr.first > 0);
     CHECK(dr.second);
-    const model fresh;
-    for (std::size_t t = 0; t < h.p.size(); ++t) CHECK(h.p[t] != fresh.p[t]);
   }
+}
+
+TEST_CASE("eigenvalue-corrected shampoo on device memory: the host chain's bits, through a checkpoint",
+          "[shampoo][device]") {
+  for (const auto& o : corrected_option_sets()) {
+    INFO("beta1 " << o.beta1 << ", corrected_exponent " << o.corrected_exponent);
+    CHECK(host_and_device(o).first > 0);
+  }
+  // On two ranks (every rank refreshes every block's bases).
+  host_and_device_on_two_ranks(corrected_option_sets()[0]);
 }
 
 TEST_CASE(
@@ -264,43 +309,18 @@ TEST_CASE(
     "statistics agreed",
     "[shampoo][device][dist]") {
   const auto o = root_option_sets()[0];
-  run_threads(2, {.timeout = std::chrono::seconds(60)}, [&](threads& c) {
-    const auto host_opt = family_chain<gradapt::host_lapack>(o);
-    const auto dev_opt = family_chain<host_as_device::linalg>(o);
-    model h, d;
-    const gradapt::host hb{.threads = 1};
-    const host_as_device::backend db;
-    host_as_device::comm dc{&c};
-    const auto dparams = host_as_device::on_device(d.params);
-    twelve_steps(host_opt, hb, h.params, h, &c, 0);
-    twelve_steps(dev_opt, db, dparams, d, &dc, 0);
-    RANK_REQUIRE(h.same_bits(d));
-  });
+  host_and_device_on_two_ranks(o);
   // A rank whose gradients differ (so its statistics do) throws on every rank at the first
   // roots, naming the statistics' hash; and so does another root.epsilon.
-  const auto differ = gradapt_test::errors_of(2, {.timeout = std::chrono::seconds(60)}, [&](threads& c) {
-    const auto dev_opt = family_chain<host_as_device::linalg>(o);
-    model d;
-    const host_as_device::backend db;
-    host_as_device::comm dc{&c};
-    const auto dparams = host_as_device::on_device(d.params);
-    auto st = dev_opt.init(db, dparams);
-    d.grads(1, c.rank());
-    dev_opt.step(dc, db, dparams, st);
-  });
-  for (const auto& w : differ) CHECK_THAT(w, Contains("statistics (hash)"));
-  const auto eps = gradapt_test::errors_of(2, {.timeout = std::chrono::seconds(60)}, [&](threads& c) {
-    shampoo_options mine = o;
-    if (c.rank() == 1) mine.root.epsilon = 1e-5;
-    const auto dev_opt = family_chain<host_as_device::linalg>(mine);
-    model d;
-    const host_as_device::backend db;
-    host_as_device::comm dc{&c};
-    const auto dparams = host_as_device::on_device(d.params);
-    auto st = dev_opt.init(db, dparams);
-    d.grads(1);
-    dev_opt.step(dc, db, dparams, st);
-  });
+  for (const auto& w : first_step_errors(
+           o, [](shampoo_options&, int) {}, true))
+    CHECK_THAT(w, Contains("statistics (hash)"));
+  const auto eps = first_step_errors(
+      o,
+      [](shampoo_options& m, int rank) {
+        if (rank == 1) m.root.epsilon = 1e-5;
+      },
+      false);
   for (const auto& w : eps) CHECK_THAT(w, Contains("root.epsilon"));
 }
 
@@ -309,10 +329,8 @@ TEST_CASE("shampoo on device memory: what stays in host memory throws at init, n
   model d;
   const host_as_device::backend db;
   const auto dparams = host_as_device::on_device(d.params);
-  for (const auto& o : {gradapt::eigenvalue_corrected_defaults(), gradapt::soap_defaults()}) {
-    const auto dev_opt = family_chain<host_as_device::linalg>(o);
-    REQUIRE_THROWS_WITH(dev_opt.init(db, dparams), Contains("eigenvalue_corrected"));
-  }
+  REQUIRE_THROWS_WITH(family_chain<host_as_device::linalg>(gradapt::soap_defaults()).init(db, dparams),
+                      Contains("eigenbasis eigh") && Contains("eigenbasis is qr"));
   shampoo_options newton;
   newton.root.method = gradapt::root_method::coupled_newton;
   REQUIRE_THROWS_WITH(family_chain<host_as_device::linalg>(newton).init(db, dparams),
@@ -328,8 +346,10 @@ TEST_CASE("shampoo on device memory: what stays in host memory throws at init, n
   CHECK_NOTHROW(family_chain<gradapt::host_lapack>(stale).init(hb, h.params));
 }
 
-TEST_CASE("the composed step with Muon or root-inverse Shampoo on device memory equals the host step",
-          "[shampoo][device][train]") {
+TEST_CASE(
+    "the composed step with Muon, Shampoo or eigenvalue-corrected Shampoo on device memory equals the "
+    "host step",
+    "[shampoo][device][train]") {
   namespace scenario = train_combinations_scenario;
   using sharded_scenario::model;
   shampoo_options muon = gradapt::spectral_descent_defaults();
@@ -347,7 +367,11 @@ TEST_CASE("the composed step with Muon or root-inverse Shampoo on device memory 
   roots.root.epsilon = 1e-6;
   roots.graft = gradapt::shampoo_graft::adam;
   roots.momentum = 0.5;
-  for (const auto& o : {muon, roots}) {
+  shampoo_options corrected = gradapt::eigenvalue_corrected_defaults();
+  corrected.lr = 1e-2;
+  corrected.max_preconditioner_dim = 16;
+  corrected.precondition_frequency = 2;
+  for (const auto& o : {muon, roots, corrected}) {
     INFO("preconditioner " << to_string(o.preconditioner));
     const auto host_opt = family_chain<gradapt::host_lapack>(o);
     const auto dev_opt = family_chain<host_as_device::linalg>(o);

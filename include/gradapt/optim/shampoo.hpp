@@ -283,10 +283,11 @@ struct scale_by_shampoo {
     if constexpr (!on_host) {
       const char* who = "shampoo: on device memory";
       gradapt::detail::require(
-          options.preconditioner != shampoo_preconditioner::eigenvalue_corrected, who,
-          " the stage runs preconditioner root_inverse or spectral_descent (the "
-          "preconditioner is eigenvalue_corrected, whose eigenbases are refreshed in host "
-          "memory)");
+          options.preconditioner != shampoo_preconditioner::eigenvalue_corrected ||
+              options.eigenbasis == shampoo_eigenbasis::eigh,
+          who,
+          " eigenvalue-corrected Shampoo refreshes its eigenbases by eigenbasis eigh (eigenbasis is qr, "
+          "whose power iteration and reordering run in host memory)");
       gradapt::detail::require(slices.empty(), who,
                                " the stage runs unsharded (it was given the sharded optimizer's slices)");
       if (options.preconditioner == shampoo_preconditioner::root_inverse) {
@@ -317,7 +318,7 @@ struct scale_by_shampoo {
           !corrected || options.eigenbasis != shampoo_eigenbasis::qr,
           "shampoo: eigenbasis qr needs a linear-algebra backend with qr() (host_lapack has "
           "it); use eigenbasis eigh with this one");
-    std::size_t max_block = 0, max_roots = 0, total_mats = 0;
+    std::size_t max_block = 0, max_roots = 0, total_mats = 0, total_elems = 0;
     const bool has_state = gradapt::detail::shampoo_impl::graft_has_state(options.graft);
     st.t_.resize(params.size());
     for (std::size_t t = 0; t < params.size(); ++t) {
@@ -366,11 +367,9 @@ struct scale_by_shampoo {
           if (!spectral) mats += static_cast<std::size_t>(r.size[d] * r.size[d]);
           elems *= static_cast<std::size_t>(r.size[d]);
           if (bl.p[d] != 0) add_workspace(st, la, executor(b), r.size[d], options.root.method);
-          if constexpr (on_host) {
-            if (corrected) {
-              st.workspace(r.size[d]).e.reserve(la, executor(b), r.size[d]);
-              if (options.eigenbasis == shampoo_eigenbasis::qr) st.workspace(r.size[d]).qr.reserve(r.size[d]);
-            }
+          if (corrected) {
+            st.workspace(r.size[d]).e.reserve(la, executor(b), r.size[d]);
+            if (options.eigenbasis == shampoo_eigenbasis::qr) st.workspace(r.size[d]).qr.reserve(r.size[d]);
           }
         }
         bl.stats.assign(mats, C(0));
@@ -388,6 +387,8 @@ struct scale_by_shampoo {
           bl.ready = true;
           bl.corr.assign(elems, C(0));
           if (options.beta1 > 0) bl.mrot.assign(elems, C(0));  // Q = I, M = 0: Qᵀ M Q = 0
+          bl.at_e = total_elems;
+          total_elems += elems;
         }
         max_block = std::max(max_block, elems);
         max_roots = std::max(max_roots, mats);
@@ -400,6 +401,15 @@ struct scale_by_shampoo {
     if constexpr (!on_host) {  // the statistics and roots in device memory (host copies in the blocks)
       st.dstats_ = b.template allocate<C>(total_mats);
       st.droots_ = b.template allocate<C>(total_mats);
+      st.dcorr_ = b.template allocate<C>(total_elems);  // zeros, as the blocks' corr and mrot
+      if (options.beta1 > 0) st.dmrot_ = b.template allocate<C>(total_elems);
+      if (corrected)  // the identity bases
+        for (auto& x : st.t_)
+          for (auto& bl : x.blocks) {
+            const auto n = static_cast<std::int64_t>(bl.roots.size());
+            b.copy(tensor_view<const C, host_space>::vector(bl.roots.data(), n),
+                   tensor_view<C, typename B::space>::vector(st.roots_at(bl), n));
+          }
     }
     st.ns_ = b.template allocate<C>(max_ns);
     st.staleness_ = options.root_staleness;
@@ -673,8 +683,7 @@ struct scale_by_shampoo {
   static std::pair<std::int64_t, std::int64_t> split(const Block& bl, std::size_t d);
 
   /// Block j of tensor x: gather, graft, direction (preconditioned when the block has roots),
-  /// scatter. The element work and the products run on `ex` (executor()) and L; the
-  /// eigenvalue-corrected passes are host memory's (init rejects them on a device).
+  /// scatter. The element work and the products run on `ex` (executor()) and L.
   template <class St, class Ex, class Tensor, class G, class GK, class C>
   void block_direction(St& st, const Ex& ex, Tensor& x, std::size_t j, const G* g, const GK& gk, C bc1, C w1,
                        bool has_state, bool preconditioning, double bc2) const {
@@ -709,54 +718,40 @@ struct scale_by_shampoo {
     });
     C* y = nullptr;  // the preconditioned direction D_s, when the block has one this step
     const auto kind = options.preconditioner;
-    if constexpr (std::same_as<Sp, host_space>) {
-      // Eigenvalue-corrected: what is rotated into the eigenbasis and divided there (without a
-      // first moment, the rotated G itself, kept in mb).
-      const C* rotated = nullptr;
-      if (kind == shampoo_preconditioner::eigenvalue_corrected) {
-        // V ← β2·V + w·(Q_1ᵀ ×₁ … G)², every step, in the bases just refreshed.
-        const C* r = product(st, bl, xb, true);
-        const double beta2 = options.beta2;
-        const C w = C(beta2 == 1.0 ? 1.0 : 1.0 - beta2);
-        if (beta2 == 1.0)
-          for (std::size_t e = 0; e < elems; ++e) bl.corr[e] = bl.corr[e] + w * (r[e] * r[e]);
-        else
-          for (std::size_t e = 0; e < elems; ++e) bl.corr[e] = C(beta2) * bl.corr[e] + w * (r[e] * r[e]);
-        if (bl.mrot.empty()) {
-          std::copy(r, r + elems, st.mb_.data());
-          rotated = st.mb_.data();
-        } else if (bl.mrot_valid) {
-          // Qᵀ M Q follows M's update while the bases stand: M' ← M' + (1 − β1)·(Qᵀ G Q − M').
-          for (std::size_t e = 0; e < elems; ++e) bl.mrot[e] = bl.mrot[e] + w1 * (r[e] - bl.mrot[e]);
-          rotated = bl.mrot.data();
-        } else {  // new bases at this step: M' = Qᵀ M Q from M (mb is free: the graft has read it)
-          si::for_runs(x.layout.merged, range, [&](std::size_t flat, std::size_t at, std::size_t run) {
-            std::copy(x.mom.data() + flat, x.mom.data() + flat + run, mb + at);
-          });
-          const C* m = product(st, bl, mb, true);
-          std::copy(m, m + elems, bl.mrot.begin());
-          bl.mrot_valid = true;
-          rotated = bl.mrot.data();
-        }
+    // Eigenvalue-corrected: what is rotated into the eigenbasis and divided there (without a
+    // first moment, the rotated G itself, kept in mb).
+    const C* rotated = nullptr;
+    if (kind == shampoo_preconditioner::eigenvalue_corrected) {
+      // V ← β2·V + w·(Q_1ᵀ ×₁ … G)², every step, in the bases just refreshed.
+      const C* r = product(st, bl, xb, true);
+      const double beta2 = options.beta2;
+      ex.apply(si::rotated_second_moment<C>{C(beta2), C(beta2 == 1.0 ? 1.0 : 1.0 - beta2), beta2 == 1.0},
+               v(st.corr_at(bl), elems), cv(r, elems));
+      if (bl.mrot.empty()) {
+        ex.apply(gradapt::detail::copy_to{}, v(st.mb_.data(), elems), cv(r, elems));
+        rotated = st.mb_.data();
+      } else if (bl.mrot_valid) {
+        // Qᵀ M Q follows M's update while the bases stand: M' ← M' + (1 − β1)·(Qᵀ G Q − M').
+        ex.apply(si::moment_update<C>{w1}, v(st.mrot_at(bl), elems), cv(r, elems));
+        rotated = st.mrot_at(bl);
+      } else {  // new bases at this step: M' = Qᵀ M Q from M (mb is free: the graft has read it)
+        si::for_runs(x.layout.merged, range, [&](std::size_t flat, std::size_t at, std::size_t run) {
+          ex.apply(gradapt::detail::copy_to{}, v(mb + at, run), cv(x.mom.data() + flat, run));
+        });
+        const C* m = product(st, bl, mb, true);
+        ex.apply(gradapt::detail::copy_to{}, v(st.mrot_at(bl), elems), cv(m, elems));
+        bl.mrot_valid = true;
+        rotated = st.mrot_at(bl);
       }
-      if (preconditioning && bl.ready && kind == shampoo_preconditioner::eigenvalue_corrected) {
-        // M̂' = Qᵀ M Q / (1 − β1^t) (or Qᵀ G Q); M̂' / ((V / c)^(1/p) + ε), rotated back (into
-        // xb: g is no longer needed).
-        const C eps = C(options.root.epsilon), c2 = C(bc2);
-        const C m1 = bl.mrot.empty() ? C(1) : bc1;
-        if (options.corrected_exponent == 2.0) {
-          for (std::size_t e = 0; e < elems; ++e)
-            xb[e] = rotated[e] / m1 / (std::sqrt(bl.corr[e] / c2) + eps);
-        } else {
-          const C inv = C(1.0 / options.corrected_exponent);
-          for (std::size_t e = 0; e < elems; ++e)
-            xb[e] = rotated[e] / m1 / (std::pow(bl.corr[e] / c2, inv) + eps);
-        }
-        y = product(st, bl, xb);
-      }
-    } else {
-      (void)w1;
-      (void)bc2;
+    }
+    if (preconditioning && bl.ready && kind == shampoo_preconditioner::eigenvalue_corrected) {
+      // M̂' = Qᵀ M Q / (1 − β1^t) (or Qᵀ G Q); M̂' / ((V / c)^(1/p) + ε), rotated back (into
+      // xb: g is no longer needed).
+      ex.apply(
+          si::corrected_quotient<C>{bl.mrot.empty() ? C(1) : bc1, C(bc2), C(options.root.epsilon),
+                                    C(1.0 / options.corrected_exponent), options.corrected_exponent == 2.0},
+          v(xb, elems), cv(rotated, elems), cv(st.corr_at(bl), elems));
+      y = product(st, bl, xb);
     }
     if (preconditioning && bl.ready && kind == shampoo_preconditioner::root_inverse) y = product(st, bl, mb);
     if (preconditioning && bl.ready && kind == shampoo_preconditioner::spectral_descent) {

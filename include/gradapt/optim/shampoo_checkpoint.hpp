@@ -34,7 +34,8 @@ void shampoo_state<L, B, V, G>::save_header(archive_writer& w) const {
 
 template <class L, class B, class V, class G>
 void shampoo_state<L, B, V, G>::write_block(archive_writer& w, std::size_t t, std::size_t j,
-                                            std::size_t label, const C* stats, const C* roots) const {
+                                            std::size_t label, const C* stats, const C* roots, const C* corr,
+                                            const C* mrot) const {
   const auto& x = t_[t];
   const auto& bl = x.blocks[j];
   w.begin("block" + std::to_string(label));
@@ -54,12 +55,14 @@ void shampoo_state<L, B, V, G>::write_block(archive_writer& w, std::size_t t, st
     }
   }
   if (!bl.corr.empty()) {
-    require_finite(std::span<const compute_type>(bl.corr), x.name, label, "corrected second moment");
-    w.put_tensor<compute_type>("corrected", std::span<const compute_type>(bl.corr));
+    const std::span<const compute_type> c(corr, bl.corr.size());
+    require_finite(c, x.name, label, "corrected second moment");
+    w.put_tensor<compute_type>("corrected", c);
   }
   if (!bl.mrot.empty()) {  // between steps always in the installed bases
-    require_finite(std::span<const compute_type>(bl.mrot), x.name, label, "rotated first moment");
-    w.put_tensor<compute_type>("rotated_moment", std::span<const compute_type>(bl.mrot));
+    const std::span<const compute_type> m(mrot, bl.mrot.size());
+    require_finite(m, x.name, label, "rotated first moment");
+    w.put_tensor<compute_type>("rotated_moment", m);
   }
   w.put("ready", bl.ready);
   w.put("consecutive_failures", bl.consecutive);
@@ -163,17 +166,21 @@ void shampoo_state<L, B, V, G>::save(const B& b, archive_writer& w) const {
     for (std::size_t j = 0; j < x.blocks.size(); ++j) {
       const auto& bl = x.blocks[j];
       if constexpr (on_host) {
-        write_block(w, t, j, j, bl.stats.data(), bl.roots.data());
+        write_block(w, t, j, j, bl.stats.data(), bl.roots.data(), bl.corr.data(), bl.mrot.data());
       } else {  // device memory: through host copies
-        std::vector<compute_type> s(bl.stats.size()), r(bl.roots.size());
-        const auto n = static_cast<std::int64_t>(s.size());
-        if (n > 0) {
-          b.copy(tensor_view<const compute_type, typename B::space>::vector(dstats_.data() + bl.at, n),
-                 tensor_view<compute_type, host_space>::vector(s.data(), n));
-          b.copy(tensor_view<const compute_type, typename B::space>::vector(droots_.data() + bl.at, n),
-                 tensor_view<compute_type, host_space>::vector(r.data(), n));
-        }
-        write_block(w, t, j, j, s.data(), r.data());
+        std::vector<compute_type> s(bl.stats.size()), r(bl.roots.size()), c(bl.corr.size()),
+            m(bl.mrot.size());
+        const auto get = [&](const buf& from, std::size_t at, std::vector<compute_type>& to) {
+          const auto n = static_cast<std::int64_t>(to.size());
+          if (n > 0)
+            b.copy(tensor_view<const compute_type, typename B::space>::vector(from.data() + at, n),
+                   tensor_view<compute_type, host_space>::vector(to.data(), n));
+        };
+        get(dstats_, bl.at, s);
+        get(droots_, bl.at, r);
+        get(dcorr_, bl.at_e, c);
+        get(dmrot_, bl.at_e, m);
+        write_block(w, t, j, j, s.data(), r.data(), c.data(), m.data());
       }
     }
     w.end();
@@ -199,7 +206,8 @@ void shampoo_state<L, B, V, G>::save_slice(archive_writer& w, std::size_t t) con
   w.put("first_block", static_cast<std::uint64_t>(x.first_block));
   w.put("blocks", static_cast<std::uint64_t>(x.blocks.size()));
   for (std::size_t j = 0; j < x.blocks.size(); ++j)
-    write_block(w, t, j, x.first_block + j, x.blocks[j].stats.data(), x.blocks[j].roots.data());
+    write_block(w, t, j, x.first_block + j, x.blocks[j].stats.data(), x.blocks[j].roots.data(),
+                x.blocks[j].corr.data(), x.blocks[j].mrot.data());
   if (detail::shampoo_impl::graft_has_state(graft_)) {
     require_finite(std::span<const compute_type>(x.graft), x.name, 0, "graft state");
     w.put_tensor<compute_type>("graft", std::span<const compute_type>(x.graft));
@@ -375,13 +383,17 @@ void shampoo_state<L, B, V, G>::load(const B& b, archive_reader& r, std::uint64_
       };
       if (detail::shampoo_impl::graft_has_state(graft_)) put(graft[t], t_[t].graft);
       if (beta1_ > 0) put(mom[t], t_[t].mom);
-      for (const auto& bl : t_[t].blocks) {  // statistics and roots
-        const auto n = static_cast<std::int64_t>(bl.stats.size());
-        if (n == 0) continue;
-        b.copy(tensor_view<const compute_type, host_space>::vector(bl.stats.data(), n),
-               tensor_view<compute_type, typename B::space>::vector(dstats_.data() + bl.at, n));
-        b.copy(tensor_view<const compute_type, host_space>::vector(bl.roots.data(), n),
-               tensor_view<compute_type, typename B::space>::vector(droots_.data() + bl.at, n));
+      const auto put_at = [&](const std::vector<compute_type>& from, buf& to, std::size_t at) {
+        const auto n = static_cast<std::int64_t>(from.size());
+        if (n > 0)
+          b.copy(tensor_view<const compute_type, host_space>::vector(from.data(), n),
+                 tensor_view<compute_type, typename B::space>::vector(to.data() + at, n));
+      };
+      for (const auto& bl : t_[t].blocks) {  // statistics, roots, corrected moments
+        put_at(bl.stats, dstats_, bl.at);
+        put_at(bl.roots, droots_, bl.at);
+        put_at(bl.corr, dcorr_, bl.at_e);
+        put_at(bl.mrot, dmrot_, bl.at_e);
       }
     }
   }

@@ -114,6 +114,37 @@ struct gather_as {
   }
 };
 
+/// V ← β2·V + w·r² (V + w·r² when β2 = 1): eigenvalue-corrected Shampoo's second moment of
+/// the rotated gradient r.
+template <class C>
+struct rotated_second_moment {
+  static constexpr bool vectorizable = true;
+  C beta2, w;
+  bool accumulate;  ///< β2 = 1
+  template <class V>
+  GRADAPT_HD void operator()(V& v, const V& r) const {
+    if (accumulate)
+      v = v + w * (r * r);
+    else
+      v = beta2 * v + w * (r * r);
+  }
+};
+
+/// x ← m / m1 / ((v / c2)^(1/p) + ε): the rotated (first moment of the) gradient divided by
+/// the root of the bias-corrected second moment (square root when p = 2).
+template <class C>
+struct corrected_quotient {
+  C m1, c2, eps, inv;  ///< inv: 1/p
+  bool square_root;    ///< p = 2
+  template <class X>
+  GRADAPT_HD void operator()(X& x, const X& m, const X& v) const {
+    if (square_root)
+      x = m / m1 / (std::sqrt(v / c2) + eps);
+    else
+      x = m / m1 / (std::pow(v / c2, inv) + eps);
+  }
+};
+
 /// dst ← src / c: the bias-corrected first moment m / (1 − β1^t).
 template <class C>
 struct divided_by {

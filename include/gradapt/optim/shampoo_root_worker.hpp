@@ -152,16 +152,27 @@ struct basis_recipe {
 };
 
 /// The eigenbasis of A = S / bias + ε·I in precision U by a symmetric eigendecomposition:
-/// eigenvectors as columns, ascending eigenvalues, into `out`. False when LAPACK fails.
-template <class L, class C, class U, class E>
-bool eigh_basis(const L& la, const C* s, std::int64_t n, double bias, double eps, E& e, C* out) {
+/// eigenvectors as columns, ascending eigenvalues, into `out` (L's memory). S is read in host
+/// memory (`hs`); A is prepared there and copied to the workspace's q on a device. False when
+/// the eigensolver fails.
+template <class U, class L, class Ex, class C, class E>
+bool eigh_basis(const L& la, const Ex& ex, const C* hs, std::int64_t n, double bias, double eps, E& e,
+                C* out) {
+  using Sp = typename L::space;
   const auto nn = static_cast<std::size_t>(n);
-  for (std::size_t i = 0; i < nn * nn; ++i) e.q[i] = U(double(s[i]) / bias);
-  for (std::size_t i = 0; i < nn; ++i) e.q[i * nn + i] += U(eps);
-  if (!la.eigh(tensor_view<U, host_space>(e.q.data(), {n, n}), tensor_view<U, host_space>(e.w.data(), {n}),
-               *e.ws))
+  e.reserve(la, ex, n);
+  U* hq = e.q.data();
+  if constexpr (!std::is_same_v<Sp, host_space>) {
+    e.hq.resize(nn * nn);
+    hq = e.hq.data();
+  }
+  for (std::size_t i = 0; i < nn * nn; ++i) hq[i] = U(double(hs[i]) / bias);
+  for (std::size_t i = 0; i < nn; ++i) hq[i * nn + i] += U(eps);
+  detail::linalg::from_host(ex, hq, e.q.data(), nn * nn);
+  if (!la.eigh(tensor_view<U, Sp>(e.q.data(), {n, n}), tensor_view<U, Sp>::vector(e.w.data(), n), *e.ws))
     return false;
-  for (std::size_t i = 0; i < nn * nn; ++i) out[i] = C(e.q[i]);
+  ex.apply(gather_as<C>{}, tensor_view<C, Sp>::vector(out, n * n),
+           tensor_view<const U, Sp>::vector(e.q.data(), n * n));
   return true;
 }
 
@@ -173,30 +184,29 @@ bool eigh_basis(const L& la, const C* s, std::int64_t n, double bias, double eps
 ///    off-diagonal norm is at most `tolerance`·‖B‖): B = Q'·R', B ← R'·Q', Q ← Q·Q'; the
 ///    columns of Q sorted by diag(B), ascending (stable).
 /// Stops at the first failure; returns its status and factor.
-template <class L, class C, class Ws>
-std::pair<root_status, std::size_t> block_eigenbases(const L& la, std::size_t k, const std::int64_t* n,
-                                                     const std::size_t* off, const C* stats, const C* prev,
-                                                     C* out, Ws&& ws, const basis_recipe& rc, double bias) {
-  using cview = tensor_view<const C, host_space>;
-  using mview = tensor_view<C, host_space>;
+template <class L, class Ex, class C, class Ws>
+std::pair<root_status, std::size_t> block_eigenbases(const L& la, const Ex& ex, std::size_t k,
+                                                     const std::int64_t* n, const std::size_t* off,
+                                                     const C* stats, const C* prev, C* out, Ws&& ws,
+                                                     const basis_recipe& rc, double bias) {
+  using Sp = typename L::space;
+  using cview = tensor_view<const C, Sp>;
+  using mview = tensor_view<C, Sp>;
   for (std::size_t d = 0; d < k; ++d) {
     const std::int64_t m = n[d];
     const auto nn = static_cast<std::size_t>(m);
-    const C* s = stats + off[d];
     C* x = out + off[d];
+    auto& w = ws(m);
+    const C* s = detail::linalg::host_copy(ex, stats + off[d], nn * nn, w.e.ha);  // host memory
     for (std::size_t i = 0; i < nn * nn; ++i)
       if (!std::isfinite(double(s[i]))) return {root_status::nonfinite_input, d};
-    auto& w = ws(m);
     if (rc.method == shampoo_eigenbasis::eigh) {
-      w.e.reserve(la, host{.threads = 1}, m);
-      bool ok = eigh_basis<L, C, C>(la, s, m, bias, rc.epsilon, w.e, x);
-      if (!ok && std::is_same_v<C, float> && rc.retry_in_double) {
-        w.d.reserve(la, host{.threads = 1}, m);
-        ok = eigh_basis<L, C, double>(la, s, m, bias, rc.epsilon, w.d, x);
-      }
+      bool ok = eigh_basis<C>(la, ex, s, m, bias, rc.epsilon, w.e, x);
+      if (!ok && std::is_same_v<C, float> && rc.retry_in_double)
+        ok = eigh_basis<double>(la, ex, s, m, bias, rc.epsilon, w.d, x);
       if (!ok) return {root_status::eigensolver_failed, d};
     } else {
-      if constexpr (qr_linalg_backend<L>) {
+      if constexpr (qr_linalg_backend<L> && std::is_same_v<Sp, host_space>) {  // init checks both
         auto& q = w.qr;
         q.reserve(m);
         const C* p = prev + off[d];
@@ -226,11 +236,12 @@ std::pair<root_status, std::size_t> block_eigenbases(const L& la, std::size_t k,
         for (std::size_t i = 0; i < nn; ++i)
           for (std::size_t c = 0; c < nn; ++c) x[i * nn + c] = q.acc[i * nn + q.perm[c]];
       } else {
-        return {root_status::eigensolver_failed, d};  // init rejects a backend without qr
+        (void)prev;
+        return {root_status::eigensolver_failed, d};  // init rejects a backend without qr, and a device
       }
     }
-    for (std::size_t i = 0; i < nn * nn; ++i)
-      if (!std::isfinite(double(x[i]))) return {root_status::nonfinite_result, d};
+    if (ex.reduce(reduction::count_nonfinite, cview::vector(x, m * m)) != 0)
+      return {root_status::nonfinite_result, d};
   }
   return {root_status::ok, 0};
 }

@@ -100,11 +100,10 @@ void transform::scale_by_shampoo<L>::compute_roots(Comm& comm, const Ex& ex, St&
     // Eigenvalue-corrected Shampoo's "roots" are the factors' eigenbases (the QR refresh starts
     // from the installed ones, which every rank holds).
     const auto compute = [&](C* out) {
-      if constexpr (St::on_host)
-        if (options.preconditioner == shampoo_preconditioner::eigenvalue_corrected)
-          return gradapt::detail::shampoo_impl::block_eigenbases(st.la_, bl.k, bl.n.data(), bl.off.data(),
-                                                                 bl.stats.data(), bl.roots.data(), out, ws,
-                                                                 basis_recipe(), bias);
+      if (options.preconditioner == shampoo_preconditioner::eigenvalue_corrected)
+        return gradapt::detail::shampoo_impl::block_eigenbases(st.la_, ex, bl.k, bl.n.data(), bl.off.data(),
+                                                               st.stats_at(bl), st.roots_at(bl), out, ws,
+                                                               basis_recipe(), bias);
       return gradapt::detail::shampoo_impl::block_roots(st.la_, ex, bl.k, bl.p.data(), bl.n.data(),
                                                         bl.off.data(), st.stats_at(bl), out, ws, rc, bias,
                                                         st.hbuf_);

@@ -160,7 +160,7 @@ class shampoo_state {
   /// The eigenvalue-corrected second moment V of block j of tensor t, in the block's element
   /// order in the eigenbasis (empty for the other preconditioners).
   /// @throws gradapt::error when an index is out of range
-  std::span<const compute_type> corrected_moment(std::size_t t, std::size_t j) const {
+  std::span<const compute_type> corrected_moment(std::size_t t, std::size_t j) const requires on_host {
     return blk(t, j).corr;
   }
   /// The family member the state was created for.
@@ -255,6 +255,7 @@ class shampoo_state {
     std::vector<C> snap, pend;  ///< root_staleness >= 1: statistics copied for the worker, its roots
     std::vector<C> corr;        ///< eigenvalue-corrected: the second moment V in the eigenbasis
     std::vector<C> mrot;        ///< eigenvalue-corrected with beta1 > 0: Qᵀ M Q in the current bases
+    std::size_t at_e = 0;       ///< device memory: corr and mrot in dcorr_ and dmrot_ at this offset
     bool mrot_valid = true;     ///< false from new bases' install to the next direction
     bool ready = false;
     std::uint64_t consecutive = 0, failures = 0;
@@ -323,7 +324,7 @@ class shampoo_state {
   }
   // The checkpoint's pieces (shampoo_checkpoint.hpp).
   void write_block(archive_writer& w, std::size_t t, std::size_t j, std::size_t label, const C* stats,
-                   const C* roots) const;
+                   const C* roots, const C* corr, const C* mrot) const;
   void read_block(archive_reader& r, const std::string& pname, block_t& bl, std::size_t j,
                   std::uint64_t in_flight) const;
   std::uint64_t check_header(archive_reader& r, std::uint64_t steps) const;
@@ -343,6 +344,18 @@ class shampoo_state {
       return bl.roots.data();
     else
       return droots_.data() + bl.at;
+  }
+  C* corr_at(block_t& bl) {
+    if constexpr (on_host)
+      return bl.corr.data();
+    else
+      return dcorr_.data() + bl.at_e;
+  }
+  C* mrot_at(block_t& bl) {
+    if constexpr (on_host)
+      return bl.mrot.data();
+    else
+      return dmrot_.data() + bl.at_e;
   }
   const C* roots_at(const block_t& bl) const {
     if constexpr (on_host)
@@ -374,6 +387,7 @@ class shampoo_state {
   buf xb_, ab_, db_, y0_, y1_;  ///< block scratch: g, graft state, D_g, products
   buf rs_;                      ///< block scratch: roots
   buf dstats_, droots_;         ///< device memory: every block's statistics and roots (block_t::at)
+  buf dcorr_, dmrot_;           ///< device memory: every block's corr and mrot (block_t::at_e)
   std::vector<C> hbuf_;         ///< device memory: host staging of the roots' identity factors
   buf mb_;                      ///< block scratch: the corrected first moment (beta1 > 0)
   buf ns_;                      ///< spectral descent: Newton–Schulz scratch
