@@ -15,6 +15,9 @@
 //   host backend equals the host step bit for bit: loss scaler, zero_state<2>, replicated
 //   state with LocalSGD, and hierarchical_reduce (comm::hierarchy over ncclCommSplit), through
 //   a checkpoint.
+// - With nccl_options::producer (the framework's backward stream), collectives, the bucket
+//   reducer's packing and the composed step order the communicator's stream after the producer
+//   and the producer after them by events (the stand-in logs the records and waits).
 #include "catch.hpp"
 
 #include <nccl.h>  // tests/support/fake_nccl: first on this test's include path
@@ -25,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "gradapt/bucket/reducer.hpp"
 #include "gradapt/comm/nccl.hpp"
 #include "gradapt/comm/threads.hpp"
 #include "gradapt/optim/adamw.hpp"
@@ -199,16 +203,27 @@ void twelve_steps(Comm& c, const B& b, model<float>& m, const PL& params, Make&&
   for (int k = 7; k <= 12; ++k) scenario::one_step(s, m, c, k);
 }
 
+/// With `o.producer` set, the device run's last step must end with the producer waiting for
+/// the communicator's stream (the stand-in's event log of this rank's thread).
 template <class Make>
-void step_matches_host(int n, Make&& make) {
-  const auto what = on_ranks(n, {}, [&](nccl& c, gradapt::comm::threads& t) {
+void step_matches_host(int n, Make&& make, const nccl_options& o = {}) {
+  const auto what = on_ranks(n, o, [&](nccl& c, gradapt::comm::threads& t) {
     const gradapt::host hb{.threads = 1};
     const host_as_device::backend db;
     model<float> h, d;
     const auto dparams = host_as_device::on_device(d.params);
     twelve_steps(t, hb, h, h.params, make);
+    fake_cuda_event_log().clear();
     twelve_steps(c, db, d, dparams, make);
     for (std::size_t i = 0; i < h.p.size(); ++i) RANK_REQUIRE(sharded_scenario::same_bits(h.p[i], d.p[i]));
+    const auto& log = fake_cuda_event_log();
+    if (o.producer) {
+      RANK_REQUIRE(log.size() >= 2);
+      RANK_REQUIRE((log[log.size() - 2].what == "record" && log[log.size() - 2].stream == c.stream()));
+      RANK_REQUIRE((log.back().what == "wait" && log.back().stream == *o.producer));
+    } else {
+      RANK_REQUIRE(log.empty());
+    }
   });
   CHECK(none(what));
 }
@@ -238,6 +253,122 @@ TEST_CASE("the composed step over comm::nccl (host stand-in) equals the host ste
                                             train::hierarchical_reduce{.hierarchy = {.group_size = 2}});
     });
   }
+}
+
+TEST_CASE(
+    "comm::nccl over the host stand-in: an enqueued collective that never finishes is caught by the "
+    "next operation's watched wait",
+    "[comm][nccl]") {
+  // Every rank enqueues an allreduce that (as far as the host can tell) never completes on its
+  // stream: the next operation's argument check polls the stream for nccl_options::timeout,
+  // aborts the communicator and throws on every rank, naming the operation; the aborted
+  // communicator refuses later calls.
+  const auto what = on_ranks(2, {.timeout = 0.2}, [](nccl& c, gradapt::comm::threads&) {
+    std::vector<float> v{1.0f};
+    c.allreduce(dev(v), reduce_op::sum);
+    fake_cuda_stream_stuck() = true;
+    const auto started = std::chrono::steady_clock::now();
+    std::string watchdog;
+    try {
+      c.allreduce(dev(v), reduce_op::sum);
+    } catch (const gradapt::error& e) {
+      watchdog = e.what();
+    }
+    fake_cuda_stream_stuck() = false;
+    RANK_REQUIRE(std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count() >= 0.2);
+    RANK_REQUIRE(watchdog.find("allreduce") != std::string::npos);
+    RANK_REQUIRE(watchdog.find("nccl_options::timeout") != std::string::npos);
+    RANK_REQUIRE(watchdog.find("ncclCommAbort") != std::string::npos);
+    c.allreduce(dev(v), reduce_op::sum);  // the aborted communicator: throws
+  });
+  for (const auto& w : what) CHECK_THAT(w, Contains("allreduce"));
+  // The same for barrier, which waits for the stream itself.
+  const auto barrier = on_ranks(1, {.timeout = 0.2}, [](nccl& c, gradapt::comm::threads&) {
+    std::vector<float> v{1.0f};
+    c.allreduce(dev(v), reduce_op::sum);
+    fake_cuda_stream_stuck() = true;
+    c.barrier();
+  });
+  CHECK_THAT(barrier[0], Contains("barrier") && Contains("nccl_options::timeout") && Contains("aborted"));
+}
+
+TEST_CASE("comm::nccl over the host stand-in: a producer stream is ordered by events on the device",
+          "[comm][nccl]") {
+  static fake_cuda_stream backward;  // the framework's stream that writes the gradients
+  const cudaStream_t producer = &backward;
+  // Unset, or the communicator's own stream (on_ranks builds it on the null stream): no event.
+  for (const nccl_options& o : {nccl_options{}, nccl_options{.producer = nullptr}}) {
+    const auto what = on_ranks(2, o, [](nccl& c, gradapt::comm::threads&) {
+      fake_cuda_event_log().clear();
+      std::vector<float> v{1.0f};
+      c.allreduce(dev(v), reduce_op::sum);
+      c.join_producer();
+      RANK_REQUIRE(fake_cuda_event_log().empty());
+    });
+    CHECK(none(what));
+  }
+  const auto what = on_ranks(2, {.producer = producer}, [&](nccl& c, gradapt::comm::threads&) {
+    auto& log = fake_cuda_event_log();
+    const auto is = [&](std::size_t i, const char* w, cudaStream_t s) {
+      return log.size() > i && log[i].what == w && log[i].stream == s;
+    };
+    // A collective: the communicator's stream waits for an event recorded on the producer.
+    log.clear();
+    std::vector<float> v{1.0f + float(c.rank())};
+    c.allreduce(dev(v), reduce_op::sum);
+    RANK_REQUIRE(v[0] == 3.0f);
+    RANK_REQUIRE(log.size() == 2);
+    RANK_REQUIRE((is(0, "record", producer) && is(1, "wait", c.stream()) && log[0].event == log[1].event));
+    // join_producer: the reverse, through another event.
+    log.clear();
+    c.join_producer();
+    RANK_REQUIRE((log.size() == 2 && is(0, "record", c.stream()) && is(1, "wait", producer)));
+    RANK_REQUIRE(log[0].event == log[1].event);
+    // The bucket reducer: every bucket's packing waits for the producer before it reads the
+    // gradients, and wait() ends with the producer waiting for the communicator's stream.
+    std::vector<std::vector<float>> g{std::vector<float>(5), std::vector<float>(20), std::vector<float>(3)};
+    std::vector<tensor_view<float, device_space>> views;
+    std::vector<gradapt::bucket::tensor_info> info;
+    for (auto& x : g) {
+      std::fill(x.begin(), x.end(), float(2 * c.rank() + 1));
+      views.push_back(dev(x));
+      info.push_back({x.size()});
+    }
+    const auto plan = gradapt::bucket::bucket_plan::make(info, {.cap_bytes = 40, .first_cap_bytes = 16});
+    RANK_REQUIRE(plan.buckets().size() >= 2);
+    gradapt::bucket::reducer<nccl, float, host_as_device::backend> red(c, plan, views);
+    log.clear();
+    for (std::size_t t = g.size(); t-- > 0;) red.mark_ready(t);
+    red.wait();
+    for (const auto& x : g)
+      for (const float e : x) RANK_REQUIRE(e == 2.0f);  // (1 + 3) / 2
+    std::size_t waits = 0;
+    for (const auto& e : log) waits += e.what == "wait" && e.stream == c.stream() ? 1 : 0;
+    RANK_REQUIRE(waits >= 2 * plan.buckets().size());  // before each packing and each collective
+    RANK_REQUIRE(is(0, "record", producer));
+    RANK_REQUIRE(log.size() >= 2);
+    RANK_REQUIRE((log[log.size() - 2].what == "record" && log[log.size() - 2].stream == c.stream()));
+    RANK_REQUIRE((log.back().what == "wait" && log.back().stream == producer));
+  });
+  CHECK(none(what));
+  // The composed step with the loss scaler and bucket_reduce, or zero_state<2> (whose allgather
+  // follows the optimizer), over a communicator with a producer: the host step's bits, every
+  // step ending with the producer ordered after it.
+  step_matches_host(2,
+                    [](auto& c, const auto& b, const auto& params, double lr) {
+                      return train::make_data_parallel_step(
+                          c, b, params, scenario::adamw, {.lr = lr, .local_batch = 8},
+                          gradapt::loss_scaler({.init_scale = 1024, .growth_interval = 3}),
+                          scenario::buckets);
+                    },
+                    {.producer = producer});
+  step_matches_host(2,
+                    [](auto& c, const auto& b, const auto& params, double lr) {
+                      return train::make_data_parallel_step(
+                          c, b, params, scenario::sgd, {.lr = lr, .local_batch = 8},
+                          gradapt::loss_scaler({.init_scale = 1024, .growth_interval = 3}), scenario::z2);
+                    },
+                    {.producer = producer});
 }
 
 }  // namespace gradapt_test_nccl_host

@@ -84,19 +84,34 @@ train::step_metrics host_step(Step& s, host_model& m, int k) {
   return s.step();
 }
 
+/// With `backward` (not null), the gradients are copied in asynchronously on that stream, the
+/// communicator's producer: the step must order its reads after them by events.
 template <class Step>
-train::step_metrics device_step(Step& s, device_model& m, int k) {
-  for (std::size_t t = 0; t < sizes.size(); ++t) m.g[t] = to_device(grad_at(t, k, s.loss_scale()));
+train::step_metrics device_step(Step& s, device_model& m, int k, cudaStream_t backward = nullptr) {
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    const auto g = grad_at(t, k, s.loss_scale());
+    if (backward != nullptr)
+      GRADAPT_CUDA_CHECK(cudaMemcpyAsync(thrust::raw_pointer_cast(m.g[t].data()), g.data(),
+                                         g.size() * sizeof(float), cudaMemcpyHostToDevice, backward));
+    else
+      m.g[t] = to_device(g);
+  }
   if constexpr (Step::marks_gradients)
     for (std::size_t t = sizes.size(); t-- > 0;) s.mark_ready(t);
   return s.step();
 }
 
-/// 8 steps on the host and on the device, each through a save after step 4 and a load.
+/// 8 steps on the host and on the device, each through a save after step 4 and a load; with
+/// `producer`, the device's gradients are written on a second stream, the communicator's
+/// nccl_options::producer.
 template <class Make>
-void matches_host(Make&& make) {
+void matches_host(Make&& make, bool producer = false) {
   one_rank r;
-  gradapt::comm::nccl dc(r.handle, r.stream);
+  cudaStream_t backward = nullptr;
+  if (producer) GRADAPT_CUDA_CHECK(cudaStreamCreate(&backward));
+  gradapt::comm::nccl dc(
+      r.handle, r.stream,
+      producer ? gradapt::comm::nccl_options{.producer = backward} : gradapt::comm::nccl_options{});
   const gradapt::cuda db{.stream = r.stream};
   gradapt::comm::single hc;
   const gradapt::host hb{.threads = 1};
@@ -108,7 +123,7 @@ void matches_host(Make&& make) {
     auto ds = make(dc, db, d.params, 0.05);
     for (int k = 1; k <= 4; ++k) {
       want.push_back(host_step(hs, h, k));
-      got.push_back(device_step(ds, d, k));
+      got.push_back(device_step(ds, d, k, backward));
     }
     auto hs2 = make(hc, hb, h.params, 0.5);
     auto ds2 = make(dc, db, d.params, 0.5);
@@ -116,10 +131,14 @@ void matches_host(Make&& make) {
     ds2.load(ds.save());
     for (int k = 5; k <= 8; ++k) {
       want.push_back(host_step(hs2, h, k));
-      got.push_back(device_step(ds2, d, k));
+      got.push_back(device_step(ds2, d, k, backward));
     }
   }
   db.synchronize();
+  if (backward != nullptr) {
+    GRADAPT_CUDA_CHECK(cudaStreamSynchronize(backward));
+    GRADAPT_CUDA_CHECK(cudaStreamDestroy(backward));
+  }
   for (std::size_t k = 0; k < want.size(); ++k) {
     INFO("step " << k + 1);
     CHECK(got[k].found_inf == want[k].found_inf);
@@ -165,6 +184,20 @@ TEST_CASE("the composed step on the CUDA backend and NCCL equals the host step: 
                                           gradapt::loss_scaler({.init_scale = 1024, .growth_interval = 2}),
                                           train::bucket_reduce{.buckets = {.cap_bytes = 8192}});
   });
+}
+
+TEST_CASE(
+    "the composed step on the CUDA backend and NCCL equals the host step: bucket_reduce, gradients written "
+    "on a producer stream",
+    "[cuda][train]") {
+  matches_host(
+      [](auto& comm, const auto& b, const auto& params, double lr) {
+        return train::make_data_parallel_step(
+            comm, b, params, gradapt::sgd({.lr = 0.05, .momentum = 0.9}), {.lr = lr, .local_batch = 8},
+            gradapt::loss_scaler({.init_scale = 1024, .growth_interval = 2}),
+            train::bucket_reduce{.buckets = {.cap_bytes = 8192}});
+      },
+      true);
 }
 
 TEST_CASE("the composed step on the CUDA backend and NCCL equals the host step: adasum_combine, scaler",

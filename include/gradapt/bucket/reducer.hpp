@@ -49,7 +49,11 @@
 /// the agreement travels through a backend buffer. NCCL's collectives are enqueued on the
 /// communicator's stream and return at once, so each bucket's allreduce is ordered after the
 /// gradients written before `mark_ready` on that stream and runs while the host goes on
-/// (the blocking path above, without a host wait).
+/// (the blocking path above, without a host wait). With `nccl_options::producer` set to the
+/// framework's backward stream (a `stream_ordered_communicator`), each bucket's packing and
+/// allreduce run on the communicator's stream (the backend's must be the same) after an event
+/// of the producer's work so far, beside the rest of the backward pass, and `wait()` makes the
+/// producer wait for them on the device before it returns.
 
 #include <algorithm>
 #include <concepts>
@@ -211,6 +215,9 @@ class reducer {
     } else {
       while (next_ < fused_.size()) start(next_++);
     }
+    // The producer's later work (the framework's optimizer step, its next forward) reads the
+    // averaged gradients.
+    if constexpr (stream_ordered_communicator<Comm>) comm_->join_producer();
     start_round();
   }
 
@@ -259,6 +266,8 @@ class reducer {
   /// Packs bucket b into its fused buffer and starts (or, blocking, runs) its allreduce.
   void start(std::size_t b) {
     if constexpr (can_overlap) requests_[b] = request_type{};  // an abandoned round's, completed first
+    // The packing below reads gradients the framework wrote on its producer stream.
+    if constexpr (stream_ordered_communicator<Comm>) comm_->after_producer();
     const auto buf = buffer(b);
     if (!in_place_[b]) {
       const auto& k = plan_.buckets()[b];

@@ -50,6 +50,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -83,6 +84,17 @@ struct nccl_options {
   /// operation's wait when `check_sizes` is on (its argument check waits for the stream); the
   /// stream's own synchronisation by the framework is not watched.
   double timeout = 300.0;
+  /// The framework's stream that writes the buffers this communicator reduces (its backward
+  /// stream), when it is not the communicator's: every operation first makes the
+  /// communicator's stream wait for the work enqueued on it so far (`cudaEventRecord` on the
+  /// producer, `cudaStreamWaitEvent` on the communicator's stream: the device orders them, the
+  /// host does not wait), so reductions run on the communicator's stream while the producer
+  /// goes on with the rest of the backward pass; `join_producer()` orders the producer after
+  /// the communicator's work (the bucket reducer's `wait()` and the composed step call both).
+  /// Unset (the default), or equal to the communicator's stream: nothing is recorded. Element
+  /// work on buffers the communicator reduces (the backend's) belongs on the communicator's
+  /// stream. Split communicators inherit it.
+  std::optional<cudaStream_t> producer = std::nullopt;
 };
 
 namespace detail_nccl {
@@ -127,14 +139,18 @@ struct shared_state {
   ncclComm_t owned = nullptr;
   int device = 0;
   void* scratch = nullptr;
+  cudaEvent_t produced = nullptr;  ///< recorded on the producer stream (nccl_options::producer)
+  cudaEvent_t reduced = nullptr;   ///< recorded on the communicator's stream for the producer
 
   shared_state() = default;
   shared_state(const shared_state&) = delete;
   shared_state& operator=(const shared_state&) = delete;
   ~shared_state() {
-    if (scratch != nullptr) {
+    if (scratch != nullptr || produced != nullptr || reduced != nullptr) {
       device_guard guard(device);
-      cudaFree(scratch);
+      if (scratch != nullptr) cudaFree(scratch);
+      if (produced != nullptr) cudaEventDestroy(produced);
+      if (reduced != nullptr) cudaEventDestroy(reduced);
     }
     if (owned != nullptr) {
       // Flush outstanding work, then free; errors cannot be reported from a destructor.
@@ -189,11 +205,20 @@ class nccl : private detail::engine_calls<nccl> {
   /// The options this communicator was built with (split communicators inherit them).
   [[nodiscard]] const nccl_options& options() const noexcept { return opts_; }
 
+  /// Makes the communicator's stream wait, on the device, for the work enqueued so far on
+  /// `nccl_options::producer` (nothing when it is unset or is the communicator's stream). Every
+  /// operation calls it first.
+  void after_producer() { order("after_producer", true); }
+  /// Makes `nccl_options::producer` wait, on the device, for the work enqueued so far on the
+  /// communicator's stream (nothing when it is unset or is the communicator's stream).
+  void join_producer() { order("join_producer", false); }
+
   /// Enqueues, in place and element-wise across ranks, `buf[i] = op over ranks of buf[i]`.
   /// Every rank must pass the same number of elements.
   template <element T>
   requires(!std::is_const_v<T>) void allreduce(tensor_view<T, device_space> buf, reduce_op op) {
     constexpr std::string_view name = "allreduce";
+    after_producer();
     if (!open_allreduce<T>(buf.size(), op)) return;
     check(ncclAllReduce(buf.data(), buf.data(), buf.size(), detail_nccl::datatype<T>(),
                         detail_nccl::reduction(op), comm_, stream_),
@@ -205,6 +230,7 @@ class nccl : private detail::engine_calls<nccl> {
   template <element T>
   requires(!std::is_const_v<T>) void broadcast(tensor_view<T, device_space> buf, int root) {
     constexpr std::string_view name = "broadcast";
+    after_producer();
     if (!open_broadcast<T>(buf.size(), root)) return;
     check(ncclBroadcast(buf.data(), buf.data(), buf.size(), detail_nccl::datatype<T>(), root, comm_, stream_),
           name, "ncclBroadcast");
@@ -218,6 +244,7 @@ class nccl : private detail::engine_calls<nccl> {
   requires(!std::is_const_v<T>) void allgather(std::type_identity_t<tensor_view<const T, device_space>> send,
                                                tensor_view<T, device_space> recv) {
     constexpr std::string_view name = "allgather";
+    after_producer();
     const std::size_t n = send.size();
     if (!open_allgather<T>(send.data(), n, recv.data(), recv.size())) return;
     check(ncclAllGather(send.data(), recv.data(), n, detail_nccl::datatype<T>(), comm_, stream_), name,
@@ -233,6 +260,7 @@ class nccl : private detail::engine_calls<nccl> {
       std::type_identity_t<tensor_view<const T, device_space>> send, tensor_view<T, device_space> recv,
       reduce_op op) {
     constexpr std::string_view name = "reduce_scatter";
+    after_producer();
     const std::size_t m = recv.size();
     if (!open_reduce_scatter<T>(send.data(), send.size(), recv.data(), m, op, true)) return;
     check(ncclReduceScatter(send.data(), recv.data(), m, detail_nccl::datatype<T>(),
@@ -250,6 +278,7 @@ class nccl : private detail::engine_calls<nccl> {
                                               std::type_identity_t<tensor_view<const T, device_space>> send,
                                               tensor_view<T, device_space> recv) {
     constexpr std::string_view name = "exchange";
+    after_producer();
     const auto copy = [&] {
       if (send.empty()) return;
       detail_nccl::device_guard guard(state_->device);
@@ -287,6 +316,7 @@ class nccl : private detail::engine_calls<nccl> {
   /// entered `barrier` and this rank's earlier work on the stream has finished.
   void barrier() {
     constexpr std::string_view name = "barrier";
+    after_producer();
     void* s = scratch();
     check(ncclAllReduce(s, s, 1, ncclInt64, ncclMax, comm_, stream_), name, "ncclAllReduce");
     synchronize(name);
@@ -339,6 +369,20 @@ class nccl : private detail::engine_calls<nccl> {
 
   void cuda_check(cudaError_t e, std::string_view op, std::string_view fn) const {
     if (e != cudaSuccess) fail(op, fn, " failed: ", cudaGetErrorName(e), ": ", cudaGetErrorString(e));
+  }
+
+  /// The communicator's stream waits on the device for the producer's work enqueued so far
+  /// (`after`), or the producer for the communicator's, through an event of the family
+  /// (created on first use); nothing without a producer, or when it is the stream itself.
+  void order(std::string_view op, bool after) const {
+    if (!opts_.producer || *opts_.producer == stream_) return;
+    const cudaStream_t from = after ? *opts_.producer : stream_, to = after ? stream_ : *opts_.producer;
+    cudaEvent_t& event = after ? state_->produced : state_->reduced;
+    detail_nccl::device_guard guard(state_->device);
+    if (event == nullptr)
+      cuda_check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), op, "cudaEventCreateWithFlags");
+    cuda_check(cudaEventRecord(event, from), op, "cudaEventRecord");
+    cuda_check(cudaStreamWaitEvent(to, event, 0), op, "cudaStreamWaitEvent");
   }
 
   /// Runs `body` between ncclGroupStart and ncclGroupEnd; the group is closed even if it throws.

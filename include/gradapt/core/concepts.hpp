@@ -84,4 +84,19 @@ concept mean_allreduce_communicator = communicator<C> &&
   c.allreduce_mean(d);
 };
 
+/// A communicator whose operations run on a stream of their own beside the stream where the
+/// framework produces their buffers (its backward stream), ordered by events on the device
+/// rather than by host waits: `c.after_producer()` makes the communicator's stream wait for
+/// the producer's work enqueued so far (the collectives do it themselves; a caller that first
+/// touches produced buffers on the communicator's stream, such as the bucket reducer's
+/// packing copy, calls it before), and `c.join_producer()` makes the producer's stream wait for
+/// the communicator's work enqueued so far (the bucket reducer's `wait()` and the composed
+/// step call it before they return). Both do nothing when no producer is set. `comm::nccl`
+/// has them (`nccl_options::producer`).
+template <class C>
+concept stream_ordered_communicator = communicator<C> && requires(C& c) {
+  c.after_producer();
+  c.join_producer();
+};
+
 }  // namespace gradapt

@@ -256,6 +256,9 @@ class data_parallel_step {
                     params_->total_elements(), " elements) but the step was built for ", tensors_, " (",
                     total_, "); build a new step when the model changes");
     const auto entered = std::chrono::steady_clock::now();
+    // The gradients were written on the framework's producer stream (nccl_options::producer):
+    // the step's element work on the communicator's stream comes after it.
+    if constexpr (stream_ordered_communicator<Comm>) comm_->after_producer();
     const double busy_before = busy_;
     busy_ = -1.0;  // this call's time, known at its end
     const std::uint64_t call = calls_ + 1;
@@ -451,6 +454,7 @@ class data_parallel_step {
                                             "') was marked ready twice in this step");
       return;
     }
+    if constexpr (stream_ordered_communicator<Comm>) comm_->after_producer();  // gradient t was written there
     if constexpr (has_loss_scaling && on_device)  // a flag in device memory, read at step()
       unscale_flag_nonfinite(backend_, params_->grads().subspan(t, 1), scaler_.inv_scale(), flag_view(1));
     else if constexpr (has_loss_scaling)
@@ -632,6 +636,7 @@ class data_parallel_step {
     m.state_bytes = state_bytes();
     m.progress = progress_value();
     m.noise_scale = noise_scale_value();
+    if constexpr (stream_ordered_communicator<Comm>) comm_->join_producer();  // the parameters, for it
     calls_ = call;
     last_ = m;
     if (m.found_inf) notify<events::on_overflow>(hooks_, settings_, std::as_const(last_));
