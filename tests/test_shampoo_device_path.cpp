@@ -23,11 +23,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "gradapt/comm/threads.hpp"
 #include "gradapt/optim/shampoo.hpp"
+#include "gradapt/shard/optimizer.hpp"
 #include "gradapt/train/data_parallel_step.hpp"
 #include "host_as_device.hpp"
 #include "host_as_device_linalg.hpp"
@@ -259,7 +261,67 @@ std::vector<std::string> first_step_errors(const shampoo_options& o, void (*mine
   });
 }
 
+/// The device chain sharded by block (`sharded_optimizer`, the device-tagged communicator and
+/// backend) on this rank's gradients, against the unsharded host chain on their mean: 8 steps,
+/// the state saved after step 4 and loaded into a new sharded state on the same ranks (blocks,
+/// roots, moments and graft state copied out of and back into the backend's buffers); the
+/// same bits every step.
+void sharded_matches(threads& c, const shampoo_options& o, const gradapt::shard::sharded_options& so) {
+  const auto host_opt = family_chain<gradapt::host_lapack>(o);
+  const auto dev_opt = family_chain<host_as_device::linalg>(o);
+  const gradapt::host hb{.threads = 1};
+  const host_as_device::backend db;
+  host_as_device::comm dc{&c};
+  model ref, sh;
+  const auto dparams = host_as_device::on_device(sh.params);
+  auto rst = host_opt.init(hb, ref.params);
+  const gradapt::shard::sharded_optimizer sopt(dev_opt, so);
+  auto sst = sopt.init(dc, db, dparams);
+  for (int k = 1; k <= 8; ++k) {
+    ref.grads(k, c.rank());
+    sh.grads(k, c.rank());
+    for (const auto& g : ref.params.grads()) c.allreduce(g, gradapt::reduce_op::sum);
+    if (c.size() > 1) hb.apply_list(gradapt::detail::divide_by_ranks{c.size()}, ref.params.grads());
+    host_opt.step(hb, ref.params, rst);
+    if (k == 5) {  // through a checkpoint: every rank reads every rank's archive
+      const auto mine = sst.save(db);
+      std::vector<std::vector<std::byte>> all(static_cast<std::size_t>(c.size()));
+      for (int r = 0; r < c.size(); ++r) {
+        double n = r == c.rank() ? static_cast<double>(mine.size()) : 0.0;
+        c.broadcast(tensor_view<double>::vector(&n, 1), r);
+        std::vector<double> words(static_cast<std::size_t>(n + 7) / 8, 0.0);
+        if (r == c.rank()) std::memcpy(words.data(), mine.data(), mine.size());
+        c.broadcast(gradapt::host_view(words), r);
+        auto& a = all[static_cast<std::size_t>(r)];
+        a.resize(static_cast<std::size_t>(n));
+        std::memcpy(a.data(), words.data(), a.size());
+      }
+      sst = sopt.load(dc, db, dparams,
+                      [&](int r) { return std::span<const std::byte>(all.at(static_cast<std::size_t>(r))); });
+    }
+    sopt.step(dc, db, dparams, sst);
+    RANK_REQUIRE(ref.same_bits(sh));
+  }
+}
+
 }  // namespace
+
+TEST_CASE(
+    "the Shampoo family on device memory, sharded by block: the unsharded host chain's bits on 1 to 3 "
+    "ranks, through a checkpoint",
+    "[shampoo][device][shard]") {
+  const gradapt::shard::sharded_options rows{.partition = {.mode = gradapt::shard::granularity::unit}};
+  const gradapt::shard::sharded_options tensors{.partition = {.mode = gradapt::shard::granularity::tensor}};
+  for (const int n : {1, 2, 3}) {
+    INFO(n << " ranks");
+    run_threads(n, {.timeout = std::chrono::seconds(120)}, [&](threads& c) {
+      sharded_matches(c, root_option_sets()[0], rows);
+      sharded_matches(c, root_option_sets()[1], tensors);
+      sharded_matches(c, corrected_option_sets()[0], rows);
+      sharded_matches(c, option_sets()[1], tensors);
+    });
+  }
+}
 
 TEST_CASE("shampoo spectral descent on device memory: the host chain's bits, through a checkpoint",
           "[shampoo][device]") {

@@ -264,8 +264,8 @@ struct scale_by_shampoo {
   /// root workspace per block size, and scratch (`linalg` copied into it).
   /// @throws gradapt::error for a parameter whose gradient and value shapes differ (param_list
   ///         prevents it) or a block size the linear-algebra backend cannot take; on device
-  ///         memory, for what runs in host memory only (eigenvalue_corrected, root.method
-  ///         coupled_newton, root_staleness >= 1, slices), naming the option
+  ///         memory, for what runs in host memory only (eigenbasis qr, root.method
+  ///         coupled_newton, root_staleness >= 1), naming the option
   ///
   /// With `slices` (the sharded optimizer's), list entry t is elements [slices[t].offset, +
   /// its size) of a tensor of `slices[t].shape`, cut at multiples of `shard_grain`: the state
@@ -288,8 +288,6 @@ struct scale_by_shampoo {
           who,
           " eigenvalue-corrected Shampoo refreshes its eigenbases by eigenbasis eigh (eigenbasis is qr, "
           "whose power iteration and reordering run in host memory)");
-      gradapt::detail::require(slices.empty(), who,
-                               " the stage runs unsharded (it was given the sharded optimizer's slices)");
       if (options.preconditioner == shampoo_preconditioner::root_inverse) {
         gradapt::detail::require(options.root.method == root_method::eigen, who,
                                  " the roots are computed by root.method eigen (root.method is "

@@ -163,26 +163,7 @@ void shampoo_state<L, B, V, G>::save(const B& b, archive_writer& w) const {
     w.put("index", static_cast<std::uint64_t>(t));
     w.put_tensor<std::int64_t>("shape", x.shape);
     w.put_tensor<std::int64_t>("layout", layout_words(x.layout));
-    for (std::size_t j = 0; j < x.blocks.size(); ++j) {
-      const auto& bl = x.blocks[j];
-      if constexpr (on_host) {
-        write_block(w, t, j, j, bl.stats.data(), bl.roots.data(), bl.corr.data(), bl.mrot.data());
-      } else {  // device memory: through host copies
-        std::vector<compute_type> s(bl.stats.size()), r(bl.roots.size()), c(bl.corr.size()),
-            m(bl.mrot.size());
-        const auto get = [&](const buf& from, std::size_t at, std::vector<compute_type>& to) {
-          const auto n = static_cast<std::int64_t>(to.size());
-          if (n > 0)
-            b.copy(tensor_view<const compute_type, typename B::space>::vector(from.data() + at, n),
-                   tensor_view<compute_type, host_space>::vector(to.data(), n));
-        };
-        get(dstats_, bl.at, s);
-        get(droots_, bl.at, r);
-        get(dcorr_, bl.at_e, c);
-        get(dmrot_, bl.at_e, m);
-        write_block(w, t, j, j, s.data(), r.data(), c.data(), m.data());
-      }
-    }
+    for (std::size_t j = 0; j < x.blocks.size(); ++j) write_block_of(b, w, t, j, j);
     w.end();
   }
   std::vector<compute_type> tmp;  // a device buffer's values
@@ -201,20 +182,63 @@ void shampoo_state<L, B, V, G>::save(const B& b, archive_writer& w) const {
 }
 
 template <class L, class B, class V, class G>
-void shampoo_state<L, B, V, G>::save_slice(archive_writer& w, std::size_t t) const {
+void shampoo_state<L, B, V, G>::write_block_of(const B& b, archive_writer& w, std::size_t t, std::size_t j,
+                                               std::size_t label) const {
+  const auto& bl = t_[t].blocks[j];
+  if constexpr (on_host) {
+    (void)b;
+    write_block(w, t, j, label, bl.stats.data(), bl.roots.data(), bl.corr.data(), bl.mrot.data());
+  } else {  // device memory: through host copies
+    std::vector<compute_type> s(bl.stats.size()), r(bl.roots.size()), c(bl.corr.size()), m(bl.mrot.size());
+    const auto get = [&](const buf& from, std::size_t at, std::vector<compute_type>& to) {
+      const auto n = static_cast<std::int64_t>(to.size());
+      if (n > 0)
+        b.copy(tensor_view<const compute_type, typename B::space>::vector(from.data() + at, n),
+               tensor_view<compute_type, host_space>::vector(to.data(), n));
+    };
+    get(dstats_, bl.at, s);
+    get(droots_, bl.at, r);
+    get(dcorr_, bl.at_e, c);
+    get(dmrot_, bl.at_e, m);
+    write_block(w, t, j, label, s.data(), r.data(), c.data(), m.data());
+  }
+}
+
+template <class L, class B, class V, class G>
+void shampoo_state<L, B, V, G>::block_to_device(const B& b, const block_t& bl) {
+  if constexpr (!on_host) {
+    const auto put_at = [&](const std::vector<compute_type>& from, buf& to, std::size_t at) {
+      const auto n = static_cast<std::int64_t>(from.size());
+      if (n > 0)
+        b.copy(tensor_view<const compute_type, host_space>::vector(from.data(), n),
+               tensor_view<compute_type, typename B::space>::vector(to.data() + at, n));
+    };
+    put_at(bl.stats, dstats_, bl.at);
+    put_at(bl.roots, droots_, bl.at);
+    put_at(bl.corr, dcorr_, bl.at_e);
+    put_at(bl.mrot, dmrot_, bl.at_e);
+  } else {
+    (void)b;
+    (void)bl;
+  }
+}
+
+template <class L, class B, class V, class G>
+void shampoo_state<L, B, V, G>::save_slice(const B& b, archive_writer& w, std::size_t t) const {
   const auto& x = tensor(t);
   w.put("first_block", static_cast<std::uint64_t>(x.first_block));
   w.put("blocks", static_cast<std::uint64_t>(x.blocks.size()));
-  for (std::size_t j = 0; j < x.blocks.size(); ++j)
-    write_block(w, t, j, x.first_block + j, x.blocks[j].stats.data(), x.blocks[j].roots.data(),
-                x.blocks[j].corr.data(), x.blocks[j].mrot.data());
+  for (std::size_t j = 0; j < x.blocks.size(); ++j) write_block_of(b, w, t, j, x.first_block + j);
+  std::vector<compute_type> tmp;  // a device buffer's values
   if (detail::shampoo_impl::graft_has_state(graft_)) {
-    require_finite(std::span<const compute_type>(x.graft), x.name, 0, "graft state");
-    w.put_tensor<compute_type>("graft", std::span<const compute_type>(x.graft));
+    const auto v = host_values(b, x.graft, tmp);
+    require_finite(v, x.name, 0, "graft state");
+    w.put_tensor<compute_type>("graft", v);
   }
   if (beta1_ > 0) {
-    require_finite(std::span<const compute_type>(x.mom), x.name, 0, "first moment");
-    w.put_tensor<compute_type>("first_moment", std::span<const compute_type>(x.mom));
+    const auto v = host_values(b, x.mom, tmp);
+    require_finite(v, x.name, 0, "first moment");
+    w.put_tensor<compute_type>("first_moment", v);
   }
 }
 
@@ -228,7 +252,7 @@ void shampoo_state<L, B, V, G>::load_header(archive_reader& r, std::uint64_t ste
 }
 
 template <class L, class B, class V, class G>
-void shampoo_state<L, B, V, G>::load_slice(archive_reader& r, std::size_t t, std::size_t offset,
+void shampoo_state<L, B, V, G>::load_slice(const B& b, archive_reader& r, std::size_t t, std::size_t offset,
                                            std::size_t length) {
   constexpr const char* who = "shampoo state load";
   auto& x = t_.at(t);
@@ -278,16 +302,24 @@ void shampoo_state<L, B, V, G>::load_slice(archive_reader& r, std::size_t t, std
       dst = &scratch;
     }
     read_block(r, x.name, *dst, j, in_flight);
+    if (mine) block_to_device(b, *dst);
   }
-  const auto copy_range = [&](const char* field, std::vector<compute_type>& to) {
+  const auto copy_range = [&](const char* field, buf& to) {
     const auto v = r.get_tensor<compute_type>(field);
     detail::require(v.size() == length, who, ": parameter '", x.name, "': the checkpoint's ", field,
                     " holds ", v.size(), " values for the slice's ", length, " elements");
     for (const compute_type e : v)
       detail::require(std::isfinite(e), who, ": the ", field, " of parameter '", x.name,
                       "' holds a non-finite value (a checkpoint of a diverged run cannot be resumed)");
-    const std::size_t a = std::max(offset, x.offset), b = std::min(offset + length, x.offset + x.size);
-    for (std::size_t i = a; i < b; ++i) to[i - x.offset] = v[i - offset];
+    const std::size_t a = std::max(offset, x.offset), e = std::min(offset + length, x.offset + x.size);
+    if (a >= e) return;
+    if constexpr (on_host) {
+      for (std::size_t i = a; i < e; ++i) to[i - x.offset] = v[i - offset];
+    } else {  // the shared range, copied into the device buffer
+      const auto n = static_cast<std::int64_t>(e - a);
+      b.copy(tensor_view<const compute_type, host_space>::vector(v.data() + (a - offset), n),
+             tensor_view<compute_type, typename B::space>::vector(to.data() + (a - x.offset), n));
+    }
   };
   if (detail::shampoo_impl::graft_has_state(graft_)) copy_range("graft", x.graft);
   if (beta1_ > 0) copy_range("first_moment", x.mom);
@@ -383,18 +415,7 @@ void shampoo_state<L, B, V, G>::load(const B& b, archive_reader& r, std::uint64_
       };
       if (detail::shampoo_impl::graft_has_state(graft_)) put(graft[t], t_[t].graft);
       if (beta1_ > 0) put(mom[t], t_[t].mom);
-      const auto put_at = [&](const std::vector<compute_type>& from, buf& to, std::size_t at) {
-        const auto n = static_cast<std::int64_t>(from.size());
-        if (n > 0)
-          b.copy(tensor_view<const compute_type, host_space>::vector(from.data(), n),
-                 tensor_view<compute_type, typename B::space>::vector(to.data() + at, n));
-      };
-      for (const auto& bl : t_[t].blocks) {  // statistics, roots, corrected moments
-        put_at(bl.stats, dstats_, bl.at);
-        put_at(bl.roots, droots_, bl.at);
-        put_at(bl.corr, dcorr_, bl.at_e);
-        put_at(bl.mrot, dmrot_, bl.at_e);
-      }
+      for (const auto& bl : t_[t].blocks) block_to_device(b, bl);  // statistics, roots, moments
     }
   }
   steps_ = steps;

@@ -214,14 +214,14 @@ class shampoo_state {
   /// The sharded optimizer's checkpoint (shard/state.hpp), for a state made with slices
   /// (`scale_by_shampoo::init_state(b, params, slices)`): `save_header` writes the fields
   /// every slice shares (format, element type, graft, beta1, bias_correction, spectrum,
-  /// preconditioner, roots in flight); `save_slice(w, t)` writes tensor t's slice:
+  /// preconditioner, roots in flight); `save_slice(b, w, t)` writes tensor t's slice:
   /// `first_block` and `blocks` (its blocks' indices in the whole tensor), `block<J>/...` per
   /// block J of the whole tensor (as `save` writes a block), and `graft` and `first_moment`
   /// over the slice's elements.
   /// @throws gradapt::error when a value is not finite
   void save_header(archive_writer& w) const;
   /// See save_header.
-  void save_slice(archive_writer& w, std::size_t t) const;
+  void save_slice(const B& b, archive_writer& w, std::size_t t) const;
   /// Reads and checks what `save_header` wrote, into a state just made by `init_state` with
   /// slices, at the checkpoint's step count `steps`.
   /// @throws gradapt::error naming the field that does not match this state's options
@@ -232,7 +232,7 @@ class shampoo_state {
   /// of the tensor, after `load_header`, on a state just made (a failed read leaves it
   /// partly written: discard it).
   /// @throws gradapt::error naming the field and the parameter
-  void load_slice(archive_reader& r, std::size_t t, std::size_t offset, std::size_t length);
+  void load_slice(const B& b, archive_reader& r, std::size_t t, std::size_t offset, std::size_t length);
 
  private:
   template <class>
@@ -325,6 +325,10 @@ class shampoo_state {
   // The checkpoint's pieces (shampoo_checkpoint.hpp).
   void write_block(archive_writer& w, std::size_t t, std::size_t j, std::size_t label, const C* stats,
                    const C* roots, const C* corr, const C* mrot) const;
+  // write_block from B's memory (device: through host copies), and a block's host copies
+  // into the device buffers (nothing in host memory).
+  void write_block_of(const B& b, archive_writer& w, std::size_t t, std::size_t j, std::size_t label) const;
+  void block_to_device(const B& b, const block_t& bl);
   void read_block(archive_reader& r, const std::string& pname, block_t& bl, std::size_t j,
                   std::uint64_t in_flight) const;
   std::uint64_t check_header(archive_reader& r, std::uint64_t steps) const;

@@ -195,7 +195,7 @@ class sharded_state {
       }
       if constexpr (has_preconditioner) {
         w.begin("preconditioner");
-        for_units_of(q, [&](std::size_t u) { st_.preconditioner().save_slice(w, u); });
+        for_units_of(q, [&](std::size_t u) { st_.preconditioner().save_slice(b, w, u); });
         w.end();
       }
       if (master_.size() != 0) {

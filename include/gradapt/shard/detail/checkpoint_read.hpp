@@ -108,7 +108,7 @@ struct checkpoint_reader {
         std::size_t u = 0;
         while (u < s.units_.size() && s.units_[u].tensor != q.tensor) ++u;
         if (u < s.units_.size())
-          s.st_.preconditioner().load_slice(rd, u, q.offset, q.length);
+          s.st_.preconditioner().load_slice(b, rd, u, q.offset, q.length);
         else
           consume_section(rd);
         rd.end();
