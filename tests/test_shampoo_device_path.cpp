@@ -23,8 +23,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "gradapt/comm/threads.hpp"
@@ -410,7 +412,7 @@ TEST_CASE("shampoo on device memory: what stays in host memory throws at init, n
 
 TEST_CASE(
     "the composed step with Muon, Shampoo or eigenvalue-corrected Shampoo on device memory equals the "
-    "host step",
+    "host step, replicated or sharded by block",
     "[shampoo][device][train]") {
   namespace scenario = train_combinations_scenario;
   using sharded_scenario::model;
@@ -437,36 +439,44 @@ TEST_CASE(
     INFO("preconditioner " << to_string(o.preconditioner));
     const auto host_opt = family_chain<gradapt::host_lapack>(o);
     const auto dev_opt = family_chain<host_as_device::linalg>(o);
-    // 12 steps (an overflow at step 5 on the last rank), saved after 6 and loaded into a fresh step.
-    const auto twelve = [](auto& comm, const auto& b, model<float>& m, const auto& params, const auto& opt) {
+    // 12 steps (an overflow at step 5 on the last rank), saved after 6 and loaded into a fresh
+    // step; with the replicated state and LocalSGD, or with the state sharded by block
+    // (zero_state<1>).
+    const auto twelve = [](auto& comm, const auto& b, model<float>& m, const auto& params, const auto& opt,
+                           const auto& state, auto local) {
+      constexpr bool with_local = decltype(local)::value;
       std::vector<std::byte> saved;
       {
-        auto s = scenario::make_step<true, false, true>(
-            comm, b, params, opt, gradapt::train::replicated_state{}, gradapt::train::one_buffer_reduce{},
-            gradapt::train::allreduce_mean{}, 1e-2);
+        auto s = scenario::make_step<true, false, with_local>(comm, b, params, opt, state,
+                                                              gradapt::train::one_buffer_reduce{},
+                                                              gradapt::train::allreduce_mean{}, 1e-2);
         for (int k = 1; k <= 6; ++k) scenario::one_step(s, m, comm, k);
         saved = s.save();
       }
-      auto s = scenario::make_step<true, false, true>(
-          comm, b, params, opt, gradapt::train::replicated_state{}, gradapt::train::one_buffer_reduce{},
-          gradapt::train::allreduce_mean{}, 0.5);
+      auto s = scenario::make_step<true, false, with_local>(comm, b, params, opt, state,
+                                                            gradapt::train::one_buffer_reduce{},
+                                                            gradapt::train::allreduce_mean{}, 0.5);
       s.load(saved);
       for (int k = 7; k <= 12; ++k) scenario::one_step(s, m, comm, k);
     };
-    for (const int n : {1, 2, 3}) {
-      INFO(n << " ranks");
-      run_threads(n, {.timeout = std::chrono::seconds(120)}, [&](threads& c) {
-        const gradapt::host hb{.threads = 1};
-        const host_as_device::backend db;
-        host_as_device::comm dc{&c};
-        model<float> h, d;
-        const auto dparams = host_as_device::on_device(d.params);
-        twelve(c, hb, h, h.params, host_opt);
-        twelve(dc, db, d, dparams, dev_opt);
-        for (std::size_t t = 0; t < h.p.size(); ++t)
-          RANK_REQUIRE(sharded_scenario::same_bits(h.p[t], d.p[t]));
-      });
-    }
+    const auto rows = [&](const auto& state, auto local, std::initializer_list<int> worlds) {
+      for (const int n : worlds) {
+        INFO(n << " ranks");
+        run_threads(n, {.timeout = std::chrono::seconds(120)}, [&](threads& c) {
+          const gradapt::host hb{.threads = 1};
+          const host_as_device::backend db;
+          host_as_device::comm dc{&c};
+          model<float> h, d;
+          const auto dparams = host_as_device::on_device(d.params);
+          twelve(c, hb, h, h.params, host_opt, state, local);
+          twelve(dc, db, d, dparams, dev_opt, state, local);
+          for (std::size_t t = 0; t < h.p.size(); ++t)
+            RANK_REQUIRE(sharded_scenario::same_bits(h.p[t], d.p[t]));
+        });
+      }
+    };
+    rows(gradapt::train::replicated_state{}, std::true_type{}, {1, 2, 3});
+    rows(gradapt::train::zero_state<1>{}, std::false_type{}, {2, 3});
   }
 }
 
