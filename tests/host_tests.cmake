@@ -202,6 +202,9 @@ if(GRADAPT_WITH_LAPACK)
   gradapt_add_test(test_kfac_refs GROUP linalg SOURCES test_kfac_refs.cpp LIBS gradapt::linalg)
   # K-FAC in the precondition slot of train::data_parallel_step (train/kfac_policy.hpp).
   gradapt_add_test(test_train_kfac GROUP linalg SOURCES test_train_kfac.cpp LIBS gradapt::linalg)
+  # K-FAC with its state in device memory, through the device-tagged host backends.
+  gradapt_add_test(test_kfac_device_path GROUP linalg SOURCES test_kfac_device_path.cpp
+                   support/kfac_ld_reference.cpp LIBS gradapt::linalg)
   # The Shampoo family in train::data_parallel_step: every state, reduce and combine slot, the
   # scaler, AdaScale, LocalSGD, the roots over the ranks, an N -> M restore (comm::threads ranks).
   gradapt_add_test(test_train_shampoo GROUP linalg SOURCES test_train_shampoo.cpp LIBS gradapt::linalg)
@@ -220,7 +223,8 @@ endif()
 # cuda_linalg (cuBLAS + cuSOLVER) on the device: compiled with the CUDA tests' runner, skipped
 # at run time without a GPU (exit code 77).
 if(GRADAPT_WITH_CUDA)
-  add_executable(test_linalg_cuda test_linalg_cuda.cu support/shampoo_ld_reference.cpp)
+  add_executable(test_linalg_cuda test_linalg_cuda.cu support/shampoo_ld_reference.cpp
+                 support/kfac_ld_reference.cpp)
   target_link_libraries(test_linalg_cuda PRIVATE gradapt::cuda_linalg gradapt_cuda_test_main)
   if(GRADAPT_WARNINGS_AS_ERRORS)
     set(_linalg_cuda_flags -Xcompiler=-Wall,-Wextra,-Werror --Werror=all-warnings)

@@ -15,6 +15,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "catch.hpp"
@@ -24,6 +25,7 @@
 #include "gradapt/linalg/cuda_linalg.cuh"
 #include "gradapt/linalg/newton_schulz.hpp"
 #include "gradapt/optim/shampoo.hpp"
+#include "kfac_reference_run.hpp"
 #include "shampoo_ld_reference.hpp"
 
 using gradapt::cuda_buffer;
@@ -376,6 +378,44 @@ TEST_CASE(
   four_steps_against(o, [](gradapt_test::shampoo_ld_reference& r, const std::vector<double>& g) {
     return r.corrected_direction(g);
   });
+}
+
+namespace {
+/// Device buffers for kfac_against_ld: the copies wait for `stream` (the backend's).
+struct cuda_memory {
+  cudaStream_t stream;
+  template <class T>
+  cuda_buffer<T> alloc(std::size_t n) const {
+    return cuda_buffer<T>(n);
+  }
+  template <class T>
+  void put(cuda_buffer<T>& d, const std::vector<T>& h) const {
+    GRADAPT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    if (!h.empty())
+      GRADAPT_CUDA_CHECK(cudaMemcpy(d.data(), h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  template <class T>
+  std::vector<T> get(const cuda_buffer<T>& d) const {
+    GRADAPT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    return download(d);
+  }
+};
+}  // namespace
+
+TEST_CASE(
+    "kfac on gradapt::cuda and cuda_linalg: factors, eigendecompositions or inverses and products "
+    "against a long double re-run, through a checkpoint",
+    "[linalg][cuda][kfac]") {
+  const cuda_linalg la;
+  const gradapt::cuda b{.stream = la.stream()};
+  for (const auto& [method, prediv] :
+       {std::pair{gradapt::kfac_method::eigen, false}, std::pair{gradapt::kfac_method::eigen, true},
+        std::pair{gradapt::kfac_method::inverse, false}}) {
+    const double worst =
+        gradapt_test::kfac_against_ld<device_space>(b, la, cuda_memory{la.stream()}, method, prediv);
+    INFO("method " << int(method) << ", prediv " << prediv << ": largest relative difference " << worst);
+    CHECK(worst <= 1e-9);
+  }
 }
 
 TEST_CASE("cuda_linalg: invalid shapes throw gradapt::error", "[linalg][cuda]") {

@@ -1,9 +1,10 @@
 #pragma once
 /// @file
 /// K-FAC (Martens and Grosse 2015; Osawa et al. 2019, distributed; Pauloski et al. 2021,
-/// KAISA): Kronecker-factored natural-gradient preconditioning of linear layers, on the host,
-/// fed by the framework with each layer's inputs and output gradients. It rewrites the
-/// gradients; any optimizer then steps on them.
+/// KAISA): Kronecker-factored natural-gradient preconditioning of linear layers, in host or
+/// device memory (the state's element and linear-algebra backends), fed by the framework with
+/// each layer's inputs and output gradients. It rewrites the gradients; any optimizer then
+/// steps on them.
 ///
 /// For a layer with inputs a (rows × in, plus a column of ones with a bias) and output
 /// gradients g (rows × out; divided by the loss scale), on factor-update steps:
@@ -22,11 +23,11 @@
 ///
 /// and with KL clipping every layer's V is scaled by ν = min(1, √(kl_clip / |Σ lr²·⟨V, M⟩|))
 /// (the sum over all layers). The factors are kept in C, the decompositions computed, kept and
-/// applied in D (both float or double; `kfac_state<L, C, D>`). Distributed, each layer's
+/// applied in D (both float or double; `kfac_state<L, C, D, B>`). Distributed, each layer's
 /// decomposition is computed on one rank and held by g = grad_worker_fraction · ranks of them,
 /// which precondition its gradient (KAISA's communication-optimal, hybrid and memory-optimal
-/// modes). docs/algorithms/kfac.md has the options, the distributed modes and what is not
-/// built.
+/// modes); in device memory every rank decomposes every layer (g = ranks). docs/algorithms/kfac.md has the
+/// options, the distributed modes and what is not built.
 
 #include <algorithm>
 #include <cmath>
@@ -41,6 +42,7 @@
 #include <utility>
 #include <vector>
 
+#include "gradapt/backend/concepts.hpp"
 #include "gradapt/comm/agree.hpp"
 #include "gradapt/core/concepts.hpp"
 #include "gradapt/core/dtype.hpp"
@@ -49,12 +51,13 @@
 #include "gradapt/core/owner_exchange.hpp"
 #include "gradapt/core/tensor_view.hpp"
 #include "gradapt/linalg/concepts.hpp"
+#include "gradapt/optim/kfac_kernels.hpp"
 #include "gradapt/optim/kfac_options.hpp"
 #include "gradapt/optim/kfac_state.hpp"
 
 namespace gradapt {
 
-/// K-FAC on the host (see the file comment and docs/algorithms/kfac.md). Per step:
+/// K-FAC (see the file comment and docs/algorithms/kfac.md). Per step:
 ///
 ///     if (kf.factor_update_due(state))            // collect a and g on these steps only
 ///       for each layer i: kf.accumulate(state, i, a_i, g_i, loss_scale);
@@ -99,18 +102,36 @@ class kfac {
   }
 
   /// A state for `layers` with factors in C and decompositions in D (each float or double) on
-  /// linear-algebra backend `la`.
+  /// host linear-algebra backend `la`, its element passes on gradapt::host with one thread.
   /// @throws gradapt::error for an empty list, a layer with in or out < 1, or a repeated name
   template <class C = float, class D = C, linalg_backend L>
   requires std::same_as<typename L::space, host_space> kfac_state<L, C, D> init(
       const L& la, std::span<const kfac_layer> layers)
+  const { return init<C, D>(host{.threads = 1}, la, layers); }
+
+  /// A state for `layers` in the memory of element backend `b` and linear-algebra backend `la`
+  /// (one memory space: gradapt::cuda with cuda_linalg for device memory). Allocates every
+  /// factor, term and decomposition buffer; the steps then allocate only when `accumulate` sees
+  /// more rows than before.
+  /// @throws gradapt::error as above, and in device memory for grad_worker_fraction < 1 (its
+  ///         exchanges stage through host memory)
+  template <class C = float, class D = C, factored_backend B, linalg_backend L>
+  requires std::same_as<typename L::space, typename B::space> kfac_state<L, C, D, B> init(
+      const B& b, const L& la, std::span<const kfac_layer> layers)
   const {
+    using St = kfac_state<L, C, D, B>;
     detail::require(!layers.empty(), "kfac::init: no layers (register at least one)");
-    kfac_state<L, C, D> st;
+    detail::require(St::on_host || o_.grad_worker_fraction == 1, "kfac::init: grad_worker_fraction is ",
+                    o_.grad_worker_fraction,
+                    " but the state is in device memory, where every rank holds every decomposition "
+                    "(grad_worker_fraction = 1); the hybrid and memory-optimal plans run on the host");
+    St st;
     st.la_ = la;
+    st.ex_ = b;
     st.method_ = o_.method;
     st.prediv_ = o_.prediv_eigenvalues;
     st.max_failures_ = o_.max_consecutive_failures;
+    std::size_t terms = layers.size(), largest = 0, largest_dec = 0, largest_mat = 0;
     for (std::size_t i = 0; i < layers.size(); ++i) {
       const auto& s = layers[i];
       detail::require(s.in >= 1 && s.out >= 1, "kfac::init: layer '", s.name, "' has in ", s.in, " and out ",
@@ -118,38 +139,51 @@ class kfac {
       for (std::size_t j = 0; j < i; ++j)
         detail::require(layers[j].name != s.name, "kfac::init: layer name '", s.name,
                         "' is registered twice (names address checkpoints)");
-      typename kfac_state<L, C, D>::layer_t x;
+      typename St::layer_t x;
       x.spec = s;
       x.n = s.in + (s.bias ? 1 : 0);
       const auto na = static_cast<std::size_t>(x.n), ng = static_cast<std::size_t>(s.out);
-      x.a.assign(na * na, C(0));
-      x.g.assign(ng * ng, C(0));
-      x.ba.assign(na * na, C(0));
-      x.bg.assign(ng * ng, C(0));
-      x.v.assign(ng * na, D(0));
-      x.dec.assign(st.dec_size(x), D(0));
+      x.a = b.template allocate<C>(na * na);
+      x.g = b.template allocate<C>(ng * ng);
+      identity(st, x.a.data(), x.n);
+      identity(st, x.g.data(), s.out);
+      x.terms = terms;
+      terms += na * na + ng * ng;
+      x.v = b.template allocate<D>(ng * na);
+      x.dec = b.template allocate<D>(st.dec_size(x));
+      largest = std::max(largest, ng * na);
+      largest_dec = std::max(largest_dec, st.dec_size(x));
+      largest_mat = std::max({largest_mat, na * na, ng * ng});
       workspace(st, la, x.n);
       workspace(st, la, s.out);
       st.l_.push_back(std::move(x));
     }
+    st.terms_ = b.template allocate<C>(terms);
+    st.gram_ = b.template allocate<C>(largest_mat);
+    st.m_ = b.template allocate<D>(largest);
+    // Products (out × (in [+1])); the inverse method's eigenproblems and scaled bases.
+    st.tmp_ = b.template allocate<D>(std::max(largest, 2 * largest_mat + largest_dec));
+    st.dtmp_ = b.template allocate<D>(largest_dec);
     return st;
   }
 
   /// Whether the state's next step updates the factors (the framework collects a and g then).
-  template <class L, class C, class D>
-  bool factor_update_due(const kfac_state<L, C, D>& st) const {
+  template <class L, class C, class D, class B>
+  bool factor_update_due(const kfac_state<L, C, D, B>& st) const {
     return st.steps_ % o_.factor_update_steps == 0;
   }
 
   /// Adds layer i's inputs `a` (rows × in) and output gradients `g` (rows × out, scaled by
-  /// `loss_scale`, which is divided out) to this step's factor terms. Several calls in one step
-  /// (micro-batches) are averaged. Only on steps whose factor update is due.
+  /// `loss_scale`, which is divided out), in the state's memory, to this step's factor terms.
+  /// Several calls in one step (micro-batches) are averaged. Only on steps whose factor update
+  /// is due.
   /// @throws gradapt::error for an unknown layer, shapes that do not match its registration, a
   ///         row count that differs between a and g or is 0, a loss scale that is not finite
   ///         and > 0, or a step that does not update factors
-  template <class L, class C, class D, element T>
-  void accumulate(kfac_state<L, C, D>& st, std::size_t i, tensor_view<const T, host_space> a,
-                  tensor_view<const T, host_space> g, double loss_scale = 1.0) const {
+  template <class L, class C, class D, class B, element T>
+  void accumulate(kfac_state<L, C, D, B>& st, std::size_t i, tensor_view<const T, typename L::space> a,
+                  tensor_view<const T, typename L::space> g, double loss_scale = 1.0) const {
+    using Sp = typename L::space;
     constexpr const char* who = "kfac::accumulate";
     detail::require(i < st.l_.size(), who, ": layer ", i, " out of range (", st.l_.size(), " layers)");
     auto& x = st.l_[i];
@@ -166,25 +200,39 @@ class kfac {
     detail::require(factor_update_due(st), who, ": layer '", s.name, "' at step ", st.steps_ + 1,
                     ", which does not update factors (factor_update_steps = ", o_.factor_update_steps,
                     "; ask factor_update_due())");
+    namespace k = detail::kfac_k;
     const std::int64_t rows = a.dim(0);
     const auto& la = st.la_;
+    const auto& ex = st.ex_;
     // Into scratch with the ones column (and in C), then the Gram product; then added to the
     // step's terms, so several calls add up in call order.
-    st.scratch_.resize(static_cast<std::size_t>(rows * std::max(x.n, s.out)));
+    const auto need = static_cast<std::size_t>(rows * std::max(x.n, s.out));
+    if (st.scratch_.size() < need) st.scratch_ = ex.template allocate<C>(need);
     C* sa = st.scratch_.data();
-    for (std::int64_t r = 0; r < rows; ++r) {
-      for (std::int64_t c = 0; c < s.in; ++c) sa[r * x.n + c] = static_cast<C>(a.data()[r * s.in + c]);
-      if (s.bias) sa[r * x.n + s.in] = C(1);
+    if (s.bias) {
+      ex.apply_list(k::cast{}, k::rows_of<C, Sp>(sa, rows, x.n, 0, s.in),
+                    k::rows_of<const T, Sp>(a.data(), rows, s.in, 0, s.in));
+      ex.apply_list(k::fill{1.0}, k::rows_of<C, Sp>(sa, rows, x.n, s.in, 1));
+    } else {
+      ex.apply(k::cast{}, st.vec(sa, static_cast<std::size_t>(rows * s.in)), a);
     }
-    st.gram_.resize(std::max(x.a.size(), x.g.size()));
-    la.syrk(gram::columns, 1.0 / double(rows), tensor_view<const C, host_space>(sa, {rows, x.n}), 0.0,
-            tensor_view<C, host_space>(st.gram_.data(), {x.n, x.n}));
-    for (std::size_t e = 0; e < x.ba.size(); ++e) x.ba[e] = x.count ? x.ba[e] + st.gram_[e] : st.gram_[e];
-    for (std::int64_t e = 0; e < rows * s.out; ++e) sa[e] = static_cast<C>(g.data()[e]);
+    C* gram = st.gram_.data();
+    C* ta = st.terms_.data() + x.terms;
+    C* tg = ta + x.n * x.n;
+    const auto term = [&](C* t, std::int64_t n) {
+      const auto e = static_cast<std::size_t>(n * n);
+      if (x.count)
+        ex.apply(k::add{}, st.vec(t, e), st.vec(static_cast<const C*>(gram), e));
+      else
+        ex.apply(k::cast{}, st.vec(t, e), st.vec(static_cast<const C*>(gram), e));
+    };
+    la.syrk(gram::columns, 1.0 / double(rows), tensor_view<const C, Sp>(sa, {rows, x.n}), 0.0,
+            tensor_view<C, Sp>(gram, {x.n, x.n}));
+    term(ta, x.n);
+    ex.apply(k::cast{}, st.vec(sa, static_cast<std::size_t>(rows * s.out)), g);
     la.syrk(gram::columns, 1.0 / (double(rows) * loss_scale * loss_scale),
-            tensor_view<const C, host_space>(sa, {rows, s.out}), 0.0,
-            tensor_view<C, host_space>(st.gram_.data(), {s.out, s.out}));
-    for (std::size_t e = 0; e < x.bg.size(); ++e) x.bg[e] = x.count ? x.bg[e] + st.gram_[e] : st.gram_[e];
+            tensor_view<const C, Sp>(sa, {rows, s.out}), 0.0, tensor_view<C, Sp>(gram, {s.out, s.out}));
+    term(tg, s.out);
     ++x.count;
   }
 
@@ -193,9 +241,9 @@ class kfac {
   /// @throws gradapt::error for gradients that do not match the layers, a non-finite or negative
   ///         lr, a layer with no accumulate on a factor-update step, or a layer whose
   ///         decomposition failed max_consecutive_failures times in a row
-  template <class L, class C, class D, class R>
+  template <class L, class C, class D, class B, class R>
   requires detail::kfac_grad_range<R>
-  void step(kfac_state<L, C, D>& st, const R& grads, double lr) const {
+  void step(kfac_state<L, C, D, B>& st, const R& grads, double lr) const {
     step_impl(nullptr, st, as_span(grads), lr);
   }
 
@@ -210,9 +258,9 @@ class kfac {
   /// decomposition exchange, and the gradients at every exchange of preconditioned gradients.
   /// @throws gradapt::error as the step above, and for a disagreement across ranks (on every
   ///         rank), or a grad_worker_fraction whose g does not divide the ranks
-  template <communicator Comm, class L, class C, class D, class R>
-  requires std::same_as<typename Comm::space, host_space> && detail::kfac_grad_range<R>
-  void step(Comm& comm, kfac_state<L, C, D>& st, const R& grads, double lr) const {
+  template <communicator Comm, class L, class C, class D, class B, class R>
+  requires std::same_as<typename Comm::space, typename L::space> && detail::kfac_grad_range<R>
+  void step(Comm& comm, kfac_state<L, C, D, B>& st, const R& grads, double lr) const {
     step_impl(&comm, st, as_span(grads), lr);
   }
 
@@ -222,8 +270,8 @@ class kfac {
     using G = std::ranges::range_value_t<R>;
     return std::span<const G>(std::ranges::data(r), std::ranges::size(r));
   }
-  template <class L, class C, class D>
-  static void workspace(kfac_state<L, C, D>& st, const L& la, std::int64_t n) {
+  template <class L, class C, class D, class B>
+  static void workspace(kfac_state<L, C, D, B>& st, const L& la, std::int64_t n) {
     for (const auto& w : st.ws_)
       if (w.first == n) return;
     st.ws_.emplace_back(
@@ -235,19 +283,39 @@ class kfac {
       if (w.first == n) return *w.second;
     detail::fail("kfac: internal error: no eigensolver workspace for ", n);
   }
+  /// The factors' hash (in device memory through host copies).
   template <class St>
   static std::uint64_t factor_hash(const St& st) {
     std::uint64_t h = 0xCBF29CE484222325ull;
     for (const auto& x : st.l_) {
-      h = detail::hash_bytes(h, x.a.data(), x.a.size());
-      h = detail::hash_bytes(h, x.g.data(), x.g.size());
+      if constexpr (St::on_host) {
+        h = detail::hash_bytes(h, x.a.data(), x.a.size());
+        h = detail::hash_bytes(h, x.g.data(), x.g.size());
+      } else {
+        const auto a = st.to_host(x.a), g = st.to_host(x.g);
+        h = detail::hash_bytes(h, a.data(), a.size());
+        h = detail::hash_bytes(h, g.data(), g.size());
+      }
     }
     return h;
   }
+  /// n × n identity at p in the state's memory.
+  template <class St, class C>
+  static void identity(const St& st, C* p, std::int64_t n) {
+    std::vector<C> h(static_cast<std::size_t>(n * n), C(0));
+    for (std::int64_t r = 0; r < n; ++r) h[static_cast<std::size_t>(r * n + r)] = C(1);
+    if constexpr (St::on_host)
+      std::copy(h.begin(), h.end(), p);
+    else
+      st.ex_.copy(tensor_view<const C, host_space>::vector(h.data(), n * n), St::vec(p, h.size()));
+  }
 
-  template <class CommPtr, class L, class C, class D, class T>
-  void step_impl(CommPtr comm, kfac_state<L, C, D>& st, std::span<const kfac_grad<T>> grads,
+  template <class CommPtr, class L, class C, class D, class B, class T, class Sp>
+  void step_impl(CommPtr comm, kfac_state<L, C, D, B>& st, std::span<const kfac_grad<T, Sp>> grads,
                  double lr) const {
+    static_assert(std::is_same_v<Sp, typename L::space>,
+                  "kfac::step: the gradients' memory space is not the state's (kfac_grad<T, Space>)");
+    using St = kfac_state<L, C, D, B>;
     constexpr bool dist = !std::is_same_v<CommPtr, std::nullptr_t>;
     constexpr const char* who = "kfac::step";
     detail::require(!st.failed_, who, ": the state stopped after a layer's decomposition failed ",
@@ -279,11 +347,10 @@ class kfac {
     bool inverse_due = (t - 1) % o_.inv_update_steps == 0;
     if constexpr (dist) {
       const bool replan = !planned(*comm, st);
-      agree_values(*comm, "kfac::step",
-                   {{"step", static_cast<double>(t)},
-                    {"lr", lr},
-                    {"re-plans (1 after a load or a new world)", replan ? 1.0 : 0.0}},
-                   bad);
+      const agreed_value at[] = {{"step", static_cast<double>(t)},
+                                 {"lr", lr},
+                                 {"re-plans (1 after a load or a new world)", replan ? 1.0 : 0.0}};
+      agree_values(*comm, st.ex_, "kfac::step", std::span<const agreed_value>(at), bad);
       if (replan) plan(*comm, st);
     } else {
       if (!bad.empty()) throw error(bad);
@@ -304,15 +371,17 @@ class kfac {
     for (std::size_t i = 0; i < st.l_.size(); ++i) {
       auto& x = st.l_[i];
       if (!x.held) continue;
-      if (exchange) {
-        D* out = st.xv_.out(i);
-        out[0] = D(x.outcome);
-        precondition(st, i, grads[i], out + 1);
-      } else {
-        precondition(st, i, grads[i], x.v.data());
+      if constexpr (St::on_host) {
+        if (exchange) {
+          D* out = st.xv_.out(i);
+          out[0] = D(x.outcome);
+          precondition(st, i, grads[i], out + 1);
+          continue;
+        }
       }
+      precondition(st, i, grads[i], x.v.data());
     }
-    if constexpr (dist) {
+    if constexpr (dist && St::on_host) {
       if (exchange) {
         std::uint64_t h = 0x9E3779B97F4A7C15ull;
         for (const auto& gr : grads) {
@@ -360,7 +429,9 @@ class kfac {
 
   template <class St>
   static const auto* v_of(const St& st, std::size_t i) {
-    return st.group_ < st.world_ ? st.xv_.in(i) + 1 : st.l_[i].v.data();
+    if constexpr (St::on_host)
+      if (st.group_ < st.world_) return st.xv_.in(i) + 1;
+    return static_cast<const std::remove_cvref_t<decltype(*st.l_[i].v.data())>*>(st.l_[i].v.data());
   }
 
   // The distributed plan (kfac_distributed.hpp).
@@ -377,27 +448,23 @@ class kfac {
   // The running factors (kfac_factors.hpp).
   template <class CommPtr, class St>
   void update_factors(CommPtr comm, St& st, std::uint64_t t) const;
-  template <class C>
-  static void pack(C*& p, const std::vector<C>& m, std::int64_t n, std::uint64_t count);
-  template <class C>
-  static void unpack(C*& p, std::vector<C>& m, std::int64_t n, C ranks);
-  template <class C>
-  static void ema(std::vector<C>& f, const std::vector<C>& b, std::int64_t n, bool inited, C d, C w);
   // The decompositions and preconditioning products (kfac_decomposition.hpp).
   template <class CommPtr, class St>
   std::string decompose(CommPtr comm, St& st, std::uint64_t t) const;
   template <class St, class X, class D>
   bool decompose_layer(St& st, X& x, D* out) const;
-  template <class X, class D>
-  static void install(X& x, bool ok, const D* dec);
+  template <class St, class X, class D>
+  static void install(const St& st, X& x, bool ok, const D* dec);
   template <class St>
   static void count_outcomes(St& st);
-  template <class St, class T, class D>
-  void precondition(St& st, std::size_t i, const kfac_grad<T>& gr, D* v) const;
-  template <class St, class T, class D>
-  static double dot(const St& st, std::size_t i, const kfac_grad<T>& gr, const D* v);
-  template <class St, class T, class D>
-  static void write_v(St& st, std::size_t i, const kfac_grad<T>& gr, double nu, const D* v);
+  template <class St, class G>
+  static void gradient_matrix(St& st, std::size_t i, const G& gr);
+  template <class St, class G, class D>
+  void precondition(St& st, std::size_t i, const G& gr, D* v) const;
+  template <class St, class G, class D>
+  static double dot(St& st, std::size_t i, const G& gr, const D* v);
+  template <class St, class G, class D>
+  static void write_v(St& st, std::size_t i, const G& gr, double nu, const D* v);
 
   kfac_options o_;
 };

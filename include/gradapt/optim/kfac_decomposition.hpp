@@ -11,8 +11,10 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
+#include "gradapt/comm/agree.hpp"
 #include "gradapt/core/error.hpp"
 #include "gradapt/core/tensor_view.hpp"
 #include "gradapt/linalg/concepts.hpp"
@@ -21,26 +23,39 @@
 
 namespace gradapt {
 
-/// The decompositions of this rank's layers, then (g > 1) exchanged within each group of grad
-/// workers and installed where held. Each layer's outcome is left in `outcome` where held.
-/// Returns a message when a group member's factors differ (empty otherwise).
+/// The decompositions of this rank's layers, then (g > 1, host memory) exchanged within each
+/// group of grad workers and installed where held; in device memory every rank decomposes every
+/// layer, after one agreement on the factors' hash. Each layer's outcome is left in `outcome`
+/// where held. Returns a message when a group member's factors differ (empty otherwise).
 template <class CommPtr, class St>
 std::string kfac::decompose(CommPtr comm, St& st, std::uint64_t t) const {
-  using D = std::remove_cvref_t<decltype(st.m_[0])>;
+  using D = std::remove_cvref_t<decltype(*st.m_.data())>;
+  if constexpr (!St::on_host && !std::is_same_v<CommPtr, std::nullptr_t>) {
+    if (st.world_ > 1) {
+      const agreed_value values[] = {{"factors (hash)", static_cast<double>(factor_hash(st) >> 16)}};
+      try {
+        agree_values(*comm, st.ex_, "kfac::step (the factors the decompositions come from)",
+                     std::span<const agreed_value>(values));
+      } catch (const error&) {
+        st.failed_ = true;  // the factors were updated: the state is not usable
+        throw;
+      }
+    }
+  }
   for (std::size_t i = 0; i < st.l_.size(); ++i) {
     if (st.owner_[i] != st.rank_) continue;
     auto& x = st.l_[i];
-    if (st.group_ == 1) {
-      st.dtmp_.resize(st.dec_size(x));
-      const bool ok = decompose_layer(st, x, st.dtmp_.data());
-      install(x, ok, st.dtmp_.data());
+    if (st.group_ == 1 || !St::on_host) {
+      D* out = st.dtmp_.data();
+      const bool ok = decompose_layer(st, x, out);
+      install(st, x, ok, static_cast<const D*>(out));
     } else {
       D* out = st.xd_.out(i);
       out[0] = decompose_layer(st, x, out + 1) ? D(1) : D(0);
     }
     ++st.computed_;
   }
-  if constexpr (!std::is_same_v<CommPtr, std::nullptr_t>) {
+  if constexpr (!std::is_same_v<CommPtr, std::nullptr_t> && St::on_host) {
     if (st.group_ > 1) {
       const int differs = st.xd_.run(*group_comm(*comm, st), t, factor_hash(st), "kfac::step");
       if (differs >= 0)
@@ -52,85 +67,77 @@ std::string kfac::decompose(CommPtr comm, St& st, std::uint64_t t) const {
         auto& x = st.l_[i];
         if (!x.held) continue;
         const D* in = st.xd_.in(i);
-        install(x, in[0] == D(1), in + 1);
+        install(st, x, in[0] == D(1), in + 1);
       }
     }
   }
   return {};
 }
 
-/// Layer x's decomposition into `out` (the layout of x.dec); false when a factor is not finite
-/// or the eigensolver fails.
+/// Layer x's decomposition into `out` (the layout of x.dec, in the state's memory); false when a
+/// factor is not finite or the eigensolver fails.
 template <class St, class X, class D>
 bool kfac::decompose_layer(St& st, X& x, D* out) const {
+  using Sp = typename St::space;
+  using cv = tensor_view<const D, Sp>;
+  using mv = tensor_view<D, Sp>;
+  namespace k = detail::kfac_k;
+  const auto& ex = st.ex_;
+  const auto& la = st.la_;
   const std::int64_t na = x.n, ng = x.spec.out;
-  for (const auto e : x.a)
-    if (!std::isfinite(e)) return false;
-  for (const auto e : x.g)
-    if (!std::isfinite(e)) return false;
+  const auto sa = static_cast<std::size_t>(na * na), sg = static_cast<std::size_t>(ng * ng);
+  const auto finite = [&](const auto* p, std::size_t n) {
+    return ex.reduce(reduction::count_nonfinite, St::vec(p, n)) == 0;
+  };
+  if (!finite(x.a.data(), sa) || !finite(x.g.data(), sg)) return false;
   D* qa = out;
-  D* da = qa + na * na;
+  D* da = qa + sa;
   D* qg = da + na;
-  D* dg = qg + ng * ng;
+  D* dg = qg + sg;
   // eigen layout: Q_A, d_A, Q_G, d_G (+ prediv); inverse: A⁻¹, G⁻¹ (built from the same
   // eigendecompositions in the scratch).
-  std::vector<D>& tmp = st.tmp_;
   if (o_.method == kfac_method::inverse) {
-    tmp.resize(static_cast<std::size_t>(na * na + na + ng * ng + ng));
-    qa = tmp.data();
-    da = qa + na * na;
+    qa = st.tmp_.data();
+    da = qa + sa;
     qg = da + na;
-    dg = qg + ng * ng;
+    dg = qg + sg;
   }
-  std::copy(x.a.begin(), x.a.end(), qa);
-  std::copy(x.g.begin(), x.g.end(), qg);
-  const auto& la = st.la_;
-  if (!la.eigh(tensor_view<D, host_space>(qa, {na, na}), tensor_view<D, host_space>(da, {na}),
-               find_ws(st, na)))
-    return false;
-  if (!la.eigh(tensor_view<D, host_space>(qg, {ng, ng}), tensor_view<D, host_space>(dg, {ng}),
-               find_ws(st, ng)))
-    return false;
-  for (std::int64_t e = 0; e < na; ++e) da[e] = std::max(da[e], D(0));
-  for (std::int64_t e = 0; e < ng; ++e) dg[e] = std::max(dg[e], D(0));
-  for (std::int64_t e = 0; e < na * na; ++e)
-    if (!std::isfinite(qa[e])) return false;
-  for (std::int64_t e = 0; e < ng * ng; ++e)
-    if (!std::isfinite(qg[e])) return false;
-  const D lambda = D(o_.damping);
+  ex.apply(k::cast{}, St::vec(qa, sa), St::vec(std::as_const(x).a.data(), sa));
+  ex.apply(k::cast{}, St::vec(qg, sg), St::vec(std::as_const(x).g.data(), sg));
+  if (!la.eigh(mv(qa, {na, na}), mv(da, {na}), find_ws(st, na))) return false;
+  if (!la.eigh(mv(qg, {ng, ng}), mv(dg, {ng}), find_ws(st, ng))) return false;
+  ex.apply(k::clamp_zero{}, St::vec(da, static_cast<std::size_t>(na)));
+  ex.apply(k::clamp_zero{}, St::vec(dg, static_cast<std::size_t>(ng)));
+  if (!finite(qa, sa) || !finite(qg, sg)) return false;
+  const double lambda = o_.damping;
   if (o_.method == kfac_method::inverse) {
-    // X⁻¹ = Q·diag(1 / (d + λ))·Qᵀ, one row of products at a time into `out`.
+    // X⁻¹ = (Q·diag(1 / (d + λ)))·Qᵀ: the columns scaled, then one product.
+    D* qs = dg + ng;
     const auto inverse = [&](const D* q, const D* d, std::int64_t n, D* dst) {
-      for (std::int64_t r = 0; r < n; ++r)
-        for (std::int64_t c = 0; c < n; ++c) {
-          double s = 0;
-          for (std::int64_t k = 0; k < n; ++k)
-            s += double(q[r * n + k]) * double(q[c * n + k]) / (double(d[k]) + double(lambda));
-          dst[r * n + c] = D(s);
-        }
+      ex.apply_factored(k::scale_columns{lambda}, {1, n, 1, n, 1}, cv(), cv(d, {n}), mv(qs, {n, n}),
+                        cv(q, {n, n}));
+      la.gemm(transpose::none, transpose::yes, 1.0, cv(qs, {n, n}), cv(q, {n, n}), 0.0, mv(dst, {n, n}));
     };
     inverse(qa, da, na, out);
-    inverse(qg, dg, ng, out + na * na);
-    for (std::int64_t e = 0; e < na * na + ng * ng; ++e)
-      if (!std::isfinite(out[e])) return false;
-    return true;
+    inverse(qg, dg, ng, out + sa);
+    return finite(out, sa + sg);
   }
   if (o_.prediv_eigenvalues) {
     D* pd = dg + ng;
-    for (std::int64_t r = 0; r < ng; ++r)
-      for (std::int64_t c = 0; c < na; ++c) pd[r * na + c] = D(1) / (dg[r] * da[c] + lambda);
-    for (std::int64_t e = 0; e < ng * na; ++e)
-      if (!std::isfinite(pd[e])) return false;
+    const auto e = static_cast<std::size_t>(ng * na);
+    ex.apply_factored(k::kron_reciprocal{lambda}, {1, ng, 1, na, 1}, cv(dg, {ng}), cv(da, {na}),
+                      mv(pd, {ng, na}));
+    if (!finite(pd, e)) return false;
   }
   return true;
 }
 
 /// Installs a held layer's decomposition (when it succeeded) and records the outcome.
-template <class X, class D>
-void kfac::install(X& x, bool ok, const D* dec) {
+template <class St, class X, class D>
+void kfac::install(const St& st, X& x, bool ok, const D* dec) {
   x.outcome = ok ? 1 : 2;
   if (!ok) return;
-  std::copy(dec, dec + x.dec.size(), x.dec.begin());
+  st.ex_.apply(detail::kfac_k::cast{}, St::vec(x.dec.data(), x.dec.size()), St::vec(dec, x.dec.size()));
   x.have = true;
 }
 
@@ -154,34 +161,54 @@ void kfac::count_outcomes(St& st) {
     st.failed_ = true;
     detail::fail(
         "kfac::step: layer '", x.spec.name, "': the decomposition failed ", x.consecutive, " times in a row",
-        st.world_ > 1 ? " (computed on rank " + std::to_string(st.owner_[i]) + ")" : std::string(),
+        st.world_ > 1 && St::on_host ? " (computed on rank " + std::to_string(st.owner_[i]) + ")"
+                                     : std::string(),
         "; a non-finite a or g makes the factors non-finite for good. The gradients are unchanged; "
         "restore a checkpoint with load() (and skip non-finite steps, e.g. with the loss scaler), or "
         "raise max_consecutive_failures");
   }
 }
 
+/// Layer i's gradient as M (out × (in [+1]), the bias as the last column) in D, into m_.
+template <class St, class G>
+void kfac::gradient_matrix(St& st, std::size_t i, const G& gr) {
+  using Sp = typename St::space;
+  using D = std::remove_cvref_t<decltype(*st.m_.data())>;
+  using T = typename decltype(gr.weight)::element_type;
+  namespace k = detail::kfac_k;
+  const auto& x = st.l_[i];
+  const std::int64_t na = x.n, ng = x.spec.out, in = x.spec.in;
+  D* m = st.m_.data();
+  if (x.spec.bias) {
+    st.ex_.apply_list(k::cast{}, k::rows_of<D, Sp>(m, ng, na, 0, in),
+                      k::rows_of<const T, Sp>(gr.weight.data(), ng, in, 0, in));
+    st.ex_.apply_list(k::cast{}, k::rows_of<D, Sp>(m, ng, na, in, 1),
+                      k::rows_of<const T, Sp>(gr.bias.data(), ng, 1, 0, 1));
+  } else {
+    st.ex_.apply(k::cast{}, St::vec(m, static_cast<std::size_t>(ng * na)),
+                 St::vec(static_cast<const T*>(gr.weight.data()), static_cast<std::size_t>(ng * na)));
+  }
+}
+
 /// Layer i's preconditioned gradient V (out × (in [+1])) into `v`; M itself while this rank
 /// holds no decomposition of the layer.
-template <class St, class T, class D>
-void kfac::precondition(St& st, std::size_t i, const kfac_grad<T>& gr, D* v) const {
+template <class St, class G, class D>
+void kfac::precondition(St& st, std::size_t i, const G& gr, D* v) const {
+  using Sp = typename St::space;
+  using cv = tensor_view<const D, Sp>;
+  using mv = tensor_view<D, Sp>;
+  namespace k = detail::kfac_k;
   auto& x = st.l_[i];
-  const std::int64_t na = x.n, ng = x.spec.out, in = x.spec.in;
+  const std::int64_t na = x.n, ng = x.spec.out;
   const auto size = static_cast<std::size_t>(ng * na);
-  st.m_.resize(std::max(st.m_.size(), size));
-  st.tmp_.resize(std::max(st.tmp_.size(), size));
-  D* m = st.m_.data();
-  for (std::int64_t r = 0; r < ng; ++r) {
-    for (std::int64_t c = 0; c < in; ++c) m[r * na + c] = static_cast<D>(gr.weight.data()[r * in + c]);
-    if (x.spec.bias) m[r * na + in] = static_cast<D>(gr.bias.data()[r]);
-  }
+  gradient_matrix(st, i, gr);
+  const D* m = st.m_.data();
+  const auto& ex = st.ex_;
   if (!x.have) {
-    std::copy(m, m + size, v);
+    ex.apply(k::cast{}, St::vec(v, size), St::vec(m, size));
     return;
   }
   const auto& la = st.la_;
-  using cv = tensor_view<const D, host_space>;
-  using mv = tensor_view<D, host_space>;
   D* tmp = st.tmp_.data();
   if (o_.method == kfac_method::inverse) {
     const D* ai = x.dec.data();
@@ -198,38 +225,43 @@ void kfac::precondition(St& st, std::size_t i, const kfac_grad<T>& gr, D* v) con
   // V1 = Q_Gᵀ·M·Q_A
   la.gemm(transpose::yes, transpose::none, 1.0, cv(qg, {ng, ng}), cv(m, {ng, na}), 0.0, mv(tmp, {ng, na}));
   la.gemm(transpose::none, transpose::none, 1.0, cv(tmp, {ng, na}), cv(qa, {na, na}), 0.0, mv(v, {ng, na}));
-  const D lambda = D(o_.damping);
-  for (std::int64_t r = 0; r < ng; ++r)
-    for (std::int64_t c = 0; c < na; ++c)
-      v[r * na + c] =
-          o_.prediv_eigenvalues ? v[r * na + c] * pd[r * na + c] : v[r * na + c] / (dg[r] * da[c] + lambda);
+  // V2 = V1 ⊘ (d_G·d_Aᵀ + λ)
+  if (o_.prediv_eigenvalues)
+    ex.apply(k::times{}, St::vec(v, size), St::vec(pd, size));
+  else
+    ex.apply_factored(k::kron_divide{o_.damping}, {1, ng, 1, na, 1}, cv(dg, {ng}), cv(da, {na}),
+                      mv(v, {ng, na}));
   // V = Q_G·V2·Q_Aᵀ
   la.gemm(transpose::none, transpose::none, 1.0, cv(qg, {ng, ng}), cv(v, {ng, na}), 0.0, mv(tmp, {ng, na}));
   la.gemm(transpose::none, transpose::yes, 1.0, cv(tmp, {ng, na}), cv(qa, {na, na}), 0.0, mv(v, {ng, na}));
 }
 
-/// ⟨V, M⟩ of layer i in double, in element order (M as the decomposition type).
-template <class St, class T, class D>
-double kfac::dot(const St& st, std::size_t i, const kfac_grad<T>& gr, const D* v) {
+/// ⟨V, M⟩ of layer i in double (M as the decomposition type), by the backend's fixed-order dot.
+template <class St, class G, class D>
+double kfac::dot(St& st, std::size_t i, const G& gr, const D* v) {
   const auto& x = st.l_[i];
-  const std::int64_t na = x.n, ng = x.spec.out, in = x.spec.in;
-  double s = 0;
-  for (std::int64_t r = 0; r < ng; ++r) {
-    for (std::int64_t c = 0; c < in; ++c)
-      s += double(v[r * na + c]) * double(static_cast<D>(gr.weight.data()[r * in + c]));
-    if (x.spec.bias) s += double(v[r * na + in]) * double(static_cast<D>(gr.bias.data()[r]));
-  }
-  return s;
+  const auto size = static_cast<std::size_t>(x.spec.out * x.n);
+  gradient_matrix(st, i, gr);
+  return st.ex_.dot(St::vec(v, size), St::vec(static_cast<const D*>(st.m_.data()), size));
 }
 
-template <class St, class T, class D>
-void kfac::write_v(St& st, std::size_t i, const kfac_grad<T>& gr, double nu, const D* v) {
+/// V·ν written back into layer i's weight and bias gradients.
+template <class St, class G, class D>
+void kfac::write_v(St& st, std::size_t i, const G& gr, double nu, const D* v) {
+  using Sp = typename St::space;
+  using T = typename decltype(gr.weight)::element_type;
+  namespace k = detail::kfac_k;
   const auto& x = st.l_[i];
   const std::int64_t na = x.n, ng = x.spec.out, in = x.spec.in;
-  const D s = D(nu);
-  for (std::int64_t r = 0; r < ng; ++r) {
-    for (std::int64_t c = 0; c < in; ++c) gr.weight.data()[r * in + c] = static_cast<T>(v[r * na + c] * s);
-    if (x.spec.bias) gr.bias.data()[r] = static_cast<T>(v[r * na + in] * s);
+  const k::scaled_cast f{nu};
+  if (x.spec.bias) {
+    st.ex_.apply_list(f, k::rows_of<T, Sp>(gr.weight.data(), ng, in, 0, in),
+                      k::rows_of<const D, Sp>(v, ng, na, 0, in));
+    st.ex_.apply_list(f, k::rows_of<T, Sp>(gr.bias.data(), ng, 1, 0, 1),
+                      k::rows_of<const D, Sp>(v, ng, na, in, 1));
+  } else {
+    st.ex_.apply(f, St::vec(gr.weight.data(), static_cast<std::size_t>(ng * na)),
+                 St::vec(v, static_cast<std::size_t>(ng * na)));
   }
 }
 

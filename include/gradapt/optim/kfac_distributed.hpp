@@ -47,8 +47,8 @@ Comm* kfac::receivers(Comm& comm, St& st) {
 template <class St>
 std::vector<double> kfac::layout(St& st, int n, int me, int g) {
   const std::size_t count = st.l_.size();
-  if (n == 1) {
-    st.owner_.assign(count, 0);
+  if (n == 1 || !St::on_host) {
+    st.owner_.assign(count, me);  // device memory: every rank decomposes every layer
   } else {
     std::vector<std::uint64_t> cost(count);
     for (std::size_t i = 0; i < count; ++i) {
@@ -65,20 +65,19 @@ std::vector<double> kfac::layout(St& st, int n, int me, int g) {
     auto& x = st.l_[i];
     const int o = st.owner_[i];
     x.held = me / g == o / g;
+    using D = std::remove_cvref_t<decltype(*x.dec.data())>;
     if (!x.held) {
-      x.dec.clear();
-      x.dec.shrink_to_fit();
+      x.dec = {};
       x.have = false;
     } else if (x.dec.size() != st.dec_size(x)) {
-      x.dec.assign(st.dec_size(x), 0);
+      x.dec = st.ex_.template allocate<D>(st.dec_size(x));
       x.have = false;
     }
     const auto v = static_cast<std::size_t>(x.spec.out * x.n);
     if (g == n) {
-      x.v.resize(v);
+      if (x.v.size() != v) x.v = st.ex_.template allocate<D>(v);
     } else {
-      x.v.clear();
-      x.v.shrink_to_fit();
+      x.v = {};
     }
     if (x.held && x.ready && !x.have) missing[i] = 1;
     in_group[i] = x.held ? o % g : -1;
@@ -86,7 +85,7 @@ std::vector<double> kfac::layout(St& st, int n, int me, int g) {
     dec_words[i] = 1 + st.dec_size(x);
     v_words[i] = 1 + v;
   }
-  if (g > 1)
+  if (g > 1 && St::on_host)
     st.xd_.plan_owners(std::move(in_group), dec_words, g, me % g);
   else
     st.xd_.clear();
@@ -102,8 +101,8 @@ std::vector<double> kfac::layout(St& st, int n, int me, int g) {
 
 template <class Comm, class St>
 void kfac::plan(Comm& comm, St& st) const {
-  using D = std::remove_cvref_t<decltype(st.m_[0])>;
-  using C = std::remove_cvref_t<decltype(st.red_[0])>;
+  using D = std::remove_cvref_t<decltype(*st.m_.data())>;
+  using C = std::remove_cvref_t<decltype(*st.terms_.data())>;
   const int n = comm.size(), me = comm.rank();
   std::uint64_t h = 0x84222325CBF29CE4ull;
   for (const auto& x : st.l_) {
@@ -127,21 +126,22 @@ void kfac::plan(Comm& comm, St& st) const {
       {"max_consecutive_failures", static_cast<double>(o_.max_consecutive_failures)},
       {"grad_worker_fraction", o_.grad_worker_fraction},
   };
-  agree_values(comm, "kfac::step (distributed)", std::span<const agreed_value>(values));
+  agree_values(comm, st.ex_, "kfac::step (distributed)", std::span<const agreed_value>(values));
   const int g = grad_workers(n);
+  detail::require(St::on_host || g == n, "kfac::step: grad_worker_fraction is ", o_.grad_worker_fraction,
+                  " but the state is in device memory, where every rank holds every decomposition "
+                  "(grad_worker_fraction = 1)");
   detail::require(n % g == 0, "kfac::step: grad_worker_fraction ", o_.grad_worker_fraction, " on ", n,
                   " ranks gives ", g, " grad workers per layer, which does not divide ", n,
                   " (choose a fraction whose g = round(fraction · ranks) divides the ranks)");
-  if (g > 1 && g < n)
+  if (g > 1 && g < n && St::on_host)
     st.comms_ = std::make_shared<detail::kfac_comms<Comm>>(comm.split(me / g, me), comm.split(me % g, me));
   else
     st.comms_.reset();
   std::vector<double> missing = layout(st, n, me, g);
   // A decomposition some grad worker lacks (after a load, or on a new world) is recomputed for
   // every layer, on every rank.
-  comm.allreduce(
-      tensor_view<double, host_space>::vector(missing.data(), static_cast<std::int64_t>(missing.size())),
-      reduce_op::max);
+  detail::allreduce_host_values(comm, st.ex_, std::span<double>(missing), reduce_op::max);
   st.force_ = std::any_of(missing.begin(), missing.end(), [](double m) { return m != 0; });
 }
 

@@ -1,8 +1,9 @@
 #pragma once
 /// @file
 /// `gradapt::kfac`'s running factors: the factor update of a step from the terms `accumulate`
-/// added (averaged over the ranks in one allreduce of their upper triangles when distributed)
-/// and the running averages A ← d·A + (1 − d)·aᵀa / rows, G ← d·G + (1 − d)·gᵀg / rows.
+/// added (averaged over the ranks in one allreduce of the whole terms when distributed) and the
+/// running averages A ← d·A + (1 − d)·aᵀa / rows, G ← d·G + (1 − d)·gᵀg / rows, as passes of
+/// the state's element backend.
 
 #include <cstddef>
 #include <cstdint>
@@ -20,77 +21,59 @@ namespace gradapt {
 /// The running factors from this step's terms (averaged over the ranks when distributed).
 template <class CommPtr, class St>
 void kfac::update_factors(CommPtr comm, St& st, std::uint64_t t) const {
-  using C = std::remove_cvref_t<decltype(st.red_[0])>;
+  using C = std::remove_cvref_t<decltype(*st.terms_.data())>;
+  namespace k = detail::kfac_k;
   constexpr bool dist = !std::is_same_v<CommPtr, std::nullptr_t>;
-  if constexpr (dist) {
-    // One buffer: per layer a flag (it had terms), then the upper triangles of A's and G's terms.
-    std::size_t words = 0;
-    for (const auto& x : st.l_)
-      words += 1 + static_cast<std::size_t>(x.n * (x.n + 1) / 2 + x.spec.out * (x.spec.out + 1) / 2);
-    st.red_.assign(words, C(0));
-    C* p = st.red_.data();
-    for (auto& x : st.l_) {
-      *p++ = x.count ? C(1) : C(0);
-      pack(p, x.ba, x.n, x.count);
-      pack(p, x.bg, x.spec.out, x.count);
+  const auto& ex = st.ex_;
+  // Each rank's terms are averaged over its accumulate calls first.
+  for (auto& x : st.l_)
+    if (x.count > 1) {
+      const auto e = static_cast<std::size_t>(x.n * x.n + x.spec.out * x.spec.out);
+      ex.apply(k::divide{double(x.count)}, St::vec(st.terms_.data() + x.terms, e));
     }
-    comm->allreduce(tensor_view<C, host_space>::vector(st.red_.data(), static_cast<std::int64_t>(words)),
-                    reduce_op::sum);
+  double ranks = 1;
+  if constexpr (dist) {
+    // One allreduce of the whole buffer: per layer a flag (it had terms), then the terms.
+    const std::size_t layers = st.l_.size();
+    std::vector<C> flags(layers);
+    for (std::size_t i = 0; i < layers; ++i) flags[i] = st.l_[i].count ? C(1) : C(0);
+    if constexpr (St::on_host)
+      std::copy(flags.begin(), flags.end(), st.terms_.data());
+    else
+      ex.copy(tensor_view<const C, host_space>::vector(flags.data(), static_cast<std::int64_t>(layers)),
+              St::vec(st.terms_.data(), layers));
+    comm->allreduce(St::vec(st.terms_.data(), st.terms_.size()), reduce_op::sum);
+    if constexpr (St::on_host) {
+      std::copy(st.terms_.data(), st.terms_.data() + layers, flags.begin());
+    } else {
+      ex.copy(St::vec(static_cast<const C*>(st.terms_.data()), layers),
+              tensor_view<C, host_space>::vector(flags.data(), static_cast<std::int64_t>(layers)));
+      ex.synchronize();
+    }
     const int n = comm->size();
-    p = st.red_.data();
-    for (auto& x : st.l_) {
-      const auto have = static_cast<int>(*p++);
+    for (std::size_t i = 0; i < layers; ++i) {
+      const auto have = static_cast<int>(flags[i]);
       if (have != n) {
         for (auto& y : st.l_) y.count = 0;
-        detail::fail("kfac::step on rank ", comm->rank(), ": layer '", x.spec.name, "' got a and g on ", have,
-                     " of ", n, " ranks at factor-update step ", t,
+        detail::fail("kfac::step on rank ", comm->rank(), ": layer '", st.l_[i].spec.name,
+                     "' got a and g on ", have, " of ", n, " ranks at factor-update step ", t,
                      " (every rank must call accumulate for every layer on these steps)");
       }
-      unpack(p, x.ba, x.n, C(n));
-      unpack(p, x.bg, x.spec.out, C(n));
     }
+    ranks = n;
   } else {
-    for (auto& x : st.l_) {
-      if (x.count == 0) {
+    for (auto& x : st.l_)
+      if (x.count == 0)
         detail::fail("kfac::step: layer '", x.spec.name, "' got no a and g at factor-update step ", t,
                      " (call accumulate for every layer on these steps; factor_update_due() says which)");
-      }
-      const C inv = C(x.count);
-      for (auto& e : x.ba) e = e / inv;
-      for (auto& e : x.bg) e = e / inv;
-    }
   }
-  const C d = C(o_.factor_decay), w = C(1.0 - o_.factor_decay);
+  const k::running_average avg{o_.factor_decay, 1.0 - o_.factor_decay, ranks};
   for (auto& x : st.l_) {
-    ema(x.a, x.ba, x.n, x.inited, d, w);
-    ema(x.g, x.bg, x.spec.out, x.inited, d, w);
-    x.inited = true;
+    const C* ta = st.terms_.data() + x.terms;
+    ex.apply(avg, St::vec(x.a.data(), x.a.size()), St::vec(ta, x.a.size()));
+    ex.apply(avg, St::vec(x.g.data(), x.g.size()), St::vec(ta + x.a.size(), x.g.size()));
     x.count = 0;
   }
-}
-template <class C>
-void kfac::pack(C*& p, const std::vector<C>& m, std::int64_t n, std::uint64_t count) {
-  const C inv = C(count ? count : 1);
-  for (std::int64_t r = 0; r < n; ++r)
-    for (std::int64_t c = r; c < n; ++c) *p++ = count ? m[static_cast<std::size_t>(r * n + c)] / inv : C(0);
-}
-template <class C>
-void kfac::unpack(C*& p, std::vector<C>& m, std::int64_t n, C ranks) {
-  for (std::int64_t r = 0; r < n; ++r)
-    for (std::int64_t c = r; c < n; ++c) {
-      const C v = *p++ / ranks;
-      m[static_cast<std::size_t>(r * n + c)] = v;
-      m[static_cast<std::size_t>(c * n + r)] = v;
-    }
-}
-template <class C>
-void kfac::ema(std::vector<C>& f, const std::vector<C>& b, std::int64_t n, bool inited, C d, C w) {
-  for (std::int64_t r = 0; r < n; ++r)
-    for (std::int64_t c = 0; c < n; ++c) {
-      const auto e = static_cast<std::size_t>(r * n + c);
-      const C prev = inited ? f[e] : (r == c ? C(1) : C(0));
-      f[e] = d * prev + w * b[e];
-    }
 }
 
 }  // namespace gradapt

@@ -30,19 +30,20 @@ struct kfac_layer {
 };
 
 /// A layer's gradient for `kfac::step`, rewritten in place: weight (out × in, row-major) and,
-/// for a layer with a bias, the bias (out).
-template <class T>
+/// for a layer with a bias, the bias (out), in memory space `Space` (the state's: host memory,
+/// or device memory for a state over a device backend).
+template <class T, class Space = host_space>
 struct kfac_grad {
-  tensor_view<T, host_space> weight;     ///< out × in
-  tensor_view<T, host_space> bias = {};  ///< out (empty without a bias)
+  tensor_view<T, Space> weight;     ///< out × in
+  tensor_view<T, Space> bias = {};  ///< out (empty without a bias)
 };
 
 namespace detail {
 template <class G>
 struct is_kfac_grad : std::false_type {};
-template <class T>
-struct is_kfac_grad<kfac_grad<T>> : std::bool_constant<element<T>> {};
-/// A contiguous range of kfac_grad<T> (an array, std::vector, std::span).
+template <class T, class Space>
+struct is_kfac_grad<kfac_grad<T, Space>> : std::bool_constant<element<T>> {};
+/// A contiguous range of kfac_grad<T, Space> (an array, std::vector, std::span).
 template <class R>
 concept kfac_grad_range = std::ranges::contiguous_range<const R> && std::ranges::sized_range<const R> &&
     is_kfac_grad<std::remove_cv_t<std::ranges::range_value_t<R>>>::value;

@@ -4,6 +4,7 @@
 /// the terms accumulated in a step, the decomposition this rank holds and the failure counters;
 /// the distributed plan it records; and its checkpoint (`save` and `load`).
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstddef>
@@ -16,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "gradapt/backend/host.hpp"
 #include "gradapt/core/archive.hpp"
 #include "gradapt/core/dtype.hpp"
 #include "gradapt/core/error.hpp"
@@ -45,22 +47,29 @@ struct kfac_comms final : kfac_comms_base {
 
 class kfac;
 
-/// The state of `gradapt::kfac` over linear-algebra backend L, with factors in C and
-/// decompositions in D (each float or double): per layer its factors A and G, the batch terms
-/// accumulated in this step, the decomposition (Q_A, d_A, Q_G, d_G, or the inverses; with prediv
-/// 1 / (d_G·d_Aᵀ + λ)) where this rank holds it, and its failure counters.
+/// The state of `gradapt::kfac` over linear-algebra backend L and element backend B (its
+/// memory: `B::space` == `L::space`; gradapt::host on one thread for a state from
+/// `kfac::init(la, layers)`), with factors in C and decompositions in D (each float or double):
+/// per layer its factors A and G (the identity before the first update), the batch terms
+/// accumulated in this step, the decomposition (Q_A, d_A, Q_G, d_G, or the inverses; with
+/// prediv 1 / (d_G·d_Aᵀ + λ)) where this rank holds it, and its failure counters. Everything
+/// numeric lives in B's memory; the accessors and the checkpoint copy to the host.
 ///
 /// Checkpoint: one archive of kind "gradapt.kfac" addressed by layer name (factors, the
 /// decompositions this rank holds, counters). Decompositions are stored, not recomputed: a
 /// rank that loads a checkpoint lacking a decomposition it must hold (a save from a rank that
 /// did not hold it, under grad_worker_fraction < 1 or another world) recomputes every
 /// decomposition from the stored factors at its next step, on every rank.
-template <class L, class C, class D = C>
+template <class L, class C, class D = C, class B = host>
 class kfac_state {
   static_assert(std::is_same_v<C, float> || std::is_same_v<C, double>, "kfac_state: C is float or double");
   static_assert(std::is_same_v<D, float> || std::is_same_v<D, double>, "kfac_state: D is float or double");
+  static_assert(std::is_same_v<typename L::space, typename B::space>,
+                "kfac_state: the linear-algebra backend L and the element backend B work on one memory");
 
  public:
+  using space = typename L::space;                                    ///< where the numbers live
+  static constexpr bool on_host = std::is_same_v<space, host_space>;  ///< host memory
   /// Kind and format version of the archive `save()` writes.
   static constexpr std::string_view archive_kind = "gradapt.kfac";
   static constexpr std::uint32_t archive_version = 2;  ///< see archive_kind
@@ -75,10 +84,12 @@ class kfac_state {
   std::size_t layers() const { return l_.size(); }
   /// Layer i's registration. @throws gradapt::error when i is out of range
   const kfac_layer& layer(std::size_t i) const { return at(i).spec; }
-  /// Layer i's factor A ((in [+1])², row-major). @throws gradapt::error when i is out of range
-  std::span<const C> factor_a(std::size_t i) const { return at(i).a; }
-  /// Layer i's factor G (out², row-major). @throws gradapt::error when i is out of range
-  std::span<const C> factor_g(std::size_t i) const { return at(i).g; }
+  /// Layer i's factor A ((in [+1])², row-major; in device memory, a host copy valid until the
+  /// next call for this layer). @throws gradapt::error when i is out of range
+  std::span<const C> factor_a(std::size_t i) const { return host_view(at(i).a, at(i).ha); }
+  /// Layer i's factor G (out², row-major; as factor_a). @throws gradapt::error when i is out of
+  /// range
+  std::span<const C> factor_g(std::size_t i) const { return host_view(at(i).g, at(i).hg); }
   /// Whether layer i has had a successful inverse update (on whichever rank computed it).
   bool ready(std::size_t i) const { return at(i).ready; }
   /// Whether this rank is one of layer i's grad workers (holds its decomposition and
@@ -127,10 +138,9 @@ class kfac_state {
       const std::int64_t shape[3] = {x.spec.in, x.spec.out, x.spec.bias ? 1 : 0};
       w.put_tensor<std::int64_t>("shape", shape);
       const std::int64_t sa[2] = {x.n, x.n}, sg[2] = {x.spec.out, x.spec.out};
-      put(w, x, "A", x.a, sa);
-      put(w, x, "G", x.g, sg);
-      const std::vector<D> none;
-      const auto& dec = x.have ? x.dec : none;
+      put(w, x, "A", to_host(x.a), sa);
+      put(w, x, "G", to_host(x.g), sg);
+      const std::vector<D> dec = x.have ? to_host(x.dec) : std::vector<D>{};
       put(w, x, "decomposition", dec, std::array<std::int64_t, 1>{static_cast<std::int64_t>(dec.size())});
       w.put("ready", x.ready);
       w.put("consecutive_failures", x.consecutive);
@@ -158,9 +168,16 @@ class kfac_state {
     const auto count = r.get<std::uint64_t>("layers");
     detail::require(count == l_.size(), who, ": the checkpoint holds ", count, " layers but this state ",
                     l_.size());
-    std::vector<layer_t> next = l_;
+    struct loaded {
+      std::vector<C> a, g;
+      std::vector<D> dec;
+      bool have = false, ready = false;
+      std::uint64_t consecutive = 0, failures = 0;
+    };
+    std::vector<loaded> next(l_.size());
     for (std::size_t i = 0; i < l_.size(); ++i) {
-      auto& x = next[i];
+      const auto& x = l_[i];
+      auto& y = next[i];
       const std::string sec = detail::archive_impl::join("layer", "/", x.spec.name);
       detail::require(r.has(detail::archive_impl::join(sec, "/", "index")), who,
                       ": the checkpoint has no layer '", x.spec.name, "'");
@@ -171,37 +188,42 @@ class kfac_state {
       detail::require(shape == std::vector<std::int64_t>{x.spec.in, x.spec.out, x.spec.bias ? 1 : 0}, who,
                       ": layer '", x.spec.name, "' has another shape or bias in the checkpoint");
       const std::int64_t sa[2] = {x.n, x.n}, sg[2] = {x.spec.out, x.spec.out};
-      get(r, x, "A", x.a, sa, who);
-      get(r, x, "G", x.g, sg, who);
-      check_factor(x, "A", x.a, x.n, who);
-      check_factor(x, "G", x.g, x.spec.out, who);
-      x.have = r.tensor_info("decomposition").elements != 0;
-      detail::require(!v1 || x.have, who, ": layer '", x.spec.name, "' has no decomposition");
-      x.dec.resize(x.have ? dec_size(x) : 0);
-      get(r, x, "decomposition", x.dec, std::array<std::int64_t, 1>{static_cast<std::int64_t>(x.dec.size())},
+      y.a.resize(static_cast<std::size_t>(x.n * x.n));
+      y.g.resize(static_cast<std::size_t>(x.spec.out * x.spec.out));
+      get(r, x, "A", y.a, sa, who);
+      get(r, x, "G", y.g, sg, who);
+      check_factor(x, "A", y.a, x.n, who);
+      check_factor(x, "G", y.g, x.spec.out, who);
+      y.have = r.tensor_info("decomposition").elements != 0;
+      detail::require(!v1 || y.have, who, ": layer '", x.spec.name, "' has no decomposition");
+      y.dec.resize(y.have ? dec_size(x) : 0);
+      get(r, x, "decomposition", y.dec, std::array<std::int64_t, 1>{static_cast<std::int64_t>(y.dec.size())},
           who);
-      x.ready = r.get<bool>("ready");
-      if (v1) x.have = x.ready;
-      x.consecutive = r.get<std::uint64_t>("consecutive_failures");
-      x.failures = r.get<std::uint64_t>("failures");
-      detail::require(x.consecutive < max_failures_ && x.consecutive <= x.failures, who, ": layer '",
-                      x.spec.name, "' has ", x.consecutive, " consecutive failures of ", x.failures);
+      y.ready = r.get<bool>("ready");
+      if (v1) y.have = y.ready;
+      y.consecutive = r.get<std::uint64_t>("consecutive_failures");
+      y.failures = r.get<std::uint64_t>("failures");
+      detail::require(y.consecutive < max_failures_ && y.consecutive <= y.failures, who, ": layer '",
+                      x.spec.name, "' has ", y.consecutive, " consecutive failures of ", y.failures);
       r.end();
     }
     const std::size_t fields = (v1 ? 4 : 5) + 8 * l_.size();
     detail::require(r.names().size() == fields, who, ": the checkpoint holds ", r.names().size(),
                     " fields but this state has ", fields);
+    // Every field checked: now the copies into the state's memory.
     for (std::size_t i = 0; i < l_.size(); ++i) {
-      l_[i].a.swap(next[i].a);
-      l_[i].g.swap(next[i].g);
-      l_[i].dec.swap(next[i].dec);
-      l_[i].have = next[i].have;
-      l_[i].held = true;
-      l_[i].ready = next[i].ready;
-      l_[i].consecutive = next[i].consecutive;
-      l_[i].failures = next[i].failures;
-      l_[i].count = 0;
-      l_[i].inited = true;
+      auto& x = l_[i];
+      auto& y = next[i];
+      from_host(y.a, x.a);
+      from_host(y.g, x.g);
+      if (x.dec.size() != y.dec.size()) x.dec = ex_.template allocate<D>(y.dec.size());
+      from_host(y.dec, x.dec);
+      x.have = y.have;
+      x.held = true;
+      x.ready = y.ready;
+      x.consecutive = y.consecutive;
+      x.failures = y.failures;
+      x.count = 0;
     }
     steps_ = steps;
     failed_ = false;
@@ -214,25 +236,64 @@ class kfac_state {
 
  private:
   friend class kfac;
+  template <class T>
+  using buf = std::remove_cvref_t<decltype(std::declval<const B&>().template allocate<T>(std::size_t{}))>;
   struct layer_t {
     kfac_layer spec;
     std::int64_t n = 0;         ///< in + bias
-    std::vector<C> a, g;        ///< the running factors
-    std::vector<C> ba, bg;      ///< this step's accumulated terms
-    std::vector<D> v;           ///< this step's preconditioned gradient (out × (in [+1])), g = n
+    buf<C> a, g;                ///< the running factors (the identity before the first update)
+    std::size_t terms = 0;      ///< this step's terms of A and G: at terms_ + terms (n², then out²)
+    buf<D> v;                   ///< this step's preconditioned gradient (out × (in [+1])), g = n
     std::uint64_t count = 0;    ///< accumulate() calls this step
-    bool inited = false;        ///< the factors have had a first update
-    std::vector<D> dec;         ///< eigen: Q_A, d_A, Q_G, d_G (+ prediv); inverse: A⁻¹, G⁻¹
+    buf<D> dec;                 ///< eigen: Q_A, d_A, Q_G, d_G (+ prediv); inverse: A⁻¹, G⁻¹
     bool held = true;           ///< this rank is a grad worker of the layer
     bool have = false;          ///< dec holds a decomposition
     bool ready = false;         ///< a decomposition succeeded (on any rank)
     unsigned char outcome = 0;  ///< this step's decomposition: 0 none, 1 succeeded, 2 failed
     std::uint64_t consecutive = 0, failures = 0;
+    mutable std::vector<C> ha, hg;  ///< device memory: host copies of a and g (the accessors)
   };
   std::size_t dec_size(const layer_t& x) const {
     const auto na = static_cast<std::size_t>(x.n), ng = static_cast<std::size_t>(x.spec.out);
     return method_ == kfac_method::inverse ? na * na + ng * ng
                                            : na * na + na + ng * ng + ng + (prediv_ ? ng * na : 0);
+  }
+  /// A view of n elements at p in the state's memory.
+  template <class T>
+  static tensor_view<T, space> vec(T* p, std::size_t n) {
+    return tensor_view<T, space>::vector(p, static_cast<std::int64_t>(n));
+  }
+  /// The buffer's elements on the host (a copy).
+  template <class Buf>
+  auto to_host(const Buf& b) const {
+    using T = std::remove_cvref_t<decltype(*b.data())>;
+    std::vector<T> h(b.size());
+    if constexpr (on_host) {
+      std::copy(b.data(), b.data() + b.size(), h.begin());
+    } else {
+      ex_.copy(vec(static_cast<const T*>(b.data()), b.size()),
+               tensor_view<T, host_space>::vector(h.data(), static_cast<std::int64_t>(h.size())));
+      ex_.synchronize();
+    }
+    return h;
+  }
+  /// Host values into the buffer (of their size).
+  template <class T, class Buf>
+  void from_host(const std::vector<T>& h, Buf& b) const {
+    if constexpr (on_host)
+      std::copy(h.begin(), h.end(), b.data());
+    else
+      ex_.copy(tensor_view<const T, host_space>::vector(h.data(), static_cast<std::int64_t>(h.size())),
+               vec(b.data(), b.size()));
+  }
+  /// The buffer itself in host memory; in device memory a copy into `mirror`.
+  std::span<const C> host_view(const buf<C>& b, std::vector<C>& mirror) const {
+    if constexpr (on_host) {
+      return std::span<const C>(b.data(), b.size());
+    } else {
+      mirror = to_host(b);
+      return mirror;
+    }
   }
   const layer_t& at(std::size_t i) const {
     detail::require(i < l_.size(), "kfac_state: layer ", i, " out of range (", l_.size(), " layers)");
@@ -263,6 +324,7 @@ class kfac_state {
   }
 
   L la_{};
+  B ex_{};
   kfac_method method_ = kfac_method::eigen;
   bool prediv_ = false;
   std::uint64_t max_failures_ = 1;
@@ -272,14 +334,15 @@ class kfac_state {
   std::uint64_t computed_ = 0;
   std::vector<layer_t> l_;
   std::vector<std::pair<std::int64_t, std::shared_ptr<detail::linalg::eigh_workspace_t<L, D>>>> ws_;
-  std::vector<C> scratch_, gram_, red_;  ///< a or g in C, a Gram product, the factor reduction
-  std::vector<D> m_, tmp_, dtmp_;        ///< M, a product, a decomposition being computed
+  buf<C> terms_;           ///< per layer a flag (it had terms), then every layer's terms (layer_t::terms)
+  buf<C> scratch_, gram_;  ///< a or g in C (rows × max(in [+1], out)), a Gram product
+  buf<D> m_, tmp_, dtmp_;  ///< M, products and eigenproblems, a decomposition being computed
   // The plan: world_ ranks (0: none yet), g = group_ grad workers per layer, owner_ decomposes.
   int world_ = 0, rank_ = 0, group_ = 1;
   bool force_ = false;  ///< recompute every decomposition at the next step
   std::vector<int> owner_;
-  detail::owner_exchange<D> xd_;  ///< decompositions within a group of grad workers
-  detail::owner_exchange<D> xv_;  ///< preconditioned gradients across groups (g < n)
+  detail::owner_exchange<D> xd_;  ///< decompositions within a group of grad workers (host memory)
+  detail::owner_exchange<D> xv_;  ///< preconditioned gradients across groups (g < n; host memory)
   std::shared_ptr<detail::kfac_comms_base> comms_;
 };
 

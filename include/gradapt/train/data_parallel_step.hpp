@@ -52,7 +52,7 @@
 /// Device memory (gradapt::cuda with comm::nccl, every operation on the framework's stream): the
 /// same step, its agreements and the loss scaler's flags staged through backend buffers; the
 /// host waits for the stream only at its agreement points (docs/algorithms/train-step.md, CUDA).
-/// `kfac_policy` is host only.
+/// `kfac_policy` there needs a K-FAC state in device memory (`kfac::init(backend, la, layers)`).
 
 #include <array>
 #include <chrono>
@@ -216,9 +216,6 @@ class data_parallel_step {
                 "train::data_parallel_step: the state slot's zero_state reduce-scatters the gradients "
                 "over the whole world into shards; the reduce slot's hierarchical_reduce allreduces whole "
                 "gradients: use one of the two");
-  static_assert(!has_preconditioner || !on_device,
-                "train::data_parallel_step: the precondition slot's kfac_policy keeps its factors in host "
-                "memory; on a device, leave the precondition slot empty");
   static_assert(!(has_buckets && has_sharded_state),
                 "train::data_parallel_step: the reduce slot's bucket_reduce averages whole gradients on "
                 "every rank; the state slot's zero_state reduce-scatters them into shards: for buckets with "

@@ -28,6 +28,10 @@
 /// (`kfac_state::discard`) and K-FAC does not step. The K-FAC state is in the step's
 /// checkpoint (section "precondition"). Not combinable with `local_sgd_policy` (a
 /// compile-time error): K-FAC needs the same combined gradient on every rank.
+///
+/// In device memory the state comes from `kf.init<float>(backend, cuda_linalg(...), layers)`
+/// (the step's backend: its stream), `a` and `g` are device views, and everything K-FAC does
+/// runs on that stream (kfac.md, CUDA).
 
 #include <concepts>
 #include <cstddef>
@@ -98,8 +102,9 @@ class kfac_preconditioner {
   void precondition(Comm& comm, const B&, const L& grads, double lr) {
     for (std::size_t i = 0; i < map_.size(); ++i) {
       const kfac_layer& s = st_.layer(i);
-      views_[i].weight = tensor_view<G, host_space>(grads[map_[i].weight].data(), {s.out, s.in});
-      views_[i].bias = map_[i].bias ? grads[*map_[i].bias] : tensor_view<G, host_space>();
+      using Sp = typename State::space;
+      views_[i].weight = tensor_view<G, Sp>(grads[map_[i].weight].data(), {s.out, s.in});
+      views_[i].bias = map_[i].bias ? grads[*map_[i].bias] : tensor_view<G, Sp>();
     }
     kf_.step(comm, st_, views_, lr);
   }
@@ -115,7 +120,7 @@ class kfac_preconditioner {
   gradapt::kfac kf_;
   State st_;
   std::vector<kfac_params> map_;
-  std::vector<kfac_grad<G>> views_;
+  std::vector<kfac_grad<G, typename State::space>> views_;
 };
 
 /// Precondition slot: K-FAC. Holds the K-FAC object, its state (from `kfac.init`; moved into
@@ -157,6 +162,9 @@ class kfac_policy {
   template <class Comm, class B, class PL>
   auto bind(Comm&, const B&, const PL& params) && {
     using G = typename PL::grad_type;
+    static_assert(std::is_same_v<typename State::space, typename PL::space>,
+                  "train::kfac_policy: the K-FAC state's memory is not the parameters' (for device memory "
+                  "create it with kfac.init(backend, la, layers) over a device backend and cuda_linalg)");
     constexpr const char* who = "train::kfac_policy";
     detail::require(st_.layers() > 0, who,
                     ": the K-FAC state has no layers (create it with kfac.init(la, layers))");
