@@ -130,6 +130,36 @@ TEMPLATE_TEST_CASE("cuda_linalg::syrk is A·Aᵀ or Aᵀ·A, symmetric bit for b
   }
 }
 
+TEMPLATE_TEST_CASE("cuda_linalg::qr: A = Q·R, Q orthogonal, R upper triangular", "[linalg][cuda]", float,
+                   double) {
+  using T = TestType;
+  const cuda_linalg la;
+  const std::int64_t n = 48;
+  const auto a = random_matrix<T>(n, n, 11);
+  const auto da = upload(a);
+  cuda_buffer<T> dq{std::size_t(n * n)}, dr{std::size_t(n * n)};
+  auto ws = la.qr_workspace<T>(n);
+  la.qr<T>(dview<const T>(da.data(), {n, n}), dview<T>(dq.data(), {n, n}), dview<T>(dr.data(), {n, n}), ws);
+  GRADAPT_CUDA_CHECK(cudaStreamSynchronize(la.stream()));
+  const auto q = download(dq), r = download(dr);
+  double residual = 0, orthogonality = 0, anorm = 0;
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t j = 0; j < n; ++j) {
+      if (j < i) REQUIRE(r[std::size_t(i * n + j)] == T(0));
+      double qr = 0, qtq = 0;
+      for (std::int64_t k = 0; k < n; ++k) {
+        qr += double(q[std::size_t(i * n + k)]) * double(r[std::size_t(k * n + j)]);
+        qtq += double(q[std::size_t(k * n + i)]) * double(q[std::size_t(k * n + j)]);
+      }
+      const double aij = double(a[std::size_t(i * n + j)]);
+      residual += (qr - aij) * (qr - aij);
+      anorm += aij * aij;
+      orthogonality += (qtq - (i == j ? 1.0 : 0.0)) * (qtq - (i == j ? 1.0 : 0.0));
+    }
+  REQUIRE(std::sqrt(residual) <= 8.0 * double(n) * unit_roundoff<T>() * std::sqrt(anorm));
+  REQUIRE(std::sqrt(orthogonality) <= 8.0 * double(n) * unit_roundoff<T>());
+}
+
 TEMPLATE_TEST_CASE("cuda_linalg::eigh: ascending, A = Q·diag(w)·Qᵀ, Q orthogonal", "[linalg][cuda]", float,
                    double) {
   using T = TestType;

@@ -36,6 +36,15 @@ struct linalg {
   bool eigh(tensor_view<T, device_space> a, tensor_view<T, device_space> w, W& ws) const {
     return h.eigh(on_host(a), on_host(w), ws);
   }
+  template <class T>
+  auto qr_workspace(std::int64_t n) const {
+    return h.template qr_workspace<T>(n);
+  }
+  template <class T, class W>
+  void qr(tensor_view<const T, device_space> a, tensor_view<T, device_space> q,
+          tensor_view<T, device_space> r, W& ws) const {
+    h.qr(on_host(a), on_host(q), on_host(r), ws);
+  }
 };
 
 static_assert(gradapt::linalg_backend<linalg>);

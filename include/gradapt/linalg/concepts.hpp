@@ -86,17 +86,37 @@ concept linalg_backend = requires {
   { la.eigh(d, d, wd) } -> std::same_as<bool>;
 };
 
-/// A `linalg_backend` that also factors a square matrix as Q·R (`qr(a, q, r, work)`, Q and R
-/// written, `work` a std::vector it may grow): `host_lapack`. Eigenvalue-corrected Shampoo's
-/// QR refresh needs it.
+/// The type of `la.template qr_workspace<T>(n)` for a `const L& la`.
+namespace detail::linalg {
+template <class L, class T>
+using qr_workspace_t = decltype(std::declval<const L&>().template qr_workspace<T>(std::int64_t{}));
+}  // namespace detail::linalg
+
+/// A `linalg_backend` that also factors a square matrix as Q·R (`qr(a, q, r, ws)`, Q and R
+/// written, `ws` from `la.template qr_workspace<T>(n)`): `host_lapack` (a std::vector it
+/// grows) and `cuda_linalg`. Eigenvalue-corrected Shampoo's QR refresh needs it.
 template <class L>
 concept qr_linalg_backend = linalg_backend<L> &&
     requires(const L& la, tensor_view<const float, typename L::space> cf,
              tensor_view<float, typename L::space> f, tensor_view<const double, typename L::space> cd,
-             tensor_view<double, typename L::space> d, std::vector<float>& wf, std::vector<double>& wd) {
+             tensor_view<double, typename L::space> d, detail::linalg::qr_workspace_t<L, float>& wf,
+             detail::linalg::qr_workspace_t<L, double>& wd) {
   la.qr(cf, f, f, wf);
   la.qr(cd, d, d, wd);
 };
+
+namespace detail::linalg {
+/// qr_workspace_t<L, T> where L models qr_linalg_backend, else an empty placeholder (for
+/// workspaces that hold one only when the backend has qr).
+template <class L, class T, bool = qr_linalg_backend<L>>
+struct qr_workspace_of {
+  struct type {};
+};
+template <class L, class T>
+struct qr_workspace_of<L, T, true> {
+  using type = qr_workspace_t<L, T>;
+};
+}  // namespace detail::linalg
 
 namespace detail::linalg {
 

@@ -1,8 +1,8 @@
 #pragma once
 /// @file
 /// gradapt::cuda_linalg: the `linalg_backend` of device memory, through cuBLAS (GEMM, SYRK)
-/// and cuSOLVER (?syevd), on the caller's stream. Included only from .cu translation units;
-/// link with the CMake component `gradapt::cuda_linalg`.
+/// and cuSOLVER (?syevd, ?geqrf and ?orgqr), on the caller's stream. Included only from .cu translation
+/// units; link with the CMake component `gradapt::cuda_linalg`.
 ///
 /// Compiled and type-checked in this repository's CI (nvcc, no GPU); its numerics have not
 /// been run on a device (docs/algorithms/linalg.md).
@@ -61,6 +61,15 @@ __global__ void transpose_in_place_kernel(T* a, int n) {
   }
 }
 
+/// r = the upper triangle of the column-major n × n matrix a (geqrf's R), row-major, zeros below.
+template <class T>
+__global__ void upper_from_column_major_kernel(T* r, const T* a, int n) {
+  const int j = int(blockIdx.x * blockDim.x + threadIdx.x), i = int(blockIdx.y * blockDim.y + threadIdx.y);
+  if (i < n && j < n)
+    r[std::size_t(i) * std::size_t(n) + std::size_t(j)] =
+        j >= i ? a[std::size_t(i) + std::size_t(j) * std::size_t(n)] : T(0);
+}
+
 }  // namespace detail::linalg
 
 /// Evaluates a cuBLAS call and throws gradapt::error naming it if it fails.
@@ -97,6 +106,24 @@ class cuda_linalg {
     std::int64_t n_ = 0;
     int lwork_ = 0;
     cuda_buffer<T> work_;
+    cuda_buffer<int> info_;
+  };
+
+  /// Owning workspace of `qr` for n × n matrices of T (cuSOLVER's buffer size for ?geqrf and
+  /// ?orgqr, queried once, the Householder scalars and the device status word).
+  template <class T>
+  class qr_buffers {
+   public:
+    /// An empty workspace for 0 × 0 matrices.
+    qr_buffers() = default;
+    /// The matrix size the workspace was made for.
+    std::int64_t n() const { return n_; }
+
+   private:
+    friend class cuda_linalg;
+    std::int64_t n_ = 0;
+    int lwork_ = 0;
+    cuda_buffer<T> work_, tau_;
     cuda_buffer<int> info_;
   };
 
@@ -143,6 +170,71 @@ class cuda_linalg {
     ws.work_ = cuda_buffer<T>(std::size_t(lwork > 0 ? lwork : 1), stream_);
     ws.info_ = cuda_buffer<int>(1, stream_);
     return ws;
+  }
+
+  /// The workspace `qr` needs for n × n matrices of T (device memory, allocated here).
+  /// @throws gradapt::error for n < 0, n beyond 32-bit integers, or a CUDA failure
+  template <detail::linalg::real_scalar T>
+  qr_buffers<T> qr_workspace(std::int64_t n) const {
+    detail::require(n >= 0, "cuda_linalg::qr_workspace: n is ", n, " (expected n >= 0)");
+    detail::linalg::require_blas_int(n, "cuda_linalg::qr_workspace", "n");
+    qr_buffers<T> ws;
+    ws.n_ = n;
+    if (n == 0) return ws;
+    const int ni = int(n);
+    int lq = 0, lo = 0;
+    if constexpr (std::is_same_v<T, float>) {
+      GRADAPT_CUSOLVER_CHECK(cusolverDnSgeqrf_bufferSize(h_->solver, ni, ni, nullptr, ni, &lq));
+      GRADAPT_CUSOLVER_CHECK(cusolverDnSorgqr_bufferSize(h_->solver, ni, ni, ni, nullptr, ni, nullptr, &lo));
+    } else {
+      GRADAPT_CUSOLVER_CHECK(cusolverDnDgeqrf_bufferSize(h_->solver, ni, ni, nullptr, ni, &lq));
+      GRADAPT_CUSOLVER_CHECK(cusolverDnDorgqr_bufferSize(h_->solver, ni, ni, ni, nullptr, ni, nullptr, &lo));
+    }
+    ws.lwork_ = lq > lo ? lq : lo;
+    ws.work_ = cuda_buffer<T>(std::size_t(ws.lwork_ > 0 ? ws.lwork_ : 1), stream_);
+    ws.tau_ = cuda_buffer<T>(std::size_t(ni), stream_);
+    ws.info_ = cuda_buffer<int>(1, stream_);
+    return ws;
+  }
+
+  /// Q (orthogonal) and R (upper triangular) with A = Q·R for the row-major n × n device
+  /// matrix A, by Householder reflections (cuSOLVER ?geqrf, then ?orgqr for the explicit Q;
+  /// the transpositions between row- and column-major by small kernels). Enqueued on
+  /// `stream()`, without waiting: the arguments are checked here, so cuSOLVER's status word
+  /// (which reports only argument errors for these calls) is not read.
+  /// @throws gradapt::error unless A, Q and R are n × n and ws was made for n, or when a CUDA
+  ///         or cuSOLVER call fails
+  template <detail::linalg::real_scalar T>
+  void qr(tensor_view<const T, device_space> a, tensor_view<T, device_space> q,
+          tensor_view<T, device_space> r, qr_buffers<T>& ws) const {
+    detail::linalg::require_square(a, "cuda_linalg::qr", "A");
+    detail::linalg::require_square(q, "cuda_linalg::qr", "Q");
+    detail::linalg::require_square(r, "cuda_linalg::qr", "R");
+    detail::require(q.dim(0) == a.dim(0) && r.dim(0) == a.dim(0) && ws.n() == a.dim(0),
+                    "cuda_linalg::qr: A is ", a.shape_string(), " but Q is ", q.shape_string(), ", R is ",
+                    r.shape_string(), " and the workspace was made for ", ws.n(), " × ", ws.n());
+    const int n = int(a.dim(0));
+    if (n == 0) return;
+    const dim3 block(16, 16), grid(unsigned((n + 15) / 16), unsigned((n + 15) / 16));
+    GRADAPT_CUDA_CHECK(cudaMemcpyAsync(q.data(), a.data(), a.bytes(), cudaMemcpyDeviceToDevice, stream_));
+    detail::linalg::transpose_in_place_kernel<T><<<grid, block, 0, stream_>>>(q.data(), n);  // column-major A
+    GRADAPT_CUDA_CHECK_LAUNCH("transpose_in_place_kernel");
+    if constexpr (std::is_same_v<T, float>)
+      GRADAPT_CUSOLVER_CHECK(cusolverDnSgeqrf(h_->solver, n, n, q.data(), n, ws.tau_.data(), ws.work_.data(),
+                                              ws.lwork_, ws.info_.data()));
+    else
+      GRADAPT_CUSOLVER_CHECK(cusolverDnDgeqrf(h_->solver, n, n, q.data(), n, ws.tau_.data(), ws.work_.data(),
+                                              ws.lwork_, ws.info_.data()));
+    detail::linalg::upper_from_column_major_kernel<T><<<grid, block, 0, stream_>>>(r.data(), q.data(), n);
+    GRADAPT_CUDA_CHECK_LAUNCH("upper_from_column_major_kernel");
+    if constexpr (std::is_same_v<T, float>)
+      GRADAPT_CUSOLVER_CHECK(cusolverDnSorgqr(h_->solver, n, n, n, q.data(), n, ws.tau_.data(),
+                                              ws.work_.data(), ws.lwork_, ws.info_.data()));
+    else
+      GRADAPT_CUSOLVER_CHECK(cusolverDnDorgqr(h_->solver, n, n, n, q.data(), n, ws.tau_.data(),
+                                              ws.work_.data(), ws.lwork_, ws.info_.data()));
+    detail::linalg::transpose_in_place_kernel<T><<<grid, block, 0, stream_>>>(q.data(), n);  // row-major Q
+    GRADAPT_CUDA_CHECK_LAUNCH("transpose_in_place_kernel");
   }
 
   /// C = alpha·op(A)·op(B) + beta·C for row-major device matrices (beta = 0: C is only
@@ -238,5 +330,6 @@ class cuda_linalg {
 };
 
 static_assert(linalg_backend<cuda_linalg>, "cuda_linalg must model linalg_backend");
+static_assert(qr_linalg_backend<cuda_linalg>, "cuda_linalg must model qr_linalg_backend");
 
 }  // namespace gradapt

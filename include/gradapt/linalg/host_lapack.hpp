@@ -198,6 +198,14 @@ struct host_lapack {
     return true;
   }
 
+  /// The workspace `qr` takes: an empty vector, which the first call for a size grows to what
+  /// LAPACK asks.
+  template <detail::linalg::real_scalar T>
+  std::vector<T> qr_workspace(std::int64_t n) const {
+    detail::require(n >= 0, "host_lapack::qr_workspace: n is ", n, " (expected n >= 0)");
+    return {};
+  }
+
   /// Q (orthogonal) and R (upper triangular) with A = Q·R for the n × n row-major matrix A,
   /// by Householder reflections (LAPACK ?geqrf, then ?orgqr for the explicit Q). `work` is
   /// resized to what LAPACK asks on the first call for a size and reused after (pass the same

@@ -264,8 +264,8 @@ struct scale_by_shampoo {
   /// root workspace per block size, and scratch (`linalg` copied into it).
   /// @throws gradapt::error for a parameter whose gradient and value shapes differ (param_list
   ///         prevents it) or a block size the linear-algebra backend cannot take; on device
-  ///         memory, for what runs in host memory only (eigenbasis qr, root.method
-  ///         coupled_newton, root_staleness >= 1), naming the option
+  ///         memory, for what runs in host memory only (root.method coupled_newton,
+  ///         root_staleness >= 1), naming the option
   ///
   /// With `slices` (the sharded optimizer's), list entry t is elements [slices[t].offset, +
   /// its size) of a tensor of `slices[t].shape`, cut at multiples of `shard_grain`: the state
@@ -282,12 +282,6 @@ struct scale_by_shampoo {
                              " slices for ", params.size(), " tensors (expected none or one per tensor)");
     if constexpr (!on_host) {
       const char* who = "shampoo: on device memory";
-      gradapt::detail::require(
-          options.preconditioner != shampoo_preconditioner::eigenvalue_corrected ||
-              options.eigenbasis == shampoo_eigenbasis::eigh,
-          who,
-          " eigenvalue-corrected Shampoo refreshes its eigenbases by eigenbasis eigh (eigenbasis is qr, "
-          "whose power iteration and reordering run in host memory)");
       if (options.preconditioner == shampoo_preconditioner::root_inverse) {
         gradapt::detail::require(options.root.method == root_method::eigen, who,
                                  " the roots are computed by root.method eigen (root.method is "
@@ -367,7 +361,8 @@ struct scale_by_shampoo {
           if (bl.p[d] != 0) add_workspace(st, la, executor(b), r.size[d], options.root.method);
           if (corrected) {
             st.workspace(r.size[d]).e.reserve(la, executor(b), r.size[d]);
-            if (options.eigenbasis == shampoo_eigenbasis::qr) st.workspace(r.size[d]).qr.reserve(r.size[d]);
+            if (options.eigenbasis == shampoo_eigenbasis::qr)
+              st.workspace(r.size[d]).qr.reserve(la, executor(b), r.size[d]);
           }
         }
         bl.stats.assign(mats, C(0));

@@ -58,16 +58,22 @@ struct root_workspace {
   };
   eig<C> e;
   eig<double> d;
-  /// Eigenvalue-corrected Shampoo's QR refresh: the rotated factor B, its QR factors, the
-  /// accumulated basis, a product, LAPACK's work and the sort order (allocated on reserve).
+  /// Eigenvalue-corrected Shampoo's QR refresh, in L's memory: the rotated factor B, its QR
+  /// factors, the accumulated basis, a product and the sort's permutation matrix; in host
+  /// memory the staged A and P, B's copy and the sort order; L's QR workspace (allocated on
+  /// reserve).
   struct qr_buffers {
-    std::vector<C> b, q, r, acc, t, work;
+    using buffer = typename eig<C>::buffer;
+    buffer b, q, r, acc, t, pm;
+    std::vector<C> ha, hp, hb;
     std::vector<std::size_t> perm;
-    void reserve(std::int64_t n) {
-      if (!b.empty() || n == 0) return;
+    typename detail::linalg::qr_workspace_of<L, C>::type work{};
+    void reserve(const L& la, const B& bk, std::int64_t n) {
+      if (!perm.empty() || n == 0) return;
       const auto nn = static_cast<std::size_t>(n * n);
-      for (auto* v : {&b, &q, &r, &acc, &t}) v->assign(nn, C(0));
+      for (auto* v : {&b, &q, &r, &acc, &t, &pm}) *v = bk.template allocate<C>(nn);
       perm.resize(static_cast<std::size_t>(n));
+      if constexpr (qr_linalg_backend<L>) work = la.template qr_workspace<C>(n);
     }
   };
   qr_buffers qr;
@@ -206,22 +212,30 @@ std::pair<root_status, std::size_t> block_eigenbases(const L& la, const Ex& ex, 
         ok = eigh_basis<double>(la, ex, s, m, bias, rc.epsilon, w.d, x);
       if (!ok) return {root_status::eigensolver_failed, d};
     } else {
-      if constexpr (qr_linalg_backend<L> && std::is_same_v<Sp, host_space>) {  // init checks both
+      if constexpr (qr_linalg_backend<L>) {  // init checks it
         auto& q = w.qr;
-        q.reserve(m);
+        q.reserve(la, ex, m);
         const C* p = prev + off[d];
-        // A (into t), then t = A·Q, B = Qᵀ·t.
-        for (std::size_t i = 0; i < nn * nn; ++i) q.r[i] = C(double(s[i]) / bias);
-        for (std::size_t i = 0; i < nn; ++i) q.r[i * nn + i] += C(rc.epsilon);
+        // A (staged in host memory, into r), then t = A·Q, B = Qᵀ·t.
+        C* ha = q.r.data();
+        if constexpr (!std::is_same_v<Sp, host_space>) {
+          q.ha.resize(nn * nn);
+          ha = q.ha.data();
+        }
+        for (std::size_t i = 0; i < nn * nn; ++i) ha[i] = C(double(s[i]) / bias);
+        for (std::size_t i = 0; i < nn; ++i) ha[i * nn + i] += C(rc.epsilon);
+        detail::linalg::from_host(ex, static_cast<const C*>(ha), q.r.data(), nn * nn);
         la.gemm(transpose::none, transpose::none, 1.0, cview(q.r.data(), {m, m}), cview(p, {m, m}), 0.0,
                 mview(q.t.data(), {m, m}));
         la.gemm(transpose::yes, transpose::none, 1.0, cview(p, {m, m}), cview(q.t.data(), {m, m}), 0.0,
                 mview(q.b.data(), {m, m}));
-        std::copy(p, p + nn * nn, q.acc.begin());
+        ex.apply(gradapt::detail::copy_to{}, mview::vector(q.acc.data(), m * m), cview::vector(p, m * m));
+        const C* hb = nullptr;
         for (std::uint32_t it = 0; it < rc.iterations; ++it) {
+          hb = detail::linalg::host_copy(ex, static_cast<const C*>(q.b.data()), nn * nn, q.hb);
           double all = 0, diag = 0;
-          for (std::size_t i = 0; i < nn * nn; ++i) all += double(q.b[i]) * double(q.b[i]);
-          for (std::size_t i = 0; i < nn; ++i) diag += double(q.b[i * nn + i]) * double(q.b[i * nn + i]);
+          for (std::size_t i = 0; i < nn * nn; ++i) all += double(hb[i]) * double(hb[i]);
+          for (std::size_t i = 0; i < nn; ++i) diag += double(hb[i * nn + i]) * double(hb[i * nn + i]);
           if (std::sqrt(std::max(all - diag, 0.0)) <= rc.tolerance * std::sqrt(all)) break;
           la.qr(cview(q.b.data(), {m, m}), mview(q.q.data(), {m, m}), mview(q.r.data(), {m, m}), q.work);
           la.gemm(transpose::none, transpose::none, 1.0, cview(q.r.data(), {m, m}), cview(q.q.data(), {m, m}),
@@ -230,14 +244,26 @@ std::pair<root_status, std::size_t> block_eigenbases(const L& la, const Ex& ex, 
                   cview(q.q.data(), {m, m}), 0.0, mview(q.t.data(), {m, m}));
           std::swap(q.acc, q.t);
         }
+        hb = detail::linalg::host_copy(ex, static_cast<const C*>(q.b.data()), nn * nn, q.hb);
         for (std::size_t i = 0; i < nn; ++i) q.perm[i] = i;
         std::stable_sort(q.perm.begin(), q.perm.end(),
-                         [&](std::size_t a, std::size_t b) { return q.b[a * nn + a] < q.b[b * nn + b]; });
-        for (std::size_t i = 0; i < nn; ++i)
-          for (std::size_t c = 0; c < nn; ++c) x[i * nn + c] = q.acc[i * nn + q.perm[c]];
+                         [&](std::size_t a, std::size_t b) { return hb[a * nn + a] < hb[b * nn + b]; });
+        bool identity = true;
+        for (std::size_t i = 0; i < nn; ++i) identity = identity && q.perm[i] == i;
+        if (identity) {
+          ex.apply(gradapt::detail::copy_to{}, mview::vector(x, m * m), cview::vector(q.acc.data(), m * m));
+        } else {
+          // The columns reordered as one product with the permutation matrix P (exact: one
+          // product by 1 per entry, the rest adds zeros).
+          q.hp.assign(nn * nn, C(0));
+          for (std::size_t c = 0; c < nn; ++c) q.hp[q.perm[c] * nn + c] = C(1);
+          detail::linalg::from_host(ex, static_cast<const C*>(q.hp.data()), q.pm.data(), nn * nn);
+          la.gemm(transpose::none, transpose::none, 1.0, cview(q.acc.data(), {m, m}),
+                  cview(q.pm.data(), {m, m}), 0.0, mview(x, {m, m}));
+        }
       } else {
         (void)prev;
-        return {root_status::eigensolver_failed, d};  // init rejects a backend without qr, and a device
+        return {root_status::eigensolver_failed, d};  // init rejects a backend without qr
       }
     }
     if (ex.reduce(reduction::count_nonfinite, cview::vector(x, m * m)) != 0)
