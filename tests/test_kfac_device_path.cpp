@@ -12,7 +12,9 @@
 //     at init naming the option;
 //  3. in the precondition slot of train::data_parallel_step (kfac_policy, SGD with momentum,
 //     the loss scaler) on 1 and 2 ranks against the host step, through the step's checkpoint;
-//  4. against the long double re-run of support/kfac_ld_reference (the check test_linalg_cuda
+//  4. with a communicator whose sums differ between a factor's two triangles, the factors stay
+//     symmetric bit for bit (and their checkpoint loads);
+//  5. against the long double re-run of support/kfac_ld_reference (the check test_linalg_cuda
 //     runs on a GPU, support/kfac_reference_run.hpp), in double: eigen, prediv and inverse.
 #include "catch.hpp"
 
@@ -249,6 +251,75 @@ TEST_CASE(
     const double worst = gradapt_test::kfac_against_ld<device_space>(db, dla, host_memory{}, method, prediv);
     INFO("method " << int(method) << ", prediv " << prediv << ": largest relative difference " << worst);
     CHECK(worst <= 1e-12);
+  }
+}
+
+namespace {
+// The device-tagged communicator, except that a sum of floats comes back with its odd elements
+// scaled by 1 + 2⁻²⁰: the two triangles of a factor's terms then differ, as when a collective
+// adds them in different orders (NCCL's rings, MPI's segments).
+struct skewed_comm : host_as_device::comm {
+  template <class T>
+  void allreduce(tensor_view<T, device_space> buf, gradapt::reduce_op op) {
+    host_as_device::comm::allreduce(buf, op);
+    if constexpr (std::is_same_v<T, float>)
+      for (std::size_t e = 1; e < buf.size(); e += 2) buf.data()[e] *= 1.0f + 0x1p-20f;
+  }
+  skewed_comm split(int color, int key) { return skewed_comm{host_as_device::comm::split(color, key)}; }
+};
+}  // namespace
+
+TEST_CASE("kfac in device memory: the factors stay symmetric bit for bit when the triangles are summed apart",
+          "[kfac][device][dist]") {
+  const kfac kf(option_set(0));
+  run_threads(2, {.timeout = std::chrono::seconds(60)}, [&](threads& c) {
+    const host_as_device::backend db;
+    const host_as_device::linalg dla;
+    skewed_comm dc{{&c}};
+    auto ds = kf.init<float>(db, dla, layers);
+    for (int s = 1; s <= 5; ++s) one_step<device_space>(kf, ds, &dc, c.rank(), s);
+    for (std::size_t l = 0; l < std::size(layers); ++l) {
+      const auto a = ds.factor_a(l);
+      const auto n = static_cast<std::size_t>(layers[l].in + (layers[l].bias ? 1 : 0));
+      bool symmetric = true;
+      for (std::size_t i = 0; i < n; ++i)
+        for (std::size_t j = 0; j < i; ++j) symmetric = symmetric && a[i * n + j] == a[j * n + i];
+      RANK_CHECK(symmetric);
+    }
+    // So the checkpoint, whose load demands symmetric factors, loads.
+    const auto saved = ds.save();
+    auto again = kf.init<float>(db, dla, layers);
+    std::string what;
+    try {
+      again.load(saved);
+    } catch (const std::exception& e) {
+      what = e.what();
+    }
+    RANK_CHECK(what.empty());
+  });
+}
+
+TEST_CASE("kfac's inverse method on 1 × 1 layers: its scratch holds the eigenproblems and a scaled basis",
+          "[kfac][device]") {
+  // The inverse method's scratch is at its tightest for 1 × 1 factors (5 values against the
+  // products' 1); under the address sanitizer an overrun fails here.
+  const kfac kf({.damping = 0.1, .method = kfac_method::inverse});
+  const kfac_layer tiny[] = {{"t", 1, 1, false}};
+  const host_as_device::backend db;
+  const host_as_device::linalg dla;
+  auto hs = kf.init<float>(gradapt::host_lapack{}, tiny);
+  auto ds = kf.init<float>(db, dla, tiny);
+  for (int s = 1; s <= 3; ++s) {
+    const std::vector<float> a{0.5f, -1.0f}, g{2.0f, 1.0f};
+    std::vector<float> wh{0.25f * float(s)}, wd = wh;
+    kf.accumulate(hs, 0, cmat<gradapt::host_space>(a, 2, 1), cmat<gradapt::host_space>(g, 2, 1));
+    kf.accumulate(ds, 0, cmat<device_space>(a, 2, 1), cmat<device_space>(g, 2, 1));
+    const kfac_grad<float> hg[] = {{tensor_view<float>(wh.data(), {1, 1})}};
+    const kfac_grad<float, device_space> dg[] = {{tensor_view<float, device_space>(wd.data(), {1, 1})}};
+    kf.step(hs, hg, 0.1);
+    kf.step(ds, dg, 0.1);
+    REQUIRE(same_bits(wh, wd));
+    CHECK(wh[0] != 0.25f * float(s));
   }
 }
 

@@ -162,6 +162,41 @@ TEMPLATE_TEST_CASE("host_lapack::eigh: ascending eigenvalues, A = Q·diag(w)·Q�
   }
 }
 
+TEMPLATE_TEST_CASE("host_lapack::qr: A = Q·R, Q orthogonal, R upper triangular; aliases throw", "[linalg]",
+                   float, double) {
+  using T = TestType;
+  const host_lapack la;
+  for (std::int64_t n : {1, 3, 48}) {
+    const auto a = random_matrix<T>(n, n, unsigned(30 + n));
+    std::vector<T> q(a.size()), r(a.size());
+    auto ws = la.qr_workspace<T>(n);
+    la.qr<T>(tensor_view<const T>(a.data(), {n, n}), tensor_view<T>(q.data(), {n, n}),
+             tensor_view<T>(r.data(), {n, n}), ws);
+    long double residual = 0, orthogonality = 0, anorm = 0;
+    for (std::int64_t i = 0; i < n; ++i)
+      for (std::int64_t j = 0; j < n; ++j) {
+        if (j < i) REQUIRE(r[std::size_t(i * n + j)] == T(0));
+        long double qr = 0, qtq = 0;
+        for (std::int64_t k = 0; k < n; ++k) {
+          qr += (long double)q[std::size_t(i * n + k)] * r[std::size_t(k * n + j)];
+          qtq += (long double)q[std::size_t(k * n + i)] * q[std::size_t(k * n + j)];
+        }
+        const long double aij = a[std::size_t(i * n + j)], id = i == j ? 1 : 0;
+        residual += (qr - aij) * (qr - aij);
+        anorm += aij * aij;
+        orthogonality += (qtq - id) * (qtq - id);
+      }
+    INFO("n " << n);
+    REQUIRE(std::sqrt(residual) <= 8.0L * n * unit_roundoff<T>() * std::sqrt(anorm));
+    REQUIRE(std::sqrt(orthogonality) <= 8.0L * n * unit_roundoff<T>());
+  }
+  std::vector<T> m(9, T(1)), q(9);
+  auto ws = la.qr_workspace<T>(3);
+  REQUIRE_THROWS_WITH(la.qr<T>(tensor_view<const T>(m.data(), {3, 3}), tensor_view<T>(m.data(), {3, 3}),
+                               tensor_view<T>(q.data(), {3, 3}), ws),
+                      Contains("distinct"));
+}
+
 TEST_CASE("host_lapack::eigh of a diagonal matrix returns its sorted diagonal", "[linalg]") {
   const host_lapack la;
   std::vector<double> a = {3, 0, 0, 0, -1, 0, 0, 0, 2}, w(3);

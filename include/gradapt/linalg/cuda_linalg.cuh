@@ -202,8 +202,8 @@ class cuda_linalg {
   /// the transpositions between row- and column-major by small kernels). Enqueued on
   /// `stream()`, without waiting: the arguments are checked here, so cuSOLVER's status word
   /// (which reports only argument errors for these calls) is not read.
-  /// @throws gradapt::error unless A, Q and R are n × n and ws was made for n, or when a CUDA
-  ///         or cuSOLVER call fails
+  /// @throws gradapt::error unless A, Q and R are n × n and distinct and ws was made for n, or
+  ///         when a CUDA or cuSOLVER call fails
   template <detail::linalg::real_scalar T>
   void qr(tensor_view<const T, device_space> a, tensor_view<T, device_space> q,
           tensor_view<T, device_space> r, qr_buffers<T>& ws) const {
@@ -213,6 +213,8 @@ class cuda_linalg {
     detail::require(q.dim(0) == a.dim(0) && r.dim(0) == a.dim(0) && ws.n() == a.dim(0),
                     "cuda_linalg::qr: A is ", a.shape_string(), " but Q is ", q.shape_string(), ", R is ",
                     r.shape_string(), " and the workspace was made for ", ws.n(), " × ", ws.n());
+    detail::require(a.data() != q.data() && a.data() != r.data() && q.data() != r.data(),
+                    "cuda_linalg::qr: A, Q and R must be distinct matrices");
     const int n = int(a.dim(0));
     if (n == 0) return;
     const dim3 block(16, 16), grid(unsigned((n + 15) / 16), unsigned((n + 15) / 16));

@@ -210,7 +210,8 @@ struct host_lapack {
   /// by Householder reflections (LAPACK ?geqrf, then ?orgqr for the explicit Q). `work` is
   /// resized to what LAPACK asks on the first call for a size and reused after (pass the same
   /// vector each time so that a steady caller allocates nothing).
-  /// @throws gradapt::error unless A, Q and R are n × n, or when LAPACK rejects an argument
+  /// @throws gradapt::error unless A, Q and R are n × n and distinct, or when LAPACK rejects an
+  ///         argument
   template <detail::linalg::real_scalar T>
   void qr(tensor_view<const T, host_space> a, tensor_view<T, host_space> q, tensor_view<T, host_space> r,
           std::vector<T>& work) const {
@@ -220,6 +221,8 @@ struct host_lapack {
     detail::require(q.dim(0) == a.dim(0) && r.dim(0) == a.dim(0), "host_lapack::qr: A is ", a.shape_string(),
                     " but Q is ", q.shape_string(), " and R is ", r.shape_string());
     detail::linalg::require_blas_int(a.dim(0), "host_lapack::qr", "A");
+    detail::require(a.data() != q.data() && a.data() != r.data() && q.data() != r.data(),
+                    "host_lapack::qr: A, Q and R must be distinct matrices");
     const int n = static_cast<int>(a.dim(0));
     if (n == 0) return;
     const auto nn = static_cast<std::size_t>(n);

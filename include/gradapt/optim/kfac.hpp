@@ -111,8 +111,8 @@ class kfac {
 
   /// A state for `layers` in the memory of element backend `b` and linear-algebra backend `la`
   /// (one memory space: gradapt::cuda with cuda_linalg for device memory). Allocates every
-  /// factor, term and decomposition buffer; the steps then allocate only when `accumulate` sees
-  /// more rows than before.
+  /// factor, term and decomposition buffer; the steps then allocate backend memory only when
+  /// `accumulate` sees more rows than before.
   /// @throws gradapt::error as above, and in device memory for grad_worker_fraction < 1 (its
   ///         exchanges stage through host memory)
   template <class C = float, class D = C, factored_backend B, linalg_backend L>
@@ -125,13 +125,11 @@ class kfac {
                     o_.grad_worker_fraction,
                     " but the state is in device memory, where every rank holds every decomposition "
                     "(grad_worker_fraction = 1); the hybrid and memory-optimal plans run on the host");
-    St st;
-    st.la_ = la;
-    st.ex_ = b;
+    St st(la, b);  // (a default-constructed cuda_linalg would make handles of its own)
     st.method_ = o_.method;
     st.prediv_ = o_.prediv_eigenvalues;
     st.max_failures_ = o_.max_consecutive_failures;
-    std::size_t terms = layers.size(), largest = 0, largest_dec = 0, largest_mat = 0;
+    std::size_t terms = layers.size(), largest = 0, largest_dec = 0, largest_inv = 0, largest_gram = 0;
     for (std::size_t i = 0; i < layers.size(); ++i) {
       const auto& s = layers[i];
       detail::require(s.in >= 1 && s.out >= 1, "kfac::init: layer '", s.name, "' has in ", s.in, " and out ",
@@ -153,16 +151,25 @@ class kfac {
       x.dec = b.template allocate<D>(st.dec_size(x));
       largest = std::max(largest, ng * na);
       largest_dec = std::max(largest_dec, st.dec_size(x));
-      largest_mat = std::max({largest_mat, na * na, ng * ng});
+      // The inverse method's eigenproblems (Q_A, d_A, Q_G, d_G) and a scaled basis.
+      largest_gram = std::max({largest_gram, na * na, ng * ng});
+      if (o_.method == kfac_method::inverse)
+        largest_inv = std::max(largest_inv, na * na + na + ng * ng + ng + std::max(na * na, ng * ng));
       workspace(st, la, x.n);
       workspace(st, la, s.out);
       st.l_.push_back(std::move(x));
     }
     st.terms_ = b.template allocate<C>(terms);
-    st.gram_ = b.template allocate<C>(largest_mat);
+    std::int64_t widest = 0;
+    for (const auto& x : st.l_) widest = std::max({widest, x.n, x.spec.out});
+    std::vector<C> iota(static_cast<std::size_t>(widest));
+    for (std::size_t e = 0; e < iota.size(); ++e) iota[e] = C(e);
+    st.iota_ = b.template allocate<C>(iota.size());
+    st.from_host(iota, st.iota_);
+    st.gram_ = b.template allocate<C>(largest_gram);
     st.m_ = b.template allocate<D>(largest);
     // Products (out × (in [+1])); the inverse method's eigenproblems and scaled bases.
-    st.tmp_ = b.template allocate<D>(std::max(largest, 2 * largest_mat + largest_dec));
+    st.tmp_ = b.template allocate<D>(std::max(largest, largest_inv));
     st.dtmp_ = b.template allocate<D>(largest_dec);
     return st;
   }
@@ -247,9 +254,12 @@ class kfac {
     step_impl(nullptr, st, as_span(grads), lr);
   }
 
-  /// One step with the factors averaged over the ranks of `comm` (one allreduce of the upper
-  /// triangles of every layer's new terms) and the decompositions divided among the ranks
-  /// (`lpt_assign` over (in+1)³ + out³). Each decomposition goes to its layer's g grad workers
+  /// One step with the factors averaged over the ranks of `comm` (one in-place allreduce of
+  /// every layer's new terms; the averages read one triangle, so the factors stay symmetric)
+  /// and, in host memory, the decompositions divided among the ranks (`lpt_assign` over
+  /// (in+1)³ + out³; in device memory every rank decomposes every layer after agreeing on the
+  /// factors' hash). `comm`'s stream must be the state's backends' (one stream). Each
+  /// decomposition goes to its layer's g grad workers
   /// (one allgather within each group of g ranks, at inverse updates); with g < ranks the grad
   /// workers precondition their layers and one allgather across the groups gives every rank
   /// every preconditioned gradient, each step. Every rank passes its own a and g (its local
@@ -380,6 +390,10 @@ class kfac {
         }
       }
       precondition(st, i, grads[i], x.v.data());
+      // ⟨V, M⟩ for KL clipping while M is still in m_.
+      if (o_.kl_clip > 0)
+        x.vm = st.ex_.dot(St::vec(std::as_const(x).v.data(), x.v.size()),
+                          St::vec(std::as_const(st).m_.data(), x.v.size()));
     }
     if constexpr (dist && St::on_host) {
       if (exchange) {
@@ -419,7 +433,8 @@ class kfac {
     count_outcomes(st);
     double vg = 0;
     if (o_.kl_clip > 0)
-      for (std::size_t i = 0; i < st.l_.size(); ++i) vg += dot(st, i, grads[i], v_of(st, i)) * lr * lr;
+      for (std::size_t i = 0; i < st.l_.size(); ++i)
+        vg += (st.group_ < st.world_ ? dot(st, i, grads[i], v_of(st, i)) : st.l_[i].vm) * lr * lr;
     double nu = 1;
     if (o_.kl_clip > 0 && vg != 0) nu = std::min(1.0, std::sqrt(o_.kl_clip / std::fabs(vg)));
     st.nu_ = nu;

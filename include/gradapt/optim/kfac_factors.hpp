@@ -3,7 +3,7 @@
 /// `gradapt::kfac`'s running factors: the factor update of a step from the terms `accumulate`
 /// added (averaged over the ranks in one allreduce of the whole terms when distributed) and the
 /// running averages A ← d·A + (1 − d)·aᵀa / rows, G ← d·G + (1 − d)·gᵀg / rows, as passes of
-/// the state's element backend.
+/// the state's element backend that keep the factors symmetric bit for bit.
 
 #include <cstddef>
 #include <cstdint>
@@ -35,7 +35,8 @@ void kfac::update_factors(CommPtr comm, St& st, std::uint64_t t) const {
   if constexpr (dist) {
     // One allreduce of the whole buffer: per layer a flag (it had terms), then the terms.
     const std::size_t layers = st.l_.size();
-    std::vector<C> flags(layers);
+    auto& flags = st.flags_;  // host memory, kept with the state
+    flags.resize(layers);
     for (std::size_t i = 0; i < layers; ++i) flags[i] = st.l_[i].count ? C(1) : C(0);
     if constexpr (St::on_host)
       std::copy(flags.begin(), flags.end(), st.terms_.data());
@@ -67,11 +68,16 @@ void kfac::update_factors(CommPtr comm, St& st, std::uint64_t t) const {
         detail::fail("kfac::step: layer '", x.spec.name, "' got no a and g at factor-update step ", t,
                      " (call accumulate for every layer on these steps; factor_update_due() says which)");
   }
-  const k::running_average avg{o_.factor_decay, 1.0 - o_.factor_decay, ranks};
+  const auto average = [&](C* f, const C* b, std::int64_t n) {
+    const auto iota = tensor_view<const C, typename St::space>::vector(st.iota_.data(), n);
+    ex.apply_factored(k::symmetric_average<C>{o_.factor_decay, 1.0 - o_.factor_decay, ranks, b,
+                                              static_cast<std::size_t>(n)},
+                      {1, n, 1, n, 1}, iota, iota, tensor_view<C, typename St::space>(f, {n, n}));
+  };
   for (auto& x : st.l_) {
     const C* ta = st.terms_.data() + x.terms;
-    ex.apply(avg, St::vec(x.a.data(), x.a.size()), St::vec(ta, x.a.size()));
-    ex.apply(avg, St::vec(x.g.data(), x.g.size()), St::vec(ta + x.a.size(), x.g.size()));
+    average(x.a.data(), ta, x.n);
+    average(x.g.data(), ta + x.a.size(), x.spec.out);
     x.count = 0;
   }
 }

@@ -6,6 +6,7 @@
 /// column range into one view per row, so that a strided copy (the bias column of a and of the
 /// gradient) is one multi-tensor pass (`apply_list`) on the host and on a device alike.
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -48,12 +49,20 @@ struct divide {
   }
 };
 
-/// The running average f = d·f + w·(b / r): b a sum over r ranks (r = 1 alone).
-struct running_average {
+/// The running average of a symmetric n × n factor, f = d·f + w·(b / r) with b the step's
+/// terms summed over r ranks (r = 1 alone), run by `apply_factored` over f seen as
+/// [1, n, 1, n, 1] with the row and column indices as the row and column entries: element
+/// (i, j) takes b's element (max(i, j), min(i, j)), so f stays symmetric bit for bit even when
+/// a collective summed b's two triangles in different orders.
+template <class B>
+struct symmetric_average {
   double d = 0, w = 0, r = 1;
-  template <class F, class X>
-  GRADAPT_HD void operator()(F& f, const X& b) const {
-    const F v = static_cast<F>(b) / static_cast<F>(r);
+  const B* b = nullptr;  ///< the terms, in the backend's memory
+  std::size_t n = 0;
+  template <class R, class Cl, class F>
+  GRADAPT_HD void operator()(const R& ri, const Cl& ci, F& f) const {
+    const auto i = static_cast<std::size_t>(ri), j = static_cast<std::size_t>(ci);
+    const F v = static_cast<F>(j > i ? b[j * n + i] : b[i * n + j]) / static_cast<F>(r);
     f = static_cast<F>(d) * f + static_cast<F>(w) * v;
   }
 };
@@ -111,12 +120,15 @@ struct scaled_cast {
 };
 
 /// Columns [at, at + len) of each of `rows` rows of a row-major matrix at `p` with `pitch`
-/// elements per row: one view per row, for a multi-tensor pass.
+/// elements per row: one view per row, for a multi-tensor pass. The list is a vector kept per
+/// thread and view type, refilled by each call (so a steady step allocates nothing once it has
+/// grown): valid until the next call for the same T and Space, so one pass may take one list of
+/// each view type.
 template <class T, class Space>
-std::vector<tensor_view<T, Space>> rows_of(T* p, std::int64_t rows, std::int64_t pitch, std::int64_t at,
-                                           std::int64_t len) {
-  std::vector<tensor_view<T, Space>> v;
-  v.reserve(static_cast<std::size_t>(rows));
+const std::vector<tensor_view<T, Space>>& rows_of(T* p, std::int64_t rows, std::int64_t pitch,
+                                                  std::int64_t at, std::int64_t len) {
+  thread_local std::vector<tensor_view<T, Space>> v;
+  v.clear();
   for (std::int64_t r = 0; r < rows; ++r) v.push_back(tensor_view<T, Space>::vector(p + r * pitch + at, len));
   return v;
 }

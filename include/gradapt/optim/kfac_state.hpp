@@ -236,6 +236,7 @@ class kfac_state {
 
  private:
   friend class kfac;
+  kfac_state(const L& la, const B& ex) : la_(la), ex_(ex) {}
   template <class T>
   using buf = std::remove_cvref_t<decltype(std::declval<const B&>().template allocate<T>(std::size_t{}))>;
   struct layer_t {
@@ -250,6 +251,7 @@ class kfac_state {
     bool have = false;          ///< dec holds a decomposition
     bool ready = false;         ///< a decomposition succeeded (on any rank)
     unsigned char outcome = 0;  ///< this step's decomposition: 0 none, 1 succeeded, 2 failed
+    double vm = 0;              ///< this step's ⟨V, M⟩ (g = n, KL clipping)
     std::uint64_t consecutive = 0, failures = 0;
     mutable std::vector<C> ha, hg;  ///< device memory: host copies of a and g (the accessors)
   };
@@ -335,6 +337,8 @@ class kfac_state {
   std::vector<layer_t> l_;
   std::vector<std::pair<std::int64_t, std::shared_ptr<detail::linalg::eigh_workspace_t<L, D>>>> ws_;
   buf<C> terms_;           ///< per layer a flag (it had terms), then every layer's terms (layer_t::terms)
+  std::vector<C> flags_;   ///< the flags' host copy
+  buf<C> iota_;            ///< 0, 1, 2, ... (the factors' row and column indices)
   buf<C> scratch_, gram_;  ///< a or g in C (rows × max(in [+1], out)), a Gram product
   buf<D> m_, tmp_, dtmp_;  ///< M, products and eigenproblems, a decomposition being computed
   // The plan: world_ ranks (0: none yet), g = group_ grad workers per layer, owner_ decomposes.
