@@ -22,9 +22,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <limits>
-#include <random>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -61,17 +59,9 @@ namespace {
 const kfac_layer layers[] = {{"fc1", 6, 5, true}, {"fc2", 5, 4, false}, {"fc3", 4, 3, true}};
 constexpr std::int64_t rows = 7;
 
-std::vector<float> uniform(std::size_t n, std::uint64_t seed, double scale) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> u(-scale, scale);
-  std::vector<float> v(n);
-  for (auto& x : v) x = static_cast<float>(u(rng));
-  return v;
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
+// The scenario's generator and bitwise comparison.
+using train_kfac_scenario::same_bits;
+using train_kfac_scenario::uniform;
 
 // One rank's inputs of step s: per layer two micro-batches of a and g, and the gradients.
 struct batch {
