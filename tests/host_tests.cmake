@@ -192,7 +192,8 @@ if(GRADAPT_WITH_LAPACK)
   # Shampoo's roots over comm::threads ranks and in its background thread.
   gradapt_add_test(test_shampoo_dist GROUP linalg SOURCES test_shampoo_dist.cpp LIBS gradapt::linalg)
   # Shampoo's spectral descent on device memory through the device-tagged host backends.
-  gradapt_add_test(test_shampoo_device_path GROUP linalg SOURCES test_shampoo_device_path.cpp LIBS gradapt::linalg)
+  gradapt_add_test(test_shampoo_device_path GROUP linalg SOURCES test_shampoo_device_path.cpp
+                   support/shampoo_ld_reference.cpp LIBS gradapt::linalg)
   if(TEST test_shampoo_device_path)  # rank threads each run BLAS: its own threads only add contention
     set_tests_properties(test_shampoo_device_path PROPERTIES ENVIRONMENT "OPENBLAS_NUM_THREADS=1")
   endif()

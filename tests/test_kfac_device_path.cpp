@@ -212,24 +212,6 @@ TEST_CASE(
   });
 }
 
-namespace {
-// Host vectors are the device-tagged path's memory.
-struct host_memory {
-  template <class T>
-  std::vector<T> alloc(std::size_t n) const {
-    return std::vector<T>(n);
-  }
-  template <class T>
-  void put(std::vector<T>& d, const std::vector<T>& h) const {
-    d = h;
-  }
-  template <class T>
-  std::vector<T> get(const std::vector<T>& d) const {
-    return d;
-  }
-};
-}  // namespace
-
 TEST_CASE(
     "kfac in device memory against a long double re-run: eigen, prediv and inverse, through a checkpoint",
     "[kfac][device]") {
@@ -238,7 +220,8 @@ TEST_CASE(
   for (const auto& [method, prediv] :
        {std::pair{kfac_method::eigen, false}, std::pair{kfac_method::eigen, true},
         std::pair{kfac_method::inverse, false}}) {
-    const double worst = gradapt_test::kfac_against_ld<device_space>(db, dla, host_memory{}, method, prediv);
+    const double worst =
+        gradapt_test::kfac_against_ld<device_space>(db, dla, host_as_device::memory{}, method, prediv);
     INFO("method " << int(method) << ", prediv " << prediv << ": largest relative difference " << worst);
     CHECK(worst <= 1e-12);
   }

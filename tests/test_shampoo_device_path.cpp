@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -40,6 +41,8 @@
 #include "rank_errors.hpp"
 #include "sanitizer.hpp"
 #include "scenarios/train_combinations.hpp"
+#include "shampoo_ld_reference.hpp"
+#include "shampoo_reference_run.hpp"
 
 namespace gradapt_test_shampoo_device_path {
 
@@ -53,11 +56,13 @@ namespace tr = gradapt::transform;
 
 namespace {
 
-/// The preset's chain (gradapt::shampoo) with linear-algebra backend L.
+/// The preset's chain (gradapt::shampoo) with linear-algebra backend L (and, unless
+/// `no_root_linalg`, another L for the background roots).
 template <class L>
-auto family_chain(const shampoo_options& o) {
+auto family_chain(const shampoo_options& o, bool no_root_linalg = false) {
   tr::scale_by_shampoo<L> pre;
   pre.options = o;
+  if (!no_root_linalg) pre.root_linalg = L{};
   return gradapt::chain<tr::scale_by_shampoo<L>, tr::add_decayed_weights, tr::trace,
                         tr::scale_by_learning_rate>(std::move(pre), gradapt::detail::optim::decay_stage(o),
                                                     gradapt::detail::optim::momentum_stage(o),
@@ -400,6 +405,78 @@ TEST_CASE(
   for (const auto& w : eps) CHECK_THAT(w, Contains("root.epsilon"));
 }
 
+TEST_CASE(
+    "shampoo's background roots on device memory (root_staleness 1 and 2, root_linalg's thread): the host "
+    "chain's bits through a checkpoint with roots in flight, on 1 and 2 ranks",
+    "[shampoo][device]") {
+  for (const std::uint64_t stale : {1, 2}) {
+    INFO("root_staleness " << stale);
+    for (auto o : root_option_sets()) {
+      o.root_staleness = stale;
+      o.precondition_frequency = std::max(o.precondition_frequency, stale);
+      const auto [computed, ready] = host_and_device(o);
+      CHECK(computed > 0);
+      CHECK(ready);
+    }
+  }
+  auto o = root_option_sets()[0];
+  o.root_staleness = 1;
+  host_and_device_on_two_ranks(o);
+  // The roots ran on root_linalg, whose thread entered its device once.
+  const auto dev_opt = family_chain<host_as_device::linalg>(o);
+  model d;
+  const host_as_device::backend db;
+  const auto dparams = host_as_device::on_device(d.params);
+  {
+    auto st = dev_opt.init(db, dparams);
+    for (int k = 1; k <= 4; ++k) {
+      d.grads(k);
+      dev_opt.step(db, dparams, st);
+    }
+    CHECK(st.preconditioner().root_computations() > 0);
+  }
+  CHECK(dev_opt.template stage<0>().root_linalg->entered->load() == 1);
+  CHECK(dev_opt.template stage<0>().linalg.entered->load() == 0);
+}
+
+TEST_CASE(
+    "shampoo on device memory against the long double re-run (test_linalg_cuda's, here through the "
+    "device-tagged backends): roots in the step, one step stale, and eigenvalue-corrected, through a "
+    "checkpoint",
+    "[shampoo][device]") {
+  using ref_t = gradapt_test::shampoo_ld_reference;
+  const host_as_device::backend db;
+  const host_as_device::linalg la;
+  for (const int mode : {0, 1, 2}) {  // roots in the step, one step stale, eigenvalue-corrected
+    INFO("mode " << mode);
+    shampoo_options o;
+    o.graft = gradapt::shampoo_graft::none;
+    o.precondition_1d = false;
+    o.root.ridge = gradapt::ridge_kind::absolute;
+    o.root.epsilon = 1e-6;
+    o.root_staleness = mode == 1 ? 1 : 0;
+    if (mode == 2) {
+      o.preconditioner = gradapt::shampoo_preconditioner::eigenvalue_corrected;
+      o.eigenbasis = gradapt::shampoo_eigenbasis::eigh;
+      o.root.ridge = gradapt::ridge_kind::relative;
+      o.root.epsilon = 1e-4;
+    }
+    const auto r = gradapt_test::shampoo_against_ld<device_space>(
+        db, la, mode == 1 ? std::optional<host_as_device::linalg>(host_as_device::linalg{}) : std::nullopt,
+        host_as_device::memory{}, o, [&](ref_t& ref, const std::vector<double>& g) {
+          return mode == 0   ? ref.direction(g)
+                 : mode == 1 ? ref.stale_direction(g)
+                             : ref.corrected_direction(g);
+        });
+    // Stale roots of a rank-deficient factor meet the next gradient's components in its null
+    // space, scaled by ε^(-1/4) on each side, where the roots carry the eigensolver's roundoff
+    // (u·λ_max) against ε: a looser bound (a wrong step gives differences of order 1).
+    INFO("largest difference " << r.worst);
+    CHECK(r.worst <= (mode == 1 ? 1e-8 : 1e-9));
+    CHECK(r.root_computations > 0);
+  }
+}
+
 TEST_CASE("shampoo on device memory: what stays in host memory throws at init, naming the option",
           "[shampoo][device]") {
   model d;
@@ -412,8 +489,9 @@ TEST_CASE("shampoo on device memory: what stays in host memory throws at init, n
                       Contains("root.method eigen") && Contains("coupled_newton"));
   shampoo_options stale;
   stale.root_staleness = 1;
-  REQUIRE_THROWS_WITH(family_chain<host_as_device::linalg>(stale).init(db, dparams),
-                      Contains("root_staleness is 1"));
+  REQUIRE_THROWS_WITH(family_chain<host_as_device::linalg>(stale, true).init(db, dparams),
+                      Contains("root_staleness is 1") && Contains("root_linalg"));
+  CHECK_NOTHROW(family_chain<host_as_device::linalg>(stale).init(db, dparams));
   // The host keeps both.
   const gradapt::host hb{.threads = 1};
   model h;

@@ -134,6 +134,23 @@ struct backend {
 };
 static_assert(gradapt::staging_backend<backend>);  // the staged agreements take the staging path
 
+/// Host vectors as the device-tagged backends' memory, for the reference runs written once for
+/// every memory (kfac_reference_run.hpp, shampoo_reference_run.hpp): alloc, put, get.
+struct memory {
+  template <class T>
+  std::vector<T> alloc(std::size_t n) const {
+    return std::vector<T>(n);
+  }
+  template <class T>
+  void put(std::vector<T>& d, const std::vector<T>& h) const {
+    d = h;
+  }
+  template <class T>
+  std::vector<T> get(const std::vector<T>& d) const {
+    return d;
+  }
+};
+
 /// comm::threads over device-tagged views of host memory.
 struct comm {
   using space = device_space;

@@ -7,7 +7,9 @@
 // device pointer, which reads host memory here: only a GPU run does). Separate from
 // host_as_device.hpp so tests without BLAS/LAPACK do not link them.
 
+#include <atomic>
 #include <cstdint>
+#include <memory>
 
 #include "gradapt/linalg/host_lapack.hpp"
 #include "host_as_device.hpp"
@@ -17,6 +19,13 @@ namespace host_as_device {
 struct linalg {
   using space = device_space;
   gradapt::host_lapack h{};
+  /// Calls of enter_thread over every copy (a background thread's start).
+  std::shared_ptr<std::atomic<int>> entered = std::make_shared<std::atomic<int>>(0);
+
+  /// A new element backend (its own staging words), as cuda_linalg::elements gives a new
+  /// gradapt::cuda on its stream.
+  backend elements(const backend&) const { return backend{}; }
+  void enter_thread() const { ++*entered; }
 
   template <class T>
   auto eigh_workspace(std::int64_t n) const {
@@ -48,5 +57,6 @@ struct linalg {
 };
 
 static_assert(gradapt::linalg_backend<linalg>);
+static_assert(gradapt::stream_linalg_backend<linalg, backend>);
 
 }  // namespace host_as_device

@@ -12,6 +12,7 @@ struct shampoo_ld_reference::impl {
   std::size_t m, n;
   ld eps;
   std::vector<ld> l, r, v;
+  std::vector<ld> pl, pr;  ///< stale_direction: the roots of the statistics so far
   /// Adds g's statistics; returns g.
   std::vector<ld> accumulate(const std::vector<double>& g) {
     const std::vector<ld> x(g.begin(), g.end());
@@ -40,7 +41,7 @@ std::vector<ld> ascending_basis(const std::vector<ld>& a, std::size_t k) {
 
 shampoo_ld_reference::shampoo_ld_reference(std::size_t m, std::size_t n, double eps)
     : p_(new impl{m, n, ld(eps), std::vector<ld>(m * m, 0), std::vector<ld>(n * n, 0),
-                  std::vector<ld>(m * n, 0)}) {}
+                  std::vector<ld>(m * n, 0), {}, {}}) {}
 
 shampoo_ld_reference::~shampoo_ld_reference() = default;
 
@@ -50,6 +51,20 @@ std::vector<double> shampoo_ld_reference::direction(const std::vector<double>& g
   const auto pl = sym_power(s.l, s.m, s.eps, ld(-0.25)), pr = sym_power(s.r, s.n, s.eps, ld(-0.25));
   const auto d = matmul(matmul(pl, x, s.m, s.m, s.n), pr, s.m, s.n, s.n);
   return std::vector<double>(d.begin(), d.end());
+}
+
+std::vector<double> shampoo_ld_reference::stale_direction(const std::vector<double>& g) {
+  auto& s = *p_;
+  std::vector<double> out = g;
+  if (!s.pl.empty()) {
+    const std::vector<ld> x(g.begin(), g.end());
+    const auto d = matmul(matmul(s.pl, x, s.m, s.m, s.n), s.pr, s.m, s.n, s.n);
+    out.assign(d.begin(), d.end());
+  }
+  s.accumulate(g);
+  s.pl = sym_power(s.l, s.m, s.eps, ld(-0.25));
+  s.pr = sym_power(s.r, s.n, s.eps, ld(-0.25));
+  return out;
 }
 
 std::vector<double> shampoo_ld_reference::corrected_direction(const std::vector<double>& g) {

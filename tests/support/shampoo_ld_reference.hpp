@@ -25,6 +25,10 @@ class shampoo_ld_reference {
   shampoo_ld_reference& operator=(const shampoo_ld_reference&) = delete;
   /// Accumulates the statistics of g (m × n, row-major) and returns the step's direction.
   std::vector<double> direction(const std::vector<double>& g);
+  /// Root-inverse with its roots one step stale (root_staleness 1, roots every step): the
+  /// direction of g with the roots of the statistics up to the previous step (g itself at the
+  /// first), then g's statistics added and their roots kept for the next call.
+  std::vector<double> stale_direction(const std::vector<double>& g);
   /// The same for eigenvalue-corrected Shampoo (its own statistics and V).
   std::vector<double> corrected_direction(const std::vector<double>& g);
 

@@ -105,6 +105,18 @@ concept qr_linalg_backend = linalg_backend<L> &&
   la.qr(cd, d, d, wd);
 };
 
+/// A `linalg_backend` bound to a stream, that names the element backend B ordered with it:
+/// `la.elements(b)` is a new B whose work is enqueued on la's stream, with its own scratch (so
+/// that a second host thread can drive it beside the thread that owns `b`), and
+/// `la.enter_thread()` prepares the calling host thread for la's calls (CUDA: the stream's
+/// device). `cuda_linalg` with `gradapt::cuda` models it. Shampoo's background roots in device
+/// memory (shampoo_options::root_staleness >= 1) run on such a backend and its element backend.
+template <class L, class B>
+concept stream_linalg_backend = linalg_backend<L> && requires(const L& la, const B& b) {
+  { la.elements(b) } -> std::same_as<B>;
+  la.enter_thread();
+};
+
 namespace detail::linalg {
 /// qr_workspace_t<L, T> where L models qr_linalg_backend, else an empty placeholder (for
 /// workspaces that hold one only when the backend has qr).

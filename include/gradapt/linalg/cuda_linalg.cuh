@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "gradapt/backend/cuda.cuh"
 #include "gradapt/backend/cuda/check.cuh"
 #include "gradapt/backend/cuda/device_buffer.cuh"
 #include "gradapt/core/error.hpp"
@@ -130,6 +131,10 @@ class cuda_linalg {
   /// Creates the handles on `stream` (the legacy default stream when null).
   /// @throws gradapt::error when a handle cannot be created
   explicit cuda_linalg(cudaStream_t stream = nullptr) : stream_(stream), h_(std::make_shared<handles>()) {
+    if (stream_ != nullptr)
+      GRADAPT_CUDA_CHECK(cudaStreamGetDevice(stream_, &device_));
+    else
+      GRADAPT_CUDA_CHECK(cudaGetDevice(&device_));
     GRADAPT_CUBLAS_CHECK(cublasCreate(&h_->blas));
     GRADAPT_CUBLAS_CHECK(cublasSetStream(h_->blas, stream_));
     GRADAPT_CUBLAS_CHECK(cublasSetMathMode(h_->blas, CUBLAS_PEDANTIC_MATH));
@@ -148,6 +153,15 @@ class cuda_linalg {
 
   /// The stream every call is enqueued on.
   cudaStream_t stream() const { return stream_; }
+  /// The device of `stream()` (the calling thread's current device for the default stream).
+  int device() const { return device_; }
+  /// A new gradapt::cuda on `stream()`, with its own workspace: the element work ordered with
+  /// this object's calls, which a second host thread may drive (stream_linalg_backend).
+  cuda elements(const cuda&) const { return cuda{.stream = stream_}; }
+  /// Makes the calling host thread use `device()` (cudaSetDevice); a background thread calls it
+  /// before its first call.
+  /// @throws gradapt::error when CUDA refuses
+  void enter_thread() const { GRADAPT_CUDA_CHECK(cudaSetDevice(device_)); }
 
   /// The workspace `eigh` needs for n × n matrices of T (device memory, allocated here).
   /// @throws gradapt::error for n < 0, n beyond 32-bit integers, or a CUDA failure
@@ -328,10 +342,12 @@ class cuda_linalg {
     }
   };
   cudaStream_t stream_ = nullptr;
+  int device_ = 0;
   std::shared_ptr<handles> h_;
 };
 
 static_assert(linalg_backend<cuda_linalg>, "cuda_linalg must model linalg_backend");
 static_assert(qr_linalg_backend<cuda_linalg>, "cuda_linalg must model qr_linalg_backend");
+static_assert(stream_linalg_backend<cuda_linalg, cuda>, "cuda_linalg must model stream_linalg_backend");
 
 }  // namespace gradapt

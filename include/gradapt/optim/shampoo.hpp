@@ -46,6 +46,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -104,6 +105,12 @@ struct scale_by_shampoo {
   shampoo_options options{};
   /// The linear-algebra backend (copied into the state at init).
   L linalg{};
+  /// The linear-algebra backend of the background roots (root_staleness >= 1), copied into the
+  /// state's root thread at init; `linalg` when not set. Device memory needs it set, to a
+  /// `stream_linalg_backend` on a second stream of the same device (a `cuda_linalg` of its own,
+  /// not a copy of `linalg`: copies share cuBLAS/cuSOLVER handles, which one thread at a time
+  /// may use); the roots' element work runs on its `elements(b)`.
+  std::optional<L> root_linalg{};
 
   /// A preconditioner stage: required, no chain buffers, never reads p in the passes.
   static constexpr stage_spec traits{.uses_param = false, .preconditioner = true};
@@ -264,8 +271,9 @@ struct scale_by_shampoo {
   /// root workspace per block size, and scratch (`linalg` copied into it).
   /// @throws gradapt::error for a parameter whose gradient and value shapes differ (param_list
   ///         prevents it) or a block size the linear-algebra backend cannot take; on device
-  ///         memory, for what runs in host memory only (root.method coupled_newton,
-  ///         root_staleness >= 1), naming the option
+  ///         memory, for root.method coupled_newton (its iteration runs in host memory) and for
+  ///         root_staleness >= 1 without `root_linalg` (or with an L that is not a
+  ///         `stream_linalg_backend` of B), naming the option
   ///
   /// With `slices` (the sharded optimizer's), list entry t is elements [slices[t].offset, +
   /// its size) of a tensor of `slices[t].shape`, cut at multiples of `shard_grain`: the state
@@ -286,9 +294,18 @@ struct scale_by_shampoo {
         gradapt::detail::require(options.root.method == root_method::eigen, who,
                                  " the roots are computed by root.method eigen (root.method is "
                                  "coupled_newton, whose iteration runs in host memory)");
-        gradapt::detail::require(
-            options.root_staleness == 0, who, " the roots are computed inside the step (root_staleness is ",
-            options.root_staleness, "; the background root thread works in host memory)");
+        if (options.root_staleness > 0) {
+          if constexpr (stream_linalg_backend<L, B>)
+            gradapt::detail::require(
+                root_linalg.has_value(), who, " the background roots (root_staleness is ",
+                options.root_staleness,
+                ") run on root_linalg, which is not set (give the stage a linear-algebra backend of its "
+                "own on a second stream of the device)");
+          else
+            gradapt::detail::fail(who, " the background roots (root_staleness is ", options.root_staleness,
+                                  ") need a linear-algebra backend that names the element backend of its "
+                                  "stream (stream_linalg_backend: cuda_linalg with gradapt::cuda)");
+        }
       }
     }
     using St = state_type<B, V, G>;
@@ -418,17 +435,23 @@ struct scale_by_shampoo {
         }
         st.refs_.push_back(ref);
         if (options.root_staleness > 0) {
-          bl.snap.assign(bl.stats.size(), C(0));
-          bl.pend.assign(bl.roots.size(), C(0));
+          bl.snap.assign(bl.stats.size(), C(0));  // a device's: the checkpoint's host copy
+          if constexpr (on_host) bl.pend.assign(bl.roots.size(), C(0));
         }
       }
-    if constexpr (on_host) {
-      if (options.root_staleness > 0) {
-        st.tasks_.reserve(st.refs_.size());
-        std::vector<std::pair<std::int64_t, typename St::workspace_t*>> ws;
-        for (auto& [n, w] : st.ws_) ws.emplace_back(n, w.get());
+    if (options.root_staleness > 0) {
+      st.tasks_.reserve(st.refs_.size());
+      std::vector<std::pair<std::int64_t, typename St::workspace_t*>> ws;
+      for (auto& [n, w] : st.ws_) ws.emplace_back(n, w.get());
+      using worker_t = typename decltype(st.worker_)::element_type;
+      if constexpr (on_host) {
         st.worker_ =
-            std::make_unique<gradapt::detail::shampoo_impl::root_worker<L, C>>(la, recipe(), std::move(ws));
+            std::make_unique<worker_t>(root_linalg.value_or(la), host{.threads = 1}, recipe(), std::move(ws));
+      } else if constexpr (stream_linalg_backend<L, B>) {  // checked above
+        st.dsnap_ = b.template allocate<C>(total_mats);
+        st.dpend_ = b.template allocate<C>(total_mats);
+        st.worker_ =
+            std::make_unique<worker_t>(*root_linalg, root_linalg->elements(b), recipe(), std::move(ws));
       }
     }
     return st;
@@ -553,26 +576,32 @@ struct scale_by_shampoo {
 
     // The element work runs through the backend (one thread on the host, as the products).
     const auto ex = executor(b);
-    if constexpr (on_host)
-      if (st.relaunch_) launch(st, dist);
+    if (st.relaunch_) launch(st, ex, dist);
     if (stats_due)
       for (std::size_t i = 0; i < st.t_.size(); ++i)
         for (std::size_t j = 0; j < st.t_[i].blocks.size(); ++j)
           block_stats(st, ex, st.t_[i], j, params[i].grad.data());
-    if constexpr (on_host)  // roots in flight (root_staleness >= 1: host memory)
-      if (st.pending_step_ != 0 &&
-          (t == st.pending_step_ + st.staleness_ || (!st.deterministic_ && st.worker_->idle())))
-        finish_roots(comm, st);
+    // Roots in flight (root_staleness >= 1).
+    if (st.pending_step_ != 0 &&
+        (t == st.pending_step_ + st.staleness_ || (!st.deterministic_ && st.worker_->idle())))
+      finish_roots(comm, ex, st);
     if (roots_due) {
       if (st.staleness_ == 0) {
         compute_roots(comm, ex, st, t);
-      } else if constexpr (on_host) {
+      } else {
+        if constexpr (dist && !on_host) agree_statistics(comm, ex, st);
         for (const auto& r : st.refs_) {
           auto& bl = st.t_[r.t].blocks[r.j];
-          std::copy(bl.stats.begin(), bl.stats.end(), bl.snap.begin());
+          if constexpr (on_host) {
+            std::copy(bl.stats.begin(), bl.stats.end(), bl.snap.begin());
+          } else {
+            const auto n = static_cast<std::int64_t>(bl.stats.size());
+            ex.apply(gradapt::detail::copy_to{}, tensor_view<C, Sp>::vector(st.snap_at(bl), n),
+                     tensor_view<const C, Sp>::vector(st.stats_at(bl), n));
+          }
         }
         st.pending_step_ = t;
-        launch(st, dist);
+        launch(st, ex, dist);
       }
     }
 
@@ -660,10 +689,12 @@ struct scale_by_shampoo {
   template <class Comm, class St>
   static void exchange(Comm& comm, St& st, std::uint64_t step, std::uint64_t hash);
   // The roots of a step (shampoo_roots.hpp).
-  template <class St>
-  void launch(St& st, bool dist) const;
-  template <class Comm, class St>
-  static void finish_roots(Comm& comm, St& st);
+  template <class St, class Ex>
+  void launch(St& st, const Ex& ex, bool dist) const;
+  template <class Comm, class Ex, class St>
+  static void finish_roots(Comm& comm, const Ex& ex, St& st);
+  template <class Comm, class Ex, class St>
+  static void agree_statistics(Comm& comm, const Ex& ex, St& st);
   template <class Comm, class Ex, class St>
   void compute_roots(Comm& comm, const Ex& ex, St& st, std::uint64_t t) const;
   template <class St, class Ex, class C>

@@ -35,7 +35,7 @@ void shampoo_state<L, B, V, G>::save_header(archive_writer& w) const {
 template <class L, class B, class V, class G>
 void shampoo_state<L, B, V, G>::write_block(archive_writer& w, std::size_t t, std::size_t j,
                                             std::size_t label, const C* stats, const C* roots, const C* corr,
-                                            const C* mrot) const {
+                                            const C* mrot, const C* snap) const {
   const auto& x = t_[t];
   const auto& bl = x.blocks[j];
   w.begin("block" + std::to_string(label));
@@ -49,7 +49,7 @@ void shampoo_state<L, B, V, G>::write_block(archive_writer& w, std::size_t t, st
     w.put_tensor<compute_type>("stat" + std::to_string(d), s, sh);
     w.put_tensor<compute_type>("root" + std::to_string(d), r, sh);
     if (pending_step_ != 0) {
-      const std::span<const compute_type> c(bl.snap.data() + bl.off[d], s.size());
+      const std::span<const compute_type> c(snap + bl.off[d], s.size());
       require_finite(c, x.name, label, "statistic copy for the roots in flight");
       w.put_tensor<compute_type>("snap" + std::to_string(d), c, sh);
     }
@@ -187,9 +187,11 @@ void shampoo_state<L, B, V, G>::write_block_of(const B& b, archive_writer& w, st
   const auto& bl = t_[t].blocks[j];
   if constexpr (on_host) {
     (void)b;
-    write_block(w, t, j, label, bl.stats.data(), bl.roots.data(), bl.corr.data(), bl.mrot.data());
+    write_block(w, t, j, label, bl.stats.data(), bl.roots.data(), bl.corr.data(), bl.mrot.data(),
+                bl.snap.data());
   } else {  // device memory: through host copies
-    std::vector<compute_type> s(bl.stats.size()), r(bl.roots.size()), c(bl.corr.size()), m(bl.mrot.size());
+    std::vector<compute_type> s(bl.stats.size()), r(bl.roots.size()), c(bl.corr.size()), m(bl.mrot.size()),
+        sn(pending_step_ != 0 ? bl.snap.size() : 0);
     const auto get = [&](const buf& from, std::size_t at, std::vector<compute_type>& to) {
       const auto n = static_cast<std::int64_t>(to.size());
       if (n > 0)
@@ -200,7 +202,8 @@ void shampoo_state<L, B, V, G>::write_block_of(const B& b, archive_writer& w, st
     get(droots_, bl.at, r);
     get(dcorr_, bl.at_e, c);
     get(dmrot_, bl.at_e, m);
-    write_block(w, t, j, label, s.data(), r.data(), c.data(), m.data());
+    get(dsnap_, bl.at, sn);
+    write_block(w, t, j, label, s.data(), r.data(), c.data(), m.data(), sn.data());
   }
 }
 
@@ -217,6 +220,7 @@ void shampoo_state<L, B, V, G>::block_to_device(const B& b, const block_t& bl) {
     put_at(bl.roots, droots_, bl.at);
     put_at(bl.corr, dcorr_, bl.at_e);
     put_at(bl.mrot, dmrot_, bl.at_e);
+    put_at(bl.snap, dsnap_, bl.at);  // root_staleness >= 1: the copies the roots in flight start from
   } else {
     (void)b;
     (void)bl;

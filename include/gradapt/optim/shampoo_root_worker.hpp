@@ -345,16 +345,20 @@ struct root_task {
   std::size_t factor = 0;
 };
 
-/// A background host thread that computes roots (shampoo_options::root_staleness >= 1). The
-/// step hands it a list of tasks whose buffers stay untouched by the step until `wait` returns;
-/// the thread owns the root workspaces while it runs. Created at `init`, joined by the
-/// destructor (after the task list in flight, if any, is done).
-template <class L, class C>
+/// A background host thread that computes roots (shampoo_options::root_staleness >= 1) with
+/// linear-algebra backend L and element backend Ex: gradapt::host on one thread for host
+/// memory; on a device, a `stream_linalg_backend` and its `elements` (a second stream), the
+/// thread entering L's device first and waiting for that stream before a task list counts as
+/// done. The step hands it a list of tasks whose buffers stay untouched by the step until
+/// `wait` returns; the thread owns the root workspaces while it runs. Created at `init`, joined
+/// by the destructor (after the task list in flight, if any, is done).
+template <class L, class C, class Ex = host>
 class root_worker {
  public:
-  using workspace_t = root_workspace<L, C>;
-  root_worker(const L& la, const root_recipe& o, std::vector<std::pair<std::int64_t, workspace_t*>> ws)
-      : la_(la), o_(o), ws_(std::move(ws)), thread_([this] { run(); }) {}
+  using workspace_t = root_workspace<L, C, Ex>;
+  root_worker(const L& la, const Ex& ex, const root_recipe& o,
+              std::vector<std::pair<std::int64_t, workspace_t*>> ws)
+      : la_(la), ex_(ex), o_(o), ws_(std::move(ws)), thread_([this] { run(); }) {}
   root_worker(const root_worker&) = delete;
   root_worker& operator=(const root_worker&) = delete;
   ~root_worker() {
@@ -407,13 +411,18 @@ class root_worker {
         lock.unlock();
         std::exception_ptr err;
         try {
+          if constexpr (!std::is_same_v<typename L::space, host_space>) {
+            if (!entered_) la_.enter_thread();
+            entered_ = true;
+          }
           for (auto& t : tasks) {
             const auto [status, factor] = block_roots(
-                la_, host{.threads = 1}, t.k, t.p, t.n, t.off, t.in, t.out,
+                la_, ex_, t.k, t.p, t.n, t.off, t.in, t.out,
                 [&](std::int64_t n) -> workspace_t& { return find(n); }, o_, t.bias, hbuf_);
             t.status = status;
             t.factor = factor;
           }
+          ex_.synchronize();  // every root written before the step reads them
         } catch (...) {
           err = std::current_exception();
         }
@@ -433,6 +442,8 @@ class root_worker {
   }
 
   L la_;
+  Ex ex_;
+  bool entered_ = false;  // enter_thread called (device memory)
   root_recipe o_;
   std::vector<C> hbuf_;  // block_roots' device staging (unused in host memory)
   std::vector<std::pair<std::int64_t, workspace_t*>> ws_;

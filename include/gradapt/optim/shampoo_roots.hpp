@@ -1,8 +1,9 @@
 #pragma once
 /// @file
 /// `gradapt::shampoo`'s root computations in a step: inside the step (root_staleness 0) or
-/// started in the state's worker thread and installed `root_staleness` steps later, and the
-/// installation of a block's roots or the count of its failures.
+/// started in the state's worker thread (on a device, on `root_linalg`'s stream) and installed
+/// `root_staleness` steps later, and the installation of a block's roots or the count of its
+/// failures.
 
 #include <algorithm>
 #include <cstddef>
@@ -21,47 +22,78 @@
 
 namespace gradapt {
 
-/// Starts the worker on this rank's blocks, from the statistics copied into `snap`.
+/// Starts the worker on this rank's blocks (in host memory with a communicator, the blocks it
+/// owns; in device memory, every block), from the statistics copied into `snap`. On a device
+/// it first waits for the step's stream: the copies (or a `load`'s) are done before the
+/// worker's stream reads them.
 template <class L>
-template <class St>
-void transform::scale_by_shampoo<L>::launch(St& st, bool dist) const {
+template <class St, class Ex>
+void transform::scale_by_shampoo<L>::launch(St& st, const Ex& ex, bool dist) const {
+  const bool exchanged = dist && St::on_host;
   st.relaunch_ = false;
   st.tasks_.clear();
   const double bias = root_bias(st.pending_step_);
   for (std::size_t i = 0; i < st.refs_.size(); ++i) {
-    if (!owns(st, i, dist)) continue;
+    if (!owns(st, i, exchanged)) continue;
     auto& bl = st.t_[st.refs_[i].t].blocks[st.refs_[i].j];
     st.tasks_.push_back(
-        {bl.k, bl.p.data(), bias, bl.n.data(), bl.off.data(), bl.snap.data(), bl.pend.data()});
+        {bl.k, bl.p.data(), bias, bl.n.data(), bl.off.data(), st.snap_at(bl), st.pend_at(bl)});
   }
-  st.pending_hash_ = dist ? stats_hash(st, true) : 0;
+  st.pending_hash_ = exchanged ? stats_hash(st, true) : 0;
   st.computed_ += st.tasks_.size();
+  if constexpr (!St::on_host) ex.synchronize();
   st.worker_->start(std::span(st.tasks_));
 }
 
-/// Waits for the roots in flight and installs them (through the exchange when distributed).
+/// Waits for the roots in flight and installs them (through the exchange when distributed in
+/// host memory; in device memory every rank computed every block).
 template <class L>
-template <class Comm, class St>
-void transform::scale_by_shampoo<L>::finish_roots(Comm& comm, St& st) {
-  constexpr bool dist = !std::is_same_v<Comm, gradapt::detail::optim::no_comm>;
+template <class Comm, class Ex, class St>
+void transform::scale_by_shampoo<L>::finish_roots(Comm& comm, const Ex& ex, St& st) {
+  constexpr bool exchanged = !std::is_same_v<Comm, gradapt::detail::optim::no_comm> && St::on_host;
   const std::uint64_t from = st.pending_step_;
   st.pending_step_ = 0;
   st.worker_->wait();
   std::size_t k = 0;
   for (std::size_t i = 0; i < st.refs_.size(); ++i) {
-    if (!owns(st, i, dist)) continue;
+    if (!owns(st, i, exchanged)) continue;
     const auto& task = st.tasks_[k++];
-    const auto& bl = st.t_[st.refs_[i].t].blocks[st.refs_[i].j];
-    if constexpr (dist) {
+    auto& bl = st.t_[st.refs_[i].t].blocks[st.refs_[i].j];
+    if constexpr (exchanged) {
       auto* w = st.x_.out(i);
       w[0] = static_cast<typename St::compute_type>(static_cast<int>(task.status));
       w[1] = static_cast<typename St::compute_type>(task.factor);
       std::copy(bl.pend.begin(), bl.pend.end(), w + 2);
     } else {
-      install(st, host{.threads = 1}, i, task.status, task.factor, bl.pend.data(), -1, from);
+      install(st, ex, i, task.status, task.factor,
+              static_cast<const typename St::compute_type*>(st.pend_at(bl)), -1, from);
     }
   }
-  if constexpr (dist) exchange(comm, st, from, st.pending_hash_);
+  if constexpr (exchanged) exchange(comm, st, from, st.pending_hash_);
+}
+
+/// Device memory with a communicator: one agreement on the hash of every block's statistics
+/// (copied into the blocks' host copies for it), before every rank computes every block's roots
+/// from them; ranks whose statistics differ throw on every rank, as the host exchange does, and
+/// the state stops until `load`.
+template <class L>
+template <class Comm, class Ex, class St>
+void transform::scale_by_shampoo<L>::agree_statistics(Comm& comm, const Ex& ex, St& st) {
+  using C = typename St::compute_type;
+  for (const auto& r : st.refs_) {
+    auto& bl = st.t_[r.t].blocks[r.j];
+    const auto n = static_cast<std::int64_t>(bl.stats.size());
+    ex.copy(tensor_view<const C, typename L::space>::vector(st.stats_at(bl), n),
+            tensor_view<C, host_space>::vector(bl.stats.data(), n));
+  }
+  const agreed_value h[] = {{"statistics (hash)", static_cast<double>(stats_hash(st, false) >> 16)}};
+  try {
+    agree_values(comm, ex, "shampoo::step (the statistics the roots come from)",
+                 std::span<const agreed_value>(h));
+  } catch (const error&) {
+    st.failed_ = true;  // as the exchange: every later step throws until load()
+    throw;
+  }
 }
 
 /// Computes the due roots inside the step (root_staleness 0). In host memory with a
@@ -77,22 +109,7 @@ void transform::scale_by_shampoo<L>::compute_roots(Comm& comm, const Ex& ex, St&
   const auto ws = [&](std::int64_t n) -> typename St::workspace_t& { return st.workspace(n); };
   const auto rc = recipe();
   const double bias = root_bias(t);
-  if constexpr (dist && !St::on_host) {
-    for (const auto& r : st.refs_) {  // the host copies the hash reads
-      auto& bl = st.t_[r.t].blocks[r.j];
-      const auto n = static_cast<std::int64_t>(bl.stats.size());
-      ex.copy(tensor_view<const C, typename L::space>::vector(st.stats_at(bl), n),
-              tensor_view<C, host_space>::vector(bl.stats.data(), n));
-    }
-    const agreed_value h[] = {{"statistics (hash)", static_cast<double>(stats_hash(st, false) >> 16)}};
-    try {
-      agree_values(comm, ex, "shampoo::step (the statistics the roots come from)",
-                   std::span<const agreed_value>(h));
-    } catch (const error&) {
-      st.failed_ = true;  // as the exchange: every later step throws until load()
-      throw;
-    }
-  }
+  if constexpr (dist && !St::on_host) agree_statistics(comm, ex, st);
   for (std::size_t i = 0; i < st.refs_.size(); ++i) {
     if (!owns(st, i, exchanged)) continue;
     auto& bl = st.t_[st.refs_[i].t].blocks[st.refs_[i].j];

@@ -80,8 +80,8 @@ template <class L, class B, class V, class G>
 class shampoo_state {
  public:
   using compute_type = compute_t<V>;  ///< element type of statistics, roots and directions
-  /// Whether B works on host memory (every family member), or on a device's (root-inverse
-  /// Shampoo with eigen roots in the step, and spectral descent).
+  /// Whether B works on host memory (every family member and root method), or on a device's
+  /// (every family member; root-inverse Shampoo with root.method eigen).
   static constexpr bool on_host = std::same_as<typename B::space, host_space>;
 
   /// Format version of the section `save()` writes (its "format" field).
@@ -252,11 +252,14 @@ class shampoo_state {
     /// statistics' hash go through.
     std::vector<C> stats, roots;
     std::size_t at = 0;
-    std::vector<C> snap, pend;  ///< root_staleness >= 1: statistics copied for the worker, its roots
-    std::vector<C> corr;        ///< eigenvalue-corrected: the second moment V in the eigenbasis
-    std::vector<C> mrot;        ///< eigenvalue-corrected with beta1 > 0: Qᵀ M Q in the current bases
-    std::size_t at_e = 0;       ///< device memory: corr and mrot in dcorr_ and dmrot_ at this offset
-    bool mrot_valid = true;     ///< false from new bases' install to the next direction
+    /// root_staleness >= 1: the statistics copied for the worker and its roots. Device memory:
+    /// they live in dsnap_ and dpend_ at offset `at`, and snap is the host copy a checkpoint goes
+    /// through (pend is empty).
+    std::vector<C> snap, pend;
+    std::vector<C> corr;     ///< eigenvalue-corrected: the second moment V in the eigenbasis
+    std::vector<C> mrot;     ///< eigenvalue-corrected with beta1 > 0: Qᵀ M Q in the current bases
+    std::size_t at_e = 0;    ///< device memory: corr and mrot in dcorr_ and dmrot_ at this offset
+    bool mrot_valid = true;  ///< false from new bases' install to the next direction
     bool ready = false;
     std::uint64_t consecutive = 0, failures = 0;
   };
@@ -324,7 +327,7 @@ class shampoo_state {
   }
   // The checkpoint's pieces (shampoo_checkpoint.hpp).
   void write_block(archive_writer& w, std::size_t t, std::size_t j, std::size_t label, const C* stats,
-                   const C* roots, const C* corr, const C* mrot) const;
+                   const C* roots, const C* corr, const C* mrot, const C* snap) const;
   // write_block from B's memory (device: through host copies), and a block's host copies
   // into the device buffers (nothing in host memory).
   void write_block_of(const B& b, archive_writer& w, std::size_t t, std::size_t j, std::size_t label) const;
@@ -336,37 +339,24 @@ class shampoo_state {
     return (bl.stats.empty() ? 0 : (in_flight ? 3 : 2) * bl.k) + 4 + (bl.corr.empty() ? 0 : 1) +
            (bl.mrot.empty() ? 0 : 1);
   }
-  /// Block bl's statistics and roots in the memory of B.
-  C* stats_at(block_t& bl) {
+  /// A block's field in the memory of B: the block's own vector `h` on the host, the
+  /// state's device buffer `d` at offset `at` on a device.
+  template <class H, class D>
+  static auto* in_memory(H& h, D& d, std::size_t at) {
     if constexpr (on_host)
-      return bl.stats.data();
+      return h.data();
     else
-      return dstats_.data() + bl.at;
+      return d.data() + at;
   }
-  C* roots_at(block_t& bl) {
-    if constexpr (on_host)
-      return bl.roots.data();
-    else
-      return droots_.data() + bl.at;
-  }
-  C* corr_at(block_t& bl) {
-    if constexpr (on_host)
-      return bl.corr.data();
-    else
-      return dcorr_.data() + bl.at_e;
-  }
-  C* mrot_at(block_t& bl) {
-    if constexpr (on_host)
-      return bl.mrot.data();
-    else
-      return dmrot_.data() + bl.at_e;
-  }
-  const C* roots_at(const block_t& bl) const {
-    if constexpr (on_host)
-      return bl.roots.data();
-    else
-      return droots_.data() + bl.at;
-  }
+  /// Block bl's statistics, roots, snapshot and the worker's roots (root_staleness >= 1),
+  /// corrected second moment and rotated first moment in the memory of B.
+  C* stats_at(block_t& bl) { return in_memory(bl.stats, dstats_, bl.at); }
+  C* roots_at(block_t& bl) { return in_memory(bl.roots, droots_, bl.at); }
+  C* snap_at(block_t& bl) { return in_memory(bl.snap, dsnap_, bl.at); }
+  C* pend_at(block_t& bl) { return in_memory(bl.pend, dpend_, bl.at); }
+  C* corr_at(block_t& bl) { return in_memory(bl.corr, dcorr_, bl.at_e); }
+  C* mrot_at(block_t& bl) { return in_memory(bl.mrot, dmrot_, bl.at_e); }
+  const C* roots_at(const block_t& bl) const { return in_memory(bl.roots, droots_, bl.at); }
   workspace_t& workspace(std::int64_t n) {
     for (auto& [size, ws] : ws_)
       if (size == n) return *ws;
@@ -375,7 +365,7 @@ class shampoo_state {
 
   // Declared first so that a move assignment joins the old worker before anything it reads
   // is replaced; the destructor waits for it before any member goes.
-  std::unique_ptr<detail::shampoo_impl::root_worker<L, C>> worker_;
+  std::unique_ptr<detail::shampoo_impl::root_worker<L, C, std::conditional_t<on_host, host, B>>> worker_;
   L la_{};
   shampoo_graft graft_ = shampoo_graft::none;
   double beta1_ = 0;              ///< shampoo_options::beta1 (the first moment's meaning)
@@ -392,6 +382,7 @@ class shampoo_state {
   buf rs_;                      ///< block scratch: roots
   buf dstats_, droots_;         ///< device memory: every block's statistics and roots (block_t::at)
   buf dcorr_, dmrot_;           ///< device memory: every block's corr and mrot (block_t::at_e)
+  buf dsnap_, dpend_;           ///< device memory, root_staleness >= 1: every block's snap and pend (at)
   std::vector<C> hbuf_;         ///< device memory: host staging of the roots' identity factors
   buf mb_;                      ///< block scratch: the corrected first moment (beta1 > 0)
   buf ns_;                      ///< spectral descent: Newton–Schulz scratch
