@@ -242,10 +242,11 @@ std::pair<std::uint64_t, bool> host_and_device(const shampoo_options& o) {
   return dr;
 }
 
-/// The same on two ranks (the distributed step, the same gradients on every rank: a
-/// distributed Shampoo step takes averaged ones).
-void host_and_device_on_two_ranks(const shampoo_options& o) {
-  run_threads(2, {.timeout = std::chrono::seconds(60)}, [&](threads& c) {
+/// The same on `ranks` ranks (the distributed step, the same gradients on every rank: a
+/// distributed Shampoo step takes averaged ones): the same bits and, the roots divided among
+/// the ranks alike, the same root computations on each rank.
+void host_and_device_on_ranks(const shampoo_options& o, int ranks = 2) {
+  run_threads(ranks, {.timeout = std::chrono::seconds(60)}, [&](threads& c) {
     const auto host_opt = family_chain<gradapt::host_lapack>(o);
     const auto dev_opt = family_chain<host_as_device::linalg>(o);
     model h, d;
@@ -253,9 +254,10 @@ void host_and_device_on_two_ranks(const shampoo_options& o) {
     const host_as_device::backend db;
     host_as_device::comm dc{&c};
     const auto dparams = host_as_device::on_device(d.params);
-    twelve_steps(host_opt, hb, h.params, h, &c, 0);
-    twelve_steps(dev_opt, db, dparams, d, &dc, 0);
+    const auto hr = twelve_steps(host_opt, hb, h.params, h, &c, 0);
+    const auto dr = twelve_steps(dev_opt, db, dparams, d, &dc, 0);
     RANK_REQUIRE(h.same_bits(d));
+    RANK_REQUIRE(dr == hr);
   });
 }
 
@@ -351,7 +353,7 @@ TEST_CASE("shampoo spectral descent on device memory: the host chain's bits, thr
 
 TEST_CASE("shampoo spectral descent on device memory, distributed: agreement through the backend",
           "[shampoo][device][dist]") {
-  host_and_device_on_two_ranks(option_sets()[1]);
+  host_and_device_on_ranks(option_sets()[1]);
   // A rank with another Newton–Schulz step count throws on every rank, through the staged
   // agreement.
   const auto what = first_step_errors(
@@ -382,15 +384,16 @@ TEST_CASE("eigenvalue-corrected shampoo on device memory: the host chain's bits,
     CHECK(host_and_device(o).first > 0);
   }
   // On two ranks (every rank refreshes every block's bases).
-  host_and_device_on_two_ranks(corrected_option_sets()[0]);
+  host_and_device_on_ranks(corrected_option_sets()[0]);
 }
 
 TEST_CASE(
-    "shampoo root_inverse on device memory, distributed: every rank computes the roots, the "
-    "statistics agreed",
+    "shampoo root_inverse on device memory, distributed: the roots divided among the ranks and "
+    "exchanged, the statistics agreed",
     "[shampoo][device][dist]") {
   const auto o = root_option_sets()[0];
-  host_and_device_on_two_ranks(o);
+  host_and_device_on_ranks(o);
+  if (!gradapt_test::under_sanitizer) host_and_device_on_ranks(root_option_sets()[1], 3);
   // A rank whose gradients differ (so its statistics do) throws on every rank at the first
   // roots, naming the statistics' hash; and so does another root.epsilon.
   for (const auto& w : first_step_errors(
@@ -421,7 +424,8 @@ TEST_CASE(
   }
   auto o = root_option_sets()[0];
   o.root_staleness = 1;
-  host_and_device_on_two_ranks(o);
+  host_and_device_on_ranks(o);
+  if (!gradapt_test::under_sanitizer) host_and_device_on_ranks(o, 3);
   // The roots ran on root_linalg, whose thread entered its device once.
   const auto dev_opt = family_chain<host_as_device::linalg>(o);
   model d;

@@ -43,31 +43,40 @@ struct owner_exchange {
   int rank = 0;                             ///< this rank
   std::vector<int> owner;                   ///< rank that computes each item
   std::vector<std::size_t> pos;             ///< offset of each item's words in its owner's chunk
+  std::vector<std::size_t> slot;            ///< each item's index among its owner's items
+  std::size_t most = 0;                     ///< the most items one rank computes
   std::size_t chunk = 0;                    ///< words per rank
-  std::vector<C> send, recv;
+  std::vector<C> send, recv;                ///< the chunks (empty when planned without host buffers)
 
   /// True when planned for this world and rank.
   bool planned_for(int n, int r) const { return world == n && rank == r; }
 
-  /// Plans items of `cost` (for the assignment) and `words` (their size in the exchange).
-  void plan(std::span<const std::uint64_t> cost, std::span<const std::size_t> words, int n, int r) {
-    plan_owners(lpt_assign(cost, n), words, n, r);
+  /// Plans items of `cost` (for the assignment) and `words` (their size in the exchange);
+  /// without `host_buffers` the caller keeps the chunks in memory of its own (`run` is then not
+  /// called).
+  void plan(std::span<const std::uint64_t> cost, std::span<const std::size_t> words, int n, int r,
+            bool host_buffers = true) {
+    plan_owners(lpt_assign(cost, n), words, n, r, host_buffers);
   }
   /// Plans items with the given owners (a rank in [0, n), or -1: the item is not exchanged) and
   /// `words` (their size in the exchange).
-  void plan_owners(std::vector<int> owners, std::span<const std::size_t> words, int n, int r) {
+  void plan_owners(std::vector<int> owners, std::span<const std::size_t> words, int n, int r,
+                   bool host_buffers = true) {
     owner = std::move(owners);
-    std::vector<std::size_t> fill(static_cast<std::size_t>(n), header);
+    std::vector<std::size_t> fill(static_cast<std::size_t>(n), header), count(static_cast<std::size_t>(n), 0);
     pos.assign(owner.size(), 0);
+    slot.assign(owner.size(), 0);
     for (std::size_t i = 0; i < owner.size(); ++i) {
       if (owner[i] < 0) continue;
-      auto& f = fill[static_cast<std::size_t>(owner[i])];
-      pos[i] = f;
-      f += words[i];
+      const auto o = static_cast<std::size_t>(owner[i]);
+      pos[i] = fill[o];
+      fill[o] += words[i];
+      slot[i] = count[o]++;
     }
     chunk = *std::max_element(fill.begin(), fill.end());
-    send.assign(chunk, C(0));
-    recv.assign(chunk * static_cast<std::size_t>(n), C(0));
+    most = *std::max_element(count.begin(), count.end());
+    send.assign(host_buffers ? chunk : 0, C(0));
+    recv.assign(host_buffers ? chunk * static_cast<std::size_t>(n) : 0, C(0));
     world = n;
     rank = r;
   }

@@ -589,7 +589,6 @@ struct scale_by_shampoo {
       if (st.staleness_ == 0) {
         compute_roots(comm, ex, st, t);
       } else {
-        if constexpr (dist && !on_host) agree_statistics(comm, ex, st);
         for (const auto& r : st.refs_) {
           auto& bl = st.t_[r.t].blocks[r.j];
           if constexpr (on_host) {
@@ -600,6 +599,7 @@ struct scale_by_shampoo {
                      tensor_view<const C, Sp>::vector(st.stats_at(bl), n));
           }
         }
+        if constexpr (dist && !on_host) to_host(ex, st, true);  // for the hash
         st.pending_step_ = t;
         launch(st, ex, dist);
       }
@@ -686,15 +686,19 @@ struct scale_by_shampoo {
   static bool owns(const St& st, std::size_t i, bool dist);
   template <class St>
   static std::uint64_t stats_hash(const St& st, bool snapshot);
-  template <class Comm, class St>
-  static void exchange(Comm& comm, St& st, std::uint64_t step, std::uint64_t hash);
+  template <class Comm, class Ex, class St>
+  static void exchange(Comm& comm, const Ex& ex, St& st, std::uint64_t step, std::uint64_t hash);
+  template <class St>
+  static typename St::compute_type* exchange_out(St& st, std::size_t i);
+  template <class St>
+  static void exchange_status(St& st, std::size_t i, root_status status, std::size_t factor);
   // The roots of a step (shampoo_roots.hpp).
   template <class St, class Ex>
   void launch(St& st, const Ex& ex, bool dist) const;
   template <class Comm, class Ex, class St>
   static void finish_roots(Comm& comm, const Ex& ex, St& st);
-  template <class Comm, class Ex, class St>
-  static void agree_statistics(Comm& comm, const Ex& ex, St& st);
+  template <class Ex, class St>
+  static void to_host(const Ex& ex, St& st, bool snapshot);
   template <class Comm, class Ex, class St>
   void compute_roots(Comm& comm, const Ex& ex, St& st, std::uint64_t t) const;
   template <class St, class Ex, class C>

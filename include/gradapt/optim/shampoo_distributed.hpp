@@ -2,7 +2,8 @@
 /// @file
 /// `gradapt::shampoo`'s distributed roots: the plan of which rank computes which block's roots
 /// (lpt_assign over the blocks' costs, agreed across ranks once per world), and the owner
-/// exchange that allgathers the roots and installs every block from its owner's chunk.
+/// exchange that allgathers the roots and installs every block from its owner's chunk (in host
+/// or device memory).
 
 #include <cstddef>
 #include <cstdint>
@@ -106,7 +107,14 @@ void transform::scale_by_shampoo<L>::plan(Comm& comm, const B& b, St& st, const 
     st.worker_->discard();
     st.relaunch_ = true;
   }
-  st.x_.plan(cost, size, n, me);
+  st.x_.plan(cost, size, n, me, St::on_host);
+  if constexpr (!St::on_host) {  // the chunks in device memory, the statuses through the agreement
+    using C = typename St::compute_type;
+    st.dxsend_ = b.template allocate<C>(st.x_.chunk);
+    st.dxrecv_ = b.template allocate<C>(st.x_.chunk * static_cast<std::size_t>(n));
+    st.xstat_.assign(2 * st.x_.most, 0.0);
+    st.xall_.assign(2 * st.x_.most * static_cast<std::size_t>(n), 0.0);
+  }
 }
 
 template <class L>
@@ -128,27 +136,86 @@ std::uint64_t transform::scale_by_shampoo<L>::stats_hash(const St& st, bool snap
   return h;
 }
 
-/// Allgathers every rank's chunk (header, then per owned block its status, failing factor and
-/// roots), checks the headers agree, and installs every block from its owner's chunk.
+/// Where this rank writes block i's roots for the exchange: in its chunk after the block's
+/// status words (the device chunk's stay unused).
 template <class L>
-template <class Comm, class St>
-void transform::scale_by_shampoo<L>::exchange(Comm& comm, St& st, std::uint64_t step, std::uint64_t hash) {
-  const int differs = st.x_.run(comm, step, hash, "shampoo::step");
-  if (differs >= 0) {
-    st.failed_ = true;
-    gradapt::detail::fail(
-        "shampoo::step on rank ", st.x_.rank, ": the statistics of rank ", differs,
-        " differ from rank 0's at step ", step,
-        " (every rank must pass the same averaged gradients); restore a checkpoint with load()");
+template <class St>
+typename St::compute_type* transform::scale_by_shampoo<L>::exchange_out(St& st, std::size_t i) {
+  if constexpr (St::on_host)
+    return st.x_.out(i) + 2;
+  else
+    return st.dxsend_.data() + st.x_.pos[i] + 2;
+}
+
+/// Records block i's root status and failing factor for the exchange.
+template <class L>
+template <class St>
+void transform::scale_by_shampoo<L>::exchange_status(St& st, std::size_t i, root_status status,
+                                                     std::size_t factor) {
+  if constexpr (St::on_host) {
+    auto* w = st.x_.out(i);
+    w[0] = static_cast<typename St::compute_type>(static_cast<int>(status));
+    w[1] = static_cast<typename St::compute_type>(factor);
+  } else {
+    st.xstat_[2 * st.x_.slot[i]] = static_cast<double>(static_cast<int>(status));
+    st.xstat_[2 * st.x_.slot[i] + 1] = static_cast<double>(factor);
   }
-  for (std::size_t i = 0; i < st.refs_.size(); ++i) {
-    const auto* c = st.x_.in(i);
-    const auto code = static_cast<int>(c[0]);
-    gradapt::detail::require(code >= 0 && code <= static_cast<int>(root_status::nonfinite_result),
-                             "shampoo::step: internal error: root status ", code, " from rank ",
-                             st.x_.owner[i]);
-    install(st, host{.threads = 1}, i, static_cast<root_status>(code), static_cast<std::size_t>(c[1]), c + 2,
-            st.x_.owner[i], step);
+}
+
+/// Allgathers every rank's chunk (header, then per owned block its status, failing factor and
+/// roots), checks the headers agree, and installs every block from its owner's chunk. In
+/// device memory the header's step and hash and the statuses travel in one agreement (staged
+/// through `ex`, every rank throwing on a difference), the roots in one allgather of the device
+/// chunks, and the installs are copies on `ex`'s stream.
+template <class L>
+template <class Comm, class Ex, class St>
+void transform::scale_by_shampoo<L>::exchange(Comm& comm, const Ex& ex, St& st, std::uint64_t step,
+                                              std::uint64_t hash) {
+  using C = typename St::compute_type;
+  if constexpr (!St::on_host) {
+    using Sp = typename L::space;
+    const agreed_value at[] = {{"step", static_cast<double>(step)},
+                               {"statistics (hash)", static_cast<double>(hash >> 16)}};
+    try {
+      agree_values_and_share(comm, ex, "shampoo::step (the roots' exchange)",
+                             std::span<const agreed_value>(at), std::span<const double>(st.xstat_),
+                             std::span<double>(st.xall_), {}, &st.xwork_);
+    } catch (const error&) {
+      st.failed_ = true;  // every later step throws until load()
+      throw;
+    }
+    const auto len = static_cast<std::int64_t>(st.x_.chunk);
+    comm.allgather(tensor_view<const C, Sp>::vector(st.dxsend_.data(), len),
+                   tensor_view<C, Sp>::vector(st.dxrecv_.data(), len * st.x_.world));
+    const std::size_t k = 2 * st.x_.most;
+    for (std::size_t i = 0; i < st.refs_.size(); ++i) {
+      const auto r = static_cast<std::size_t>(st.x_.owner[i]);
+      const double* w = st.xall_.data() + r * k + 2 * st.x_.slot[i];
+      const auto code = static_cast<int>(w[0]);
+      gradapt::detail::require(code >= 0 && code <= static_cast<int>(root_status::nonfinite_result),
+                               "shampoo::step: internal error: root status ", code, " from rank ", r);
+      install(st, ex, i, static_cast<root_status>(code), static_cast<std::size_t>(w[1]),
+              static_cast<const C*>(st.dxrecv_.data() + r * st.x_.chunk + st.x_.pos[i] + 2), st.x_.owner[i],
+              step);
+    }
+  } else {
+    const int differs = st.x_.run(comm, step, hash, "shampoo::step");
+    if (differs >= 0) {
+      st.failed_ = true;
+      gradapt::detail::fail(
+          "shampoo::step on rank ", st.x_.rank, ": the statistics of rank ", differs,
+          " differ from rank 0's at step ", step,
+          " (every rank must pass the same averaged gradients); restore a checkpoint with load()");
+    }
+    for (std::size_t i = 0; i < st.refs_.size(); ++i) {
+      const auto* c = st.x_.in(i);
+      const auto code = static_cast<int>(c[0]);
+      gradapt::detail::require(code >= 0 && code <= static_cast<int>(root_status::nonfinite_result),
+                               "shampoo::step: internal error: root status ", code, " from rank ",
+                               st.x_.owner[i]);
+      install(st, ex, i, static_cast<root_status>(code), static_cast<std::size_t>(c[1]), c + 2,
+              st.x_.owner[i], step);
+    }
   }
 }
 

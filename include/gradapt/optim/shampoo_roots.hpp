@@ -22,96 +22,83 @@
 
 namespace gradapt {
 
-/// Starts the worker on this rank's blocks (in host memory with a communicator, the blocks it
-/// owns; in device memory, every block), from the statistics copied into `snap`. On a device
-/// it first waits for the step's stream: the copies (or a `load`'s) are done before the
-/// worker's stream reads them.
+/// Starts the worker on this rank's blocks (with a communicator, the blocks it owns), from the
+/// statistics copied into `snap` (with a communicator in device memory, also into the blocks'
+/// host copies, which the hash reads). On a device it first waits for the step's stream: the
+/// copies (or a `load`'s) are done before the worker's stream reads them.
 template <class L>
 template <class St, class Ex>
 void transform::scale_by_shampoo<L>::launch(St& st, const Ex& ex, bool dist) const {
-  const bool exchanged = dist && St::on_host;
   st.relaunch_ = false;
   st.tasks_.clear();
   const double bias = root_bias(st.pending_step_);
   for (std::size_t i = 0; i < st.refs_.size(); ++i) {
-    if (!owns(st, i, exchanged)) continue;
+    if (!owns(st, i, dist)) continue;
     auto& bl = st.t_[st.refs_[i].t].blocks[st.refs_[i].j];
     st.tasks_.push_back(
         {bl.k, bl.p.data(), bias, bl.n.data(), bl.off.data(), st.snap_at(bl), st.pend_at(bl)});
   }
-  st.pending_hash_ = exchanged ? stats_hash(st, true) : 0;
+  st.pending_hash_ = dist ? stats_hash(st, true) : 0;
   st.computed_ += st.tasks_.size();
   if constexpr (!St::on_host) ex.synchronize();
   st.worker_->start(std::span(st.tasks_));
 }
 
-/// Waits for the roots in flight and installs them (through the exchange when distributed in
-/// host memory; in device memory every rank computed every block).
+/// Waits for the roots in flight and installs them (through the exchange when distributed).
 template <class L>
 template <class Comm, class Ex, class St>
 void transform::scale_by_shampoo<L>::finish_roots(Comm& comm, const Ex& ex, St& st) {
-  constexpr bool exchanged = !std::is_same_v<Comm, gradapt::detail::optim::no_comm> && St::on_host;
+  constexpr bool dist = !std::is_same_v<Comm, gradapt::detail::optim::no_comm>;
+  using C = typename St::compute_type;
   const std::uint64_t from = st.pending_step_;
   st.pending_step_ = 0;
   st.worker_->wait();
   std::size_t k = 0;
   for (std::size_t i = 0; i < st.refs_.size(); ++i) {
-    if (!owns(st, i, exchanged)) continue;
+    if (!owns(st, i, dist)) continue;
     const auto& task = st.tasks_[k++];
     auto& bl = st.t_[st.refs_[i].t].blocks[st.refs_[i].j];
-    if constexpr (exchanged) {
-      auto* w = st.x_.out(i);
-      w[0] = static_cast<typename St::compute_type>(static_cast<int>(task.status));
-      w[1] = static_cast<typename St::compute_type>(task.factor);
-      std::copy(bl.pend.begin(), bl.pend.end(), w + 2);
+    if constexpr (dist) {
+      const auto n = static_cast<std::int64_t>(bl.roots.size());
+      ex.apply(gradapt::detail::copy_to{}, tensor_view<C, typename L::space>::vector(exchange_out(st, i), n),
+               tensor_view<const C, typename L::space>::vector(st.pend_at(bl), n));
+      exchange_status(st, i, task.status, task.factor);
     } else {
-      install(st, ex, i, task.status, task.factor,
-              static_cast<const typename St::compute_type*>(st.pend_at(bl)), -1, from);
+      install(st, ex, i, task.status, task.factor, static_cast<const C*>(st.pend_at(bl)), -1, from);
     }
   }
-  if constexpr (exchanged) exchange(comm, st, from, st.pending_hash_);
+  if constexpr (dist) exchange(comm, ex, st, from, st.pending_hash_);
 }
 
-/// Device memory with a communicator: one agreement on the hash of every block's statistics
-/// (copied into the blocks' host copies for it), before every rank computes every block's roots
-/// from them; ranks whose statistics differ throw on every rank, as the host exchange does, and
-/// the state stops until `load`.
+/// Device memory: every block's statistics (or their copies for the worker) copied into the
+/// blocks' host copies, which the statistics' hash reads (O(Σ n²) words).
 template <class L>
-template <class Comm, class Ex, class St>
-void transform::scale_by_shampoo<L>::agree_statistics(Comm& comm, const Ex& ex, St& st) {
+template <class Ex, class St>
+void transform::scale_by_shampoo<L>::to_host(const Ex& ex, St& st, bool snapshot) {
   using C = typename St::compute_type;
   for (const auto& r : st.refs_) {
     auto& bl = st.t_[r.t].blocks[r.j];
-    const auto n = static_cast<std::int64_t>(bl.stats.size());
-    ex.copy(tensor_view<const C, typename L::space>::vector(st.stats_at(bl), n),
-            tensor_view<C, host_space>::vector(bl.stats.data(), n));
-  }
-  const agreed_value h[] = {{"statistics (hash)", static_cast<double>(stats_hash(st, false) >> 16)}};
-  try {
-    agree_values(comm, ex, "shampoo::step (the statistics the roots come from)",
-                 std::span<const agreed_value>(h));
-  } catch (const error&) {
-    st.failed_ = true;  // as the exchange: every later step throws until load()
-    throw;
+    auto& h = snapshot ? bl.snap : bl.stats;
+    const auto n = static_cast<std::int64_t>(h.size());
+    ex.copy(tensor_view<const C, typename L::space>::vector(snapshot ? st.snap_at(bl) : st.stats_at(bl), n),
+            tensor_view<C, host_space>::vector(h.data(), n));
   }
 }
 
-/// Computes the due roots inside the step (root_staleness 0). In host memory with a
-/// communicator, each rank computes its blocks and the exchange gives every rank all of them;
-/// in device memory every rank computes every block, after one agreement on the statistics'
-/// hash (so ranks whose statistics differ throw on every rank, as the exchange does).
+/// Computes the due roots inside the step (root_staleness 0). With a communicator, each rank
+/// computes its blocks and the exchange gives every rank all of them (in device memory the
+/// hash of the statistics reads their host copies, made here).
 template <class L>
 template <class Comm, class Ex, class St>
 void transform::scale_by_shampoo<L>::compute_roots(Comm& comm, const Ex& ex, St& st, std::uint64_t t) const {
   constexpr bool dist = !std::is_same_v<Comm, gradapt::detail::optim::no_comm>;
-  constexpr bool exchanged = dist && St::on_host;
   using C = typename St::compute_type;
   const auto ws = [&](std::int64_t n) -> typename St::workspace_t& { return st.workspace(n); };
   const auto rc = recipe();
   const double bias = root_bias(t);
-  if constexpr (dist && !St::on_host) agree_statistics(comm, ex, st);
+  if constexpr (dist && !St::on_host) to_host(ex, st, false);
   for (std::size_t i = 0; i < st.refs_.size(); ++i) {
-    if (!owns(st, i, exchanged)) continue;
+    if (!owns(st, i, dist)) continue;
     auto& bl = st.t_[st.refs_[i].t].blocks[st.refs_[i].j];
     ++st.computed_;
     // Eigenvalue-corrected Shampoo's "roots" are the factors' eigenbases (the QR refresh starts
@@ -125,17 +112,15 @@ void transform::scale_by_shampoo<L>::compute_roots(Comm& comm, const Ex& ex, St&
                                                         bl.off.data(), st.stats_at(bl), out, ws, rc, bias,
                                                         st.hbuf_);
     };
-    if constexpr (exchanged) {
-      auto* w = st.x_.out(i);
-      const auto [status, factor] = compute(w + 2);
-      w[0] = static_cast<C>(static_cast<int>(status));
-      w[1] = static_cast<C>(factor);
+    if constexpr (dist) {
+      const auto [status, factor] = compute(exchange_out(st, i));
+      exchange_status(st, i, status, factor);
     } else {
       const auto [status, factor] = compute(st.rs_.data());
       install(st, ex, i, status, factor, st.rs_.data(), -1, t);
     }
   }
-  if constexpr (exchanged) exchange(comm, st, t, stats_hash(st, false));
+  if constexpr (dist) exchange(comm, ex, st, t, stats_hash(st, false));
 }
 
 /// Installs block i's roots (or counts its failure and reports it in the step's report; throws

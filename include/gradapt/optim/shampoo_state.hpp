@@ -401,8 +401,13 @@ class shampoo_state {
   bool relaunch_ = false;           ///< loaded with roots in flight: start them at the next step
   std::vector<detail::shampoo_impl::root_task<C>> tasks_;
   detail::owner_exchange<C> x_;  ///< distributed roots: plan and buffers (world 0: none yet)
-  std::uint64_t computed_ = 0;   ///< root computations (blocks) this rank ran
-  std::size_t installed_ = 0;    ///< blocks whose roots the current step installed
+  // Distributed roots in device memory: x_'s chunks in B's memory (the status words unused),
+  // and this rank's (status, failing factor) per block it computes (by x_.slot), every rank's,
+  // and the words of the agreement that carries them.
+  buf dxsend_, dxrecv_;
+  std::vector<double> xstat_, xall_, xwork_;
+  std::uint64_t computed_ = 0;  ///< root computations (blocks) this rank ran
+  std::size_t installed_ = 0;   ///< blocks whose roots the current step installed
 };
 
 }  // namespace gradapt
