@@ -408,6 +408,66 @@ TEST_CASE(
   for (const auto& w : eps) CHECK_THAT(w, Contains("root.epsilon"));
 }
 
+namespace {
+/// A linear-algebra backend whose eigh throws while `fail` is set (a CUDA error, a lost device
+/// on one rank).
+template <class Base>
+struct failing : Base {
+  bool fail = false;
+  template <class V, class W>
+  bool eigh(V a, V w, W& ws) const {
+    if (fail) throw gradapt::error("injected eigh failure");
+    return Base::eigh(a, w, ws);
+  }
+};
+
+/// Every rank's error when rank 1's roots throw (in the step, or in the background thread with
+/// root_staleness 1) within 6 distributed steps of the chain on (Space's) backends.
+template <bool Device>
+std::vector<std::string> roots_throw_on_rank_1(std::uint64_t stale) {
+  using L = std::conditional_t<Device, failing<host_as_device::linalg>, failing<gradapt::host_lapack>>;
+  auto o = root_option_sets()[1];
+  o.root_staleness = stale;
+  return gradapt_test::errors_of(2, {.timeout = std::chrono::seconds(60)}, [&](threads& c) {
+    auto opt = family_chain<L>(o);
+    auto& stage = opt.template stage<0>();
+    (stale == 0 ? stage.linalg.fail : stage.root_linalg->fail) = c.rank() == 1;
+    model m;
+    if constexpr (Device) {
+      const host_as_device::backend db;
+      host_as_device::comm dc{&c};
+      const auto dparams = host_as_device::on_device(m.params);
+      auto st = opt.init(db, dparams);
+      for (int k = 1; k <= 6; ++k) {
+        m.grads(k);
+        opt.step(dc, db, dparams, st);
+      }
+    } else {
+      const gradapt::host hb{.threads = 1};
+      auto st = opt.init(hb, m.params);
+      for (int k = 1; k <= 6; ++k) {
+        m.grads(k);
+        opt.step(c, hb, m.params, st);
+      }
+    }
+  });
+}
+}  // namespace
+
+TEST_CASE(
+    "shampoo, distributed: a rank whose roots throw (in the step or in the background thread) makes "
+    "every rank throw, naming it, in host and device memory",
+    "[shampoo][device][dist]") {
+  for (const std::uint64_t stale : {0, 1}) {
+    INFO("root_staleness " << stale);
+    for (const auto& errs : {roots_throw_on_rank_1<true>(stale), roots_throw_on_rank_1<false>(stale)}) {
+      REQUIRE(errs.size() == 2);
+      CHECK_THAT(errs[1], Contains("injected eigh failure"));
+      CHECK_THAT(errs[0], Contains("shampoo::step") && Contains("rank 1"));
+    }
+  }
+}
+
 TEST_CASE(
     "shampoo's background roots on device memory (root_staleness 1 and 2, root_linalg's thread): the host "
     "chain's bits through a checkpoint with roots in flight, on 1 and 2 ranks",

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -92,13 +93,16 @@ struct owner_exchange {
   }
 
   /// Allgathers the chunks with `step` and `hash` (its top 48 bits) in the header. Throws
-  /// gradapt::error on every rank (naming `who`) when a rank's step differs from rank 0's;
-  /// returns the first rank whose hash differs from rank 0's, or -1.
+  /// gradapt::error on every rank (naming `who`) when a rank's step differs from rank 0's, or
+  /// when a rank passes a `local_error` (its words could not be computed): that rank throws
+  /// its message, the others name it. Returns the first rank whose hash differs from rank 0's,
+  /// or -1.
   template <class Comm>
-  int run(Comm& comm, std::uint64_t step, std::uint64_t hash, const char* who) {
+  int run(Comm& comm, std::uint64_t step, std::uint64_t hash, const char* who,
+          const std::string& local_error = {}) {
     constexpr std::uint64_t mask = (std::uint64_t{1} << 24) - 1;
     const std::uint64_t h = hash >> 16;
-    send[0] = static_cast<C>(step & mask);
+    send[0] = local_error.empty() ? static_cast<C>(step & mask) : C(-1);
     send[1] = static_cast<C>((step >> 24) & mask);
     send[2] = static_cast<C>(h & mask);
     send[3] = static_cast<C>((h >> 24) & mask);
@@ -109,6 +113,12 @@ struct owner_exchange {
       const C* c = recv.data() + static_cast<std::size_t>(r) * chunk;
       return static_cast<std::uint64_t>(c[i]) | (static_cast<std::uint64_t>(c[i + 1]) << 24);
     };
+    for (int r = 0; r < world; ++r) {
+      if (!(recv[static_cast<std::size_t>(r) * chunk] < C(0))) continue;
+      if (r == rank) throw error(local_error);
+      fail(who, " on rank ", rank, ": rank ", r,
+           " could not compute its share of the exchange (its own error says why)");
+    }
     int differs = -1;
     for (int r = 1; r < world; ++r) {
       require(word(r, 0) == word(0, 0), who, " on rank ", rank, ": rank ", r, " is at step ", word(r, 0),

@@ -128,13 +128,23 @@ class cuda_linalg {
     cuda_buffer<int> info_;
   };
 
-  /// Creates the handles on `stream` (the legacy default stream when null).
+  /// Creates the handles on `stream` (the legacy default stream when null), on the stream's
+  /// device (the calling thread's current device is restored).
   /// @throws gradapt::error when a handle cannot be created
   explicit cuda_linalg(cudaStream_t stream = nullptr) : stream_(stream), h_(std::make_shared<handles>()) {
-    if (stream_ != nullptr)
-      GRADAPT_CUDA_CHECK(cudaStreamGetDevice(stream_, &device_));
-    else
-      GRADAPT_CUDA_CHECK(cudaGetDevice(&device_));
+    int current = 0;
+    GRADAPT_CUDA_CHECK(cudaGetDevice(&current));
+    device_ = current;
+    if (stream_ != nullptr) GRADAPT_CUDA_CHECK(cudaStreamGetDevice(stream_, &device_));
+    // The handles belong to the stream's device, whichever device the calling thread uses.
+    struct restore {
+      int device;
+      bool on;
+      ~restore() {
+        if (on) (void)cudaSetDevice(device);
+      }
+    } back{current, device_ != current};
+    if (back.on) GRADAPT_CUDA_CHECK(cudaSetDevice(device_));
     GRADAPT_CUBLAS_CHECK(cublasCreate(&h_->blas));
     GRADAPT_CUBLAS_CHECK(cublasSetStream(h_->blas, stream_));
     GRADAPT_CUBLAS_CHECK(cublasSetMathMode(h_->blas, CUBLAS_PEDANTIC_MATH));

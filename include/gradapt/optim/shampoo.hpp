@@ -439,7 +439,8 @@ struct scale_by_shampoo {
           if constexpr (on_host) bl.pend.assign(bl.roots.size(), C(0));
         }
       }
-    if (options.root_staleness > 0) {
+    if (options.root_staleness > 0 && options.preconditioner == shampoo_preconditioner::root_inverse) {
+      // (spectral descent has no roots; eigenvalue-corrected refreshes in the step, see validate)
       st.tasks_.reserve(st.refs_.size());
       std::vector<std::pair<std::int64_t, typename St::workspace_t*>> ws;
       for (auto& [n, w] : st.ws_) ws.emplace_back(n, w.get());
@@ -599,7 +600,6 @@ struct scale_by_shampoo {
                      tensor_view<const C, Sp>::vector(st.stats_at(bl), n));
           }
         }
-        if constexpr (dist && !on_host) to_host(ex, st, true);  // for the hash
         st.pending_step_ = t;
         launch(st, ex, dist);
       }
@@ -687,7 +687,8 @@ struct scale_by_shampoo {
   template <class St>
   static std::uint64_t stats_hash(const St& st, bool snapshot);
   template <class Comm, class Ex, class St>
-  static void exchange(Comm& comm, const Ex& ex, St& st, std::uint64_t step, std::uint64_t hash);
+  static void exchange(Comm& comm, const Ex& ex, St& st, std::uint64_t step, std::uint64_t hash,
+                       const std::string& local_error = {});
   template <class St>
   static typename St::compute_type* exchange_out(St& st, std::size_t i);
   template <class St>

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "gradapt/comm/agree.hpp"
@@ -163,14 +164,16 @@ void transform::scale_by_shampoo<L>::exchange_status(St& st, std::size_t i, root
 }
 
 /// Allgathers every rank's chunk (header, then per owned block its status, failing factor and
-/// roots), checks the headers agree, and installs every block from its owner's chunk. In
+/// roots), checks the headers agree, and installs every block from its owner's chunk. A rank
+/// whose roots threw passes the message as `local_error`: it throws it, every other rank throws
+/// naming that rank, and the state stops until `load`. In
 /// device memory the header's step and hash and the statuses travel in one agreement (staged
 /// through `ex`, every rank throwing on a difference), the roots in one allgather of the device
 /// chunks, and the installs are copies on `ex`'s stream.
 template <class L>
 template <class Comm, class Ex, class St>
 void transform::scale_by_shampoo<L>::exchange(Comm& comm, const Ex& ex, St& st, std::uint64_t step,
-                                              std::uint64_t hash) {
+                                              std::uint64_t hash, const std::string& local_error) {
   using C = typename St::compute_type;
   if constexpr (!St::on_host) {
     using Sp = typename L::space;
@@ -179,7 +182,7 @@ void transform::scale_by_shampoo<L>::exchange(Comm& comm, const Ex& ex, St& st, 
     try {
       agree_values_and_share(comm, ex, "shampoo::step (the roots' exchange)",
                              std::span<const agreed_value>(at), std::span<const double>(st.xstat_),
-                             std::span<double>(st.xall_), {}, &st.xwork_);
+                             std::span<double>(st.xall_), local_error, &st.xwork_);
     } catch (const error&) {
       st.failed_ = true;  // every later step throws until load()
       throw;
@@ -199,7 +202,13 @@ void transform::scale_by_shampoo<L>::exchange(Comm& comm, const Ex& ex, St& st, 
               step);
     }
   } else {
-    const int differs = st.x_.run(comm, step, hash, "shampoo::step");
+    int differs = -1;
+    try {
+      differs = st.x_.run(comm, step, hash, "shampoo::step", local_error);
+    } catch (const error&) {
+      st.failed_ = true;  // a rank could not compute its roots: every later step throws until load()
+      throw;
+    }
     if (differs >= 0) {
       st.failed_ = true;
       gradapt::detail::fail(

@@ -334,6 +334,7 @@ std::pair<root_status, std::size_t> block_roots(const L& la, const Ex& ex, std::
 /// One block's roots for the worker thread: from `in` (a copy of the statistics) into `out`.
 template <class C>
 struct root_task {
+  std::size_t block = 0;  ///< the block's index in the state's list of preconditioned blocks
   std::size_t k = 0;
   const int* p = nullptr;
   double bias = 1.0;
@@ -425,6 +426,10 @@ class root_worker {
           ex_.synchronize();  // every root written before the step reads them
         } catch (...) {
           err = std::current_exception();
+          try {  // nothing of the list still runs on the stream once the step sees the error
+            ex_.synchronize();
+          } catch (...) {
+          }
         }
         lock.lock();
         error_ = err;

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -36,15 +37,24 @@ void transform::scale_by_shampoo<L>::launch(St& st, const Ex& ex, bool dist) con
     if (!owns(st, i, dist)) continue;
     auto& bl = st.t_[st.refs_[i].t].blocks[st.refs_[i].j];
     st.tasks_.push_back(
-        {bl.k, bl.p.data(), bias, bl.n.data(), bl.off.data(), st.snap_at(bl), st.pend_at(bl)});
+        {i, bl.k, bl.p.data(), bias, bl.n.data(), bl.off.data(), st.snap_at(bl), st.pend_at(bl)});
   }
-  st.pending_hash_ = dist ? stats_hash(st, true) : 0;
+  try {
+    if constexpr (!St::on_host) {
+      if (dist) to_host(ex, st, true);  // waits for the stream
+      ex.synchronize();
+    }
+    st.pending_hash_ = dist ? stats_hash(st, true) : 0;
+    st.worker_->start(std::span(st.tasks_));
+  } catch (...) {
+    st.pending_step_ = 0;  // nothing in flight
+    throw;
+  }
   st.computed_ += st.tasks_.size();
-  if constexpr (!St::on_host) ex.synchronize();
-  st.worker_->start(std::span(st.tasks_));
 }
 
-/// Waits for the roots in flight and installs them (through the exchange when distributed).
+/// Waits for the roots in flight and installs them (through the exchange when distributed: a
+/// rank whose worker threw passes its message to the exchange, so every rank throws).
 template <class L>
 template <class Comm, class Ex, class St>
 void transform::scale_by_shampoo<L>::finish_roots(Comm& comm, const Ex& ex, St& st) {
@@ -52,22 +62,28 @@ void transform::scale_by_shampoo<L>::finish_roots(Comm& comm, const Ex& ex, St& 
   using C = typename St::compute_type;
   const std::uint64_t from = st.pending_step_;
   st.pending_step_ = 0;
-  st.worker_->wait();
-  std::size_t k = 0;
-  for (std::size_t i = 0; i < st.refs_.size(); ++i) {
-    if (!owns(st, i, dist)) continue;
-    const auto& task = st.tasks_[k++];
-    auto& bl = st.t_[st.refs_[i].t].blocks[st.refs_[i].j];
-    if constexpr (dist) {
-      const auto n = static_cast<std::int64_t>(bl.roots.size());
-      ex.apply(gradapt::detail::copy_to{}, tensor_view<C, typename L::space>::vector(exchange_out(st, i), n),
-               tensor_view<const C, typename L::space>::vector(st.pend_at(bl), n));
-      exchange_status(st, i, task.status, task.factor);
-    } else {
-      install(st, ex, i, task.status, task.factor, static_cast<const C*>(st.pend_at(bl)), -1, from);
+  std::string local;
+  try {
+    st.worker_->wait();
+    for (const auto& task : st.tasks_) {
+      const std::size_t i = task.block;
+      auto& bl = st.t_[st.refs_[i].t].blocks[st.refs_[i].j];
+      if constexpr (dist) {
+        if (!owns(st, i, dist)) continue;  // launched without the communicator
+        const auto n = static_cast<std::int64_t>(bl.roots.size());
+        ex.apply(gradapt::detail::copy_to{},
+                 tensor_view<C, typename L::space>::vector(exchange_out(st, i), n),
+                 tensor_view<const C, typename L::space>::vector(st.pend_at(bl), n));
+        exchange_status(st, i, task.status, task.factor);
+      } else {
+        install(st, ex, i, task.status, task.factor, static_cast<const C*>(st.pend_at(bl)), -1, from);
+      }
     }
+  } catch (const std::exception& e) {
+    if constexpr (!dist) throw;
+    local = e.what();
   }
-  if constexpr (dist) exchange(comm, ex, st, from, st.pending_hash_);
+  if constexpr (dist) exchange(comm, ex, st, from, st.pending_hash_, local);
 }
 
 /// Device memory: every block's statistics (or their copies for the worker) copied into the
@@ -96,31 +112,37 @@ void transform::scale_by_shampoo<L>::compute_roots(Comm& comm, const Ex& ex, St&
   const auto ws = [&](std::int64_t n) -> typename St::workspace_t& { return st.workspace(n); };
   const auto rc = recipe();
   const double bias = root_bias(t);
-  if constexpr (dist && !St::on_host) to_host(ex, st, false);
-  for (std::size_t i = 0; i < st.refs_.size(); ++i) {
-    if (!owns(st, i, dist)) continue;
-    auto& bl = st.t_[st.refs_[i].t].blocks[st.refs_[i].j];
-    ++st.computed_;
-    // Eigenvalue-corrected Shampoo's "roots" are the factors' eigenbases (the QR refresh starts
-    // from the installed ones, which every rank holds).
-    const auto compute = [&](C* out) {
-      if (options.preconditioner == shampoo_preconditioner::eigenvalue_corrected)
-        return gradapt::detail::shampoo_impl::block_eigenbases(st.la_, ex, bl.k, bl.n.data(), bl.off.data(),
-                                                               st.stats_at(bl), st.roots_at(bl), out, ws,
-                                                               basis_recipe(), bias);
-      return gradapt::detail::shampoo_impl::block_roots(st.la_, ex, bl.k, bl.p.data(), bl.n.data(),
-                                                        bl.off.data(), st.stats_at(bl), out, ws, rc, bias,
-                                                        st.hbuf_);
-    };
-    if constexpr (dist) {
-      const auto [status, factor] = compute(exchange_out(st, i));
-      exchange_status(st, i, status, factor);
-    } else {
-      const auto [status, factor] = compute(st.rs_.data());
-      install(st, ex, i, status, factor, st.rs_.data(), -1, t);
+  std::string local;  // with a communicator, this rank's failure travels through the exchange
+  try {
+    if constexpr (dist && !St::on_host) to_host(ex, st, false);
+    for (std::size_t i = 0; i < st.refs_.size(); ++i) {
+      if (!owns(st, i, dist)) continue;
+      auto& bl = st.t_[st.refs_[i].t].blocks[st.refs_[i].j];
+      ++st.computed_;
+      // Eigenvalue-corrected Shampoo's "roots" are the factors' eigenbases (the QR refresh starts
+      // from the installed ones, which every rank holds).
+      const auto compute = [&](C* out) {
+        if (options.preconditioner == shampoo_preconditioner::eigenvalue_corrected)
+          return gradapt::detail::shampoo_impl::block_eigenbases(st.la_, ex, bl.k, bl.n.data(), bl.off.data(),
+                                                                 st.stats_at(bl), st.roots_at(bl), out, ws,
+                                                                 basis_recipe(), bias);
+        return gradapt::detail::shampoo_impl::block_roots(st.la_, ex, bl.k, bl.p.data(), bl.n.data(),
+                                                          bl.off.data(), st.stats_at(bl), out, ws, rc, bias,
+                                                          st.hbuf_);
+      };
+      if constexpr (dist) {
+        const auto [status, factor] = compute(exchange_out(st, i));
+        exchange_status(st, i, status, factor);
+      } else {
+        const auto [status, factor] = compute(st.rs_.data());
+        install(st, ex, i, status, factor, st.rs_.data(), -1, t);
+      }
     }
+  } catch (const std::exception& e) {
+    if constexpr (!dist) throw;
+    local = e.what();
   }
-  if constexpr (dist) exchange(comm, ex, st, t, stats_hash(st, false));
+  if constexpr (dist) exchange(comm, ex, st, t, local.empty() ? stats_hash(st, false) : 0, local);
 }
 
 /// Installs block i's roots (or counts its failure and reports it in the step's report; throws
