@@ -564,8 +564,8 @@ TEST_CASE("shampoo on device memory: what stays in host memory throws at init, n
 }
 
 TEST_CASE(
-    "the composed step with Muon, Shampoo or eigenvalue-corrected Shampoo on device memory equals the "
-    "host step, replicated or sharded by block",
+    "the composed step with Muon, Shampoo (roots in the step or in the background) or "
+    "eigenvalue-corrected Shampoo on device memory equals the host step, replicated or sharded by block",
     "[shampoo][device][train]") {
   namespace scenario = train_combinations_scenario;
   using sharded_scenario::model;
@@ -588,8 +588,12 @@ TEST_CASE(
   corrected.lr = 1e-2;
   corrected.max_preconditioner_dim = 16;
   corrected.precondition_frequency = 2;
-  for (const auto& o : {muon, roots, corrected}) {
-    INFO("preconditioner " << to_string(o.preconditioner));
+  shampoo_options stale = roots;  // the roots in the background thread (root_linalg's)
+  stale.root_staleness = 1;
+  std::vector<shampoo_options> sets{muon, roots, corrected};
+  if (!gradapt_test::under_sanitizer) sets.push_back(stale);  // (the sanitizers run its own case above)
+  for (const auto& o : sets) {
+    INFO("preconditioner " << to_string(o.preconditioner) << ", root_staleness " << o.root_staleness);
     const auto host_opt = family_chain<gradapt::host_lapack>(o);
     const auto dev_opt = family_chain<host_as_device::linalg>(o);
     // 12 steps (an overflow at step 5 on the last rank), saved after 6 and loaded into a fresh
