@@ -40,8 +40,14 @@ std::vector<ld> ascending_basis(const std::vector<ld>& a, std::size_t k) {
 }  // namespace
 
 shampoo_ld_reference::shampoo_ld_reference(std::size_t m, std::size_t n, double eps)
-    : p_(new impl{m, n, ld(eps), std::vector<ld>(m * m, 0), std::vector<ld>(n * n, 0),
-                  std::vector<ld>(m * n, 0), {}, {}}) {}
+    : p_(new impl{m,
+                  n,
+                  ld(eps),
+                  std::vector<ld>(m * m, 0),
+                  std::vector<ld>(n * n, 0),
+                  std::vector<ld>(m * n, 0),
+                  {},
+                  {}}) {}
 
 shampoo_ld_reference::~shampoo_ld_reference() = default;
 
