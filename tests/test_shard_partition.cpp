@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -223,6 +224,35 @@ TEST_CASE("the plan is saved and loaded with a checkpoint", "[shard][partition][
   const auto bad = w.finish();
   gradapt::archive_reader r(bad, partition_plan::archive_kind, partition_plan::archive_version);
   REQUIRE_THROWS_WITH(partition_plan::load(r), Catch::Matchers::Contains("granularity 'rows'"));
+}
+
+TEST_CASE("a loaded plan's sizes are checked before its units are cut", "[shard][partition][archive]") {
+  // A unit plan of 2^40 elements in units of 1 would loop 2^32 times before its unit limit
+  // stops it (minutes): the caller's size check runs first and throws at once.
+  gradapt::archive_writer w(partition_plan::archive_kind, partition_plan::archive_version);
+  w.begin("plan");
+  w.put("granularity", "unit");
+  w.put("alignment", std::uint64_t{1});
+  w.put("world", std::uint64_t{2});
+  w.put("align_tensors", std::uint64_t{0});
+  const std::vector<std::uint64_t> sizes{std::uint64_t{1} << 40, 6};
+  const std::vector<std::uint64_t> grains{1, 1};
+  w.put_tensor<std::uint64_t>("tensor_sizes", sizes);
+  w.put_tensor<std::uint64_t>("unit_grains", grains);
+  w.end();
+  const auto bytes = w.finish();
+  gradapt::archive_reader r(bytes, partition_plan::archive_kind, partition_plan::archive_version);
+  r.begin("plan");
+  std::vector<std::size_t> seen;
+  REQUIRE_THROWS_WITH(
+      partition_plan::load(r,
+                           [&](std::span<const std::size_t> s) {
+                             seen.assign(s.begin(), s.end());
+                             gradapt::detail::require(s[0] == 6, "tensor 0 has ", s[0],
+                                                      " elements in the checkpoint but 6 here");
+                           }),
+      Catch::Matchers::Contains("tensor 0 has 1099511627776 elements in the checkpoint but 6 here"));
+  REQUIRE(seen == std::vector<std::size_t>{std::size_t{1} << 40, 6});
 }
 
 TEST_CASE("invalid plans are errors naming the option", "[shard][partition][validation]") {

@@ -455,17 +455,18 @@ class sharded_optimizer {
       archive_reader r0(archive(0), sharded_state<Chain, B, V, G, Mt, Se, Options>::archive_kind,
                         sharded_state<Chain, B, V, G, Mt, Se, Options>::archive_version);
       r0.begin("plan");
-      const partition_plan old = partition_plan::load(r0);
+      // The archived sizes are checked against the parameters before the plan is cut.
+      const partition_plan old = partition_plan::load(r0, [&](std::span<const std::size_t> sizes) {
+        gradapt::detail::require(sizes.size() == params.size(),
+                                 "sharded optimizer load: the checkpoint holds ", sizes.size(),
+                                 " tensors but the parameter list holds ", params.size());
+        for (std::size_t t = 0; t < params.size(); ++t)
+          gradapt::detail::require(sizes[t] == params[t].value.size(), "sharded optimizer load: tensor ", t,
+                                   " ('", params[t].name, "') has ", sizes[t],
+                                   " elements in the checkpoint but ", params[t].value.size(), " here");
+      });
       r0.end();
       const auto steps0 = r0.get<std::uint64_t>("steps");
-      gradapt::detail::require(old.tensors() == params.size(),
-                               "sharded optimizer load: the checkpoint holds ", old.tensors(),
-                               " tensors but the parameter list holds ", params.size());
-      for (std::size_t t = 0; t < params.size(); ++t)
-        gradapt::detail::require(old.tensor_size(t) == params[t].value.size(),
-                                 "sharded optimizer load: tensor ", t, " ('", params[t].name, "') has ",
-                                 old.tensor_size(t), " elements in the checkpoint but ",
-                                 params[t].value.size(), " here");
       bool have = false;
       for (int r = 0; r < old.world(); ++r) {
         if (!gradapt::detail::shard_k::overlaps_any(old.pieces(r), s.plan_.pieces(s.rank_))) continue;

@@ -222,8 +222,13 @@ class partition_plan {
   }
 
   /// Reads a plan written by `save` from the open section of `r` (and rebuilds its pieces).
-  /// @throws gradapt::error when a field is missing, of another type or out of range
-  static partition_plan load(archive_reader& r) {
+  /// `check_sizes(sizes)` runs on the archived tensor sizes before the pieces are cut, so a
+  /// caller that knows the sizes rejects a damaged one there (cutting a damaged size into
+  /// units could take up to max_units iterations); it throws to reject.
+  /// @throws gradapt::error when a field is missing, of another type or out of range, or what
+  ///         `check_sizes` throws
+  template <class CheckSizes>
+  static partition_plan load(archive_reader& r, CheckSizes&& check_sizes) {
     const auto g = r.get<std::string>("granularity");
     partition_options o;
     if (g == name(granularity::element))
@@ -250,12 +255,18 @@ class partition_plan {
     o.align_tensors = at == 1;
     const auto sizes64 = r.get_tensor<std::uint64_t>("tensor_sizes");
     const std::vector<std::size_t> sizes(sizes64.begin(), sizes64.end());
+    check_sizes(std::span<const std::size_t>(sizes));
     std::vector<std::size_t> grains;
     if (o.mode == granularity::unit) {
       const auto g64 = r.get_tensor<std::uint64_t>("unit_grains");
       grains.assign(g64.begin(), g64.end());
     }
     return make(sizes, static_cast<int>(world), o, grains);
+  }
+
+  /// `load` without a check of the sizes (the archive's own plan, whatever its tensors).
+  static partition_plan load(archive_reader& r) {
+    return load(r, [](std::span<const std::size_t>) {});
   }
 
   /// Same options, world size, tensor sizes and grains (hence the same pieces).

@@ -38,7 +38,13 @@ struct checkpoint_reader {
     using Mt = typename St::master_type;
     archive_reader rd(bytes, St::archive_kind, St::archive_version);
     rd.begin("plan");
-    const shard::partition_plan again = shard::partition_plan::load(rd);
+    const shard::partition_plan again =
+        shard::partition_plan::load(rd, [&](std::span<const std::size_t> sizes) {
+          bool same = sizes.size() == old.tensors();
+          for (std::size_t t = 0; same && t < sizes.size(); ++t) same = sizes[t] == old.tensor_size(t);
+          gradapt::detail::require(same, "sharded optimizer load: old rank ", r,
+                                   "'s archive was written for other tensor sizes than old rank 0's");
+        });
     rd.end();
     gradapt::detail::require(again == old, "sharded optimizer load: old rank ", r,
                              "'s archive was written with another partition plan than old rank 0's");
