@@ -33,6 +33,7 @@
 #include "gradapt/optim/clip.hpp"
 #include "gradapt/optim/sm3.hpp"
 #include "optim_runs.hpp"
+#include "sanitizer.hpp"
 
 #include "alloc_counter.hpp"  // this executable's operator new counts allocations
 
@@ -64,7 +65,9 @@ TEST_CASE("adafactor matches a long double re-computation of the paper's algorit
   for (const auto& v : vs) {
     INFO(v.name);
     const auto theirs = reference_run(v.o, 5);
-    for (const int threads : {2, 1, 3}) {
+    // Under a sanitizer 2 threads only: "bitwise independent of the thread count" below covers 1 and 3.
+    for (const int threads :
+         gradapt_test::under_sanitizer ? std::vector<int>{2} : std::vector<int>{2, 1, 3}) {
       const double d = compare_runs(library_run(gradapt::adafactor(v.o), 5, threads), theirs, start);
       WARN(v.name << ", on " << threads << " thread(s): largest difference " << d << " of the movement");
       REQUIRE(d <= 2e-5);

@@ -53,7 +53,8 @@ namespace {
 const std::vector<int> worlds =
     gradapt_test::under_sanitizer ? std::vector<int>{3} : std::vector<int>{1, 2, 3};
 const gradapt::comm::threads_options quick{.timeout = std::chrono::seconds(60)};
-constexpr int steps = 20, saved_at = 10;
+// 20 steps saved after 10; 12 after 6 under a sanitizer (row_options' counts).
+const int steps = scenario::row_options{}.steps, saved_at = scenario::row_options{}.saved_at;
 
 /// Steps 1 to `steps` of a row on `m` (through `params`, host or device-tagged views of m's
 /// tensors), saved after step `saved_at` and loaded into a fresh step; the metrics of each step.
